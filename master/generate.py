@@ -1,0 +1,128 @@
+"""The generation loop: sequences advance together, one engine step at a time.
+
+A step carries every active sequence: a new one feeds its whole prompt (prefill), a running one
+its last token (decode). So a sequence can join a running batch at any step, and all of them
+share the same trip through the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from master.engine import Engine
+from master.sampling import Sampler, SamplingParams
+from models.errors import ModelError
+from models.layers import StepBatch
+from models.tokenizer import Tokenizer
+
+
+@dataclass
+class Generation:
+    """One sequence being generated: its cache slot, tokens, text so far and why it ended."""
+
+    slot: int
+    prompt: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""  # decoded output, stop strings removed
+    emitted: int = 0  # characters of `text` already handed out
+    finish_reason: str | None = None  # "stop" | "length"
+    position: int = 0  # tokens already in the KV cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def pending(self) -> list[int]:
+        """Tokens to feed in the next step."""
+        return self.prompt if self.position == 0 else self.tokens[-1:]
+
+    def take_text(self) -> str:
+        """New text since the last call, holding back what a stop string might still claim."""
+        hold = 0
+        if not self.finished:
+            for stop in self.params.stop:
+                for n in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                    if self.text.endswith(stop[:n]):
+                        hold = max(hold, n)
+                        break
+        ready = len(self.text) - hold
+        if ready <= self.emitted:
+            return ""
+        out = self.text[self.emitted : ready]
+        self.emitted = ready
+        return out
+
+
+def check_prompt(prompt: Sequence[int], engine: Engine) -> None:
+    if not prompt:
+        raise ModelError("the prompt is empty: give some text to complete")
+    if len(prompt) >= engine.max_context:
+        raise ModelError(
+            f"the prompt has {len(prompt)} tokens but the context holds {engine.max_context}: "
+            f"shorten it or raise --context"
+        )
+
+
+def step(engine: Engine, tokenizer: Tokenizer, seqs: Sequence[Generation]) -> None:
+    """Advance every unfinished sequence by one token."""
+    active = [g for g in seqs if not g.finished]
+    if not active:
+        return
+    feeds = [g.pending() for g in active]
+    batch = StepBatch(
+        tuple(g.slot for g in active),
+        tuple(g.position for g in active),
+        tuple(len(f) for f in feeds),
+    )
+    logits = engine.forward(feeds, batch)  # (B, V)
+    for b, g in enumerate(active):
+        g.position += len(feeds[b])
+        token = g.sampler(logits[b], g.prompt + g.tokens)
+        _accept(g, token, tokenizer, engine.max_context)
+
+
+def _accept(g: Generation, token: int, tokenizer: Tokenizer, max_context: int) -> None:
+    if token in tokenizer.eos_ids and not g.params.ignore_eos:
+        g.finish_reason = "stop"
+        return
+    g.tokens.append(token)
+    text = tokenizer.decode(g.tokens)
+    if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+        text = g.text
+    for stop in g.params.stop:
+        cut = text.find(stop)
+        if cut != -1:
+            g.text = text[:cut]
+            g.finish_reason = "stop"
+            return
+    g.text = text
+    if len(g.tokens) >= g.params.max_tokens or g.position + 1 >= max_context:
+        g.finish_reason = "length"
+
+
+def start(
+    engine: Engine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+) -> list[Generation]:
+    """One generation per prompt, in cache slots 0.., checked against the context."""
+    if len(prompts) > engine.slots:
+        raise ModelError(f"{len(prompts)} prompts but the engine has {engine.slots} slots")
+    seqs = []
+    for slot, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        check_prompt(prompt, engine)
+        seqs.append(Generation(slot, list(prompt), p, Sampler(p)))
+    return seqs
+
+
+def stream(
+    engine: Engine, tokenizer: Tokenizer, seqs: Sequence[Generation]
+) -> Iterator[tuple[int, str]]:
+    """Step until every sequence is finished; yields (index in seqs, new text) as it comes."""
+    while not all(g.finished for g in seqs):
+        step(engine, tokenizer, seqs)
+        for i, g in enumerate(seqs):
+            text = g.take_text()
+            if text:
+                yield i, text

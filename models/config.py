@@ -1,0 +1,176 @@
+"""What a model is: the shapes and constants the layer math and the split plan need.
+
+One typed config, built from GGUF metadata or an HF `config.json`. Anything edgetp does not
+support (another architecture, a missing key) is a `ModelError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from models.errors import ModelError
+
+# GGUF `general.architecture` and HF `architectures[0]` names of the Llama family, with whether
+# the attention projections carry a bias (Qwen2 does).
+GGUF_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x "llama3" or plain "linear" RoPE frequency scaling."""
+
+    kind: str  # "llama3" | "linear"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_hidden: int
+    vocab_size: int
+    context_length: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ModelError(
+                f"{self.n_heads} attention heads do not divide into {self.n_kv_heads} KV heads"
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that share one KV head."""
+        return self.n_heads // self.n_kv_heads
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """Build from a plain dict (e.g. a manifest); unknown keys are an error, not dropped."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys: {', '.join(unknown)}")
+        values = dict(values)
+        if isinstance(values.get("rope_scaling"), dict):
+            values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], source: str, tied: bool) -> ModelConfig:
+        arch = metadata.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ModelError(
+                f"{source}: architecture {arch!r} is not supported "
+                f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
+            )
+
+        def key(name: str, default: Any = None) -> Any:
+            full = f"{arch}.{name}"
+            if full in metadata:
+                return metadata[full]
+            if default is None:
+                raise ModelError(f"{source}: GGUF metadata key {full!r} is missing")
+            return default
+
+        hidden = int(key("embedding_length"))
+        n_heads = int(key("attention.head_count"))
+        vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
+        if not vocab:
+            raise ModelError(f"{source}: neither {arch}.vocab_size nor a token list is present")
+        scaling = None
+        scaling_type = metadata.get(f"{arch}.rope.scaling.type")
+        if scaling_type == "linear":
+            scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
+        elif scaling_type not in (None, "none"):
+            raise ModelError(f"{source}: RoPE scaling {scaling_type!r} is not supported")
+        return cls(
+            architecture=arch,
+            n_layers=int(key("block_count")),
+            hidden=hidden,
+            n_heads=n_heads,
+            n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+            head_dim=int(key("attention.key_length", hidden // n_heads)),
+            ffn_hidden=int(key("feed_forward_length")),
+            vocab_size=int(vocab),
+            context_length=int(key("context_length")),
+            norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            qkv_bias=GGUF_ARCHITECTURES[arch],
+            tied_embeddings=tied,
+        )
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any], source: str) -> ModelConfig:
+        archs = config.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in HF_ARCHITECTURES:
+            raise ModelError(
+                f"{source}: architecture {arch!r} is not supported "
+                f"(supported: {', '.join(sorted(HF_ARCHITECTURES))})"
+            )
+
+        def key(name: str) -> Any:
+            if config.get(name) is None:
+                raise ModelError(f"{source}: config.json key {name!r} is missing")
+            return config[name]
+
+        hidden = int(key("hidden_size"))
+        n_heads = int(key("num_attention_heads"))
+        return cls(
+            architecture=arch,
+            n_layers=int(key("num_hidden_layers")),
+            hidden=hidden,
+            n_heads=n_heads,
+            n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+            head_dim=int(config.get("head_dim") or hidden // n_heads),
+            ffn_hidden=int(key("intermediate_size")),
+            vocab_size=int(key("vocab_size")),
+            context_length=int(key("max_position_embeddings")),
+            norm_eps=float(key("rms_norm_eps")),
+            rope_theta=float(config.get("rope_theta") or 10000.0),
+            rope_scaling=_hf_rope_scaling(config, source),
+            qkv_bias=HF_ARCHITECTURES[arch] or bool(config.get("attention_bias")),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+
+def _hf_rope_scaling(config: dict[str, Any], source: str) -> RopeScaling | None:
+    scaling = config.get("rope_scaling")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", float(scaling["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            "llama3",
+            float(scaling["factor"]),
+            float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]),
+            int(scaling["original_max_position_embeddings"]),
+        )
+    raise ModelError(f"{source}: RoPE scaling {kind!r} is not supported")

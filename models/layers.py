@@ -1,0 +1,264 @@
+"""Llama-family layer math, shard-aware.
+
+A decoder layer is two residual blocks, attention and FFN. Each is computed as a sum over slices:
+a slice holds some query heads (with the KV heads they read) and some FFN intermediate columns,
+and returns its *partial* output. Summing the partials of every slice of a plan gives the unsplit
+block; one device is the plan with a single slice. This module is the one place that knows how a
+full weight is cut into a slice (`slice_layer`); everything else passes slices around.
+
+    attention: x = rmsnorm(h); qkv = x @ Wqkv[slice rows]   (column-parallel)
+               partial = attn(q, k, v) @ Wo[:, slice cols]   (row-parallel)
+    ffn:       x = rmsnorm(h); g, u = x @ Wgate/Wup[slice rows] (column-parallel)
+               partial = (silu(g) * u) @ Wdown[:, slice cols]   (row-parallel)
+
+The caller sums the partials into the residual stream (h += sum) between the two blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from models.config import ModelConfig
+from models.kernels import linear
+
+# Canonical per-layer tensor names, full (unsplit) and in PyTorch (out, in) order.
+LAYER_TENSORS = ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")
+BIAS_TENSORS = ("q_bias", "k_bias", "v_bias")
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One device's share of every layer: half-open ranges of heads and FFN columns.
+
+    Query heads are contiguous; `kv_heads` are the KV heads those query heads read, so when a
+    plan has more slices than KV heads, neighbouring slices hold a copy of the same KV head.
+    """
+
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    ffn: tuple[int, int]
+
+    @property
+    def n_q(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def n_kv(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def n_ffn(self) -> int:
+        return self.ffn[1] - self.ffn[0]
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {
+            "q_heads": list(self.q_heads),
+            "kv_heads": list(self.kv_heads),
+            "ffn": list(self.ffn),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, list[int]]) -> Slice:
+        return cls(tuple(d["q_heads"]), tuple(d["kv_heads"]), tuple(d["ffn"]))  # type: ignore[arg-type]
+
+    @classmethod
+    def whole(cls, config: ModelConfig) -> Slice:
+        return cls((0, config.n_heads), (0, config.n_kv_heads), (0, config.ffn_hidden))
+
+
+def kv_heads_for(q_heads: tuple[int, int], group_size: int) -> tuple[int, int]:
+    """The KV heads a contiguous run of query heads reads."""
+    if q_heads[0] == q_heads[1]:
+        return (0, 0)
+    return (q_heads[0] // group_size, (q_heads[1] - 1) // group_size + 1)
+
+
+def slice_layer(
+    config: ModelConfig, full: dict[str, torch.Tensor], s: Slice
+) -> dict[str, torch.Tensor]:
+    """Cut one layer's full tensors to a slice, fused for compute.
+
+    Returns attn_norm, wqkv (+ bqkv), wo, ffn_norm, w_gate_up, w_down; all contiguous copies, so
+    the full tensors can be freed.
+    """
+    hd = config.head_dim
+    q0, q1 = s.q_heads[0] * hd, s.q_heads[1] * hd
+    k0, k1 = s.kv_heads[0] * hd, s.kv_heads[1] * hd
+    f0, f1 = s.ffn
+    out = {
+        "attn_norm": full["attn_norm"].clone(),
+        "wqkv": torch.cat([full["q"][q0:q1], full["k"][k0:k1], full["v"][k0:k1]]),
+        "wo": full["o"][:, q0:q1].contiguous(),
+        "ffn_norm": full["ffn_norm"].clone(),
+        "w_gate_up": torch.cat([full["gate"][f0:f1], full["up"][f0:f1]]),
+        "w_down": full["down"][:, f0:f1].contiguous(),
+    }
+    if config.qkv_bias:
+        out["bqkv"] = torch.cat(
+            [full["q_bias"][q0:q1], full["k_bias"][k0:k1], full["v_bias"][k0:k1]]
+        )
+    return out
+
+
+def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair rotation frequencies (head_dim/2,), with Llama 3 or linear scaling applied."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = config.rope_scaling
+    if sc is not None and sc.kind == "linear":
+        inv = inv / sc.factor
+    elif sc is not None and sc.kind == "llama3":
+        low_wavelen = sc.original_context / sc.low_freq_factor
+        high_wavelen = sc.original_context / sc.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (sc.original_context / wavelen - sc.low_freq_factor) / (
+            sc.high_freq_factor - sc.low_freq_factor
+        )
+        mid = (1 - smooth) * inv / sc.factor + smooth * inv
+        inv = torch.where(wavelen > low_wavelen, inv / sc.factor, inv)
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(is_mid, mid, inv)
+    if freq_factors is not None:  # GGUF stores llama3 scaling as per-frequency divisors
+        inv = inv / freq_factors.to(torch.float64)
+    return inv.to(torch.float32)
+
+
+class Rope:
+    """Precomputed cos/sin tables up to `max_positions`, indexed by absolute position."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # (P, hd/2)
+        self.cos = freqs.cos()
+        self.sin = freqs.sin()
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions (B, T) shaped (B, 1, T, hd/2) to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, hd) by half-split pairs, as HF Llama does (GGUF rows are un-permuted)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The sequences in one step: KV-cache slot, position of the first new token, new tokens.
+
+    Tokens are right-padded to T = max(lengths); padded rows compute garbage that is never read.
+    """
+
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths)
+
+    def positions(self) -> torch.Tensor:
+        """(B, T) absolute positions of the step's tokens."""
+        t = torch.arange(self.width)
+        return torch.tensor(self.starts).unsqueeze(1) + t
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {
+            "slots": list(self.slots),
+            "starts": list(self.starts),
+            "lengths": list(self.lengths),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, list[int]]) -> StepBatch:
+        return cls(tuple(d["slots"]), tuple(d["starts"]), tuple(d["lengths"]))
+
+
+def attention_partial(
+    h: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    s: Slice,
+    config: ModelConfig,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    batch: StepBatch,
+) -> torch.Tensor:
+    """This slice's share of the attention block's output for h (B, T, D).
+
+    cache_k/cache_v: this layer's cache, (slots, n_kv, max_ctx, hd); the step's keys and values
+    are written into it before attending.
+    """
+    B, T, _ = h.shape
+    hd, nq, nkv = config.head_dim, s.n_q, s.n_kv
+    if nq == 0:
+        return h.new_zeros(h.shape)
+    x = rms_norm(h, w["attn_norm"], config.norm_eps)
+    qkv = linear(x, w["wqkv"], w.get("bqkv"))  # (B, T, (nq + 2 nkv) hd)
+    q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+    q = q.view(B, T, nq, hd).transpose(1, 2)  # (B, nq, T, hd)
+    k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+    v = v.view(B, T, nkv, hd).transpose(1, 2)
+    cos, sin = cos_sin
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+
+    if B == 1:
+        slot, start = batch.slots[0], batch.starts[0]
+        end = start + T
+        cache_k[slot, :, start:end] = k[0]
+        cache_v[slot, :, start:end] = v[0]
+        keys, values = cache_k[slot : slot + 1, :, :end], cache_v[slot : slot + 1, :, :end]
+        mask = None
+        causal = T > 1 and start == 0
+        if T > 1 and start > 0:  # a continued prompt: attend to the past and causally within
+            mask = torch.arange(end) <= (start + torch.arange(T)).unsqueeze(1)  # (T, L)
+    else:
+        ends = [st + n for st, n in zip(batch.starts, batch.lengths, strict=True)]
+        for b, (slot, st, n) in enumerate(
+            zip(batch.slots, batch.starts, batch.lengths, strict=True)
+        ):
+            cache_k[slot, :, st : st + n] = k[b, :, :n]
+            cache_v[slot, :, st : st + n] = v[b, :, :n]
+        L = max(ends)
+        slots = torch.tensor(batch.slots)
+        keys, values = cache_k[slots, :, :L], cache_v[slots, :, :L]
+        qpos = batch.positions()  # (B, T)
+        kpos = torch.arange(L)
+        mask = (kpos <= qpos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
+        causal = False
+
+    if nq == nkv * config.group_size and s.q_heads[0] % config.group_size == 0:
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=nq != nkv
+        )
+    else:  # query heads split within a group: map each local query head to its KV head
+        kv_of_q = torch.arange(*s.q_heads) // config.group_size - s.kv_heads[0]
+        out = F.scaled_dot_product_attention(
+            q, keys[:, kv_of_q], values[:, kv_of_q], attn_mask=mask, is_causal=causal
+        )
+    out = out.transpose(1, 2).reshape(B, T, nq * hd)
+    return linear(out, w["wo"])  # (B, T, D), row-parallel: sum over slices
+
+
+def ffn_partial(h: torch.Tensor, w: dict[str, torch.Tensor], config: ModelConfig) -> torch.Tensor:
+    """This slice's share of the SwiGLU FFN block's output for h (B, T, D)."""
+    n = w["w_down"].shape[1]
+    if n == 0:
+        return h.new_zeros(h.shape)
+    x = rms_norm(h, w["ffn_norm"], config.norm_eps)
+    gate, up = linear(x, w["w_gate_up"]).split(n, dim=-1)  # column-parallel
+    return linear(F.silu(gate) * up, w["w_down"])  # row-parallel: sum over slices

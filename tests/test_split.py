@@ -1,0 +1,128 @@
+"""The split invariant: for any plan, the slices' partials sum to the unsplit layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from master.plan import plan_slices
+from models.config import ModelConfig
+from models.layers import (
+    Rope,
+    Slice,
+    StepBatch,
+    attention_partial,
+    ffn_partial,
+    rope_inv_freq,
+    slice_layer,
+)
+
+
+def _config(n_kv: int, group: int, head_dim: int, ffn: int, bias: bool) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama",
+        n_layers=1,
+        hidden=48,
+        n_heads=n_kv * group,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        ffn_hidden=ffn,
+        vocab_size=10,
+        context_length=64,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        qkv_bias=bias,
+    )
+
+
+def _random_layer(config: ModelConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    d, hd = config.hidden, config.head_dim
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    layer = {
+        "attn_norm": 1 + 0.1 * torch.randn(d, generator=gen),
+        "q": r(config.n_heads * hd, d),
+        "k": r(config.n_kv_heads * hd, d),
+        "v": r(config.n_kv_heads * hd, d),
+        "o": r(d, config.n_heads * hd),
+        "ffn_norm": 1 + 0.1 * torch.randn(d, generator=gen),
+        "gate": r(config.ffn_hidden, d),
+        "up": r(config.ffn_hidden, d),
+        "down": r(d, config.ffn_hidden),
+    }
+    if config.qkv_bias:
+        layer |= {
+            "q_bias": r(config.n_heads * hd),
+            "k_bias": r(config.n_kv_heads * hd),
+            "v_bias": r(config.n_kv_heads * hd),
+        }
+    return layer
+
+
+def _partials(config, full, slices, steps):
+    """Per slice, the attention and FFN partials of each step (prefill, then decode)."""
+    rope = Rope(rope_inv_freq(config), config.context_length)
+    out = []
+    for s in slices:
+        w = slice_layer(config, full, s)
+        shape = (3, s.n_kv, config.context_length, config.head_dim)
+        ck, cv = torch.zeros(shape), torch.zeros(shape)
+        per_step = []
+        for h, batch in steps:
+            a = attention_partial(h, w, s, config, rope.tables(batch.positions()), ck, cv, batch)
+            per_step.append((a, ffn_partial(h, w, config)))
+        out.append(per_step)
+    return out
+
+
+def _check_invariant(config: ModelConfig, full, capacities, lengths, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    prefill = StepBatch((0, 1, 2), (0, 0, 0), tuple(lengths))
+    decode = StepBatch((0, 1, 2), tuple(lengths), (1, 1, 1))
+    steps = [
+        (torch.randn(3, max(lengths), config.hidden, generator=gen), prefill),
+        (torch.randn(3, 1, config.hidden, generator=gen), decode),
+    ]
+    slices = plan_slices(config, capacities)
+    (whole,) = _partials(config, full, [Slice.whole(config)], steps)
+    split = _partials(config, full, slices, steps)
+    for i, (_, batch) in enumerate(steps):
+        for part in (0, 1):  # attention, FFN
+            expected = whole[i][part]
+            total = sum(p[i][part] for p in split)
+            for b, n in enumerate(batch.lengths):  # padded rows are never read
+                torch.testing.assert_close(total[b, :n], expected[b, :n], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_kv=st.integers(1, 4),
+    group=st.integers(1, 3),
+    head_dim=st.sampled_from([8, 16]),
+    ffn=st.sampled_from([32, 40, 64, 100]),
+    bias=st.booleans(),
+    capacities=st.lists(st.floats(0.2, 5.0), min_size=1, max_size=5),
+    lengths=st.lists(st.integers(1, 7), min_size=3, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_partials_sum_to_unsplit_layer(n_kv, group, head_dim, ffn, bias, capacities, lengths, seed):
+    config = _config(n_kv, group, head_dim, ffn, bias)
+    full = _random_layer(config, torch.Generator().manual_seed(seed))
+    _check_invariant(config, full, capacities, lengths, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "capacities",
+    [[1], [1, 1], [1, 2, 3], [1, 1, 1, 1], [3, 1, 1, 2, 1], [1, 1, 1, 1, 1]],
+    ids=lambda c: ":".join(map(str, c)),
+)
+def test_smollm2_layer_invariant(smollm2, capacities):
+    """The real model's layer 5, including plans with more slices than its 3 KV heads."""
+    config = smollm2.config
+    _check_invariant(config, smollm2.layer(5), capacities, [5, 2, 9], seed=1)
+    assert len(plan_slices(config, capacities)) == len(capacities)
