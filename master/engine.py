@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 DEFAULT_CONTEXT = 2048
 
 
+def context_size(config: ModelConfig, requested: int | None) -> int:
+    """Tokens of KV cache to allocate: as asked (default 2048), at most the model's context."""
+    if requested is not None and requested < 2:
+        raise ModelError(f"--context must be at least 2 tokens, got {requested}")
+    return min(requested or DEFAULT_CONTEXT, config.context_length)
+
+
 class Executor(Protocol):
     """What the engine needs of a device's slice, wherever it runs."""
 
@@ -66,7 +73,7 @@ class Engine:
     ) -> Engine:
         """All slices of the plan for `capacities` in this process (one slice: one device)."""
         config = source.config
-        max_context = min(max_context or DEFAULT_CONTEXT, config.context_length)
+        max_context = context_size(config, max_context)
         slices = plan_slices(config, capacities)
         per_slice: list[list[dict[str, torch.Tensor]]] = [[] for _ in slices]
         for i in range(config.n_layers):

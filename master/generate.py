@@ -56,12 +56,13 @@ class Generation:
         return out
 
 
-def check_prompt(prompt: Sequence[int], engine: Engine) -> None:
+def check_prompt(prompt: Sequence[int], max_context: int) -> None:
+    """A prompt must leave room in the context for at least one new token."""
     if not prompt:
         raise ModelError("the prompt is empty: give some text to complete")
-    if len(prompt) >= engine.max_context:
+    if len(prompt) >= max_context:
         raise ModelError(
-            f"the prompt has {len(prompt)} tokens but the context holds {engine.max_context}: "
+            f"the prompt has {len(prompt)} tokens but the context holds {max_context}: "
             f"shorten it or raise --context"
         )
 
@@ -111,7 +112,7 @@ def start(
         raise ModelError(f"{len(prompts)} prompts but the engine has {engine.slots} slots")
     seqs = []
     for slot, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        check_prompt(prompt, engine)
+        check_prompt(prompt, engine.max_context)
         seqs.append(Generation(slot, list(prompt), p, Sampler(p)))
     return seqs
 

@@ -49,6 +49,12 @@ def load(
     return LoadedModel(source, tokenizer, engine)
 
 
+def open_with_tokenizer(model: str | None) -> tuple[ModelSource, Tokenizer]:
+    """The model's source and tokenizer, without loading weights: cheap checks come first."""
+    source = open_model(model)
+    return source, source.tokenizer()
+
+
 def prompt_tokens(
     tokenizer: Tokenizer, text: str, raw: bool, system: str | None = None
 ) -> list[int]:

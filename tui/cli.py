@@ -56,9 +56,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from master.generate import start, stream
+    from master.engine import Engine, context_size
+    from master.generate import check_prompt, start, stream
     from master.sampling import SamplingParams
-    from master.session import load, prompt_tokens, set_threads
+    from master.session import open_with_tokenizer, prompt_tokens, set_threads
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -72,10 +73,12 @@ def _run(args: argparse.Namespace) -> None:
     if not args.prompt.strip():
         raise ModelError("the prompt is empty: give some text")
     set_threads(args.threads)
-    loaded = load(args.model, max_context=args.context)
-    tokens = prompt_tokens(loaded.tokenizer, args.prompt, args.raw, args.system)
-    seqs = start(loaded.engine, [tokens], [params])
-    for _, text in stream(loaded.engine, loaded.tokenizer, seqs):
+    source, tokenizer = open_with_tokenizer(args.model)
+    tokens = prompt_tokens(tokenizer, args.prompt, args.raw, args.system)
+    check_prompt(tokens, context_size(source.config, args.context))  # before the slow load
+    engine = Engine.local(source, max_context=args.context)
+    seqs = start(engine, [tokens], [params])
+    for _, text in stream(engine, tokenizer, seqs):
         sys.stdout.write(text)
         sys.stdout.flush()
     sys.stdout.write("\n")

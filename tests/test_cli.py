@@ -1,0 +1,94 @@
+"""The `edgetp run` command as a person uses it: a real process, real model, real errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+EDGETP = Path(sys.executable).parent / "edgetp"
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [str(EDGETP)] if EDGETP.exists() else [sys.executable, "-m", "tui.cli"]
+    return subprocess.run(
+        cmd + list(args), capture_output=True, text=True, timeout=180, cwd=cwd, env=os.environ
+    )
+
+
+def assert_clear_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 1, result
+    assert result.stdout == ""  # nothing half-written to the output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgetp: error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_run_streams_the_greedy_completion(smollm2, smollm2_tokenizer, reference_model):
+    prompt = "The capital of France is"
+    result = run("run", "--raw", "--max-tokens", "12", prompt)
+    assert result.returncode == 0, result.stderr
+    ids = smollm2_tokenizer.encode(prompt)
+    with torch.inference_mode():
+        out = reference_model.generate(
+            torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=2
+        )
+    expected = smollm2_tokenizer.decode(out[0, len(ids) :].tolist())
+    assert result.stdout == expected + "\n"
+
+
+def test_missing_model_file(tmp_path):
+    assert_clear_error(run("run", "--model", str(tmp_path / "nope.gguf"), "hi"), "not found")
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_text("hello, I am a text file")
+    assert_clear_error(run("run", "--model", str(path), "hi"), "is not a GGUF file")
+
+
+@pytest.mark.parametrize("size", [3000, 40_000_000])
+def test_truncated_gguf(smollm2, tmp_path, size):
+    path = tmp_path / "cut.gguf"
+    with open(smollm2.path, "rb") as src:
+        path.write_bytes(src.read(size))
+    assert_clear_error(run("run", "--model", str(path), "hi"), "truncated")
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_clear_error(run("run", "--model", str(path), "hi"), "'mamba' is not supported")
+
+
+def test_hf_folder_without_config(tmp_path):
+    assert_clear_error(run("run", "--model", str(tmp_path), "hi"), "no config.json")
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n"])
+def test_empty_prompt(tmp_path, prompt):
+    assert_clear_error(run("run", prompt, cwd=tmp_path), "prompt is empty")
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_prompt_longer_than_context(tmp_path):
+    result = run("run", "--context", "16", "word " * 40, cwd=tmp_path)
+    assert_clear_error(result, "context holds 16", "--context")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_of_range_sampling_value():
+    assert_clear_error(run("run", "--top-p", "0", "hi"), "top_p")

@@ -1,0 +1,97 @@
+"""An HF safetensors folder of the same weights gives the same logits as the GGUF."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from master.engine import Engine
+from models.errors import ModelError
+from models.layers import StepBatch
+from models.source import HFSource, hf_layer_name, open_model
+
+pytestmark = pytest.mark.slow
+
+
+def write_hf_folder(source, folder: Path, shards: int) -> None:
+    """Save `source`'s dequantized weights as an HF Llama folder, in `shards` files."""
+    c = source.config
+    tensors = {
+        "model.embed_tokens.weight": source.embedding(),
+        "model.norm.weight": source.final_norm(),
+    }
+    for i in range(c.n_layers):
+        for name, t in source.layer(i).items():
+            tensors[hf_layer_name(i, name)] = t
+    names = sorted(tensors)
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"))
+    else:
+        weight_map = {}
+        for s in range(shards):
+            file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: tensors[n] for n in names[s::shards]}
+            save_file(part, str(folder / file))
+            weight_map |= dict.fromkeys(part, file)
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": c.hidden,
+        "intermediate_size": c.ffn_hidden,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.context_length,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def gguf_engine(smollm2):
+    return Engine.local(smollm2)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_safetensors_logits_equal_gguf_logits(
+    smollm2, smollm2_tokenizer, gguf_engine, tmp_path, shards
+):
+    from transformers import AutoTokenizer
+
+    write_hf_folder(smollm2, tmp_path, shards)
+    AutoTokenizer.from_pretrained(smollm2.path.parent, gguf_file=smollm2.path.name).save_pretrained(
+        tmp_path
+    )
+    hf = open_model(str(tmp_path))
+    assert isinstance(hf, HFSource)
+    assert hf.config.tied_embeddings
+    ids = smollm2_tokenizer.encode("Tensor parallelism splits every layer across devices.")
+    assert hf.tokenizer().encode("Tensor parallelism splits every layer across devices.") == ids
+    batch = StepBatch((0,), (0,), (len(ids),))
+    ours = Engine.local(hf).forward([ids], batch, all_logits=True)
+    expected = gguf_engine.forward([ids], batch, all_logits=True)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
+def test_missing_tensor_is_named(smollm2, tmp_path):
+    write_hf_folder(smollm2, tmp_path, 1)
+    (tmp_path / "config.json").write_text(
+        json.dumps({**json.loads((tmp_path / "config.json").read_text()), "num_hidden_layers": 31})
+    )
+    hf = open_model(str(tmp_path))
+    with pytest.raises(ModelError, match="model.layers.30"):
+        hf.layer(30)
+
+
+def test_unsupported_hf_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelError, match="GPT2LMHeadModel"):
+        open_model(str(tmp_path))

@@ -1,0 +1,114 @@
+"""Sampling rules on known logits, and stop/length handling on the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from master.engine import Engine
+from master.generate import start, stream
+from master.sampling import Sampler, SamplingParams
+
+LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, 0.5])
+
+
+def draws(params: SamplingParams, n: int = 200, history=()) -> list[int]:
+    sampler = Sampler(params)
+    return [sampler(LOGITS, list(history)) for _ in range(n)]
+
+
+def test_greedy_takes_the_argmax():
+    assert set(draws(SamplingParams(), 5)) == {1}
+
+
+def test_seed_makes_sampling_repeatable():
+    p = SamplingParams(temperature=1.0, seed=7)
+    assert draws(p) == draws(p)
+    assert draws(p) != draws(SamplingParams(temperature=1.0, seed=8))
+
+
+def test_top_k_keeps_only_the_k_best():
+    assert set(draws(SamplingParams(temperature=5.0, top_k=2, seed=0))) == {1, 2}
+
+
+def test_top_p_keeps_the_smallest_covering_prefix():
+    probs = torch.softmax(LOGITS, -1)  # sorted: 1 (0.51), 2 (0.31), 0 (0.11) ...
+    assert probs[1] < 0.6 < probs[1] + probs[2]
+    assert set(draws(SamplingParams(temperature=1.0, top_p=0.6, seed=0))) == {1, 2}
+    assert set(draws(SamplingParams(temperature=1.0, top_p=0.3, seed=0))) == {1}
+
+
+def test_repetition_penalty_demotes_seen_tokens():
+    # Token 1 leads 3.0 vs 2.5; penalised by 1.5 it drops to 2.0, below token 2.
+    assert draws(SamplingParams(repetition_penalty=1.5), 1, history=[1]) == [2]
+    assert draws(SamplingParams(repetition_penalty=1.5), 1, history=[3]) == [1]
+
+
+def test_temperature_spreads_choices():
+    assert len(set(draws(SamplingParams(temperature=2.0, seed=3), 400))) == 5
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_k": -1},
+        {"max_tokens": 0},
+        {"repetition_penalty": 0},
+        {"stop": ("",)},
+    ],
+)
+def test_out_of_range_params_are_rejected(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    return Engine.local(smollm2, slots=2)
+
+
+def _generate(engine, tokenizer, prompt, params):
+    (g,) = start(engine, [tokenizer.encode(prompt)], [params])
+    pieces = [text for _, text in stream(engine, tokenizer, [g])]
+    return g, pieces
+
+
+@pytest.mark.slow
+def test_stop_string_cuts_the_answer(engine, smollm2_tokenizer):
+    prompt = "The three primary colors are"
+    full, _ = _generate(engine, smollm2_tokenizer, prompt, SamplingParams(max_tokens=30))
+    assert full.finish_reason == "length" and len(full.tokens) == 30
+    stop = full.text[12:16]
+    assert stop.strip(), full.text
+    cut, pieces = _generate(
+        engine, smollm2_tokenizer, prompt, SamplingParams(max_tokens=30, stop=(stop,))
+    )
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert "".join(pieces) == cut.text  # streaming never leaks part of the stop string
+
+
+@pytest.mark.slow
+def test_end_of_sequence_finishes_with_stop(engine, smollm2_tokenizer):
+    from master.session import prompt_tokens
+
+    ids = prompt_tokens(smollm2_tokenizer, "Say only the word yes.", raw=False)
+    (g,) = start(engine, [ids], [SamplingParams(max_tokens=64)])
+    text = "".join(t for _, t in stream(engine, smollm2_tokenizer, [g]))
+    assert g.finish_reason == "stop" and len(g.tokens) < 64
+    assert text == g.text == smollm2_tokenizer.decode(g.tokens)
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_repeatable_in_a_batch(engine, smollm2_tokenizer):
+    """A seeded sequence gets the same text alone and batched next to another."""
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=20, ignore_eos=True)
+    alone, _ = _generate(engine, smollm2_tokenizer, "Once upon a time", p)
+    prompts = [smollm2_tokenizer.encode("Once upon a time"), smollm2_tokenizer.encode("Hi")]
+    seqs = start(engine, prompts, [p, SamplingParams(max_tokens=20, temperature=1.0, seed=1)])
+    for _ in stream(engine, smollm2_tokenizer, seqs):
+        pass
+    assert seqs[0].tokens == alone.tokens
