@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from master.plan import plan_slices
+from memory.shards import Manifest, ShardStore
 from models.config import ModelConfig
 from models.errors import ModelError
 from models.kernels import linear
@@ -22,6 +23,7 @@ from models.layers import Rope, Slice, StepBatch, rms_norm, rope_inv_freq, slice
 from models.source import ModelSource
 from node.executor import SliceExecutor
 from node.kvcache import KVCache
+from node.protocol import ATTENTION, FFN
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +38,18 @@ def context_size(config: ModelConfig, requested: int | None) -> int:
 
 
 class Executor(Protocol):
-    """What the engine needs of a device's slice, wherever it runs."""
+    """What the engine needs of a slice computed in this process."""
 
     def begin_step(self, batch: StepBatch) -> None: ...
     def attention(self, index: int, h: torch.Tensor) -> torch.Tensor: ...
     def ffn(self, index: int, h: torch.Tensor) -> torch.Tensor: ...
+
+
+class Remote(Protocol):
+    """The other devices: given a block's input, later the sum of their partials."""
+
+    def send(self, block: str, layer: int, h: torch.Tensor, batch: dict | None = None) -> None: ...
+    def gather(self, block: str, layer: int) -> torch.Tensor | None: ...
 
 
 class Engine:
@@ -53,8 +62,10 @@ class Engine:
         executors: Sequence[Executor],
         max_context: int,
         slots: int,
+        remote: Remote | None = None,
     ) -> None:
         self.config = config
+        self.remote = remote
         self.embedding = embedding
         self.final_norm = final_norm
         self.lm_head = lm_head
@@ -93,6 +104,29 @@ class Engine:
         lm_head = embedding if config.tied_embeddings else source.lm_head()
         return cls(config, embedding, source.final_norm(), lm_head, executors, max_context, slots)
 
+    @classmethod
+    def from_manifest(
+        cls,
+        manifest: Manifest,
+        store: ShardStore,
+        max_context: int,
+        slots: int,
+        remote: Remote | None = None,
+    ) -> Engine:
+        """The master's engine: its own slice (node 0) and the globals, read from shards."""
+        config = ModelConfig.from_dict(manifest.config)
+        s = Slice.from_dict(manifest.slices[0])
+        layers = [store.load(ref) for ref in manifest.nodes[0]]
+        factors = manifest.extra.get("rope_freq_factors")
+        rope = Rope(rope_inv_freq(config, torch.tensor(factors) if factors else None), max_context)
+        cache = KVCache(config, s, slots, max_context, torch.float32)
+        g = store.load(manifest.globals)
+        lm_head = g.get("lm_head", g["embedding"])
+        executor = SliceExecutor(config, s, layers, rope, cache)
+        return cls(
+            config, g["embedding"], g["final_norm"], lm_head, [executor], max_context, slots, remote
+        )
+
     @property
     def slices(self) -> list[Slice]:
         return [e.slice for e in self.executors]  # type: ignore[attr-defined]
@@ -113,17 +147,26 @@ class Engine:
         for ex in self.executors:
             ex.begin_step(batch)
         for i in range(self.config.n_layers):
-            h = h + self._sum(ex.attention(i, h) for ex in self.executors)
-            h = h + self._sum(ex.ffn(i, h) for ex in self.executors)
+            h = h + self._block(ATTENTION, i, h, batch if i == 0 else None)
+            h = h + self._block(FFN, i, h)
         if not all_logits:
             last = torch.tensor(batch.lengths) - 1
             h = h[torch.arange(batch.size), last]  # (B, D)
         return linear(rms_norm(h, self.final_norm, self.config.norm_eps), self.lm_head)
 
-    @staticmethod
-    def _sum(partials: object) -> torch.Tensor:
-        it = iter(partials)  # type: ignore[call-overload]
-        total = next(it)
-        for p in it:
-            total = total + p
+    def _block(
+        self, block: str, i: int, h: torch.Tensor, batch: StepBatch | None = None
+    ) -> torch.Tensor:
+        """The sum of every slice's partial for one block: the star allreduce."""
+        if self.remote:  # send first, so the workers compute while this process does
+            self.remote.send(block, i, h, batch.to_dict() if batch else None)
+        total = None
+        for ex in self.executors:
+            p = ex.attention(i, h) if block == ATTENTION else ex.ffn(i, h)
+            total = p if total is None else total + p
+        if self.remote:
+            others = self.remote.gather(block, i)
+            if others is not None:
+                total = others if total is None else total + others
+        assert total is not None, "an engine needs at least one slice"
         return total

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from master.engine import Engine
+from master.cluster import Hub
+from master.engine import Engine, context_size
+from master.plan import plan_slices
+from master.splitter import split_model
+from memory.shards import ShardStore
 from models.chat_template import render_chat
 from models.errors import ModelError
 from models.source import ModelSource, open_model
@@ -80,3 +85,25 @@ def chat_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[in
     )
     # The template writes any BOS itself; adding another would change the model's input.
     return tokenizer.encode(rendered, add_bos=False)
+
+
+def cluster_engine(
+    source: ModelSource,
+    hub: Hub,
+    capacities: Sequence[float],
+    state_dir: Path,
+    max_context: int | None = None,
+    slots: int = 1,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> Engine:
+    """Plan for the master and the joined workers, split, ship, and build the master's engine.
+
+    `capacities` has one entry per node, the master first.
+    """
+    context = context_size(source.config, max_context)
+    slices = plan_slices(source.config, capacities)
+    store = ShardStore(state_dir / "shards")
+    split_progress = (lambda d, t: progress("splitting", d, t)) if progress else None
+    manifest = split_model(source, slices, store, split_progress)
+    hub.ship(manifest, store, context, slots)
+    return Engine.from_manifest(manifest, store, context, slots, remote=hub)

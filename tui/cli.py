@@ -7,12 +7,20 @@ never show a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from models.errors import ModelError
 from models.source import DEFAULT_MODEL
+from node.protocol import DEFAULT_PORT
+
+if TYPE_CHECKING:
+    from master.engine import Engine
+    from models.source import ModelSource
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +32,33 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--context", type=int, default=None, help="tokens of context to allocate (default 2048)"
     )
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, help="BLAS threads (default: all cores)")
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--local-nodes",
+        type=int,
+        default=1,
+        help="nodes on this machine, the master included: K-1 worker processes join it",
+    )
+    p.add_argument(
+        "--capacities",
+        type=_capacities,
+        default=None,
+        help="relative node capacities for the split, master first (e.g. 1,2,3)",
+    )
+    p.add_argument("--state-dir", type=Path, default=None, help="shard cache and node state")
+
+
+def _capacities(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of numbers like 1,2,3") from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("capacities must be positive")
+    return values
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,7 +79,27 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--system", default=None, help="system prompt for the chat template")
     run.add_argument("--raw", action="store_true", help="no chat template: complete the text")
+    _add_cluster_args(run)
     run.add_argument("prompt", help="the prompt")
+
+    master = sub.add_parser("master", help="start a master; workers join it; prompts from stdin")
+    _add_model_args(master)
+    master.add_argument("--bind", default="0.0.0.0", help="address to listen on")
+    master.add_argument("--port", type=int, default=DEFAULT_PORT)
+    master.add_argument("--workers", type=int, default=1, help="workers to wait for")
+    master.add_argument("--join-timeout", type=float, default=600.0, help="s to wait for them")
+    master.add_argument("--capacities", type=_capacities, default=None)
+    master.add_argument("--state-dir", type=Path, default=None)
+    master.add_argument("--max-tokens", type=int, default=256)
+
+    for name in ("join", "node"):
+        join = sub.add_parser(name, help="join a master as a worker")
+        join.add_argument("master", help="HOST[:PORT] of the master")
+        join.add_argument("--threads", type=int, default=None)
+        join.add_argument("--memory-budget", default=None, help="e.g. 2GB (default: all RAM)")
+        join.add_argument("--name", default=None, help="this node's name (default: host-random)")
+        join.add_argument("--model", default=None, help="refuse a master running another model")
+        join.add_argument("--state-dir", type=Path, default=None)
 
     bench = sub.add_parser("bench", help="measure ms/token against the reference implementation")
     _add_model_args(bench)
@@ -56,10 +110,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from master.engine import Engine, context_size
+    from master.engine import context_size
     from master.generate import check_prompt, start, stream
     from master.sampling import SamplingParams
-    from master.session import open_with_tokenizer, prompt_tokens, set_threads
+    from master.session import open_with_tokenizer, prompt_tokens
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -72,16 +126,100 @@ def _run(args: argparse.Namespace) -> None:
     )
     if not args.prompt.strip():
         raise ModelError("the prompt is empty: give some text")
-    set_threads(args.threads)
     source, tokenizer = open_with_tokenizer(args.model)
     tokens = prompt_tokens(tokenizer, args.prompt, args.raw, args.system)
     check_prompt(tokens, context_size(source.config, args.context))  # before the slow load
-    engine = Engine.local(source, max_context=args.context)
-    seqs = start(engine, [tokens], [params])
-    for _, text in stream(engine, tokenizer, seqs):
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    with _engine(args, source) as engine:
+        seqs = start(engine, [tokens], [params])
+        for _, text in stream(engine, tokenizer, seqs):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+
+@contextlib.contextmanager
+def _engine(args: argparse.Namespace, source: ModelSource) -> Iterator[Engine]:
+    """One process, or a local cluster of `--local-nodes` processes over loopback."""
+    from master.cluster import Hub
+    from master.engine import Engine
+    from master.local import LocalWorkers, thread_share
+    from master.session import cluster_engine, set_threads
+    from node.worker import default_state_dir
+
+    nodes = len(args.capacities) if args.capacities else args.local_nodes
+    if nodes < 1:
+        raise ValueError(f"--local-nodes must be at least 1, got {nodes}")
+    if nodes == 1:
+        set_threads(args.threads)
+        yield Engine.local(source, max_context=args.context)
+        return
+    threads = args.threads or thread_share(nodes)
+    set_threads(threads)
+    state_dir = args.state_dir or default_state_dir()
+    hub = Hub("127.0.0.1", 0, model_names=(source.name,))
+    try:
+        with LocalWorkers(nodes - 1, hub.port, threads, state_dir, args.verbose) as workers:
+            hub.wait_for_workers(nodes - 1, timeout=120)
+            capacities = args.capacities or [1.0] * nodes  # one machine: equal shares
+            yield cluster_engine(source, hub, capacities, state_dir, args.context)
+            hub.close()
+            workers.stop()
+    finally:
+        hub.close()
+
+
+def _master(args: argparse.Namespace) -> None:
+    from master.cluster import ClusterError, Hub
+    from master.generate import start, stream
+    from master.sampling import SamplingParams
+    from master.session import cluster_engine, open_with_tokenizer, prompt_tokens, set_threads
+    from node.worker import default_state_dir, measure_capacity
+
+    threads = set_threads(args.threads)
+    source, tokenizer = open_with_tokenizer(args.model)
+    hub = Hub(args.bind, args.port, model_names=(source.name,))
+    try:
+        print(
+            f"edgetp master: {source.name} on port {hub.port}; on each worker run: "
+            f"edgetp join THIS_HOST:{hub.port}",
+            file=sys.stderr,
+        )
+        hub.wait_for_workers(args.workers, timeout=args.join_timeout)
+        capacities = args.capacities or [measure_capacity(threads).score()] + [
+            m.capacity.score() for m in hub.members
+        ]
+        state_dir = args.state_dir or default_state_dir()
+        engine = cluster_engine(source, hub, capacities, state_dir / "master", args.context)
+        print("edgetp master: ready; type a prompt per line (Ctrl-D to stop)", file=sys.stderr)
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                seqs = start(
+                    engine,
+                    [prompt_tokens(tokenizer, line.strip(), raw=False)],
+                    [SamplingParams(max_tokens=args.max_tokens)],
+                )
+                for _, text in stream(engine, tokenizer, seqs):
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+            except (ClusterError, ModelError) as exc:  # the master keeps running
+                print(f"edgetp: error: {exc}", file=sys.stderr)
+    finally:
+        hub.close()
+
+
+def _join(args: argparse.Namespace) -> None:
+    from master.session import set_threads
+    from memory.budget import parse_size
+    from node.worker import Worker, measure_capacity
+
+    threads = set_threads(args.threads)
+    budget = parse_size(args.memory_budget) if args.memory_budget else None
+    address = args.master if ":" in args.master else f"{args.master}:{DEFAULT_PORT}"
+    capacity = measure_capacity(threads, budget)
+    Worker(address, capacity, args.state_dir, args.name, args.model).run()
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -90,7 +228,7 @@ def _bench(args: argparse.Namespace) -> None:
     run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)
 
 
-COMMANDS = {"run": _run, "bench": _bench}
+COMMANDS = {"run": _run, "bench": _bench, "master": _master, "join": _join, "node": _join}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,9 +237,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    from master.cluster import ClusterError
+    from node.worker import NodeError
+
     try:
         COMMANDS[args.command](args)
-    except (ModelError, ValueError) as exc:
+    except (ModelError, ValueError, ClusterError, NodeError) as exc:
+        if args.verbose:
+            logging.exception("details")
         print(f"edgetp: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

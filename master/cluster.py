@@ -1,0 +1,270 @@
+"""The master's side of the cluster: membership, shard shipping, and the star allreduce hub.
+
+One ROUTER socket; every worker connects a DEALER. Per layer block the hub sends the hidden
+state to every worker (`send`), the master computes its own partial meanwhile, and `gather`
+adds the workers' partials: two hops per sum, whatever the node count.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from memory.shards import Manifest, ShardRef, ShardStore
+from node import protocol as P
+from node.heartbeat import DEAD_AFTER, HeartbeatServer
+from node.worker import Capacity
+
+log = logging.getLogger(__name__)
+
+STEP_TIMEOUT = 300.0  # s: a hard cap on one block's gather, beyond heartbeat liveness
+
+
+class ClusterError(Exception):
+    """A node or the cluster failed; the message names the node and what to do."""
+
+
+@dataclass
+class Member:
+    identity: bytes
+    name: str
+    capacity: Capacity
+    model: str | None
+    address: str = ""
+    ready: bool = False
+    alive: bool = True
+
+
+class Hub:
+    def __init__(
+        self,
+        bind: str = "127.0.0.1",
+        port: int = 0,
+        model_names: tuple[str, ...] = (),
+        ship_rate: float | None = None,
+    ) -> None:
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if port:
+            self.sock.bind(f"tcp://{bind}:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port(f"tcp://{bind}")
+        self.heartbeat = HeartbeatServer(self.context, bind)
+        self.model_names = model_names  # names a worker may ask for (None: any)
+        self.ship_rate = ship_rate  # bytes/s cap on shard shipping, for shared links
+        self.members: list[Member] = []
+        self.store: ShardStore | None = None
+        self.shipped_bytes = 0
+        self._step = 0
+        self._planned = False
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _send(self, identity: bytes, header: dict[str, Any], tensors: tuple = ()) -> None:
+        try:
+            self.sock.send_multipart([identity, *P.encode(header, tensors)], copy=False)
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is gone
+            raise ClusterError(f"node {identity.decode(errors='replace')} is unreachable") from exc
+
+    def _recv(self, timeout_ms: int) -> tuple[bytes, dict[str, Any], list] | None:
+        if not self.sock.poll(timeout_ms):
+            return None
+        identity, *frames = self.sock.recv_multipart(copy=False)
+        try:
+            header = P.decode_header(frames[0])
+            tensors = [] if header["op"] == P.FETCH else P.decode(frames)[1]
+        except P.ProtocolError as exc:
+            log.warning("dropped a malformed message from %r: %s", identity.bytes, exc)
+            return None
+        return identity.bytes, header, tensors
+
+    def _member(self, identity: bytes) -> Member | None:
+        return next((m for m in self.members if m.identity == identity), None)
+
+    # -- joining and shipping ---------------------------------------------------------------
+    def _handle_control(self, identity: bytes, header: dict[str, Any]) -> None:
+        """Messages that may come at any time outside a step."""
+        op = header["op"]
+        if op == P.HELLO:
+            self._hello(identity, header)
+        elif op == P.FETCH:
+            self._serve_chunk(identity, header)
+        elif op == P.READY:
+            member = self._member(identity)
+            if member:
+                member.ready = True
+                log.info("node %s ready", member.name)
+        elif op == P.ERROR:
+            member = self._member(identity)
+            name = member.name if member else identity.decode(errors="replace")
+            raise ClusterError(f"node {name} failed: {header.get('message')}")
+
+    def _hello(self, identity: bytes, header: dict[str, Any]) -> None:
+        name = str(header.get("name", identity.decode(errors="replace")))
+        reason = None
+        if header.get("version") != P.PROTOCOL_VERSION:
+            reason = (
+                f"protocol version {header.get('version')} does not match the master's "
+                f"{P.PROTOCOL_VERSION}: run the same edgetp version on every device"
+            )
+        elif header.get("model") and self.model_names and header["model"] not in self.model_names:
+            reason = (
+                f"this node asked for model {header['model']!r} but the master runs "
+                f"{self.model_names[0]!r}"
+            )
+        elif self._planned:
+            reason = "the cluster is already planned; join before the master starts serving"
+        if reason:
+            log.warning("refused node %s: %s", name, reason)
+            self._send(identity, {"op": P.REFUSE, "reason": reason})
+            return
+        capacity = Capacity(**header["capacity"])
+        self.members.append(Member(identity, name, capacity, header.get("model")))
+        log.info("node %s joined (capacity %s)", name, capacity)
+
+    def _serve_chunk(self, identity: bytes, header: dict[str, Any]) -> None:
+        ref_sha = str(header.get("sha256", ""))
+        path = self.store.root / f"{ref_sha}.safetensors" if self.store else None
+        if path is None or not path.is_file() or len(ref_sha) != 64:
+            self._send(identity, {"op": P.ERROR, "message": f"no shard {ref_sha}"})
+            return
+        offset, size = int(header["offset"]), min(int(header["size"]), P.CHUNK_SIZE)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(size)
+        if self.ship_rate:
+            time.sleep(len(data) / self.ship_rate)
+        self.shipped_bytes += len(data)
+        reply = P.encode({"op": P.CHUNK, "sha256": ref_sha, "offset": offset})
+        self.sock.send_multipart([identity, *reply, data], copy=False)
+
+    def wait_for_workers(self, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.members) < count:
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"only {len(self.members)} of {count} workers joined within {timeout:.0f} s"
+                )
+            msg = self._recv(100)
+            if msg:
+                self._handle_control(msg[0], msg[1])
+
+    def ship(
+        self,
+        manifest: Manifest,
+        store: ShardStore,
+        context: int,
+        slots: int,
+        timeout: float = 600.0,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Tell each worker its slice and shards (node k+1 of the manifest), serve the fetches."""
+        self.store = store
+        self._planned = True
+        for k, member in enumerate(self.members, start=1):
+            welcome = {
+                "op": P.WELCOME,
+                "node": k,
+                "config": manifest.config,
+                "slice": manifest.slices[k],
+                "shards": [vars(r) for r in manifest.nodes[k]],
+                "rope_freq_factors": manifest.extra.get("rope_freq_factors"),
+                "context": context,
+                "slots": slots,
+                "heartbeat_port": self.heartbeat.port,
+            }
+            self._send(member.identity, welcome)
+        deadline = time.monotonic() + timeout
+        while not all(m.ready for m in self.members):
+            for m in self.members:
+                # A worker is silent until its first beat after WELCOME; allow for start-up.
+                silent = self.heartbeat.silence(m.name)
+                if silent != float("inf") and silent > DEAD_AFTER:
+                    raise ClusterError(f"node {m.name} stopped answering while loading its shards")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"workers did not load their shards within {timeout:.0f} s")
+            msg = self._recv(100)
+            if msg:
+                self._handle_control(msg[0], msg[1])
+
+    # -- the star allreduce -----------------------------------------------------------------
+    def send(self, block: str, layer: int, h: torch.Tensor, batch: dict | None = None) -> None:
+        """Hand the hidden state to every worker for one block of one layer."""
+        dead = [m.name for m in self.members if not m.alive]
+        if dead:
+            raise ClusterError(
+                f"node {', '.join(dead)} left the cluster; restart the master to re-plan"
+            )
+        if batch is not None:
+            self._step += 1
+        header: dict[str, Any] = {"op": P.STEP, "step": self._step, "layer": layer, "block": block}
+        if batch is not None:
+            header["batch"] = batch
+        for m in self.members:
+            self._send(m.identity, header, (h,))
+
+    def gather(self, block: str, layer: int) -> torch.Tensor | None:
+        """The sum of every worker's partial for the block just sent (None without workers)."""
+        waiting = {m.identity: m for m in self.members}
+        partials: dict[bytes, torch.Tensor] = {}
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while waiting:
+            msg = self._recv(50)
+            if msg is None:
+                for m in waiting.values():
+                    if self.heartbeat.silence(m.name) > DEAD_AFTER:
+                        m.alive = False
+                        raise ClusterError(
+                            f"node {m.name} stopped answering mid-step (no heartbeat for "
+                            f"{self.heartbeat.silence(m.name):.1f} s); the request failed"
+                        )
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"no partials within {STEP_TIMEOUT:.0f} s")
+                continue
+            identity, header, tensors = msg
+            op = header["op"]
+            if op == P.PARTIAL:
+                stale = (header["step"], header["layer"], header["block"]) != (
+                    self._step,
+                    layer,
+                    block,
+                )
+                if stale or identity not in waiting:
+                    continue  # left over from a failed step
+                del waiting[identity]
+                partials[identity] = tensors[0]
+            elif op == P.ERROR:
+                m = self._member(identity)
+                if m:
+                    m.alive = False
+                raise ClusterError(
+                    f"node {m.name if m else identity!r} failed: {header.get('message')}"
+                )
+            else:
+                self._handle_control(identity, header)
+        total = None
+        for m in self.members:  # a fixed order: the same sum whichever partial came first
+            total = partials[m.identity] if total is None else total + partials[m.identity]
+        return total
+
+    def close(self) -> None:
+        for m in self.members:
+            if m.alive:
+                try:
+                    self._send(m.identity, {"op": P.BYE, "reason": "master shutting down"})
+                except ClusterError:
+                    pass
+        self.heartbeat.close()
+        self.sock.close(0)
+        self.context.term()
+
+
+__all__ = ["ClusterError", "Hub", "Member", "ShardRef"]

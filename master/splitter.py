@@ -1,0 +1,78 @@
+"""Splitting a source model into per-node, per-layer shard files, one layer at a time.
+
+Only one full layer (plus, at the end, the embedding) is in memory at once, so the master can
+split a model far bigger than its RAM. A split is cached: the manifest is keyed by the model's
+identity and the plan, and a second start with the same plan writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+
+from memory.shards import Manifest, ShardStore, atomic_write
+from models.layers import Slice, slice_layer
+from models.source import ModelSource
+
+Progress = Callable[[int, int], None]
+
+
+def model_identity(source: ModelSource) -> str:
+    """A short fingerprint of the model: its config and the size of its weight files."""
+    files = [source.path] if source.path.is_file() else sorted(source.path.glob("*.safetensors"))
+    sizes = [f.stat().st_size for f in files]
+    text = json.dumps([source.config.to_dict(), sizes], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def plan_key(identity: str, slices: Sequence[Slice]) -> str:
+    text = json.dumps([identity, [s.to_dict() for s in slices]])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def split_model(
+    source: ModelSource,
+    slices: Sequence[Slice],
+    store: ShardStore,
+    progress: Progress | None = None,
+) -> Manifest:
+    """Shards for every (node, layer) and the master's globals; reused when already split."""
+    identity = model_identity(source)
+    manifest_path = store.root / "manifests" / f"{plan_key(identity, slices)}.json"
+    if manifest_path.is_file():
+        manifest = Manifest.from_json(manifest_path.read_text())
+        refs = [r for node in manifest.nodes for r in node] + [manifest.globals]
+        if all(store.path(r).is_file() and store.path(r).stat().st_size == r.size for r in refs):
+            return manifest
+
+    config = source.config
+    nodes: list[list] = [[] for _ in slices]
+    total = config.n_layers + 1
+    for i in range(config.n_layers):
+        full = source.layer(i)
+        for refs, s in zip(nodes, slices, strict=True):
+            refs.append(store.put(slice_layer(config, full, s)))
+        del full
+        if progress:
+            progress(i + 1, total)
+    globals_ = {"embedding": source.embedding(), "final_norm": source.final_norm()}
+    if not config.tied_embeddings:
+        globals_["lm_head"] = source.lm_head()
+    globals_ref = store.put(globals_)
+    del globals_
+    if progress:
+        progress(total, total)
+    manifest = Manifest(
+        model=source.name,
+        identity=identity,
+        config=config.to_dict(),
+        slices=[s.to_dict() for s in slices],
+        nodes=nodes,
+        globals=globals_ref,
+    )
+    freq = source.rope_freq_factors()
+    if freq is not None:  # every node needs them for RoPE; a few dozen floats
+        manifest.extra["rope_freq_factors"] = freq.tolist()
+    atomic_write(manifest_path, manifest.to_json().encode())
+    return manifest

@@ -1,0 +1,144 @@
+"""Shard files on a device: one safetensors file per (node, layer), named by content hash.
+
+A shard's name is the sha256 of its bytes, so a device that already holds a file with the right
+name and content never fetches it again, and a corrupt file is caught by re-hashing it. Every
+write goes to a temporary file that is renamed into place: a crash never leaves a half file
+under a real name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.errors import ModelError
+
+HASH_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(HASH_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that `path` is either absent or whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """A shard file as the manifest lists it."""
+
+    sha256: str
+    size: int
+
+    @property
+    def filename(self) -> str:
+        return f"{self.sha256}.safetensors"
+
+
+class ShardStore:
+    """A folder of content-addressed shard files."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, ref: ShardRef) -> Path:
+        return self.root / ref.filename
+
+    def partial_path(self, ref: ShardRef) -> Path:
+        """Where an interrupted fetch keeps the bytes it has, to resume from."""
+        return self.root / f"{ref.filename}.part"
+
+    def put(self, tensors: dict[str, torch.Tensor]) -> ShardRef:
+        """Store tensors as a shard; a shard with the same content is kept, not rewritten.
+
+        Written to a temporary file and hashed from disk, so no second in-memory copy of the
+        tensors is made (the embedding alone can be hundreds of MB).
+        """
+        tmp = self.root / f".incoming.{os.getpid()}.tmp"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        ref = ShardRef(sha256_file(tmp), tmp.stat().st_size)
+        if self.path(ref).exists():
+            tmp.unlink()
+        else:
+            os.replace(tmp, self.path(ref))
+        return ref
+
+    def has_valid(self, ref: ShardRef) -> bool:
+        """True when the file is present with the right size and hash (re-hashed each time)."""
+        path = self.path(ref)
+        if not path.is_file() or path.stat().st_size != ref.size:
+            return False
+        return sha256_file(path) == ref.sha256
+
+    def load(self, ref: ShardRef) -> dict[str, torch.Tensor]:
+        path = self.path(ref)
+        if not path.is_file():
+            raise ModelError(f"shard {path} is missing")
+        try:
+            return load_file(str(path))
+        except Exception as exc:
+            raise ModelError(f"shard {path} cannot be read ({exc})") from exc
+
+
+@dataclass
+class Manifest:
+    """What a split produced: the model, the plan, and every shard with its hash.
+
+    `nodes[k][i]` is node k's shard of layer i; `globals` holds the embedding, final norm and
+    lm_head, which stay on the master.
+    """
+
+    model: str
+    identity: str
+    config: dict[str, Any]
+    slices: list[dict[str, list[int]]]
+    nodes: list[list[ShardRef]]
+    globals: ShardRef
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "model": self.model,
+                "identity": self.identity,
+                "config": self.config,
+                "slices": self.slices,
+                "nodes": [[vars(r) for r in node] for node in self.nodes],
+                "globals": vars(self.globals),
+                "extra": self.extra,
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        d = json.loads(text)
+        return cls(
+            model=d["model"],
+            identity=d["identity"],
+            config=d["config"],
+            slices=d["slices"],
+            nodes=[[ShardRef(**r) for r in node] for node in d["nodes"]],
+            globals=ShardRef(**d["globals"]),
+            extra=d.get("extra", {}),
+        )

@@ -1,0 +1,102 @@
+"""The wire protocol master and nodes speak: constants in one place, framing in one place.
+
+A message is a msgpack header frame (a dict with an "op") followed by zero or more raw tensor
+frames, whose dtype and shape travel in the header under "tensors". Nothing is pickled. On the
+master's ROUTER socket the first frame is the peer's identity.
+
+    node -> master: HELLO, FETCH, READY, PARTIAL, HEARTBEAT, ERROR
+    master -> node: WELCOME, REFUSE, CHUNK, STEP, HEARTBEAT, BYE
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+import zmq
+
+PROTOCOL_VERSION = 1
+DEFAULT_PORT = 7470
+
+# node -> master
+HELLO = "hello"  # {version, name, capacity, model?}
+FETCH = "fetch"  # {sha256, offset, size}: a chunk of a shard file
+READY = "ready"  # shards verified and loaded
+PARTIAL = "partial"  # {step, layer, block} + one tensor
+ERROR = "error"  # {message}
+# master -> node
+WELCOME = "welcome"  # {node, config, slice, shards, rope, context, slots}
+REFUSE = "refuse"  # {reason}
+CHUNK = "chunk"  # {sha256, offset, eof} + one bytes frame
+STEP = "step"  # {step, layer, block, batch?} + hidden state tensor
+BYE = "bye"  # the master is shutting down or dropping this node
+# both ways
+HEARTBEAT = "heartbeat"
+
+ATTENTION, FFN = "attn", "ffn"  # the two blocks (two sums) of a layer
+
+HEARTBEAT_INTERVAL = 0.25  # seconds between heartbeats, each way
+HEARTBEAT_LIVENESS = 8  # missed heartbeats before a peer is taken for dead (2 s)
+CHUNK_SIZE = 1 << 20  # shard transfer chunk
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class ProtocolError(Exception):
+    """A message that does not follow this protocol."""
+
+
+def encode(header: dict[str, Any], tensors: tuple[torch.Tensor, ...] = ()) -> list[Any]:
+    """Frames for a header and tensors; the tensor frames share memory with the tensors."""
+    if tensors:
+        header = dict(header)
+        header["tensors"] = [[_NAMES[t.dtype], list(t.shape)] for t in tensors]
+    frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]
+    for t in tensors:
+        t = t.contiguous()
+        # bfloat16 has no NumPy dtype: ship its bytes as int16.
+        view = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        frames.append(memoryview(view.numpy()).cast("B"))
+    return frames
+
+
+def decode(frames: list[Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Header and tensors from received frames (zmq.Frame or bytes)."""
+    if not frames:
+        raise ProtocolError("empty message")
+    header = decode_header(frames[0])
+    if header["op"] == CHUNK:  # a chunk's one frame is raw file bytes, not a tensor
+        return header, []
+    specs = header.get("tensors") or []
+    if len(specs) != len(frames) - 1:
+        raise ProtocolError(f"header lists {len(specs)} tensors but {len(frames) - 1} frames came")
+    tensors = []
+    for (dtype_name, shape), frame in zip(specs, frames[1:], strict=True):
+        if dtype_name not in _DTYPES:
+            raise ProtocolError(f"unknown tensor dtype {dtype_name!r}")
+        dtype = _DTYPES[dtype_name]
+        np_dtype = np.int16 if dtype == torch.bfloat16 else dtype_name
+        buf = frame.buffer if isinstance(frame, zmq.Frame) else frame
+        array = np.frombuffer(buf, dtype=np_dtype)
+        if array.size != int(np.prod(shape)):
+            raise ProtocolError(f"tensor frame of {array.size} values for shape {shape}")
+        t = torch.from_numpy(array.copy()).view(*shape)
+        tensors.append(t.view(torch.bfloat16) if dtype == torch.bfloat16 else t)
+    return header, tensors
+
+
+def decode_header(frame: Any) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(_bytes(frame), raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"header is not msgpack ({exc})") from exc
+    if not isinstance(header, dict) or "op" not in header:
+        raise ProtocolError("header is not a dict with an 'op'")
+    return header
+
+
+def _bytes(frame: Any) -> bytes:
+    return frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
