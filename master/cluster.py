@@ -144,7 +144,10 @@ class Hub:
             time.sleep(len(data) / self.ship_rate)
         self.shipped_bytes += len(data)
         reply = P.encode({"op": P.CHUNK, "sha256": ref_sha, "offset": offset})
-        self.sock.send_multipart([identity, *reply, data], copy=False)
+        try:
+            self.sock.send_multipart([identity, *reply, data], copy=False)
+        except zmq.ZMQError:  # the node went away mid-transfer; its silence is noticed later
+            log.warning("node %s left during a shard transfer", identity.decode(errors="replace"))
 
     def wait_for_workers(self, count: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,225 @@
+"""Several real processes over real ZeroMQ sockets give the 1-process answer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from master.cluster import ClusterError, Hub
+from master.engine import Engine
+from master.generate import start, stream
+from master.local import LocalWorkers
+from master.plan import plan_slices
+from master.sampling import SamplingParams
+from master.session import cluster_engine
+from master.splitter import split_model
+from memory.shards import ShardStore
+from models.layers import StepBatch
+from node import protocol as P
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three reasons to learn Rust:"]
+
+
+@contextlib.contextmanager
+def local_cluster(source, capacities, state_dir: Path, worker_dir: Path | None = None, slots=3):
+    hub = Hub("127.0.0.1", 0, model_names=(source.name,))
+    workers = LocalWorkers(len(capacities) - 1, hub.port, 1, worker_dir or state_dir, False)
+    try:
+        hub.wait_for_workers(len(capacities) - 1, timeout=120)
+        yield cluster_engine(source, hub, capacities, state_dir, 256, slots), hub, workers
+    finally:
+        hub.close()
+        for p in workers.procs:
+            if p.poll() is None:
+                p.terminate()
+        workers.stop()
+
+
+def greedy_batch(engine, tokenizer, n=64):
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    seqs = start(engine, prompts, [SamplingParams(max_tokens=n, ignore_eos=True)] * 3)
+    for _ in stream(engine, tokenizer, seqs):
+        pass
+    return [g.tokens for g in seqs]
+
+
+def prefill_logits(engine, tokenizer):
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    batch = StepBatch((0, 1, 2), (0, 0, 0), tuple(len(p) for p in prompts))
+    return engine.forward(prompts, batch, all_logits=True)
+
+
+@pytest.fixture(scope="module")
+def single(smollm2, smollm2_tokenizer):
+    engine = Engine.local(smollm2, max_context=256, slots=3)
+    return prefill_logits(engine, smollm2_tokenizer), greedy_batch(engine, smollm2_tokenizer)
+
+
+@pytest.mark.parametrize(
+    "capacities",
+    [[1, 1], [1, 1, 1], [1, 2, 3], [1, 1, 1, 1]],
+    ids=["2-nodes", "3-nodes", "3-nodes-1:2:3", "4-nodes-more-than-kv-heads"],
+)
+def test_n_nodes_equal_one_node(smollm2, smollm2_tokenizer, single, tmp_path, capacities):
+    ref_logits, ref_tokens = single
+    with local_cluster(smollm2, capacities, tmp_path) as (engine, hub, _):
+        assert len(hub.members) == len(capacities) - 1
+        logits = prefill_logits(engine, smollm2_tokenizer)
+        tokens = greedy_batch(engine, smollm2_tokenizer)
+    if len(capacities) == 4:
+        assert any(s.n_kv > 1 for s in plan_slices(smollm2.config, capacities))  # replicated
+    diff = (logits - ref_logits).abs().max().item()
+    scale = ref_logits.abs().max().item()
+    print(f"{capacities}: max|diff| {diff:.3g} vs max|logit| {scale:.3g}")
+    assert diff <= 1e-4 * scale
+    assert tokens == ref_tokens
+
+
+def test_worker_dying_mid_answer_fails_fast(smollm2, smollm2_tokenizer, tmp_path):
+    with local_cluster(smollm2, [1, 1], tmp_path) as (engine, hub, workers):
+        ids = smollm2_tokenizer.encode("Write a long story about a dragon.")
+        (g,) = start(engine, [ids], [SamplingParams(max_tokens=200, ignore_eos=True)])
+        it = stream(engine, smollm2_tokenizer, [g])
+        next(it)
+        victim = workers.procs[0]
+        killed_at = time.monotonic()
+        victim.send_signal(signal.SIGKILL)
+        with pytest.raises(ClusterError, match="local-1.*stopped answering"):
+            for _ in it:
+                pass
+        elapsed = time.monotonic() - killed_at
+        print(f"request failed {elapsed:.2f} s after the kill")
+        assert elapsed < 5.0
+        # The master keeps running: the next request fails at once, saying why.
+        (g2,) = start(engine, [ids], [SamplingParams(max_tokens=5)])
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match="left the cluster"):
+            list(stream(engine, smollm2_tokenizer, [g2]))
+        assert time.monotonic() - t0 < 1.0
+
+
+def _node1_refs(smollm2, master_store):
+    slices = plan_slices(smollm2.config, [1, 1])
+    manifest = split_model(smollm2, slices, master_store)
+    return manifest, manifest.nodes[1]
+
+
+def _ship_once(smollm2, manifest, master_store, worker_dir, kill_when_part_exceeds=None):
+    """Ship node 1's shards to a fresh worker process; optionally kill it mid-transfer."""
+    hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,), ship_rate=40e6)
+    workers = LocalWorkers(1, hub.port, 1, worker_dir, False)
+    stop = threading.Event()
+
+    def killer() -> None:
+        while not stop.is_set():
+            parts = list((worker_dir / "shards").glob("*.part"))
+            done = len(list((worker_dir / "shards").glob("*.safetensors")))
+            if parts and done >= 3 and parts[0].stat().st_size > kill_when_part_exceeds:
+                workers.procs[0].send_signal(signal.SIGKILL)
+                return
+            time.sleep(0.005)
+
+    try:
+        hub.wait_for_workers(1, timeout=60)
+        if kill_when_part_exceeds:
+            threading.Thread(target=killer, daemon=True).start()
+            with pytest.raises(ClusterError):
+                hub.ship(manifest, master_store, 64, 1)
+        else:
+            hub.ship(manifest, master_store, 64, 1)
+        return hub.shipped_bytes
+    finally:
+        stop.set()
+        hub.close()
+        workers.stop()
+
+
+def test_shard_transfer_resumes_and_refetches_corrupt_files(smollm2, tmp_path):
+    master_store = ShardStore(tmp_path / "master" / "shards")
+    worker_dir = tmp_path / "worker"
+    manifest, refs = _node1_refs(smollm2, master_store)
+    total = sum(r.size for r in refs)
+
+    shipped = _ship_once(smollm2, manifest, master_store, worker_dir, kill_when_part_exceeds=2e6)
+    store = ShardStore(worker_dir / "shards")
+    complete = sum(r.size for r in refs if store.path(r).exists())
+    partial = sum(p.stat().st_size for p in (worker_dir / "shards").glob("*.part"))
+    assert 0 < complete + partial < total and partial > 0
+    print(f"killed after {shipped} of {total} bytes; {complete} complete + {partial} partial kept")
+
+    resumed = _ship_once(smollm2, manifest, master_store, worker_dir)
+    assert resumed == total - complete - partial  # only what was missing crossed the wire
+    assert all(store.has_valid(r) for r in refs)
+
+    assert _ship_once(smollm2, manifest, master_store, worker_dir) == 0  # second start: nothing
+
+    victim = store.path(refs[5])
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert _ship_once(smollm2, manifest, master_store, worker_dir) == refs[5].size
+    assert store.has_valid(refs[5])
+
+
+def test_handshake_refuses_another_version_and_another_model(smollm2, tmp_path, caplog):
+    hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
+    ctx = zmq.Context.instance()
+    try:
+        for hello, reason in [
+            ({"version": 999, "model": None}, "protocol version 999"),
+            ({"version": P.PROTOCOL_VERSION, "model": "llama-70b.gguf"}, "asked for model"),
+        ]:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{hub.port}")
+            capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
+            sock.send_multipart(
+                P.encode({"op": P.HELLO, "name": "x", "capacity": capacity} | hello)
+            )
+            with caplog.at_level("WARNING"):
+                _pump(hub, 0.5)
+            assert sock.poll(2000), "no answer to HELLO"
+            header, _ = P.decode(sock.recv_multipart())
+            assert header["op"] == P.REFUSE and reason in header["reason"]
+            assert any(reason in r.getMessage() for r in caplog.records)  # logged on the master
+            sock.close()
+        assert hub.members == []
+    finally:
+        hub.close()
+
+
+def _pump(hub: Hub, seconds: float) -> None:
+    with contextlib.suppress(ClusterError):
+        hub.wait_for_workers(1, timeout=seconds)
+
+
+def test_join_with_another_model_exits_with_a_clear_error(smollm2, tmp_path):
+    import subprocess
+    import sys
+
+    hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
+    cmd = [sys.executable, "-m", "tui.cli", "join", f"127.0.0.1:{hub.port}"]
+    proc = subprocess.Popen(
+        cmd + ["--model", "other.gguf", "--state-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ,
+    )
+    try:
+        _pump(hub, 15)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        hub.close()
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1].startswith("edgetp: error: the master refused this node")
+    assert "other.gguf" in err
