@@ -11,16 +11,50 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from models.errors import ModelError
 
 HASH_CHUNK = 1 << 20
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int8: "I8",
+    torch.int32: "I32",
+    torch.int64: "I64",
+}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write a safetensors file straight from the tensors' memory.
+
+    `safetensors.torch.save_file` first copies every tensor into a bytes object; for the
+    embedding of a big model that copy alone is hundreds of MB the splitter cannot spare.
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
 
 
 def sha256_file(path: Path) -> str:
@@ -75,7 +109,7 @@ class ShardStore:
         tensors is made (the embedding alone can be hundreds of MB).
         """
         tmp = self.root / f".incoming.{os.getpid()}.tmp"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        write_safetensors(tmp, tensors)
         ref = ShardRef(sha256_file(tmp), tmp.stat().st_size)
         if self.path(ref).exists():
             tmp.unlink()

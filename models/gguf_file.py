@@ -6,6 +6,7 @@ asks for one layer's tensors never holds the whole model.
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from models.errors import ModelError
 
 GGUF_MAGIC = b"GGUF"
+DEQUANT_ROWS = 2048
 
 
 class GGUFFile:
@@ -65,18 +67,32 @@ class GGUFFile:
         if name not in self._tensors:
             raise ModelError(f"{self.path} has no tensor named {name!r}")
         t = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        out = np.empty(shape, dtype=np.float32)
+        rows = t.data.reshape(-1, t.data.shape[-1]) if t.data.ndim > 1 else t.data[None]
+        flat = out.reshape(rows.shape[0], -1)
+        # Dequantize a band of rows at a time: the gguf package's temporaries are several times
+        # the output, and for a big embedding that would dwarf the tensor itself.
         try:
-            values = gguf.quants.dequantize(t.data, t.tensor_type)
+            for r in range(0, rows.shape[0], DEQUANT_ROWS):
+                band = gguf.quants.dequantize(rows[r : r + DEQUANT_ROWS], t.tensor_type)
+                flat[r : r + DEQUANT_ROWS] = band.reshape(flat[r : r + DEQUANT_ROWS].shape)
         except NotImplementedError as exc:
             raise ModelError(
                 f"{self.path}: tensor {name} uses quantization {t.tensor_type.name}, "
                 f"which the gguf package cannot dequantize"
             ) from exc
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        array = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
-        if not array.flags.writeable:  # float32 tensors come back as views of the mmap: copy out
-            array = array.copy()
-        return torch.from_numpy(array)
+        self._release(t)
+        return torch.from_numpy(out)
+
+    def _release(self, t: gguf.ReaderTensor) -> None:
+        """Drop the file pages just read: they are a copy on disk, not memory the model needs."""
+        mm = getattr(self._reader.data, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = int(t.data_offset) + int(t.n_bytes)
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _field_value(field: gguf.ReaderField) -> Any:
