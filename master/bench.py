@@ -24,8 +24,13 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 
 def _time_edgetp(loaded: Any, prompt: list[int], n_tokens: int) -> tuple[float, float, list[int]]:
+    return _time_edgetp_engine(loaded.engine, loaded.tokenizer, prompt, n_tokens)
+
+
+def _time_edgetp_engine(
+    engine: Any, tokenizer: Any, prompt: list[int], n_tokens: int
+) -> tuple[float, float, list[int]]:
     """(time to first token s, ms per decoded token, tokens) for one greedy run."""
-    engine, tokenizer = loaded.engine, loaded.tokenizer
     # No end-of-sequence: every round decodes exactly n_tokens, so the rounds compare.
     params = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
     (g,) = start(engine, [prompt], [params])
@@ -140,6 +145,131 @@ def run_bench(
     )
     print(f"ratio edgetp/transformers (ms/token): {report['ratio_edgetp_over_transformers']}")
     print(f"greedy tokens identical: {same}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _echo(endpoint: str) -> None:
+    """A peer that sends every message straight back (runs in its own process)."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send(b"hello")  # lets the ROUTER learn this peer's identity
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 1:
+            break
+        sock.send_multipart(frames, copy=False)
+    sock.close(0)
+    ctx.term()
+
+
+def raw_round_trips(shape: tuple[int, ...], n: int) -> list[float]:
+    """Seconds per ROUTER->DEALER->ROUTER round trip of a header and an f32 tensor of `shape`,
+    to another process on this machine: the floor an allreduce hop pair can reach."""
+    import multiprocessing
+
+    import zmq
+
+    from node import protocol as P
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    peer = multiprocessing.get_context("spawn").Process(
+        target=_echo, args=(f"tcp://127.0.0.1:{port}",), daemon=True
+    )
+    peer.start()
+    identity = sock.recv_multipart()[0] if sock.poll(30_000) else None
+    if identity is None:
+        raise RuntimeError("the echo process did not start")
+    payload = torch.zeros(shape)
+    header = {"op": P.STEP, "step": 0, "layer": 0, "block": P.ATTENTION}
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sock.send_multipart([identity, *P.encode(header, (payload,))], copy=False)
+        sock.recv_multipart(copy=False)
+        times.append(time.perf_counter() - t0)
+    sock.send_multipart([identity, b"stop"])
+    peer.join(timeout=5)
+    sock.close(0)
+    ctx.term()
+    return times
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_cluster_bench(
+    model: str | None,
+    node_counts: list[int],
+    n_tokens: int,
+    json_path: str | None,
+    context: int | None,
+    state_dir: Path | None,
+) -> dict[str, Any]:
+    """ms/token, TTFT and allreduce latency for each node count, with a raw ZeroMQ floor."""
+    from master.local import local_engine
+    from master.session import open_with_tokenizer
+
+    source, tokenizer = open_with_tokenizer(model)
+    prompt = prompt_tokens(tokenizer, PROMPT, raw=False)
+    hidden = source.config.hidden
+    raw = raw_round_trips((1, 1, hidden), 2000)
+    raw_med, raw_p99 = statistics.median(raw) * 1e6, _percentile(raw, 0.99) * 1e6
+    rows = []
+    for nodes in node_counts:
+        with local_engine(source, nodes, state_dir=state_dir, context=context) as engine:
+            _time_edgetp_engine(engine, tokenizer, prompt, 4)  # warm-up
+            if engine.remote:
+                engine.remote.allreduce_seconds.clear()
+            ttft, ms, tokens = _time_edgetp_engine(engine, tokenizer, prompt, n_tokens)
+            sums = engine.remote.allreduce_seconds if engine.remote else []
+            rows.append(
+                {
+                    "nodes": nodes,
+                    "ms_per_token": round(ms, 2),
+                    "ttft_ms": round(ttft * 1000, 1),
+                    "tokens": tokens,
+                    "allreduce_us_median": round(statistics.median(sums) * 1e6, 1)
+                    if sums
+                    else None,
+                    "allreduce_us_p99": round(_percentile(sums, 0.99) * 1e6, 1) if sums else None,
+                }
+            )
+    base = rows[0]["ms_per_token"]
+    same = all(r["tokens"] == rows[0]["tokens"] for r in rows)
+    print(f"model {source.path}  prompt {len(prompt)} tokens  {n_tokens} greedy tokens")
+    print(f"raw ZeroMQ round trip, {hidden * 4} B payload: median {raw_med:.0f} us, ", end="")
+    print(f"p99 {raw_p99:.0f} us")
+    title = "allreduce us (med/p99 per sum)"
+    print(f"{'nodes':>5}{'ms/token':>10}{'vs 1':>7}{'TTFT ms':>9}{title:>33}")
+    for r in rows:
+        ar = (
+            f"{r['allreduce_us_median']:.0f} / {r['allreduce_us_p99']:.0f}"
+            if r["allreduce_us_median"] is not None
+            else "-"
+        )
+        print(
+            f"{r['nodes']:>5}{r['ms_per_token']:>10}{r['ms_per_token'] / base:>7.2f}"
+            f"{r['ttft_ms']:>9}{ar:>33}"
+        )
+    print(f"greedy tokens identical across node counts: {same}")
+    report = {
+        "model": str(source.path),
+        "tokens": n_tokens,
+        "raw_round_trip_us_median": round(raw_med, 1),
+        "raw_round_trip_us_p99": round(raw_p99, 1),
+        "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
+        "greedy_tokens_identical": same,
+    }
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -66,6 +66,10 @@ class Hub:
         self.shipped_bytes = 0
         self._step = 0
         self._planned = False
+        self._sent_at = 0.0
+        # Per sum: time from handing out the hidden state to holding every partial, less the
+        # longest compute of any node (master included): the latency the allreduce adds.
+        self.allreduce_seconds: list[float] = []
 
     # -- plumbing ---------------------------------------------------------------------------
     def _send(self, identity: bytes, header: dict[str, Any], tensors: tuple = ()) -> None:
@@ -211,12 +215,17 @@ class Hub:
         header: dict[str, Any] = {"op": P.STEP, "step": self._step, "layer": layer, "block": block}
         if batch is not None:
             header["batch"] = batch
+        self._sent_at = time.perf_counter()
         for m in self.members:
             self._send(m.identity, header, (h,))
 
-    def gather(self, block: str, layer: int) -> torch.Tensor | None:
-        """The sum of every worker's partial for the block just sent (None without workers)."""
+    def gather(self, block: str, layer: int, local_compute: float = 0.0) -> torch.Tensor | None:
+        """The sum of every worker's partial for the block just sent (None without workers).
+
+        `local_compute` is how long the master spent on its own partial meanwhile.
+        """
         waiting = {m.identity: m for m in self.members}
+        slowest = local_compute
         partials: dict[bytes, torch.Tensor] = {}
         deadline = time.monotonic() + STEP_TIMEOUT
         while waiting:
@@ -244,6 +253,7 @@ class Hub:
                     continue  # left over from a failed step
                 del waiting[identity]
                 partials[identity] = tensors[0]
+                slowest = max(slowest, float(header.get("compute", 0.0)))
             elif op == P.ERROR:
                 m = self._member(identity)
                 if m:
@@ -253,12 +263,17 @@ class Hub:
                 )
             else:
                 self._handle_control(identity, header)
+        if self.members:
+            self.allreduce_seconds.append(time.perf_counter() - self._sent_at - slowest)
         total = None
         for m in self.members:  # a fixed order: the same sum whichever partial came first
             total = partials[m.identity] if total is None else total + partials[m.identity]
         return total
 
     def close(self) -> None:
+        """Say BYE to every live worker and close; safe to call twice."""
+        if self.sock.closed:
+            return
         for m in self.members:
             if m.alive:
                 try:
@@ -266,7 +281,7 @@ class Hub:
                 except ClusterError:
                     pass
         self.heartbeat.close()
-        self.sock.close(0)
+        self.sock.close(linger=1000)  # let the BYEs leave before the socket goes
         self.context.term()
 
 

@@ -8,6 +8,7 @@ wire, and the sum is the same.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -49,7 +50,7 @@ class Remote(Protocol):
     """The other devices: given a block's input, later the sum of their partials."""
 
     def send(self, block: str, layer: int, h: torch.Tensor, batch: dict | None = None) -> None: ...
-    def gather(self, block: str, layer: int) -> torch.Tensor | None: ...
+    def gather(self, block: str, layer: int, local_compute: float = 0.0) -> torch.Tensor | None: ...
 
 
 class Engine:
@@ -160,12 +161,13 @@ class Engine:
         """The sum of every slice's partial for one block: the star allreduce."""
         if self.remote:  # send first, so the workers compute while this process does
             self.remote.send(block, i, h, batch.to_dict() if batch else None)
+        started = time.perf_counter()
         total = None
         for ex in self.executors:
             p = ex.attention(i, h) if block == ATTENTION else ex.ffn(i, h)
             total = p if total is None else total + p
         if self.remote:
-            others = self.remote.gather(block, i)
+            others = self.remote.gather(block, i, time.perf_counter() - started)
             if others is not None:
                 total = others if total is None else total + others
         assert total is not None, "an engine needs at least one slice"

@@ -7,11 +7,19 @@ threads so that together they do not oversubscribe it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from master.cluster import Hub
+from master.engine import Engine
+from master.session import cluster_engine, set_threads
+from models.source import ModelSource
+from node.worker import default_state_dir
 
 log = logging.getLogger(__name__)
 
@@ -53,3 +61,38 @@ class LocalWorkers:
             if exc[0] is not None and p.poll() is None:
                 p.terminate()
         self.stop()
+
+
+@contextlib.contextmanager
+def local_engine(
+    source: ModelSource,
+    nodes: int,
+    capacities: Sequence[float] | None = None,
+    threads: int | None = None,
+    state_dir: Path | None = None,
+    context: int | None = None,
+    slots: int = 1,
+    verbose: bool = False,
+) -> Iterator[Engine]:
+    """An engine over `nodes` processes on this machine (1: this process alone)."""
+    if nodes < 1:
+        raise ValueError(f"--local-nodes must be at least 1, got {nodes}")
+    if capacities is not None and len(capacities) != nodes:
+        raise ValueError(f"{len(capacities)} capacities given for {nodes} nodes")
+    if nodes == 1:
+        set_threads(threads)
+        yield Engine.local(source, max_context=context, slots=slots)
+        return
+    threads = threads or thread_share(nodes)
+    set_threads(threads)
+    state_dir = state_dir or default_state_dir()
+    hub = Hub("127.0.0.1", 0, model_names=(source.name,))
+    try:
+        with LocalWorkers(nodes - 1, hub.port, threads, state_dir, verbose) as workers:
+            hub.wait_for_workers(nodes - 1, timeout=120)
+            capacities = capacities or [1.0] * nodes  # one machine: equal shares
+            yield cluster_engine(source, hub, capacities, state_dir, context, slots)
+            hub.close()
+            workers.stop()
+    finally:
+        hub.close()

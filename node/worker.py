@@ -215,6 +215,7 @@ class Worker:
                     executor.begin_step(StepBatch.from_dict(header["batch"]))
                 (h,) = tensors
                 layer = header["layer"]
+                started = time.perf_counter()
                 with torch.inference_mode():
                     if header["block"] == P.ATTENTION:
                         partial = executor.attention(layer, h)
@@ -228,6 +229,7 @@ class Worker:
                 "step": header["step"],
                 "layer": layer,
                 "block": header["block"],
+                "compute": time.perf_counter() - started,
             }
             self._send(reply, (partial,))
 

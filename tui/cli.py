@@ -10,7 +10,7 @@ import argparse
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,7 +19,6 @@ from models.source import DEFAULT_MODEL
 from node.protocol import DEFAULT_PORT
 
 if TYPE_CHECKING:
-    from master.engine import Engine
     from models.source import ModelSource
 
 
@@ -49,6 +48,16 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="relative node capacities for the split, master first (e.g. 1,2,3)",
     )
     p.add_argument("--state-dir", type=Path, default=None, help="shard cache and node state")
+
+
+def _node_counts(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of counts like 1,2,3") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("node counts must be at least 1")
+    return values
 
 
 def _capacities(text: str) -> list[float]:
@@ -106,6 +115,13 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", type=int, default=64, help="greedy tokens to time")
     bench.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians kept")
     bench.add_argument("--json", default=None, help="also write the results to this file")
+    bench.add_argument(
+        "--local-nodes",
+        type=_node_counts,
+        default=None,
+        help="node counts to compare, e.g. 1,2,3 (instead of the transformers comparison)",
+    )
+    bench.add_argument("--state-dir", type=Path, default=None)
     return parser
 
 
@@ -137,35 +153,14 @@ def _run(args: argparse.Namespace) -> None:
         sys.stdout.write("\n")
 
 
-@contextlib.contextmanager
-def _engine(args: argparse.Namespace, source: ModelSource) -> Iterator[Engine]:
+def _engine(args: argparse.Namespace, source: ModelSource) -> contextlib.AbstractContextManager:
     """One process, or a local cluster of `--local-nodes` processes over loopback."""
-    from master.cluster import Hub
-    from master.engine import Engine
-    from master.local import LocalWorkers, thread_share
-    from master.session import cluster_engine, set_threads
-    from node.worker import default_state_dir
+    from master.local import local_engine
 
     nodes = len(args.capacities) if args.capacities else args.local_nodes
-    if nodes < 1:
-        raise ValueError(f"--local-nodes must be at least 1, got {nodes}")
-    if nodes == 1:
-        set_threads(args.threads)
-        yield Engine.local(source, max_context=args.context)
-        return
-    threads = args.threads or thread_share(nodes)
-    set_threads(threads)
-    state_dir = args.state_dir or default_state_dir()
-    hub = Hub("127.0.0.1", 0, model_names=(source.name,))
-    try:
-        with LocalWorkers(nodes - 1, hub.port, threads, state_dir, args.verbose) as workers:
-            hub.wait_for_workers(nodes - 1, timeout=120)
-            capacities = args.capacities or [1.0] * nodes  # one machine: equal shares
-            yield cluster_engine(source, hub, capacities, state_dir, args.context)
-            hub.close()
-            workers.stop()
-    finally:
-        hub.close()
+    return local_engine(
+        source, nodes, args.capacities, args.threads, args.state_dir, args.context, 1, args.verbose
+    )
 
 
 def _master(args: argparse.Namespace) -> None:
@@ -223,9 +218,14 @@ def _join(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from master.bench import run_bench
+    from master.bench import run_bench, run_cluster_bench
 
-    run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)
+    if args.local_nodes:
+        run_cluster_bench(
+            args.model, args.local_nodes, args.tokens, args.json, args.context, args.state_dir
+        )
+    else:
+        run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)
 
 
 COMMANDS = {"run": _run, "bench": _bench, "master": _master, "join": _join, "node": _join}
