@@ -169,6 +169,7 @@ def _master(args: argparse.Namespace) -> None:
     from master.sampling import SamplingParams
     from master.session import cluster_engine, open_with_tokenizer, prompt_tokens, set_threads
     from node.worker import default_state_dir, measure_capacity
+    from tui.progress import progress_bar
 
     threads = set_threads(args.threads)
     source, tokenizer = open_with_tokenizer(args.model)
@@ -184,7 +185,15 @@ def _master(args: argparse.Namespace) -> None:
             m.capacity.score() for m in hub.members
         ]
         state_dir = args.state_dir or default_state_dir()
-        engine = cluster_engine(source, hub, capacities, state_dir / "master", args.context)
+        with progress_bar("splitting into shards (layers)", in_bytes=False) as split_progress:
+            engine = cluster_engine(
+                source,
+                hub,
+                capacities,
+                state_dir / "master",
+                args.context,
+                progress=lambda _, done, total: split_progress(done, total),
+            )
         print("edgetp master: ready; type a prompt per line (Ctrl-D to stop)", file=sys.stderr)
         for line in sys.stdin:
             if not line.strip():
@@ -209,12 +218,15 @@ def _join(args: argparse.Namespace) -> None:
     from master.session import set_threads
     from memory.budget import parse_size
     from node.worker import Worker, measure_capacity
+    from tui.progress import progress_bar
 
     threads = set_threads(args.threads)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     address = args.master if ":" in args.master else f"{args.master}:{DEFAULT_PORT}"
     capacity = measure_capacity(threads, budget)
-    Worker(address, capacity, args.state_dir, args.name, args.model).run()
+    with progress_bar("fetching shards", in_bytes=True) as fetch_progress:
+        worker = Worker(address, capacity, args.state_dir, args.name, args.model, fetch_progress)
+        worker.run()
 
 
 def _bench(args: argparse.Namespace) -> None:
