@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import zmq
 
-from memory.shards import Manifest, ShardRef, ShardStore
+from memory.shards import Manifest, ShardStore
 from node import protocol as P
 from node.heartbeat import DEAD_AFTER, HeartbeatServer
 from node.worker import Capacity
@@ -283,6 +283,3 @@ class Hub:
         self.heartbeat.close()
         self.sock.close(linger=1000)  # let the BYEs leave before the socket goes
         self.context.term()
-
-
-__all__ = ["ClusterError", "Hub", "Member", "ShardRef"]

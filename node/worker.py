@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
@@ -232,6 +231,3 @@ class Worker:
                 "compute": time.perf_counter() - started,
             }
             self._send(reply, (partial,))
-
-
-__all__ = ["Capacity", "NodeError", "Worker", "measure_capacity", "np"]
