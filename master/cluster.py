@@ -78,8 +78,10 @@ class Hub:
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is gone
             raise ClusterError(f"node {identity.decode(errors='replace')} is unreachable") from exc
 
-    def _recv(self, timeout_ms: int) -> tuple[bytes, dict[str, Any], list] | None:
-        if not self.sock.poll(timeout_ms):
+    def _recv(
+        self, timeout_ms: int, spin: bool = False
+    ) -> tuple[bytes, dict[str, Any], list] | None:
+        if not P.wait_readable(self.sock, timeout_ms, spin):
             return None
         identity, *frames = self.sock.recv_multipart(copy=False)
         try:
@@ -228,8 +230,10 @@ class Hub:
         slowest = local_compute
         partials: dict[bytes, torch.Tensor] = {}
         deadline = time.monotonic() + STEP_TIMEOUT
+        spin = True  # partials are due within a step: spin after each arrival, else sleep
         while waiting:
-            msg = self._recv(50)
+            msg = self._recv(50, spin)
+            spin = msg is not None
             if msg is None:
                 for m in waiting.values():
                     if self.heartbeat.silence(m.name) > DEAD_AFTER:

@@ -98,9 +98,11 @@ class Worker:
     def _recv(self, timeout: float, waiting_for: str) -> list[Any]:
         """The next message's frames; fails if the master goes silent or `timeout` passes."""
         deadline = time.monotonic() + timeout
+        spin = True  # only right after the last message: an idle node sleeps
         while True:
-            if self.sock.poll(100):
+            if P.wait_readable(self.sock, 100, spin):
                 return self.sock.recv_multipart(copy=False)
+            spin = False
             if self.heartbeat and self.heartbeat.master_silence() > DEAD_AFTER:
                 raise NodeError(
                     f"the master at {self.endpoint} stopped answering while {waiting_for} "
