@@ -8,6 +8,8 @@ adds the workers' partials: two hops per sum, whatever the node count.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,15 +17,19 @@ from typing import Any
 
 import torch
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from memory.shards import Manifest, ShardStore
 from node import protocol as P
 from node.heartbeat import DEAD_AFTER, HeartbeatServer
+from node.security import JoinToken, Keypair, secure_server
 from node.worker import Capacity
 
 log = logging.getLogger(__name__)
 
 STEP_TIMEOUT = 300.0  # s: a hard cap on one block's gather, beyond heartbeat liveness
+FIRST_BEAT = 10.0  # s a worker has, after WELCOME, to send its first heartbeat
 
 
 class ClusterError(Exception):
@@ -39,29 +45,60 @@ class Member:
     address: str = ""
     ready: bool = False
     alive: bool = True
+    beat_seen: bool = False
+
+
+class _TokenHolders:
+    """ZAP: admit only the client key that the current join token derives."""
+
+    def __init__(self, token: JoinToken) -> None:
+        self.allowed = token.client_keys().public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key == self.allowed:
+            return True
+        log.warning("refused a node: its key does not come from the current join token")
+        return False
 
 
 class Hub:
+    """The master's sockets. Links are CurveZMQ: `keys` is the master's keypair and `token` the
+    join token nodes must hold; both are made up for this process when not given (a local
+    cluster hands the token to its own workers)."""
+
     def __init__(
         self,
         bind: str = "127.0.0.1",
         port: int = 0,
         model_names: tuple[str, ...] = (),
         ship_rate: float | None = None,
+        keys: Keypair | None = None,
+        token: JoinToken | None = None,
     ) -> None:
+        if keys is None:
+            public, secret = zmq.curve_keypair()
+            keys = Keypair(public, secret)
+        self.keys = keys
+        self.token = token or JoinToken(keys.public, os.urandom(16))
         self.context = zmq.Context()
+        self.auth = ThreadAuthenticator(self.context, log=logging.getLogger("edgetp.auth"))
+        self.auth.start()
+        self.auth.configure_curve_callback("*", _TokenHolders(self.token))
         self.sock = self.context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        secure_server(self.sock, keys)
+        self._watch_handshakes()
         if port:
             self.sock.bind(f"tcp://{bind}:{port}")
             self.port = port
         else:
             self.port = self.sock.bind_to_random_port(f"tcp://{bind}")
-        self.heartbeat = HeartbeatServer(self.context, bind)
+        self.heartbeat = HeartbeatServer(self.context, bind, keys)
         self.model_names = model_names  # names a worker may ask for (None: any)
         self.ship_rate = ship_rate  # bytes/s cap on shard shipping, for shared links
         self.members: list[Member] = []
+        self.pending: list[Member] = []  # joined while serving; planned in at the next re-plan
         self.store: ShardStore | None = None
         self.shipped_bytes = 0
         self._step = 0
@@ -70,6 +107,32 @@ class Hub:
         # Per sum: time from handing out the hidden state to holding every partial, less the
         # longest compute of any node (master included): the latency the allreduce adds.
         self.allreduce_seconds: list[float] = []
+
+    def _watch_handshakes(self) -> None:
+        """Log every connection that fails the Curve handshake (no token, wrong master key)."""
+        monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+
+        def watch() -> None:
+            while True:
+                try:
+                    event = recv_monitor_message(monitor)
+                except zmq.ZMQError:
+                    return
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                log.warning(
+                    "refused a connection on %s: the Curve handshake failed (%s); "
+                    "a node needs the join token this master printed",
+                    event["endpoint"].decode(errors="replace"),
+                    zmq.Event(event["event"]).name,
+                )
+            monitor.close(0)
+
+        threading.Thread(target=watch, name="handshake-log", daemon=True).start()
 
     # -- plumbing ---------------------------------------------------------------------------
     def _send(self, identity: bytes, header: dict[str, Any], tensors: tuple = ()) -> None:
@@ -108,6 +171,13 @@ class Hub:
             if member:
                 member.ready = True
                 log.info("node %s ready", member.name)
+        elif op == P.LEAVE:
+            member = self._member(identity)
+            if member:
+                member.alive = False
+                log.info(
+                    "node %s left; its share goes to the others at the next re-plan", member.name
+                )
         elif op == P.ERROR:
             member = self._member(identity)
             name = member.name if member else identity.decode(errors="replace")
@@ -126,15 +196,18 @@ class Hub:
                 f"this node asked for model {header['model']!r} but the master runs "
                 f"{self.model_names[0]!r}"
             )
-        elif self._planned:
-            reason = "the cluster is already planned; join before the master starts serving"
         if reason:
             log.warning("refused node %s: %s", name, reason)
             self._send(identity, {"op": P.REFUSE, "reason": reason})
             return
         capacity = Capacity(**header["capacity"])
-        self.members.append(Member(identity, name, capacity, header.get("model")))
-        log.info("node %s joined (capacity %s)", name, capacity)
+        member = Member(identity, name, capacity, header.get("model"))
+        if self._planned:  # serving: it takes a share at the next re-plan, between requests
+            self.pending.append(member)
+            log.info("node %s joined; it gets a share at the next re-plan", name)
+        else:
+            self.members.append(member)
+            log.info("node %s joined (capacity %s)", name, capacity)
 
     def _serve_chunk(self, identity: bytes, header: dict[str, Any]) -> None:
         ref_sha = str(header.get("sha256", ""))
@@ -166,6 +239,34 @@ class Hub:
             if msg:
                 self._handle_control(msg[0], msg[1])
 
+    def membership_changed(self, wait: float = 0.0) -> bool:
+        """Between requests: take in joins and leaves (waiting up to `wait` s); True when the
+        plan no longer matches the members."""
+        deadline = time.monotonic() + wait
+        while True:
+            msg = self._recv(0 if time.monotonic() >= deadline else 50)
+            if msg:
+                self._handle_control(msg[0], msg[1])
+                continue
+            for m in self.members:
+                if m.alive and self.heartbeat.silence(m.name) > DEAD_AFTER:
+                    m.alive = False
+                    log.warning("node %s stopped answering; dropping it", m.name)
+            if self.pending or any(not m.alive for m in self.members):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+
+    def take_in_changes(self) -> None:
+        """Drop the members that left and admit the pending ones, before a re-plan."""
+        for m in self.members:
+            if not m.alive:
+                self.heartbeat.forget(m.name)
+        self.members = [m for m in self.members if m.alive] + self.pending
+        self.pending = []
+        for m in self.members:
+            m.ready = False
+
     def ship(
         self,
         manifest: Manifest,
@@ -191,13 +292,15 @@ class Hub:
                 "heartbeat_port": self.heartbeat.port,
             }
             self._send(member.identity, welcome)
-        deadline = time.monotonic() + timeout
+        welcomed = time.monotonic()
+        deadline = welcomed + timeout
         while not all(m.ready for m in self.members):
             for m in self.members:
-                # A worker is silent until its first beat after WELCOME; allow for start-up.
-                silent = self.heartbeat.silence(m.name)
-                if silent != float("inf") and silent > DEAD_AFTER:
+                # A worker's first beat comes just after WELCOME; allow it FIRST_BEAT to start.
+                silent = min(self.heartbeat.silence(m.name), time.monotonic() - welcomed)
+                if silent > max(DEAD_AFTER, FIRST_BEAT if not m.beat_seen else 0.0):
                     raise ClusterError(f"node {m.name} stopped answering while loading its shards")
+                m.beat_seen = m.beat_seen or self.heartbeat.silence(m.name) != float("inf")
             if time.monotonic() > deadline:
                 raise ClusterError(f"workers did not load their shards within {timeout:.0f} s")
             msg = self._recv(100)
@@ -285,5 +388,7 @@ class Hub:
                 except ClusterError:
                     pass
         self.heartbeat.close()
+        self.sock.disable_monitor()
         self.sock.close(linger=1000)  # let the BYEs leave before the socket goes
+        self.auth.stop()
         self.context.term()

@@ -19,6 +19,7 @@ from master.cluster import Hub
 from master.engine import Engine
 from master.session import cluster_engine, set_threads
 from models.source import ModelSource
+from node.security import TOKEN_ENV, JoinToken
 from node.worker import default_state_dir
 
 log = logging.getLogger(__name__)
@@ -31,11 +32,22 @@ def thread_share(nodes: int) -> int:
 class LocalWorkers:
     """`count` worker processes joining the master at 127.0.0.1:`port`; stopped on exit."""
 
-    def __init__(self, count: int, port: int, threads: int, state_dir: Path, verbose: bool) -> None:
+    def __init__(
+        self,
+        count: int,
+        port: int,
+        threads: int,
+        state_dir: Path,
+        verbose: bool,
+        token: JoinToken,
+        first: int = 1,
+    ) -> None:
+        # The token goes by environment, not argv, where any local user could read it.
+        env = os.environ | {TOKEN_ENV: str(token)}
         self.procs: list[subprocess.Popen[bytes]] = []
         log_dir = state_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        for k in range(count):
+        for k in range(first - 1, first - 1 + count):
             cmd = [
                 sys.executable, "-m", "tui.cli", *(["-v"] if verbose else []), "join",
                 f"127.0.0.1:{port}", "--threads", str(threads), "--name", f"local-{k + 1}",
@@ -43,7 +55,9 @@ class LocalWorkers:
                 "--state-dir", str(state_dir),
             ]  # fmt: skip
             with open(log_dir / f"local-{k + 1}.log", "ab") as log_file:
-                self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file))
+                self.procs.append(
+                    subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file, env=env)
+                )
 
     def stop(self, timeout: float = 5.0) -> None:
         for p in self.procs:
@@ -88,7 +102,7 @@ def local_engine(
     state_dir = state_dir or default_state_dir()
     hub = Hub("127.0.0.1", 0, model_names=(source.name,))
     try:
-        with LocalWorkers(nodes - 1, hub.port, threads, state_dir, verbose) as workers:
+        with LocalWorkers(nodes - 1, hub.port, threads, state_dir, verbose, hub.token) as workers:
             hub.wait_for_workers(nodes - 1, timeout=120)
             capacities = capacities or [1.0] * nodes  # one machine: equal shares
             yield cluster_engine(source, hub, capacities, state_dir, context, slots)

@@ -13,6 +13,7 @@ import time
 import zmq
 
 from node.protocol import HEARTBEAT, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, decode, encode
+from node.security import JoinToken, Keypair, secure_client, secure_server
 
 DEAD_AFTER = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
 
@@ -20,9 +21,10 @@ DEAD_AFTER = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
 class HeartbeatServer:
     """The master's side: answers every beat and remembers when each node last beat."""
 
-    def __init__(self, context: zmq.Context, host: str) -> None:
+    def __init__(self, context: zmq.Context, host: str, keys: Keypair) -> None:
         self._socket = context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        secure_server(self._socket, keys)
         self.port = self._socket.bind_to_random_port(f"tcp://{host}")
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -65,9 +67,13 @@ class HeartbeatServer:
 class HeartbeatClient:
     """A node's side: beats to the master and notices when the master stops answering."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, name: str) -> None:
+    def __init__(
+        self, context: zmq.Context, endpoint: str, name: str, token: JoinToken | None
+    ) -> None:
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if token:
+            secure_client(self._socket, token)
         self._socket.connect(endpoint)
         self._name = name
         self._last_reply = time.monotonic()

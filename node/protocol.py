@@ -4,7 +4,7 @@ A message is a msgpack header frame (a dict with an "op") followed by zero or mo
 frames, whose dtype and shape travel in the header under "tensors". Nothing is pickled. On the
 master's ROUTER socket the first frame is the peer's identity.
 
-    node -> master: HELLO, FETCH, READY, PARTIAL, HEARTBEAT, ERROR
+    node -> master: HELLO, FETCH, READY, PARTIAL, LEAVE, HEARTBEAT, ERROR
     master -> node: WELCOME, REFUSE, CHUNK, STEP, HEARTBEAT, BYE
 """
 
@@ -26,10 +26,11 @@ DEFAULT_PORT = 7470
 HELLO = "hello"  # {version, name, capacity, model?}
 FETCH = "fetch"  # {sha256, offset, size}: a chunk of a shard file
 READY = "ready"  # shards verified and loaded
+LEAVE = "leave"  # the node is shutting down; re-plan without it
 PARTIAL = "partial"  # {step, layer, block} + one tensor
 ERROR = "error"  # {message}
 # master -> node
-WELCOME = "welcome"  # {node, config, slice, shards, rope, context, slots}
+WELCOME = "welcome"  # {node, config, slice, shards, rope, context, slots}; again on re-plan
 REFUSE = "refuse"  # {reason}
 CHUNK = "chunk"  # {sha256, offset, eof} + one bytes frame
 STEP = "step"  # {step, layer, block, batch?} + hidden state tensor

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from memory.shards import ShardRef, ShardStore, sha256_file
 from models.config import ModelConfig
@@ -24,6 +25,7 @@ from node import protocol as P
 from node.executor import SliceExecutor
 from node.heartbeat import DEAD_AFTER, HeartbeatClient
 from node.kvcache import KVCache
+from node.security import JoinToken, fingerprint, save_node_token, secure_client
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +76,14 @@ class Worker:
         name: str | None = None,
         model: str | None = None,
         progress: Callable[[int, int], None] | None = None,
+        token: JoinToken | None = None,
     ) -> None:
         self.endpoint = f"tcp://{master}"
+        self.token = token
+        self.state_dir = state_dir or default_state_dir()
         self.host = master.rsplit(":", 1)[0]
         self.capacity = capacity
-        self.store = ShardStore((state_dir or default_state_dir()) / "shards")
+        self.store = ShardStore(self.state_dir / "shards")
         self.name = name or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         self.model = model
         self.progress = progress
@@ -86,6 +91,14 @@ class Worker:
         self.sock = self.context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        if token:
+            secure_client(self.sock, token)
+        # Until the master answers, watch the handshake: a refused token shows up only here.
+        self._handshake_events = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
         self.heartbeat: HeartbeatClient | None = None
         self.fetched_bytes = 0
         self.resumed_bytes = 0
@@ -103,6 +116,7 @@ class Worker:
             if P.wait_readable(self.sock, 100, spin):
                 return self.sock.recv_multipart(copy=False)
             spin = False
+            self._check_handshake()
             if self.heartbeat and self.heartbeat.master_silence() > DEAD_AFTER:
                 raise NodeError(
                     f"the master at {self.endpoint} stopped answering while {waiting_for} "
@@ -111,6 +125,24 @@ class Worker:
             if time.monotonic() > deadline:
                 raise NodeError(f"no answer from the master at {self.endpoint} while {waiting_for}")
 
+    def _check_handshake(self) -> None:
+        if self._handshake_events is None or not self._handshake_events.poll(0):
+            return
+        event = recv_monitor_message(self._handshake_events)["event"]
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (
+                "the master refused this node's join token (wrong, or rotated with "
+                "--new-token): use the token the master prints now"
+            )
+        elif self.token is None:
+            why = "the master requires a join token: run edgetp join HOST --token TOKEN"
+        else:
+            why = (
+                f"the secure handshake with {self.endpoint} failed: the token names master key "
+                f"{fingerprint(self.token.master_public)}, which is not this master's"
+            )
+        raise NodeError(why)
+
     # -- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
         """Join, sync shards, then serve steps until the master says BYE."""
@@ -118,15 +150,28 @@ class Worker:
         try:
             welcome = self._handshake()
             self.heartbeat = HeartbeatClient(
-                self.context, f"tcp://{self.host}:{welcome['heartbeat_port']}", self.name
+                self.context,
+                f"tcp://{self.host}:{welcome['heartbeat_port']}",
+                self.name,
+                self.token,
             )
-            executor = self._load(welcome)
+            try:
+                executor = self._load(welcome)
+            except Exception as exc:  # tell the master, which is waiting for READY
+                self._send({"op": P.ERROR, "message": f"{type(exc).__name__}: {exc}"})
+                raise
             self._send({"op": P.READY, "fetched": self.fetched_bytes})
             log.info("node %s ready: slice %s", self.name, executor.slice)
             self._serve(executor)
+        except KeyboardInterrupt:  # stopped by its owner: tell the master, which re-plans
+            self._send({"op": P.LEAVE})
+            log.info("node %s leaving", self.name)
         finally:
             if self.heartbeat:
                 self.heartbeat.close()
+            if self._handshake_events is not None:
+                self.sock.disable_monitor()
+                self._handshake_events.close(0)
             self.sock.close(0)
             self.context.term()
 
@@ -145,6 +190,11 @@ class Worker:
             raise NodeError(f"the master refused this node: {header['reason']}")
         if header["op"] != P.WELCOME:
             raise NodeError(f"unexpected answer to HELLO: {header['op']!r}")
+        self.sock.disable_monitor()
+        self._handshake_events.close(0)
+        self._handshake_events = None
+        if self.token:
+            save_node_token(self.state_dir, self.token)
         return header
 
     def _load(self, welcome: dict[str, Any]) -> SliceExecutor:
@@ -201,6 +251,17 @@ class Worker:
             raise NodeError(f"shard {ref.filename} arrived corrupt (sha256 mismatch); run again")
         os.replace(part, self.store.path(ref))
 
+    def _reload(self, welcome: dict[str, Any]) -> SliceExecutor:
+        before = self.fetched_bytes
+        try:
+            executor = self._load(welcome)
+        except Exception as exc:
+            self._send({"op": P.ERROR, "message": f"{type(exc).__name__}: {exc}"})
+            raise
+        self._send({"op": P.READY, "fetched": self.fetched_bytes - before})
+        log.info("node %s re-planned: slice %s", self.name, executor.slice)
+        return executor
+
     def _serve(self, executor: SliceExecutor) -> None:
         while True:
             frames = self._recv(float("inf"), "waiting for work")
@@ -209,6 +270,9 @@ class Worker:
             if op == P.BYE:
                 log.info("master said bye: %s", header.get("reason", ""))
                 return
+            if op == P.WELCOME:  # a re-plan: a new slice, maybe new shards to fetch
+                executor = self._reload(welcome=header)
+                continue
             if op != P.STEP:
                 raise NodeError(f"unexpected message from the master: {op!r}")
             try:

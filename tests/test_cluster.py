@@ -23,6 +23,7 @@ from master.splitter import split_model
 from memory.shards import ShardStore
 from models.layers import StepBatch
 from node import protocol as P
+from node.security import TOKEN_ENV, secure_client
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three reasons to le
 @contextlib.contextmanager
 def local_cluster(source, capacities, state_dir: Path, worker_dir: Path | None = None, slots=3):
     hub = Hub("127.0.0.1", 0, model_names=(source.name,))
-    workers = LocalWorkers(len(capacities) - 1, hub.port, 1, worker_dir or state_dir, False)
+    workers = LocalWorkers(
+        len(capacities) - 1, hub.port, 1, worker_dir or state_dir, False, hub.token
+    )
     try:
         hub.wait_for_workers(len(capacities) - 1, timeout=120)
         yield cluster_engine(source, hub, capacities, state_dir, 256, slots), hub, workers
@@ -116,7 +119,7 @@ def _node1_refs(smollm2, master_store):
 def _ship_once(smollm2, manifest, master_store, worker_dir, kill_when_part_exceeds=None):
     """Ship node 1's shards to a fresh worker process; optionally kill it mid-transfer."""
     hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,), ship_rate=40e6)
-    workers = LocalWorkers(1, hub.port, 1, worker_dir, False)
+    workers = LocalWorkers(1, hub.port, 1, worker_dir, False, hub.token)
     stop = threading.Event()
 
     def killer() -> None:
@@ -180,6 +183,7 @@ def test_handshake_refuses_another_version_and_another_model(smollm2, tmp_path, 
         ]:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            secure_client(sock, hub.token)
             sock.connect(f"tcp://127.0.0.1:{hub.port}")
             capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
             sock.send_multipart(
@@ -213,7 +217,7 @@ def test_join_with_another_model_exits_with_a_clear_error(smollm2, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=os.environ,
+        env=os.environ | {TOKEN_ENV: str(hub.token)},
     )
     try:
         _pump(hub, 15)

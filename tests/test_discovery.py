@@ -1,0 +1,76 @@
+"""Finding a master with real mDNS traffic (kept on the loopback interface)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+from master.cluster import Hub
+from node.discovery import Announcer, MasterAd, browse
+from node.protocol import PROTOCOL_VERSION
+from node.security import TOKEN_ENV, fingerprint
+
+LOOPBACK = "127.0.0.1"
+
+
+def _join(*args: str, token: str | None, state) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    if token:
+        env[TOKEN_ENV] = token
+    cmd = [sys.executable, "-m", "tui.cli", "join", "--interface", LOOPBACK, "--state-dir"]
+    return subprocess.Popen(
+        [*cmd, str(state), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _announce(hub: Hub, cluster: str) -> Announcer:
+    ad = MasterAd(
+        cluster, "model.gguf", PROTOCOL_VERSION, fingerprint(hub.keys.public), LOOPBACK, hub.port
+    )
+    return Announcer(ad, [LOOPBACK], LOOPBACK)
+
+
+def test_browse_sees_the_announcement():
+    hub = Hub(LOOPBACK, 0)
+    cluster = f"test-{uuid.uuid4().hex[:6]}"
+    announcer = _announce(hub, cluster)
+    try:
+        ads = [a for a in browse(2.0, LOOPBACK) if a.cluster == cluster]
+    finally:
+        announcer.close()
+        hub.close()
+    assert len(ads) == 1
+    ad = ads[0]
+    assert (ad.host, ad.port, ad.model, ad.version) == (LOOPBACK, hub.port, "model.gguf", 1)
+    assert ad.fingerprint == fingerprint(hub.keys.public)
+
+
+def test_join_without_an_address_finds_and_joins_the_master(tmp_path):
+    hub = Hub(LOOPBACK, 0)
+    cluster = f"test-{uuid.uuid4().hex[:6]}"
+    announcer = _announce(hub, cluster)
+    proc = _join("--cluster", cluster, token=str(hub.token), state=tmp_path)
+    try:
+        hub.wait_for_workers(1, timeout=60)
+        assert len(hub.members) == 1
+    finally:
+        announcer.close()
+        hub.close()
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert f"joining {cluster} at {LOOPBACK}:{hub.port}" in err
+
+
+def test_join_says_so_when_no_master_answers(tmp_path):
+    proc = _join("--cluster", "no-such-cluster", token=None, state=tmp_path)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    last = err.strip().splitlines()[-1]
+    assert "no master named 'no-such-cluster' answered" in last
+    assert "edgetp join HOST:PORT --token TOKEN" in last

@@ -1,0 +1,73 @@
+"""Workers joining and leaving between requests: re-plan, ship only what changed, same answer."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from master.cluster import Hub
+from master.generate import start, stream
+from master.local import LocalWorkers
+from master.sampling import SamplingParams
+from master.session import cluster_engine
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "List three uses of a paperclip:"
+
+
+def answer(engine, tokenizer) -> list[int]:
+    (g,) = start(engine, [tokenizer.encode(PROMPT)], [SamplingParams(max_tokens=24)])
+    for _ in stream(engine, tokenizer, [g]):
+        pass
+    return g.tokens
+
+
+def replan(hub, smollm2, master_dir):
+    hub.take_in_changes()
+    before = hub.shipped_bytes
+    engine = cluster_engine(smollm2, hub, [1.0] * (1 + len(hub.members)), master_dir, 128, 1)
+    return engine, hub.shipped_bytes - before
+
+
+def test_join_and_leave_between_requests(smollm2, smollm2_tokenizer, tmp_path):
+    hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
+    first = LocalWorkers(1, hub.port, 1, tmp_path / "w1", False, hub.token, first=1)
+    second = None
+    try:
+        hub.wait_for_workers(1, timeout=120)
+        engine = cluster_engine(smollm2, hub, [1, 1], tmp_path / "master", 128, 1)
+        shipped_first = hub.shipped_bytes
+        one = answer(engine, smollm2_tokenizer)
+        assert not hub.membership_changed()
+
+        second = LocalWorkers(1, hub.port, 1, tmp_path / "w2", False, hub.token, first=2)
+        assert hub.membership_changed(wait=60)
+        engine, shipped_join = replan(hub, smollm2, tmp_path / "master")
+        assert [m.name for m in hub.members] == ["local-1", "local-2"]
+        assert len(engine.slices) == 1  # the master's own; two workers hold the rest
+        two = answer(engine, smollm2_tokenizer)
+
+        second.procs[0].send_signal(signal.SIGINT)  # a worker leaves
+        deadline = time.monotonic() + 30
+        while not hub.membership_changed(wait=0.5):
+            assert time.monotonic() < deadline, "the leave was not noticed"
+        engine, shipped_leave = replan(hub, smollm2, tmp_path / "master")
+        assert [m.name for m in hub.members] == ["local-1"]
+        three = answer(engine, smollm2_tokenizer)
+    finally:
+        hub.close()
+        first.stop()
+        if second:
+            second.stop()
+    print(
+        f"2 nodes: shipped {shipped_first} B; worker joined -> 3 nodes: shipped {shipped_join} B; "
+        f"worker left -> 2 nodes: shipped {shipped_leave} B"
+    )
+    assert one == two == three
+    assert shipped_join > 0
+    # Back to the 2-node plan: the remaining worker still holds those shards; nothing ships.
+    assert shipped_leave == 0
+    assert second.procs[0].returncode == 0  # it left cleanly
