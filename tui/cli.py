@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +22,7 @@ from node.protocol import DEFAULT_PORT
 
 if TYPE_CHECKING:
     from models.source import ModelSource
+    from node.security import JoinToken
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -100,15 +103,31 @@ def _parser() -> argparse.ArgumentParser:
     master.add_argument("--capacities", type=_capacities, default=None)
     master.add_argument("--state-dir", type=Path, default=None)
     master.add_argument("--max-tokens", type=int, default=256)
+    master.add_argument(
+        "--new-token", action="store_true", help="rotate the join token: old tokens stop working"
+    )
+    master.add_argument("--cluster", default=None, help="cluster name to announce (default: host)")
+    master.add_argument("--interface", default=None, help="IPv4 address to announce mDNS on")
+    master.add_argument("--no-announce", action="store_true", help="do not announce on the LAN")
 
     for name in ("join", "node"):
         join = sub.add_parser(name, help="join a master as a worker")
-        join.add_argument("master", help="HOST[:PORT] of the master")
+        join.add_argument(
+            "master", nargs="?", default=None, help="HOST[:PORT] of the master (default: find it)"
+        )
+        join.add_argument("--cluster", default=None, help="with several masters: which one")
+        join.add_argument("--interface", default=None, help="IPv4 address to browse mDNS on")
         join.add_argument("--threads", type=int, default=None)
         join.add_argument("--memory-budget", default=None, help="e.g. 2GB (default: all RAM)")
         join.add_argument("--name", default=None, help="this node's name (default: host-random)")
         join.add_argument("--model", default=None, help="refuse a master running another model")
         join.add_argument("--state-dir", type=Path, default=None)
+        join.add_argument(
+            "--token",
+            default=None,
+            help="the join token the master printed (or set EDGETP_TOKEN; remembered after "
+            "a successful join)",
+        )
 
     bench = sub.add_parser("bench", help="measure ms/token against the reference implementation")
     _add_model_args(bench)
@@ -122,6 +141,36 @@ def _parser() -> argparse.ArgumentParser:
         help="node counts to compare, e.g. 1,2,3 (instead of the transformers comparison)",
     )
     bench.add_argument("--state-dir", type=Path, default=None)
+
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible REST API")
+    _add_model_args(serve)
+    _add_cluster_args(serve)
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: this machine only)"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (or set EDGETP_API_KEY)",
+    )
+    serve.add_argument(
+        "--max-batch", type=int, default=8, help="requests generated at once (KV-cache slots)"
+    )
+
+    bench_serve = sub.add_parser(
+        "bench-serve", help="aggregate tokens/s of edgetp serve with concurrent streaming clients"
+    )
+    bench_serve.add_argument("--model", default=None)
+    bench_serve.add_argument("--context", type=int, default=None)
+    bench_serve.add_argument("--local-nodes", type=int, default=1)
+    bench_serve.add_argument(
+        "--clients", type=_node_counts, default=[1, 4, 8], help="client counts (default 1,4,8)"
+    )
+    bench_serve.add_argument("--tokens", type=int, default=64, help="greedy tokens per client")
+    bench_serve.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians")
+    bench_serve.add_argument("--json", default=None, help="also write the results to this file")
+    bench_serve.add_argument("--state-dir", type=Path, default=None)
     return parser
 
 
@@ -165,39 +214,77 @@ def _engine(args: argparse.Namespace, source: ModelSource) -> contextlib.Abstrac
 
 def _master(args: argparse.Namespace) -> None:
     from master.cluster import ClusterError, Hub
+    from master.engine import Engine
     from master.generate import start, stream
     from master.sampling import SamplingParams
     from master.session import cluster_engine, open_with_tokenizer, prompt_tokens, set_threads
+    from node.discovery import Announcer, MasterAd, announce_addresses
+    from node.protocol import PROTOCOL_VERSION
+    from node.security import fingerprint, master_keys, master_token
     from node.worker import default_state_dir, measure_capacity
     from tui.progress import progress_bar
 
     threads = set_threads(args.threads)
     source, tokenizer = open_with_tokenizer(args.model)
-    hub = Hub(args.bind, args.port, model_names=(source.name,))
+    state_dir = args.state_dir or default_state_dir()
+    keys = master_keys(state_dir / "master")
+    token = master_token(state_dir / "master", keys, rotate=args.new_token)
+    hub = Hub(args.bind, args.port, model_names=(source.name,), keys=keys, token=token)
+    announcer = None
     try:
+        if not args.no_announce:
+            addresses = announce_addresses(args.bind, args.interface)
+            ad = MasterAd(
+                args.cluster or socket.gethostname(),
+                source.name,
+                PROTOCOL_VERSION,
+                fingerprint(keys.public),
+                addresses[0],
+                hub.port,
+            )
+            announcer = Announcer(ad, addresses, args.interface)
         print(
-            f"edgetp master: {source.name} on port {hub.port}; on each worker run: "
-            f"edgetp join THIS_HOST:{hub.port}",
+            f"edgetp master: {source.name} on port {hub.port} (key {fingerprint(keys.public)})\n"
+            f"on each worker run:  edgetp join THIS_HOST:{hub.port} --token {token}",
             file=sys.stderr,
         )
         hub.wait_for_workers(args.workers, timeout=args.join_timeout)
-        capacities = args.capacities or [measure_capacity(threads).score()] + [
-            m.capacity.score() for m in hub.members
-        ]
-        state_dir = args.state_dir or default_state_dir()
-        with progress_bar("splitting into shards (layers)", in_bytes=False) as split_progress:
-            engine = cluster_engine(
-                source,
-                hub,
-                capacities,
-                state_dir / "master",
-                args.context,
-                progress=lambda _, done, total: split_progress(done, total),
+        master_speed = measure_capacity(threads).score()
+
+        def plan() -> Engine:
+            nodes = 1 + len(hub.members)
+            capacities = (
+                args.capacities
+                if args.capacities and len(args.capacities) == nodes
+                else [
+                    master_speed,
+                    *(m.capacity.score() for m in hub.members),
+                ]
             )
+            with progress_bar("splitting into shards (layers)", in_bytes=False) as split_progress:
+                return cluster_engine(
+                    source,
+                    hub,
+                    capacities,
+                    state_dir / "master",
+                    args.context,
+                    progress=lambda _, done, total: split_progress(done, total),
+                )
+
+        engine = plan()
         print("edgetp master: ready; type a prompt per line (Ctrl-D to stop)", file=sys.stderr)
         for line in sys.stdin:
             if not line.strip():
                 continue
+            if hub.membership_changed():  # between requests: re-plan for who is here now
+                hub.take_in_changes()
+                shipped = hub.shipped_bytes
+                engine = plan()
+                print(
+                    f"edgetp master: re-planned for {1 + len(hub.members)} nodes; "
+                    f"shipped {hub.shipped_bytes - shipped} bytes",
+                    file=sys.stderr,
+                )
             try:
                 seqs = start(
                     engine,
@@ -211,22 +298,69 @@ def _master(args: argparse.Namespace) -> None:
             except (ClusterError, ModelError) as exc:  # the master keeps running
                 print(f"edgetp: error: {exc}", file=sys.stderr)
     finally:
+        if announcer:
+            announcer.close()
         hub.close()
 
 
 def _join(args: argparse.Namespace) -> None:
     from master.session import set_threads
     from memory.budget import parse_size
-    from node.worker import Worker, measure_capacity
+    from node.security import TOKEN_ENV, JoinToken, load_node_token
+    from node.worker import Worker, default_state_dir, measure_capacity
     from tui.progress import progress_bar
 
     threads = set_threads(args.threads)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
-    address = args.master if ":" in args.master else f"{args.master}:{DEFAULT_PORT}"
+    state_dir = args.state_dir or default_state_dir()
+    text = args.token or os.environ.get(TOKEN_ENV)
+    token = JoinToken.parse(text) if text else load_node_token(state_dir)
+    if args.master is None:
+        address = _find_master(args.cluster, args.interface, token)
+    else:
+        address = args.master if ":" in args.master else f"{args.master}:{DEFAULT_PORT}"
     capacity = measure_capacity(threads, budget)
     with progress_bar("fetching shards", in_bytes=True) as fetch_progress:
-        worker = Worker(address, capacity, args.state_dir, args.name, args.model, fetch_progress)
+        worker = Worker(
+            address, capacity, state_dir, args.name, args.model, fetch_progress, token=token
+        )
         worker.run()
+
+
+BROWSE_SECONDS = 3.0
+
+
+def _find_master(cluster: str | None, interface: str | None, token: JoinToken | None) -> str:
+    """HOST:PORT of the master found on the LAN, asking when there are several."""
+    from node.discovery import browse
+    from node.security import fingerprint
+
+    print(f"edgetp: looking for masters on the LAN ({BROWSE_SECONDS:.0f} s)...", file=sys.stderr)
+    ads = browse(BROWSE_SECONDS, interface)
+    if token:  # a master whose key is not the token's cannot be the one meant
+        ads = [a for a in ads if a.fingerprint == fingerprint(token.master_public)] or ads
+    if cluster:
+        ads = [a for a in ads if a.cluster == cluster]
+    if not ads:
+        what = f"no master named {cluster!r}" if cluster else "no master"
+        raise ValueError(
+            f"{what} answered on the LAN within {BROWSE_SECONDS:.0f} s (multicast may be "
+            f"blocked here); give its address: edgetp join HOST:PORT --token TOKEN"
+        )
+    if len(ads) == 1:
+        ad = ads[0]
+    elif sys.stdin.isatty():
+        for i, a in enumerate(ads, 1):
+            print(f"  {i}. {a.cluster}  {a.model}  {a.address}", file=sys.stderr)
+        choice = input(f"join which master [1-{len(ads)}]? ").strip()
+        if not choice.isdigit() or not 1 <= int(choice) <= len(ads):
+            raise ValueError(f"no master numbered {choice!r}")
+        ad = ads[int(choice) - 1]
+    else:
+        names = ", ".join(f"{a.cluster} ({a.address})" for a in ads)
+        raise ValueError(f"several masters answered: {names}; pick one with --cluster NAME")
+    print(f"edgetp: joining {ad.cluster} at {ad.address} ({ad.model})", file=sys.stderr)
+    return ad.address
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -240,7 +374,50 @@ def _bench(args: argparse.Namespace) -> None:
         run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)
 
 
-COMMANDS = {"run": _run, "bench": _bench, "master": _master, "join": _join, "node": _join}
+def _serve(args: argparse.Namespace) -> None:
+    import os
+
+    from master.bridge.server import serve
+
+    serve(
+        args.model,
+        len(args.capacities) if args.capacities else args.local_nodes,
+        args.capacities,
+        args.threads,
+        args.state_dir,
+        args.context,
+        args.host,
+        args.port,
+        args.api_key or os.environ.get("EDGETP_API_KEY"),
+        args.max_batch,
+        args.verbose,
+    )
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    from master.bridge.bench import run_serve_bench
+
+    run_serve_bench(
+        args.model,
+        args.local_nodes,
+        args.clients,
+        args.tokens,
+        args.rounds,
+        args.context,
+        args.state_dir,
+        args.json,
+    )
+
+
+COMMANDS = {
+    "run": _run,
+    "bench": _bench,
+    "master": _master,
+    "join": _join,
+    "node": _join,
+    "serve": _serve,
+    "bench-serve": _bench_serve,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

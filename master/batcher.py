@@ -1,0 +1,365 @@
+"""Continuous batching: one thread owns the engine and steps every active request together.
+
+The engine is not thread-safe, so exactly one thread, the loop here, calls it. Fronts (the REST
+bridge) `submit` a prompt from any thread and get events back through a callback; the loop admits
+a new request into a free KV-cache slot before the next step, so it starts at once instead of
+waiting for the others to finish, and decodes in the same steps as they do. A cancelled request
+is dropped before the next step and its slot freed: at most the step already running when the
+cancel came still computes its token.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from master.cluster import ClusterError
+from master.engine import Engine
+from master.generate import Generation, check_prompt, step
+from master.sampling import Sampler, SamplingParams
+from models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+RECENT_STEPS = 64  # steps kept for the live figures (ms per step, tokens/s)
+MIXED_PREFILL_MAX = 4  # longest new prompt that shares a step with decoding sequences
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text for the request (stop strings held back until they can no longer match)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request's last event when it ended normally."""
+
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int  # tokens sampled, an end-of-sequence token included
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request's last event when the step failed (ClusterError: the cluster is down)."""
+
+    error: Exception
+
+
+Event = Delta | Finished | Failed
+
+
+class BusyError(Exception):
+    """Every slot is taken and the waiting line is full."""
+
+
+class ShuttingDown(ClusterError):
+    """The server is stopping: no new requests, running ones end."""
+
+
+@dataclass
+class _Job:
+    id: str
+    generation: Generation
+    on_event: Callable[[Event], None]
+    cancelled: bool = False
+    cancel_step: int = -1  # steps started when the cancel came (the one running included)
+
+
+class Ticket:
+    """A submitted request: cancel it when its client goes away."""
+
+    def __init__(self, batcher: Batcher, job: _Job) -> None:
+        self._batcher = batcher
+        self._job = job
+
+    @property
+    def id(self) -> str:
+        return self._job.id
+
+    def cancel(self) -> None:
+        """Stop generating for this request; safe to call more than once, and after it ended."""
+        self._batcher._cancel(self._job)
+
+
+@dataclass(frozen=True)
+class CancelRecord:
+    """When a cancel came and when the loop acted on it, counted in steps started."""
+
+    id: str
+    tokens: int  # tokens generated before the sequence was dropped
+    requested_during_step: int  # steps started when the cancel came
+    dropped_before_step: int  # the first step that no longer carried it
+
+    @property
+    def late_steps(self) -> int:
+        """Steps started after the cancel that still carried the sequence: 0 when on time.
+
+        The step already running when the cancel came finishes its token regardless.
+        """
+        return self.dropped_before_step - 1 - self.requested_during_step
+
+
+@dataclass
+class BatcherStats:
+    """Counters and live figures; a copy taken under the batcher's lock."""
+
+    slots: int
+    active: int
+    waiting: int
+    steps: int
+    submitted: int
+    completed: int
+    cancelled: int
+    failed: int
+    prompt_tokens: int
+    completion_tokens: int
+    largest_batch: int
+    step_ms_recent: list[float] = field(default_factory=list)
+    batch_recent: list[int] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    last_cancel: CancelRecord | None = None
+    down: str | None = None
+
+
+class Batcher:
+    """The generation loop: `start()` it, `submit()` requests, `close()` it."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, max_waiting: int = 64) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_waiting = max_waiting
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._active: list[_Job] = []
+        self._free = list(range(engine.slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._closed = False
+        self._down: str | None = None
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._run, name="edgetp-batcher", daemon=True)
+        # Counters, changed only under the lock.
+        self._steps = 0
+        self._submitted = self._completed = self._cancelled = self._failed = 0
+        self._prompt_tokens = self._completion_tokens = 0
+        self._largest_batch = 0
+        self._recent: collections.deque[tuple[float, float, int]] = collections.deque(
+            maxlen=RECENT_STEPS
+        )  # (ended at, seconds, sequences) of the latest steps
+        self._last_cancel: CancelRecord | None = None
+
+    # -- the fronts' side --------------------------------------------------------------------
+    def start(self) -> Batcher:
+        self._thread.start()
+        return self
+
+    @property
+    def down(self) -> str | None:
+        """Why the cluster is down (None while it is up)."""
+        return self._down
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        on_event: Callable[[Event], None],
+        request_id: str | None = None,
+    ) -> Ticket:
+        """Queue a request; `on_event` is called from the loop thread (keep it short).
+
+        Raises ModelError for a prompt that does not fit the context, ClusterError when the
+        cluster is down, BusyError when the waiting line is full.
+        """
+        check_prompt(prompt, self.engine.max_context)
+        with self._cond:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down")
+            if self._down:
+                raise ClusterError(self._down)
+            if len(self._waiting) >= self.max_waiting:
+                raise BusyError(
+                    f"all {self.engine.slots} slots are busy and {len(self._waiting)} requests "
+                    f"are waiting; retry later, or restart with a larger --max-batch"
+                )
+            # The slot is chosen when the request is admitted; -1 until then.
+            g = Generation(-1, list(prompt), params, Sampler(params))
+            job = _Job(request_id or f"req-{next(self._ids)}", g, on_event)
+            self._waiting.append(job)
+            self._submitted += 1
+            self._cond.notify()
+        return Ticket(self, job)
+
+    def _cancel(self, job: _Job) -> None:
+        with self._cond:
+            if job.cancelled or job.generation.finished:
+                return
+            job.cancelled = True
+            job.cancel_step = self._steps
+            self._cond.notify()
+
+    def stats(self) -> BatcherStats:
+        with self._cond:
+            recent = list(self._recent)
+            busy = sum(s for _, s, _ in recent)
+            return BatcherStats(
+                slots=self.engine.slots,
+                active=len(self._active),
+                waiting=len(self._waiting),
+                steps=self._steps,
+                submitted=self._submitted,
+                completed=self._completed,
+                cancelled=self._cancelled,
+                failed=self._failed,
+                prompt_tokens=self._prompt_tokens,
+                completion_tokens=self._completion_tokens,
+                largest_batch=self._largest_batch,
+                step_ms_recent=[round(s * 1000, 2) for _, s, _ in recent],
+                batch_recent=[n for _, _, n in recent],
+                tokens_per_s=round(sum(n for _, _, n in recent) / busy, 1) if busy else 0.0,
+                last_cancel=self._last_cancel,
+                down=self._down,
+            )
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still running or waiting fail with a ClusterError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        with self._cond:
+            self._fail_all(ShuttingDown("the server is shutting down"))
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._active and not self._waiting:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                self._admit()
+                batch = self._next_batch()
+                if not batch:
+                    continue
+                self._steps += 1
+                number = self._steps
+            started = time.perf_counter()
+            try:
+                step(self.engine, self.tokenizer, [j.generation for j in batch])
+            except ClusterError as exc:
+                log.error("step %d failed, the cluster is down: %s", number, exc)
+                with self._cond:
+                    self._down = f"the cluster is down: {exc}; restart edgetp serve to re-plan"
+                    self._fail_all(ClusterError(self._down))
+                continue
+            except Exception as exc:  # a bug: fail this batch, keep serving the next requests
+                log.exception("step %d failed", number)
+                with self._cond:
+                    for job in batch:
+                        self._drop(job)
+                        self._failed += 1
+                        _emit(job, Failed(exc))
+                continue
+            seconds = time.perf_counter() - started
+            with self._cond:
+                self._recent.append((time.perf_counter(), seconds, len(batch)))
+                self._largest_batch = max(self._largest_batch, len(batch))
+                for job in batch:
+                    self._deliver(job)
+
+    def _admit(self) -> None:
+        """Drop cancelled requests, then fill free slots from the waiting line (lock held)."""
+        for job in [j for j in self._active if j.cancelled]:
+            self._drop(job)
+            g = job.generation
+            self._cancelled += 1
+            self._completion_tokens += _sampled(g)
+            dropped_before = self._steps + 1
+            self._last_cancel = CancelRecord(job.id, len(g.tokens), job.cancel_step, dropped_before)
+            log.info(
+                "request %s cancelled during step %d after %d tokens; dropped before step %d, "
+                "slot %d freed",
+                job.id,
+                job.cancel_step,
+                len(g.tokens),
+                dropped_before,
+                g.slot,
+            )
+        for job in [j for j in self._waiting if j.cancelled]:
+            self._waiting.remove(job)
+            self._cancelled += 1
+            log.info("request %s cancelled while waiting for a slot", job.id)
+        while self._waiting and self._free:
+            job = self._waiting.popleft()
+            job.generation.slot = self._free.pop()
+            self._active.append(job)
+            self._prompt_tokens += len(job.generation.prompt)
+            log.info(
+                "request %s joins at step %d in slot %d (%d prompt tokens, %d running)",
+                job.id,
+                self._steps + 1,
+                job.generation.slot,
+                len(job.generation.prompt),
+                len(self._active),
+            )
+
+    def _next_batch(self) -> list[_Job]:
+        """The sequences of the next step: all of them, or the new ones' prefill alone.
+
+        A step is right-padded to its longest feed, so a prompt of T tokens sharing a step with
+        D decoding sequences would make each of them compute T rows instead of 1. Above
+        `MIXED_PREFILL_MAX` tokens the new prompts get a step of their own first (the running
+        sequences wait that one step), and everyone decodes together from the next step on.
+        """
+        new = [j for j in self._active if j.generation.position == 0]
+        if new and len(new) < len(self._active):
+            if max(len(j.generation.prompt) for j in new) > MIXED_PREFILL_MAX:
+                return new
+        return list(self._active)
+
+    def _deliver(self, job: _Job) -> None:
+        g = job.generation
+        if job.cancelled:  # nobody is listening; dropped before the next step
+            return
+        text = g.take_text()
+        if text:
+            _emit(job, Delta(text))
+        if g.finished:
+            self._drop(job)
+            self._completed += 1
+            sampled = _sampled(g)
+            self._completion_tokens += sampled
+            _emit(job, Finished(g.finish_reason or "stop", len(g.prompt), sampled))
+
+    def _drop(self, job: _Job) -> None:
+        if job in self._active:
+            self._active.remove(job)
+            self._free.append(job.generation.slot)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for job in [*self._active, *self._waiting]:
+            self._drop(job)
+            self._failed += 1
+            if not job.cancelled:
+                _emit(job, Failed(exc))
+        self._waiting.clear()
+
+
+def _emit(job: _Job, event: Event) -> None:
+    """Hand an event to the request's front; a broken callback must not stop the loop."""
+    try:
+        job.on_event(event)
+    except Exception:
+        log.exception("request %s: delivering %s failed", job.id, type(event).__name__)
+
+
+def _sampled(g: Generation) -> int:
+    """Tokens sampled so far: one per step the sequence took part in."""
+    return 0 if g.position == 0 else g.position - len(g.prompt) + 1

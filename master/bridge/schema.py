@@ -1,0 +1,310 @@
+"""The REST bridge's wire shapes: OpenAI's chat and completions API, as far as edgetp serves it.
+
+Requests are strict: a field of the wrong type (a string for a number, 51.5 for an integer) or
+a field edgetp does not serve is refused with a 400 that names it, rather than coerced or
+silently dropped. Ranges live here, so the OpenAPI document says exactly what is accepted; the
+bounds that depend on the model (the context, the vocabulary) are added to the served schema,
+and what depends on the prompt's length is checked by the handlers.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SEED_LIMIT = 2**53 - 1  # the largest integer a JSON number (a double) holds exactly
+MAX_STOP_STRINGS = 4
+MAX_TEXT = 1_000_000  # characters in one string: far beyond any context
+
+# Constrained strings are checked to be valid Unicode: a lone surrogate ("\udfff", which JSON
+# can carry) is refused here instead of failing in the tokenizer.
+AnyText = Annotated[str, Field(max_length=MAX_TEXT)]
+Text = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+INT_FIELDS = ("max_tokens", "max_completion_tokens", "seed", "n", "top_k", "best_of")
+
+
+def _integral(value: Any) -> Any:
+    """51.0 is an integer to JSON Schema (and JavaScript); 51.5, "51" and true are not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# -- errors -----------------------------------------------------------------------------------
+class ErrorBody(BaseModel):
+    message: str = Field(description="what went wrong and what to change")
+    type: str = Field(description="invalid_request_error, authentication_error, ...")
+    param: str | None = Field(None, description="the request field at fault, if one is")
+    code: str | None = Field(None, description="a stable identifier for the error")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# -- requests ---------------------------------------------------------------------------------
+class StreamOptions(_Strict):
+    include_usage: bool = Field(
+        False, description="send a last chunk, with empty choices, that carries the usage counts"
+    )
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: AnyText
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="'developer' is passed to the chat template as 'system'"
+    )
+    content: AnyText | list[TextPart] = Field(description="text, or a list of text parts (joined)")
+
+
+class SamplingFields(_Strict):
+    """Fields both generation endpoints take."""
+
+    model: AnyText | None = Field(
+        None, description="the served model's id (GET /v1/models); omitted: the served model"
+    )
+    temperature: float | None = Field(
+        None,
+        ge=0.0,
+        le=2.0,
+        description="0 is greedy; default 1. Below 1e-4 counts as 0 (the same argmax).",
+    )
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus mass; default 1")
+    max_tokens: int | None = Field(
+        None, ge=1, description="tokens to generate at most; prompt + max_tokens <= the context"
+    )
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description=f"up to {MAX_STOP_STRINGS} non-empty strings that end the output"
+    )
+    seed: int | None = Field(
+        None, ge=-SEED_LIMIT, le=SEED_LIMIT, description="makes sampling repeatable"
+    )
+    n: int | None = Field(None, ge=1, le=1, description="choices per request: only 1")
+    stream: bool | None = Field(False, description="send server-sent events as tokens come")
+    stream_options: StreamOptions | None = Field(None, description="used with stream: true")
+    presence_penalty: float | None = Field(
+        None, ge=0.0, le=0.0, description="only 0: edgetp has none; use repetition_penalty"
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=0.0, le=0.0, description="only 0: edgetp has none; use repetition_penalty"
+    )
+    user: AnyText | None = Field(None, description="accepted for compatibility; not used")
+    # edgetp's own sampling knobs (the names other OpenAI-compatible servers use)
+    top_k: int | None = Field(None, ge=0, description="edgetp: keep the k likeliest; 0 = all")
+    repetition_penalty: float | None = Field(
+        None, ge=0.01, le=100.0, description="edgetp: >1 discourages repeating tokens"
+    )
+    ignore_eos: bool | None = Field(
+        False, description="edgetp: keep going past end-of-sequence, up to max_tokens"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers(cls, data: Any) -> Any:
+        """Integer fields take integral floats (51.0), as JSON Schema's `integer` does."""
+        if isinstance(data, dict):
+            data = dict(data)
+            for name in (*INT_FIELDS, "prompt"):
+                if name in data:
+                    data[name] = _integral(data[name])
+        return data
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="the newer name of max_tokens; wins if both are given"
+    )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    ) = Field(description="one prompt: text, or token ids (a list of one of either is accepted)")
+    echo: bool | None = Field(False, description="put the prompt before the completion")
+    best_of: int | None = Field(None, ge=1, le=1, description="only 1")
+
+
+# -- responses --------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = Field(None, description="in the first chunk only")
+    content: str | None = Field(None, description="the next piece of text")
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = Field(description="set in the last chunk with choices")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice] = Field(description="empty in the usage chunk")
+    usage: Usage | None = Field(None, description="only in the last chunk, if asked for")
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice] = Field(description="empty in the usage chunk")
+    usage: Usage | None = Field(None, description="only in the last chunk, if asked for")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CancelFigures(BaseModel):
+    id: str
+    tokens: int = Field(description="tokens generated before the request was dropped")
+    requested_during_step: int = Field(description="steps started when the cancel came")
+    dropped_before_step: int = Field(description="the first step without the request")
+    late_steps: int = Field(description="steps started after the cancel that still carried it")
+
+
+class GenerationFigures(BaseModel):
+    """The generation loop's counters and recent figures."""
+
+    slots: int = Field(description="KV-cache slots: requests generated at once")
+    active: int = Field(description="requests in the running batch")
+    waiting: int = Field(description="requests waiting for a slot")
+    steps: int = Field(description="engine steps started since the server started")
+    submitted: int
+    completed: int
+    cancelled: int = Field(description="requests whose client went away")
+    failed: int
+    prompt_tokens: int
+    completion_tokens: int
+    largest_batch: int = Field(description="most sequences one step has carried")
+    step_ms_recent: list[float] = Field(description="duration of the latest steps, oldest first")
+    batch_recent: list[int] = Field(description="sequences in each of those steps")
+    tokens_per_s: float = Field(description="tokens per second of those steps' time")
+    last_cancel: CancelFigures | None = None
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+    generation: GenerationFigures
+
+
+class SliceFigures(BaseModel):
+    q_heads: list[int] = Field(description="half-open range of query heads")
+    kv_heads: list[int]
+    ffn: list[int] = Field(description="half-open range of FFN columns")
+
+
+class NodeFigures(BaseModel):
+    name: str
+    role: Literal["master", "worker"]
+    alive: bool
+    ready: bool
+    slices: list[SliceFigures] = Field(description="the node's share of every layer, if known")
+    memory_budget_bytes: int | None = None
+    cores: int | None = None
+    speed_gb_s: float | None = Field(None, description="measured weight-streaming throughput")
+    rss_bytes: int | None = Field(None, description="resident memory of the process")
+    kv_cache_bytes: int | None = None
+    heartbeat_silence_s: float | None = Field(None, description="seconds since its last beat")
+
+
+class AllreduceFigures(BaseModel):
+    sums: int = Field(description="sums measured (the latest are summarized)")
+    median_us: float
+    p99_us: float
+
+
+class ClusterFigures(BaseModel):
+    model: str
+    context: int
+    layers: int
+    nodes: list[NodeFigures]
+    allreduce: AllreduceFigures | None = Field(None, description="None on a single node")
+    generation: GenerationFigures
+    down: str | None = Field(None, description="why the cluster is down, if it is")

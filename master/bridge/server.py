@@ -1,0 +1,124 @@
+"""`edgetp serve`: a local cluster (or one process) behind the REST bridge, on uvicorn.
+
+The socket is bound before uvicorn starts, so `--port 0` works: the line printed on stderr
+names the port taken. Ctrl-C (or SIGTERM) stops the generation loop, so running requests end at
+once with a "shutting down" error, then stops accepting, and then the cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from master.batcher import Batcher
+from master.bridge.app import Served, create_app
+
+log = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 2  # for responses still being written after Ctrl-C
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free port)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} does not resolve: {exc}") from exc
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(
+            f"cannot listen on {host}:{port} ({exc.strerror}): pick another --port"
+        ) from exc
+    sock.listen(128)
+    return sock
+
+
+def serve(
+    model: str | None,
+    nodes: int = 1,
+    capacities: Sequence[float] | None = None,
+    threads: int | None = None,
+    state_dir: Path | None = None,
+    context: int | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_batch: int = 8,
+    verbose: bool = False,
+) -> None:
+    """Load the model on `nodes` local processes and serve it until interrupted."""
+    from master.local import local_engine
+    from master.session import open_with_tokenizer
+    from models.source import DEFAULT_MODEL
+
+    if max_batch < 1:
+        raise ValueError(f"--max-batch must be at least 1, got {max_batch}")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key is empty: give a key, or leave the option out")
+    sock = bind(host, port)  # before the slow load: a taken port fails at once
+    try:
+        source, tokenizer = open_with_tokenizer(model)
+        aliases = tuple({model or DEFAULT_MODEL, source.path.stem} - {source.name})
+        created = int(source.path.stat().st_mtime)
+        with local_engine(
+            source, nodes, capacities, threads, state_dir, context, max_batch, verbose
+        ) as engine:
+            batcher = Batcher(engine, tokenizer).start()
+            try:
+                served = Served(batcher, tokenizer, source.name, aliases, created)
+                app = create_app(served, api_key)
+                config = uvicorn.Config(
+                    app,
+                    log_level="info" if verbose else "warning",
+                    access_log=verbose,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                )
+                bound_host, bound_port = sock.getsockname()[:2]
+                shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+                print(
+                    f"edgetp serve: {source.name} on {nodes} node(s), {max_batch} slots, "
+                    f"context {engine.max_context}; OpenAI API at http://{shown}:{bound_port}/v1",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if not api_key and not _is_loopback(bound_host):
+                    log.warning(
+                        "listening on %s without --api-key: anyone who can reach it can use it",
+                        bound_host,
+                    )
+                _Server(config, batcher).run(sockets=[sock])
+            finally:
+                batcher.close()
+    finally:
+        sock.close()
+
+
+class _Server(uvicorn.Server):
+    """Stops the generation loop first on Ctrl-C, so that running streams end at once with an
+    error event ("the server is shutting down") instead of being cut after the grace time."""
+
+    def __init__(self, config: uvicorn.Config, batcher: Batcher) -> None:
+        super().__init__(config)
+        self.batcher = batcher
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler must neither block nor take the batcher's lock: close on a thread.
+        threading.Thread(target=self.batcher.close, daemon=True).start()
+        super().handle_exit(sig, frame)
+
+
+def _is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "localhost")

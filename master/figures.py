@@ -1,0 +1,98 @@
+"""Live figures of a running master: its nodes, the allreduce, the generation loop.
+
+Plain dicts, so any front can show them: the REST bridge serves them at /v1/cluster. They are
+read from the loop's thread-safe stats and from the hub's lists without stopping a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+from master.batcher import BatcherStats
+from master.engine import Engine
+
+ALLREDUCE_WINDOW = 1024  # latest sums summarized
+
+
+def generation_figures(stats: BatcherStats) -> dict[str, Any]:
+    out = dataclasses.asdict(stats)
+    out.pop("down")
+    if stats.last_cancel is not None:
+        out["last_cancel"]["late_steps"] = stats.last_cancel.late_steps
+    return out
+
+
+def cluster_figures(engine: Engine, model: str, stats: BatcherStats) -> dict[str, Any]:
+    """The master and every worker, the allreduce latency, and the generation counters."""
+    slices = [s.to_dict() for s in engine.slices]
+    kv = sum(_kv_bytes(ex) for ex in engine.executors)
+    nodes: list[dict[str, Any]] = [
+        {
+            "name": "master",
+            "role": "master",
+            "alive": stats.down is None,
+            "ready": True,
+            "slices": slices,
+            "rss_bytes": _rss_bytes(),
+            "kv_cache_bytes": kv or None,
+        }
+    ]
+    hub = engine.remote
+    allreduce = None
+    if hub is not None:
+        heartbeat = getattr(hub, "heartbeat", None)
+        for m in list(getattr(hub, "members", [])):
+            silence = heartbeat.silence(m.name) if heartbeat is not None else None
+            nodes.append(
+                {
+                    "name": m.name,
+                    "role": "worker",
+                    "alive": m.alive,
+                    "ready": m.ready,
+                    "slices": [],
+                    "memory_budget_bytes": m.capacity.memory_budget,
+                    "cores": m.capacity.cores,
+                    "speed_gb_s": m.capacity.speed,
+                    "heartbeat_silence_s": round(silence, 3)
+                    if silence is not None and silence != float("inf")
+                    else None,
+                }
+            )
+        sums = getattr(hub, "allreduce_seconds", [])
+        recent = list(sums[-ALLREDUCE_WINDOW:])  # a copy: the loop thread appends meanwhile
+        if recent:
+            ordered = sorted(recent)
+            allreduce = {
+                "sums": len(sums),
+                "median_us": round(statistics.median(ordered) * 1e6, 1),
+                "p99_us": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e6, 1),
+            }
+    return {
+        "model": model,
+        "context": engine.max_context,
+        "layers": engine.config.n_layers,
+        "nodes": nodes,
+        "allreduce": allreduce,
+        "generation": generation_figures(stats),
+        "down": stats.down,
+    }
+
+
+def _kv_bytes(executor: object) -> int:
+    cache = getattr(executor, "cache", None)
+    if cache is None:
+        return 0
+    return sum(t.nbytes for t in (*cache.keys, *cache.values))
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -1,0 +1,158 @@
+"""The generation loop behind the REST bridge: continuous batching and cancellation, in-process.
+
+The real model on a real engine; requests are submitted from this thread as the bridge's
+handlers would, and their events come back from the loop's thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from master.batcher import Batcher, Delta, Event, Failed, Finished
+from master.engine import Engine
+from master.sampling import SamplingParams
+from master.session import prompt_tokens
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Why is the sky blue?", "Write a haiku about the sea.", "What is 17 times 23?"]
+TIMEOUT = 60.0
+
+
+class Client:
+    """One request's events, gathered as the bridge's handler would."""
+
+    def __init__(self, batcher: Batcher, prompt: list[int], params: SamplingParams) -> None:
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.text = ""
+        self.steps_seen: list[int] = []  # the batcher's step count at each event
+        self.batcher = batcher
+
+        def on_event(e: Event) -> None:
+            self.steps_seen.append(batcher.stats().steps)
+            self.events.put(e)
+
+        self.ticket = batcher.submit(prompt, params, on_event)
+
+    def next(self) -> Event:
+        e = self.events.get(timeout=TIMEOUT)
+        if isinstance(e, Delta):
+            self.text += e.text
+        return e
+
+    def finish(self) -> Finished:
+        while True:
+            e = self.next()
+            if isinstance(e, Failed):
+                raise e.error
+            if isinstance(e, Finished):
+                return e
+
+
+@pytest.fixture(scope="module")
+def batcher(smollm2, smollm2_tokenizer):
+    engine = Engine.local(smollm2, max_context=256, slots=2)
+    b = Batcher(engine, smollm2_tokenizer, max_waiting=4).start()
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer):
+    return [prompt_tokens(smollm2_tokenizer, p, raw=False) for p in PROMPTS]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def solo(batcher, prompts):
+    """Each prompt's greedy text with nothing else running."""
+    out = []
+    for p in prompts:
+        c = Client(batcher, p, greedy(24))
+        done = c.finish()
+        assert done.completion_tokens == 24 and done.finish_reason == "length"
+        out.append(c.text)
+    return out
+
+
+def test_a_request_joins_the_running_batch_at_the_next_step(batcher, prompts, solo):
+    long = Client(batcher, prompts[0], greedy(24))
+    while not long.text:  # the long request is decoding
+        long.next()
+    steps_before = batcher.stats().steps
+    short = Client(batcher, prompts[1], greedy(24))
+    first = short.next()  # its prefill shares a step with the other's decode
+    assert isinstance(first, Delta)
+    joined_at = short.steps_seen[0]
+    assert joined_at <= steps_before + 2, (steps_before, joined_at)  # no waiting for `long`
+    short_done, long_done = short.finish(), long.finish()
+    assert short_done.completion_tokens == long_done.completion_tokens == 24
+    # The batching invariant: sharing steps changes nothing in either output.
+    assert (long.text, short.text) == (solo[0], solo[1])
+    assert batcher.stats().largest_batch == 2
+
+
+def test_a_cancelled_request_is_dropped_before_the_next_step(batcher, prompts):
+    before = batcher.stats()
+    c = Client(batcher, prompts[2], greedy(200))
+    while len(c.text) < 10:
+        c.next()
+    c.ticket.cancel()
+    deadline = time.monotonic() + TIMEOUT
+    while batcher.stats().cancelled == before.cancelled:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    stats = batcher.stats()
+    record = stats.last_cancel
+    assert record is not None and record.id == c.ticket.id
+    assert record.late_steps == 0  # only the step already running when it came computed on
+    assert record.tokens < 200
+    assert stats.active == 0  # its slot is free again
+    c.ticket.cancel()  # twice is harmless
+
+
+def test_requests_wait_for_a_free_slot_and_then_join(batcher, prompts, solo):
+    clients = [Client(batcher, prompts[i], greedy(24)) for i in (0, 1, 2)]  # 2 slots
+    for c in clients:
+        c.finish()
+    assert [c.text for c in clients] == solo
+    # The third started only once one of the first two had finished and freed its slot.
+    assert clients[2].steps_seen[0] > min(clients[0].steps_seen[-1], clients[1].steps_seen[-1])
+
+
+def test_the_waiting_line_is_bounded(batcher, prompts):
+    from master.batcher import BusyError
+
+    clients, refused = [], None
+    for _ in range(8):  # 2 slots + 4 waiting
+        try:
+            clients.append(Client(batcher, prompts[0], greedy(8)))
+        except BusyError as exc:
+            refused = exc
+            break
+    assert refused is not None and "--max-batch" in str(refused)
+    for c in clients:
+        c.finish()
+
+
+def test_submit_is_thread_safe(batcher, prompts, solo):
+    results: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        c = Client(batcher, prompts[i], greedy(24))
+        c.finish()
+        results[i] = c.text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert [results[0], results[1]] == solo[:2]

@@ -1,0 +1,30 @@
+"""`edgetp serve` refuses what it cannot do with one clear line, before loading any weights."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from test_cli import assert_clear_error, run
+
+
+def test_a_taken_port_is_a_clear_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = run("serve", "--port", str(port))
+    assert_clear_error(result, f"cannot listen on 127.0.0.1:{port}", "pick another --port")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--max-batch", "0"], "--max-batch must be at least 1"),
+        (["--api-key", " "], "--api-key is empty"),
+        (["--port", "70000"], "--port must be in 0..65535"),
+        (["--host", "no-such-host.invalid"], "does not resolve"),
+    ],
+)
+def test_bad_options_are_clear_errors(args, needle):
+    assert_clear_error(run("serve", *args), needle)

@@ -1,0 +1,94 @@
+"""Property-based fuzzing of `edgetp serve` from its own OpenAPI schema (schemathesis).
+
+Every operation gets requests generated from the schema, valid and invalid; every response must
+be no 5xx, a status the schema lists, and a body of the schema's shape, within a bounded time.
+The server runs the real model with a small context, so a valid request generates few tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+from master.bridge.bench import start_server
+
+pytestmark = pytest.mark.slow
+
+KEY = "fuzz-key"
+REQUEST_TIMEOUT = 30.0  # s: a hang is a failure, not a stall
+EXAMPLES = 40  # per operation and mode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    state = tmp_path_factory.mktemp("fuzz-state")
+    args = ["--context", "64", "--max-batch", "2", "--api-key", KEY, "--state-dir", str(state)]
+    server = start_server(args)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def api_schema(server):
+    return schemathesis.openapi.from_url(f"{server.base}/openapi.json")
+
+
+def valid_data_is_accepted(ctx, response, case) -> None:
+    """Schema-valid requests succeed, but for what no schema can say: the prompt's length.
+
+    A prompt that does not fit the context (with max_tokens) is a 400 by OpenAI's rules too.
+    """
+    if case.meta.generation.mode.is_positive and response.status_code == 400:
+        code = response.json()["error"]["code"]
+        assert code == "context_length_exceeded", f"valid data refused: {response.text}"
+
+
+OPERATIONS = [
+    ("GET", "/health", ["positive"]),
+    ("GET", "/v1/models", ["positive"]),
+    ("GET", "/v1/models/{model}", ["positive", "negative"]),
+    ("GET", "/v1/cluster", ["positive"]),
+    ("POST", "/v1/chat/completions", ["positive", "negative"]),
+    ("POST", "/v1/completions", ["positive", "negative"]),
+]
+
+
+def test_every_operation_is_fuzzed(api_schema):
+    served = {
+        (m.upper(), path) for path, ops in api_schema.raw_schema["paths"].items() for m in ops
+    }
+    assert served == {(method, path) for method, path, _ in OPERATIONS}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "mode"),
+    [(method, path, mode) for method, path, modes in OPERATIONS for mode in modes],
+)
+def test_no_server_error_and_the_schema_holds(api_schema, method, path, mode):
+    operation = api_schema[path][method]
+    strategy = operation.as_strategy(generation_mode=GenerationMode(mode))
+
+    @given(case=strategy)
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=REQUEST_TIMEOUT * 1000,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+        database=None,
+    )
+    def fuzz(case):
+        sent.append(case)
+        case.call_and_validate(
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=REQUEST_TIMEOUT,
+            excluded_checks=[positive_data_acceptance],
+            additional_checks=[valid_data_is_accepted],
+        )
+
+    sent: list = []
+    fuzz()
+    print(f"{method} {path} {mode}: {len(sent)} requests")
+    assert sent

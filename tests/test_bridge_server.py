@@ -1,0 +1,404 @@
+"""`edgetp serve` as people use it: a real server over a real two-process cluster.
+
+The official `openai` client and curl talk to it over loopback HTTP. Greedy answers must equal
+`edgetp run`'s for the same prompt; errors come in OpenAI's shape with the right status; a client
+that disconnects mid-stream frees its slot before the next step; requests share steps. The last
+test kills the worker and expects 503s, so it runs last in this module.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from master.bridge.bench import ServerProcess, start_server, stream_chat
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key-123"
+CHAT_PROMPT = "Why is the sky blue?"
+TEXT_PROMPT = "The capital of France is"
+MAX_TOKENS = 24
+EDGETP = Path(sys.executable).parent / "edgetp"
+
+
+def edgetp_run(*args: str) -> subprocess.Popen[str]:
+    cmd = [str(EDGETP)] if EDGETP.exists() else [sys.executable, "-m", "tui.cli"]
+    return subprocess.Popen(
+        [*cmd, "run", "--max-tokens", str(MAX_TOKENS), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ,
+    )
+
+
+class Served:
+    def __init__(self, server: ServerProcess, chat_reference: str, text_reference: str) -> None:
+        self.server = server
+        self.chat_reference = chat_reference
+        self.text_reference = text_reference
+        self.client = openai.OpenAI(
+            base_url=f"{server.base}/v1", api_key=KEY, max_retries=0, timeout=60
+        )
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | str | dict | None = None,
+        key: str | None = KEY,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=60)
+        try:
+            payload = json.dumps(body) if isinstance(body, dict) else body
+            h = {"Content-Type": "application/json", **(headers or {})}
+            if key:
+                h["Authorization"] = f"Bearer {key}"
+            conn.request(method, path, payload, h)
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read())
+        finally:
+            conn.close()
+
+    def generation(self) -> dict:
+        status, body = self.request("GET", "/health")
+        assert status == 200, body
+        return body["generation"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    # The references run while the server loads: the machine has two cores to share.
+    chat_ref = edgetp_run(CHAT_PROMPT)
+    text_ref = edgetp_run("--raw", TEXT_PROMPT)
+    state = tmp_path_factory.mktemp("serve-state")
+    args = ["--local-nodes", "2", "--state-dir", str(state), "--api-key", KEY]
+    server = start_server([*args, "--context", "512", "--max-batch", "4"], verbose=True)
+    try:
+        outs = [p.communicate(timeout=180) for p in (chat_ref, text_ref)]
+        for p, (_, err) in zip((chat_ref, text_ref), outs, strict=True):
+            assert p.returncode == 0, err
+        yield Served(server, outs[0][0], outs[1][0])
+    finally:
+        for p in (chat_ref, text_ref):
+            if p.poll() is None:
+                p.kill()
+        server.stop()
+
+
+def test_openai_client_chat_stream_completions_and_models(served):
+    client = served.client
+    model = client.models.list().data[0].id
+    assert model.endswith(".gguf")
+    assert client.models.retrieve(model).id == model
+
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": CHAT_PROMPT}],
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        seed=1,
+        n=1,
+    )
+    text = chat.choices[0].message.content
+    assert text + "\n" == served.chat_reference  # the same greedy answer as `edgetp run`
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.completion_tokens <= MAX_TOKENS
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+    pieces, usage, finish = [], None, None
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": CHAT_PROMPT}],
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert len([p for p in pieces if p]) > 5  # it came in pieces
+    assert "".join(pieces) == text
+    assert finish == chat.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
+
+    done = client.completions.create(
+        model=model, prompt=TEXT_PROMPT, temperature=0, max_tokens=MAX_TOKENS, stop=["\n\n\n"]
+    )
+    assert done.choices[0].text + "\n" == served.text_reference  # as `edgetp run --raw`
+    assert done.usage.prompt_tokens == 5
+
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model, prompt=TEXT_PROMPT, temperature=0, max_tokens=MAX_TOKENS, stream=True
+        )
+    )
+    assert streamed == done.choices[0].text
+
+
+def test_sampling_with_a_seed_is_repeatable(served):
+    def sample() -> str:
+        return (
+            served.client.chat.completions.create(
+                model="smollm2-135m-instruct",  # the bundled name works as an alias
+                messages=[{"role": "user", "content": "Tell me a joke."}],
+                temperature=0.9,
+                top_p=0.9,
+                seed=7,
+                max_tokens=12,
+            )
+            .choices[0]
+            .message.content
+        )
+
+    assert sample() == sample()
+
+
+def test_curl_streams_line_by_line(served):
+    body = {
+        "messages": [{"role": "user", "content": "Count from one to twenty in words."}],
+        "temperature": 0,
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    curl = subprocess.Popen(
+        [
+            "curl",
+            "-sSN",
+            "--max-time",
+            "60",
+            f"{served.server.base}/v1/chat/completions",
+            "-H",
+            f"Authorization: Bearer {KEY}",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            json.dumps(body),
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    t0 = time.perf_counter()
+    arrivals = []
+    assert curl.stdout is not None
+    for line in curl.stdout:  # as curl prints them
+        arrivals.append((time.perf_counter() - t0, line.rstrip("\n")))
+    assert curl.wait(timeout=10) == 0
+    events = [(t, line) for t, line in arrivals if line]
+    assert all(line.startswith("data: ") for _, line in events), events
+    assert events[-1][1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for _, line in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    content = [t for (t, _), c in zip(events, chunks, strict=False) if c["choices"][0]["delta"]]
+    # Line by line: 40 tokens arrive over the generation's time, not in one burst at the end.
+    assert len(content) > 20
+    assert content[-1] - content[0] > 0.2, arrivals
+    assert len({round(t, 3) for t in content}) > 10
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle", "param"),
+    [
+        (b"{not json", 400, "not valid JSON", None),
+        (b"[1, 2]", 400, "must be a JSON object", None),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400,
+         "temperature: Input should be a valid number", "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400,
+         "less than or equal to 2", "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400,
+         "greater than 0", "top_p"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n:", "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400,
+         "max_tokens", "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400,
+         "unknown field 'tools'", "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400,
+         "stop must be a string or a list of strings", "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, 400, None, None),  # fine: 200 below
+        ({"messages": [{"role": "user", "content": "word " * 600}]}, 400,
+         "context holds 512", "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}, 400,
+         "ask for at most", "max_tokens"),
+        ({"messages": []}, 400, "messages", "messages"),
+        ({"messages": [{"role": "user", "content": "\udfff"}]}, 400, "not valid Unicode",
+         "messages.0.content"),
+        ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404,
+         "is not served here", "model"),
+    ],
+)  # fmt: skip
+def test_errors_say_what_to_change(served, body, status, needle, param):
+    if needle is None:
+        body = {**body, "max_tokens": 2}
+        code, answer = served.request("POST", "/v1/chat/completions", body)
+        assert code == 200, answer
+        return
+    code, answer = served.request("POST", "/v1/chat/completions", body)
+    assert code == status, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert needle in error["message"], error
+    assert error["param"] == param
+
+
+def test_a_wrong_or_missing_api_key_is_401(served):
+    for key in ("wrong", None):
+        code, answer = served.request("GET", "/v1/models", key=key)
+        assert code == 401
+        assert answer["error"]["code"] == "invalid_api_key"
+        assert "Authorization: Bearer" in answer["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(
+            base_url=f"{served.server.base}/v1", api_key="wrong", max_retries=0
+        ).models.list()
+    assert served.request("GET", "/health", key=None)[0] == 200  # liveness needs no key
+
+
+def test_a_client_that_disconnects_mid_stream_stops_its_generation(served):
+    before = served.generation()
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.port, timeout=60)
+    body = {
+        "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+        "temperature": 0,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(10):  # a few tokens in
+        assert resp.readline().startswith(b"data: ")
+        resp.readline()
+    conn.sock.close()  # the client goes away
+    conn.close()
+    deadline = time.monotonic() + 10
+    while (g := served.generation())["cancelled"] == before["cancelled"]:
+        assert time.monotonic() < deadline, g
+        time.sleep(0.01)
+    cancel = g["last_cancel"]
+    print("cancel:", cancel)
+    assert cancel["late_steps"] == 0  # dropped before the step after the cancel
+    assert cancel["dropped_before_step"] == cancel["requested_during_step"] + 1
+    assert cancel["tokens"] < 400
+    assert g["active"] == 0
+    time.sleep(0.2)
+    assert served.generation()["steps"] == g["steps"]  # nothing runs for it any more
+    logged = [line for line in served.server.log if f"request {cancel['id']} cancelled" in line]
+    assert logged and f"dropped before step {cancel['dropped_before_step']}" in logged[0]
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_stops_it_too(served):
+    before = served.generation()
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.port, timeout=60)
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/completions", json.dumps(body), headers)
+    deadline = time.monotonic() + 10
+    while served.generation()["active"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    conn.close()  # without reading the answer
+    while (g := served.generation())["cancelled"] == before["cancelled"]:
+        assert time.monotonic() < deadline, g
+        time.sleep(0.01)
+    assert g["last_cancel"]["late_steps"] == 0 and g["last_cancel"]["tokens"] < 400
+    assert g["active"] == 0
+
+
+def test_a_new_request_joins_a_running_stream(served):
+    results: dict[str, object] = {}
+
+    def long_stream() -> None:
+        results["long"] = stream_chat(
+            served.server.base,
+            "Write a long story about a lighthouse.",
+            120,
+            api_key=KEY,
+            extra={"ignore_eos": True},
+        )
+        results["long_done"] = time.perf_counter()
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    deadline = time.monotonic() + 30
+    while served.generation()["active"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    short = served.client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "Say hi."}],
+        temperature=0,
+        max_tokens=4,
+    )
+    short_done = time.perf_counter()
+    t.join(60)
+    assert short.choices[0].message.content
+    # It did not wait for the 120-token stream: it finished while that one was still going.
+    assert short_done < results["long_done"]  # type: ignore[operator]
+    assert results["long"].completion_tokens == 120  # type: ignore[union-attr]
+    status, cluster = served.request("GET", "/v1/cluster")
+    assert status == 200
+    assert cluster["generation"]["largest_batch"] >= 2
+
+
+def test_cluster_figures_and_openapi(served):
+    status, cluster = served.request("GET", "/v1/cluster")
+    assert status == 200, cluster
+    assert [n["role"] for n in cluster["nodes"]] == ["master", "worker"]
+    worker = cluster["nodes"][1]
+    assert worker["alive"] and worker["ready"] and worker["name"] == "local-1"
+    assert cluster["allreduce"]["sums"] > 0 and cluster["allreduce"]["median_us"] > 0
+    assert cluster["context"] == 512 and cluster["generation"]["slots"] == 4
+    assert served.request("GET", "/v1/cluster", key=None)[0] == 401
+
+    status, schema = served.request("GET", "/openapi.json", key=None)
+    assert status == 200
+    chat = schema["paths"]["/v1/chat/completions"]["post"]
+    assert set(chat["responses"]) == {"200", "400", "401", "404", "429", "503"}
+    assert "text/event-stream" in chat["responses"]["200"]["content"]
+    assert "422" not in json.dumps(schema["paths"])
+    assert "HTTPBearer" in schema["components"]["securitySchemes"]
+
+
+def test_the_cluster_down_is_503(served):
+    """Last: kills the worker. Requests then fail with 503 and a message naming the cure."""
+    pid = served.server.proc.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    workers = [c for c in children if b"join" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(workers) == 1
+    os.kill(int(workers[0]), signal.SIGKILL)
+    time.sleep(0.5)
+    with pytest.raises(openai.InternalServerError) as info:
+        served.client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+        )
+    assert info.value.status_code == 503
+    print("503:", info.value.message)
+    code, answer = served.request("GET", "/health")
+    assert code == 503
+    assert answer["error"]["code"] == "cluster_down"
+    assert "restart edgetp serve" in answer["error"]["message"]
+    code, answer = served.request(
+        "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}
+    )
+    assert code == 503 and "cluster is down" in answer["error"]["message"]
