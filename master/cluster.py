@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from node.worker import Capacity
 log = logging.getLogger(__name__)
 
 STEP_TIMEOUT = 300.0  # s: a hard cap on one block's gather, beyond heartbeat liveness
+ALLREDUCE_KEPT = 20_000  # recent per-sum latencies kept for the figures
 FIRST_BEAT = 10.0  # s a worker has, after WELCOME, to send its first heartbeat
 
 
@@ -106,7 +108,8 @@ class Hub:
         self._sent_at = 0.0
         # Per sum: time from handing out the hidden state to holding every partial, less the
         # longest compute of any node (master included): the latency the allreduce adds.
-        self.allreduce_seconds: list[float] = []
+        # (bounded: a server runs 60 sums a token for days)
+        self.allreduce_seconds: deque[float] = deque(maxlen=ALLREDUCE_KEPT)
 
     def _watch_handshakes(self) -> None:
         """Log every connection that fails the Curve handshake (no token, wrong master key)."""

@@ -61,7 +61,8 @@ def cluster_figures(engine: Engine, model: str, stats: BatcherStats) -> dict[str
                 }
             )
         sums = getattr(hub, "allreduce_seconds", [])
-        recent = list(sums[-ALLREDUCE_WINDOW:])  # a copy: the loop thread appends meanwhile
+        # deque.copy() is one C call: safe while the loop thread appends.
+        recent = list(sums.copy())[-ALLREDUCE_WINDOW:]
         if recent:
             ordered = sorted(recent)
             allreduce = {

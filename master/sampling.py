@@ -72,6 +72,7 @@ class Sampler:
             cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (always at least one token).
             drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= p.top_p
+            drop[0] = False  # a top_p that rounds to 0 in float32 must still leave one token
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
         probs = torch.softmax(logits, dim=-1)

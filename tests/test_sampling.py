@@ -38,6 +38,10 @@ def test_top_p_keeps_the_smallest_covering_prefix():
     assert set(draws(SamplingParams(temperature=1.0, top_p=0.3, seed=0))) == {1}
 
 
+def test_tiny_top_p_keeps_the_best_token():
+    assert set(draws(SamplingParams(temperature=1.0, top_p=5e-324, seed=0), 20)) == {1}
+
+
 def test_repetition_penalty_demotes_seen_tokens():
     # Token 1 leads 3.0 vs 2.5; penalised by 1.5 it drops to 2.0, below token 2.
     assert draws(SamplingParams(repetition_penalty=1.5), 1, history=[1]) == [2]
