@@ -20,5 +20,7 @@ def progress_bar(description: str, in_bytes: bool) -> Iterator[Callable[[int, in
 
         def update(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
+            if done >= total:  # finished: take the bar off the screen, the work goes on
+                bar.stop()
 
         yield update
