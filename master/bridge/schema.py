@@ -292,6 +292,14 @@ class NodeFigures(BaseModel):
     rss_bytes: int | None = Field(None, description="resident memory of the process")
     kv_cache_bytes: int | None = None
     heartbeat_silence_s: float | None = Field(None, description="seconds since its last beat")
+    address: str | None = Field(None, description="where the node connects from")
+    share: float | None = Field(None, description="the node's fraction of every layer's weights")
+    window: int | None = Field(None, description="layers of its slice held in memory at once")
+    peak_rss_bytes: int | None = Field(None, description="highest resident memory so far")
+    bytes_read_per_token: float | None = Field(None, description="shard bytes read, last token")
+    loader_wait_ms: float | None = Field(None, description="compute waiting for the loader")
+    load_ms: float | None = Field(None, description="time spent reading shards, last token")
+    compute_ms: float | None = Field(None, description="time computing its partials, last step")
 
 
 class AllreduceFigures(BaseModel):
