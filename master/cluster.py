@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 STEP_TIMEOUT = 300.0  # s: a hard cap on one block's gather, beyond heartbeat liveness
 ALLREDUCE_KEPT = 20_000  # recent per-sum latencies kept for the figures
+FIGURES_KEPT = 4096  # per-step figures kept per node for benchmarks
 FIRST_BEAT = 10.0  # s a worker has, after WELCOME, to send its first heartbeat
 
 
@@ -48,6 +49,11 @@ class Member:
     ready: bool = False
     alive: bool = True
     beat_seen: bool = False
+    window: int | None = None  # layers of its slice in memory, as planned
+    slice: dict[str, list[int]] | None = None  # its share of every layer, as planned
+    # Its latest step's figures (loader, memory), and every step's since the last clear.
+    figures: dict[str, Any] = field(default_factory=dict)
+    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=FIGURES_KEPT))
 
 
 class _TokenHolders:
@@ -278,11 +284,17 @@ class Hub:
         slots: int,
         timeout: float = 600.0,
         progress: Callable[[int, int], None] | None = None,
+        windows: list[int] | None = None,
     ) -> None:
-        """Tell each worker its slice and shards (node k+1 of the manifest), serve the fetches."""
+        """Tell each worker its slice and shards (node k+1 of the manifest), serve the fetches.
+
+        `windows[k]` is node k's window (index 0, the master, is not used here).
+        """
         self.store = store
         self._planned = True
         for k, member in enumerate(self.members, start=1):
+            member.window = windows[k] if windows else None
+            member.slice = manifest.slices[k]
             welcome = {
                 "op": P.WELCOME,
                 "node": k,
@@ -292,6 +304,7 @@ class Hub:
                 "rope_freq_factors": manifest.extra.get("rope_freq_factors"),
                 "context": context,
                 "slots": slots,
+                "window": member.window,
                 "heartbeat_port": self.heartbeat.port,
             }
             self._send(member.identity, welcome)
@@ -333,6 +346,7 @@ class Hub:
         `local_compute` is how long the master spent on its own partial meanwhile.
         """
         waiting = {m.identity: m for m in self.members}
+        waiting_members = dict(waiting)
         slowest = local_compute
         partials: dict[bytes, torch.Tensor] = {}
         deadline = time.monotonic() + STEP_TIMEOUT
@@ -363,6 +377,10 @@ class Hub:
                     continue  # left over from a failed step
                 del waiting[identity]
                 partials[identity] = tensors[0]
+                if "figures" in header:
+                    member = waiting_members[identity]
+                    member.figures = header["figures"]
+                    member.history.append(header["figures"])
                 slowest = max(slowest, float(header.get("compute", 0.0)))
             elif op == P.ERROR:
                 m = self._member(identity)

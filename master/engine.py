@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from dataclasses import replace
+from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from master.plan import plan_slices
 from memory.shards import Manifest, ShardStore
+from memory.window import LayerWindow, ResidentLayers, StreamFigures, step_figures
 from models.config import ModelConfig
 from models.errors import ModelError
-from models.kernels import linear
+from models.kernels import SCALE_SUFFIX, embed, linear
 from models.layers import Rope, Slice, StepBatch, rms_norm, rope_inv_freq, slice_layer
 from models.source import ModelSource
 from node.executor import SliceExecutor
@@ -29,6 +31,7 @@ from node.protocol import ATTENTION, FFN
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT = 2048
+FIGURES_KEPT = 4096  # steps of the master's own figures kept for benchmarks
 
 
 def context_size(config: ModelConfig, requested: int | None) -> int:
@@ -64,15 +67,23 @@ class Engine:
         max_context: int,
         slots: int,
         remote: Remote | None = None,
+        embedding_scale: torch.Tensor | None = None,
+        lm_head_scale: torch.Tensor | None = None,
     ) -> None:
         self.config = config
         self.remote = remote
         self.embedding = embedding
+        self.embedding_scale = embedding_scale
         self.final_norm = final_norm
         self.lm_head = lm_head
+        self.lm_head_scale = lm_head_scale
         self.executors = list(executors)
         self.max_context = max_context
         self.slots = slots
+        # The master's own figures per step (loader, memory), as workers report theirs.
+        self.figures: dict[str, Any] = {}
+        self.history: deque[dict[str, Any]] = deque(maxlen=FIGURES_KEPT)
+        self._reported = [StreamFigures() for _ in self.executors]
 
     @classmethod
     def local(
@@ -97,7 +108,11 @@ class Engine:
         rope = Rope(rope_inv_freq(config, source.rope_freq_factors()), max_context)
         executors = [
             SliceExecutor(
-                config, s, layers, rope, KVCache(config, s, slots, max_context, torch.float32)
+                config,
+                s,
+                ResidentLayers(layers),
+                rope,
+                KVCache(config, s, slots, max_context, torch.float32),
             )
             for s, layers in zip(slices, per_slice, strict=True)
         ]
@@ -113,19 +128,35 @@ class Engine:
         max_context: int,
         slots: int,
         remote: Remote | None = None,
+        window: int | None = None,
+        drop_cache: bool = False,
+        mode: str = "normal",
     ) -> Engine:
-        """The master's engine: its own slice (node 0) and the globals, read from shards."""
+        """The master's engine: its own slice (node 0) and the globals, read from shards.
+
+        The slice streams through a window of `window` layers (default: all of them).
+        """
         config = ModelConfig.from_dict(manifest.config)
         s = Slice.from_dict(manifest.slices[0])
-        layers = [store.load(ref) for ref in manifest.nodes[0]]
+        paths = [store.path(ref) for ref in manifest.nodes[0]]
+        layers = LayerWindow(paths, window or config.n_layers, drop_cache, mode)
         factors = manifest.extra.get("rope_freq_factors")
         rope = Rope(rope_inv_freq(config, torch.tensor(factors) if factors else None), max_context)
         cache = KVCache(config, s, slots, max_context, torch.float32)
         g = store.load(manifest.globals)
-        lm_head = g.get("lm_head", g["embedding"])
+        head = "lm_head" if "lm_head" in g else "embedding"  # tied: the embedding is the head
         executor = SliceExecutor(config, s, layers, rope, cache)
         return cls(
-            config, g["embedding"], g["final_norm"], lm_head, [executor], max_context, slots, remote
+            config,
+            g["embedding"],
+            g["final_norm"],
+            g[head],
+            [executor],
+            max_context,
+            slots,
+            remote,
+            embedding_scale=g.get("embedding" + SCALE_SUFFIX),
+            lm_head_scale=g.get(head + SCALE_SUFFIX),
         )
 
     @property
@@ -144,16 +175,36 @@ class Engine:
                 )
         T = batch.width
         ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in tokens])  # (B, T) right-padded
-        h = F.embedding(ids, self.embedding)  # (B, T, D)
+        h = embed(ids, self.embedding, self.embedding_scale)  # (B, T, D)
         for ex in self.executors:
             ex.begin_step(batch)
         for i in range(self.config.n_layers):
             h = h + self._block(ATTENTION, i, h, batch if i == 0 else None)
             h = h + self._block(FFN, i, h)
+        self._record_figures()
         if not all_logits:
             last = torch.tensor(batch.lengths) - 1
             h = h[torch.arange(batch.size), last]  # (B, D)
-        return linear(rms_norm(h, self.final_norm, self.config.norm_eps), self.lm_head)
+        x = rms_norm(h, self.final_norm, self.config.norm_eps)
+        return linear(x, self.lm_head, scale=self.lm_head_scale)
+
+    def _record_figures(self) -> None:
+        if not self.executors:
+            return
+        ex = self.executors[0]
+        weights = getattr(ex, "weights", None)
+        if weights is None:
+            return
+        self.figures = step_figures(weights, self._reported[0])
+        self._reported[0] = replace(weights.figures)
+        self.history.append(self.figures)
+
+    def close(self) -> None:
+        """Stop the loader threads."""
+        for ex in self.executors:
+            weights = getattr(ex, "weights", None)
+            if weights is not None:
+                weights.close()
 
     def _block(
         self, block: str, i: int, h: torch.Tensor, batch: StepBatch | None = None

@@ -12,6 +12,7 @@ from typing import Any
 
 from master.batcher import BatcherStats
 from master.engine import Engine
+from models.layers import Slice
 
 ALLREDUCE_WINDOW = 1024  # latest sums summarized
 
@@ -37,6 +38,8 @@ def cluster_figures(engine: Engine, model: str, stats: BatcherStats) -> dict[str
             "slices": slices,
             "rss_bytes": _rss_bytes(),
             "kv_cache_bytes": kv or None,
+            "share": _share(engine.slices[0], engine) if engine.slices else None,
+            **_stream(engine.figures),
         }
     ]
     hub = engine.remote
@@ -51,15 +54,20 @@ def cluster_figures(engine: Engine, model: str, stats: BatcherStats) -> dict[str
                     "role": "worker",
                     "alive": m.alive,
                     "ready": m.ready,
-                    "slices": [],
+                    "slices": [m.slice] if m.slice else [],
+                    "share": _share(Slice.from_dict(m.slice), engine) if m.slice else None,
                     "memory_budget_bytes": m.capacity.memory_budget,
                     "cores": m.capacity.cores,
                     "speed_gb_s": m.capacity.speed,
                     "heartbeat_silence_s": round(silence, 3)
                     if silence is not None and silence != float("inf")
                     else None,
+                    "address": m.address or None,
+                    **_stream(m.figures),
                 }
             )
+            if m.figures.get("rss") is not None:
+                nodes[-1]["rss_bytes"] = m.figures["rss"]
         sums = getattr(hub, "allreduce_seconds", [])
         # deque.copy() is one C call: safe while the loop thread appends.
         recent = list(sums.copy())[-ALLREDUCE_WINDOW:]
@@ -79,6 +87,28 @@ def cluster_figures(engine: Engine, model: str, stats: BatcherStats) -> dict[str
         "generation": generation_figures(stats),
         "down": stats.down,
     }
+
+
+def _stream(figures: dict[str, Any]) -> dict[str, Any]:
+    """A node's latest per-step figures (window, loader, memory) under the schema's names."""
+    if not figures:
+        return {}
+    return {
+        "window": figures.get("window"),
+        "peak_rss_bytes": figures.get("peak_rss"),
+        "bytes_read_per_token": figures.get("bytes_read"),
+        "loader_wait_ms": round(figures.get("wait_s", 0.0) * 1000, 3),
+        "load_ms": round(figures.get("load_s", 0.0) * 1000, 3),
+    }
+
+
+def _share(s: Any, engine: Engine) -> float:
+    """The fraction of the model's query heads and FFN columns a slice holds, weighted."""
+    c = engine.config
+    attn = 4 * c.hidden * c.head_dim  # rough weights per query head (q, o and its share of kv)
+    ffn = 3 * c.hidden  # weights per FFN column
+    total = c.n_heads * attn + c.ffn_hidden * ffn
+    return round((s.n_q * attn + s.n_ffn * ffn) / total, 4)
 
 
 def _kv_bytes(executor: object) -> int:

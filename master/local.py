@@ -18,6 +18,7 @@ from pathlib import Path
 from master.cluster import Hub
 from master.engine import Engine
 from master.session import cluster_engine, set_threads
+from memory.budget import ALL_RESIDENT, MemoryOptions
 from models.source import ModelSource
 from node.security import TOKEN_ENV, JoinToken
 from node.worker import default_state_dir
@@ -41,6 +42,7 @@ class LocalWorkers:
         verbose: bool,
         token: JoinToken,
         first: int = 1,
+        memory: MemoryOptions = ALL_RESIDENT,
     ) -> None:
         # The token goes by environment, not argv, where any local user could read it.
         env = os.environ | {TOKEN_ENV: str(token)}
@@ -52,7 +54,7 @@ class LocalWorkers:
                 sys.executable, "-m", "tui.cli", *(["-v"] if verbose else []), "join",
                 f"127.0.0.1:{port}", "--threads", str(threads), "--name", f"local-{k + 1}",
                 # Same machine, same disk: workers read the master's shard store, nothing ships.
-                "--state-dir", str(state_dir),
+                "--state-dir", str(state_dir), *memory.node_args(),
             ]  # fmt: skip
             with open(log_dir / f"local-{k + 1}.log", "ab") as log_file:
                 self.procs.append(
@@ -87,25 +89,34 @@ def local_engine(
     context: int | None = None,
     slots: int = 1,
     verbose: bool = False,
+    memory: MemoryOptions = ALL_RESIDENT,
 ) -> Iterator[Engine]:
-    """An engine over `nodes` processes on this machine (1: this process alone)."""
+    """An engine over `nodes` processes on this machine (1: this process alone).
+
+    Every node gets the same memory options (budget, window, page-cache dropping).
+    """
     if nodes < 1:
         raise ValueError(f"--local-nodes must be at least 1, got {nodes}")
     if capacities is not None and len(capacities) != nodes:
         raise ValueError(f"{len(capacities)} capacities given for {nodes} nodes")
+    state_dir = state_dir or default_state_dir()
     if nodes == 1:
         set_threads(threads)
-        yield Engine.local(source, max_context=context, slots=slots)
+        if not memory.streaming:  # everything resident, float32: no shards needed
+            yield Engine.local(source, max_context=context, slots=slots)
+        else:
+            yield cluster_engine(source, None, [1.0], state_dir, context, slots, memory=memory)
         return
     threads = threads or thread_share(nodes)
     set_threads(threads)
-    state_dir = state_dir or default_state_dir()
     hub = Hub("127.0.0.1", 0, model_names=(source.name,))
     try:
-        with LocalWorkers(nodes - 1, hub.port, threads, state_dir, verbose, hub.token) as workers:
+        with LocalWorkers(
+            nodes - 1, hub.port, threads, state_dir, verbose, hub.token, memory=memory
+        ) as workers:
             hub.wait_for_workers(nodes - 1, timeout=120)
             capacities = capacities or [1.0] * nodes  # one machine: equal shares
-            yield cluster_engine(source, hub, capacities, state_dir, context, slots)
+            yield cluster_engine(source, hub, capacities, state_dir, context, slots, memory=memory)
             hub.close()
             workers.stop()
     finally:

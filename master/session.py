@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -13,11 +14,17 @@ from master.cluster import Hub
 from master.engine import Engine, context_size
 from master.plan import plan_slices
 from master.splitter import split_model
-from memory.shards import ShardStore
+from memory.budget import ALL_RESIDENT, BudgetError, MemoryOptions, MemoryPlan, plan_memory
+from memory.shards import Manifest, ShardStore
 from models.chat_template import render_chat
+from models.config import ModelConfig
 from models.errors import ModelError
+from models.layers import Slice
 from models.source import ModelSource, open_model
 from models.tokenizer import Tokenizer
+from node.kvcache import KVCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -89,21 +96,70 @@ def chat_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[in
 
 def cluster_engine(
     source: ModelSource,
-    hub: Hub,
+    hub: Hub | None,
     capacities: Sequence[float],
     state_dir: Path,
     max_context: int | None = None,
     slots: int = 1,
     progress: Callable[[str, int, int], None] | None = None,
+    memory: MemoryOptions = ALL_RESIDENT,
 ) -> Engine:
     """Plan for the master and the joined workers, split, ship, and build the master's engine.
 
-    `capacities` has one entry per node, the master first.
+    `capacities` has one entry per node, the master first. Without a hub, the master alone
+    runs the whole model from its shards (streamed through a window if the memory says so).
     """
     context = context_size(source.config, max_context)
     slices = plan_slices(source.config, capacities)
     store = ShardStore(state_dir / "shards")
     split_progress = (lambda d, t: progress("splitting", d, t)) if progress else None
-    manifest = split_model(source, slices, store, split_progress)
-    hub.ship(manifest, store, context, slots)
-    return Engine.from_manifest(manifest, store, context, slots, remote=hub)
+    manifest = split_model(source, slices, store, split_progress, memory.dtype)
+    plans = memory_plans(manifest, hub, context, slots, memory)
+    context = min(p.context for p in plans)
+    if hub is not None:
+        hub.ship(manifest, store, context, slots, windows=[p.window for p in plans])
+    return Engine.from_manifest(
+        manifest, store, context, slots, hub, plans[0].window, memory.drop_cache, memory.mode
+    )
+
+
+def memory_plans(
+    manifest: Manifest, hub: Hub | None, context: int, slots: int, memory: MemoryOptions
+) -> list[MemoryPlan]:
+    """Each node's window and context under its budget (the master's from `memory`, the
+    workers' from their HELLO), all with the smallest context any of them can hold.
+
+    Decided here, on the master, because only the master knows every node's slice size; a
+    budget too small for some node is an error naming it.
+    """
+    config = ModelConfig.from_dict(manifest.config)
+    members = hub.members if hub is not None else []
+    names = ["the master", *(f"node {m.name}" for m in members)]
+    budgets = [memory.budget, *(m.capacity.memory_budget for m in members)]
+    windows = [memory.window, *(m.capacity.window for m in members)]
+
+    def plan(k: int, ctx: int) -> MemoryPlan:
+        s = Slice.from_dict(manifest.slices[k])
+        return plan_memory(
+            budgets[k],
+            max(r.size for r in manifest.nodes[k]),
+            config.n_layers,
+            KVCache.bytes_per_token(config, s, torch.float32) * slots,
+            ctx,
+            fixed_bytes=manifest.globals.size if k == 0 else 0,
+            window=windows[k],
+            who=names[k],
+        )
+
+    layers = manifest.nodes[0]
+    try:
+        first = [plan(k, context) for k in range(len(names))]
+        smallest = min(p.context for p in first)
+        plans = [plan(k, smallest) for k in range(len(names))]
+    except BudgetError as exc:
+        raise ModelError(str(exc)) from exc
+    for name, p in zip(names, plans, strict=True):
+        log.info(
+            "%s: %d of %d layers in memory, context %d", name, p.window, len(layers), p.context
+        )
+    return plans

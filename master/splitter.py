@@ -12,7 +12,8 @@ import json
 from collections.abc import Callable, Sequence
 
 from memory.shards import Manifest, ShardStore, atomic_write
-from models.layers import Slice, slice_layer
+from models.kernels import DTYPES, quantize
+from models.layers import Slice, cast_layer, slice_layer
 from models.source import ModelSource
 
 Progress = Callable[[int, int], None]
@@ -26,8 +27,11 @@ def model_identity(source: ModelSource) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def plan_key(identity: str, slices: Sequence[Slice]) -> str:
-    text = json.dumps([identity, [s.to_dict() for s in slices]])
+def plan_key(identity: str, slices: Sequence[Slice], dtype: str = "f32") -> str:
+    parts: list = [identity, [s.to_dict() for s in slices]]
+    if dtype != "f32":  # f32 keys stay as they were: existing caches remain valid
+        parts.append(dtype)
+    text = json.dumps(parts)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -36,10 +40,18 @@ def split_model(
     slices: Sequence[Slice],
     store: ShardStore,
     progress: Progress | None = None,
+    dtype: str = "f32",
 ) -> Manifest:
-    """Shards for every (node, layer) and the master's globals; reused when already split."""
+    """Shards for every (node, layer) and the master's globals; reused when already split.
+
+    `dtype` (f32, f16, bf16, int8) is how the matrices and the embedding/lm_head are stored;
+    norms and biases stay float32.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown shard dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
     identity = model_identity(source)
-    manifest_path = store.root / "manifests" / f"{plan_key(identity, slices)}.json"
+    manifest_path = store.root / "manifests" / f"{plan_key(identity, slices, dtype)}.json"
     if manifest_path.is_file():
         manifest = Manifest.from_json(manifest_path.read_text())
         refs = [r for node in manifest.nodes for r in node] + [manifest.globals]
@@ -52,13 +64,18 @@ def split_model(
     for i in range(config.n_layers):
         full = source.layer(i)
         for refs, s in zip(nodes, slices, strict=True):
-            refs.append(store.put(slice_layer(config, full, s)))
+            refs.append(store.put(cast_layer(slice_layer(config, full, s), torch_dtype)))
         del full
         if progress:
             progress(i + 1, total)
-    globals_ = {"embedding": source.embedding(), "final_norm": source.final_norm()}
+    globals_ = {"final_norm": source.final_norm()}
+    globals_.update(
+        {"embedding" + k: v for k, v in quantize(source.embedding(), torch_dtype).items()}
+    )
     if not config.tied_embeddings:
-        globals_["lm_head"] = source.lm_head()
+        globals_.update(
+            {"lm_head" + k: v for k, v in quantize(source.lm_head(), torch_dtype).items()}
+        )
     globals_ref = store.put(globals_)
     del globals_
     if progress:
@@ -71,6 +88,7 @@ def split_model(
         nodes=nodes,
         globals=globals_ref,
     )
+    manifest.extra["dtype"] = dtype
     freq = source.rope_freq_factors()
     if freq is not None:  # every node needs them for RoPE; a few dozen floats
         manifest.extra["rope_freq_factors"] = freq.tolist()

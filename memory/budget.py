@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 _UNITS = {
     "": 1, "b": 1,
@@ -18,3 +19,102 @@ def parse_size(text: str) -> int:
     if not match or unit not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: write e.g. 2GB, 512MiB or 800MB")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+class BudgetError(ValueError):
+    """A memory budget too small for the work."""
+
+
+MIN_CONTEXT = 64  # tokens: below this a node is of no use, and the budget is an error
+
+
+def format_size(n: float) -> str:
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a node keeps in memory: `window` layers of its slice and a KV cache of `context`."""
+
+    window: int
+    context: int
+
+
+def plan_memory(
+    budget: int | None,
+    layer_bytes: int,
+    n_layers: int,
+    kv_bytes_per_token: int,
+    context: int,
+    fixed_bytes: int = 0,
+    window: int | None = None,
+    who: str = "this node",
+) -> MemoryPlan:
+    """The window and context a memory budget allows.
+
+    The budget covers what edgetp allocates: the window's layer buffers, the KV cache and, on
+    the master, the embedding and lm_head (`fixed_bytes`); not the Python runtime. The window
+    takes what the full KV cache leaves; if that is under two layers (one computing, one
+    loading), the context shrinks instead, down to MIN_CONTEXT. A forced `window` is kept and
+    the context fits around it.
+    """
+    if budget is None:
+        return MemoryPlan(min(window or n_layers, n_layers), context)
+    free = budget - fixed_bytes
+    if window is not None:
+        w = min(window, n_layers)
+    else:
+        w = max(2, min(n_layers, (free - kv_bytes_per_token * context) // max(layer_bytes, 1)))
+        w = min(w, n_layers)
+    fits = (free - w * layer_bytes) // max(kv_bytes_per_token, 1)
+    if fits < MIN_CONTEXT:
+        need = fixed_bytes + w * layer_bytes + kv_bytes_per_token * MIN_CONTEXT
+        globals_ = (
+            f", the embedding and lm_head ({format_size(fixed_bytes)})" if fixed_bytes else ""
+        )
+        raise BudgetError(
+            f"{who}: a memory budget of {format_size(budget)} cannot hold {w} layers of its "
+            f"slice ({format_size(layer_bytes)} each){globals_} and a KV cache of "
+            f"{MIN_CONTEXT} tokens ({format_size(kv_bytes_per_token)} per token): "
+            f"give --memory-budget {format_size(need)} or more"
+        )
+    return MemoryPlan(w, min(context, int(fits)))
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """How a node holds its weights, as given on the command line."""
+
+    budget: int | None = None  # bytes; None: no limit
+    window: int | None = None  # layers in memory, forced; None: derived from the budget
+    dtype: str = "f32"  # shard dtype, chosen at split time (master only)
+    drop_cache: bool = False  # drop each shard from the page cache after reading it
+    # For benchmarks only: "load-only" streams the layers but computes nothing; "compute-only"
+    # computes on the layers already in the window and reads nothing after the first fill.
+    mode: str = "normal"
+
+    @property
+    def streaming(self) -> bool:
+        """Whether weights must come from shard files rather than straight from the model."""
+        return self != ALL_RESIDENT
+
+    def node_args(self) -> list[str]:
+        """The same options for a local worker's command line."""
+        args = []
+        if self.budget is not None:
+            args += ["--memory-budget", str(self.budget)]
+        if self.window is not None:
+            args += ["--window", str(self.window)]
+        if self.drop_cache:
+            args.append("--drop-cache")
+        if self.mode != "normal":
+            args += ["--stream-mode", self.mode]
+        return args
+
+
+ALL_RESIDENT = MemoryOptions()  # the default: no budget, every layer in memory, float32
+
+STREAM_MODES = ("normal", "load-only", "compute-only")

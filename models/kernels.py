@@ -1,10 +1,20 @@
 """The matmul every projection goes through, on the fastest kernel measured on these CPUs.
 
-Decode is a row (or a few) times a weight matrix: memory-bound matrix-vector products. On the
-AMD CPUs measured, PyTorch's MKL build runs them 2-4x slower than NumPy's OpenBLAS (SmolLM2's
-lm_head: 6.9 ms vs 1.6 ms per row), so float32 projections go through NumPy on the same memory
-(no copies). For a few rows, one matrix-vector product per row beats OpenBLAS's matrix-matrix
-path; past `GEMV_MAX_ROWS` the matrix-matrix path wins. See docs/decisions.md.
+Weights are stored in one of four dtypes, chosen when the model is split (`--dtype`); each has
+its own kernel, picked by measurement on the CPUs this runs on (AVX-512 with BF16 and VNNI; see
+docs/decisions.md for the figures):
+
+- float32: NumPy's OpenBLAS on the same memory (no copies). PyTorch's MKL build runs decode's
+  matrix-vector products 2-4x slower (SmolLM2's lm_head: 6.9 ms vs 1.6 ms per row). For a few
+  rows one matrix-vector product per row beats OpenBLAS's matrix-matrix path; past
+  `GEMV_MAX_ROWS` the matrix-matrix path wins.
+- float16: torch's half GEMV (the input is rounded to half); converting the weight to float32
+  first costs 20-50x more than the product.
+- bfloat16: torch's bf16 matmul (oneDNN, AVX512-BF16).
+- int8: per-output-channel scales, torch's int8-weight kernel (`_weight_int8pack_mm`, bf16
+  input); 2-3x faster than float32 for a 70B-sized slice.
+
+Every kernel returns float32: the residual stream and the sums across nodes stay float32.
 """
 
 from __future__ import annotations
@@ -14,15 +24,34 @@ import torch
 import torch.nn.functional as F
 
 GEMV_MAX_ROWS = 4
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
+SCALE_SUFFIX = "_scale"  # an int8 matrix `w` is stored with its scales as `w_scale`
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) @ w (out, in)^T + bias, as F.linear."""
-    if w.dtype != torch.float32 or x.dtype != torch.float32:
-        return F.linear(x, w, bias)
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x (..., in) @ w (out, in)^T + bias, as F.linear, in float32; `scale` for an int8 `w`."""
     lead = x.shape[:-1]
-    xn = x.reshape(-1, x.shape[-1]).numpy()
-    wn = w.numpy()
+    x2 = x.reshape(-1, x.shape[-1])
+    if w.dtype == torch.float32:
+        result = _linear_f32(x2.float(), w)
+    elif w.dtype == torch.int8:
+        if scale is None:
+            raise ValueError("an int8 weight needs its per-channel scales")
+        result = torch._weight_int8pack_mm(x2.bfloat16(), w, scale.bfloat16()).float()
+    else:
+        result = torch.mm(x2.to(w.dtype), w.t()).float()
+    if bias is not None:
+        result += bias
+    return result.view(*lead, w.shape[0])
+
+
+def _linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    xn, wn = x.numpy(), w.numpy()
     rows = xn.shape[0]
     if rows <= GEMV_MAX_ROWS:
         out = np.empty((rows, wn.shape[0]), dtype=np.float32)
@@ -30,7 +59,28 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
             np.dot(wn, xn[r], out=out[r])
     else:
         out = xn @ wn.T
-    result = torch.from_numpy(out)
-    if bias is not None:
-        result += bias
-    return result.view(*lead, wn.shape[0])
+    return torch.from_numpy(out)
+
+
+def quantize(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A float matrix (out, in) stored as `dtype`: {"": weight} plus {"_scale": scales} for int8.
+
+    int8 is symmetric per output channel: scale = max|row| / 127, so the row's largest weight
+    keeps full precision and a row of zeros stays exactly zero.
+    """
+    w = w.float()
+    if dtype != torch.int8:
+        return {"": w.to(dtype).contiguous()}
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return {"": q.contiguous(), SCALE_SUFFIX: scale}
+
+
+def embed(
+    ids: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows of an embedding table stored in any of the dtypes, as float32."""
+    rows = F.embedding(ids, table).float()
+    if scale is not None:
+        rows *= scale[ids].unsqueeze(-1)
+    return rows

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from models.config import ModelConfig
-from models.kernels import linear
+from models.kernels import SCALE_SUFFIX, linear, quantize
 
 # Canonical per-layer tensor names, full (unsplit) and in PyTorch (out, in) order.
 LAYER_TENSORS = ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")
@@ -102,6 +102,27 @@ def slice_layer(
             [full["q_bias"][q0:q1], full["k_bias"][k0:k1], full["v_bias"][k0:k1]]
         )
     return out
+
+
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # stored in the shard dtype; the rest float32
+
+
+def cast_layer(layer: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A sliced layer with its matrices stored as `dtype` (int8 adds per-channel scales)."""
+    out = {}
+    for name, t in layer.items():
+        if name in MATRICES:
+            out.update({name + k: v for k, v in quantize(t, dtype).items()})
+        else:
+            out[name] = t
+    return out
+
+
+def project(
+    x: torch.Tensor, w: dict[str, torch.Tensor], name: str, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x times the layer's matrix `name`, whatever dtype it is stored in."""
+    return linear(x, w[name], bias, w.get(name + SCALE_SUFFIX))
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -207,7 +228,7 @@ def attention_partial(
     if nq == 0:
         return h.new_zeros(h.shape)
     x = rms_norm(h, w["attn_norm"], config.norm_eps)
-    qkv = linear(x, w["wqkv"], w.get("bqkv"))  # (B, T, (nq + 2 nkv) hd)
+    qkv = project(x, w, "wqkv", w.get("bqkv"))  # (B, T, (nq + 2 nkv) hd)
     q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
     q = q.view(B, T, nq, hd).transpose(1, 2)  # (B, nq, T, hd)
     k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
@@ -251,7 +272,7 @@ def attention_partial(
             q, keys[:, kv_of_q], values[:, kv_of_q], attn_mask=mask, is_causal=causal
         )
     out = out.transpose(1, 2).reshape(B, T, nq * hd)
-    return linear(out, w["wo"])  # (B, T, D), row-parallel: sum over slices
+    return project(out, w, "wo")  # (B, T, D), row-parallel: sum over slices
 
 
 def ffn_partial(h: torch.Tensor, w: dict[str, torch.Tensor], config: ModelConfig) -> torch.Tensor:
@@ -260,5 +281,5 @@ def ffn_partial(h: torch.Tensor, w: dict[str, torch.Tensor], config: ModelConfig
     if n == 0:
         return h.new_zeros(h.shape)
     x = rms_norm(h, w["ffn_norm"], config.norm_eps)
-    gate, up = linear(x, w["w_gate_up"]).split(n, dim=-1)  # column-parallel
-    return linear(F.silu(gate) * up, w["w_down"])  # row-parallel: sum over slices
+    gate, up = project(x, w, "w_gate_up").split(n, dim=-1)  # column-parallel
+    return project(F.silu(gate) * up, w, "w_down")  # row-parallel: sum over slices

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from memory.window import LayerWindow, ResidentLayers
 from models.config import ModelConfig
 from models.layers import Rope, Slice, StepBatch, attention_partial, ffn_partial
 from node.kvcache import KVCache
@@ -16,15 +17,15 @@ class SliceExecutor:
         self,
         config: ModelConfig,
         s: Slice,
-        layers: list[dict[str, torch.Tensor]],
+        weights: LayerWindow | ResidentLayers,
         rope: Rope,
         cache: KVCache,
     ) -> None:
-        if len(layers) != config.n_layers:
-            raise ValueError(f"expected {config.n_layers} layers, got {len(layers)}")
+        if weights.n_layers != config.n_layers:
+            raise ValueError(f"expected {config.n_layers} layers, got {weights.n_layers}")
         self.config = config
         self.slice = s
-        self.layers = layers
+        self.weights = weights
         self.rope = rope
         self.cache = cache
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -37,9 +38,12 @@ class SliceExecutor:
 
     def attention(self, index: int, h: torch.Tensor) -> torch.Tensor:
         assert self._batch is not None and self._cos_sin is not None, "begin_step first"
+        weights = self.weights.get(index)
+        if self.weights.mode == "load-only":  # a benchmark of the loader alone
+            return h.new_zeros(h.shape)
         return attention_partial(
             h,
-            self.layers[index],
+            weights,
             self.slice,
             self.config,
             self._cos_sin,
@@ -49,4 +53,14 @@ class SliceExecutor:
         )
 
     def ffn(self, index: int, h: torch.Tensor) -> torch.Tensor:
-        return ffn_partial(h, self.layers[index], self.config)
+        """The layer's second and last block: its weights may leave the window after this."""
+        weights = self.weights.get(index)
+        if self.weights.mode == "load-only":
+            out = h.new_zeros(h.shape)
+        else:
+            out = ffn_partial(h, weights, self.config)
+        self.weights.release(index)
+        return out
+
+    def close(self) -> None:
+        self.weights.close()

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from memory.shards import ShardRef, ShardStore, sha256_file
+from memory.window import LayerWindow, StreamFigures, step_figures
 from models.config import ModelConfig
 from models.kernels import linear
 from models.layers import Rope, Slice, StepBatch, rope_inv_freq
@@ -42,13 +43,16 @@ class Capacity:
     memory_budget: int  # bytes
     cores: int
     speed: float  # measured matrix-vector throughput, GB/s of weights
+    window: int | None = None  # layers to keep in memory, when forced with --window
 
     def score(self) -> float:
         """What the plan divides work by."""
         return max(self.speed, 1e-3)
 
 
-def measure_capacity(threads: int, memory_budget: int | None = None) -> Capacity:
+def measure_capacity(
+    threads: int, memory_budget: int | None = None, window: int | None = None
+) -> Capacity:
     """A quick (~0.1 s) measurement of how fast this device streams weights through a matmul."""
     w = torch.randn(4096, 1024)  # 16 MB: bigger than most caches, small enough to be quick
     x = torch.randn(1, 1024)
@@ -60,7 +64,7 @@ def measure_capacity(threads: int, memory_budget: int | None = None) -> Capacity
     speed = n * w.numel() * 4 / (time.perf_counter() - start) / 1e9
     if memory_budget is None:
         memory_budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Capacity(int(memory_budget), threads, round(speed, 2))
+    return Capacity(int(memory_budget), threads, round(speed, 2), window)
 
 
 def default_state_dir() -> Path:
@@ -77,8 +81,12 @@ class Worker:
         model: str | None = None,
         progress: Callable[[int, int], None] | None = None,
         token: JoinToken | None = None,
+        drop_cache: bool = False,
+        stream_mode: str = "normal",
     ) -> None:
         self.endpoint = f"tcp://{master}"
+        self.drop_cache = drop_cache
+        self.stream_mode = stream_mode
         self.token = token
         self.state_dir = state_dir or default_state_dir()
         self.host = master.rsplit(":", 1)[0]
@@ -205,12 +213,14 @@ class Worker:
         self._fetch_total = sum(r.size for r in missing)
         for ref in missing:
             self._fetch(ref)
-        layers = [self.store.load(r) for r in refs]
         factors = welcome.get("rope_freq_factors")
         freq = torch.tensor(factors) if factors else None
         rope = Rope(rope_inv_freq(config, freq), welcome["context"])
         cache = KVCache(config, s, welcome["slots"], welcome["context"], torch.float32)
-        return SliceExecutor(config, s, layers, rope, cache)
+        window = welcome.get("window") or config.n_layers
+        paths = [self.store.path(r) for r in refs]
+        weights = LayerWindow(paths, window, self.drop_cache, self.stream_mode)
+        return SliceExecutor(config, s, weights, rope, cache)
 
     def _fetch(self, ref: ShardRef) -> None:
         """Fetch one shard in chunks into a .part file, resuming one left by an earlier run."""
@@ -263,6 +273,7 @@ class Worker:
         return executor
 
     def _serve(self, executor: SliceExecutor) -> None:
+        reported = StreamFigures()  # the loader's totals at the last report
         while True:
             frames = self._recv(float("inf"), "waiting for work")
             header, tensors = P.decode(frames)
@@ -271,7 +282,9 @@ class Worker:
                 log.info("master said bye: %s", header.get("reason", ""))
                 return
             if op == P.WELCOME:  # a re-plan: a new slice, maybe new shards to fetch
+                executor.close()
                 executor = self._reload(welcome=header)
+                reported = StreamFigures()
                 continue
             if op != P.STEP:
                 raise NodeError(f"unexpected message from the master: {op!r}")
@@ -296,4 +309,7 @@ class Worker:
                 "block": header["block"],
                 "compute": time.perf_counter() - started,
             }
+            if header["block"] == P.FFN and layer == executor.config.n_layers - 1:
+                reply["figures"] = step_figures(executor.weights, reported)
+                reported = replace(executor.weights.figures)
             self._send(reply, (partial,))

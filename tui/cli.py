@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from memory.budget import STREAM_MODES, MemoryOptions, parse_size
 from models.errors import ModelError
 from models.source import DEFAULT_MODEL
 from node.protocol import DEFAULT_PORT
@@ -51,6 +52,45 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="relative node capacities for the split, master first (e.g. 1,2,3)",
     )
     p.add_argument("--state-dir", type=Path, default=None, help="shard cache and node state")
+
+
+def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
+    if master:
+        p.add_argument(
+            "--dtype",
+            choices=("f32", "f16", "bf16", "int8"),
+            default="f32",
+            help="how the shards store the weights (int8: per-channel scales)",
+        )
+        p.add_argument(
+            "--memory-budget", default=None, help="memory for weights and KV cache, e.g. 2GB"
+        )
+    p.add_argument(
+        "--window", type=_positive, default=None, help="layers of the slice in memory (forced)"
+    )
+    p.add_argument(
+        "--drop-cache",
+        action="store_true",
+        help="drop each shard from the page cache after reading it (cold-disk benchmarks)",
+    )
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def _memory(args: argparse.Namespace) -> MemoryOptions:
+    """The memory options given on the command line."""
+    budget = getattr(args, "memory_budget", None)
+    return MemoryOptions(
+        budget=parse_size(budget) if budget else None,
+        window=getattr(args, "window", None),
+        dtype=getattr(args, "dtype", "f32"),
+        drop_cache=getattr(args, "drop_cache", False),
+        mode=getattr(args, "stream_mode", "normal"),
+    )
 
 
 def _node_counts(text: str) -> list[int]:
@@ -92,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--system", default=None, help="system prompt for the chat template")
     run.add_argument("--raw", action="store_true", help="no chat template: complete the text")
     _add_cluster_args(run)
+    _add_memory_args(run)
     run.add_argument("prompt", help="the prompt")
 
     master = sub.add_parser("master", help="start a master; workers join it; prompts from stdin")
@@ -109,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     master.add_argument("--cluster", default=None, help="cluster name to announce (default: host)")
     master.add_argument("--interface", default=None, help="IPv4 address to announce mDNS on")
     master.add_argument("--no-announce", action="store_true", help="do not announce on the LAN")
+    _add_memory_args(master)
 
     for name in ("join", "node"):
         join = sub.add_parser(name, help="join a master as a worker")
@@ -118,7 +160,15 @@ def _parser() -> argparse.ArgumentParser:
         join.add_argument("--cluster", default=None, help="with several masters: which one")
         join.add_argument("--interface", default=None, help="IPv4 address to browse mDNS on")
         join.add_argument("--threads", type=int, default=None)
-        join.add_argument("--memory-budget", default=None, help="e.g. 2GB (default: all RAM)")
+        join.add_argument(
+            "--memory-budget",
+            default=None,
+            help="for weights and KV cache, e.g. 2GB (default: RAM)",
+        )
+        _add_memory_args(join, master=False)
+        join.add_argument(
+            "--stream-mode", choices=STREAM_MODES, default="normal", help=argparse.SUPPRESS
+        )
         join.add_argument("--name", default=None, help="this node's name (default: host-random)")
         join.add_argument("--model", default=None, help="refuse a master running another model")
         join.add_argument("--state-dir", type=Path, default=None)
@@ -141,10 +191,24 @@ def _parser() -> argparse.ArgumentParser:
         help="node counts to compare, e.g. 1,2,3 (instead of the transformers comparison)",
     )
     bench.add_argument("--state-dir", type=Path, default=None)
+    _add_memory_args(bench)
+    bench.add_argument(
+        "--overlap",
+        action="store_true",
+        help="with --local-nodes: also time load-only and compute-only runs of the same window",
+    )
+    bench.add_argument(
+        "--rss-tokens",
+        type=int,
+        default=0,
+        help="with --local-nodes: also generate this many "
+        "tokens and report each node's memory along the way",
+    )
 
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible REST API")
     _add_model_args(serve)
     _add_cluster_args(serve)
+    _add_memory_args(serve)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: this machine only)"
     )
@@ -208,7 +272,15 @@ def _engine(args: argparse.Namespace, source: ModelSource) -> contextlib.Abstrac
 
     nodes = len(args.capacities) if args.capacities else args.local_nodes
     return local_engine(
-        source, nodes, args.capacities, args.threads, args.state_dir, args.context, 1, args.verbose
+        source,
+        nodes,
+        args.capacities,
+        args.threads,
+        args.state_dir,
+        args.context,
+        1,
+        args.verbose,
+        memory=_memory(args),
     )
 
 
@@ -269,6 +341,7 @@ def _master(args: argparse.Namespace) -> None:
                     state_dir / "master",
                     args.context,
                     progress=lambda _, done, total: split_progress(done, total),
+                    memory=_memory(args),
                 )
 
         engine = plan()
@@ -319,10 +392,18 @@ def _join(args: argparse.Namespace) -> None:
         address = _find_master(args.cluster, args.interface, token)
     else:
         address = args.master if ":" in args.master else f"{args.master}:{DEFAULT_PORT}"
-    capacity = measure_capacity(threads, budget)
+    capacity = measure_capacity(threads, budget, args.window)
     with progress_bar("fetching shards", in_bytes=True) as fetch_progress:
         worker = Worker(
-            address, capacity, state_dir, args.name, args.model, fetch_progress, token=token
+            address,
+            capacity,
+            state_dir,
+            args.name,
+            args.model,
+            fetch_progress,
+            token=token,
+            drop_cache=args.drop_cache,
+            stream_mode=args.stream_mode,
         )
         worker.run()
 
@@ -391,6 +472,7 @@ def _serve(args: argparse.Namespace) -> None:
         args.api_key or os.environ.get("EDGETP_API_KEY"),
         args.max_batch,
         args.verbose,
+        memory=_memory(args),
     )
 
 

@@ -19,6 +19,7 @@ import uvicorn
 
 from master.batcher import Batcher
 from master.bridge.app import Served, create_app
+from memory.budget import ALL_RESIDENT, MemoryOptions
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ def serve(
     api_key: str | None = None,
     max_batch: int = 8,
     verbose: bool = False,
+    memory: MemoryOptions = ALL_RESIDENT,
 ) -> None:
     """Load the model on `nodes` local processes and serve it until interrupted."""
     from master.local import local_engine
@@ -74,7 +76,7 @@ def serve(
         aliases = tuple({model or DEFAULT_MODEL, source.path.stem} - {source.name})
         created = int(source.path.stat().st_mtime)
         with local_engine(
-            source, nodes, capacities, threads, state_dir, context, max_batch, verbose
+            source, nodes, capacities, threads, state_dir, context, max_batch, verbose, memory
         ) as engine:
             batcher = Batcher(engine, tokenizer).start()
             try:

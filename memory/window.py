@@ -1,0 +1,288 @@
+"""The sliding window: a node's slice of every layer, streamed from its shard files.
+
+At most `window` layers are in memory at once, in buffers allocated (and touched) up front and
+reused as a ring, so resident memory is known before the first token and stays flat. A loader
+thread reads the next layers from disk while the current one computes and waits for its
+allreduce; a layer's buffer is handed back as soon as its FFN is done.
+
+Layers are used in order, 0..L-1, step after step, so the loader reads a cyclic sequence: the
+k-th layer used is layer k % L, into buffer k % window. A step that ends early (a failed
+request) breaks that order; the next request for another layer restarts the loader there.
+
+When the window covers every layer, each is read once into its own buffer and never again.
+
+Reads go into the buffers with readinto: no mmap, so nothing counts as "in memory" that is
+really in the page cache. With `drop_cache`, each file is dropped from the page cache after it
+is read (posix_fadvise DONTNEED), so every read comes from the disk, as on a device that cannot
+keep the model: the honest setting for cold-disk benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memory.shards import DATA_ALIGN
+from models.errors import ModelError
+
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+
+
+@dataclass
+class StreamFigures:
+    """Running totals of the loader; a node reports their difference per step."""
+
+    bytes_read: int = 0
+    load_s: float = 0.0  # time the loader spent reading
+    wait_s: float = 0.0  # time compute waited for a layer not yet read
+
+    def minus(self, other: StreamFigures) -> StreamFigures:
+        return StreamFigures(
+            self.bytes_read - other.bytes_read,
+            self.load_s - other.load_s,
+            self.wait_s - other.wait_s,
+        )
+
+
+def layer_views(buffer: torch.Tensor, path: Path, size: int) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file read whole into `buffer`, as views of it (no copy)."""
+    if size < 8:
+        raise ModelError(f"shard {path} is truncated ({size} bytes)")
+    (header_len,) = struct.unpack("<Q", buffer[:8].numpy().tobytes())
+    if header_len > size - 8:
+        raise ModelError(f"shard {path} is corrupt: its header runs past the end of the file")
+    try:
+        header = json.loads(buffer[8 : 8 + header_len].numpy().tobytes())
+    except ValueError as exc:
+        raise ModelError(f"shard {path} is corrupt: its header is not JSON ({exc})") from exc
+    start = 8 + header_len
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = meta["data_offsets"]
+        dtype = _DTYPES.get(meta["dtype"])
+        if dtype is None or start + end > size:
+            raise ModelError(f"shard {path} is corrupt: tensor {name} is out of bounds")
+        raw = buffer[start + begin : start + end]
+        if raw.data_ptr() % DATA_ALIGN:  # not written by edgetp: one aligned copy
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(meta["shape"])
+    return out
+
+
+class LayerWindow:
+    """Layers of one slice, `window` at a time, read from `paths` (one file per layer)."""
+
+    def __init__(
+        self, paths: list[Path], window: int, drop_cache: bool = False, mode: str = "normal"
+    ) -> None:
+        """`mode` is for benchmarks: "compute-only" stops reading once every buffer is filled
+        (compute then runs on stale layers of the same shapes); "load-only" is honoured by the
+        executor, which then skips the math."""
+        if window < 1:
+            raise ValueError(f"the window must hold at least one layer, got {window}")
+        self.paths = [Path(p) for p in paths]
+        self.n_layers = len(self.paths)
+        self.window = min(window, self.n_layers)
+        self.drop_cache = drop_cache
+        self.mode = mode
+        self.resident = self.window == self.n_layers
+        sizes = []
+        for p in self.paths:
+            try:
+                sizes.append(p.stat().st_size)
+            except OSError as exc:
+                raise ModelError(f"shard {p} is missing ({exc.strerror})") from exc
+        self.sizes = sizes
+        self.figures = StreamFigures()
+        self._lock = threading.Condition()
+        # Allocated and touched now: the memory a node needs is taken before the first token.
+        self.buffers = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in range(self.window)]
+        self._views: list[dict[str, torch.Tensor] | None] = [None] * self.window
+        self._seq_of_slot = [-1] * self.window  # which use (k) a buffer holds
+        self._used = 0  # k of the layer compute is on (or will be on next)
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        if drop_cache:
+            os.sync()  # dirty pages cannot be dropped: write them back first
+        if self.resident:
+            for i in range(self.n_layers):
+                self._read(i, i)
+        else:
+            self._start(0)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    # -- compute side -----------------------------------------------------------------------
+    def get(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer `layer`'s tensors, waiting for the loader if it is not read yet."""
+        if self.resident:
+            views = self._views[layer]
+            assert views is not None
+            return views
+        with self._lock:
+            if self._used % self.n_layers != layer:  # the order broke: restart there
+                self._restart(layer)
+            k = self._used
+            slot = k % self.window
+            if self._seq_of_slot[slot] != k:
+                started = time.perf_counter()
+                while self._seq_of_slot[slot] != k and self._error is None:
+                    self._lock.wait()
+                self.figures.wait_s += time.perf_counter() - started
+            if self._seq_of_slot[slot] != k:
+                raise self._error  # type: ignore[misc]
+            views = self._views[slot]
+            assert views is not None
+            return views
+
+    def release(self, layer: int) -> None:
+        """Compute is done with `layer`: its buffer may take the next layer."""
+        if self.resident:
+            return
+        with self._lock:
+            if self._used % self.n_layers == layer:
+                self._used += 1
+                self._lock.notify_all()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # -- loader side ------------------------------------------------------------------------
+    def _start(self, first: int) -> None:
+        self._stop = False
+        self._error = None
+        self._thread = threading.Thread(
+            target=self._load_loop, args=(first,), name="layer-loader", daemon=True
+        )
+        self._thread.start()
+
+    def _restart(self, layer: int) -> None:
+        """Called with the lock held: stop the loader and start it again at `layer`."""
+        self._stop = True
+        self._lock.notify_all()
+        thread = self._thread
+        self._lock.release()
+        try:
+            if thread is not None:
+                thread.join()
+        finally:
+            self._lock.acquire()
+        # Continue the sequence count so buffers' old numbers can never match a new use.
+        k = self._used + (layer - self._used) % self.n_layers + self.n_layers
+        self._used = k
+        self._seq_of_slot = [-1] * self.window
+        self._start(k)
+
+    def _load_loop(self, k: int) -> None:
+        while True:
+            with self._lock:
+                # Buffer k % window is free once compute has moved past use k - window.
+                while not self._stop and k - self._used >= self.window:
+                    self._lock.wait()
+                if self._stop:
+                    return
+            try:
+                if self.mode != "compute-only" or self._views[k % self.window] is None:
+                    self._read(k % self.window, k % self.n_layers)
+            except BaseException as exc:  # handed to compute, which raises it
+                with self._lock:
+                    self._error = exc
+                    self._lock.notify_all()
+                return
+            with self._lock:
+                self._seq_of_slot[k % self.window] = k
+                self._lock.notify_all()
+            k += 1
+
+    def _read(self, slot: int, layer: int) -> None:
+        path, size = self.paths[layer], self.sizes[layer]
+        buffer = self.buffers[slot]
+        started = time.perf_counter()
+        try:
+            with open(path, "rb", buffering=0) as f:
+                view = memoryview(buffer.numpy())[:size]
+                got = 0
+                while got < size:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                if self.drop_cache:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as exc:
+            raise ModelError(f"shard {path} cannot be read ({exc.strerror})") from exc
+        if got != size:
+            raise ModelError(f"shard {path} is truncated: {got} of {size} bytes")
+        self._views[slot] = layer_views(buffer, path, size)
+        self.figures.load_s += time.perf_counter() - started
+        self.figures.bytes_read += size
+
+
+class ResidentLayers:
+    """Every layer already in memory (a slice built in this process): the window's interface."""
+
+    def __init__(self, layers: list[dict[str, torch.Tensor]]) -> None:
+        self.layers = layers
+        self.n_layers = len(layers)
+        self.window = self.n_layers
+        self.resident = True
+        self.figures = StreamFigures()
+        self.mode = "normal"
+        self.buffer_bytes = sum(t.nbytes for layer in layers for t in layer.values())
+
+    def get(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.layers[layer]
+
+    def release(self, layer: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def process_memory() -> dict[str, int]:
+    """This process's resident memory now and at its peak (bytes), from /proc."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out["rss" if line.startswith("VmRSS") else "peak_rss"] = int(line.split()[1]) * 1024
+    return out
+
+
+def step_figures(window: LayerWindow | ResidentLayers, since: StreamFigures) -> dict[str, Any]:
+    """What a node reports after each step: the loader's work in it, and its memory."""
+    d = window.figures.minus(since)
+    return {
+        "window": window.window,
+        "bytes_read": d.bytes_read,
+        "load_s": d.load_s,
+        "wait_s": d.wait_s,
+        "buffer_bytes": window.buffer_bytes,
+        **process_memory(),
+    }
