@@ -6,9 +6,11 @@ shared machine hits both alike; the figures kept are medians, and the comparison
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,11 @@ import torch
 from master.generate import start, step
 from master.sampling import SamplingParams
 from master.session import load, prompt_tokens, set_threads
+from memory.budget import ALL_RESIDENT, MemoryOptions, format_size
 from models.errors import ModelError
+from models.layers import Slice
 from models.source import GGUFSource, ModelSource
+from node.kvcache import KVCache
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -214,9 +219,17 @@ def run_cluster_bench(
     json_path: str | None,
     context: int | None,
     state_dir: Path | None,
+    memory: MemoryOptions = ALL_RESIDENT,
+    overlap: bool = False,
+    rss_tokens: int = 0,
 ) -> dict[str, Any]:
-    """ms/token, TTFT and allreduce latency for each node count, with a raw ZeroMQ floor."""
-    from master.local import local_engine
+    """ms/token, TTFT, allreduce latency and every node's loader and memory figures, for each
+    node count, with a raw ZeroMQ floor.
+
+    `overlap` adds, per node count, a load-only and a compute-only run of the same window:
+    streaming hides its reads when ms/token is near max(load-only, compute-only).
+    `rss_tokens` adds a long generation with each node's memory at its first and last token.
+    """
     from master.session import open_with_tokenizer
 
     source, tokenizer = open_with_tokenizer(model)
@@ -224,33 +237,23 @@ def run_cluster_bench(
     hidden = source.config.hidden
     raw = raw_round_trips((1, 1, hidden), 2000)
     raw_med, raw_p99 = statistics.median(raw) * 1e6, _percentile(raw, 0.99) * 1e6
+    modes = ["normal", "load-only", "compute-only"] if overlap else ["normal"]
     rows = []
     for nodes in node_counts:
-        with local_engine(source, nodes, state_dir=state_dir, context=context) as engine:
-            _time_edgetp_engine(engine, tokenizer, prompt, 4)  # warm-up
-            if engine.remote:
-                engine.remote.allreduce_seconds.clear()
-            ttft, ms, tokens = _time_edgetp_engine(engine, tokenizer, prompt, n_tokens)
-            sums = engine.remote.allreduce_seconds if engine.remote else []
+        for mode in modes:
+            options = replace(memory, mode=mode)
             rows.append(
-                {
-                    "nodes": nodes,
-                    "ms_per_token": round(ms, 2),
-                    "ttft_ms": round(ttft * 1000, 1),
-                    "tokens": tokens,
-                    "allreduce_us_median": round(statistics.median(sums) * 1e6, 1)
-                    if sums
-                    else None,
-                    "allreduce_us_p99": round(_percentile(sums, 0.99) * 1e6, 1) if sums else None,
-                }
+                _cluster_run(
+                    source, tokenizer, prompt, nodes, n_tokens, context, state_dir, options
+                )
             )
-    base = rows[0]["ms_per_token"]
-    same = all(r["tokens"] == rows[0]["tokens"] for r in rows)
     print(f"model {source.path}  prompt {len(prompt)} tokens  {n_tokens} greedy tokens")
+    print(f"memory: {_describe(memory)}")
     print(f"raw ZeroMQ round trip, {hidden * 4} B payload: median {raw_med:.0f} us, ", end="")
     print(f"p99 {raw_p99:.0f} us")
+    base = rows[0]["ms_per_token"]
     title = "allreduce us (med/p99 per sum)"
-    print(f"{'nodes':>5}{'ms/token':>10}{'vs 1':>7}{'TTFT ms':>9}{title:>33}")
+    print(f"{'nodes':>5} {'mode':<13}{'ms/token':>9}{'vs first':>9}{'TTFT ms':>9}{title:>33}")
     for r in rows:
         ar = (
             f"{r['allreduce_us_median']:.0f} / {r['allreduce_us_p99']:.0f}"
@@ -258,18 +261,171 @@ def run_cluster_bench(
             else "-"
         )
         print(
-            f"{r['nodes']:>5}{r['ms_per_token']:>10}{r['ms_per_token'] / base:>7.2f}"
-            f"{r['ttft_ms']:>9}{ar:>33}"
+            f"{r['nodes']:>5} {r['mode']:<13}{r['ms_per_token']:>9}"
+            f"{r['ms_per_token'] / base:>9.2f}{r['ttft_ms']:>9}{ar:>33}"
         )
+    normal = [r for r in rows if r["mode"] == "normal"]
+    for r in normal:
+        _print_nodes(r)
+    if overlap:
+        for nodes in node_counts:
+            by = {r["mode"]: r["ms_per_token"] for r in rows if r["nodes"] == nodes}
+            bound = max(by["load-only"], by["compute-only"])
+            print(
+                f"overlap, {nodes} node(s): streamed {by['normal']} ms/token vs max(load-only "
+                f"{by['load-only']}, compute-only {by['compute-only']}) = {bound}: "
+                f"ratio {by['normal'] / bound:.3f}"
+            )
+    same = all(r["tokens"] == normal[0]["tokens"] for r in normal)
     print(f"greedy tokens identical across node counts: {same}")
+    long_runs = []
+    if rss_tokens:
+        for nodes in node_counts:
+            long_runs.append(
+                _rss_run(source, tokenizer, prompt, nodes, rss_tokens, context, state_dir, memory)
+            )
     report = {
         "model": str(source.path),
         "tokens": n_tokens,
+        "memory": dataclasses.asdict(memory),
         "raw_round_trip_us_median": round(raw_med, 1),
         "raw_round_trip_us_p99": round(raw_p99, 1),
         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
         "greedy_tokens_identical": same,
+        "rss_runs": long_runs,
     }
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _describe(memory: MemoryOptions) -> str:
+    budget = format_size(memory.budget) if memory.budget else "none"
+    window = memory.window or "from the budget"
+    return (
+        f"dtype {memory.dtype}, budget {budget}, window {window}, "
+        f"page cache {'dropped after each read' if memory.drop_cache else 'kept'}"
+    )
+
+
+def _cluster_run(
+    source: ModelSource,
+    tokenizer: Any,
+    prompt: list[int],
+    nodes: int,
+    n_tokens: int,
+    context: int | None,
+    state_dir: Path | None,
+    memory: MemoryOptions,
+) -> dict[str, Any]:
+    from master.local import local_engine
+
+    with local_engine(source, nodes, state_dir=state_dir, context=context, memory=memory) as engine:
+        _time_edgetp_engine(engine, tokenizer, prompt, 4)  # warm-up
+        members = _clear_figures(engine)
+        ttft, ms, tokens = _time_edgetp_engine(engine, tokenizer, prompt, n_tokens)
+        sums = engine.remote.allreduce_seconds if engine.remote else []
+        per_node = [_node_row("master", engine.history)] + [
+            _node_row(m.name, m.history) for m in members
+        ]
+        engine.close()
+    return {
+        "nodes": nodes,
+        "mode": memory.mode,
+        "ms_per_token": round(ms, 2),
+        "ttft_ms": round(ttft * 1000, 1),
+        "tokens": tokens,
+        "allreduce_us_median": round(statistics.median(sums) * 1e6, 1) if sums else None,
+        "allreduce_us_p99": round(_percentile(sums, 0.99) * 1e6, 1) if sums else None,
+        "per_node": per_node,
+    }
+
+
+def _clear_figures(engine: Any) -> list[Any]:
+    members = list(engine.remote.members) if engine.remote else []
+    if engine.remote:
+        engine.remote.allreduce_seconds.clear()
+    engine.history.clear()
+    for m in members:
+        m.history.clear()
+    return members
+
+
+def _node_row(name: str, history: Any) -> dict[str, Any]:
+    """A node's loader and memory figures, averaged over the decode steps (one token each)."""
+    steps = list(history)[1:]  # the first step is the prompt's
+    if not steps:
+        return {"node": name}
+    n = len(steps)
+    return {
+        "node": name,
+        "window": steps[-1].get("window"),
+        "mb_read_per_token": round(sum(s["bytes_read"] for s in steps) / n / 1e6, 2),
+        "load_ms_per_token": round(sum(s["load_s"] for s in steps) / n * 1000, 2),
+        "wait_ms_per_token": round(sum(s["wait_s"] for s in steps) / n * 1000, 2),
+        "buffer_mb": round(steps[-1]["buffer_bytes"] / 1e6, 1),
+        "rss_mb": round(steps[-1]["rss"] / 1e6, 1),
+        "peak_rss_mb": round(max(s["peak_rss"] for s in steps) / 1e6, 1),
+    }
+
+
+def _print_nodes(run: dict[str, Any]) -> None:
+    print(f"per node, {run['nodes']} node(s), averaged per decoded token:")
+    print(
+        f"  {'node':<10}{'window':>7}{'MB read':>9}{'load ms':>9}{'wait ms':>9}"
+        f"{'buffers MB':>11}{'RSS MB':>9}{'peak RSS MB':>12}"
+    )
+    for r in run["per_node"]:
+        if "window" not in r:
+            continue
+        print(
+            f"  {r['node']:<10}{r['window']:>7}{r['mb_read_per_token']:>9}"
+            f"{r['load_ms_per_token']:>9}{r['wait_ms_per_token']:>9}{r['buffer_mb']:>11}"
+            f"{r['rss_mb']:>9}{r['peak_rss_mb']:>12}"
+        )
+
+
+def _rss_run(
+    source: ModelSource,
+    tokenizer: Any,
+    prompt: list[int],
+    nodes: int,
+    n_tokens: int,
+    context: int | None,
+    state_dir: Path | None,
+    memory: MemoryOptions,
+) -> dict[str, Any]:
+    """Each node's RSS after the first decoded token and after the last, with the KV cache
+    written meanwhile: streaming must not grow memory beyond the cache."""
+    from master.local import local_engine
+
+    with local_engine(source, nodes, state_dir=state_dir, context=context, memory=memory) as engine:
+        members = _clear_figures(engine)
+        _time_edgetp_engine(engine, tokenizer, prompt, n_tokens)
+        histories = [("master", engine.history)] + [(m.name, m.history) for m in members]
+        slices = [engine.slices[0], *(Slice.from_dict(m.slice) for m in members)]
+        kv_per_token = [KVCache.bytes_per_token(engine.config, s, torch.float32) for s in slices]
+        engine.close()
+    print(f"memory over {n_tokens} tokens, {nodes} node(s):")
+    print(
+        f"  {'node':<10}{'RSS tok 1 MB':>13}{'RSS tok N MB':>13}{'growth MB':>10}"
+        f"{'KV written MB':>14}{'peak MB':>9}"
+    )
+    out = []
+    for (name, history), kv in zip(histories, kv_per_token, strict=True):
+        steps = list(history)
+        first, last = steps[1], steps[-1]
+        row = {
+            "node": name,
+            "rss_first_mb": round(first["rss"] / 1e6, 1),
+            "rss_last_mb": round(last["rss"] / 1e6, 1),
+            "growth_mb": round((last["rss"] - first["rss"]) / 1e6, 1),
+            "kv_written_mb": round(kv * (len(steps) - 2) / 1e6, 1),
+            "peak_rss_mb": round(max(s["peak_rss"] for s in steps) / 1e6, 1),
+        }
+        out.append(row)
+        print(
+            f"  {name:<10}{row['rss_first_mb']:>13}{row['rss_last_mb']:>13}"
+            f"{row['growth_mb']:>10}{row['kv_written_mb']:>14}{row['peak_rss_mb']:>9}"
+        )
+    return {"nodes": nodes, "tokens": n_tokens, "per_node": out}

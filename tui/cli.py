@@ -449,7 +449,15 @@ def _bench(args: argparse.Namespace) -> None:
 
     if args.local_nodes:
         run_cluster_bench(
-            args.model, args.local_nodes, args.tokens, args.json, args.context, args.state_dir
+            args.model,
+            args.local_nodes,
+            args.tokens,
+            args.json,
+            args.context,
+            args.state_dir,
+            _memory(args),
+            args.overlap,
+            args.rss_tokens,
         )
     else:
         run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)

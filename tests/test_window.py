@@ -1,0 +1,265 @@
+"""The sliding window: streamed layers give the resident answer, in flat memory, and fail loudly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from master.cluster import ClusterError
+from master.generate import start, stream
+from master.local import local_engine
+from master.plan import plan_slices
+from master.sampling import SamplingParams
+from master.session import cluster_engine
+from master.splitter import split_model
+from memory.budget import MIN_CONTEXT, BudgetError, MemoryOptions, plan_memory
+from memory.shards import ShardStore
+from memory.window import LayerWindow
+from models.errors import ModelError
+from models.layers import StepBatch
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three reasons to learn Rust:"]
+
+# Three texts, teacher-forced: the model reads them and its top-1 guess at every position is
+# compared between shard dtypes.
+TEXTS = [
+    "The history of the lighthouse begins in antiquity. Sailors needed to know where the rocks "
+    "were, and fires on hilltops were the first signals. Later, towers were built of stone, and "
+    "the light was made by burning wood or coal. In the nineteenth century, lenses changed "
+    "everything: a single lamp could be seen from twenty miles away. Keepers lived in the towers "
+    "with their families, trimming wicks and winding the clockwork that turned the lens, night "
+    "after night, in every weather, until electricity made most of them unnecessary.",
+    "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    middle = "
+    "len(items) // 2\n    left = merge_sort(items[:middle])\n    right = merge_sort(items[middle:])"
+    "\n    merged = []\n    while left and right:\n        if left[0] <= right[0]:\n            "
+    "merged.append(left.pop(0))\n        else:\n            merged.append(right.pop(0))\n    "
+    "return merged + left + right\n",
+    "Photosynthesis is the process by which green plants turn light into chemical energy. "
+    "Chlorophyll absorbs red and blue light, and the energy splits water molecules, releasing "
+    "oxygen. The hydrogen is used to turn carbon dioxide from the air into sugars, which the "
+    "plant uses to grow. Almost all life on Earth depends on this process, directly or not. "
+    "Forests, grasslands and the plankton of the oceans together capture more than a hundred "
+    "billion tonnes of carbon every year, and the oxygen we breathe is its by-product.",
+]
+POSITIONS_PER_TEXT = 86  # 3 x 86 = 258 >= 256 positions
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory):
+    """One shard store for the module: each split is written once."""
+    return tmp_path_factory.mktemp("window-state")
+
+
+def greedy(engine, tokenizer, n=64):
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    seqs = start(engine, prompts, [SamplingParams(max_tokens=n, ignore_eos=True)] * 3)
+    for _ in stream(engine, tokenizer, seqs):
+        pass
+    return [g.tokens for g in seqs]
+
+
+@pytest.mark.slow
+def test_window_of_two_gives_the_all_resident_tokens_on_three_nodes(
+    smollm2, smollm2_tokenizer, state_dir
+):
+    with local_engine(smollm2, 3, state_dir=state_dir, context=256, slots=3) as engine:
+        resident = greedy(engine, smollm2_tokenizer)
+        assert engine.figures["window"] == smollm2.config.n_layers
+        assert all(m.figures["window"] == smollm2.config.n_layers for m in engine.remote.members)
+    window = MemoryOptions(window=2)
+    with local_engine(
+        smollm2, 3, state_dir=state_dir, context=256, slots=3, memory=window
+    ) as engine:
+        streamed = greedy(engine, smollm2_tokenizer)
+        figures = [engine.figures] + [m.figures for m in engine.remote.members]
+        members = list(engine.remote.members)
+        engine.close()
+    assert streamed == resident
+    assert [len(t) for t in streamed] == [64] * 3
+    # Each node really streamed: two layers in memory, and a decode step re-reads its whole
+    # slice (give or take the layers the loader has read ahead when the step ends).
+    manifest = _manifest(state_dir, nodes=3)
+    store = ShardStore(state_dir / "shards")
+    names = ["master", *(m.name for m in members)]
+    for k, (name, f) in enumerate(zip(names, figures, strict=True)):
+        sizes = [store.path(r).stat().st_size for r in manifest.nodes[k]]
+        assert f["window"] == 2, name
+        assert abs(f["bytes_read"] - sum(sizes)) <= 2 * max(sizes), (name, f, sum(sizes))
+        assert f["buffer_bytes"] == 2 * max(sizes), name
+
+
+def _manifest(state_dir, nodes):
+    from memory.shards import Manifest
+
+    for path in (state_dir / "shards" / "manifests").glob("*.json"):
+        manifest = Manifest.from_json(path.read_text())
+        if len(manifest.nodes) == nodes and manifest.extra.get("dtype") == "f32":
+            return manifest
+    raise AssertionError(f"no {nodes}-node manifest")
+
+
+def _teacher_forced_top1(engine, tokenizer) -> torch.Tensor:
+    tops = []
+    for text in TEXTS:
+        ids = tokenizer.encode(text)[:POSITIONS_PER_TEXT]
+        assert len(ids) == POSITIONS_PER_TEXT
+        logits = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)), all_logits=True)
+        tops.append(logits[0].argmax(-1))
+    return torch.cat(tops)
+
+
+@pytest.mark.slow
+def test_int8_and_f16_shards_agree_with_f32(smollm2, smollm2_tokenizer, state_dir):
+    top1 = {}
+    for dtype in ("f32", "f16", "int8"):
+        engine = cluster_engine(
+            smollm2, None, [1.0], state_dir, 128, memory=MemoryOptions(dtype=dtype)
+        )
+        top1[dtype] = _teacher_forced_top1(engine, smollm2_tokenizer)
+        engine.close()
+    n = top1["f32"].numel()
+    assert n >= 256
+    for dtype in ("f16", "int8"):
+        agreement = (top1[dtype] == top1["f32"]).float().mean().item()
+        print(f"\n{dtype}: top-1 agreement with f32 over {n} positions: {agreement:.4f}")
+        assert agreement >= 0.95, (dtype, agreement)
+
+
+def test_a_budget_too_small_says_what_would_fit():
+    with pytest.raises(BudgetError) as err:
+        plan_memory(100_000_000, 14_000_000, 30, 46_000, 2048, fixed_bytes=113_000_000)
+    message = str(err.value)
+    assert "cannot hold 2 layers" in message and "give --memory-budget" in message
+    need = 113_000_000 + 2 * 14_000_000 + 46_000 * MIN_CONTEXT
+    plan = plan_memory(need, 14_000_000, 30, 46_000, 2048, fixed_bytes=113_000_000)
+    assert plan.window == 2 and plan.context == MIN_CONTEXT  # exactly what the message asked
+
+
+def test_the_window_takes_what_the_kv_cache_leaves():
+    # 1 GB, 100 MB layers, 100 kB per token of KV: 2048 tokens take 204.8 MB, 7 layers fit.
+    plan = plan_memory(10**9, 10**8, 80, 10**5, 2048)
+    assert plan == plan.__class__(window=7, context=2048)
+    assert plan_memory(10**12, 10**8, 80, 10**5, 2048).window == 80  # all fit: all resident
+    # Two layers fit but not the whole cache: the context shrinks instead.
+    small = plan_memory(3 * 10**8, 10**8, 80, 10**5, 2048)
+    assert small.window == 2 and small.context == 1000
+    assert plan_memory(None, 10**8, 80, 10**5, 2048, window=3).window == 3
+    with pytest.raises(BudgetError):
+        plan_memory(10**9, 10**8, 80, 10**5, 2048, window=10)
+
+
+def test_the_cli_refuses_a_budget_too_small(smollm2, tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "tui.cli", "run", "--memory-budget", "100MB", "--state-dir",
+         str(tmp_path), "Hello"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 1 and out.stdout == ""
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("edgetp: error: the master: a memory budget of 100.0 MB cannot hold")
+    assert "give --memory-budget" in line
+
+
+@pytest.fixture(scope="module")
+def layer_files(smollm2, state_dir):
+    store = ShardStore(state_dir / "shards")
+    slices = plan_slices(smollm2.config, [1.0])
+    manifest = split_model(smollm2, slices, store)
+    return store, manifest.nodes[0]
+
+
+def test_the_window_streams_every_layer_in_order_into_fixed_buffers(layer_files):
+    store, refs = layer_files
+    paths = [store.path(r) for r in refs[:6]]
+    window = LayerWindow(paths, 2)
+    buffers = [b.data_ptr() for b in window.buffers]
+    try:
+        for _token in range(3):
+            for i, ref in enumerate(refs[:6]):
+                got = window.get(i)
+                want = store.load(ref)
+                assert got.keys() == want.keys()
+                assert all(torch.equal(got[k], want[k]) for k in want)
+                window.release(i)
+        assert window.figures.bytes_read >= 3 * sum(r.size for r in refs[:6]) - 2 * refs[0].size
+        assert [b.data_ptr() for b in window.buffers] == buffers and len(buffers) == 2
+        # A step cut short (a failed request): the next one starts again at layer 0.
+        window.get(0)
+        window.release(0)
+        window.get(1)
+        assert torch.equal(window.get(0)["wo"], store.load(refs[0])["wo"])
+        window.release(0)
+        assert torch.equal(window.get(1)["wo"], store.load(refs[1])["wo"])
+    finally:
+        window.close()
+
+
+def test_a_window_covering_every_layer_reads_each_once(layer_files):
+    store, refs = layer_files
+    paths = [store.path(r) for r in refs[:4]]
+    window = LayerWindow(paths, 10)
+    for _token in range(3):
+        for i in range(4):
+            window.get(i)
+            window.release(i)
+    assert window.figures.bytes_read == sum(r.size for r in refs[:4])
+    assert window.resident and len(window.buffers) == 4
+
+
+def test_a_shard_lost_while_streaming_raises_with_its_path(layer_files, tmp_path):
+    store, refs = layer_files
+    paths = []
+    for r in refs[:4]:
+        copy = tmp_path / r.filename
+        copy.write_bytes(store.path(r).read_bytes())
+        paths.append(copy)
+    window = LayerWindow(paths, 2)
+    try:
+        window.get(0)
+        window.release(0)
+        paths[3].unlink()  # layer 3 is not read yet: the window holds 0..1 (maybe 2)
+        window.get(1)
+        window.release(1)
+        window.get(2)
+        window.release(2)
+        started = time.monotonic()
+        with pytest.raises(ModelError, match=f"shard {paths[3]} cannot be read"):
+            window.get(3)
+        assert time.monotonic() - started < 5
+    finally:
+        window.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_the_master_names_the_node_and_file_of_a_bad_shard(
+    smollm2, smollm2_tokenizer, tmp_path, damage
+):
+    memory = MemoryOptions(window=2)
+    with local_engine(smollm2, 2, state_dir=tmp_path, context=128, memory=memory) as engine:
+        member = engine.remote.members[0]
+        manifest = _manifest(tmp_path, nodes=2)
+        k = 1  # the one worker is node 1
+        victim = ShardStore(tmp_path / "shards").path(manifest.nodes[k][20])
+        if damage == "missing":
+            victim.unlink()
+        else:  # a header that no longer parses
+            with open(victim, "r+b") as f:
+                f.seek(8)
+                f.write(b"\xff" * 64)
+        started = time.monotonic()
+        tokens = [smollm2_tokenizer.encode("Hello there")]
+        seqs = start(engine, tokens, [SamplingParams(max_tokens=8, ignore_eos=True)])
+        with pytest.raises(ClusterError) as err:
+            for _ in stream(engine, smollm2_tokenizer, seqs):
+                pass
+        elapsed = time.monotonic() - started
+    message = str(err.value)
+    assert member.name in message and str(victim) in message, message
+    assert ("cannot be read" if damage == "missing" else "corrupt") in message, message
+    assert elapsed < 10, elapsed
