@@ -222,6 +222,15 @@ def _parser() -> argparse.ArgumentParser:
         "--max-batch", type=int, default=8, help="requests generated at once (KV-cache slots)"
     )
 
+    synth = sub.add_parser(
+        "synth", help="write a model of a real model's layer shapes with random weights"
+    )
+    synth.add_argument("--shape", required=True, help="e.g. llama2-70b, llama3-8b, tinyllama-1.1b")
+    synth.add_argument("--layers", type=_positive, required=True, help="decoder layers to write")
+    synth.add_argument("--out", type=Path, required=True, help="the model folder to create")
+    synth.add_argument("--dtype", choices=("f16", "bf16", "f32"), default="f16")
+    synth.add_argument("--seed", type=int, default=0)
+
     bench_serve = sub.add_parser(
         "bench-serve", help="aggregate tokens/s of edgetp serve with concurrent streaming clients"
     )
@@ -499,6 +508,24 @@ def _bench_serve(args: argparse.Namespace) -> None:
     )
 
 
+def _synth(args: argparse.Namespace) -> None:
+    from memory.budget import format_size
+    from models.kernels import DTYPES
+    from models.synth import synthetic_size, write_synthetic_model
+    from tui.progress import progress_bar
+
+    dtype = DTYPES[args.dtype]
+    size = synthetic_size(args.shape, args.layers, dtype)
+    print(
+        f"edgetp synth: {args.shape}, {args.layers} layers, {args.dtype}: "
+        f"{format_size(size)} to {args.out}",
+        file=sys.stderr,
+    )
+    with progress_bar("writing", in_bytes=True) as progress:
+        write_synthetic_model(args.shape, args.layers, args.out, dtype, args.seed, progress)
+    print(f"edgetp synth: done; run it with --model {args.out}", file=sys.stderr)
+
+
 COMMANDS = {
     "run": _run,
     "bench": _bench,
@@ -507,6 +534,7 @@ COMMANDS = {
     "node": _join,
     "serve": _serve,
     "bench-serve": _bench_serve,
+    "synth": _synth,
 }
 
 

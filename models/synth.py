@@ -1,0 +1,607 @@
+"""Synthetic models: a real model's shapes with random weights, written as an HF folder.
+
+Memory use and weight streaming depend on tensor shapes, not on what the weights say, so a
+folder with Llama 2 70B's layer shapes and random values measures a 70B run on a machine that
+could never download the real one. The folder is an ordinary HF safetensors folder (config.json,
+one shard per layer plus one for the embedding/norm/head, an index, a tokenizer), read by
+`models.source.HFSource` like any other model.
+
+Weights are generated and written a block of rows at a time, so writing any shape needs a few
+tens of MB of memory, and they are a deterministic function of (seed, tensor name): the same seed
+gives the same bytes, and layer `i` is the same whatever number of layers is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.errors import ModelError
+
+_LLAMA_COMMON: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "pretraining_tp": 1,
+    "use_cache": True,
+}
+
+# Published config.json values of each model (the HF hub repos named in the comments).
+SHAPES: dict[str, dict[str, Any]] = {
+    # meta-llama/Llama-2-7b-hf
+    "llama2-7b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # meta-llama/Llama-2-13b-hf
+    "llama2-13b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 5120,
+        "intermediate_size": 13824,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # meta-llama/Llama-2-70b-hf
+    "llama2-70b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # meta-llama/Meta-Llama-3-8B
+    "llama3-8b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    # meta-llama/Meta-Llama-3-70B
+    "llama3-70b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    # meta-llama/Llama-3.2-1B: tied embeddings and llama3 RoPE scaling.
+    "llama3.2-1b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    # HuggingFaceTB/SmolLM2-135M-Instruct: the default model's shape, small enough for tests.
+    "smollm2-135m": {
+        **_LLAMA_COMMON,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 100000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # TinyLlama/TinyLlama-1.1B-Chat-v1.0
+    "tinyllama-1.1b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+# Key in config.json that marks a folder as synthetic, so that nobody mistakes its output for a
+# model's.
+MARKER_KEY = "edgetp_synthetic"
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_CONFIG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DATA_ALIGN = 64  # tensor data starts on 64-byte boundaries, as memory.shards writes it
+_BLOCK_BYTES = 32 << 20  # float32 bytes generated at a time, whatever the tensor's size
+_WEIGHT_STD = 0.02  # Llama's initializer_range
+_DISK_MARGIN = 64 << 20
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    """One tensor to write: HF name, shape and how its values are drawn."""
+
+    name: str
+    shape: tuple[int, ...]
+    std: float | None  # None: all ones (a norm weight)
+
+
+def write_synthetic_model(
+    shape: str,
+    layers: int,
+    out: Path,
+    dtype: torch.dtype = torch.float16,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> Path:
+    """Write an HF folder with `shape`'s tensor shapes, `layers` layers and random weights.
+
+    `layers` is usually fewer than the real model's (a couple of 70B layers measure per-layer
+    memory and streaming); more is allowed. The weights depend only on `seed` and the tensor's
+    name. `out` must not exist or be an empty folder. Everything is written into a hidden
+    `.NAME.partial-PID` folder next to it and renamed to `out` at the end, so an interrupted run
+    leaves no folder that looks like a model. `progress(done_bytes, total_bytes)` is called as
+    the weights are written. Returns `out`.
+    """
+    if shape not in SHAPES:
+        raise ModelError(f"unknown model shape {shape!r}; known shapes: {', '.join(SHAPES)}")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ModelError(f"a synthetic model needs at least 1 layer, got {layers!r}")
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ModelError(
+            f"synthetic weights can be float32, float16 or bfloat16, not {dtype} "
+            f"(quantized formats come from the GGUF path)"
+        )
+    out = Path(out).expanduser()
+    if out.exists():
+        if not out.is_dir():
+            raise ModelError(f"{out} exists and is not a folder; choose another --out")
+        if any(out.iterdir()):
+            raise ModelError(f"{out} already exists and is not empty; remove it or choose another")
+
+    config = _synthetic_config(shape, layers, dtype, seed)
+    files = _shard_plan(SHAPES[shape], layers)
+    total = synthetic_size(shape, layers, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < total + _DISK_MARGIN:
+        raise ModelError(
+            f"{shape} with {layers} layers needs {_gib(total)} but {out.parent} has {_gib(free)} "
+            f"free; write fewer layers or choose another --out"
+        )
+
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        done = 0
+        weight_map: dict[str, str] = {}
+        for filename, specs in files.items():
+            done = _write_shard(tmp / filename, specs, dtype, seed, done, total, progress)
+            weight_map.update(dict.fromkeys((t.name for t in specs), filename))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2))
+        _write_tokenizer(tmp, shape)
+        # config.json last: a folder without it is not taken for a model.
+        _write_text(tmp / "config.json", json.dumps(config, indent=2))
+        _fsync_dir(tmp)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def synthetic_size(shape: str, layers: int, dtype: torch.dtype = torch.float16) -> int:
+    """Bytes of weights `write_synthetic_model` would write (to size a run before starting it)."""
+    if shape not in SHAPES:
+        raise ModelError(f"unknown model shape {shape!r}; known shapes: {', '.join(SHAPES)}")
+    element = torch.empty((), dtype=dtype).element_size()
+    return sum(
+        math.prod(t.shape) * element
+        for specs in _shard_plan(SHAPES[shape], layers).values()
+        for t in specs
+    )
+
+
+# ------------------------------------------------------------------------- weights
+
+
+def _synthetic_config(shape: str, layers: int, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    config = dict(SHAPES[shape])
+    config["num_hidden_layers"] = layers
+    config["torch_dtype"] = _CONFIG_DTYPES[dtype]
+    config[MARKER_KEY] = {"shape": shape, "seed": seed}
+    return config
+
+
+def _shard_plan(config: dict[str, Any], layers: int) -> dict[str, list[_TensorSpec]]:
+    """File name -> tensors: the globals in the first file, then one file per layer.
+
+    `config` is the shape's own, with its real number of layers.
+    """
+    hidden = config["hidden_size"]
+    ffn = config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    vocab = config["vocab_size"]
+    # Residual-branch outputs get GPT-2's 1/sqrt(2 * depth) on top of Llama's 0.02, so the
+    # residual stream grows slowly through many layers. Depth is the real model's, so a
+    # layer's values do not depend on how many layers are written.
+    residual_std = _WEIGHT_STD / math.sqrt(2 * config["num_hidden_layers"])
+
+    count = layers + 1
+    files: dict[str, list[_TensorSpec]] = {}
+    globals_ = [
+        _TensorSpec("model.embed_tokens.weight", (vocab, hidden), _WEIGHT_STD),
+        _TensorSpec("model.norm.weight", (hidden,), None),
+    ]
+    if not config.get("tie_word_embeddings", False):
+        globals_.append(_TensorSpec("lm_head.weight", (vocab, hidden), _WEIGHT_STD))
+    files[f"model-{1:05d}-of-{count:05d}.safetensors"] = globals_
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        files[f"model-{i + 2:05d}-of-{count:05d}.safetensors"] = [
+            _TensorSpec(p + "input_layernorm.weight", (hidden,), None),
+            _TensorSpec(p + "self_attn.q_proj.weight", (heads * head_dim, hidden), _WEIGHT_STD),
+            _TensorSpec(p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), _WEIGHT_STD),
+            _TensorSpec(p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), _WEIGHT_STD),
+            _TensorSpec(p + "self_attn.o_proj.weight", (hidden, heads * head_dim), residual_std),
+            _TensorSpec(p + "post_attention_layernorm.weight", (hidden,), None),
+            _TensorSpec(p + "mlp.gate_proj.weight", (ffn, hidden), _WEIGHT_STD),
+            _TensorSpec(p + "mlp.up_proj.weight", (ffn, hidden), _WEIGHT_STD),
+            _TensorSpec(p + "mlp.down_proj.weight", (hidden, ffn), residual_std),
+        ]
+    return files
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    """A generator seed for one tensor, so its values depend on nothing but (seed, name)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _blocks(spec: _TensorSpec, dtype: torch.dtype, seed: int) -> Iterator[torch.Tensor]:
+    """The tensor's values, `_BLOCK_BYTES` of float32 rows at a time, converted to `dtype`."""
+    if spec.std is None:
+        yield torch.ones(spec.shape, dtype=dtype)
+        return
+    rows, cols = spec.shape[0], math.prod(spec.shape[1:])
+    per_block = max(1, _BLOCK_BYTES // (cols * 4))
+    generator = torch.Generator().manual_seed(_tensor_seed(seed, spec.name))
+    buffer = torch.empty((min(per_block, rows), cols), dtype=torch.float32)
+    for start in range(0, rows, per_block):
+        block = buffer[: min(per_block, rows - start)]
+        torch.randn(block.shape, generator=generator, out=block)
+        block.mul_(spec.std)
+        yield block.to(dtype)
+
+
+def _write_shard(
+    path: Path,
+    specs: list[_TensorSpec],
+    dtype: torch.dtype,
+    seed: int,
+    done: int,
+    total: int,
+    progress: Progress | None,
+) -> int:
+    """Write one safetensors file: the header from the shapes alone, then the data streamed.
+
+    safetensors' own writers need every tensor in memory at once; the format only needs the
+    shapes up front, so the data can follow block by block.
+    """
+    element = torch.empty((), dtype=dtype).element_size()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        size = math.prod(spec.shape) * element
+        header[spec.name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % _DATA_ALIGN)  # the format allows padding with spaces
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for spec in specs:
+            for block in _blocks(spec, dtype, seed):
+                f.write(memoryview(block.contiguous().view(torch.uint8).numpy()))
+                done += block.numel() * element
+                if progress:
+                    progress(done, total)
+        f.flush()
+        os.fsync(f.fileno())
+    return done
+
+
+# ----------------------------------------------------------------------- tokenizer
+
+
+@dataclass(frozen=True)
+class _TokenizerStyle:
+    """The special tokens and chat format of a model family's tokenizer."""
+
+    specials: dict[int, str]
+    chat_template: str
+    add_bos: bool
+    unk: str | None = None
+
+
+def _write_tokenizer(folder: Path, shape: str) -> None:
+    """A byte-level BPE with exactly `vocab_size` tokens, the family's special tokens at their ids.
+
+    Any text encodes (every byte is a token) and decodes back unchanged. Merges of letter
+    sequences fill the vocabulary, so text takes a few characters a token, not one a byte, and
+    prompt lengths stay in the range of a real tokenizer's.
+    """
+    import tokenizers
+    from tokenizers import AddedToken, decoders, pre_tokenizers, processors
+
+    config = SHAPES[shape]
+    style = _tokenizer_style(shape)
+    vocab_size = config["vocab_size"]
+    specials = style.specials
+    bos = specials[config["bos_token_id"]]
+    eos = specials[config["eos_token_id"]]
+
+    vocab: dict[str, int] = {}
+    merges: list[tuple[str, str]] = []
+    free_ids = (i for i in range(vocab_size) if i not in specials)
+    for token, merge in _byte_level_tokens():
+        token_id = next(free_ids, None)
+        if token_id is None:
+            break
+        vocab[token] = token_id
+        if merge:
+            merges.append(merge)
+    vocab.update({text: token_id for token_id, text in specials.items()})
+    if len(vocab) != vocab_size:
+        raise ModelError(f"internal: built {len(vocab)} tokens for a vocabulary of {vocab_size}")
+
+    model = tokenizers.models.BPE(vocab=vocab, merges=merges, fuse_unk=False)
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [AddedToken(text, special=True, normalized=False) for _, text in sorted(specials.items())]
+    )
+    if style.add_bos:
+        # For transformers, which adds BOS through the post-processor.
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+        )
+    backend.save(str(folder / "tokenizer.json"))
+
+    tokenizer_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "add_bos_token": style.add_bos,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+        "chat_template": style.chat_template,
+    }
+    if style.unk:
+        tokenizer_config["unk_token"] = style.unk
+    _write_text(folder / "tokenizer_config.json", json.dumps(tokenizer_config, indent=2))
+
+
+def _tokenizer_style(shape: str) -> _TokenizerStyle:
+    if shape.startswith("llama3"):
+        return _TokenizerStyle(_llama3_specials(), _LLAMA3_TEMPLATE, add_bos=True)
+    if shape.startswith("smollm2"):
+        specials = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
+        return _TokenizerStyle(specials, _CHATML_TEMPLATE, add_bos=False)
+    # Llama 2 and TinyLlama: sentencepiece's <unk>, <s>, </s> at 0, 1, 2.
+    specials = {0: "<unk>", 1: "<s>", 2: "</s>"}
+    return _TokenizerStyle(specials, _LLAMA2_TEMPLATE, add_bos=True, unk="<unk>")
+
+
+def _llama3_specials() -> dict[int, str]:
+    """Llama 3's 256 special tokens after its 128000 BPE tokens."""
+    named = {
+        128000: "<|begin_of_text|>",
+        128001: "<|end_of_text|>",
+        128006: "<|start_header_id|>",
+        128007: "<|end_header_id|>",
+        128009: "<|eot_id|>",
+    }
+    specials: dict[int, str] = {}
+    reserved = 0
+    for token_id in range(128000, 128256):
+        if token_id in named:
+            specials[token_id] = named[token_id]
+        else:
+            specials[token_id] = f"<|reserved_special_token_{reserved}|>"
+            reserved += 1
+    return specials
+
+
+def _byte_level_tokens() -> Iterator[tuple[str, tuple[str, str] | None]]:
+    """Byte-level tokens in id order: the 256 bytes, then merged letter sequences, endlessly.
+
+    Each merged token is an earlier token plus one letter, so every merge's parts are already
+    in the vocabulary and earlier merges rank first, as BPE requires. "Ġ" (a space) only starts
+    a token, as GPT-2's pre-tokenizer puts spaces before words.
+    """
+    spelling = _bytes_to_unicode()
+    for b in range(256):
+        yield spelling[b], None
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [
+        chr(c) for c in range(ord("A"), ord("Z") + 1)
+    ]
+    level = ["Ġ", *letters]
+    while True:
+        longer = []
+        for prefix in level:
+            for letter in letters:
+                yield prefix + letter, (prefix, letter)
+                longer.append(prefix + letter)
+        level = longer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's spelling of bytes as printable characters, which byte-level vocabularies use."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    spelling = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in spelling:
+            spelling[b] = chr(256 + extra)
+            extra += 1
+    return spelling
+
+
+_LLAMA2_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<<SYS>>\n{{ message['content'] | trim }}\n<</SYS>>\n\n"
+    "{% elif message['role'] == 'user' %}[INST] {{ message['content'] | trim }} [/INST]"
+    "{% else %} {{ message['content'] | trim }} {{ eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+# ------------------------------------------------------------------------- helpers
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
