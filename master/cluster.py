@@ -211,6 +211,9 @@ class Hub:
             return
         capacity = Capacity(**header["capacity"])
         member = Member(identity, name, capacity, header.get("model"))
+        # Answer at once: planning and splitting a big model can take minutes before WELCOME,
+        # and the node should know meanwhile that it is in, and watch the master's heartbeat.
+        self._send(identity, {"op": P.ACCEPTED, "heartbeat_port": self.heartbeat.port})
         if self._planned:  # serving: it takes a share at the next re-plan, between requests
             self.pending.append(member)
             log.info("node %s joined; it gets a share at the next re-plan", name)

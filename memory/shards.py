@@ -17,12 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from models.errors import ModelError
 
 HASH_CHUNK = 1 << 20
 DATA_ALIGN = 64  # bytes: where a shard's tensor data starts, for SIMD kernels
+_TORCH_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
 _SAFETENSORS_DTYPES = {
     torch.float32: "F32",
     torch.float16: "F16",
@@ -60,6 +67,47 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         f.write(raw)
         for t in tensors.values():
             f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+
+
+def tensor_views(buffer: torch.Tensor, path: Path, size: int) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file read whole into `buffer`, as views of it (no copy)."""
+    if size < 8:
+        raise ModelError(f"shard {path} is truncated ({size} bytes)")
+    (header_len,) = struct.unpack("<Q", buffer[:8].numpy().tobytes())
+    if header_len > size - 8:
+        raise ModelError(f"shard {path} is corrupt: its header runs past the end of the file")
+    try:
+        header = json.loads(buffer[8 : 8 + header_len].numpy().tobytes())
+    except ValueError as exc:
+        raise ModelError(f"shard {path} is corrupt: its header is not JSON ({exc})") from exc
+    start = 8 + header_len
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = meta["data_offsets"]
+        dtype = _TORCH_DTYPES.get(meta["dtype"])
+        if dtype is None or start + end > size:
+            raise ModelError(f"shard {path} is corrupt: tensor {name} is out of bounds")
+        raw = buffer[start + begin : start + end]
+        if raw.data_ptr() % DATA_ALIGN:  # not written by edgetp: one aligned copy
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(meta["shape"])
+    return out
+
+
+def read_into(f: Any, view: memoryview) -> int:
+    """Fill `view` from the file; the bytes read (fewer only at the end of the file).
+
+    One read returns at most about 2 GB on Linux, and may return less: loop.
+    """
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def sha256_file(path: Path) -> str:
@@ -130,13 +178,23 @@ class ShardStore:
         return sha256_file(path) == ref.sha256
 
     def load(self, ref: ShardRef) -> dict[str, torch.Tensor]:
+        """The shard's tensors, read into this process's memory.
+
+        Read, not mmap'd: mapped pages would count as resident only as they are touched, so a
+        node's memory would creep up token by token (the embedding, row by row) and a device
+        that cannot hold them would thrash instead of failing up front.
+        """
         path = self.path(ref)
-        if not path.is_file():
-            raise ModelError(f"shard {path} is missing")
         try:
-            return load_file(str(path))
-        except Exception as exc:
-            raise ModelError(f"shard {path} cannot be read ({exc})") from exc
+            size = path.stat().st_size
+            buffer = torch.empty(size, dtype=torch.uint8)
+            with open(path, "rb", buffering=0) as f:
+                got = read_into(f, memoryview(buffer.numpy()))
+        except OSError as exc:
+            raise ModelError(f"shard {path} cannot be read ({exc.strerror})") from exc
+        if got != size:
+            raise ModelError(f"shard {path} is truncated: {got} of {size} bytes")
+        return tensor_views(buffer, path, size)
 
 
 @dataclass

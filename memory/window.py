@@ -19,9 +19,7 @@ keep the model: the honest setting for cold-disk benchmarks.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -30,17 +28,8 @@ from typing import Any
 
 import torch
 
-from memory.shards import DATA_ALIGN
+from memory.shards import read_into, tensor_views
 from models.errors import ModelError
-
-_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I8": torch.int8,
-    "I32": torch.int32,
-    "I64": torch.int64,
-}
 
 
 @dataclass
@@ -57,33 +46,6 @@ class StreamFigures:
             self.load_s - other.load_s,
             self.wait_s - other.wait_s,
         )
-
-
-def layer_views(buffer: torch.Tensor, path: Path, size: int) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file read whole into `buffer`, as views of it (no copy)."""
-    if size < 8:
-        raise ModelError(f"shard {path} is truncated ({size} bytes)")
-    (header_len,) = struct.unpack("<Q", buffer[:8].numpy().tobytes())
-    if header_len > size - 8:
-        raise ModelError(f"shard {path} is corrupt: its header runs past the end of the file")
-    try:
-        header = json.loads(buffer[8 : 8 + header_len].numpy().tobytes())
-    except ValueError as exc:
-        raise ModelError(f"shard {path} is corrupt: its header is not JSON ({exc})") from exc
-    start = 8 + header_len
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = meta["data_offsets"]
-        dtype = _DTYPES.get(meta["dtype"])
-        if dtype is None or start + end > size:
-            raise ModelError(f"shard {path} is corrupt: tensor {name} is out of bounds")
-        raw = buffer[start + begin : start + end]
-        if raw.data_ptr() % DATA_ALIGN:  # not written by edgetp: one aligned copy
-            raw = raw.clone()
-        out[name] = raw.view(dtype).view(meta["shape"])
-    return out
 
 
 class LayerWindow:
@@ -225,20 +187,14 @@ class LayerWindow:
         started = time.perf_counter()
         try:
             with open(path, "rb", buffering=0) as f:
-                view = memoryview(buffer.numpy())[:size]
-                got = 0
-                while got < size:
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
+                got = read_into(f, memoryview(buffer.numpy())[:size])
                 if self.drop_cache:
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
             raise ModelError(f"shard {path} cannot be read ({exc.strerror})") from exc
         if got != size:
             raise ModelError(f"shard {path} is truncated: {got} of {size} bytes")
-        self._views[slot] = layer_views(buffer, path, size)
+        self._views[slot] = tensor_views(buffer, path, size)
         self.figures.load_s += time.perf_counter() - started
         self.figures.bytes_read += size
 

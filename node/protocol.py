@@ -32,6 +32,7 @@ ERROR = "error"  # {message}
 # master -> node
 WELCOME = "welcome"  # {node, config, slice, shards, rope, context, slots}; again on re-plan
 REFUSE = "refuse"  # {reason}
+ACCEPTED = "accepted"  # {heartbeat_port}: joined; WELCOME follows once the master has planned
 CHUNK = "chunk"  # {sha256, offset, eof} + one bytes frame
 STEP = "step"  # {step, layer, block, batch?} + hidden state tensor
 BYE = "bye"  # the master is shutting down or dropping this node

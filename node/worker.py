@@ -157,12 +157,6 @@ class Worker:
         self.sock.connect(self.endpoint)
         try:
             welcome = self._handshake()
-            self.heartbeat = HeartbeatClient(
-                self.context,
-                f"tcp://{self.host}:{welcome['heartbeat_port']}",
-                self.name,
-                self.token,
-            )
             try:
                 executor = self._load(welcome)
             except Exception as exc:  # tell the master, which is waiting for READY
@@ -196,13 +190,21 @@ class Worker:
         header, _ = P.decode(self._recv(HANDSHAKE_TIMEOUT, "joining"))
         if header["op"] == P.REFUSE:
             raise NodeError(f"the master refused this node: {header['reason']}")
-        if header["op"] != P.WELCOME:
+        if header["op"] != P.ACCEPTED:
             raise NodeError(f"unexpected answer to HELLO: {header['op']!r}")
         self.sock.disable_monitor()
         self._handshake_events.close(0)
         self._handshake_events = None
         if self.token:
             save_node_token(self.state_dir, self.token)
+        self.heartbeat = HeartbeatClient(
+            self.context, f"tcp://{self.host}:{header['heartbeat_port']}", self.name, self.token
+        )
+        # The master plans (and may split a big model) before it says which slice is ours;
+        # however long that takes, its heartbeat says it is alive.
+        header, _ = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
+        if header["op"] != P.WELCOME:
+            raise NodeError(f"unexpected message before WELCOME: {header['op']!r}")
         return header
 
     def _load(self, welcome: dict[str, Any]) -> SliceExecutor:
