@@ -467,6 +467,7 @@ def _bench(args: argparse.Namespace) -> None:
             _memory(args),
             args.overlap,
             args.rss_tokens,
+            args.rounds,
         )
     else:
         run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)
