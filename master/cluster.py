@@ -401,14 +401,14 @@ class Hub:
             total = partials[m.identity] if total is None else total + partials[m.identity]
         return total
 
-    def close(self) -> None:
-        """Say BYE to every live worker and close; safe to call twice."""
+    def close(self, reason: str = "master shutting down") -> None:
+        """Say BYE (and why) to every live worker and close; safe to call twice."""
         if self.sock.closed:
             return
         for m in self.members:
             if m.alive:
                 try:
-                    self._send(m.identity, {"op": P.BYE, "reason": "master shutting down"})
+                    self._send(m.identity, {"op": P.BYE, "reason": reason})
                 except ClusterError:
                     pass
         self.heartbeat.close()

@@ -114,7 +114,12 @@ def cluster_engine(
     store = ShardStore(state_dir / "shards")
     split_progress = (lambda d, t: progress("splitting", d, t)) if progress else None
     manifest = split_model(source, slices, store, split_progress, memory.dtype)
-    plans = memory_plans(manifest, hub, context, slots, memory)
+    try:
+        plans = memory_plans(manifest, hub, context, slots, memory)
+    except ModelError as exc:  # tell the workers why, or they only see the master go
+        if hub is not None:
+            hub.close(reason=f"the master cannot run this plan: {exc}")
+        raise
     context = min(p.context for p in plans)
     if hub is not None:
         hub.ship(manifest, store, context, slots, windows=[p.window for p in plans])

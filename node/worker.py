@@ -203,6 +203,10 @@ class Worker:
         # The master plans (and may split a big model) before it says which slice is ours;
         # however long that takes, its heartbeat says it is alive.
         header, _ = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
+        if header["op"] == P.BYE:
+            raise NodeError(
+                f"the master stopped before giving this node a slice: {header['reason']}"
+            )
         if header["op"] != P.WELCOME:
             raise NodeError(f"unexpected message before WELCOME: {header['op']!r}")
         return header
