@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from models.errors import ModelError
 from models.source import DEFAULT_MODEL
 from node.protocol import DEFAULT_PORT
+from tui.chat.command import add_arguments as add_chat_arguments
 
 if TYPE_CHECKING:
     from models.source import ModelSource
@@ -157,6 +158,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-batch", type=int, default=8, help="requests generated at once (KV-cache slots)"
     )
+
+    chat = sub.add_parser("chat", help="the terminal chat app, with a live view of the cluster")
+    _add_model_args(chat)
+    _add_cluster_args(chat)
+    add_chat_arguments(chat)
 
     bench_serve = sub.add_parser(
         "bench-serve", help="aggregate tokens/s of edgetp serve with concurrent streaming clients"
@@ -394,6 +400,12 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+def _chat(args: argparse.Namespace) -> None:
+    from tui.chat.command import run
+
+    run(args)
+
+
 def _bench_serve(args: argparse.Namespace) -> None:
     from master.bridge.bench import run_serve_bench
 
@@ -417,6 +429,7 @@ COMMANDS = {
     "node": _join,
     "serve": _serve,
     "bench-serve": _bench_serve,
+    "chat": _chat,
 }
 
 
