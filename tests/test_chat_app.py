@@ -79,6 +79,12 @@ async def answered(pilot: Pilot, app: ChatApp, timeout: float = 60) -> None:
     await until(pilot, lambda: app.answering is None, timeout, "finished answer")
 
 
+def answer_text(app: ChatApp) -> str:
+    """What the latest answer shows so far."""
+    answers = app.query(Answer)
+    return answers.last().source if answers else ""
+
+
 def shown(app: ChatApp) -> list[tuple[str, str]]:
     """(role, text) of every message on the screen, top to bottom."""
     out = []
@@ -126,8 +132,7 @@ async def test_esc_stops_a_running_answer(bridge, tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         before = await asyncio.to_thread(generation, bridge.base_url)
         await ask(pilot, "Write a long story about a dragon and a knight.")
-        await until(pilot, lambda: len(app.query(Answer)) and len(app.query_one(Answer).source) > 20,
-                    30, "first words")  # fmt: skip
+        await until(pilot, lambda: len(answer_text(app)) > 20, 30, "first words")
         assert app.answering is not None
         await pilot.press("escape")
         await until(pilot, lambda: app.answering is None, 2, "stop")
@@ -240,8 +245,7 @@ async def test_a_worker_killed_mid_answer_shows_the_error_and_the_app_goes_on(tm
         )
         async with app.run_test(size=SIZE) as pilot:
             await ask(pilot, "Write a long story about a dragon and a knight.")
-            await until(pilot, lambda: len(app.query(Answer)) and app.query_one(Answer).source,
-                        30, "first words")  # fmt: skip
+            await until(pilot, lambda: answer_text(app), 30, "first words")
             assert local.proc is not None
             pid = local.proc.pid
             children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
@@ -249,7 +253,7 @@ async def test_a_worker_killed_mid_answer_shows_the_error_and_the_app_goes_on(tm
             assert len(workers) == 1
             os.kill(int(workers[0]), signal.SIGKILL)
             seconds = await until(
-                pilot, lambda: ("error" in [r for r, _ in shown(app)]), 10, "error message"
+                pilot, lambda: "error" in [r for r, _ in shown(app)], 10, "error message"
             )
             print(f"the error showed {seconds:.2f} s after the kill")
             assert seconds < 5
