@@ -81,8 +81,10 @@ def summary(figures: ClusterFigures) -> RenderableType:
     if figures.allreduce is not None:
         a = figures.allreduce
         table.add_row("allreduce", f"{_us(a.median_us)} · p99 {_us(a.p99_us)}")
-    else:
+    elif len(figures.nodes) == 1:
         table.add_row("allreduce", f"{NONE} (one node)")
+    else:
+        table.add_row("allreduce", NONE)
     table.add_row("requests", f"{g.active} active · {g.waiting} waiting / {g.slots}")
     parts: list[RenderableType] = [table]
     if figures.down:
