@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Markdown, OptionList, Static, TextArea
+from textual.widgets import Button, Footer, Input, Label, Markdown, OptionList, Static, TextArea
 from textual.widgets.option_list import Option
 
 from master.bridge.schema import ClusterFigures, NodeFigures
@@ -157,7 +157,7 @@ class SettingsScreen(ModalScreen[tuple[str, Sampling] | None]):
             yield TextArea(self.system, id="system", soft_wrap=True, show_line_numbers=False)
             with Horizontal(id="sampling"):
                 with Vertical():
-                    yield Label("Temperature (0 = greedy)")
+                    yield Label("Temperature (0: greedy)")
                     yield Input(str(self.sampling.temperature), id="temperature", type="number")
                 with Vertical():
                     yield Label("Top-p")
@@ -169,8 +169,10 @@ class SettingsScreen(ModalScreen[tuple[str, Sampling] | None]):
             with Horizontal(id="settings-buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
+        yield Footer()
 
     @on(Button.Pressed, "#save")
+    @on(Input.Submitted)
     def action_save(self) -> None:
         try:
             sampling = Sampling(
@@ -191,7 +193,7 @@ class SettingsScreen(ModalScreen[tuple[str, Sampling] | None]):
 class ConversationsScreen(ModalScreen[str | None]):
     """The saved conversations, the latest first; Enter opens one."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("enter", "open", "Open")]
 
     def __init__(self, conversations: list[Conversation], current: str | None) -> None:
         super().__init__()
@@ -219,6 +221,7 @@ class ConversationsScreen(ModalScreen[str | None]):
             yield OptionList(*options, id="conversation-list")
             if not options:
                 yield Static("None yet: a conversation is saved after its first turn.")
+        yield Footer()
 
     def on_mount(self) -> None:
         ids = [c.id for c in self.conversations]
@@ -228,6 +231,9 @@ class ConversationsScreen(ModalScreen[str | None]):
     @on(OptionList.OptionSelected)
     def _open(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(event.option.id)
+
+    def action_open(self) -> None:
+        self.query_one(OptionList).action_select()
 
     def action_cancel(self) -> None:
         self.dismiss(None)
