@@ -10,6 +10,7 @@ panel polls /v1/cluster once a second. A conversation is saved after every turn.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from tui.chat.widgets import (
     SettingsScreen,
     message_view,
 )
+
+log = logging.getLogger(__name__)
 
 POLL_S = 1.0
 
@@ -166,7 +169,10 @@ class ChatApp(App[None]):
             stopped = True
             raise
         finally:
-            await stream.stop()
+            try:
+                await stream.stop()
+            except Exception:  # the view is gone (another conversation opened): text is kept
+                log.exception("finishing the answer's view")
             self.end_answer(conversation, view, "".join(pieces), stopped, error)
             seconds = time.monotonic() - started
             if done is not None:

@@ -150,16 +150,26 @@ class BridgeClient:
                     if line == "data: [DONE]":
                         yield Finished(finish or "stop", tokens)
                         return
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        raise BridgeError(chunk["error"]["message"], chunk["error"].get("code"))
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    for choice in chunk["choices"]:
-                        piece = choice["delta"].get("content")
+                    try:
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            error = chunk["error"]
+                            raise BridgeError(error["message"], error.get("code"))
+                        if chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+                        choices = [
+                            (c["delta"].get("content"), c.get("finish_reason"))
+                            for c in chunk["choices"]
+                        ]
+                    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                        raise BridgeError(
+                            f"{self.base_url} sent an event that is not an OpenAI chat chunk "
+                            f"({type(exc).__name__}: {exc}): {line[:120]!r}"
+                        ) from exc
+                    for piece, reason in choices:
                         if piece:
                             yield piece
-                        finish = choice.get("finish_reason") or finish
+                        finish = reason or finish
         except httpx.HTTPError as exc:
             raise BridgeError(f"lost the bridge at {self.base_url}: {_why(exc)}") from exc
         raise BridgeError("the bridge closed the stream before the answer ended")
