@@ -20,6 +20,7 @@ from memory.budget import STREAM_MODES, MemoryOptions, parse_size
 from models.errors import ModelError
 from models.source import DEFAULT_MODEL
 from node.protocol import DEFAULT_PORT
+from tui.chat.command import add_arguments as add_chat_arguments
 
 if TYPE_CHECKING:
     from models.source import ModelSource
@@ -230,6 +231,12 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--out", type=Path, required=True, help="the model folder to create")
     synth.add_argument("--dtype", choices=("f16", "bf16", "f32"), default="f16")
     synth.add_argument("--seed", type=int, default=0)
+
+    chat = sub.add_parser("chat", help="the terminal chat app, with a live view of the cluster")
+    _add_model_args(chat)
+    _add_cluster_args(chat)
+    _add_memory_args(chat)
+    add_chat_arguments(chat)
 
     bench_serve = sub.add_parser(
         "bench-serve", help="aggregate tokens/s of edgetp serve with concurrent streaming clients"
@@ -494,6 +501,12 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+def _chat(args: argparse.Namespace) -> None:
+    from tui.chat.command import run
+
+    run(args)
+
+
 def _bench_serve(args: argparse.Namespace) -> None:
     from master.bridge.bench import run_serve_bench
 
@@ -536,6 +549,7 @@ COMMANDS = {
     "serve": _serve,
     "bench-serve": _bench_serve,
     "synth": _synth,
+    "chat": _chat,
 }
 
 

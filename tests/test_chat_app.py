@@ -1,0 +1,279 @@
+"""`edgetp chat` driven by Textual's Pilot against a real `edgetp serve` on a two-process cluster.
+
+The bridge is started the way `edgetp chat` starts it (`LocalBridge`), once for the module; the
+app talks to it over loopback HTTP. Content is greedy (temperature 0) and compared with what the
+same bridge answers to the same messages without the app. The last test starts a bridge of its
+own: it kills that bridge's worker mid-answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+from textual.pilot import Pilot
+
+from tui.chat.app import ChatApp
+from tui.chat.client import BridgeClient, LocalBridge, Sampling
+from tui.chat.store import ConversationStore
+from tui.chat.widgets import Answer, ConversationsScreen, Note, SettingsScreen
+
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
+
+SIZE = (110, 36)
+SERVE = ["--local-nodes", "2", "--context", "512"]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def bridge(tmp_path_factory):
+    local = LocalBridge([*SERVE, "--state-dir", str(tmp_path_factory.mktemp("chat-serve"))])
+    local.start(timeout=240)
+    yield local
+    local.stop()
+
+
+def make_app(base_url: str, folder: Path, sampling: Sampling, **kw) -> ChatApp:
+    return ChatApp(BridgeClient(base_url), ConversationStore(folder), sampling=sampling, **kw)
+
+
+def chat_once(base_url: str, messages: list[dict[str, str]], sampling: Sampling) -> str:
+    """The bridge's answer to `messages`, asked directly (no app, no streaming)."""
+    body = {"messages": messages, **sampling.to_dict()}
+    resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["message"]["content"]
+
+
+def generation(base_url: str) -> dict:
+    return httpx.get(f"{base_url}/health", timeout=10).json()["generation"]
+
+
+async def until(pilot: Pilot, condition: Callable[[], object], timeout: float, what: str) -> float:
+    """Seconds until `condition()` holds, pausing the app in small steps meanwhile."""
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < timeout, f"no {what} within {timeout} s"
+        await pilot.pause(0.02)
+    return time.monotonic() - t0
+
+
+async def ask(pilot: Pilot, prompt: str) -> None:
+    """Type the prompt into the input, as a person would, and press Enter."""
+    await pilot.press(*prompt)
+    await pilot.press("enter")
+
+
+async def answered(pilot: Pilot, app: ChatApp, timeout: float = 60) -> None:
+    await until(pilot, lambda: app.answering is None, timeout, "finished answer")
+
+
+def answer_text(app: ChatApp) -> str:
+    """What the latest answer shows so far."""
+    answers = app.query(Answer)
+    return answers.last().source if answers else ""
+
+
+def shown(app: ChatApp) -> list[tuple[str, str]]:
+    """(role, text) of every message on the screen, top to bottom."""
+    out = []
+    for view in app.log_view.children:
+        if isinstance(view, Answer):
+            out.append(("assistant", view.source))
+        elif isinstance(view, Note):
+            out.append((view.has_class("error") and "error" or "user", str(view.content)))
+    return out
+
+
+async def test_a_prompt_streams_its_answer_token_by_token(bridge, tmp_path):
+    prompt = "Why is the sky blue?"
+    sampling = Sampling(temperature=0, top_p=1, max_tokens=48)
+    app = make_app(bridge.base_url, tmp_path, sampling)
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, prompt)
+        await until(pilot, lambda: app.query(Answer), 10, "answer view")
+        view = app.query_one(Answer)
+        seen: list[tuple[float, str]] = []  # what the view showed, and when
+        t0 = time.monotonic()
+        while app.answering is not None:
+            assert time.monotonic() - t0 < 60
+            if view.source and (not seen or seen[-1][1] != view.source):
+                seen.append((time.monotonic() - t0, view.source))
+            await pilot.pause(0.01)
+        final = app.conversation.messages[-1]
+        assert final.role == "assistant" and not final.stopped
+        assert view.source == final.content
+        # It arrived piece by piece, each a continuation of the last, over the answer's time.
+        assert len(seen) >= 10, seen
+        assert all(b.startswith(a) for (_, a), (_, b) in zip(seen, seen[1:], strict=False))
+        assert seen[-1][0] - seen[0][0] > 0.5
+        expected = await asyncio.to_thread(
+            chat_once, bridge.base_url, [{"role": "user", "content": prompt}], sampling
+        )
+        assert final.content == expected
+        assert "48 tokens" in str(app.query_one("#status").content)
+        print(f"{len(seen)} updates over {seen[-1][0] - seen[0][0]:.2f} s: {final.content!r}")
+
+
+async def test_esc_stops_a_running_answer(bridge, tmp_path):
+    sampling = Sampling(temperature=0, top_p=1, max_tokens=300)
+    app = make_app(bridge.base_url, tmp_path, sampling)
+    async with app.run_test(size=SIZE) as pilot:
+        before = await asyncio.to_thread(generation, bridge.base_url)
+        await ask(pilot, "Write a long story about a dragon and a knight.")
+        await until(pilot, lambda: len(answer_text(app)) > 20, 30, "first words")
+        assert app.answering is not None
+        await pilot.press("escape")
+        await until(pilot, lambda: app.answering is None, 2, "stop")
+        view = app.query_one(Answer)
+        at_stop = view.source
+        await pilot.pause(1.0)
+        assert view.source == at_stop  # nothing more arrives
+        last = app.conversation.messages[-1]
+        assert last.role == "assistant" and last.stopped and last.content == at_stop
+        assert view.border_subtitle == "stopped"
+        # The bridge dropped the request: the closed stream cancelled it.
+        deadline = time.monotonic() + 5
+        while (g := await asyncio.to_thread(generation, bridge.base_url))["cancelled"] == before[
+            "cancelled"
+        ]:
+            assert time.monotonic() < deadline, g
+            await pilot.pause(0.05)
+        assert g["active"] == 0 and g["last_cancel"]["tokens"] < 300
+        print("stopped after:", repr(at_stop), "bridge:", g["last_cancel"])
+
+
+async def test_a_second_turn_uses_the_first_as_context(bridge, tmp_path):
+    sampling = Sampling(temperature=0, top_p=1, max_tokens=32)
+    first, second = "I have a dog called Rex.", "What is my dog called?"
+    app = make_app(bridge.base_url, tmp_path, sampling)
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, first)
+        await answered(pilot, app)
+        await ask(pilot, second)
+        await answered(pilot, app)
+        turns = [(m.role, m.content) for m in app.conversation.messages]
+        assert [r for r, _ in turns] == ["user", "assistant", "user", "assistant"]
+        assert shown(app) == turns
+        answer = turns[3][1]
+    history = [{"role": r, "content": c} for r, c in turns[:3]]
+    assert answer == await asyncio.to_thread(chat_once, bridge.base_url, history, sampling)
+    alone = await asyncio.to_thread(
+        chat_once, bridge.base_url, [{"role": "user", "content": second}], sampling
+    )
+    print("with the first turn:", repr(answer), "\nalone:", repr(alone))
+    assert "Rex" in answer and "Rex" not in alone  # only the first turn says the name
+
+
+async def test_a_saved_conversation_reopens_with_its_messages(bridge, tmp_path):
+    sampling = Sampling(temperature=0, top_p=1, max_tokens=16)
+    app = make_app(bridge.base_url, tmp_path, sampling, system="Answer briefly.")
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, "Name three colors.")
+        await answered(pilot, app)
+        saved = app.conversation
+        turns = shown(app)
+        # Saved after the turn: the whole conversation, nothing else in the folder.
+        assert [p.name for p in tmp_path.iterdir()] == [f"{saved.id}.json"]
+        on_disk = json.loads((tmp_path / f"{saved.id}.json").read_text())
+        assert [(m["role"], m["content"]) for m in on_disk["messages"]] == turns
+        assert on_disk["system"] == "Answer briefly." and on_disk["sampling"]["max_tokens"] == 16
+        await pilot.press("ctrl+n")  # a new conversation with one key
+        await pilot.pause()
+        assert shown(app) == [] and app.conversation.id != saved.id
+
+    # A new app (a later start) lists it and opens it from disk.
+    app = make_app(bridge.base_url, tmp_path, Sampling())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: isinstance(app.screen, ConversationsScreen), 5, "list")
+        await pilot.press("enter")
+        await until(pilot, lambda: app.conversation.id == saved.id, 5, "reopened conversation")
+        await pilot.pause()
+        assert shown(app) == turns
+        assert app.conversation.system == "Answer briefly."
+        assert app.conversation.sampling == sampling
+        assert app.log_view.border_title == "Name three colors."
+
+
+async def test_system_prompt_and_sampling_are_set_in_the_app(bridge, tmp_path):
+    app = make_app(bridge.base_url, tmp_path, Sampling())
+    system = "You are a pirate. Answer like a pirate."
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: isinstance(app.screen, SettingsScreen), 5, "settings")
+        await pilot.press(*system)  # the system prompt box has the focus
+        for field, value in (("temperature", "0"), ("top_p", "1"), ("max_tokens", "12")):
+            await pilot.click(f"#{field}")
+            await pilot.press("end", *["backspace"] * 8, *value)
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: not isinstance(app.screen, SettingsScreen), 5, "saved")
+        assert app.conversation.system == system
+        assert app.conversation.sampling == Sampling(temperature=0, top_p=1, max_tokens=12)
+        assert "max 12 tokens" in str(app.query_one("#status").content)
+        await ask(pilot, "Who are you?")
+        await answered(pilot, app)
+        answer = app.conversation.messages[-1].content
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Who are you?"}]
+    expected = await asyncio.to_thread(
+        chat_once, bridge.base_url, messages, Sampling(temperature=0, top_p=1, max_tokens=12)
+    )
+    assert answer == expected
+
+
+async def test_a_worker_killed_mid_answer_shows_the_error_and_the_app_goes_on(tmp_path):
+    """A bridge of its own: the kill leaves its cluster down."""
+    local = LocalBridge([*SERVE, "--state-dir", str(tmp_path / "serve")])
+    await asyncio.to_thread(local.start, 240)
+    try:
+        app = make_app(
+            local.base_url,
+            tmp_path / "conversations",
+            Sampling(temperature=0, top_p=1, max_tokens=400),
+            down_hint="(restart the cluster)",
+        )
+        async with app.run_test(size=SIZE) as pilot:
+            await ask(pilot, "Write a long story about a dragon and a knight.")
+            await until(pilot, lambda: answer_text(app), 30, "first words")
+            assert local.proc is not None
+            pid = local.proc.pid
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            workers = [c for c in children if b"join" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            assert len(workers) == 1
+            os.kill(int(workers[0]), signal.SIGKILL)
+            seconds = await until(
+                pilot, lambda: "error" in [r for r, _ in shown(app)], 10, "error message"
+            )
+            print(f"the error showed {seconds:.2f} s after the kill")
+            assert seconds < 5
+            error = app.conversation.messages[-1]
+            assert error.role == "error" and "cluster is down" in error.content
+            assert "(restart the cluster)" in error.content
+            assert app.conversation.messages[-2].role == "assistant"  # what came before stays
+            assert app.answering is None
+
+            # The next prompt is taken and answered, here with the bridge's 503.
+            await ask(pilot, "Are you there?")
+            await until(pilot, lambda: ("user", "Are you there?") in shown(app), 5, "the prompt")
+            await answered(pilot, app, timeout=5)
+            assert shown(app)[-1][0] == "error" and "HTTP 503" in shown(app)[-1][1]
+            await until(pilot, lambda: app.query_one("#cluster").has_class("down"), 5, "panel")
+            saved = json.loads(
+                (tmp_path / "conversations" / f"{app.conversation.id}.json").read_text()
+            )
+            assert [m["role"] for m in saved["messages"]] == [
+                "user", "assistant", "error", "user", "error"
+            ]  # fmt: skip
+    finally:
+        local.stop()

@@ -1,0 +1,237 @@
+"""Snapshots of `edgetp chat`: the main screen and the cluster panel.
+
+The figures come through the app's own client from fixed JSON in the shape /v1/cluster serves
+(an httpx mock transport stands in for the network), so the pictures do not move with the
+machine's speed. Update with `pytest tests/test_chat_snapshots.py --snapshot-update` and look
+at the pictures (tests/__snapshots__/test_chat_snapshots/*.svg) before committing them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+from textual.app import App, ComposeResult
+from textual.pilot import Pilot
+
+from tui.chat.app import ChatApp
+from tui.chat.client import BridgeClient, Sampling
+from tui.chat.store import Conversation, ConversationStore, Message
+from tui.chat.widgets import ClusterPanel
+
+BASE = "http://127.0.0.1:8000"
+MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+GENERATION: dict[str, Any] = {
+    "slots": 8,
+    "active": 0,
+    "waiting": 0,
+    "steps": 412,
+    "submitted": 3,
+    "completed": 3,
+    "cancelled": 0,
+    "failed": 0,
+    "prompt_tokens": 120,
+    "completion_tokens": 409,
+    "largest_batch": 1,
+    "step_ms_recent": [52.1, 53.4, 51.8, 60.2, 52.7],
+    "batch_recent": [1, 1, 1, 1, 1],
+    "tokens_per_s": 18.6,
+    "last_cancel": None,
+}
+
+# What the bridge serves today for two local nodes: a worker's RSS, the address, share and
+# window are not reported yet.
+TODAY: dict[str, Any] = {
+    "model": MODEL,
+    "context": 2048,
+    "layers": 30,
+    "nodes": [
+        {
+            "name": "master",
+            "role": "master",
+            "alive": True,
+            "ready": True,
+            "slices": [{"q_heads": [0, 6], "kv_heads": [0, 2], "ffn": [0, 768]}],
+            "rss_bytes": 1_347_252_224,
+            "kv_cache_bytes": 503_316_480,
+        },
+        {
+            "name": "local-1",
+            "role": "worker",
+            "alive": True,
+            "ready": True,
+            "slices": [],
+            "memory_budget_bytes": 25_276_502_016,
+            "cores": 1,
+            "speed_gb_s": 65.4,
+            "heartbeat_silence_s": 0.16,
+        },
+    ],
+    "allreduce": {"sums": 24_600, "median_us": 498.3, "p99_us": 5770.2},
+    "generation": GENERATION,
+    "down": None,
+}
+
+
+def _node(name: str, address: str, share: float, rss: int, window: int, wait: float) -> dict:
+    return {
+        "name": name,
+        "role": "worker",
+        "alive": True,
+        "ready": True,
+        "slices": [],
+        "memory_budget_bytes": 512 * 2**20,
+        "cores": 4,
+        "speed_gb_s": 1.2,
+        "rss_bytes": rss,
+        "heartbeat_silence_s": 0.21,
+        "address": address,
+        "share": share,
+        "window": window,
+        "peak_rss_bytes": rss,
+        "bytes_read_per_token": 2.1e6,
+        "loader_wait_ms": wait,
+        "load_ms": 9.5,
+        "compute_ms": 11.25,
+    }
+
+
+# Every figure a node can report, on three devices.
+FULL: dict[str, Any] = {
+    **TODAY,
+    "nodes": [
+        {
+            **TODAY["nodes"][0],
+            "address": "192.168.1.10:7470",
+            "share": 0.4,
+            "window": 30,
+            "memory_budget_bytes": 2 * 2**30,
+            "compute_ms": 14.5,
+            "loader_wait_ms": 0.0,
+        },
+        _node("pi-kitchen", "192.168.1.21", 0.35, 301 * 2**20, 4, 1.75),
+        _node("pi-garage", "192.168.1.22", 0.25, 187 * 2**20, 2, 6.5),
+    ],
+}
+
+
+def _down() -> dict[str, Any]:
+    figures = copy.deepcopy(TODAY)
+    figures["nodes"][1].update(alive=False, heartbeat_silence_s=None)
+    figures["nodes"][0]["alive"] = False
+    figures["down"] = (
+        "the cluster is down: node local-1 stopped answering; restart edgetp serve to re-plan"
+    )
+    return figures
+
+
+def bridge(figures: dict[str, Any]) -> BridgeClient:
+    """The app's real client, over a transport that answers with fixed JSON."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/cluster":
+            return httpx.Response(200, json=figures)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": MODEL}]})
+        return httpx.Response(404, json={"error": {"message": "not here", "code": None}})
+
+    return BridgeClient(BASE, transport=httpx.MockTransport(answer))
+
+
+async def _settled(pilot: Pilot) -> None:
+    await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+def conversation(folder: Path) -> Conversation:
+    """A saved conversation, read back through the store as the app reads one."""
+    store = ConversationStore(folder)
+    saved = Conversation(
+        id="20250301-101500-abc123",
+        created=1_740_820_500.0,
+        updated=1_740_820_560.0,
+        system="",
+        sampling=Sampling(temperature=0.0, top_p=1.0, max_tokens=256),
+        messages=[
+            Message("user", "Write a Python function that adds two numbers."),
+            Message(
+                "assistant",
+                "Here it is:\n\n```python\ndef add(a: int, b: int) -> int:\n"
+                "    return a + b\n```\n\nCall it as `add(2, 3)`, which gives **5**.",
+            ),
+            Message("user", "Now tell me a long story."),
+            Message("assistant", "Once upon a time, in a valley of", stopped=True),
+            Message("error", "the cluster is down: node local-1 stopped answering"),
+        ],
+    )
+    store.save(saved)
+    return store.load(saved.id)
+
+
+def test_main_screen(snap_compare, tmp_path):
+    """The main screen with a reopened conversation and today's figures of two local nodes.
+
+    Left, bordered and titled with the first prompt: the prompt ("you", indented), an answer
+    ("assistant") whose code block is highlighted Python and whose `add(2, 3)` and **5** are
+    rendered as markdown, a second prompt, a cut-short answer with "stopped" on its lower
+    border, and a red "error" message. Under it the status line (temperature 0 · top-p 1 ·
+    max 256 tokens) and the empty prompt input. Right, the "cluster" panel: the model, 30
+    layers, context 2048, 18.6 tokens/s, 52.7 ms/token, allreduce 498 µs · p99 5.77 ms, then
+    master (1.3 GiB RSS, no budget) and local-1 (23.5 GiB budget, heartbeat 0.16 s ago), with
+    a dash for every figure the bridge does not report yet. The header shows the model and
+    the URL; the footer the keys: Quit, Stop (dimmed: nothing to stop), New chat, Open,
+    Settings, Cluster.
+    """
+    app = ChatApp(bridge(TODAY), ConversationStore(tmp_path), conversation(tmp_path))
+    assert snap_compare(app, terminal_size=(120, 40), run_before=_settled)
+
+
+class PanelApp(App[None]):
+    """The cluster panel alone, fed once through the app's client."""
+
+    CSS_PATH = str(Path(__file__).parents[1] / "tui" / "chat" / "chat.tcss")
+
+    def __init__(self, client: BridgeClient) -> None:
+        super().__init__()
+        self.client = client
+
+    def compose(self) -> ComposeResult:
+        yield ClusterPanel()
+
+    async def on_mount(self) -> None:
+        panel = self.query_one(ClusterPanel)
+        panel.border_title = "cluster"
+        panel.show(await self.client.cluster())
+
+
+def test_cluster_panel_with_every_figure(snap_compare):
+    """The panel for three devices that report every figure.
+
+    At the top the cluster: model, 30 layers · context 2048, 18.6 tokens/s, 52.7 ms/token,
+    allreduce 498 µs · p99 5.77 ms, 0 active · 0 waiting / 8. Then one block per node, each
+    with a green "● up": master at 192.168.1.10:7470 with a 40.0% share, 1.3 GiB of a 2.0 GiB
+    budget, a window of 30 layers, 14.50 ms compute and 0.00 ms loader wait; pi-kitchen
+    (192.168.1.21, 35.0%, 301.0 MiB / 512.0 MiB, window 4 layers, 1.75 ms loader wait) and
+    pi-garage (192.168.1.22, 25.0%, 187.0 MiB / 512.0 MiB, window 2 layers, 6.50 ms loader
+    wait), both 11.25 ms compute and a heartbeat 0.21 s ago. No dashes.
+    """
+    assert snap_compare(PanelApp(bridge(FULL)), terminal_size=(44, 40), run_before=_settled)
+
+
+def test_cluster_panel_when_the_cluster_is_down(snap_compare):
+    """The panel after a worker died: a red border, "DOWN: the cluster is down: node local-1
+    stopped answering; restart edgetp serve to re-plan" in bold red above the figures, and a
+    red "✕ down" beside both master and local-1 instead of the green "● up"."""
+    assert snap_compare(PanelApp(bridge(_down())), terminal_size=(44, 36), run_before=_settled)
+
+
+def test_the_figures_served_today_parse(tmp_path):
+    """The fixtures above are what the bridge's schema accepts (a drifted fixture fails)."""
+    from master.bridge.schema import ClusterFigures
+
+    for figures in (TODAY, FULL, _down()):
+        ClusterFigures.model_validate(json.loads(json.dumps(figures)))

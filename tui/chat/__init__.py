@@ -1,0 +1,1 @@
+"""`edgetp chat`: the terminal chat app, a client of the REST bridge."""

@@ -1,0 +1,125 @@
+"""`edgetp chat`'s options and start-up: attach to a bridge, or start a local one, then the app.
+
+Only argparse is imported at module level: the `edgetp` parser is built on every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEFAULT_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 512}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The chat's own options (the model and cluster options are the shared ones)."""
+    p.add_argument(
+        "--connect",
+        metavar="URL",
+        default=None,
+        help="attach to a running edgetp serve (e.g. http://127.0.0.1:8000) instead of "
+        "starting a local cluster",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the key of the bridge given to --connect (or EDGETP_API_KEY)",
+    )
+    p.add_argument("--system", default="", help="system prompt (changeable in the app)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=DEFAULT_SAMPLING["temperature"],
+        help="0 = greedy (default %(default)s)",
+    )
+    p.add_argument("--top-p", type=float, default=DEFAULT_SAMPLING["top_p"])
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_SAMPLING["max_tokens"])
+
+
+def run(args: argparse.Namespace) -> None:
+    """Start (or reach) the bridge, run the app until it quits, then stop what was started."""
+    import os
+
+    from textual.logging import TextualHandler
+
+    from models.errors import ModelError
+    from tui.chat.app import ChatApp, conversations_dir
+    from tui.chat.client import BridgeClient, BridgeError, LocalBridge, Sampling, check_bridge
+    from tui.chat.store import ConversationStore
+
+    sampling = Sampling(args.temperature, args.top_p, args.max_tokens)
+    store = ConversationStore(conversations_dir(args.state_dir))
+    # The app owns the terminal: log records go to Textual's log, not across the screen.
+    logging.getLogger().handlers[:] = [TextualHandler(stderr=False)]
+    local: LocalBridge | None = None
+    try:
+        if args.connect:
+            _only_local(args)
+            base = args.connect
+            api_key = args.api_key or os.environ.get("EDGETP_API_KEY")
+            check_bridge(base, api_key)
+            hint = ""
+        else:
+            nodes = len(args.capacities) if args.capacities else args.local_nodes
+            print(f"edgetp chat: starting a local cluster of {nodes} node(s)…", file=sys.stderr)
+            local = LocalBridge(_serve_args(args), verbose=args.verbose)
+            base = local.start()
+            api_key = None
+            hint = "The local cluster stays down: quit (Ctrl+Q) and start edgetp chat again."
+        app = ChatApp(
+            BridgeClient(base, api_key),
+            store,
+            system=args.system,
+            sampling=sampling,
+            down_hint=hint,
+        )
+        app.run()
+    except BridgeError as exc:
+        raise ModelError(str(exc)) from exc
+    finally:
+        if local is not None:
+            local.stop()
+
+
+def _serve_args(args: argparse.Namespace) -> list[str]:
+    out = ["--local-nodes", str(args.local_nodes)]
+    if args.capacities:
+        out += ["--capacities", ",".join(f"{c:g}" for c in args.capacities)]
+    for flag, value in (
+        ("--model", args.model),
+        ("--context", args.context),
+        ("--threads", args.threads),
+        ("--state-dir", args.state_dir),
+        ("--memory-budget", args.memory_budget),
+        ("--window", args.window),
+        ("--dtype", args.dtype if args.dtype != "f32" else None),
+    ):
+        if value is not None:
+            out += [flag, str(value)]
+    if args.drop_cache:
+        out.append("--drop-cache")
+    return out
+
+
+def _only_local(args: argparse.Namespace) -> None:
+    given = [
+        flag
+        for flag, value in (
+            ("--model", args.model),
+            ("--context", args.context),
+            ("--threads", args.threads),
+            ("--capacities", args.capacities),
+            ("--local-nodes", args.local_nodes if args.local_nodes != 1 else None),
+            ("--memory-budget", args.memory_budget),
+            ("--window", args.window),
+            ("--dtype", args.dtype if args.dtype != "f32" else None),
+            ("--drop-cache", args.drop_cache or None),
+        )
+        if value is not None
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} set up a local cluster; with --connect the running server "
+            f"decides them: leave them out"
+        )

@@ -1,0 +1,239 @@
+"""The chat app's widgets: messages, the cluster panel, and the settings and conversation lists."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Footer, Input, Label, Markdown, OptionList, Static, TextArea
+from textual.widgets.option_list import Option
+
+from master.bridge.schema import ClusterFigures, NodeFigures
+from tui.chat.client import Sampling
+from tui.chat.store import Conversation, Message
+
+NONE = "—"
+LABELS = {"user": "you", "assistant": "assistant", "error": "error"}
+
+
+class Answer(Markdown):
+    """The model's answer, rendered as markdown (code blocks highlighted)."""
+
+    def __init__(self, message: Message) -> None:
+        super().__init__(message.content, classes="message assistant")
+        self.border_title = "assistant"
+        if message.stopped:
+            self.border_subtitle = "stopped"
+
+
+class Note(Static):
+    """A person's prompt, or an error, shown exactly as written."""
+
+    def __init__(self, message: Message) -> None:
+        super().__init__(message.content, markup=False, classes=f"message {message.role}")
+        self.border_title = LABELS[message.role]
+
+
+def message_view(message: Message) -> Answer | Note:
+    return Answer(message) if message.role == "assistant" else Note(message)
+
+
+class ClusterPanel(VerticalScroll):
+    """The cluster's live figures: one block for the whole, one per node.
+
+    `show` takes what /v1/cluster returns; fields a node does not report yet show as "—".
+    """
+
+    def compose(self) -> ComposeResult:
+        yield Static("waiting for the cluster's figures…", id="cluster-summary")
+        yield Static("", id="cluster-nodes")
+
+    def show(self, figures: ClusterFigures) -> None:
+        self.remove_class("unreachable")
+        self.set_class(figures.down is not None, "down")
+        self.query_one("#cluster-summary", Static).update(summary(figures))
+        self.query_one("#cluster-nodes", Static).update(
+            Group(*(node_block(n) for n in figures.nodes))
+        )
+
+    def show_error(self, message: str) -> None:
+        self.add_class("unreachable")
+        self.query_one("#cluster-summary", Static).update(Text(message, style="bold red"))
+
+
+def summary(figures: ClusterFigures) -> RenderableType:
+    g = figures.generation
+    steps = sorted(g.step_ms_recent)
+    ms = f"{statistics.median(steps):.1f}" if steps else NONE
+    table = _pairs()
+    table.add_row("model", figures.model)
+    table.add_row("layers", f"{figures.layers} · context {figures.context}")
+    table.add_row("tokens/s", f"{g.tokens_per_s:.1f}" if steps else NONE)
+    table.add_row("ms/token", ms)
+    if figures.allreduce is not None:
+        a = figures.allreduce
+        table.add_row("allreduce", f"{_us(a.median_us)} · p99 {_us(a.p99_us)}")
+    elif len(figures.nodes) == 1:
+        table.add_row("allreduce", f"{NONE} (one node)")
+    else:
+        table.add_row("allreduce", NONE)
+    table.add_row("requests", f"{g.active} active · {g.waiting} waiting / {g.slots}")
+    parts: list[RenderableType] = [table]
+    if figures.down:
+        parts.insert(0, Text(f"DOWN: {figures.down}", style="bold red"))
+    return Group(*parts)
+
+
+def node_block(node: NodeFigures) -> RenderableType:
+    if not node.alive:
+        state = Text("✕ down", style="bold red")
+    elif not node.ready:
+        state = Text("○ joining", style="yellow")
+    else:
+        state = Text("● up", style="green")
+    title = Text.assemble((node.name, "bold"), "  ", (node.role, "italic"), "  ", state)
+    table = _pairs()
+    table.add_row("address", node.address or NONE)
+    table.add_row("share", NONE if node.share is None else f"{node.share * 100:.1f}%")
+    table.add_row("memory", f"{_bytes(node.rss_bytes)} / {_bytes(node.memory_budget_bytes)}")
+    table.add_row("window", NONE if node.window is None else f"{node.window} layers")
+    table.add_row("compute", _ms(node.compute_ms))
+    table.add_row("loader wait", _ms(node.loader_wait_ms))
+    if node.heartbeat_silence_s is not None:
+        table.add_row("heartbeat", f"{node.heartbeat_silence_s:.2f} s ago")
+    return Group(Text(""), title, table)
+
+
+def _pairs() -> Table:
+    table = Table.grid(padding=(0, 1))
+    table.add_column(style="dim", no_wrap=True)
+    table.add_column(overflow="fold")
+    return table
+
+
+def _ms(value: float | None) -> str:
+    return NONE if value is None else f"{value:.2f} ms"
+
+
+def _us(value: float) -> str:
+    return f"{value / 1000:.2f} ms" if value >= 1000 else f"{value:.0f} µs"
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return NONE
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit in ("B", "KiB") else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+class SettingsScreen(ModalScreen[tuple[str, Sampling] | None]):
+    """The system prompt and the sampling settings of the conversation."""
+
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel"),
+        Binding("ctrl+s", "save", "Save"),
+    ]
+
+    def __init__(self, system: str, sampling: Sampling) -> None:
+        super().__init__()
+        self.system = system
+        self.sampling = sampling
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="settings"):
+            yield Label("System prompt")
+            yield TextArea(self.system, id="system", soft_wrap=True, show_line_numbers=False)
+            with Horizontal(id="sampling"):
+                with Vertical():
+                    yield Label("Temperature (0: greedy)")
+                    yield Input(str(self.sampling.temperature), id="temperature", type="number")
+                with Vertical():
+                    yield Label("Top-p")
+                    yield Input(str(self.sampling.top_p), id="top_p", type="number")
+                with Vertical():
+                    yield Label("Max tokens")
+                    yield Input(str(self.sampling.max_tokens), id="max_tokens", type="integer")
+            yield Static("", id="settings-error")
+            with Horizontal(id="settings-buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+        yield Footer()
+
+    @on(Button.Pressed, "#save")
+    @on(Input.Submitted)
+    def action_save(self) -> None:
+        try:
+            sampling = Sampling(
+                temperature=float(self.query_one("#temperature", Input).value),
+                top_p=float(self.query_one("#top_p", Input).value),
+                max_tokens=int(self.query_one("#max_tokens", Input).value),
+            )
+        except ValueError as exc:
+            self.query_one("#settings-error", Static).update(f"{exc}")
+            return
+        self.dismiss((self.query_one("#system", TextArea).text, sampling))
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ConversationsScreen(ModalScreen[str | None]):
+    """The saved conversations, the latest first; Enter opens one."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("enter", "open", "Open")]
+
+    def __init__(self, conversations: list[Conversation], current: str | None) -> None:
+        super().__init__()
+        self.conversations = conversations
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="conversations"):
+            yield Label(f"Saved conversations ({len(self.conversations)})")
+            options = [
+                Option(
+                    Text.assemble(
+                        (c.title or "(empty)", "bold"),
+                        "\n",
+                        (
+                            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(c.updated))} · "
+                            f"{len(c.messages)} messages",
+                            "dim",
+                        ),
+                    ),
+                    id=c.id,
+                )
+                for c in self.conversations
+            ]
+            yield OptionList(*options, id="conversation-list")
+            if not options:
+                yield Static("None yet: a conversation is saved after its first turn.")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        ids = [c.id for c in self.conversations]
+        if self.current in ids:
+            self.query_one(OptionList).highlighted = ids.index(self.current)
+
+    @on(OptionList.OptionSelected)
+    def _open(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+    def action_open(self) -> None:
+        self.query_one(OptionList).action_select()
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
