@@ -375,6 +375,7 @@ def _node_row(name: str, history: Any) -> dict[str, Any]:
         "mb_read_per_token": round(sum(s["bytes_read"] for s in steps) / n / 1e6, 2),
         "load_ms_per_token": round(sum(s["load_s"] for s in steps) / n * 1000, 2),
         "wait_ms_per_token": round(sum(s["wait_s"] for s in steps) / n * 1000, 2),
+        "compute_ms_per_token": round(sum(s["compute_s"] for s in steps) / n * 1000, 2),
         "buffer_mb": round(steps[-1]["buffer_bytes"] / 1e6, 1),
         "rss_mb": round(steps[-1]["rss"] / 1e6, 1),
         "peak_rss_mb": round(max(s["peak_rss"] for s in steps) / 1e6, 1),

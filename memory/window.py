@@ -39,12 +39,14 @@ class StreamFigures:
     bytes_read: int = 0
     load_s: float = 0.0  # time the loader spent reading
     wait_s: float = 0.0  # time compute waited for a layer not yet read
+    compute_s: float = 0.0  # time in the node's partials, waits included (the executor adds)
 
     def minus(self, other: StreamFigures) -> StreamFigures:
         return StreamFigures(
             self.bytes_read - other.bytes_read,
             self.load_s - other.load_s,
             self.wait_s - other.wait_s,
+            self.compute_s - other.compute_s,
         )
 
 
@@ -239,6 +241,7 @@ def step_figures(window: LayerWindow | ResidentLayers, since: StreamFigures) -> 
         "bytes_read": d.bytes_read,
         "load_s": d.load_s,
         "wait_s": d.wait_s,
+        "compute_s": d.compute_s,
         "buffer_bytes": window.buffer_bytes,
         **process_memory(),
     }

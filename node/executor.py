@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from memory.window import LayerWindow, ResidentLayers
@@ -38,28 +40,34 @@ class SliceExecutor:
 
     def attention(self, index: int, h: torch.Tensor) -> torch.Tensor:
         assert self._batch is not None and self._cos_sin is not None, "begin_step first"
+        started = time.perf_counter()
         weights = self.weights.get(index)
         if self.weights.mode == "load-only":  # a benchmark of the loader alone
-            return h.new_zeros(h.shape)
-        return attention_partial(
-            h,
-            weights,
-            self.slice,
-            self.config,
-            self._cos_sin,
-            self.cache.keys[index],
-            self.cache.values[index],
-            self._batch,
-        )
+            out = h.new_zeros(h.shape)
+        else:
+            out = attention_partial(
+                h,
+                weights,
+                self.slice,
+                self.config,
+                self._cos_sin,
+                self.cache.keys[index],
+                self.cache.values[index],
+                self._batch,
+            )
+        self.weights.figures.compute_s += time.perf_counter() - started
+        return out
 
     def ffn(self, index: int, h: torch.Tensor) -> torch.Tensor:
         """The layer's second and last block: its weights may leave the window after this."""
+        started = time.perf_counter()
         weights = self.weights.get(index)
         if self.weights.mode == "load-only":
             out = h.new_zeros(h.shape)
         else:
             out = ffn_partial(h, weights, self.config)
         self.weights.release(index)
+        self.weights.figures.compute_s += time.perf_counter() - started
         return out
 
     def close(self) -> None:
