@@ -64,6 +64,10 @@ class ShuttingDown(ClusterError):
     """The server is stopping: no new requests, running ones end."""
 
 
+class NodeLost(ClusterError):
+    """A node failed mid-step: the requests in that step are lost; the rest re-plan."""
+
+
 @dataclass
 class _Job:
     id: str
@@ -254,10 +258,7 @@ class Batcher:
             try:
                 step(self.engine, self.tokenizer, [j.generation for j in batch])
             except ClusterError as exc:
-                log.error("step %d failed, the cluster is down: %s", number, exc)
-                with self._cond:
-                    self._down = f"the cluster is down: {exc}; restart edgetp serve to re-plan"
-                    self._fail_all(ClusterError(self._down))
+                self._recover(number, exc)
                 continue
             except Exception as exc:  # a bug: fail this batch, keep serving the next requests
                 log.exception("step %d failed", number)
@@ -273,6 +274,42 @@ class Batcher:
                 self._largest_batch = max(self._largest_batch, len(batch))
                 for job in batch:
                     self._deliver(job)
+
+    def _recover(self, number: int, exc: ClusterError) -> None:
+        """A node failed mid-step: its requests are lost (their KV caches were split across
+        the nodes); re-plan on the nodes left if the engine can, else the cluster is down.
+
+        Requests that arrive meanwhile wait in line for the new engine.
+        """
+        replan = self.engine.replan
+        log.error("step %d failed: %s", number, exc)
+        with self._cond:
+            if replan is None:
+                self._down = f"the cluster is down: {exc}; restart edgetp serve to re-plan"
+                self._fail_all(ClusterError(self._down))
+                return
+            for job in list(self._active):  # the waiting line keeps its place
+                self._drop(job)
+                self._failed += 1
+                if not job.cancelled:
+                    _emit(job, Failed(NodeLost(f"{exc}; re-planning on the nodes left")))
+        try:
+            engine = replan()
+        except Exception as again:  # noqa: BLE001 - whatever it was, the cluster is down
+            log.exception("re-planning failed")
+            with self._cond:
+                self._down = (
+                    f"the cluster is down: {exc}; re-planning failed ({again}); "
+                    "restart edgetp serve"
+                )
+                self._fail_all(ClusterError(self._down))
+            return
+        old, self.engine = self.engine, engine
+        old.close()
+        log.warning(
+            "re-planned on %d node(s)",
+            len(engine.slices) + len(getattr(engine.remote, "members", [])),
+        )
 
     def _admit(self) -> None:
         """Drop cancelled requests, then fill free slots from the waiting line (lock held)."""

@@ -148,6 +148,9 @@ class Hub:
         try:
             self.sock.send_multipart([identity, *P.encode(header, tensors)], copy=False)
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is gone
+            member = self._member(identity)
+            if member is not None:
+                member.alive = False  # a re-plan leaves it out
             raise ClusterError(f"node {identity.decode(errors='replace')} is unreachable") from exc
 
     def _recv(

@@ -116,7 +116,20 @@ def local_engine(
         ) as workers:
             hub.wait_for_workers(nodes - 1, timeout=120)
             capacities = capacities or [1.0] * nodes  # one machine: equal shares
-            yield cluster_engine(source, hub, capacities, state_dir, context, slots, memory=memory)
+            engine = cluster_engine(
+                source, hub, capacities, state_dir, context, slots, memory=memory
+            )
+
+            def replan() -> Engine:
+                """The nodes still here, re-planned with equal shares (after one failed)."""
+                hub.take_in_changes()
+                again = [1.0] * (1 + len(hub.members))
+                new = cluster_engine(source, hub, again, state_dir, context, slots, memory=memory)
+                new.replan = replan
+                return new
+
+            engine.replan = replan
+            yield engine
             hub.close()
             workers.stop()
     finally:

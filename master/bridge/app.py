@@ -35,6 +35,7 @@ from master.batcher import (
     Event,
     Failed,
     Finished,
+    NodeLost,
     ShuttingDown,
     Ticket,
 )
@@ -490,6 +491,8 @@ async def _next(queue: asyncio.Queue[Event], gone: asyncio.Future[None]) -> Even
 def _failure(event: Failed) -> APIError:
     if isinstance(event.error, ShuttingDown):
         return APIError(503, str(event.error), type="server_error", code="shutting_down")
+    if isinstance(event.error, NodeLost):  # this request is lost; the next ones are served
+        return APIError(503, str(event.error), type="server_error", code="node_lost")
     if isinstance(event.error, ClusterError):
         return APIError(503, str(event.error), type="server_error", code="cluster_down")
     return APIError(500, f"generation failed: {event.error}", type="server_error")
