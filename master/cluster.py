@@ -102,6 +102,7 @@ class Hub:
             self.port = port
         else:
             self.port = self.sock.bind_to_random_port(f"tcp://{bind}")
+        self.address = f"{bind}:{self.port}"  # where nodes join
         self.heartbeat = HeartbeatServer(self.context, bind, keys)
         self.model_names = model_names  # names a worker may ask for (None: any)
         self.ship_rate = ship_rate  # bytes/s cap on shard shipping, for shared links
@@ -112,6 +113,7 @@ class Hub:
         self._step = 0
         self._planned = False
         self._sent_at = 0.0
+        self._hello_from = ""  # the peer address of the HELLO being handled
         # Per sum: time from handing out the hidden state to holding every partial, less the
         # longest compute of any node (master included): the latency the allreduce adds.
         # (bounded: a server runs 60 sums a token for days)
@@ -161,6 +163,8 @@ class Hub:
         identity, *frames = self.sock.recv_multipart(copy=False)
         try:
             header = P.decode_header(frames[0])
+            if header["op"] == P.HELLO:  # where the node connects from, for the cluster view
+                self._hello_from = str(frames[0].get("Peer-Address"))
             tensors = [] if header["op"] == P.FETCH else P.decode(frames)[1]
         except P.ProtocolError as exc:
             log.warning("dropped a malformed message from %r: %s", identity.bytes, exc)
@@ -213,7 +217,7 @@ class Hub:
             self._send(identity, {"op": P.REFUSE, "reason": reason})
             return
         capacity = Capacity(**header["capacity"])
-        member = Member(identity, name, capacity, header.get("model"))
+        member = Member(identity, name, capacity, header.get("model"), self._hello_from)
         # Answer at once: planning and splitting a big model can take minutes before WELCOME,
         # and the node should know meanwhile that it is in, and watch the master's heartbeat.
         self._send(identity, {"op": P.ACCEPTED, "heartbeat_port": self.heartbeat.port})

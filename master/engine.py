@@ -84,6 +84,7 @@ class Engine:
         self.replan: Callable[[], Engine] | None = None
         # The master's own figures per step (loader, memory), as workers report theirs.
         self.figures: dict[str, Any] = {}
+        self.memory_budget: int | None = None  # bytes the master may use (--memory-budget)
         self.history: deque[dict[str, Any]] = deque(maxlen=FIGURES_KEPT)
         self._reported = [StreamFigures() for _ in self.executors]
 

@@ -29,6 +29,7 @@ def cluster_figures(engine: Engine, model: str, stats: BatcherStats) -> dict[str
     """The master and every worker, the allreduce latency, and the generation counters."""
     slices = [s.to_dict() for s in engine.slices]
     kv = sum(_kv_bytes(ex) for ex in engine.executors)
+    hub = engine.remote
     nodes: list[dict[str, Any]] = [
         {
             "name": "master",
@@ -36,13 +37,14 @@ def cluster_figures(engine: Engine, model: str, stats: BatcherStats) -> dict[str
             "alive": stats.down is None,
             "ready": True,
             "slices": slices,
+            "address": getattr(hub, "address", None),
             "rss_bytes": _rss_bytes(),
+            "memory_budget_bytes": engine.memory_budget,
             "kv_cache_bytes": kv or None,
             "share": _share(engine.slices[0], engine) if engine.slices else None,
             **_stream(engine.figures),
         }
     ]
-    hub = engine.remote
     allreduce = None
     if hub is not None:
         heartbeat = getattr(hub, "heartbeat", None)

@@ -123,9 +123,11 @@ def cluster_engine(
     context = min(p.context for p in plans)
     if hub is not None:
         hub.ship(manifest, store, context, slots, windows=[p.window for p in plans])
-    return Engine.from_manifest(
+    engine = Engine.from_manifest(
         manifest, store, context, slots, hub, plans[0].window, memory.drop_cache, memory.mode
     )
+    engine.memory_budget = memory.budget
+    return engine
 
 
 def memory_plans(

@@ -363,8 +363,11 @@ def test_cluster_figures_and_openapi(served):
     status, cluster = served.request("GET", "/v1/cluster")
     assert status == 200, cluster
     assert [n["role"] for n in cluster["nodes"]] == ["master", "worker"]
-    worker = cluster["nodes"][1]
+    master, worker = cluster["nodes"]
     assert worker["alive"] and worker["ready"] and worker["name"] == "local-1"
+    assert worker["address"] == "127.0.0.1"  # where it connected from, as the master saw it
+    host, port = master["address"].split(":")
+    assert host == "127.0.0.1" and int(port) > 0
     assert cluster["allreduce"]["sums"] > 0 and cluster["allreduce"]["median_us"] > 0
     assert cluster["context"] == 512 and cluster["generation"]["slots"] == 4
     assert served.request("GET", "/v1/cluster", key=None)[0] == 401

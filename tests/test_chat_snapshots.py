@@ -43,8 +43,8 @@ GENERATION: dict[str, Any] = {
     "last_cancel": None,
 }
 
-# What the bridge serves today for two local nodes: a worker's RSS, the address, share and
-# window are not reported yet.
+# What the bridge serves today for two local nodes, after an answer (from a real
+# `edgetp serve --local-nodes 2`): every figure but the master's budget (none was given).
 TODAY: dict[str, Any] = {
     "model": MODEL,
     "context": 2048,
@@ -56,22 +56,39 @@ TODAY: dict[str, Any] = {
             "alive": True,
             "ready": True,
             "slices": [{"q_heads": [0, 6], "kv_heads": [0, 2], "ffn": [0, 768]}],
-            "rss_bytes": 1_347_252_224,
+            "rss_bytes": 1_324_965_888,
             "kv_cache_bytes": 503_316_480,
+            "address": "127.0.0.1:46323",
+            "share": 0.5556,
+            "window": 30,
+            "peak_rss_bytes": 1_324_965_888,
+            "bytes_read_per_token": 0.0,
+            "loader_wait_ms": 0.0,
+            "load_ms": 0.0,
+            "compute_ms": 31.667,
         },
         {
             "name": "local-1",
             "role": "worker",
             "alive": True,
             "ready": True,
-            "slices": [],
-            "memory_budget_bytes": 25_276_502_016,
+            "slices": [{"q_heads": [6, 9], "kv_heads": [2, 3], "ffn": [768, 1536]}],
+            "memory_budget_bytes": 25_276_063_744,
             "cores": 1,
-            "speed_gb_s": 65.4,
-            "heartbeat_silence_s": 0.16,
+            "speed_gb_s": 46.74,
+            "rss_bytes": 710_500_352,
+            "heartbeat_silence_s": 0.065,
+            "address": "127.0.0.1",
+            "share": 0.4444,
+            "window": 30,
+            "peak_rss_bytes": 710_500_352,
+            "bytes_read_per_token": 0.0,
+            "loader_wait_ms": 0.0,
+            "load_ms": 0.0,
+            "compute_ms": 29.006,
         },
     ],
-    "allreduce": {"sums": 24_600, "median_us": 498.3, "p99_us": 5770.2},
+    "allreduce": {"sums": 600, "median_us": 330.1, "p99_us": 1102.7},
     "generation": GENERATION,
     "down": None,
 }
@@ -180,11 +197,12 @@ def test_main_screen(snap_compare, tmp_path):
     rendered as markdown, a second prompt, a cut-short answer with "stopped" on its lower
     border, and a red "error" message. Under it the status line (temperature 0 · top-p 1 ·
     max 256 tokens) and the empty prompt input. Right, the "cluster" panel: the model, 30
-    layers, context 2048, 18.6 tokens/s, 52.7 ms/token, allreduce 498 µs · p99 5.77 ms, then
-    master (1.3 GiB RSS, no budget) and local-1 (23.5 GiB budget, heartbeat 0.16 s ago), with
-    a dash for every figure the bridge does not report yet. The header shows the model and
-    the URL; the footer the keys: Quit, Stop (dimmed: nothing to stop), New chat, Open,
-    Settings, Cluster.
+    layers, context 2048, 18.6 tokens/s, 52.7 ms/token, allreduce 330 µs · p99 1.10 ms, then
+    master at 127.0.0.1:46323 (55.6% share, 1.2 GiB "· no budget", window 30 layers, 31.67 ms
+    compute, 0.00 ms loader wait) and local-1 at 127.0.0.1 (44.4%, 677.6 MiB / 23.5 GiB,
+    window 30 layers, 29.01 ms compute, heartbeat 0.07 s ago); no dashes. The header shows the
+    model and the URL; the footer the keys: Quit, Stop (dimmed: nothing to stop), New chat,
+    Open, Settings, Cluster.
     """
     app = ChatApp(bridge(TODAY), ConversationStore(tmp_path), conversation(tmp_path))
     assert snap_compare(app, terminal_size=(120, 40), run_before=_settled)
@@ -225,7 +243,8 @@ def test_cluster_panel_with_every_figure(snap_compare):
 def test_cluster_panel_when_the_cluster_is_down(snap_compare):
     """The panel after a worker died: a red border, "DOWN: the cluster is down: node local-1
     stopped answering; restart edgetp serve to re-plan" in bold red above the figures, and a
-    red "✕ down" beside both master and local-1 instead of the green "● up"."""
+    red "✕ down" beside both master and local-1 instead of the green "● up"; local-1 shows no
+    heartbeat line."""
     assert snap_compare(PanelApp(bridge(_down())), terminal_size=(44, 36), run_before=_settled)
 
 

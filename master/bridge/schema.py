@@ -292,7 +292,9 @@ class NodeFigures(BaseModel):
     rss_bytes: int | None = Field(None, description="resident memory of the process")
     kv_cache_bytes: int | None = None
     heartbeat_silence_s: float | None = Field(None, description="seconds since its last beat")
-    address: str | None = Field(None, description="where the node connects from")
+    address: str | None = Field(
+        None, description="the master: where nodes join it; a worker: where it connects from"
+    )
     share: float | None = Field(None, description="the node's fraction of every layer's weights")
     window: int | None = Field(None, description="layers of its slice held in memory at once")
     peak_rss_bytes: int | None = Field(None, description="highest resident memory so far")
