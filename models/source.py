@@ -194,24 +194,28 @@ class HFSource(ModelSource):
             raise ModelError(
                 f"{path} has neither model.safetensors nor model.safetensors.index.json"
             )
-        self._files: dict[str, object] = {}
-        self._where: dict[str, str] = {}
+        self._where: dict[str, Path] = {}  # tensor name -> the file that holds it
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
         for name in files:
             try:
-                handle = safe_open(str(path / name), framework="pt")
+                with safe_open(str(path / name), framework="pt") as handle:
+                    keys = list(handle.keys())
             except Exception as exc:
                 raise ModelError(f"{path / name} cannot be read as safetensors ({exc})") from exc
-            self._files[name] = handle
-            for key in handle.keys():
-                self._where[key] = name
+            for key in keys:
+                self._where[key] = path / name
         if "lm_head.weight" not in self._where:
             self.config = ModelConfig.from_dict({**self.config.to_dict(), "tied_embeddings": True})
 
     def _tensor(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
         if key not in self._where:
             raise ModelError(f"{self.path}: tensor {key!r} is missing")
-        return self._files[self._where[key]].get_tensor(key).to(torch.float32)  # type: ignore[attr-defined]
+        # A file is opened per tensor: an open file stays mapped, and every page a read touched
+        # would count as this process's memory (GBs while splitting a 70B model).
+        with safe_open(str(self._where[key]), framework="pt") as handle:
+            return handle.get_tensor(key).to(torch.float32)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_hf_folder(self.path)

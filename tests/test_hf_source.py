@@ -95,3 +95,23 @@ def test_unsupported_hf_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ModelError, match="GPT2LMHeadModel"):
         open_model(str(tmp_path))
+
+
+def _file_backed_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+
+
+def test_reading_every_layer_leaves_no_file_pages_mapped(smollm2, tmp_path):
+    """A splitter reads the whole model through the source; what it read must not stay mapped
+    into the process, where it counts as memory (as safetensors' open handles did)."""
+    write_hf_folder(smollm2, tmp_path, 1)
+    source = open_model(str(tmp_path))
+    layer_bytes = sum(t.nbytes for t in source.layer(0).values())  # first use warms up
+    before = _file_backed_rss()
+    for i in range(1, source.config.n_layers):
+        source.layer(i)
+    source.embedding()
+    grown = _file_backed_rss() - before
+    print(f"file-backed RSS grew {grown / 2**20:.1f} MiB over {source.config.n_layers} layers")
+    assert grown < layer_bytes / 4  # the model is 30 layers and an embedding: none stays
