@@ -283,6 +283,7 @@ class Batcher:
         """
         replan = self.engine.replan
         log.error("step %d failed: %s", number, exc)
+        exc.with_traceback(None)  # its frames hold the failed engine's slices: let them go
         with self._cond:
             if replan is None:
                 self._down = f"the cluster is down: {exc}; restart edgetp serve to re-plan"
@@ -293,6 +294,8 @@ class Batcher:
                 self._failed += 1
                 if not job.cancelled:
                     _emit(job, Failed(NodeLost(f"{exc}; re-planning on the nodes left")))
+        # Let go of the old engine first: a device sized for its slice cannot hold two.
+        self.engine.close()
         try:
             engine = replan()
         except Exception as again:  # noqa: BLE001 - whatever it was, the cluster is down
@@ -304,8 +307,7 @@ class Batcher:
                 )
                 self._fail_all(ClusterError(self._down))
             return
-        old, self.engine = self.engine, engine
-        old.close()
+        self.engine = engine
         log.warning(
             "re-planned on %d node(s)",
             len(engine.slices) + len(getattr(engine.remote, "members", [])),

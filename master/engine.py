@@ -203,11 +203,16 @@ class Engine:
         self.history.append(self.figures)
 
     def close(self) -> None:
-        """Stop the loader threads."""
+        """Stop the loader threads and let go of the slices' weights and KV caches.
+
+        Whoever still holds a closed engine (a re-planned one is replaced, not forgotten: the
+        context that built it keeps it) must not keep its memory too.
+        """
         for ex in self.executors:
             weights = getattr(ex, "weights", None)
             if weights is not None:
                 weights.close()
+        self.executors = []
 
     def _block(
         self, block: str, i: int, h: torch.Tensor, batch: StepBatch | None = None

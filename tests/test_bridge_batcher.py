@@ -6,13 +6,16 @@ handlers would, and their events come back from the loop's thread.
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
+import weakref
 
 import pytest
 
-from master.batcher import Batcher, Delta, Event, Failed, Finished
+from master.batcher import Batcher, Delta, Event, Failed, Finished, NodeLost
+from master.cluster import ClusterError
 from master.engine import Engine
 from master.sampling import SamplingParams
 from master.session import prompt_tokens
@@ -156,3 +159,39 @@ def test_submit_is_thread_safe(batcher, prompts, solo):
     for t in threads:
         t.join(TIMEOUT)
     assert [results[0], results[1]] == solo[:2]
+
+
+def test_a_lost_node_frees_the_old_engine_before_the_re_plan(smollm2, smollm2_tokenizer, prompts):
+    """A step that fails for a lost node fails its request, and the old engine's weights and
+    KV cache are gone before the new engine loads: a device cannot hold both. The next
+    request runs on the new engine."""
+
+    class LostNode:  # the seam: the other devices, one of which has just died
+        def send(self, *args: object, **kwargs: object) -> None:
+            raise ClusterError("node local-1 is unreachable")
+
+        def gather(self, *args: object, **kwargs: object) -> None:
+            return None
+
+    old = Engine.local(smollm2, max_context=64, slots=1)
+    old.remote = LostNode()
+    old_cache = weakref.ref(old.executors[0].cache)
+    alive_during_replan: list[bool] = []
+
+    def replan() -> Engine:
+        gc.collect()
+        alive_during_replan.append(old_cache() is not None)
+        return Engine.local(smollm2, max_context=64, slots=1)
+
+    old.replan = replan
+    b = Batcher(old, smollm2_tokenizer, max_waiting=4).start()
+    try:
+        failed = Client(b, prompts[0], greedy(4)).next()
+        assert isinstance(failed, Failed) and isinstance(failed.error, NodeLost), failed
+        assert "local-1" in str(failed.error)
+        done = Client(b, prompts[0], greedy(4)).finish()
+        assert done.completion_tokens == 4
+    finally:
+        b.close()
+    assert alive_during_replan == [False]
+    assert b.engine is not old

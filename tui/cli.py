@@ -368,6 +368,7 @@ def _master(args: argparse.Namespace) -> None:
             if hub.membership_changed():  # between requests: re-plan for who is here now
                 hub.take_in_changes()
                 shipped = hub.shipped_bytes
+                engine.close()  # before the new one loads: a device cannot hold both
                 engine = plan()
                 print(
                     f"edgetp master: re-planned for {1 + len(hub.members)} nodes; "
