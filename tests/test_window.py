@@ -260,6 +260,7 @@ def test_the_master_names_the_node_and_file_of_a_bad_shard(
                 pass
         elapsed = time.monotonic() - started
     message = str(err.value)
+    print(f"{damage} shard, after {elapsed:.1f} s: {message}")
     assert member.name in message and str(victim) in message, message
     assert ("cannot be read" if damage == "missing" else "corrupt") in message, message
     assert elapsed < 10, elapsed
