@@ -18,6 +18,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Header, Input, Markdown, Static
 from textual.worker import Worker
 
@@ -117,9 +118,14 @@ class ChatApp(App[None]):
     async def _poll_cluster(self) -> None:
         panel = self.query_one(ClusterPanel)
         try:
-            panel.show(await self.client.cluster())
-        except BridgeError as exc:
-            panel.show_error(str(exc))
+            try:
+                figures = await self.client.cluster()
+            except BridgeError as exc:
+                panel.show_error(str(exc))
+            else:
+                panel.show(figures)
+        except NoMatches:  # the app closed while the figures were on their way: no one to show
+            pass
         finally:
             self._polling = False
 
