@@ -18,9 +18,10 @@ import torch
 
 from master.generate import start, step
 from master.sampling import SamplingParams
-from master.session import load, prompt_tokens, set_threads
+from master.session import load, prompt_tokens
 from memory.budget import ALL_RESIDENT, MemoryOptions, format_size
 from models.errors import ModelError
+from models.kernels import set_threads
 from models.layers import Slice
 from models.source import GGUFSource, ModelSource
 from node.kvcache import KVCache

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from master.cluster import Hub
 from master.engine import Engine
-from master.session import cluster_engine, set_threads
+from master.session import cluster_engine
 from memory.budget import ALL_RESIDENT, MemoryOptions
+from models.kernels import set_threads
 from models.source import ModelSource
 from node.security import TOKEN_ENV, JoinToken
 from node.worker import default_state_dir

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,21 +31,6 @@ class LoadedModel:
     source: ModelSource
     tokenizer: Tokenizer
     engine: Engine
-
-
-def set_threads(threads: int | None = None) -> int:
-    """This process's share of the cores (all unless told otherwise) for the BLAS matmuls.
-
-    Torch keeps one thread: the projections run on OpenBLAS (models/kernels.py) and what torch
-    still does per step is small; its OpenMP workers spinning between ops would steal the cores
-    from OpenBLAS's threads (measured: 260 ms/token instead of 14 on SmolLM2 with both at 2).
-    """
-    from threadpoolctl import threadpool_limits
-
-    n = threads or os.cpu_count() or 1
-    torch.set_num_threads(1)
-    threadpool_limits(limits=n, user_api="blas")
-    return n
 
 
 def load(

@@ -8,6 +8,7 @@ import torch
 
 from memory.window import LayerWindow, ResidentLayers
 from models.config import ModelConfig
+from models.kernels import leave_a_core_to_the_loader
 from models.layers import Rope, Slice, StepBatch, attention_partial, ffn_partial
 from node.kvcache import KVCache
 
@@ -28,6 +29,8 @@ class SliceExecutor:
         self.config = config
         self.slice = s
         self.weights = weights
+        # A slice that streams gives its loader a core (models/kernels.py says why).
+        leave_a_core_to_the_loader(isinstance(weights, LayerWindow) and not weights.resident)
         self.rope = rope
         self.cache = cache
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from master.session import set_threads
+from models.kernels import set_threads
 from models.source import DEFAULT_MODEL, GGUFSource, ModelSource, open_model
 
 set_threads()

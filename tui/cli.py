@@ -305,7 +305,8 @@ def _master(args: argparse.Namespace) -> None:
     from master.engine import Engine
     from master.generate import start, stream
     from master.sampling import SamplingParams
-    from master.session import cluster_engine, open_with_tokenizer, prompt_tokens, set_threads
+    from master.session import cluster_engine, open_with_tokenizer, prompt_tokens
+    from models.kernels import set_threads
     from node.discovery import Announcer, MasterAd, announce_addresses
     from node.protocol import PROTOCOL_VERSION
     from node.security import fingerprint, master_keys, master_token
@@ -394,8 +395,8 @@ def _master(args: argparse.Namespace) -> None:
 
 
 def _join(args: argparse.Namespace) -> None:
-    from master.session import set_threads
     from memory.budget import parse_size
+    from models.kernels import set_threads
     from node.security import TOKEN_ENV, JoinToken, load_node_token
     from node.worker import Worker, default_state_dir, measure_capacity
     from tui.progress import progress_bar
