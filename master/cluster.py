@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -147,8 +148,11 @@ class Hub:
 
     # -- plumbing ---------------------------------------------------------------------------
     def _send(self, identity: bytes, header: dict[str, Any], tensors: tuple = ()) -> None:
+        self._send_frames(identity, P.encode(header, tensors))
+
+    def _send_frames(self, identity: bytes, frames: list[Any]) -> None:
         try:
-            self.sock.send_multipart([identity, *P.encode(header, tensors)], copy=False)
+            self.sock.send_multipart([identity, *frames], copy=False)
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is gone
             member = self._member(identity)
             if member is not None:
@@ -334,7 +338,9 @@ class Hub:
                 self._handle_control(msg[0], msg[1])
 
     # -- the star allreduce -----------------------------------------------------------------
-    def send(self, block: str, layer: int, h: torch.Tensor, batch: dict | None = None) -> None:
+    def send(
+        self, block: str, layer: int, h: np.ndarray | torch.Tensor, batch: dict | None = None
+    ) -> None:
         """Hand the hidden state to every worker for one block of one layer."""
         dead = [m.name for m in self.members if not m.alive]
         if dead:
@@ -347,10 +353,11 @@ class Hub:
         if batch is not None:
             header["batch"] = batch
         self._sent_at = time.perf_counter()
+        frames = P.encode(header, (h,))
         for m in self.members:
-            self._send(m.identity, header, (h,))
+            self._send_frames(m.identity, frames)
 
-    def gather(self, block: str, layer: int, local_compute: float = 0.0) -> torch.Tensor | None:
+    def gather(self, block: str, layer: int, local_compute: float = 0.0) -> np.ndarray | None:
         """The sum of every worker's partial for the block just sent (None without workers).
 
         `local_compute` is how long the master spent on its own partial meanwhile.
@@ -358,7 +365,7 @@ class Hub:
         waiting = {m.identity: m for m in self.members}
         waiting_members = dict(waiting)
         slowest = local_compute
-        partials: dict[bytes, torch.Tensor] = {}
+        partials: dict[bytes, np.ndarray] = {}
         deadline = time.monotonic() + STEP_TIMEOUT
         spin = True  # partials are due within a step: spin after each arrival, else sleep
         while waiting:
@@ -403,9 +410,14 @@ class Hub:
                 self._handle_control(identity, header)
         if self.members:
             self.allreduce_seconds.append(time.perf_counter() - self._sent_at - slowest)
-        total = None
-        for m in self.members:  # a fixed order: the same sum whichever partial came first
-            total = partials[m.identity] if total is None else total + partials[m.identity]
+        if not self.members:
+            return None
+        # A fixed order: the same sum whichever partial came first. The partials are read-only
+        # views of the messages; the sum is a new array.
+        first, *rest = (partials[m.identity] for m in self.members)
+        total = first.copy()
+        for p in rest:
+            total += p
         return total
 
     def close(self, reason: str = "master shutting down") -> None:

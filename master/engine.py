@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from master.plan import plan_slices
@@ -21,10 +22,18 @@ from memory.shards import Manifest, ShardStore
 from memory.window import LayerWindow, ResidentLayers, StreamFigures, step_figures
 from models.config import ModelConfig
 from models.errors import ModelError
-from models.kernels import SCALE_SUFFIX, embed, linear
-from models.layers import Rope, Slice, StepBatch, rms_norm, rope_inv_freq, slice_layer
+from models.kernels import SCALE_SUFFIX, embed, linear, linear_rows
+from models.layers import (
+    Rope,
+    Slice,
+    StepBatch,
+    rms_norm,
+    rms_norm_rows,
+    rope_inv_freq,
+    slice_layer,
+)
 from models.source import ModelSource
-from node.executor import SliceExecutor
+from node.executor import Hidden, SliceExecutor
 from node.kvcache import KVCache
 from node.protocol import ATTENTION, FFN
 
@@ -45,15 +54,15 @@ class Executor(Protocol):
     """What the engine needs of a slice computed in this process."""
 
     def begin_step(self, batch: StepBatch) -> None: ...
-    def attention(self, index: int, h: torch.Tensor) -> torch.Tensor: ...
-    def ffn(self, index: int, h: torch.Tensor) -> torch.Tensor: ...
+    def attention(self, index: int, h: Hidden) -> Hidden: ...
+    def ffn(self, index: int, h: Hidden) -> Hidden: ...
 
 
 class Remote(Protocol):
-    """The other devices: given a block's input, later the sum of their partials."""
+    """The other devices: given a block's input, later the sum of their partials (an array)."""
 
-    def send(self, block: str, layer: int, h: torch.Tensor, batch: dict | None = None) -> None: ...
-    def gather(self, block: str, layer: int, local_compute: float = 0.0) -> torch.Tensor | None: ...
+    def send(self, block: str, layer: int, h: Hidden, batch: dict | None = None) -> None: ...
+    def gather(self, block: str, layer: int, local_compute: float = 0.0) -> np.ndarray | None: ...
 
 
 class Engine:
@@ -178,13 +187,19 @@ class Engine:
                 )
         T = batch.width
         ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in tokens])  # (B, T) right-padded
-        h = embed(ids, self.embedding, self.embedding_scale)  # (B, T, D)
+        h: Hidden = embed(ids, self.embedding, self.embedding_scale)  # (B, T, D)
+        rows = T == 1 and not all_logits  # a decode step: NumPy rows (layers.py says why)
+        if rows:
+            h = h.numpy().reshape(batch.size, -1)
         for ex in self.executors:
             ex.begin_step(batch)
         for i in range(self.config.n_layers):
             h = h + self._block(ATTENTION, i, h, batch if i == 0 else None)
             h = h + self._block(FFN, i, h)
         self._record_figures()
+        if isinstance(h, np.ndarray):
+            x = rms_norm_rows(h, self.final_norm, self.config.norm_eps)
+            return torch.from_numpy(linear_rows(x, self.lm_head, scale=self.lm_head_scale))
         if not all_logits:
             last = torch.tensor(batch.lengths) - 1
             h = h[torch.arange(batch.size), last]  # (B, D)
@@ -214,9 +229,7 @@ class Engine:
                 weights.close()
         self.executors = []
 
-    def _block(
-        self, block: str, i: int, h: torch.Tensor, batch: StepBatch | None = None
-    ) -> torch.Tensor:
+    def _block(self, block: str, i: int, h: Hidden, batch: StepBatch | None = None) -> Hidden:
         """The sum of every slice's partial for one block: the star allreduce."""
         if self.remote:  # send first, so the workers compute while this process does
             self.remote.send(block, i, h, batch.to_dict() if batch else None)
@@ -228,6 +241,8 @@ class Engine:
         if self.remote:
             others = self.remote.gather(block, i, time.perf_counter() - started)
             if others is not None:
+                if isinstance(h, torch.Tensor):
+                    others = torch.from_numpy(others)
                 total = others if total is None else total + others
         assert total is not None, "an engine needs at least one slice"
         return total

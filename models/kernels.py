@@ -74,7 +74,7 @@ def linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if w.dtype == torch.float32:
-        result = _linear_f32(x2.float(), w)
+        result = torch.from_numpy(_matmul_f32(x2.float().numpy(), w.numpy()))
     elif w.dtype == torch.int8:
         if scale is None:
             raise ValueError("an int8 weight needs its per-channel scales")
@@ -86,16 +86,30 @@ def linear(
     return result.view(*lead, w.shape[0])
 
 
-def _linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    xn, wn = x.numpy(), w.numpy()
-    rows = xn.shape[0]
+def linear_rows(
+    x: np.ndarray,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> np.ndarray:
+    """`linear` for a float32 array of rows (rows, in), as an array (rows, out): the decode path,
+    where each torch call costs more than the arithmetic (models/layers.py says why)."""
+    if w.dtype != torch.float32:
+        return linear(torch.from_numpy(x), w, bias, scale).numpy()
+    out = _matmul_f32(x, w.numpy())
+    if bias is not None:
+        out += bias.numpy()
+    return out
+
+
+def _matmul_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    rows = x.shape[0]
     if rows <= GEMV_MAX_ROWS:
-        out = np.empty((rows, wn.shape[0]), dtype=np.float32)
+        out = np.empty((rows, w.shape[0]), dtype=np.float32)
         for r in range(rows):
-            np.dot(wn, xn[r], out=out[r])
-    else:
-        out = xn @ wn.T
-    return torch.from_numpy(out)
+            np.dot(w, x[r], out=out[r])
+        return out
+    return x @ w.T
 
 
 def quantize(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -4,17 +4,32 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from memory.window import LayerWindow, ResidentLayers
 from models.config import ModelConfig
 from models.kernels import leave_a_core_to_the_loader
-from models.layers import Rope, Slice, StepBatch, attention_partial, ffn_partial
+from models.layers import (
+    Rope,
+    Slice,
+    StepBatch,
+    attention_partial,
+    attention_rows,
+    ffn_partial,
+    ffn_rows,
+)
 from node.kvcache import KVCache
+
+Hidden = np.ndarray | torch.Tensor  # a decode step's rows (B, D), or any step's (B, T, D)
 
 
 class SliceExecutor:
-    """Computes one slice's attention and FFN partials, layer by layer, for a step's batch."""
+    """Computes one slice's attention and FFN partials, layer by layer, for a step's batch.
+
+    A decode step's hidden state comes as NumPy rows (B, D) and its partials go back as rows
+    (models/layers.py, `attention_rows`, says why); any other step is torch (B, T, D).
+    """
 
     def __init__(
         self,
@@ -34,19 +49,33 @@ class SliceExecutor:
         self.rope = rope
         self.cache = cache
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cos_sin_rows: tuple[np.ndarray, np.ndarray] | None = None
         self._batch: StepBatch | None = None
 
     def begin_step(self, batch: StepBatch) -> None:
         """Positions are the same for every layer of a step: look up RoPE tables once."""
         self._batch = batch
+        self._cos_sin_rows = self.rope.rows(batch.starts) if batch.width == 1 else None
         self._cos_sin = self.rope.tables(batch.positions())
 
-    def attention(self, index: int, h: torch.Tensor) -> torch.Tensor:
+    def attention(self, index: int, h: Hidden) -> Hidden:
         assert self._batch is not None and self._cos_sin is not None, "begin_step first"
         started = time.perf_counter()
         weights = self.weights.get(index)
         if self.weights.mode == "load-only":  # a benchmark of the loader alone
-            out = h.new_zeros(h.shape)
+            out = _zeros_like(h)
+        elif isinstance(h, np.ndarray):
+            assert self._cos_sin_rows is not None, "rows are for decode steps"
+            out = attention_rows(
+                h,
+                weights,
+                self.slice,
+                self.config,
+                self._cos_sin_rows,
+                self.cache.key_arrays[index],
+                self.cache.value_arrays[index],
+                self._batch,
+            )
         else:
             out = attention_partial(
                 h,
@@ -61,12 +90,14 @@ class SliceExecutor:
         self.weights.figures.compute_s += time.perf_counter() - started
         return out
 
-    def ffn(self, index: int, h: torch.Tensor) -> torch.Tensor:
+    def ffn(self, index: int, h: Hidden) -> Hidden:
         """The layer's second and last block: its weights may leave the window after this."""
         started = time.perf_counter()
         weights = self.weights.get(index)
         if self.weights.mode == "load-only":
-            out = h.new_zeros(h.shape)
+            out = _zeros_like(h)
+        elif isinstance(h, np.ndarray):
+            out = ffn_rows(h, weights, self.config)
         else:
             out = ffn_partial(h, weights, self.config)
         self.weights.release(index)
@@ -75,3 +106,7 @@ class SliceExecutor:
 
     def close(self) -> None:
         self.weights.close()
+
+
+def _zeros_like(h: Hidden) -> Hidden:
+    return np.zeros_like(h) if isinstance(h, np.ndarray) else h.new_zeros(h.shape)

@@ -21,6 +21,9 @@ class KVCache:
         shape = (slots, s.n_kv, max_context, config.head_dim)  # (S, n_kv, ctx, hd)
         self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
+        # The same memory as arrays, for the decode path (models/layers.py, attention_rows).
+        self.key_arrays = [k.numpy() for k in self.keys]
+        self.value_arrays = [v.numpy() for v in self.values]
         self.slots = slots
         self.max_context = max_context
 

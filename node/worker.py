@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -23,7 +24,7 @@ from models.config import ModelConfig
 from models.kernels import linear
 from models.layers import Rope, Slice, StepBatch, rope_inv_freq
 from node import protocol as P
-from node.executor import SliceExecutor
+from node.executor import Hidden, SliceExecutor
 from node.heartbeat import DEAD_AFTER, HeartbeatClient
 from node.kvcache import KVCache
 from node.security import JoinToken, fingerprint, save_node_token, secure_client
@@ -300,11 +301,7 @@ class Worker:
                 (h,) = tensors
                 layer = header["layer"]
                 started = time.perf_counter()
-                with torch.inference_mode():
-                    if header["block"] == P.ATTENTION:
-                        partial = executor.attention(layer, h)
-                    else:
-                        partial = executor.ffn(layer, h)
+                partial = self._partial(executor, header["block"], layer, h)
             except Exception as exc:  # report, then stop: the master fails the request
                 self._send({"op": P.ERROR, "message": f"{type(exc).__name__}: {exc}"})
                 raise
@@ -319,3 +316,13 @@ class Worker:
                 reply["figures"] = step_figures(executor.weights, reported)
                 reported = replace(executor.weights.figures)
             self._send(reply, (partial,))
+
+    @staticmethod
+    def _partial(executor: SliceExecutor, block: str, layer: int, h: np.ndarray) -> Hidden:
+        """This node's partial of one block: a decode step's rows (B, D) stay arrays (see
+        models/layers.py, `attention_rows`); any other step goes to torch."""
+        compute = executor.attention if block == P.ATTENTION else executor.ffn
+        if h.ndim == 2:
+            return compute(layer, h)
+        with torch.inference_mode():
+            return compute(layer, torch.from_numpy(h.copy()))  # the message's memory is read-only

@@ -86,6 +86,22 @@ def test_logits_match_transformers(engine, reference_model, prompts, name):
     assert diff <= 1e-3 * scale
 
 
+@pytest.mark.parametrize("name", ["chat", "long"])
+def test_decode_step_logits_match_transformers(engine, reference_model, prompts, name):
+    """A decode step (one new token: the NumPy rows path) against the reference's logits."""
+    ids = prompts[name]
+    engine.forward([ids[:-1]], StepBatch((0,), (0,), (len(ids) - 1,)))
+    ours = engine.forward([ids[-1:]], StepBatch((0,), (len(ids) - 1,), (1,)))[0]
+    with torch.inference_mode():
+        ref = reference_model(torch.tensor([ids])).logits[0, -1]
+    diff = (ours - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    print(
+        f"{name}: decode at position {len(ids) - 1}, max|diff| {diff:.3g}, max|logit| {scale:.3g}"
+    )
+    assert diff <= 1e-4 * scale
+
+
 @pytest.mark.parametrize("name", ["raw", "chat"])
 def test_greedy_64_tokens_match_transformers(
     engine, reference_model, smollm2_tokenizer, prompts, name

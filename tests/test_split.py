@@ -14,7 +14,10 @@ from models.layers import (
     Slice,
     StepBatch,
     attention_partial,
+    attention_rows,
+    cast_layer,
     ffn_partial,
+    ffn_rows,
     rope_inv_freq,
     slice_layer,
 )
@@ -126,3 +129,57 @@ def test_smollm2_layer_invariant(smollm2, capacities):
     config = smollm2.config
     _check_invariant(config, smollm2.layer(5), capacities, [5, 2, 9], seed=1)
     assert len(plan_slices(config, capacities)) == len(capacities)
+
+
+def _check_rows_match_torch(config, full, capacities, lengths, seed, dtype) -> None:
+    """Per slice, a decode step's partials and cache writes are the same on rows as in torch."""
+    gen = torch.Generator().manual_seed(seed)
+    rope = Rope(rope_inv_freq(config), config.context_length)
+    prefill = StepBatch((0, 1, 2), (0, 0, 0), tuple(lengths))
+    # Slots out of order and different positions: each row must find its own cache slot.
+    decode = StepBatch((2, 0, 1), (lengths[2], lengths[0], lengths[1]), (1, 1, 1))
+    h_prefill = torch.randn(3, max(lengths), config.hidden, generator=gen)
+    h = torch.randn(3, 1, config.hidden, generator=gen)
+    # The same kernel after rounding the input to the weight's dtype: a last-bit difference
+    # in the float32 input may round to the neighbouring bf16 value.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for s in plan_slices(config, capacities):
+        w = cast_layer(slice_layer(config, full, s), dtype)
+        shape = (3, s.n_kv, config.context_length, config.head_dim)
+        ck, cv = torch.zeros(shape), torch.zeros(shape)
+        attention_partial(
+            h_prefill, w, s, config, rope.tables(prefill.positions()), ck, cv, prefill
+        )
+        ck_rows, cv_rows = ck.clone(), cv.clone()
+        a = attention_partial(h, w, s, config, rope.tables(decode.positions()), ck, cv, decode)
+        rows = attention_rows(
+            h[:, 0].numpy(), w, s, config, rope.rows(decode.starts), ck_rows.numpy(),
+            cv_rows.numpy(), decode,
+        )  # fmt: skip
+        torch.testing.assert_close(torch.from_numpy(rows), a[:, 0], rtol=tol, atol=tol)
+        torch.testing.assert_close(ck_rows, ck, rtol=tol, atol=tol)
+        torch.testing.assert_close(cv_rows, cv, rtol=tol, atol=tol)
+        f = ffn_rows(h[:, 0].numpy(), w, config)
+        torch.testing.assert_close(
+            torch.from_numpy(f), ffn_partial(h, w, config)[:, 0], rtol=tol, atol=tol
+        )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_kv=st.integers(1, 4),
+    group=st.integers(1, 3),
+    head_dim=st.sampled_from([8, 16]),
+    ffn=st.sampled_from([32, 40, 64, 100]),
+    bias=st.booleans(),
+    capacities=st.lists(st.floats(0.2, 5.0), min_size=1, max_size=5),
+    lengths=st.lists(st.integers(1, 7), min_size=3, max_size=3),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_decode_rows_equal_the_torch_partials(
+    n_kv, group, head_dim, ffn, bias, capacities, lengths, seed, dtype
+):
+    config = _config(n_kv, group, head_dim, ffn, bias)
+    full = _random_layer(config, torch.Generator().manual_seed(seed))
+    _check_rows_match_torch(config, full, capacities, lengths, seed, dtype)
