@@ -78,7 +78,12 @@ def linear(
     elif w.dtype == torch.int8:
         if scale is None:
             raise ValueError("an int8 weight needs its per-channel scales")
-        result = torch._weight_int8pack_mm(x2.bfloat16(), w, scale.bfloat16()).float()
+        if x2.shape[1] % 8:
+            # On such widths the int8 kernel reads past its rows: garbage for one row, a crash
+            # for several (torch 2.13). An FFN slice of an odd-width model can be one.
+            result = x2.float() @ (w.float() * scale[:, None]).t()
+        else:
+            result = torch._weight_int8pack_mm(x2.bfloat16(), w, scale.bfloat16()).float()
     else:
         result = torch.mm(x2.to(w.dtype), w.t()).float()
     if bias is not None:
@@ -121,7 +126,8 @@ def quantize(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     w = w.float()
     if dtype != torch.int8:
         return {"": w.to(dtype).contiguous()}
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    largest = w.abs().amax(dim=1) if w.shape[1] else w.new_zeros(w.shape[0])  # a slice may be empty
+    scale = largest.clamp_min(1e-12) / 127.0
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return {"": q.contiguous(), SCALE_SUFFIX: scale}
 
