@@ -10,6 +10,7 @@ master's ROUTER socket the first frame is the peer's identity.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
@@ -86,7 +87,7 @@ def decode(frames: list[Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
             raise ProtocolError(f"unknown tensor dtype {dtype_name!r}")
         buf = frame.buffer if isinstance(frame, zmq.Frame) else frame
         array = np.frombuffer(buf, dtype=dtype_name)
-        if array.size != int(np.prod(shape)):
+        if array.size != math.prod(shape):
             raise ProtocolError(f"tensor frame of {array.size} values for shape {shape}")
         tensors.append(array.reshape(shape))
     return header, tensors
