@@ -208,6 +208,43 @@ def raw_round_trips(shape: tuple[int, ...], n: int) -> list[float]:
     return times
 
 
+def _tcp_echo(port: int) -> None:
+    """A peer that sends every byte straight back over a plain TCP socket."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while data := sock.recv(1 << 16):
+            sock.sendall(data)
+
+
+def raw_tcp_round_trips(size: int, n: int) -> list[float]:
+    """Seconds per round trip of `size` bytes over a plain TCP socket to another process: what
+    the machine's loopback costs without ZeroMQ's I/O threads in the way."""
+    import multiprocessing
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        peer = multiprocessing.get_context("spawn").Process(
+            target=_tcp_echo, args=(server.getsockname()[1],), daemon=True
+        )
+        peer.start()
+        server.settimeout(30)
+        sock, _ = server.accept()
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload, times = bytes(size), []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sock.sendall(payload)
+            got = 0
+            while got < size:
+                got += len(sock.recv(1 << 16))
+            times.append(time.perf_counter() - t0)
+    peer.join(timeout=5)
+    return times
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -239,31 +276,31 @@ def run_cluster_bench(
     hidden = source.config.hidden
     raw = raw_round_trips((1, 1, hidden), 2000)
     raw_med, raw_p99 = statistics.median(raw) * 1e6, _percentile(raw, 0.99) * 1e6
+    tcp_med = statistics.median(raw_tcp_round_trips(hidden * 4, 2000)) * 1e6
     modes = ["normal", "load-only", "compute-only"] if overlap else ["normal"]
-    rows = []
-    for nodes in node_counts:
-        # With --overlap the three modes alternate for `rounds` rounds and each keeps its
-        # median run: disk throughput here drifts by 20% between minutes, and a ratio of runs
-        # taken minutes apart would measure the drift.
-        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
-        for _round in range(rounds if overlap else 1):
+    # Node counts (and with --overlap the three modes) alternate for `rounds` rounds and each
+    # keeps its median run: these shared machines drift by 20% between minutes, and a ratio of
+    # runs taken minutes apart would measure the drift.
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for _round in range(rounds):
+        for nodes in node_counts:
             for mode in modes:
                 options = replace(memory, mode=mode)
-                runs[mode].append(
+                runs.setdefault((nodes, mode), []).append(
                     _cluster_run(
                         source, tokenizer, prompt, nodes, n_tokens, context, state_dir, options
                     )
                 )
-        for mode in modes:
-            ordered = sorted(runs[mode], key=lambda r: r["ms_per_token"])
-            median = ordered[len(ordered) // 2]
-            median["rounds_ms_per_token"] = [r["ms_per_token"] for r in runs[mode]]
-            rows.append(median)
+    rows = []
+    for (_nodes, _mode), kept in runs.items():
+        ordered = sorted(kept, key=lambda r: r["ms_per_token"])
+        median = ordered[len(ordered) // 2]
+        median["rounds_ms_per_token"] = [r["ms_per_token"] for r in kept]
+        rows.append(median)
     print(f"model {source.path}  prompt {len(prompt)} tokens  {n_tokens} greedy tokens")
-    rounds_note = f"; medians of {rounds} alternating rounds" if overlap else ""
-    print(f"memory: {_describe(memory)}{rounds_note}")
+    print(f"memory: {_describe(memory)}; medians of {rounds} alternating rounds")
     print(f"raw ZeroMQ round trip, {hidden * 4} B payload: median {raw_med:.0f} us, ", end="")
-    print(f"p99 {raw_p99:.0f} us")
+    print(f"p99 {raw_p99:.0f} us; plain TCP, no ZeroMQ: median {tcp_med:.0f} us")
     base = rows[0]["ms_per_token"]
     title = "allreduce us (med/p99 per sum)"
     print(f"{'nodes':>5} {'mode':<13}{'ms/token':>9}{'vs first':>9}{'TTFT ms':>9}{title:>33}")
@@ -289,7 +326,12 @@ def run_cluster_bench(
                 f"{by['load-only']}, compute-only {by['compute-only']}) = {bound}: "
                 f"ratio {by['normal'] / bound:.3f}"
             )
-    same = all(r["tokens"] == normal[0]["tokens"] for r in normal)
+    same = all(  # every round of every node count, not just the medians
+        r["tokens"] == normal[0]["tokens"]
+        for (_nodes, mode), kept in runs.items()
+        if mode == "normal"
+        for r in kept
+    )
     print(f"greedy tokens identical across node counts: {same}")
     long_runs = []
     if rss_tokens:
@@ -303,6 +345,7 @@ def run_cluster_bench(
         "memory": dataclasses.asdict(memory),
         "raw_round_trip_us_median": round(raw_med, 1),
         "raw_round_trip_us_p99": round(raw_p99, 1),
+        "raw_tcp_round_trip_us_median": round(tcp_med, 1),
         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
         "greedy_tokens_identical": same,
         "rss_runs": long_runs,
