@@ -35,7 +35,7 @@ WELCOME = "welcome"  # {node, config, slice, shards, rope, context, slots}; agai
 REFUSE = "refuse"  # {reason}
 ACCEPTED = "accepted"  # {heartbeat_port}: joined; WELCOME follows once the master has planned
 CHUNK = "chunk"  # {sha256, offset, eof} + one bytes frame
-STEP = "step"  # {step, layer, block, batch?} + hidden state tensor
+STEP = "step"  # {step, layer, block, batch?} + hidden state: decode (B, D), else (B, T, D)
 BYE = "bye"  # the master is shutting down or dropping this node
 # both ways
 HEARTBEAT = "heartbeat"

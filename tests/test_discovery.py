@@ -47,7 +47,12 @@ def test_browse_sees_the_announcement():
         hub.close()
     assert len(ads) == 1
     ad = ads[0]
-    assert (ad.host, ad.port, ad.model, ad.version) == (LOOPBACK, hub.port, "model.gguf", 1)
+    assert (ad.host, ad.port, ad.model, ad.version) == (
+        LOOPBACK,
+        hub.port,
+        "model.gguf",
+        PROTOCOL_VERSION,
+    )
     assert ad.fingerprint == fingerprint(hub.keys.public)
 
 
