@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
 from master.cluster import ClusterError, Hub
@@ -55,16 +56,21 @@ def greedy_batch(engine, tokenizer, n=64):
     return [g.tokens for g in seqs]
 
 
-def prefill_logits(engine, tokenizer):
+def two_steps_logits(engine, tokenizer) -> list[torch.Tensor]:
+    """The logits of a batch's prefill (every position, torch path) and of its first decode
+    step (NumPy rows)."""
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    batch = StepBatch((0, 1, 2), (0, 0, 0), tuple(len(p) for p in prompts))
-    return engine.forward(prompts, batch, all_logits=True)
+    lengths = tuple(len(p) for p in prompts)
+    prefill = engine.forward(prompts, StepBatch((0, 1, 2), (0, 0, 0), lengths), all_logits=True)
+    following = [[int(prefill[b, n - 1].argmax())] for b, n in enumerate(lengths)]
+    decode = engine.forward(following, StepBatch((0, 1, 2), lengths, (1, 1, 1)))
+    return [prefill, decode]
 
 
 @pytest.fixture(scope="module")
 def single(smollm2, smollm2_tokenizer):
     engine = Engine.local(smollm2, max_context=256, slots=3)
-    return prefill_logits(engine, smollm2_tokenizer), greedy_batch(engine, smollm2_tokenizer)
+    return two_steps_logits(engine, smollm2_tokenizer), greedy_batch(engine, smollm2_tokenizer)
 
 
 @pytest.mark.parametrize(
@@ -76,14 +82,15 @@ def test_n_nodes_equal_one_node(smollm2, smollm2_tokenizer, single, tmp_path, ca
     ref_logits, ref_tokens = single
     with local_cluster(smollm2, capacities, tmp_path) as (engine, hub, _):
         assert len(hub.members) == len(capacities) - 1
-        logits = prefill_logits(engine, smollm2_tokenizer)
+        logits = two_steps_logits(engine, smollm2_tokenizer)
         tokens = greedy_batch(engine, smollm2_tokenizer)
     if len(capacities) == 4:
         assert any(s.n_kv > 1 for s in plan_slices(smollm2.config, capacities))  # replicated
-    diff = (logits - ref_logits).abs().max().item()
-    scale = ref_logits.abs().max().item()
-    print(f"{capacities}: max|diff| {diff:.3g} vs max|logit| {scale:.3g}")
-    assert diff <= 1e-4 * scale
+    for step, ours, ref in zip(["prefill", "decode"], logits, ref_logits, strict=True):
+        diff = (ours - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        print(f"{capacities} {step}: max|diff| {diff:.3g} vs max|logit| {scale:.3g}")
+        assert diff <= 1e-4 * scale
     assert tokens == ref_tokens
 
 
