@@ -102,17 +102,21 @@ def _check_invariant(config: ModelConfig, full, capacities, lengths, seed: int) 
                 torch.testing.assert_close(total[b, :n], expected[b, :n], rtol=1e-5, atol=1e-5)
 
 
+# Layer shapes, plans, prompt lengths: what every property below is checked over.
+PLANS = {
+    "n_kv": st.integers(1, 4),
+    "group": st.integers(1, 3),
+    "head_dim": st.sampled_from([8, 16]),
+    "ffn": st.sampled_from([32, 40, 64, 100]),
+    "bias": st.booleans(),
+    "capacities": st.lists(st.floats(0.2, 5.0), min_size=1, max_size=5),
+    "lengths": st.lists(st.integers(1, 7), min_size=3, max_size=3),
+    "seed": st.integers(0, 2**16),
+}
+
+
 @settings(max_examples=60, deadline=None)
-@given(
-    n_kv=st.integers(1, 4),
-    group=st.integers(1, 3),
-    head_dim=st.sampled_from([8, 16]),
-    ffn=st.sampled_from([32, 40, 64, 100]),
-    bias=st.booleans(),
-    capacities=st.lists(st.floats(0.2, 5.0), min_size=1, max_size=5),
-    lengths=st.lists(st.integers(1, 7), min_size=3, max_size=3),
-    seed=st.integers(0, 2**16),
-)
+@given(**PLANS)
 def test_partials_sum_to_unsplit_layer(n_kv, group, head_dim, ffn, bias, capacities, lengths, seed):
     config = _config(n_kv, group, head_dim, ffn, bias)
     full = _random_layer(config, torch.Generator().manual_seed(seed))
@@ -167,17 +171,7 @@ def _check_rows_match_torch(config, full, capacities, lengths, seed, dtype) -> N
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    n_kv=st.integers(1, 4),
-    group=st.integers(1, 3),
-    head_dim=st.sampled_from([8, 16]),
-    ffn=st.sampled_from([32, 40, 64, 100]),
-    bias=st.booleans(),
-    capacities=st.lists(st.floats(0.2, 5.0), min_size=1, max_size=5),
-    lengths=st.lists(st.integers(1, 7), min_size=3, max_size=3),
-    seed=st.integers(0, 2**16),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]),
-)
+@given(**PLANS, dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]))
 def test_decode_rows_equal_the_torch_partials(
     n_kv, group, head_dim, ffn, bias, capacities, lengths, seed, dtype
 ):
