@@ -166,10 +166,9 @@ class Hub:
             return None
         identity, *frames = self.sock.recv_multipart(copy=False)
         try:
-            header = P.decode_header(frames[0])
+            header, tensors = P.decode(frames)
             if header["op"] == P.HELLO:  # where the node connects from, for the cluster view
                 self._hello_from = str(frames[0].get("Peer-Address"))
-            tensors = [] if header["op"] == P.FETCH else P.decode(frames)[1]
         except P.ProtocolError as exc:
             log.warning("dropped a malformed message from %r: %s", identity.bytes, exc)
             return None
