@@ -407,10 +407,9 @@ class Hub:
                 )
             else:
                 self._handle_control(identity, header)
-        if self.members:
-            self.allreduce_seconds.append(time.perf_counter() - self._sent_at - slowest)
         if not self.members:
             return None
+        self.allreduce_seconds.append(time.perf_counter() - self._sent_at - slowest)
         # A fixed order: the same sum whichever partial came first. The partials are read-only
         # views of the messages; the sum is a new array.
         first, *rest = (partials[m.identity] for m in self.members)

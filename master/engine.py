@@ -188,8 +188,7 @@ class Engine:
         T = batch.width
         ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in tokens])  # (B, T) right-padded
         h: Hidden = embed(ids, self.embedding, self.embedding_scale)  # (B, T, D)
-        rows = T == 1 and not all_logits  # a decode step: NumPy rows (layers.py says why)
-        if rows:
+        if T == 1 and not all_logits:  # a decode step: NumPy rows (layers.py says why)
             h = h.numpy().reshape(batch.size, -1)
         for ex in self.executors:
             ex.begin_step(batch)
