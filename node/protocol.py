@@ -81,18 +81,23 @@ def decode(frames: list[Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
     if header["op"] == CHUNK:  # a chunk's one frame is raw file bytes, not a tensor
         return header, []
     specs = header.get("tensors") or []
-    if len(specs) != len(frames) - 1:
-        raise ProtocolError(f"header lists {len(specs)} tensors but {len(frames) - 1} frames came")
-    tensors = []
-    for (dtype_name, shape), frame in zip(specs, frames[1:], strict=True):
-        if dtype_name not in _DTYPES.values():
-            raise ProtocolError(f"unknown tensor dtype {dtype_name!r}")
-        buf = frame.buffer if isinstance(frame, zmq.Frame) else frame
-        array = np.frombuffer(buf, dtype=dtype_name)
-        if array.size != math.prod(shape):
-            raise ProtocolError(f"tensor frame of {array.size} values for shape {shape}")
-        tensors.append(array.reshape(shape))
-    return header, tensors
+    if not isinstance(specs, list) or len(specs) != len(frames) - 1:
+        raise ProtocolError(f"header lists tensors {specs!r} but {len(frames) - 1} frames came")
+    try:
+        return header, [_tensor(spec, frame) for spec, frame in zip(specs, frames[1:], strict=True)]
+    except (TypeError, ValueError) as exc:  # a spec that is not [dtype, shape], a ragged frame
+        raise ProtocolError(f"malformed tensor in a {header['op']!r} message ({exc})") from exc
+
+
+def _tensor(spec: Any, frame: Any) -> np.ndarray:
+    dtype_name, shape = spec
+    if dtype_name not in _DTYPES.values():
+        raise ProtocolError(f"unknown tensor dtype {dtype_name!r}")
+    buf = frame.buffer if isinstance(frame, zmq.Frame) else frame
+    array = np.frombuffer(buf, dtype=dtype_name)
+    if array.size != math.prod(shape):
+        raise ProtocolError(f"tensor frame of {array.size} values for shape {shape}")
+    return array.reshape(shape)
 
 
 def wait_readable(sock: zmq.Socket, timeout_ms: int, spin: bool) -> bool:
