@@ -22,10 +22,11 @@ demo: setup
 	$(BIN)/edgetp run "What is tensor parallelism? Answer in two sentences."
 
 # Two test processes, a file each at a time (module fixtures stay shared): most tests wait on
-# real processes, so the suite takes 8.5 min instead of 12.5 on two cores.
+# real processes, so the suite takes 8.5 min instead of 12.5 on two cores. A test process that
+# dies (a native crash) fails the run at once, naming its test, instead of being replaced.
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0
 
 bench: setup
 	$(BIN)/edgetp bench

@@ -22,7 +22,7 @@ from memory.shards import Manifest, ShardStore
 from memory.window import LayerWindow, ResidentLayers, StreamFigures, step_figures
 from models.config import ModelConfig
 from models.errors import ModelError
-from models.kernels import SCALE_SUFFIX, embed, linear, linear_rows
+from models.kernels import SCALE_SUFFIX, embed, kernel_set, linear, linear_rows
 from models.layers import (
     Rope,
     Slice,
@@ -33,6 +33,7 @@ from models.layers import (
     slice_layer,
 )
 from models.source import ModelSource
+from node.device import Shape, matrix_shapes, prepare
 from node.executor import Hidden, SliceExecutor
 from node.kvcache import KVCache
 from node.protocol import ATTENTION, FFN
@@ -53,6 +54,7 @@ def context_size(config: ModelConfig, requested: int | None) -> int:
 class Executor(Protocol):
     """What the engine needs of a slice computed in this process."""
 
+    def matrix_shapes(self) -> list[Shape]: ...
     def begin_step(self, batch: StepBatch) -> None: ...
     def attention(self, index: int, h: Hidden) -> Hidden: ...
     def ffn(self, index: int, h: Hidden) -> Hidden: ...
@@ -96,6 +98,11 @@ class Engine:
         self.memory_budget: int | None = None  # bytes the master may use (--memory-budget)
         self.history: deque[dict[str, Any]] = deque(maxlen=FIGURES_KEPT)
         self._reported = [StreamFigures() for _ in self.executors]
+        # Every matrix this process multiplies gets a kernel this device admitted (one check).
+        head = {"lm_head": (lm_head.dtype, tuple(lm_head.shape))}
+        prepare(
+            [*matrix_shapes(head, ["lm_head"]), *(s for e in executors for s in e.matrix_shapes())]
+        )
 
     @classmethod
     def local(
@@ -212,7 +219,7 @@ class Engine:
         weights = getattr(ex, "weights", None)
         if weights is None:
             return
-        self.figures = step_figures(weights, self._reported[0])
+        self.figures = step_figures(weights, self._reported[0]) | {"kernels": kernel_set()}
         self._reported[0] = replace(weights.figures)
         self.history.append(self.figures)
 

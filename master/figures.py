@@ -102,6 +102,7 @@ def _stream(figures: dict[str, Any]) -> dict[str, Any]:
         "loader_wait_ms": round(figures.get("wait_s", 0.0) * 1000, 3),
         "load_ms": round(figures.get("load_s", 0.0) * 1000, 3),
         "compute_ms": round(figures.get("compute_s", 0.0) * 1000, 3),
+        "kernels": figures.get("kernels"),
     }
 
 

@@ -96,6 +96,21 @@ def tensor_views(buffer: torch.Tensor, path: Path, size: int) -> dict[str, torch
     return out
 
 
+def tensor_specs(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Each tensor's dtype and shape in a safetensors file, from its header alone."""
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        return {
+            name: (_TORCH_DTYPES[meta["dtype"]], tuple(meta["shape"]))
+            for name, meta in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, ValueError, KeyError, struct.error) as exc:
+        raise ModelError(f"shard {path} is unreadable or corrupt ({exc})") from exc
+
+
 def read_into(f: Any, view: memoryview) -> int:
     """Fill `view` from the file; the bytes read (fewer only at the end of the file).
 

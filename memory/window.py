@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from memory.shards import read_into, tensor_views
+from memory.shards import read_into, tensor_specs, tensor_views
 from models.errors import ModelError
 
 
@@ -97,6 +97,11 @@ class LayerWindow:
         return sum(b.numel() for b in self.buffers)
 
     # -- compute side -----------------------------------------------------------------------
+    def specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Each tensor's dtype and shape, the same in every layer of a slice, without reading
+        any layer."""
+        return tensor_specs(self.paths[0])
+
     def get(self, layer: int) -> dict[str, torch.Tensor]:
         """Layer `layer`'s tensors, waiting for the loader if it is not read yet."""
         if self.resident:
@@ -215,6 +220,10 @@ class ResidentLayers:
 
     def get(self, layer: int) -> dict[str, torch.Tensor]:
         return self.layers[layer]
+
+    def specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Each tensor's dtype and shape, the same in every layer of a slice."""
+        return {name: (t.dtype, tuple(t.shape)) for name, t in self.layers[0].items()}
 
     def release(self, layer: int) -> None:
         pass

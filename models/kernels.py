@@ -1,36 +1,180 @@
-"""The matmul every projection goes through, on the fastest kernel measured on these CPUs.
+"""The matmul every projection goes through, on the kernel this device admitted and chose.
 
-Weights are stored in one of four dtypes, chosen when the model is split (`--dtype`); each has
-its own kernel, picked by measurement on the CPUs this runs on (AVX-512 with BF16 and VNNI; see
-docs/decisions.md for the figures):
+Weights are stored in one of four dtypes, chosen when the model is split (`--dtype`). For each
+dtype there are several candidate kernels (`CANDIDATES`), and which is right, and which is fast,
+depends on the CPU: torch's int8 kernel returns garbage or crashes at some shapes on one x86
+vendor and not on the other; OpenBLAS beats MKL for decode's matrix-vector products on one and
+not necessarily on another. So no candidate is trusted by default: `models.kernel_check` checks
+each against a float64 reference in a child process on this device, times the ones that pass,
+and `install`s the fastest per (dtype, rows, out, in). A shape nobody prepared runs on
+`reference`, the plain float32 NumPy product every candidate is measured against.
 
-- float32: NumPy's OpenBLAS on the same memory (no copies). PyTorch's MKL build runs decode's
-  matrix-vector products 2-4x slower (SmolLM2's lm_head: 6.9 ms vs 1.6 ms per row). For a few
-  rows one matrix-vector product per row beats OpenBLAS's matrix-matrix path; past
-  `GEMV_MAX_ROWS` the matrix-matrix path wins.
-- float16: torch's half GEMV (the input is rounded to half); converting the weight to float32
-  first costs 20-50x more than the product.
-- bfloat16: torch's bf16 matmul (oneDNN, AVX512-BF16).
-- int8: per-output-channel scales, torch's int8-weight kernel (`_weight_int8pack_mm`, bf16
-  input); 2-3x faster than float32 for a 70B-sized slice.
-
-Every kernel returns float32: the residual stream and the sums across nodes stay float32.
+Every kernel takes float32 rows (rows, in) as a NumPy array and returns float32 rows
+(rows, out): the residual stream and the sums across nodes stay float32.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-GEMV_MAX_ROWS = 4
+log = logging.getLogger(__name__)
+
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 SCALE_SUFFIX = "_scale"  # an int8 matrix `w` is stored with its scales as `w_scale`
 
+Kernel = Callable[[np.ndarray, torch.Tensor, "torch.Tensor | None"], np.ndarray]
+
+
+# -- the candidates ------------------------------------------------------------------------------
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A stored matrix as float32 (int8 times its per-channel scales)."""
+    if w.dtype == torch.int8:
+        if scale is None:
+            raise ValueError("an int8 weight needs its per-channel scales")
+        return w * scale[:, None]  # one pass: int8 times float32 is float32
+    return w.float()
+
+
+DEQUANT_ROWS = 512  # output rows converted at a time: a block stays in cache for its product
+
+
+def reference(x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None) -> np.ndarray:
+    """The plain product on float32 weights, converted a block of rows at a time unless they are
+    float32 already."""
+    if w.dtype == torch.float32:
+        return x @ w.numpy().T
+    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    for a in range(0, w.shape[0], DEQUANT_ROWS):
+        b = min(a + DEQUANT_ROWS, w.shape[0])
+        block = dequantize(w[a:b], None if scale is None else scale[a:b])
+        np.matmul(x, block.numpy().T, out=out[:, a:b])
+    return out
+
+
+def numpy_gemv(x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None) -> np.ndarray:
+    """One BLAS matrix-vector product per row: for a few rows it beats the matrix-matrix path."""
+    wn = w.numpy()
+    out = np.empty((x.shape[0], wn.shape[0]), dtype=np.float32)
+    for r in range(x.shape[0]):
+        np.dot(wn, x[r], out=out[r])
+    return out
+
+
+def torch_mm(x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None) -> np.ndarray:
+    """torch's matmul in the weight's own dtype (the input is rounded to it)."""
+    return torch.mm(torch.from_numpy(x).to(w.dtype), w.t()).float().numpy()
+
+
+def torch_int8pack(x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None) -> np.ndarray:
+    """torch's private int8-weight kernel (bf16 input): right or not depending on the CPU."""
+    assert scale is not None
+    xb = torch.from_numpy(x).bfloat16()
+    return torch._weight_int8pack_mm(xb, w, scale.bfloat16()).float().numpy()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A kernel by name, where a fresh process finds it ("module:function"), and the most rows
+    it is meant for (a per-row loop is not a candidate for a prefill)."""
+
+    name: str
+    target: str
+    max_rows: int | None = None
+
+    def load(self) -> Kernel:
+        import importlib
+
+        module, _, attr = self.target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+def _own(name: str, function: str, max_rows: int | None = None) -> Candidate:
+    return Candidate(name, f"{__name__}:{function}", max_rows)
+
+
+# Per dtype, what a user of any CPU would expect to be considered; the plain route (`reference`,
+# NumPy's BLAS on float32) comes last, so the check can cut short timing it where it is slow.
+CANDIDATES: dict[str, tuple[Candidate, ...]] = {
+    "f32": (
+        _own("numpy-gemv", "numpy_gemv", max_rows=8),
+        _own("torch-mm", "torch_mm"),
+        _own("numpy-gemm", "reference"),
+    ),
+    "f16": (_own("torch-mm-f16", "torch_mm"), _own("upcast-f32", "reference")),
+    "bf16": (_own("torch-mm-bf16", "torch_mm"), _own("upcast-f32", "reference")),
+    "int8": (_own("torch-int8pack", "torch_int8pack"), _own("dequant-f32", "reference")),
+}
+
+# Row counts group into buckets: a step's rows are its sequences (decode) or its tokens
+# (prefill); a kernel's speed, and for some its correctness, changes with them.
+ROW_BUCKETS: tuple[tuple[int, int], ...] = (
+    (1, 1),
+    (2, 2),
+    (3, 3),
+    (4, 4),
+    (5, 8),
+    (9, 32),
+    (33, 1 << 62),
+)
+
+
+def row_bucket(rows: int) -> int:
+    if rows <= 4:
+        return max(rows, 1) - 1
+    return 4 if rows <= 8 else 5 if rows <= 32 else 6
+
+
+# -- the table this process uses -----------------------------------------------------------------
+
+Key = tuple[str, int, int, int]  # (dtype name, row bucket, out, in)
+
+_chosen: dict[Key, tuple[str, Kernel]] = {}
+_unprepared_logged: set[tuple[str, int, int]] = set()
+
+
+def install(choices: dict[Key, Candidate]) -> None:
+    """Use these admitted kernels from now on in this process (added to what it has)."""
+    for key, candidate in choices.items():
+        _chosen[key] = (candidate.name, candidate.load())
+
+
+def uninstall() -> None:
+    """Forget every choice: each shape runs on `reference` until prepared again."""
+    _chosen.clear()
+
+
+def kernel_set() -> str:
+    """The admitted kernels this process uses, per dtype, e.g. "f32: numpy-gemv, numpy-gemm"."""
+    by_dtype: dict[str, set[str]] = {}
+    for (dtype, *_), (name, _) in _chosen.items():
+        by_dtype.setdefault(dtype, set()).add(name)
+    return "; ".join(f"{d}: {', '.join(sorted(n))}" for d, n in sorted(by_dtype.items()))
+
+
+def _kernel(dtype: str, rows: int, out: int, inp: int) -> Kernel:
+    found = _chosen.get((dtype, row_bucket(rows), out, inp))
+    if found is not None:
+        return found[1]
+    if (dtype, out, inp) not in _unprepared_logged:
+        _unprepared_logged.add((dtype, out, inp))
+        log.info("no kernel prepared for %s %dx%d: using the reference product", dtype, out, inp)
+    return reference
+
+
+# -- threads ---------------------------------------------------------------------------------------
 
 _share: int | None = None  # this process's share of the cores, as last set
+_blas_threads = 1  # BLAS threads in force now: kernels are timed with these
 
 
 def set_threads(threads: int | None = None) -> int:
@@ -42,7 +186,7 @@ def set_threads(threads: int | None = None) -> int:
     """
     global _share
     _share = threads or os.cpu_count() or 1
-    return _limit_blas(_share)
+    return limit_blas(_share)
 
 
 def leave_a_core_to_the_loader(streaming: bool) -> int:
@@ -53,15 +197,24 @@ def leave_a_core_to_the_loader(streaming: bool) -> int:
     and 355 against 348 with one. Streaming is bound by its reads, so compute loses nothing.
     """
     share = _share or os.cpu_count() or 1
-    return _limit_blas(max(1, share - 1) if streaming else share)
+    return limit_blas(max(1, share - 1) if streaming else share)
 
 
-def _limit_blas(n: int) -> int:
+def limit_blas(n: int) -> int:
     from threadpoolctl import threadpool_limits
 
+    global _blas_threads
     torch.set_num_threads(1)
     threadpool_limits(limits=n, user_api="blas")
+    _blas_threads = n
     return n
+
+
+def blas_threads() -> int:
+    return _blas_threads
+
+
+# -- the products --------------------------------------------------------------------------------
 
 
 def linear(
@@ -72,23 +225,8 @@ def linear(
 ) -> torch.Tensor:
     """x (..., in) @ w (out, in)^T + bias, as F.linear, in float32; `scale` for an int8 `w`."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if w.dtype == torch.float32:
-        result = torch.from_numpy(_matmul_f32(x2.float().numpy(), w.numpy()))
-    elif w.dtype == torch.int8:
-        if scale is None:
-            raise ValueError("an int8 weight needs its per-channel scales")
-        if x2.shape[1] % 8:
-            # On such widths the int8 kernel reads past its rows: garbage for one row, a crash
-            # for several (torch 2.13). An FFN slice of an odd-width model can be one.
-            result = x2.float() @ (w.float() * scale[:, None]).t()
-        else:
-            result = torch._weight_int8pack_mm(x2.bfloat16(), w, scale.bfloat16()).float()
-    else:
-        result = torch.mm(x2.to(w.dtype), w.t()).float()
-    if bias is not None:
-        result += bias
-    return result.view(*lead, w.shape[0])
+    rows = x.reshape(-1, x.shape[-1]).float().numpy()
+    return torch.from_numpy(linear_rows(rows, w, bias, scale)).view(*lead, w.shape[0])
 
 
 def linear_rows(
@@ -99,22 +237,13 @@ def linear_rows(
 ) -> np.ndarray:
     """`linear` for a float32 array of rows (rows, in), as an array (rows, out): the decode path,
     where each torch call costs more than the arithmetic (models/layers.py says why)."""
-    if w.dtype != torch.float32:
-        return linear(torch.from_numpy(x), w, bias, scale).numpy()
-    out = _matmul_f32(x, w.numpy())
+    if w.dtype == torch.int8 and scale is None:
+        raise ValueError("an int8 weight needs its per-channel scales")
+    kernel = _kernel(DTYPE_NAMES[w.dtype], x.shape[0], w.shape[0], w.shape[1])
+    out = kernel(x, w, scale)
     if bias is not None:
         out += bias.numpy()
     return out
-
-
-def _matmul_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    rows = x.shape[0]
-    if rows <= GEMV_MAX_ROWS:
-        out = np.empty((rows, w.shape[0]), dtype=np.float32)
-        for r in range(rows):
-            np.dot(w, x[r], out=out[r])
-        return out
-    return x @ w.T
 
 
 def quantize(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:

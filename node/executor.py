@@ -11,6 +11,7 @@ from memory.window import LayerWindow, ResidentLayers
 from models.config import ModelConfig
 from models.kernels import leave_a_core_to_the_loader
 from models.layers import (
+    MATRICES,
     Rope,
     Slice,
     StepBatch,
@@ -19,6 +20,7 @@ from models.layers import (
     ffn_partial,
     ffn_rows,
 )
+from node.device import Shape, matrix_shapes
 from node.kvcache import KVCache
 
 Hidden = np.ndarray | torch.Tensor  # a decode step's rows (B, D), or any step's (B, T, D)
@@ -51,6 +53,10 @@ class SliceExecutor:
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cos_sin_rows: tuple[np.ndarray, np.ndarray] | None = None
         self._batch: StepBatch | None = None
+
+    def matrix_shapes(self) -> list[Shape]:
+        """The (dtype, out, in) of the matrices this slice multiplies: what needs a kernel."""
+        return matrix_shapes(self.weights.specs(), MATRICES)
 
     def begin_step(self, batch: StepBatch) -> None:
         """Positions are the same for every layer of a step: look up RoPE tables once."""

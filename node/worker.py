@@ -21,9 +21,10 @@ from zmq.utils.monitor import recv_monitor_message
 from memory.shards import ShardRef, ShardStore, sha256_file
 from memory.window import LayerWindow, StreamFigures, step_figures
 from models.config import ModelConfig
-from models.kernels import linear
+from models.kernels import kernel_set, linear
 from models.layers import Rope, Slice, StepBatch, rope_inv_freq
 from node import protocol as P
+from node.device import default_state_dir, prepare
 from node.executor import Hidden, SliceExecutor
 from node.heartbeat import DEAD_AFTER, HeartbeatClient
 from node.kvcache import KVCache
@@ -66,10 +67,6 @@ def measure_capacity(
     if memory_budget is None:
         memory_budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Capacity(int(memory_budget), threads, round(speed, 2), window)
-
-
-def default_state_dir() -> Path:
-    return Path(os.environ.get("EDGETP_HOME", Path.home() / ".cache" / "edgetp"))
 
 
 class Worker:
@@ -227,7 +224,13 @@ class Worker:
         window = welcome.get("window") or config.n_layers
         paths = [self.store.path(r) for r in refs]
         weights = LayerWindow(paths, window, self.drop_cache, self.stream_mode)
-        return SliceExecutor(config, s, weights, rope, cache)
+        executor = SliceExecutor(config, s, weights, rope, cache)
+        try:
+            prepare(executor.matrix_shapes())  # with the threads the executor settled on
+        except Exception:
+            executor.close()
+            raise
+        return executor
 
     def _fetch(self, ref: ShardRef) -> None:
         """Fetch one shard in chunks into a .part file, resuming one left by an earlier run."""
@@ -314,6 +317,7 @@ class Worker:
             }
             if header["block"] == P.FFN and layer == executor.config.n_layers - 1:
                 reply["figures"] = step_figures(executor.weights, reported)
+                reply["figures"]["kernels"] = kernel_set()
                 reported = replace(executor.weights.figures)
             self._send(reply, (partial,))
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
 
@@ -9,6 +13,21 @@ from models.kernels import set_threads
 from models.source import DEFAULT_MODEL, GGUFSource, ModelSource, open_model
 
 set_threads()
+
+
+def pytest_configure(config):
+    """One state folder for the whole run, its xdist workers and the nodes they start: what a
+    device keeps across clusters (its kernel table) is checked once per run, and nothing is
+    written under the home folder."""
+    if "EDGETP_HOME" not in os.environ and not hasattr(config, "workerinput"):
+        os.environ["EDGETP_HOME"] = tempfile.mkdtemp(prefix="edgetp-tests-")
+        config._edgetp_home = os.environ["EDGETP_HOME"]
+
+
+def pytest_unconfigure(config):
+    home = getattr(config, "_edgetp_home", None)
+    if home:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

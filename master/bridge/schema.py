@@ -302,6 +302,9 @@ class NodeFigures(BaseModel):
     loader_wait_ms: float | None = Field(None, description="compute waiting for the loader")
     load_ms: float | None = Field(None, description="time spent reading shards, last token")
     compute_ms: float | None = Field(None, description="time computing its partials, last step")
+    kernels: str | None = Field(
+        None, description="the kernels this device admitted and chose, per weight dtype"
+    )
 
 
 class AllreduceFigures(BaseModel):

@@ -1,0 +1,380 @@
+"""This device: its state folder, and the kernels it admitted for the shapes it computes.
+
+A kernel that is fast on one CPU can be silently wrong on another (torch's int8 kernel returns
+garbage at some widths on one x86 vendor and crashes at others on the second). So before a node
+multiplies anything, `prepare` makes sure every candidate kernel for every (dtype, rows, out, in)
+it will use has been, on this device:
+
+1. checked against a float64 product of the same stored weights, in a child process, so that a
+   kernel that crashes is a rejected kernel and not a dead node (a kernel that crashes once is
+   never used on this device again; one that disagrees is rejected for that shape and rows);
+2. timed, if it passed, with the BLAS threads the node computes with;
+
+and installs the fastest that passed (`models.kernels.install`). The results are cached in the
+state folder under a key of the CPU (model and flags), Python, torch and NumPy, so a second
+start costs a file read. `edgetp kernels` shows the table.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memory.shards import atomic_write
+from models import kernels
+from models.errors import ModelError
+from models.kernels import CANDIDATES, ROW_BUCKETS, Candidate, dequantize, quantize
+
+log = logging.getLogger(__name__)
+
+CHECK_VERSION = 1  # part of the cache key: bump when the check itself changes
+CHILD_TIMEOUT = 300.0  # s for one child's whole job: a kernel that hangs is a rejected kernel
+PERIOD = 1021  # rows of random weights a tall probe matrix repeats
+MARK = "edgetp-kernel "  # the child's result lines start with this; anything else is noise
+
+# Rows each bucket is checked at (both ends, and every count a decode batch may have); it is
+# timed at the last.
+CHECK_ROWS = ((1,), (2,), (3,), (4,), (5, 6, 7, 8), (9, 32), (33, 64))
+# Largest allowed |error| per element, as a fraction of sum(|x| |w|) over the row: float32
+# accumulates exactly enough for 1e-4; the others round the input to 8 (bf16, int8's bf16
+# input) or 11 (f16) bits first. Garbage (1e13, nan) fails any of these by far.
+TOLERANCE = {"f32": 1e-4, "f16": 1e-2, "bf16": 2e-2, "int8": 2e-2}
+
+Shape = tuple[str, int, int]  # (dtype name, out, in): one stored matrix
+
+
+class KernelError(ModelError):
+    """No candidate computes a shape right on this device."""
+
+
+def default_state_dir() -> Path:
+    """Where this device keeps its keys, shards, kernel table and conversations."""
+    return Path(os.environ.get("EDGETP_HOME", Path.home() / ".cache" / "edgetp"))
+
+
+def fingerprint() -> dict[str, str]:
+    """What a kernel's correctness and speed depend on, besides the shape."""
+    cpu, flags = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model", "CPU part") and cpu == platform.machine():
+                    cpu = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = value.strip()
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "flags": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16],
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "check": str(CHECK_VERSION),
+    }
+
+
+def _cache_path(cache_dir: Path) -> Path:
+    key = hashlib.sha256(json.dumps(fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir / f"{key}.json"
+
+
+def entry_key(shape: Shape, bucket: int, threads: int) -> str:
+    dtype, out, inp = shape
+    low, high = ROW_BUCKETS[bucket]
+    rows = (
+        str(low)
+        if low == high
+        else f"{low}+"
+        if bucket == len(ROW_BUCKETS) - 1
+        else f"{low}-{high}"
+    )
+    return f"{dtype} {out}x{inp} rows {rows} threads {threads}"
+
+
+@dataclass
+class Table:
+    """Every measured (shape, rows, threads): each candidate's verdict and time."""
+
+    device: dict[str, str]
+    results: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    crashed: dict[str, str] = field(default_factory=dict)  # candidate -> what happened
+
+    def chosen(self, key: str) -> str | None:
+        timed = [
+            (r["us"], name)
+            for name, r in self.results.get(key, {}).items()
+            if r["ok"] and name not in self.crashed
+        ]
+        return min(timed)[1] if timed else None
+
+
+@dataclass
+class Prepared:
+    """What `prepare` did: the table, and how long the check took (0 when all was cached)."""
+
+    table: Table
+    checked: int
+    seconds: float
+
+
+def prepare(
+    shapes: Iterable[Shape],
+    cache_dir: Path | None = None,
+    candidates: dict[str, Sequence[Candidate]] | None = None,
+    install: bool = True,
+) -> Prepared:
+    """Check and time what is missing for `shapes` at the BLAS threads in force, then install
+    the fastest admitted kernel for each (shape, rows). Several processes of one device may
+    call this at once: the first checks, the others wait and read its results."""
+    started = time.perf_counter()
+    candidates = candidates or CANDIDATES
+    threads = kernels.blas_threads()
+    cache_dir = cache_dir or default_state_dir() / "kernels"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = _cache_path(cache_dir)
+    wanted = sorted({s for s in shapes if s[0] in candidates})
+    with open(cache_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        table = _read(path)
+        todo = [
+            {"candidate": c.name, "target": c.target, "shape": list(s), "bucket": b}
+            for s in wanted
+            for c in candidates[s[0]]
+            for b in range(len(ROW_BUCKETS))
+            if c.name not in table.crashed
+            and (c.max_rows is None or ROW_BUCKETS[b][0] <= c.max_rows)
+            and c.name not in table.results.get(entry_key(s, b, threads), {})
+        ]
+        if todo:
+            _run_checks(todo, threads, table)
+            atomic_write(path, json.dumps(vars(table), indent=1).encode())
+    choices = {}
+    for s in wanted:
+        for b in range(len(ROW_BUCKETS)):
+            key = entry_key(s, b, threads)
+            name = table.chosen(key)
+            if name is None:
+                verdicts = "; ".join(
+                    f"{n}: {r['error']}" for n, r in table.results.get(key, {}).items()
+                )
+                raise KernelError(
+                    f"no kernel computes {key} right on this device ({verdicts}); "
+                    f"try another --dtype"
+                )
+            choices[(s[0], b, s[1], s[2])] = next(c for c in candidates[s[0]] if c.name == name)
+    if install:
+        kernels.install(choices)
+    seconds = time.perf_counter() - started
+    if todo:
+        log.info(
+            "kernels checked and timed on this device in %.1f s: %s",
+            seconds,
+            kernels.kernel_set() if install else "",
+        )
+    return Prepared(table, len(todo), seconds)
+
+
+def _read(path: Path) -> Table:
+    device = fingerprint()
+    try:
+        d = json.loads(path.read_text())
+        if d.get("device") == device:
+            return Table(device, d["results"], d["crashed"])
+    except (OSError, ValueError, KeyError):
+        pass  # absent or unreadable: check again
+    return Table(device)
+
+
+def _run_checks(todo: list[dict[str, Any]], threads: int, table: Table) -> None:
+    """Run the checks in child processes; a child that dies rejects the kernel it was in."""
+    for item in todo:
+        item["id"] = (
+            f"{item['candidate']}|{entry_key(tuple(item['shape']), item['bucket'], threads)}"
+        )
+    pending = [t for t in todo if t["candidate"] not in table.crashed]
+    while pending:
+        job = json.dumps({"threads": threads, "items": pending})
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "node.device"],
+                input=job,
+                capture_output=True,
+                text=True,
+                timeout=CHILD_TIMEOUT,
+                env=os.environ | {"PYTHONUNBUFFERED": "1"},
+            )
+            stdout, code, stderr = done.stdout, done.returncode, done.stderr
+        except subprocess.TimeoutExpired as exc:
+            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            code, stderr = None, f"no answer within {CHILD_TIMEOUT:.0f} s"
+        begun = None
+        for line in stdout.splitlines():
+            if not line.startswith(MARK):
+                continue
+            msg = json.loads(line[len(MARK) :])
+            if "begin" in msg:
+                begun = msg["begin"]
+                continue
+            begun = None
+            key = msg["id"].split("|", 1)[1]
+            table.results.setdefault(key, {})[msg["candidate"]] = {
+                "ok": msg["ok"],
+                "error": msg["error"],
+                "us": msg["us"],
+            }
+        finished = {
+            t["id"]
+            for t in pending
+            if t["candidate"] in table.results.get(t["id"].split("|", 1)[1], {})
+        }
+        if code == 0 and len(finished) == len(pending):
+            return
+        crashed = next((t for t in pending if t["id"] == begun), None)
+        if crashed is None:  # died before any check: the child itself is broken
+            raise KernelError(f"the kernel check could not run on this device: {stderr.strip()}")
+        how = _death(code, stderr)
+        what = f"{how} on {crashed['id'].split('|', 1)[1]}"
+        log.warning("kernel %s rejected on this device: %s", crashed["candidate"], what)
+        table.crashed[crashed["candidate"]] = what
+        table.results.setdefault(crashed["id"].split("|", 1)[1], {})[crashed["candidate"]] = {
+            "ok": False,
+            "error": how,
+            "us": None,
+        }
+        pending = [
+            t for t in pending if t["id"] not in finished and t["candidate"] not in table.crashed
+        ]
+
+
+def _death(code: int | None, stderr: str) -> str:
+    if code is None:
+        return stderr
+    if code < 0:
+        try:
+            return f"crashed ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"crashed (signal {-code})"
+    tail = stderr.strip().splitlines()[-1:] or [""]
+    return f"crashed (exit {code}: {tail[0][:200]})"
+
+
+# -- the child -----------------------------------------------------------------------------------
+
+
+class _Probe:
+    """One stored matrix of random weights, with its float64 products per row count: each is
+    computed once and held against every candidate."""
+
+    def __init__(self, dtype: str, out: int, inp: int, gen: np.random.Generator) -> None:
+        # A tall matrix (an lm_head) repeats a block of PERIOD random rows: drawing, rounding
+        # and multiplying 49152 of them in float64 took seconds; each output still has its row.
+        period = out if out <= 4 * PERIOD else PERIOD
+        block = gen.standard_normal((period, inp), dtype=np.float32) / np.float32(
+            max(inp, 1) ** 0.5
+        )
+        self.dtype, self.out, self.period = dtype, out, period
+        stored = quantize(torch.from_numpy(block), kernels.DTYPES[dtype])
+        self.wd = dequantize(stored[""], stored.get(kernels.SCALE_SUFFIX)).double().numpy()
+        self.tile = np.arange(out) % period
+        self.stored = {k: v[self.tile].contiguous() for k, v in stored.items()}
+        self.norms = np.linalg.norm(self.wd, axis=1)[self.tile]
+        self.gen = gen
+        self.cases: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.best: dict[int, float] = {}  # bucket -> fastest time so far (s)
+
+    def case(self, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Input rows, the float64 product, and the largest error allowed per element:
+        TOLERANCE of |x| |w| (by Cauchy-Schwarz, norms bound the sum of |x_i w_i|)."""
+        if rows not in self.cases:
+            x = self.gen.standard_normal((rows, self.wd.shape[1]), dtype=np.float32)
+            x64 = x.astype(np.float64)
+            bound = TOLERANCE[self.dtype] * np.outer(np.linalg.norm(x64, axis=1), self.norms)
+            self.cases[rows] = (x, (x64 @ self.wd.T)[:, self.tile], bound + 1e-6)
+        return self.cases[rows]
+
+    def check(self, kernel: kernels.Kernel, bucket: int) -> tuple[str | None, float | None]:
+        """(error or None, median microseconds per call at the bucket's largest check rows)."""
+        w, scale = self.stored[""], self.stored.get(kernels.SCALE_SUFFIX)
+        for rows in CHECK_ROWS[bucket]:  # the last one is also the warm-up for the timing
+            x, want, bound = self.case(rows)
+            got = np.asarray(kernel(x, w, scale))
+            if got.shape != want.shape:
+                return f"wrong shape {got.shape} at {rows} rows", None
+            error = np.abs(got.astype(np.float64) - want)
+            if not np.all(error <= bound):  # also false for nan
+                worst = float(np.nanmax(error)) if np.isfinite(error).any() else float("nan")
+                return f"wrong: |error| up to {worst:.3g} at {rows} rows", None
+        times: list[float] = []
+        began = time.perf_counter()
+        while len(times) < 2 or (time.perf_counter() - began < 0.01 and len(times) < 20):
+            t = time.perf_counter()
+            kernel(x, w, scale)
+            times.append(time.perf_counter() - t)
+            if times[0] > 3 * self.best.get(bucket, float("inf")):
+                break  # far behind the fastest: one call says enough
+        median = float(np.median(times))
+        self.best[bucket] = min(median, self.best.get(bucket, float("inf")))
+        return None, median * 1e6
+
+
+def _child() -> None:
+    job = json.loads(sys.stdin.read())
+    kernels.limit_blas(job["threads"])
+    gen = np.random.default_rng(0)
+    probe: _Probe | None = None
+    loaded: dict[str, kernels.Kernel] = {}
+    for item in job["items"]:
+        dtype, out, inp = item["shape"]
+        if probe is None or (probe.dtype, probe.out, probe.wd.shape[1]) != (dtype, out, inp):
+            probe = None  # one shape's weights at a time
+            probe = _Probe(dtype, out, inp, gen)
+        if item["candidate"] not in loaded:
+            loaded[item["candidate"]] = Candidate(item["candidate"], item["target"]).load()
+        print(MARK + json.dumps({"begin": item["id"]}), flush=True)
+        try:
+            error, us = probe.check(loaded[item["candidate"]], item["bucket"])
+        except Exception as exc:  # a kernel that raises is a rejected kernel
+            error, us = f"raised {type(exc).__name__}: {exc}"[:300], None
+        result = {
+            "id": item["id"],
+            "candidate": item["candidate"],
+            "ok": error is None,
+            "error": error,
+            "us": us,
+        }
+        print(MARK + json.dumps(result), flush=True)
+
+
+def matrix_shapes(
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], names: Iterable[str]
+) -> list[Shape]:
+    """The (dtype, out, in) of the named matrices among `specs` (name -> dtype, shape). An empty
+    matrix is never multiplied (its block's partial is zero), so it needs no kernel."""
+    return [
+        (kernels.DTYPE_NAMES[specs[n][0]], specs[n][1][0], specs[n][1][1])
+        for n in names
+        if n in specs and specs[n][0] in kernels.DTYPE_NAMES and all(specs[n][1])
+    ]
+
+
+if __name__ == "__main__":
+    _child()

@@ -1,0 +1,118 @@
+"""Kernels are admitted per device: checked in a child process, timed, chosen, cached.
+
+The suite cannot choose its CPU, so it tests the mechanism: kernels that are wrong or that crash
+are rejected and the node still answers right; what was admitted here is right at the widths
+and row counts that broke torch's int8 kernel on one CPU or another.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from master.generate import SamplingParams, start, stream
+from models import kernels
+from models.kernels import SCALE_SUFFIX, Candidate, linear, quantize
+from node.device import TOLERANCE, entry_key, prepare
+
+TESTS = Path(__file__).parent
+FAKES = (
+    Candidate("fast-but-wrong", "kernel_fakes:wrong"),
+    Candidate("crasher", "kernel_fakes:crash"),
+)
+
+
+@pytest.fixture
+def fakes_importable(monkeypatch):
+    """The check's child process finds tests/kernel_fakes.py, as it finds any candidate."""
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    monkeypatch.setenv("PYTHONPATH", path)
+
+
+@pytest.fixture
+def fresh_table():
+    """Each test installs its own choices; the next test starts from none."""
+    kernels.uninstall()
+    yield
+    kernels.uninstall()
+
+
+def test_a_wrong_and_a_crashing_kernel_are_rejected_and_the_product_stays_right(
+    tmp_path, fakes_importable, fresh_table
+):
+    shapes = [("f32", 48, 40), ("f32", 96, 13)]
+    candidates = {"f32": (*FAKES, *kernels.CANDIDATES["f32"])}
+    prepared = prepare(shapes, cache_dir=tmp_path, candidates=candidates)
+    table = prepared.table
+    assert "crasher" in table.crashed and "SIGABRT" in table.crashed["crasher"]
+    for shape in shapes:
+        for bucket in range(len(kernels.ROW_BUCKETS)):
+            key = entry_key(shape, bucket, kernels.blas_threads())
+            verdict = table.results[key]["fast-but-wrong"]
+            assert not verdict["ok"] and verdict["error"].startswith("wrong"), verdict
+            assert table.chosen(key) not in ("fast-but-wrong", "crasher")
+    assert "fast-but-wrong" not in kernels.kernel_set() and "crasher" not in kernels.kernel_set()
+    gen = torch.Generator().manual_seed(0)
+    for out, inp in [(48, 40), (96, 13)]:
+        w = torch.randn(out, inp, generator=gen)
+        for rows in (1, 3, 8, 40):
+            x = torch.randn(rows, inp, generator=gen)
+            torch.testing.assert_close(linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_start_reads_the_table_and_checks_nothing(tmp_path, fresh_table):
+    shapes = [("f32", 64, 32)]
+    first = prepare(shapes, cache_dir=tmp_path)
+    again = prepare(shapes, cache_dir=tmp_path)
+    assert first.checked > 0 and again.checked == 0
+    assert again.seconds < 0.2, again.seconds
+    assert again.table.results == first.table.results
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bf16", "f16", "f32"])
+def test_admitted_kernels_are_right_at_any_width_and_row_count(tmp_path, dtype, fresh_table):
+    """torch's int8 kernel read past rows whose width is not a multiple of 8 on one CPU
+    (garbage for one row, a crash for several) and was wrong at width 40 with 3 rows on
+    another: whatever the check admits here must be right at those shapes."""
+    widths = [5, 13, 40, 100, 576]
+    prepare([(dtype, 48, w) for w in widths], cache_dir=tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    for width in widths:
+        stored = quantize(torch.randn(48, width, generator=gen), kernels.DTYPES[dtype])
+        w, scale = stored[""], stored.get(SCALE_SUFFIX)
+        exact = kernels.dequantize(w, scale).double()
+        for rows in (1, 2, 3, 4, 5, 8, 9, 33):
+            x = torch.randn(rows, width, generator=gen)
+            got = linear(x, w, scale=scale).double()
+            bound = TOLERANCE[dtype] * x.double().norm(dim=1, keepdim=True) * exact.norm(dim=1)
+            assert ((got - x.double() @ exact.t()).abs() <= bound + 1e-6).all(), (width, rows)
+
+
+@pytest.mark.slow
+def test_a_node_whose_fastest_candidates_are_broken_still_answers_right(
+    smollm2, smollm2_tokenizer, tmp_path, monkeypatch, fakes_importable, fresh_table
+):
+    """The master is a node: with a wrong and a crashing kernel first in line for every f32
+    product, it admits neither, and its greedy answer is the one the plain reference product
+    gives (tests/test_reference.py holds that one to transformers)."""
+    from master.engine import Engine
+
+    monkeypatch.setenv("EDGETP_HOME", str(tmp_path))
+    monkeypatch.setitem(kernels.CANDIDATES, "f32", (*FAKES, *kernels.CANDIDATES["f32"]))
+    engine = Engine.local(smollm2, [1.0], max_context=128)
+    used = kernels.kernel_set()
+    assert used.startswith("f32: ") and "wrong" not in used and "crasher" not in used, used
+    prompt = smollm2_tokenizer.encode("The capital of France is")
+
+    def greedy() -> list[int]:
+        seqs = start(engine, [prompt], [SamplingParams(max_tokens=16, ignore_eos=True)])
+        for _ in stream(engine, smollm2_tokenizer, seqs):
+            pass
+        return seqs[0].tokens
+
+    admitted = greedy()
+    kernels.uninstall()  # every product on the plain reference
+    assert admitted == greedy() and len(admitted) == 16
