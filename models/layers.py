@@ -81,6 +81,19 @@ def kv_heads_for(q_heads: tuple[int, int], group_size: int) -> tuple[int, int]:
     return (q_heads[0] // group_size, (q_heads[1] - 1) // group_size + 1)
 
 
+def full_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each canonical full tensor of one layer, (out, in) for matrices."""
+    d, hd, f = config.hidden, config.head_dim, config.ffn_hidden
+    q, kv = config.n_heads * hd, config.n_kv_heads * hd
+    shapes = {
+        "attn_norm": (d,), "q": (q, d), "k": (kv, d), "v": (kv, d), "o": (d, q),
+        "ffn_norm": (d,), "gate": (f, d), "up": (f, d), "down": (d, f),
+    }  # fmt: skip
+    if config.qkv_bias:
+        shapes |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
+    return shapes
+
+
 def slice_layer(
     config: ModelConfig, full: dict[str, torch.Tensor], s: Slice
 ) -> dict[str, torch.Tensor]:

@@ -37,8 +37,10 @@ import torch
 
 from memory.shards import atomic_write
 from models import kernels
+from models.config import ModelConfig
 from models.errors import ModelError
 from models.kernels import CANDIDATES, ROW_BUCKETS, Candidate, dequantize, quantize
+from models.layers import MATRICES, Slice, full_layer_shapes, slice_layer
 
 log = logging.getLogger(__name__)
 
@@ -374,6 +376,55 @@ def matrix_shapes(
         for n in names
         if n in specs and specs[n][0] in kernels.DTYPE_NAMES and all(specs[n][1])
     ]
+
+
+def plan_shapes(config: ModelConfig, slices: Sequence[Slice], dtype: str) -> list[Shape]:
+    """Every matrix a plan's nodes multiply, the master's lm_head included, stored as `dtype`:
+    cut from shape-only tensors by the one function that cuts layers."""
+    full = {n: torch.empty(s, device="meta") for n, s in full_layer_shapes(config).items()}
+    torch_dtype = kernels.DTYPES[dtype]
+    shapes = [(dtype, config.vocab_size, config.hidden)]
+    for s in slices:
+        cut = slice_layer(config, full, s)
+        shapes += matrix_shapes({n: (torch_dtype, tuple(cut[n].shape)) for n in MATRICES}, MATRICES)
+    return sorted(set(shapes))
+
+
+def describe(prepared: Prepared, shapes: Iterable[Shape], threads: int) -> str:
+    """The table as text: per dtype, each candidate's time per call or why it was rejected;
+    the chosen one is starred."""
+    t = prepared.table
+    lines = [
+        f"device: {t.device['cpu']} (flags {t.device['flags']}), {t.device['machine']}, "
+        f"python {t.device['python']}, torch {t.device['torch']}, numpy {t.device['numpy']}; "
+        f"{threads} BLAS thread(s)",
+        f"checked and timed now: {prepared.checked} in {prepared.seconds:.1f} s"
+        if prepared.checked
+        else f"read from the cache in {prepared.seconds * 1000:.0f} ms",
+    ]
+    for dtype in sorted({s[0] for s in shapes}, key=list(kernels.DTYPES).index):
+        names = [c.name for c in CANDIDATES[dtype]]
+        lines += ["", f"{dtype}: time per call (us); * chosen", f"{'matrix':>12} {'rows':>5}"]
+        lines[-1] += "".join(f"{n:>16}" for n in names)
+        for shape in sorted(s for s in shapes if s[0] == dtype):
+            for b in range(len(ROW_BUCKETS)):
+                key = entry_key(shape, b, threads)
+                chosen, results = t.chosen(key), t.results.get(key, {})
+                row = f"{shape[1]:>6}x{shape[2]:<5} {key.split(' rows ')[1].split()[0]:>5}"
+                for n in names:
+                    r = results.get(n)
+                    if r is None:
+                        cell = "crashed" if n in t.crashed else "-"
+                    elif r["ok"]:
+                        cell = ("*" if n == chosen else "") + f"{r['us']:.0f}"
+                    else:
+                        cell = "wrong" if r["error"].startswith("wrong") else "crashed"
+                    row += f"{cell:>16}"
+                lines.append(row)
+    for name, what in t.crashed.items():
+        lines.append(f"rejected on this device: {name}: {what}")
+    lines.append("'-': not a candidate at those rows")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ and row counts that broke torch's int8 kernel on one CPU or another.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,22 @@ def test_a_node_whose_fastest_candidates_are_broken_still_answers_right(
     admitted = greedy()
     kernels.uninstall()  # every product on the plain reference
     assert admitted == greedy() and len(admitted) == 16
+
+
+def test_the_kernels_command_shows_every_candidate_and_one_choice_per_row(tmp_path):
+    """`edgetp kernels`: for each of the model's matrices and row buckets, each candidate's
+    time or why it was rejected, and one chosen; the second run reads the cache."""
+    env = os.environ | {"EDGETP_HOME": str(tmp_path)}
+    cmd = [sys.executable, "-m", "tui.cli", "kernels", "--dtype", "f32", "--local-nodes", "3"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert "checked and timed now" in first.stdout and "read from the cache" in again.stdout
+    names = [c.name for c in kernels.CANDIDATES["f32"]]
+    header = next(line for line in first.stdout.splitlines() if "matrix" in line)
+    assert header.split()[2:] == names
+    rows = [line for line in first.stdout.splitlines() if line.strip()[:1].isdigit()]
+    # SmolLM2 on 3 nodes: 4 matrices per slice (the 3 slices are alike) and the lm_head.
+    assert len(rows) == 5 * len(kernels.ROW_BUCKETS), first.stdout
+    for row in rows:
+        assert row.count("*") == 1, row

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from master.plan import plan_slices
 from models.config import ModelConfig
-from models.kernels import SCALE_SUFFIX, linear, quantize
 from models.layers import (
     Rope,
     Slice,
@@ -172,22 +171,14 @@ def _check_rows_match_torch(config, full, capacities, lengths, seed, dtype) -> N
 
 @settings(max_examples=60, deadline=None)
 @given(**PLANS, dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]))
+# Found torch's int8 kernel reading past rows of width 52 (an FFN slice of 100 columns).
+@example(
+    n_kv=1, group=2, head_dim=8, ffn=100, bias=False, capacities=[1.0, 1.0],
+    lengths=[1, 2, 3], seed=0, dtype=torch.int8,
+)
 def test_decode_rows_equal_the_torch_partials(
     n_kv, group, head_dim, ffn, bias, capacities, lengths, seed, dtype
 ):
     config = _config(n_kv, group, head_dim, ffn, bias)
     full = _random_layer(config, torch.Generator().manual_seed(seed))
     _check_rows_match_torch(config, full, capacities, lengths, seed, dtype)
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("width", [5, 13, 40, 100, 576])
-def test_int8_matmul_is_right_at_any_width(rows, width):
-    """torch's int8 kernel reads past rows whose width is not a multiple of 8 (garbage for one
-    row, a crash for several); such widths take another route and stay right."""
-    gen = torch.Generator().manual_seed(width)
-    w = torch.randn(48, width, generator=gen)
-    x = torch.randn(rows, width, generator=gen)
-    q = quantize(w, torch.int8)
-    got = linear(x, q[""], scale=q[SCALE_SUFFIX])
-    torch.testing.assert_close(got, x @ w.t(), rtol=0.0, atol=0.03 * (x @ w.t()).abs().max().item())

@@ -238,6 +238,21 @@ def _parser() -> argparse.ArgumentParser:
     _add_memory_args(chat)
     add_chat_arguments(chat)
 
+    kern = sub.add_parser(
+        "kernels", help="the kernels this device admitted for a model's matrices, and their times"
+    )
+    kern.add_argument("--model", default=None, help=f"default: {DEFAULT_MODEL}")
+    kern.add_argument(
+        "--dtype",
+        choices=("f32", "f16", "bf16", "int8"),
+        action="append",
+        default=None,
+        help="shard dtypes to show (repeatable; default: all)",
+    )
+    kern.add_argument("--local-nodes", type=int, default=1, help="nodes the model is split across")
+    kern.add_argument("--threads", type=int, default=None, help="BLAS threads (default: all cores)")
+    kern.add_argument("--recheck", action="store_true", help="check and time everything again")
+
     bench_serve = sub.add_parser(
         "bench-serve", help="aggregate tokens/s of edgetp serve with concurrent streaming clients"
     )
@@ -542,6 +557,30 @@ def _synth(args: argparse.Namespace) -> None:
     print(f"edgetp synth: done; run it with --model {args.out}", file=sys.stderr)
 
 
+def _kernels(args: argparse.Namespace) -> None:
+    from master.plan import plan_slices
+    from models.kernels import set_threads
+    from models.source import open_model
+    from node.device import default_state_dir, describe, plan_shapes, prepare
+
+    if args.local_nodes < 1:
+        raise ModelError("--local-nodes must be at least 1")
+    config = open_model(args.model).config
+    threads = set_threads(args.threads)
+    slices = plan_slices(config, [1.0] * args.local_nodes)
+    shapes = [
+        s
+        for d in args.dtype or ("f32", "f16", "bf16", "int8")
+        for s in plan_shapes(config, slices, d)
+    ]
+    cache_dir = default_state_dir() / "kernels"
+    if args.recheck:
+        for old in cache_dir.glob("*.json"):
+            old.unlink()
+    prepared = prepare(shapes, cache_dir, install=False)
+    print(describe(prepared, shapes, threads))
+
+
 COMMANDS = {
     "run": _run,
     "bench": _bench,
@@ -552,6 +591,7 @@ COMMANDS = {
     "bench-serve": _bench_serve,
     "synth": _synth,
     "chat": _chat,
+    "kernels": _kernels,
 }
 
 
