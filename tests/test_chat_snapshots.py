@@ -66,6 +66,7 @@ TODAY: dict[str, Any] = {
             "loader_wait_ms": 0.0,
             "load_ms": 0.0,
             "compute_ms": 31.667,
+            "kernels": "f32: numpy-gemm, numpy-gemv",
         },
         {
             "name": "local-1",
@@ -86,6 +87,7 @@ TODAY: dict[str, Any] = {
             "loader_wait_ms": 0.0,
             "load_ms": 0.0,
             "compute_ms": 29.006,
+            "kernels": "f32: numpy-gemm, numpy-gemv",
         },
     ],
     "allreduce": {"sums": 600, "median_us": 330.1, "p99_us": 1102.7},
@@ -114,6 +116,7 @@ def _node(name: str, address: str, share: float, rss: int, window: int, wait: fl
         "loader_wait_ms": wait,
         "load_ms": 9.5,
         "compute_ms": 11.25,
+        "kernels": "int8: dequant-f32",
     }
 
 
@@ -200,12 +203,13 @@ def test_main_screen(snap_compare, tmp_path):
     layers, context 2048, 18.6 tokens/s, 52.7 ms/token, allreduce 330 µs · p99 1.10 ms, then
     master at 127.0.0.1:46323 (55.6% share, 1.2 GiB "· no budget", window 30 layers, 31.67 ms
     compute, 0.00 ms loader wait) and local-1 at 127.0.0.1 (44.4%, 677.6 MiB / 23.5 GiB,
-    window 30 layers, 29.01 ms compute, heartbeat 0.07 s ago); no dashes. The header shows the
+    window 30 layers, 29.01 ms compute, heartbeat 0.07 s ago), each with "kernels f32:
+    numpy-gemm, numpy-gemv"; no dashes. The header shows the
     model and the URL; the footer the keys: Quit, Stop (dimmed: nothing to stop), New chat,
     Open, Settings, Cluster.
     """
     app = ChatApp(bridge(TODAY), ConversationStore(tmp_path), conversation(tmp_path))
-    assert snap_compare(app, terminal_size=(120, 40), run_before=_settled)
+    assert snap_compare(app, terminal_size=(120, 44), run_before=_settled)
 
 
 class PanelApp(App[None]):
@@ -235,9 +239,10 @@ def test_cluster_panel_with_every_figure(snap_compare):
     budget, a window of 30 layers, 14.50 ms compute and 0.00 ms loader wait; pi-kitchen
     (192.168.1.21, 35.0%, 301.0 MiB / 512.0 MiB, window 4 layers, 1.75 ms loader wait) and
     pi-garage (192.168.1.22, 25.0%, 187.0 MiB / 512.0 MiB, window 2 layers, 6.50 ms loader
-    wait), both 11.25 ms compute and a heartbeat 0.21 s ago. No dashes.
+    wait), both 11.25 ms compute, "kernels int8: dequant-f32" and a heartbeat 0.21 s ago. No
+    dashes.
     """
-    assert snap_compare(PanelApp(bridge(FULL)), terminal_size=(44, 40), run_before=_settled)
+    assert snap_compare(PanelApp(bridge(FULL)), terminal_size=(44, 44), run_before=_settled)
 
 
 def test_cluster_panel_when_the_cluster_is_down(snap_compare):
@@ -245,7 +250,7 @@ def test_cluster_panel_when_the_cluster_is_down(snap_compare):
     stopped answering; restart edgetp serve to re-plan" in bold red above the figures, and a
     red "✕ down" beside both master and local-1 instead of the green "● up"; local-1 shows no
     heartbeat line."""
-    assert snap_compare(PanelApp(bridge(_down())), terminal_size=(44, 36), run_before=_settled)
+    assert snap_compare(PanelApp(bridge(_down())), terminal_size=(44, 38), run_before=_settled)
 
 
 def test_the_figures_served_today_parse(tmp_path):
