@@ -21,8 +21,8 @@ from master.session import cluster_engine
 from memory.budget import ALL_RESIDENT, MemoryOptions
 from models.kernels import set_threads
 from models.source import ModelSource
+from node.device import default_state_dir
 from node.security import TOKEN_ENV, JoinToken
-from node.worker import default_state_dir
 
 log = logging.getLogger(__name__)
 

@@ -140,25 +140,30 @@ Key = tuple[str, int, int, int]  # (dtype name, row bucket, out, in)
 
 _chosen: dict[Key, tuple[str, Kernel]] = {}
 _unprepared_logged: set[tuple[str, int, int]] = set()
+_kernel_set = ""  # what `kernel_set` says, kept with the table: nodes report it every step
 
 
 def install(choices: dict[Key, Candidate]) -> None:
     """Use these admitted kernels from now on in this process (added to what it has)."""
+    global _kernel_set
     for key, candidate in choices.items():
         _chosen[key] = (candidate.name, candidate.load())
+    by_dtype: dict[str, set[str]] = {}
+    for (dtype, *_), (name, _) in _chosen.items():
+        by_dtype.setdefault(dtype, set()).add(name)
+    _kernel_set = "; ".join(f"{d}: {', '.join(sorted(n))}" for d, n in sorted(by_dtype.items()))
 
 
 def uninstall() -> None:
     """Forget every choice: each shape runs on `reference` until prepared again."""
+    global _kernel_set
     _chosen.clear()
+    _kernel_set = ""
 
 
 def kernel_set() -> str:
-    """The admitted kernels this process uses, per dtype, e.g. "f32: numpy-gemv, numpy-gemm"."""
-    by_dtype: dict[str, set[str]] = {}
-    for (dtype, *_), (name, _) in _chosen.items():
-        by_dtype.setdefault(dtype, set()).add(name)
-    return "; ".join(f"{d}: {', '.join(sorted(n))}" for d, n in sorted(by_dtype.items()))
+    """The admitted kernels this process uses, per dtype, e.g. "f32: numpy-gemm, numpy-gemv"."""
+    return _kernel_set
 
 
 def _kernel(dtype: str, rows: int, out: int, inp: int) -> Kernel:

@@ -168,6 +168,7 @@ def prepare(
         if todo:
             _run_checks(todo, threads, table)
             atomic_write(path, json.dumps(vars(table), indent=1).encode())
+            _log_disagreements(todo, table)
     choices = {}
     for s in wanted:
         for b in range(len(ROW_BUCKETS)):
@@ -188,6 +189,25 @@ def prepare(
     how = f"checked and timed {len(todo)}" if todo else "read from the cache"
     log.info("kernels for %d matrices %s in %.3f s", len(wanted), how, seconds)
     return Prepared(table, len(todo), seconds)
+
+
+def _log_disagreements(checked: list[dict[str, Any]], table: Table) -> None:
+    """One warning per candidate that gave wrong numbers somewhere (crashes are logged as
+    they happen), naming the first shape where it did."""
+    wrong: dict[str, list[str]] = {}
+    for item in checked:
+        key = item["id"].split("|", 1)[1]
+        r = table.results.get(key, {}).get(item["candidate"])
+        if r is not None and not r["ok"] and item["candidate"] not in table.crashed:
+            wrong.setdefault(item["candidate"], []).append(f"{key}: {r['error']}")
+    for name, where in wrong.items():
+        log.warning(
+            "kernel %s rejected on this device for %d of %d (shape, rows) checked, e.g. %s",
+            name,
+            len(where),
+            sum(i["candidate"] == name for i in checked),
+            where[0],
+        )
 
 
 def _read(path: Path) -> Table:

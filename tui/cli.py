@@ -322,10 +322,11 @@ def _master(args: argparse.Namespace) -> None:
     from master.sampling import SamplingParams
     from master.session import cluster_engine, open_with_tokenizer, prompt_tokens
     from models.kernels import set_threads
+    from node.device import default_state_dir
     from node.discovery import Announcer, MasterAd, announce_addresses
     from node.protocol import PROTOCOL_VERSION
     from node.security import fingerprint, master_keys, master_token
-    from node.worker import default_state_dir, measure_capacity
+    from node.worker import measure_capacity
     from tui.progress import progress_bar
 
     threads = set_threads(args.threads)
@@ -412,8 +413,9 @@ def _master(args: argparse.Namespace) -> None:
 def _join(args: argparse.Namespace) -> None:
     from memory.budget import parse_size
     from models.kernels import set_threads
+    from node.device import default_state_dir
     from node.security import TOKEN_ENV, JoinToken, load_node_token
-    from node.worker import Worker, default_state_dir, measure_capacity
+    from node.worker import Worker, measure_capacity
     from tui.progress import progress_bar
 
     threads = set_threads(args.threads)

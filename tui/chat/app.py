@@ -286,6 +286,6 @@ class ChatApp(App[None]):
 
 def conversations_dir(state_dir: Path | None) -> Path:
     """Where conversations live: `<state>/conversations` ($EDGETP_HOME, ~/.cache/edgetp)."""
-    from node.worker import default_state_dir
+    from node.device import default_state_dir
 
     return (state_dir or default_state_dir()) / "conversations"
