@@ -17,11 +17,12 @@ from pathlib import Path
 
 from master.cluster import Hub
 from master.engine import Engine
+from master.plan import plan_slices
 from master.session import cluster_engine
 from memory.budget import ALL_RESIDENT, MemoryOptions
 from models.kernels import set_threads
 from models.source import ModelSource
-from node.device import default_state_dir
+from node.device import default_state_dir, plan_shapes, prepare
 from node.security import TOKEN_ENV, JoinToken
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,10 @@ def local_engine(
         return
     threads = threads or thread_share(nodes)
     set_threads(threads)
+    # One device: every node's kernels are checked in one child now (each node would check its
+    # own, one after another, each importing torch again); the workers then read the table.
+    plan = plan_slices(source.config, capacities or [1.0] * nodes)
+    prepare(plan_shapes(source.config, plan, memory.dtype), install=False)
     hub = Hub("127.0.0.1", 0, model_names=(source.name,))
     try:
         with LocalWorkers(

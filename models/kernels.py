@@ -117,21 +117,11 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
 
 # Row counts group into buckets: a step's rows are its sequences (decode) or its tokens
 # (prefill); a kernel's speed, and for some its correctness, changes with them.
-ROW_BUCKETS: tuple[tuple[int, int], ...] = (
-    (1, 1),
-    (2, 2),
-    (3, 3),
-    (4, 4),
-    (5, 8),
-    (9, 32),
-    (33, 1 << 62),
-)
+ROW_BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 1 << 62))
 
 
 def row_bucket(rows: int) -> int:
-    if rows <= 4:
-        return max(rows, 1) - 1
-    return 4 if rows <= 8 else 5 if rows <= 32 else 6
+    return 0 if rows <= 1 else 1 if rows == 2 else 2 if rows <= 4 else 3 if rows <= 8 else 4
 
 
 # -- the table this process uses -----------------------------------------------------------------
