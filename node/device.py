@@ -150,10 +150,17 @@ def prepare(
     candidates = candidates or CANDIDATES
     threads = kernels.blas_threads()
     cache_dir = cache_dir or default_state_dir() / "kernels"
-    cache_dir.mkdir(parents=True, exist_ok=True)
     path = _cache_path(cache_dir)
     wanted = sorted({s for s in shapes if s[0] in candidates})
-    with open(cache_dir / ".lock", "w") as lock:
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(cache_dir / ".lock", "w")  # closed by the with below
+    except OSError as exc:
+        raise KernelError(
+            f"cannot keep this device's kernel table in {cache_dir} ({exc.strerror}): "
+            "set EDGETP_HOME to a folder you can write"
+        ) from exc
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         table = _read(path)
         todo = [
