@@ -11,8 +11,8 @@ it will use has been, on this device:
 2. timed, if it passed, with the BLAS threads the node computes with;
 
 and installs the fastest that passed (`models.kernels.install`). The results are cached in the
-state folder under a key of the CPU (model and flags), Python, torch and NumPy, so a second
-start costs a file read. `edgetp kernels` shows the table.
+state folder under a key of the CPU (model, flags and cgroup quota), Python, torch and NumPy,
+so a second start costs a file read. `edgetp kernels` shows the table.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from models.layers import MATRICES, Slice, full_layer_shapes, slice_layer
 
 log = logging.getLogger(__name__)
 
-CHECK_VERSION = 2  # part of the cache key: bump when the check itself changes
+CHECK_VERSION = 3  # part of the cache key: bump when the check itself changes
 CHILD_TIMEOUT = 300.0  # s for one child's whole job: a kernel that hangs is a rejected kernel
 PERIOD = 1021  # rows of random weights a tall probe matrix repeats
 MARK = "edgetp-kernel "  # the child's result lines start with this; anything else is noise
@@ -84,6 +84,7 @@ def fingerprint() -> dict[str, str]:
         pass
     return {
         "cpu": cpu,
+        "cpu_quota": _cpu_quota(),
         "flags": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16],
         "machine": platform.machine(),
         "python": platform.python_version(),
@@ -91,6 +92,26 @@ def fingerprint() -> dict[str, str]:
         "numpy": np.__version__,
         "check": str(CHECK_VERSION),
     }
+
+
+def _cpu_quota() -> str:
+    """This process's CPU quota (cgroup), "none" when unlimited: a node run as a smaller device
+    (a cgroup with a quota) must time its kernels as that device, not read another's times."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "cpu" in controllers.split(","):  # cgroup v1
+                base = Path("/sys/fs/cgroup/cpu") / path.lstrip("/")
+                quota = (base / "cpu.cfs_quota_us").read_text().strip()
+                period = (base / "cpu.cfs_period_us").read_text().strip()
+                return "none" if quota == "-1" else f"{quota}/{period}"
+            if controllers == "":  # cgroup v2: "max 100000" or "50000 100000"
+                text = (Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.max").read_text()
+                quota, period = text.split()
+                return "none" if quota == "max" else f"{quota}/{period}"
+    except (OSError, ValueError):
+        pass
+    return "unknown"
 
 
 def _cache_path(cache_dir: Path) -> Path:
