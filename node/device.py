@@ -114,8 +114,8 @@ def _cpu_quota() -> str:
     return "unknown"
 
 
-def _cache_path(cache_dir: Path) -> Path:
-    key = hashlib.sha256(json.dumps(fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
+def _cache_path(cache_dir: Path, device: dict[str, str]) -> Path:
+    key = hashlib.sha256(json.dumps(device, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir / f"{key}.json"
 
 
@@ -151,7 +151,8 @@ class Table:
 
 @dataclass
 class Prepared:
-    """What `prepare` did: the table, and how long the check took (0 when all was cached)."""
+    """What `prepare` did: the table, how many (candidate, shape, rows) it checked now (0 when
+    all was cached), and how long the call took."""
 
     table: Table
     checked: int
@@ -171,7 +172,8 @@ def prepare(
     candidates = candidates or CANDIDATES
     threads = kernels.blas_threads()
     cache_dir = cache_dir or default_state_dir() / "kernels"
-    path = _cache_path(cache_dir)
+    device = fingerprint()  # /proc and cgroup files: read once per call
+    path = _cache_path(cache_dir, device)
     wanted = sorted({s for s in shapes if s[0] in candidates})
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +185,7 @@ def prepare(
         ) from exc
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        table = _read(path)
+        table = _read(path, device)
         todo = [
             {"candidate": c.name, "target": c.target, "shape": list(s), "bucket": b}
             for s in wanted
@@ -238,8 +240,7 @@ def _log_disagreements(checked: list[dict[str, Any]], table: Table) -> None:
         )
 
 
-def _read(path: Path) -> Table:
-    device = fingerprint()
+def _read(path: Path, device: dict[str, str]) -> Table:
     try:
         d = json.loads(path.read_text())
         if d.get("device") == device:

@@ -250,7 +250,12 @@ def _parser() -> argparse.ArgumentParser:
         help="shard dtypes to show (repeatable; default: all)",
     )
     kern.add_argument("--local-nodes", type=int, default=1, help="nodes the model is split across")
-    kern.add_argument("--threads", type=int, default=None, help="BLAS threads (default: all cores)")
+    kern.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="BLAS threads (default: each local node's share of the cores, as run and serve give)",
+    )
     kern.add_argument("--recheck", action="store_true", help="check and time everything again")
 
     bench_serve = sub.add_parser(
@@ -560,6 +565,7 @@ def _synth(args: argparse.Namespace) -> None:
 
 
 def _kernels(args: argparse.Namespace) -> None:
+    from master.local import thread_share
     from master.plan import plan_slices
     from models.kernels import set_threads
     from models.source import open_model
@@ -568,7 +574,7 @@ def _kernels(args: argparse.Namespace) -> None:
     if args.local_nodes < 1:
         raise ModelError("--local-nodes must be at least 1")
     config = open_model(args.model).config
-    threads = set_threads(args.threads)
+    threads = set_threads(args.threads or thread_share(args.local_nodes))
     slices = plan_slices(config, [1.0] * args.local_nodes)
     shapes = [
         s
