@@ -1,12 +1,16 @@
 """Reading a GGUF file: its metadata as plain Python values and its tensors as float32 torch.
 
-Quantized types are dequantized by the `gguf` package, one tensor at a time, so a caller that
-asks for one layer's tensors never holds the whole model.
+The header (metadata and tensor table) is parsed here with `struct`, following the GGUF spec:
+the `gguf` package's reader builds a numpy view per value, which for a 49k-token vocabulary costs
+seconds at every process start. Quantized tensors are dequantized by the `gguf` package, a band of
+rows at a time, so a caller that asks for one layer's tensors never holds the whole model.
 """
 
 from __future__ import annotations
 
 import mmap
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,38 @@ import torch
 from models.errors import ModelError
 
 GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
 DEQUANT_ROWS = 2048
+
+# Metadata value types, numbered as in the GGUF spec: scalars by struct format; 8 is a string and
+# 9 an array.
+_SCALAR_FORMATS = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+    12: "<d",
+}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+# Tensor types stored as plain numbers; any other type is rows of quantized blocks, kept as bytes.
+_PLAIN_DTYPES = {
+    gguf.GGMLQuantizationType.F32: np.float32,
+    gguf.GGMLQuantizationType.F16: np.float16,
+    gguf.GGMLQuantizationType.F64: np.float64,
+    gguf.GGMLQuantizationType.I8: np.int8,
+    gguf.GGMLQuantizationType.I16: np.int16,
+    gguf.GGMLQuantizationType.I32: np.int32,
+    gguf.GGMLQuantizationType.I64: np.int64,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the file's tensor table: where its bytes are and how to read them."""
+
+    name: str
+    shape: tuple[int, ...]  # PyTorch (out, in) order; the file lists the innermost first
+    tensor_type: gguf.GGMLQuantizationType
+    data_offset: int  # from the start of the file
+    n_bytes: int
 
 
 class GGUFFile:
@@ -29,27 +64,24 @@ class GGUFFile:
             raise ModelError(f"model file not found: {self.path}")
         with open(self.path, "rb") as f:
             magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise ModelError(
-                f"{self.path} is not a GGUF file (it starts with {magic!r}, expected b'GGUF')"
-            )
+            if magic != GGUF_MAGIC:
+                raise ModelError(
+                    f"{self.path} is not a GGUF file (it starts with {magic!r}, expected b'GGUF')"
+                )
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            self._reader = gguf.GGUFReader(str(self.path), "r")
-        except Exception as exc:  # the reader raises bare ValueError/IndexError on short files
+            self.metadata, self._tensors = _read_header(self._map)
+        except (struct.error, ValueError, UnicodeDecodeError) as exc:
             raise ModelError(
                 f"{self.path} is truncated or corrupt and cannot be read as GGUF ({exc})"
             ) from exc
-        self._tensors = {t.name: t for t in self._reader.tensors}
         self._check_tensor_extents()
-        self.metadata: dict[str, Any] = {
-            key: _field_value(field) for key, field in self._reader.fields.items()
-        }
 
     def _check_tensor_extents(self) -> None:
-        # A memmap over a truncated file can still be built; catch it here, not mid-generation.
-        size = self.path.stat().st_size
+        # A map over a truncated file can still be built; catch it here, not mid-generation.
+        size = len(self._map)
         for t in self._tensors.values():
-            end = int(t.data_offset) + int(t.n_bytes)
+            end = t.data_offset + t.n_bytes
             if end > size:
                 raise ModelError(
                     f"{self.path} is truncated: tensor {t.name} ends at byte {end} "
@@ -67,9 +99,8 @@ class GGUFFile:
         if name not in self._tensors:
             raise ModelError(f"{self.path} has no tensor named {name!r}")
         t = self._tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        out = np.empty(shape, dtype=np.float32)
-        rows = t.data.reshape(-1, t.data.shape[-1]) if t.data.ndim > 1 else t.data[None]
+        rows = self._stored_rows(t)
+        out = np.empty(t.shape, dtype=np.float32)
         flat = out.reshape(rows.shape[0], -1)
         # Dequantize a band of rows at a time: the gguf package's temporaries are several times
         # the output, and for a big embedding that would dwarf the tensor itself.
@@ -85,18 +116,88 @@ class GGUFFile:
         self._release(t)
         return torch.from_numpy(out)
 
-    def _release(self, t: gguf.ReaderTensor) -> None:
+    def _stored_rows(self, t: TensorInfo) -> np.ndarray:
+        """The tensor's bytes as stored, a row per output row: numbers, or quantized blocks."""
+        n_rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
+        dtype = _PLAIN_DTYPES.get(t.tensor_type, np.uint8)
+        count = t.n_bytes // np.dtype(dtype).itemsize
+        data = np.frombuffer(self._map, dtype=dtype, count=count, offset=t.data_offset)
+        return data.reshape(n_rows, -1)
+
+    def _release(self, t: TensorInfo) -> None:
         """Drop the file pages just read: they are a copy on disk, not memory the model needs."""
-        mm = getattr(self._reader.data, "_mmap", None)
-        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        if not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
-        end = int(t.data_offset) + int(t.n_bytes)
-        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
 
 
-def _field_value(field: gguf.ReaderField) -> Any:
-    value = field.contents()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
+class _Cursor:
+    """Reads GGUF's little-endian values one after another from the file's leading bytes."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8")
+
+    def value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item_kind, count = self.scalar("<I"), self.scalar("<Q")
+            if item_kind in _SCALAR_FORMATS:  # numbers: one read, not one per item
+                dtype = np.dtype(_SCALAR_FORMATS[item_kind])
+                items = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+                self.pos += items.nbytes
+                return items.tolist()
+            return [self.value(item_kind) for _ in range(count)]
+        if kind not in _SCALAR_FORMATS:
+            raise ValueError(f"unknown metadata value type {kind}")
+        return self.scalar(_SCALAR_FORMATS[kind])
+
+
+def _read_header(buf: mmap.mmap) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """The metadata and the tensor table, with each tensor's offset from the file's start."""
+    cur = _Cursor(buf)
+    cur.pos = len(GGUF_MAGIC)
+    version = cur.scalar("<I")
+    if version not in GGUF_VERSIONS:
+        raise ValueError(f"GGUF version {version}; this reader knows versions {GGUF_VERSIONS}")
+    n_tensors, n_fields = cur.scalar("<Q"), cur.scalar("<Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_fields):
+        key = cur.string()
+        metadata[key] = cur.value(cur.scalar("<I"))
+    table = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
+        tensor_type = gguf.GGMLQuantizationType(cur.scalar("<I"))
+        table.append((name, tuple(reversed(dims)), tensor_type, cur.scalar("<Q")))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment!r} is not a power of two")
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors: dict[str, TensorInfo] = {}
+    for name, shape, tensor_type, offset in table:
+        if name in tensors:
+            raise ValueError(f"tensor {name} is listed twice")
+        block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
+        n_elements = int(np.prod(shape, dtype=np.int64))
+        if shape and shape[-1] % block_size:
+            raise ValueError(f"tensor {name}: rows of {shape[-1]} are not whole blocks")
+        n_bytes = n_elements // block_size * type_size
+        tensors[name] = TensorInfo(name, shape, tensor_type, data_start + offset, n_bytes)
+    return metadata, tensors
