@@ -20,9 +20,10 @@ from master.engine import Engine
 from master.plan import plan_slices
 from master.session import cluster_engine
 from memory.budget import ALL_RESIDENT, MemoryOptions
+from memory.files import default_state_dir
 from models.kernels import set_threads
 from models.source import ModelSource
-from node.device import default_state_dir, plan_shapes, prepare
+from node.device import plan_shapes, prepare
 from node.security import TOKEN_ENV, JoinToken
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ import hashlib
 import json
 from collections.abc import Callable, Sequence
 
-from memory.shards import Manifest, ShardStore, atomic_write
+from memory.files import atomic_write
+from memory.shards import Manifest, ShardStore
 from models.kernels import DTYPES, quantize
 from models.layers import Slice, cast_layer, slice_layer
 from models.source import ModelSource

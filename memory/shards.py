@@ -133,17 +133,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that `path` is either absent or whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 @dataclass(frozen=True)
 class ShardRef:
     """A shard file as the manifest lists it."""

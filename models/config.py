@@ -21,6 +21,9 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": True,
 }
 
+# The model `edgetp` runs when none is named: a PyPI package installed by `make setup`.
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
 
 @dataclass(frozen=True)
 class RopeScaling:

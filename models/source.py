@@ -13,13 +13,11 @@ from pathlib import Path
 
 import torch
 
-from models.config import ModelConfig
+from models.config import DEFAULT_MODEL, ModelConfig
 from models.errors import ModelError
 from models.gguf_file import GGUFFile
 from models.layers import BIAS_TENSORS, LAYER_TENSORS
 from models.tokenizer import Tokenizer
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def _smollm2_path() -> Path:

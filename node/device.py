@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memory.shards import atomic_write
+from memory.files import atomic_write, default_state_dir
 from models import kernels
 from models.config import ModelConfig
 from models.errors import ModelError
@@ -61,11 +61,6 @@ Shape = tuple[str, int, int]  # (dtype name, out, in): one stored matrix
 
 class KernelError(ModelError):
     """No candidate computes a shape right on this device."""
-
-
-def default_state_dir() -> Path:
-    """Where this device keeps its keys, shards, kernel table and conversations."""
-    return Path(os.environ.get("EDGETP_HOME", Path.home() / ".cache" / "edgetp"))
 
 
 def fingerprint() -> dict[str, str]:

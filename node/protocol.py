@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
-import torch
 import zmq
+
+if TYPE_CHECKING:  # the CLI imports this module: no torch at start-up
+    import torch
 
 PROTOCOL_VERSION = 2  # 2: a decode step's hidden state travels as rows (B, D)
 DEFAULT_PORT = 7470
@@ -63,7 +65,7 @@ def encode(
     header: dict[str, Any], tensors: tuple[np.ndarray | torch.Tensor, ...] = ()
 ) -> list[Any]:
     """Frames for a header and tensors (arrays, or torch tensors, which travel as arrays)."""
-    arrays = [t.numpy() if isinstance(t, torch.Tensor) else t for t in tensors]
+    arrays = [np.asarray(t) for t in tensors]  # a CPU tensor's array shares its memory
     if arrays:
         header = dict(header)
         header["tensors"] = [[_DTYPES[a.dtype.char], list(a.shape)] for a in arrays]

@@ -22,6 +22,8 @@ from pathlib import Path
 import zmq
 from zmq.utils import z85
 
+from memory.files import atomic_write
+
 TOKEN_PREFIX = "etp1-"
 TOKEN_ENV = "EDGETP_TOKEN"  # where `edgetp join` also looks for the token
 
@@ -75,11 +77,7 @@ def fingerprint(public: bytes) -> str:
 def _write_private(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path.parent, 0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # several local nodes may race
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    atomic_write(path, data, mode=0o600)
 
 
 def master_keys(state_dir: Path) -> Keypair:

@@ -18,13 +18,14 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from memory.files import default_state_dir
 from memory.shards import ShardRef, ShardStore, sha256_file
 from memory.window import LayerWindow, StreamFigures, step_figures
 from models.config import ModelConfig
 from models.kernels import kernel_set, linear
 from models.layers import Rope, Slice, StepBatch, rope_inv_freq
 from node import protocol as P
-from node.device import default_state_dir, prepare
+from node.device import prepare
 from node.executor import Hidden, SliceExecutor
 from node.heartbeat import DEAD_AFTER, HeartbeatClient
 from node.kvcache import KVCache

@@ -92,3 +92,15 @@ def test_prompt_longer_than_context(tmp_path):
 
 def test_out_of_range_sampling_value():
     assert_clear_error(run("run", "--top-p", "0", "hi"), "top_p")
+
+
+def test_the_parser_and_the_chat_app_start_without_torch():
+    """`edgetp --help` and the chat app (a bridge client) load in a fraction of torch's time."""
+    probe = (
+        "import sys, tui.cli, tui.chat.app, tui.chat.command\n"
+        "tui.cli._parser().format_help()\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

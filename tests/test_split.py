@@ -173,8 +173,15 @@ def _check_rows_match_torch(config, full, capacities, lengths, seed, dtype) -> N
 @given(**PLANS, dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]))
 # Found torch's int8 kernel reading past rows of width 52 (an FFN slice of 100 columns).
 @example(
-    n_kv=1, group=2, head_dim=8, ffn=100, bias=False, capacities=[1.0, 1.0],
-    lengths=[1, 2, 3], seed=0, dtype=torch.int8,
+    n_kv=1,
+    group=2,
+    head_dim=8,
+    ffn=100,
+    bias=False,
+    capacities=[1.0, 1.0],
+    lengths=[1, 2, 3],
+    seed=0,
+    dtype=torch.int8,
 )
 def test_decode_rows_equal_the_torch_partials(
     n_kv, group, head_dim, ffn, bias, capacities, lengths, seed, dtype

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memory.budget import STREAM_MODES, MemoryOptions, parse_size
+from models.config import DEFAULT_MODEL
 from models.errors import ModelError
-from models.source import DEFAULT_MODEL
 from node.protocol import DEFAULT_PORT
 from tui.chat.command import add_arguments as add_chat_arguments
 
@@ -326,8 +326,8 @@ def _master(args: argparse.Namespace) -> None:
     from master.generate import start, stream
     from master.sampling import SamplingParams
     from master.session import cluster_engine, open_with_tokenizer, prompt_tokens
+    from memory.files import default_state_dir
     from models.kernels import set_threads
-    from node.device import default_state_dir
     from node.discovery import Announcer, MasterAd, announce_addresses
     from node.protocol import PROTOCOL_VERSION
     from node.security import fingerprint, master_keys, master_token
@@ -417,8 +417,8 @@ def _master(args: argparse.Namespace) -> None:
 
 def _join(args: argparse.Namespace) -> None:
     from memory.budget import parse_size
+    from memory.files import default_state_dir
     from models.kernels import set_threads
-    from node.device import default_state_dir
     from node.security import TOKEN_ENV, JoinToken, load_node_token
     from node.worker import Worker, measure_capacity
     from tui.progress import progress_bar
@@ -567,9 +567,10 @@ def _synth(args: argparse.Namespace) -> None:
 def _kernels(args: argparse.Namespace) -> None:
     from master.local import thread_share
     from master.plan import plan_slices
+    from memory.files import default_state_dir
     from models.kernels import set_threads
     from models.source import open_model
-    from node.device import default_state_dir, describe, plan_shapes, prepare
+    from node.device import describe, plan_shapes, prepare
 
     if args.local_nodes < 1:
         raise ModelError("--local-nodes must be at least 1")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from memory.shards import atomic_write
+from memory.files import atomic_write
 from tui.chat.client import Sampling
 
 log = logging.getLogger(__name__)
