@@ -207,6 +207,18 @@ async def test_a_saved_conversation_reopens_with_its_messages(bridge, tmp_path):
         assert app.log_view.border_title == "Name three colors."
 
 
+async def test_a_poll_that_lands_as_the_app_closes_is_dropped(bridge, tmp_path):
+    """The cluster's figures arrive after the main screen's widgets are gone: nothing to show,
+    and no crash (seen when a poll's timer fired during shutdown)."""
+    app = make_app(bridge.base_url, tmp_path, Sampling(), poll_s=3600)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: not app._polling, 30, "first poll")
+        await app.screen_stack[0].query_one("#cluster").remove()
+        app.poll_cluster()
+        await until(pilot, lambda: not app._polling, 30, "poll after the panel went")
+        assert app.is_running
+
+
 async def test_system_prompt_and_sampling_are_set_in_the_app(bridge, tmp_path):
     app = make_app(bridge.base_url, tmp_path, Sampling())
     system = "You are a pirate. Answer like a pirate."

@@ -71,33 +71,35 @@ class ChatApp(App[None]):
         self.answering: Worker[None] | None = None
         self.model_id = ""
         self._polling = False
+        # The main screen's widgets, held here: a query would search whatever screen is on top
+        # (the conversation list, the settings), and a poll or an answer can land while one is.
+        self.log_view = VerticalScroll(id="conversation")
+        self.status_line = Static("", id="status")
+        self.prompt_input = Input(placeholder="Ask something (Enter sends)", id="prompt")
+        self.cluster_panel = ClusterPanel(id="cluster")
 
     def compose(self) -> ComposeResult:
         yield Header()
         with Horizontal(id="main"):
             with Vertical(id="chat"):
-                yield VerticalScroll(id="conversation")
-                yield Static("", id="status")
-                yield Input(placeholder="Ask something (Enter sends)", id="prompt")
-            yield ClusterPanel(id="cluster")
+                yield self.log_view
+                yield self.status_line
+                yield self.prompt_input
+            yield self.cluster_panel
         yield Footer()
 
     async def on_mount(self) -> None:
         self.sub_title = self.client.base_url
         self.log_view.anchor()  # follow a streaming answer unless scrolled up
-        self.query_one(ClusterPanel).border_title = "cluster"
+        self.cluster_panel.border_title = "cluster"
         await self.show_conversation(self.conversation)
-        self.query_one("#prompt", Input).focus()
+        self.prompt_input.focus()
         self.load_model()
         self.poll_cluster()
         self.set_interval(self.poll_s, self.poll_cluster)
 
     async def on_unmount(self) -> None:
         await self.client.aclose()
-
-    @property
-    def log_view(self) -> VerticalScroll:
-        return self.query_one("#conversation", VerticalScroll)
 
     # -- the bridge ---------------------------------------------------------------------------
     @work(exclusive=True, group="model")
@@ -116,7 +118,7 @@ class ChatApp(App[None]):
 
     @work(group="cluster")
     async def _poll_cluster(self) -> None:
-        panel = self.query_one(ClusterPanel)
+        panel = self.cluster_panel
         try:
             try:
                 figures = await self.client.cluster()
@@ -218,7 +220,7 @@ class ChatApp(App[None]):
             self.notify(f"could not save the conversation: {exc}", severity="error")
 
     def set_status(self, text: str) -> None:
-        self.query_one("#status", Static).update(text)
+        self.status_line.update(text)
 
     def idle_status(self) -> str:
         s = self.conversation.sampling
@@ -280,12 +282,12 @@ class ChatApp(App[None]):
         self.push_screen(SettingsScreen(c.system, c.sampling), chosen)
 
     def action_toggle_cluster(self) -> None:
-        panel = self.query_one(ClusterPanel)
+        panel = self.cluster_panel
         panel.display = not panel.display
 
 
 def conversations_dir(state_dir: Path | None) -> Path:
     """Where conversations live: `<state>/conversations` ($EDGETP_HOME, ~/.cache/edgetp)."""
-    from node.device import default_state_dir
+    from memory.files import default_state_dir
 
     return (state_dir or default_state_dir()) / "conversations"
