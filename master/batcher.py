@@ -1,11 +1,12 @@
 """Continuous batching: one thread owns the engine and steps every active request together.
 
-The engine is not thread-safe, so exactly one thread, the loop here, calls it. Fronts (the REST
-bridge) `submit` a prompt from any thread and get events back through a callback; the loop admits
-a new request into a free KV-cache slot before the next step, so it starts at once instead of
-waiting for the others to finish, and decodes in the same steps as they do. A cancelled request
-is dropped before the next step and its slot freed: at most the step already running when the
-cancel came still computes its token.
+The engine is not thread-safe, so exactly one thread, the loop here, calls it; the loop also
+has the session re-plan, while no request runs (nodes joined or left) or after a node failed.
+Fronts (the REST bridge) `submit` a prompt from any thread and get events back through a
+callback; the loop admits a new request into a free KV-cache slot before the next step, so it
+starts at once instead of waiting for the others to finish, and decodes in the same steps as
+they do. A cancelled request is dropped before the next step and its slot freed: at most the
+step already running when the cancel came still computes its token.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from master.cluster import ClusterError
 from master.engine import Engine
 from master.generate import Generation, check_prompt, step
 from master.sampling import Sampler, SamplingParams
+from master.session import Session
+from models.config import ModelConfig
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 RECENT_STEPS = 64  # steps kept for the live figures (ms per step, tokens/s)
 MIXED_PREFILL_MAX = 4  # longest new prompt that shares a step with decoding sequences
+IDLE_POLL_S = 0.5  # s between looks at who joined or left while no request runs
 
 
 @dataclass(frozen=True)
@@ -136,14 +140,14 @@ class BatcherStats:
 class Batcher:
     """The generation loop: `start()` it, `submit()` requests, `close()` it."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, max_waiting: int = 64) -> None:
-        self.engine = engine
+    def __init__(self, session: Session, tokenizer: Tokenizer, max_waiting: int = 64) -> None:
+        self.session = session
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._active: list[_Job] = []
-        self._free = list(range(engine.slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._free = list(range(session.slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._closed = False
         self._down: str | None = None
         self._ids = itertools.count(1)
@@ -157,6 +161,19 @@ class Batcher:
             maxlen=RECENT_STEPS
         )  # (ended at, seconds, sequences) of the latest steps
         self._last_cancel: CancelRecord | None = None
+
+    @property
+    def engine(self) -> Engine | None:
+        """The session's engine (None while it re-plans)."""
+        return self.session.engine
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.session.config
+
+    @property
+    def max_context(self) -> int:
+        return self.session.max_context
 
     # -- the fronts' side --------------------------------------------------------------------
     def start(self) -> Batcher:
@@ -180,7 +197,7 @@ class Batcher:
         Raises ModelError for a prompt that does not fit the context, ClusterError when the
         cluster is down, BusyError when the waiting line is full.
         """
-        check_prompt(prompt, self.engine.max_context)
+        check_prompt(prompt, self.max_context)
         with self._cond:
             if self._closed:
                 raise ShuttingDown("the server is shutting down")
@@ -188,7 +205,7 @@ class Batcher:
                 raise ClusterError(self._down)
             if len(self._waiting) >= self.max_waiting:
                 raise BusyError(
-                    f"all {self.engine.slots} slots are busy and {len(self._waiting)} requests "
+                    f"all {self.session.slots} slots are busy and {len(self._waiting)} requests "
                     f"are waiting; retry later, or restart with a larger --max-batch"
                 )
             # The slot is chosen when the request is admitted; -1 until then.
@@ -212,7 +229,7 @@ class Batcher:
             recent = list(self._recent)
             busy = sum(s for _, s, _ in recent)
             return BatcherStats(
-                slots=self.engine.slots,
+                slots=self.session.slots,
                 active=len(self._active),
                 waiting=len(self._waiting),
                 steps=self._steps,
@@ -242,10 +259,18 @@ class Batcher:
 
     # -- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
+        poll = IDLE_POLL_S if self.session.can_replan else None
         while True:
             with self._cond:
                 while not self._closed and not self._active and not self._waiting:
-                    self._cond.wait()
+                    if not self._cond.wait(poll):
+                        break  # idle a while: time to see who joined or left
+                if self._closed:
+                    return
+                between_requests = not self._active and self._down is None
+            if between_requests and self.session.can_replan:
+                self._take_in_changes()  # no KV cache to lose: nothing is running
+            with self._cond:
                 if self._closed:
                     return
                 self._admit()
@@ -256,6 +281,7 @@ class Batcher:
                 number = self._steps
             started = time.perf_counter()
             try:
+                assert self.engine is not None  # only None while the loop itself re-plans
                 step(self.engine, self.tokenizer, [j.generation for j in batch])
             except ClusterError as exc:
                 self._recover(number, exc)
@@ -281,11 +307,10 @@ class Batcher:
 
         Requests that arrive meanwhile wait in line for the new engine.
         """
-        replan = self.engine.replan
         log.error("step %d failed: %s", number, exc)
         exc.with_traceback(None)  # its frames hold the failed engine's slices: let them go
         with self._cond:
-            if replan is None:
+            if not self.session.can_replan:
                 self._down = f"the cluster is down: {exc}; restart edgetp serve to re-plan"
                 self._fail_all(ClusterError(self._down))
                 return
@@ -294,10 +319,8 @@ class Batcher:
                 self._failed += 1
                 if not job.cancelled:
                     _emit(job, Failed(NodeLost(f"{exc}; re-planning on the nodes left")))
-        # Let go of the old engine first: a device sized for its slice cannot hold two.
-        self.engine.close()
         try:
-            engine = replan()
+            self.session.replan()  # lets go of the old engine before the new one loads
         except Exception as again:  # noqa: BLE001 - whatever it was, the cluster is down
             log.exception("re-planning failed")
             with self._cond:
@@ -307,11 +330,20 @@ class Batcher:
                 )
                 self._fail_all(ClusterError(self._down))
             return
-        self.engine = engine
-        log.warning(
-            "re-planned on %d node(s)",
-            len(engine.slices) + len(getattr(engine.remote, "members", [])),
-        )
+        log.warning("re-planned on %d node(s)", self.session.nodes)
+
+    def _take_in_changes(self) -> None:
+        """Between requests: nodes that joined get a share, nodes that left give theirs up."""
+        try:
+            self.session.replan_if_changed()
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the cluster is down
+            log.exception("re-planning for the nodes here failed")
+            with self._cond:
+                self._down = (
+                    f"the cluster is down: re-planning for the nodes here failed ({exc}); "
+                    "restart edgetp serve"
+                )
+                self._fail_all(ClusterError(self._down))
 
     def _admit(self) -> None:
         """Drop cancelled requests, then fill free slots from the waiting line (lock held)."""

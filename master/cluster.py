@@ -97,12 +97,21 @@ class Hub:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         secure_server(self.sock, keys)
+        try:
+            if port:
+                self.sock.bind(f"tcp://{bind}:{port}")
+                self.port = port
+            else:
+                self.port = self.sock.bind_to_random_port(f"tcp://{bind}")
+        except zmq.ZMQError as exc:
+            self.sock.close(linger=0)
+            self.auth.stop()
+            self.context.term()
+            raise ClusterError(
+                f"cannot listen for devices on {bind}:{port} ({exc.strerror}): pick another "
+                "cluster port, or stop what is using it"
+            ) from exc
         self._watch_handshakes()
-        if port:
-            self.sock.bind(f"tcp://{bind}:{port}")
-            self.port = port
-        else:
-            self.port = self.sock.bind_to_random_port(f"tcp://{bind}")
         self.address = f"{bind}:{self.port}"  # where nodes join
         self.heartbeat = HeartbeatServer(self.context, bind, keys)
         self.model_names = model_names  # names a worker may ask for (None: any)
@@ -112,7 +121,7 @@ class Hub:
         self.store: ShardStore | None = None
         self.shipped_bytes = 0
         self._step = 0
-        self._planned = False
+        self.planned = False  # an engine runs on the members: a node joining waits for a re-plan
         self._sent_at = 0.0
         self._hello_from = ""  # the peer address of the HELLO being handled
         # Per sum: time from handing out the hidden state to holding every partial, less the
@@ -224,7 +233,7 @@ class Hub:
         # Answer at once: planning and splitting a big model can take minutes before WELCOME,
         # and the node should know meanwhile that it is in, and watch the master's heartbeat.
         self._send(identity, {"op": P.ACCEPTED, "heartbeat_port": self.heartbeat.port})
-        if self._planned:  # serving: it takes a share at the next re-plan, between requests
+        if self.planned:  # serving: it takes a share at the next re-plan, between requests
             self.pending.append(member)
             log.info("node %s joined; it gets a share at the next re-plan", name)
         else:
@@ -304,7 +313,6 @@ class Hub:
         `windows[k]` is node k's window (index 0, the master, is not used here).
         """
         self.store = store
-        self._planned = True
         for k, member in enumerate(self.members, start=1):
             member.window = windows[k] if windows else None
             member.slice = manifest.slices[k]
@@ -343,9 +351,7 @@ class Hub:
         """Hand the hidden state to every worker for one block of one layer."""
         dead = [m.name for m in self.members if not m.alive]
         if dead:
-            raise ClusterError(
-                f"node {', '.join(dead)} left the cluster; restart the master to re-plan"
-            )
+            raise ClusterError(f"node {', '.join(dead)} left the cluster")
         if batch is not None:
             self._step += 1
         header: dict[str, Any] = {"op": P.STEP, "step": self._step, "layer": layer, "block": block}

@@ -91,11 +91,8 @@ class Engine:
         self.executors = list(executors)
         self.max_context = max_context
         self.slots = slots
-        # How to rebuild this engine on the nodes still alive after one fails; None: cannot.
-        self.replan: Callable[[], Engine] | None = None
         # The master's own figures per step (loader, memory), as workers report theirs.
         self.figures: dict[str, Any] = {}
-        self.memory_budget: int | None = None  # bytes the master may use (--memory-budget)
         self.history: deque[dict[str, Any]] = deque(maxlen=FIGURES_KEPT)
         self._reported = [StreamFigures() for _ in self.executors]
         # Every matrix this process multiplies gets a kernel this device admitted (one check).

@@ -11,7 +11,8 @@ import statistics
 from typing import Any
 
 from master.batcher import BatcherStats
-from master.engine import Engine
+from master.session import Session
+from models.config import ModelConfig
 from models.layers import Slice
 
 ALLREDUCE_WINDOW = 1024  # latest sums summarized
@@ -25,30 +26,34 @@ def generation_figures(stats: BatcherStats) -> dict[str, Any]:
     return out
 
 
-def cluster_figures(engine: Engine, model: str, stats: BatcherStats) -> dict[str, Any]:
-    """The master and every worker, the allreduce latency, and the generation counters."""
-    slices = [s.to_dict() for s in engine.slices]
-    kv = sum(_kv_bytes(ex) for ex in engine.executors)
-    hub = engine.remote
+def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[str, Any]:
+    """The master and every worker (those that joined since the plan too), the allreduce
+    latency, and the generation counters."""
+    engine = session.engine  # None while the session re-plans
+    config = session.config
+    own = engine.slices if engine else []
+    slices = [s.to_dict() for s in own]
+    kv = sum(_kv_bytes(ex) for ex in engine.executors) if engine else 0
+    hub = session.hub
     nodes: list[dict[str, Any]] = [
         {
             "name": "master",
             "role": "master",
             "alive": stats.down is None,
-            "ready": True,
+            "ready": engine is not None,  # False while it re-plans and loads its slice
             "slices": slices,
-            "address": getattr(hub, "address", None),
+            "address": hub.address if hub else None,
             "rss_bytes": _rss_bytes(),
-            "memory_budget_bytes": engine.memory_budget,
+            "memory_budget_bytes": session.memory.budget,
             "kv_cache_bytes": kv or None,
-            "share": _share(engine.slices[0], engine) if engine.slices else None,
-            **_stream(engine.figures),
+            "share": _share(own[0], config) if own else None,
+            **_stream(engine.figures if engine else {}),
         }
     ]
     allreduce = None
     if hub is not None:
         heartbeat = getattr(hub, "heartbeat", None)
-        for m in list(getattr(hub, "members", [])):
+        for m in [*hub.members, *hub.pending]:
             silence = heartbeat.silence(m.name) if heartbeat is not None else None
             nodes.append(
                 {
@@ -57,7 +62,7 @@ def cluster_figures(engine: Engine, model: str, stats: BatcherStats) -> dict[str
                     "alive": m.alive,
                     "ready": m.ready,
                     "slices": [m.slice] if m.slice else [],
-                    "share": _share(Slice.from_dict(m.slice), engine) if m.slice else None,
+                    "share": _share(Slice.from_dict(m.slice), config) if m.slice else None,
                     "memory_budget_bytes": m.capacity.memory_budget,
                     "cores": m.capacity.cores,
                     "speed_gb_s": m.capacity.speed,
@@ -82,8 +87,8 @@ def cluster_figures(engine: Engine, model: str, stats: BatcherStats) -> dict[str
             }
     return {
         "model": model,
-        "context": engine.max_context,
-        "layers": engine.config.n_layers,
+        "context": session.max_context,
+        "layers": config.n_layers,
         "nodes": nodes,
         "allreduce": allreduce,
         "generation": generation_figures(stats),
@@ -106,9 +111,8 @@ def _stream(figures: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _share(s: Any, engine: Engine) -> float:
+def _share(s: Any, c: ModelConfig) -> float:
     """The fraction of the model's query heads and FFN columns a slice holds, weighted."""
-    c = engine.config
     attn = 4 * c.hidden * c.head_dim  # rough weights per query head (q, o and its share of kv)
     ffn = 3 * c.hidden  # weights per FFN column
     total = c.n_heads * attn + c.ffn_hidden * ffn

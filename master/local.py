@@ -18,7 +18,7 @@ from pathlib import Path
 from master.cluster import Hub
 from master.engine import Engine
 from master.plan import plan_slices
-from master.session import cluster_engine
+from master.session import Session
 from memory.budget import ALL_RESIDENT, MemoryOptions
 from memory.files import default_state_dir
 from models.kernels import set_threads
@@ -27,6 +27,8 @@ from node.device import plan_shapes, prepare
 from node.security import TOKEN_ENV, JoinToken
 
 log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT = 120.0  # s for a local worker to start and say HELLO
 
 
 def thread_share(nodes: int) -> int:
@@ -83,6 +85,54 @@ class LocalWorkers:
 
 
 @contextlib.contextmanager
+def local_session(
+    source: ModelSource,
+    nodes: int,
+    capacities: Sequence[float] | None = None,
+    threads: int | None = None,
+    state_dir: Path | None = None,
+    context: int | None = None,
+    slots: int = 1,
+    verbose: bool = False,
+    memory: MemoryOptions = ALL_RESIDENT,
+) -> Iterator[Session]:
+    """A started session over `nodes` processes on this machine (1: this process alone).
+
+    Every node gets the same memory options (budget, window, page-cache dropping). After a
+    node fails, the session re-plans on the nodes left, with equal shares.
+    """
+    if nodes < 1:
+        raise ValueError(f"--local-nodes must be at least 1, got {nodes}")
+    if capacities is not None and len(capacities) != nodes:
+        raise ValueError(f"{len(capacities)} capacities given for {nodes} nodes")
+    state_dir = state_dir or default_state_dir()
+    if nodes == 1:
+        set_threads(threads)
+        with Session(source, None, state_dir, context, slots, memory) as session:
+            session.start()
+            yield session
+        return
+    threads = threads or thread_share(nodes)
+    set_threads(threads)
+    # One device: every node's kernels are checked in one child now (each node would check its
+    # own, one after another, each importing torch again); the workers then read the table.
+    plan = plan_slices(source.config, capacities or [1.0] * nodes)
+    prepare(plan_shapes(source.config, plan, memory.dtype), install=False)
+    hub = Hub("127.0.0.1", 0, model_names=(source.name,))
+    session = Session(source, hub, state_dir, context, slots, memory, capacities, equal_shares=True)
+    with (
+        session,
+        LocalWorkers(
+            nodes - 1, hub.port, threads, state_dir, verbose, hub.token, memory=memory
+        ) as workers,
+    ):
+        session.start(workers=nodes - 1, timeout=JOIN_TIMEOUT)
+        yield session
+        session.close()  # says BYE: the workers then exit on their own
+        workers.stop()
+
+
+@contextlib.contextmanager
 def local_engine(
     source: ModelSource,
     nodes: int,
@@ -94,50 +144,9 @@ def local_engine(
     verbose: bool = False,
     memory: MemoryOptions = ALL_RESIDENT,
 ) -> Iterator[Engine]:
-    """An engine over `nodes` processes on this machine (1: this process alone).
-
-    Every node gets the same memory options (budget, window, page-cache dropping).
-    """
-    if nodes < 1:
-        raise ValueError(f"--local-nodes must be at least 1, got {nodes}")
-    if capacities is not None and len(capacities) != nodes:
-        raise ValueError(f"{len(capacities)} capacities given for {nodes} nodes")
-    state_dir = state_dir or default_state_dir()
-    if nodes == 1:
-        set_threads(threads)
-        if not memory.streaming:  # everything resident, float32: no shards needed
-            yield Engine.local(source, max_context=context, slots=slots)
-        else:
-            yield cluster_engine(source, None, [1.0], state_dir, context, slots, memory=memory)
-        return
-    threads = threads or thread_share(nodes)
-    set_threads(threads)
-    # One device: every node's kernels are checked in one child now (each node would check its
-    # own, one after another, each importing torch again); the workers then read the table.
-    plan = plan_slices(source.config, capacities or [1.0] * nodes)
-    prepare(plan_shapes(source.config, plan, memory.dtype), install=False)
-    hub = Hub("127.0.0.1", 0, model_names=(source.name,))
-    try:
-        with LocalWorkers(
-            nodes - 1, hub.port, threads, state_dir, verbose, hub.token, memory=memory
-        ) as workers:
-            hub.wait_for_workers(nodes - 1, timeout=120)
-            capacities = capacities or [1.0] * nodes  # one machine: equal shares
-            engine = cluster_engine(
-                source, hub, capacities, state_dir, context, slots, memory=memory
-            )
-
-            def replan() -> Engine:
-                """The nodes still here, re-planned with equal shares (after one failed)."""
-                hub.take_in_changes()
-                again = [1.0] * (1 + len(hub.members))
-                new = cluster_engine(source, hub, again, state_dir, context, slots, memory=memory)
-                new.replan = replan
-                return new
-
-            engine.replan = replan
-            yield engine
-            hub.close()
-            workers.stop()
-    finally:
-        hub.close()
+    """The engine of a `local_session` (for one-shot runs and benchmarks)."""
+    with local_session(
+        source, nodes, capacities, threads, state_dir, context, slots, verbose, memory
+    ) as session:
+        assert session.engine is not None
+        yield session.engine

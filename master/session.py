@@ -1,4 +1,5 @@
-"""Turning what a person typed into prompt tokens, and loading a model into an engine."""
+"""A master's cluster for its whole life (`Session`), the planning and loading it does, and
+turning what a person typed into prompt tokens."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from pathlib import Path
 
 import torch
 
-from master.cluster import Hub
+from master.cluster import ClusterError, Hub
 from master.engine import Engine, context_size
 from master.plan import plan_slices
 from master.splitter import split_model
 from memory.budget import ALL_RESIDENT, BudgetError, MemoryOptions, MemoryPlan, plan_memory
+from memory.files import default_state_dir
 from memory.shards import Manifest, ShardStore
 from models.chat_template import render_chat
 from models.config import ModelConfig
@@ -22,6 +24,7 @@ from models.layers import Slice
 from models.source import ModelSource, open_model
 from models.tokenizer import Tokenizer
 from node.kvcache import KVCache
+from node.worker import measure_capacity
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +113,6 @@ def cluster_engine(
     engine = Engine.from_manifest(
         manifest, store, context, slots, hub, plans[0].window, memory.drop_cache, memory.mode
     )
-    engine.memory_budget = memory.budget
     return engine
 
 
@@ -154,3 +156,134 @@ def memory_plans(
             "%s: %d of %d layers in memory, context %d", name, p.window, len(layers), p.context
         )
     return plans
+
+
+class Session:
+    """The master's cluster for its whole life: the hub and who has joined, the plan, the
+    shards and the engine.
+
+    Every front runs through one (`edgetp run`, `master`, `serve` and so the chat, local
+    clusters, the tests), and re-planning happens here alone, between steps only: when nodes
+    joined or left (`replan_if_changed`, called while no request runs) or after a node failed
+    mid-step (`replan`). Without a hub the master runs alone for good.
+    """
+
+    def __init__(
+        self,
+        source: ModelSource,
+        hub: Hub | None = None,
+        state_dir: Path | None = None,
+        context: int | None = None,
+        slots: int = 1,
+        memory: MemoryOptions = ALL_RESIDENT,
+        capacities: Sequence[float] | None = None,
+        equal_shares: bool = False,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> None:
+        """`capacities` (the master first) hold while the node count matches them; otherwise
+        the shares are equal (`equal_shares`: processes of one machine) or measured per device.
+        """
+        self.source = source
+        self.hub = hub
+        self.state_dir = state_dir or default_state_dir()
+        self.context = context
+        self.slots = slots
+        self.memory = memory
+        self.given_capacities = list(capacities) if capacities else None
+        self.equal_shares = equal_shares
+        self.progress = progress
+        self.engine: Engine | None = None
+        self.max_context = context_size(source.config, context)  # the plan's, once planned
+        self._master_speed: float | None = None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.source.config
+
+    @property
+    def nodes(self) -> int:
+        """The master and the workers of the current plan."""
+        return 1 + (len(self.hub.members) if self.hub else 0)
+
+    @property
+    def can_replan(self) -> bool:
+        return self.hub is not None
+
+    def start(self, workers: int = 0, timeout: float = 600.0) -> Engine:
+        """Wait until `workers` have joined (0: plan for whoever is here), then plan and load."""
+        if self.hub is None and workers:
+            raise ValueError("workers join a session through its hub: this one has none")
+        if self.hub is not None and workers:
+            self.hub.wait_for_workers(workers, timeout)
+        return self._plan()
+
+    def replan_if_changed(self, wait: float = 0.0) -> bool:
+        """Between requests: take in joins and leaves (waiting up to `wait` s) and re-plan if
+        the members changed. True when the engine was rebuilt."""
+        if self.hub is None or not self.hub.membership_changed(wait):
+            return False
+        shipped = self.hub.shipped_bytes
+        self.replan()
+        log.warning(
+            "re-planned for %d node(s); shipped %d bytes",
+            self.nodes,
+            self.hub.shipped_bytes - shipped,
+        )
+        return True
+
+    def replan(self) -> Engine:
+        """Plan again for the nodes here now (after a failure, or joins and leaves)."""
+        if self.hub is None:
+            raise ClusterError("this master runs alone: there are no nodes to re-plan for")
+        self.hub.take_in_changes()
+        self._close_engine()  # before the new one loads: a device cannot hold both
+        return self._plan()
+
+    def capacities(self) -> list[float]:
+        """Each node's weight in the split, the master first."""
+        members = self.hub.members if self.hub else []
+        if self.given_capacities and len(self.given_capacities) == 1 + len(members):
+            return list(self.given_capacities)
+        if self.equal_shares or not members:
+            return [1.0] * (1 + len(members))
+        if self._master_speed is None:
+            self._master_speed = measure_capacity(torch.get_num_threads()).score()
+        return [self._master_speed, *(m.capacity.score() for m in members)]
+
+    def close(self, reason: str = "master shutting down") -> None:
+        """Let go of the engine and say BYE to the workers; safe to call twice."""
+        self._close_engine()
+        if self.hub is not None:
+            self.hub.close(reason)
+
+    def _plan(self) -> Engine:
+        if self.nodes == 1 and not self.memory.streaming:
+            # Alone with every weight resident: read straight from the model, no shards.
+            engine = Engine.local(self.source, max_context=self.context, slots=self.slots)
+        else:
+            engine = cluster_engine(
+                self.source,
+                self.hub,
+                self.capacities(),
+                self.state_dir,
+                self.context,
+                self.slots,
+                self.progress,
+                self.memory,
+            )
+        if self.hub is not None:
+            self.hub.planned = True  # from now on a node that joins waits for a re-plan
+        self.engine = engine
+        self.max_context = engine.max_context
+        return engine
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,13 @@ def pytest_unconfigure(config):
     home = getattr(config, "_edgetp_home", None)
     if home:
         shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def shared_state() -> Path:
+    """A state folder for every test that only reads shards: a plan is split once per run, not
+    once per test. Tests that damage shards, or count what ships, keep folders of their own."""
+    return Path(os.environ["EDGETP_HOME"]) / "shared-state"
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,10 @@ import weakref
 import pytest
 
 from master.batcher import Batcher, Delta, Event, Failed, Finished, NodeLost
-from master.cluster import ClusterError
+from master.cluster import ClusterError, Hub
 from master.engine import Engine
 from master.sampling import SamplingParams
-from master.session import prompt_tokens
+from master.session import Session, prompt_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +58,12 @@ class Client:
 
 @pytest.fixture(scope="module")
 def batcher(smollm2, smollm2_tokenizer):
-    engine = Engine.local(smollm2, max_context=256, slots=2)
-    b = Batcher(engine, smollm2_tokenizer, max_waiting=4).start()
+    session = Session(smollm2, context=256, slots=2)
+    session.start()
+    b = Batcher(session, smollm2_tokenizer, max_waiting=4).start()
     yield b
     b.close()
+    session.close()
 
 
 @pytest.fixture(scope="module")
@@ -173,18 +175,22 @@ def test_a_lost_node_frees_the_old_engine_before_the_re_plan(smollm2, smollm2_to
         def gather(self, *args: object, **kwargs: object) -> None:
             return None
 
-    old = Engine.local(smollm2, max_context=64, slots=1)
-    old.remote = LostNode()
-    old_cache = weakref.ref(old.executors[0].cache)
+    old_caches: list[weakref.ref] = []
     alive_during_replan: list[bool] = []
 
-    def replan() -> Engine:
-        gc.collect()
-        alive_during_replan.append(old_cache() is not None)
-        return Engine.local(smollm2, max_context=64, slots=1)
+    class Watched(Session):
+        def _plan(self) -> Engine:
+            gc.collect()
+            alive_during_replan.extend(ref() is not None for ref in old_caches)
+            return super()._plan()
 
-    old.replan = replan
-    b = Batcher(old, smollm2_tokenizer, max_waiting=4).start()
+    # A real hub that no worker joined: the master alone re-plans for itself.
+    session = Watched(smollm2, Hub("127.0.0.1", 0), context=64, slots=1)
+    old = session.start()
+    old.remote = LostNode()
+    old_caches.append(weakref.ref(old.executors[0].cache))
+    del old
+    b = Batcher(session, smollm2_tokenizer, max_waiting=4).start()
     try:
         failed = Client(b, prompts[0], greedy(4)).next()
         assert isinstance(failed, Failed) and isinstance(failed.error, NodeLost), failed
@@ -193,5 +199,6 @@ def test_a_lost_node_frees_the_old_engine_before_the_re_plan(smollm2, smollm2_to
         assert done.completion_tokens == 4
     finally:
         b.close()
+        session.close()
     assert alive_during_replan == [False]
-    assert b.engine is not old
+    assert b.engine is None and session.engine is None  # closed with the session

@@ -25,7 +25,8 @@ EXAMPLES = 40  # per operation and mode
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     state = tmp_path_factory.mktemp("fuzz-state")
-    args = ["--context", "64", "--max-batch", "2", "--api-key", KEY, "--state-dir", str(state)]
+    args = ["--local-nodes", "1", "--context", "64", "--max-batch", "2", "--api-key", KEY]
+    args += ["--state-dir", str(state)]
     server = start_server(args)
     yield server
     server.stop()

@@ -79,12 +79,11 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(shared_state):
     # The references run while the server loads: the machine has two cores to share.
     chat_ref = edgetp_run(CHAT_PROMPT)
     text_ref = edgetp_run("--raw", TEXT_PROMPT)
-    state = tmp_path_factory.mktemp("serve-state")
-    args = ["--local-nodes", "2", "--state-dir", str(state), "--api-key", KEY]
+    args = ["--local-nodes", "2", "--state-dir", str(shared_state), "--api-key", KEY]
     server = start_server([*args, "--context", "512", "--max-batch", "4"], verbose=True)
     try:
         outs = [p.communicate(timeout=180) for p in (chat_ref, text_ref)]

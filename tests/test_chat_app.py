@@ -37,8 +37,8 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="module")
-def bridge(tmp_path_factory):
-    local = LocalBridge([*SERVE, "--state-dir", str(tmp_path_factory.mktemp("chat-serve"))])
+def bridge(shared_state):
+    local = LocalBridge([*SERVE, "--state-dir", str(shared_state)])
     local.start(timeout=240)
     yield local
     local.stop()
@@ -244,10 +244,12 @@ async def test_system_prompt_and_sampling_are_set_in_the_app(bridge, tmp_path):
     assert answer == expected
 
 
-async def test_a_worker_killed_mid_answer_shows_the_error_and_the_app_goes_on(tmp_path):
+async def test_a_worker_killed_mid_answer_shows_the_error_and_the_app_goes_on(
+    tmp_path, shared_state
+):
     """A bridge of its own: the kill loses the answer, and the cluster re-plans without the
     worker, so the next prompt is answered."""
-    local = LocalBridge([*SERVE, "--state-dir", str(tmp_path / "serve")])
+    local = LocalBridge([*SERVE, "--state-dir", str(shared_state)])
     await asyncio.to_thread(local.start, 240)
     try:
         app = make_app(

@@ -19,7 +19,7 @@ from master.generate import start, stream
 from master.local import LocalWorkers
 from master.plan import plan_slices
 from master.sampling import SamplingParams
-from master.session import cluster_engine
+from master.session import Session
 from master.splitter import split_model
 from memory.shards import ShardStore
 from models.layers import StepBatch
@@ -34,14 +34,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three reasons to le
 @contextlib.contextmanager
 def local_cluster(source, capacities, state_dir: Path, worker_dir: Path | None = None, slots=3):
     hub = Hub("127.0.0.1", 0, model_names=(source.name,))
+    session = Session(source, hub, state_dir, 256, slots, capacities=capacities)
     workers = LocalWorkers(
         len(capacities) - 1, hub.port, 1, worker_dir or state_dir, False, hub.token
     )
     try:
-        hub.wait_for_workers(len(capacities) - 1, timeout=120)
-        yield cluster_engine(source, hub, capacities, state_dir, 256, slots), hub, workers
+        yield session.start(workers=len(capacities) - 1, timeout=120), hub, workers
     finally:
-        hub.close()
+        session.close()
         for p in workers.procs:
             if p.poll() is None:
                 p.terminate()
@@ -78,9 +78,9 @@ def single(smollm2, smollm2_tokenizer):
     [[1, 1], [1, 1, 1], [1, 2, 3], [1, 1, 1, 1]],
     ids=["2-nodes", "3-nodes", "3-nodes-1:2:3", "4-nodes-more-than-kv-heads"],
 )
-def test_n_nodes_equal_one_node(smollm2, smollm2_tokenizer, single, tmp_path, capacities):
+def test_n_nodes_equal_one_node(smollm2, smollm2_tokenizer, single, shared_state, capacities):
     ref_logits, ref_tokens = single
-    with local_cluster(smollm2, capacities, tmp_path) as (engine, hub, _):
+    with local_cluster(smollm2, capacities, shared_state) as (engine, hub, _):
         assert len(hub.members) == len(capacities) - 1
         logits = two_steps_logits(engine, smollm2_tokenizer)
         tokens = greedy_batch(engine, smollm2_tokenizer)
@@ -94,8 +94,8 @@ def test_n_nodes_equal_one_node(smollm2, smollm2_tokenizer, single, tmp_path, ca
     assert tokens == ref_tokens
 
 
-def test_worker_dying_mid_answer_fails_fast(smollm2, smollm2_tokenizer, tmp_path):
-    with local_cluster(smollm2, [1, 1], tmp_path) as (engine, hub, workers):
+def test_worker_dying_mid_answer_fails_fast(smollm2, smollm2_tokenizer, shared_state):
+    with local_cluster(smollm2, [1, 1], shared_state) as (engine, hub, workers):
         ids = smollm2_tokenizer.encode("Write a long story about a dragon.")
         (g,) = start(engine, [ids], [SamplingParams(max_tokens=200, ignore_eos=True)])
         it = stream(engine, smollm2_tokenizer, [g])

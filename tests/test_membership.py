@@ -11,54 +11,49 @@ from master.cluster import Hub
 from master.generate import start, stream
 from master.local import LocalWorkers
 from master.sampling import SamplingParams
-from master.session import cluster_engine
+from master.session import Session
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "List three uses of a paperclip:"
 
 
-def answer(engine, tokenizer) -> list[int]:
-    (g,) = start(engine, [tokenizer.encode(PROMPT)], [SamplingParams(max_tokens=24)])
-    for _ in stream(engine, tokenizer, [g]):
+def answer(session: Session, tokenizer) -> list[int]:
+    (g,) = start(session.engine, [tokenizer.encode(PROMPT)], [SamplingParams(max_tokens=24)])
+    for _ in stream(session.engine, tokenizer, [g]):
         pass
     return g.tokens
 
 
-def replan(hub, smollm2, master_dir):
-    hub.take_in_changes()
-    before = hub.shipped_bytes
-    engine = cluster_engine(smollm2, hub, [1.0] * (1 + len(hub.members)), master_dir, 128, 1)
-    return engine, hub.shipped_bytes - before
-
-
 def test_join_and_leave_between_requests(smollm2, smollm2_tokenizer, tmp_path):
     hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
+    session = Session(smollm2, hub, tmp_path / "master", 128, 1, equal_shares=True)
+    # Each worker has a state folder of its own, so what ships to it is counted.
     first = LocalWorkers(1, hub.port, 1, tmp_path / "w1", False, hub.token, first=1)
     second = None
     try:
-        hub.wait_for_workers(1, timeout=120)
-        engine = cluster_engine(smollm2, hub, [1, 1], tmp_path / "master", 128, 1)
+        session.start(workers=1, timeout=120)
         shipped_first = hub.shipped_bytes
-        one = answer(engine, smollm2_tokenizer)
-        assert not hub.membership_changed()
+        one = answer(session, smollm2_tokenizer)
+        assert not session.replan_if_changed()
 
         second = LocalWorkers(1, hub.port, 1, tmp_path / "w2", False, hub.token, first=2)
-        assert hub.membership_changed(wait=60)
-        engine, shipped_join = replan(hub, smollm2, tmp_path / "master")
+        assert session.replan_if_changed(wait=60)
+        shipped_join = hub.shipped_bytes - shipped_first
         assert [m.name for m in hub.members] == ["local-1", "local-2"]
-        assert len(engine.slices) == 1  # the master's own; two workers hold the rest
-        two = answer(engine, smollm2_tokenizer)
+        assert len(session.engine.slices) == 1  # the master's own; two workers hold the rest
+        two = answer(session, smollm2_tokenizer)
 
         second.procs[0].send_signal(signal.SIGINT)  # a worker leaves
+        before_leave = hub.shipped_bytes
         deadline = time.monotonic() + 30
-        while not hub.membership_changed(wait=0.5):
+        while not session.replan_if_changed(wait=0.5):
             assert time.monotonic() < deadline, "the leave was not noticed"
-        engine, shipped_leave = replan(hub, smollm2, tmp_path / "master")
+        shipped_leave = hub.shipped_bytes - before_leave
         assert [m.name for m in hub.members] == ["local-1"]
-        three = answer(engine, smollm2_tokenizer)
+        three = answer(session, smollm2_tokenizer)
     finally:
-        hub.close()
+        session.close()
         first.stop()
         if second:
             second.stop()

@@ -18,7 +18,7 @@ from master.cluster import ClusterError, Hub
 from master.generate import start, stream
 from master.local import LocalWorkers
 from master.sampling import SamplingParams
-from master.session import cluster_engine
+from master.session import Session
 from node import protocol as P
 from node.security import (
     TOKEN_ENV,
@@ -158,10 +158,10 @@ def test_traffic_between_master_and_worker_is_encrypted(smollm2, smollm2_tokeniz
     prompt = "The secret password is swordfish. Repeat the secret password:"
     ids = smollm2_tokenizer.encode(prompt)
     hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
+    session = Session(smollm2, hub, tmp_path, 128, 1, equal_shares=True)
     workers = LocalWorkers(1, hub.port, 1, tmp_path, False, hub.token)
     try:
-        hub.wait_for_workers(1, timeout=120)
-        engine = cluster_engine(smollm2, hub, [1, 1], tmp_path, 128, 1)
+        engine = session.start(workers=1, timeout=120)
         sniffer = Sniffer()
         (g,) = start(engine, [ids], [SamplingParams(max_tokens=16)])
         answer = "".join(text for _, text in stream(engine, smollm2_tokenizer, [g]))
@@ -182,7 +182,7 @@ def test_traffic_between_master_and_worker_is_encrypted(smollm2, smollm2_tokeniz
         a.close(0)
         b.close(0)
     finally:
-        hub.close()
+        session.close()
         workers.stop()
     hidden_bytes = h0.numpy().tobytes()[:64]  # the start of what layer 0 sends each worker
     step_header = b"\xa2op\xa4step"  # msgpack for {"op": "step", ...}

@@ -10,11 +10,10 @@ import argparse
 import contextlib
 import logging
 import os
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from memory.budget import STREAM_MODES, MemoryOptions, parse_size
 from models.config import DEFAULT_MODEL
@@ -23,6 +22,8 @@ from node.protocol import DEFAULT_PORT
 from tui.chat.command import add_arguments as add_chat_arguments
 
 if TYPE_CHECKING:
+    from master.lan import LanOptions
+    from master.session import Session
     from models.source import ModelSource
     from node.security import JoinToken
 
@@ -39,12 +40,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="BLAS threads (default: all cores)")
 
 
-def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+def _add_cluster_args(p: argparse.ArgumentParser, lan: bool = False) -> None:
     p.add_argument(
         "--local-nodes",
         type=int,
-        default=1,
-        help="nodes on this machine, the master included: K-1 worker processes join it",
+        default=None if lan else 1,
+        help="nodes on this machine, the master included: K-1 worker processes join it"
+        + (" (instead of devices joining over the LAN)" if lan else ""),
     )
     p.add_argument(
         "--capacities",
@@ -53,6 +55,34 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="relative node capacities for the split, master first (e.g. 1,2,3)",
     )
     p.add_argument("--state-dir", type=Path, default=None, help="shard cache and node state")
+
+
+def _add_lan_args(p: argparse.ArgumentParser, flag: str, workers: int) -> None:
+    """Where devices join the master (`flag` names the address options) and how it is found."""
+    p.add_argument(
+        f"--{flag}bind", dest="lan_bind", default="0.0.0.0", help="address devices join on"
+    )
+    p.add_argument(
+        f"--{flag}port",
+        dest="lan_port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"port devices join on (default {DEFAULT_PORT}; 0 picks a free one)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=workers,
+        help=f"devices to wait for before the first answer (default {workers}); more may join "
+        "at any time and get a share between requests",
+    )
+    p.add_argument("--join-timeout", type=float, default=600.0, help="s to wait for them")
+    p.add_argument(
+        "--new-token", action="store_true", help="rotate the join token: old tokens stop working"
+    )
+    p.add_argument("--cluster", default=None, help="cluster name to announce (default: host)")
+    p.add_argument("--interface", default=None, help="IPv4 address to announce mDNS on")
+    p.add_argument("--no-announce", action="store_true", help="do not announce on the LAN")
 
 
 def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
@@ -136,21 +166,15 @@ def _parser() -> argparse.ArgumentParser:
     _add_memory_args(run)
     run.add_argument("prompt", help="the prompt")
 
-    master = sub.add_parser("master", help="start a master; workers join it; prompts from stdin")
+    master = sub.add_parser(
+        "master",
+        help="start a master that devices join; prompts from a terminal, else a service",
+    )
     _add_model_args(master)
-    master.add_argument("--bind", default="0.0.0.0", help="address to listen on")
-    master.add_argument("--port", type=int, default=DEFAULT_PORT)
-    master.add_argument("--workers", type=int, default=1, help="workers to wait for")
-    master.add_argument("--join-timeout", type=float, default=600.0, help="s to wait for them")
+    _add_lan_args(master, "", workers=1)
     master.add_argument("--capacities", type=_capacities, default=None)
     master.add_argument("--state-dir", type=Path, default=None)
     master.add_argument("--max-tokens", type=int, default=256)
-    master.add_argument(
-        "--new-token", action="store_true", help="rotate the join token: old tokens stop working"
-    )
-    master.add_argument("--cluster", default=None, help="cluster name to announce (default: host)")
-    master.add_argument("--interface", default=None, help="IPv4 address to announce mDNS on")
-    master.add_argument("--no-announce", action="store_true", help="do not announce on the LAN")
     _add_memory_args(master)
 
     for name in ("join", "node"):
@@ -206,9 +230,12 @@ def _parser() -> argparse.ArgumentParser:
         "tokens and report each node's memory along the way",
     )
 
-    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible REST API")
+    serve = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible REST API; devices may join"
+    )
     _add_model_args(serve)
-    _add_cluster_args(serve)
+    _add_cluster_args(serve, lan=True)
+    _add_lan_args(serve, "cluster-", workers=0)
     _add_memory_args(serve)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: this machine only)"
@@ -234,7 +261,8 @@ def _parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="the terminal chat app, with a live view of the cluster")
     _add_model_args(chat)
-    _add_cluster_args(chat)
+    _add_cluster_args(chat, lan=True)
+    _add_lan_args(chat, "cluster-", workers=0)
     _add_memory_args(chat)
     add_chat_arguments(chat)
 
@@ -320,99 +348,122 @@ def _engine(args: argparse.Namespace, source: ModelSource) -> contextlib.Abstrac
     )
 
 
-def _master(args: argparse.Namespace) -> None:
-    from master.cluster import ClusterError, Hub
-    from master.engine import Engine
-    from master.generate import start, stream
-    from master.sampling import SamplingParams
-    from master.session import cluster_engine, open_with_tokenizer, prompt_tokens
+def _session(
+    args: argparse.Namespace,
+    source: ModelSource,
+    slots: int,
+    who: str,
+    local: int | None = None,
+) -> contextlib.AbstractContextManager[Session]:
+    """The cluster a long-running command serves: `local` processes of this machine, or
+    (None) a LAN master that devices join."""
+    from master.lan import lan_session
+    from master.local import local_session
     from memory.files import default_state_dir
     from models.kernels import set_threads
-    from node.discovery import Announcer, MasterAd, announce_addresses
-    from node.protocol import PROTOCOL_VERSION
-    from node.security import fingerprint, master_keys, master_token
-    from node.worker import measure_capacity
-    from tui.progress import progress_bar
 
-    threads = set_threads(args.threads)
-    source, tokenizer = open_with_tokenizer(args.model)
-    state_dir = args.state_dir or default_state_dir()
-    keys = master_keys(state_dir / "master")
-    token = master_token(state_dir / "master", keys, rotate=args.new_token)
-    hub = Hub(args.bind, args.port, model_names=(source.name,), keys=keys, token=token)
-    announcer = None
-    try:
-        if not args.no_announce:
-            addresses = announce_addresses(args.bind, args.interface)
-            ad = MasterAd(
-                args.cluster or socket.gethostname(),
-                source.name,
-                PROTOCOL_VERSION,
-                fingerprint(keys.public),
-                addresses[0],
-                hub.port,
-            )
-            announcer = Announcer(ad, addresses, args.interface)
-        print(
-            f"edgetp master: {source.name} on port {hub.port} (key {fingerprint(keys.public)})\n"
-            f"on each worker run:  edgetp join THIS_HOST:{hub.port} --token {token}",
-            file=sys.stderr,
+    if local is not None:
+        return local_session(
+            source,
+            local,
+            args.capacities,
+            args.threads,
+            args.state_dir,
+            args.context,
+            slots,
+            args.verbose,
+            memory=_memory(args),
         )
-        hub.wait_for_workers(args.workers, timeout=args.join_timeout)
-        master_speed = measure_capacity(threads).score()
+    set_threads(args.threads)
+    return lan_session(
+        source,
+        args.state_dir or default_state_dir(),
+        _lan(args),
+        args.context,
+        slots,
+        _memory(args),
+        args.capacities,
+        who=who,
+        workers=args.workers,
+        join_timeout=args.join_timeout,
+        progress=_split_progress(),
+    )
 
-        def plan() -> Engine:
-            nodes = 1 + len(hub.members)
-            capacities = (
-                args.capacities
-                if args.capacities and len(args.capacities) == nodes
-                else [
-                    master_speed,
-                    *(m.capacity.score() for m in hub.members),
-                ]
+
+def _local_nodes(args: argparse.Namespace) -> int | None:
+    """The processes of this machine a serve or chat runs (None: devices join over the LAN)."""
+    return len(args.capacities) if args.capacities else args.local_nodes
+
+
+def _lan(args: argparse.Namespace) -> LanOptions:
+    from master.lan import LanOptions
+
+    if args.workers < 0:
+        raise ValueError(f"--workers must be at least 0, got {args.workers}")
+    return LanOptions(
+        bind=args.lan_bind,
+        port=args.lan_port,
+        new_token=args.new_token,
+        announce=not args.no_announce,
+        cluster=args.cluster,
+        interface=args.interface,
+    )
+
+
+def _split_progress() -> Any:
+    """A progress callback `(stage, done, total)` drawing a bar while a split runs."""
+    from tui.progress import StageBars
+
+    return StageBars()
+
+
+def _master(args: argparse.Namespace) -> None:
+    from master.cluster import ClusterError
+    from master.generate import start, stream
+    from master.sampling import SamplingParams
+    from master.session import open_with_tokenizer, prompt_tokens
+
+    source, tokenizer = open_with_tokenizer(args.model)
+    with _session(args, source, 1, "edgetp master") as session:
+        if not sys.stdin.isatty():
+            print(
+                "edgetp master: ready; stdin is not a terminal, so it serves the cluster "
+                "until stopped (SIGTERM or Ctrl-C)",
+                file=sys.stderr,
+                flush=True,
             )
-            with progress_bar("splitting into shards (layers)", in_bytes=False) as split_progress:
-                return cluster_engine(
-                    source,
-                    hub,
-                    capacities,
-                    state_dir / "master",
-                    args.context,
-                    progress=lambda _, done, total: split_progress(done, total),
-                    memory=_memory(args),
-                )
-
-        engine = plan()
+            _until_stopped(session)
+            return
         print("edgetp master: ready; type a prompt per line (Ctrl-D to stop)", file=sys.stderr)
         for line in sys.stdin:
             if not line.strip():
                 continue
-            if hub.membership_changed():  # between requests: re-plan for who is here now
-                hub.take_in_changes()
-                shipped = hub.shipped_bytes
-                engine.close()  # before the new one loads: a device cannot hold both
-                engine = plan()
-                print(
-                    f"edgetp master: re-planned for {1 + len(hub.members)} nodes; "
-                    f"shipped {hub.shipped_bytes - shipped} bytes",
-                    file=sys.stderr,
-                )
             try:
+                session.replan_if_changed()  # between requests: plan for who is here now
+                assert session.engine is not None
                 seqs = start(
-                    engine,
+                    session.engine,
                     [prompt_tokens(tokenizer, line.strip(), raw=False)],
                     [SamplingParams(max_tokens=args.max_tokens)],
                 )
-                for _, text in stream(engine, tokenizer, seqs):
+                for _, text in stream(session.engine, tokenizer, seqs):
                     sys.stdout.write(text)
                     sys.stdout.flush()
                 sys.stdout.write("\n")
             except (ClusterError, ModelError) as exc:  # the master keeps running
                 print(f"edgetp: error: {exc}", file=sys.stderr)
-    finally:
-        if announcer:
-            announcer.close()
-        hub.close()
+
+
+def _until_stopped(session: Session) -> None:
+    """Keep the cluster up, taking in devices that join or leave, until SIGTERM."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.is_set():
+        session.replan_if_changed(wait=0.5)
+    print("edgetp master: stopping (SIGTERM)", file=sys.stderr)
 
 
 def _join(args: argparse.Namespace) -> None:
@@ -505,23 +556,21 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    import os
-
     from master.bridge.server import serve
+    from master.session import open_with_tokenizer
 
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
+    source, tokenizer = open_with_tokenizer(args.model)
     serve(
+        _session(args, source, args.max_batch, "edgetp serve", _local_nodes(args)),
+        source,
+        tokenizer,
         args.model,
-        len(args.capacities) if args.capacities else args.local_nodes,
-        args.capacities,
-        args.threads,
-        args.state_dir,
-        args.context,
         args.host,
         args.port,
         args.api_key or os.environ.get("EDGETP_API_KEY"),
-        args.max_batch,
         args.verbose,
-        memory=_memory(args),
     )
 
 

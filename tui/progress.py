@@ -24,3 +24,22 @@ def progress_bar(description: str, in_bytes: bool) -> Iterator[Callable[[int, in
                 bar.stop()
 
         yield update
+
+
+class StageBars:
+    """A progress callback `(stage, done, total)` for work that comes back (a re-plan splits
+    again): a bar per run of a stage, removed when the stage is done."""
+
+    def __init__(self) -> None:
+        self._bar: contextlib.ExitStack | None = None
+        self._update: Callable[[int, int], None] | None = None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if self._bar is None:
+            self._bar = contextlib.ExitStack()
+            self._update = self._bar.enter_context(progress_bar(stage, in_bytes=False))
+        assert self._update is not None
+        self._update(done, total)
+        if done >= total:
+            self._bar.close()
+            self._bar = None

@@ -225,7 +225,7 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
     async def cluster() -> Any:
         """The nodes and their live figures, the allreduce latency, the generation counters."""
         stats = served.batcher.stats()
-        return cluster_figures(served.batcher.engine, served.model_id, stats)
+        return cluster_figures(served.batcher.session, served.model_id, stats)
 
     @app.post(
         "/v1/chat/completions",
@@ -269,7 +269,7 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Any:
         """The continuation of a text (or of token ids), without a chat template."""
         _check_model(served, body.model)
-        vocab = min(served.tokenizer.vocab_size, served.batcher.engine.config.vocab_size)
+        vocab = min(served.tokenizer.vocab_size, served.batcher.config.vocab_size)
         prompt, text = await run_in_threadpool(
             _completion_prompt, served.tokenizer, body.prompt, vocab
         )
@@ -298,12 +298,11 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
         for name, definition in defs.get("$defs", {}).items():
             schemas.setdefault(name, definition)
         # Bounds that depend on the model served: the context and the vocabulary.
-        engine = served.batcher.engine
-        vocab = min(served.tokenizer.vocab_size, engine.config.vocab_size)
+        vocab = min(served.tokenizer.vocab_size, served.batcher.config.vocab_size)
         for name in ("ChatCompletionRequest", "CompletionRequest"):
             props = schemas.get(name, {}).get("properties", {})
             for field in ("max_tokens", "max_completion_tokens"):
-                _set_maximum(props.get(field), engine.max_context - 1)
+                _set_maximum(props.get(field), served.batcher.max_context - 1)
             _set_maximum(props.get("prompt"), vocab - 1)
         app.openapi_schema = schema
         return schema
@@ -413,7 +412,7 @@ async def _generate(
     echo: str,
 ) -> Response:
     """Submit to the batcher; answer with one JSON object or a stream of server-sent events."""
-    context = served.batcher.engine.max_context
+    context = served.batcher.max_context
     params = _params(body, len(prompt), limit, context, prompt_param)
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     loop = asyncio.get_running_loop()

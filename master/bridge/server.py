@@ -1,4 +1,6 @@
-"""`edgetp serve`: a local cluster (or one process) behind the REST bridge, on uvicorn.
+"""`edgetp serve`: a cluster session behind the REST bridge, on uvicorn.
+
+The session is a LAN master that devices join at any time, or a cluster on this machine.
 
 The socket is bound before uvicorn starts, so `--port 0` works: the line printed on stderr
 names the port taken. Ctrl-C (or SIGTERM) stops the generation loop, so running requests end at
@@ -7,19 +9,21 @@ once with a "shutting down" error, then stops accepting, and then the cluster.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import sys
 import threading
-from collections.abc import Sequence
-from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from master.batcher import Batcher
 from master.bridge.app import Served, create_app
-from memory.budget import ALL_RESIDENT, MemoryOptions
+from master.session import Session
+from models.config import DEFAULT_MODEL
+from models.source import ModelSource
+from models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -48,37 +52,27 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(
-    model: str | None,
-    nodes: int = 1,
-    capacities: Sequence[float] | None = None,
-    threads: int | None = None,
-    state_dir: Path | None = None,
-    context: int | None = None,
+    sessions: contextlib.AbstractContextManager[Session],
+    source: ModelSource,
+    tokenizer: Tokenizer,
+    model: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
-    max_batch: int = 8,
     verbose: bool = False,
-    memory: MemoryOptions = ALL_RESIDENT,
 ) -> None:
-    """Load the model on `nodes` local processes and serve it until interrupted."""
-    from master.local import local_engine
-    from master.session import open_with_tokenizer
-    from models.source import DEFAULT_MODEL
+    """Enter `sessions` (a started session of `source`) and serve it until interrupted.
 
-    if max_batch < 1:
-        raise ValueError(f"--max-batch must be at least 1, got {max_batch}")
+    `model` is the name the model was asked for, accepted in requests besides its own.
+    """
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the option out")
     sock = bind(host, port)  # before the slow load: a taken port fails at once
     try:
-        source, tokenizer = open_with_tokenizer(model)
         aliases = tuple({model or DEFAULT_MODEL, source.path.stem} - {source.name})
         created = int(source.path.stat().st_mtime)
-        with local_engine(
-            source, nodes, capacities, threads, state_dir, context, max_batch, verbose, memory
-        ) as engine:
-            batcher = Batcher(engine, tokenizer).start()
+        with sessions as session:
+            batcher = Batcher(session, tokenizer).start()
             try:
                 served = Served(batcher, tokenizer, source.name, aliases, created)
                 app = create_app(served, api_key)
@@ -91,8 +85,9 @@ def serve(
                 bound_host, bound_port = sock.getsockname()[:2]
                 shown = f"[{bound_host}]" if ":" in bound_host else bound_host
                 print(
-                    f"edgetp serve: {source.name} on {nodes} node(s), {max_batch} slots, "
-                    f"context {engine.max_context}; OpenAI API at http://{shown}:{bound_port}/v1",
+                    f"edgetp serve: {source.name} on {session.nodes} node(s), {session.slots} "
+                    f"slots, context {session.max_context}; OpenAI API at "
+                    f"http://{shown}:{bound_port}/v1",
                     file=sys.stderr,
                     flush=True,
                 )

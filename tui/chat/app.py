@@ -61,6 +61,7 @@ class ChatApp(App[None]):
         sampling: Sampling | None = None,
         poll_s: float = POLL_S,
         down_hint: str = "",
+        join_hint: str = "",
     ) -> None:
         super().__init__()
         self.client = client
@@ -68,6 +69,7 @@ class ChatApp(App[None]):
         self.conversation = conversation or Conversation.new(system, sampling)
         self.poll_s = poll_s
         self.down_hint = down_hint  # added to a "cluster down" error: how to get it back
+        self.join_hint = join_hint  # how a device joins this cluster (a local bridge's line)
         self.answering: Worker[None] | None = None
         self.model_id = ""
         self._polling = False
@@ -97,6 +99,8 @@ class ChatApp(App[None]):
         self.load_model()
         self.poll_cluster()
         self.set_interval(self.poll_s, self.poll_cluster)
+        if self.join_hint:
+            self.notify(self.join_hint, title="devices join with", timeout=60)
 
     async def on_unmount(self) -> None:
         await self.client.aclose()

@@ -59,20 +59,25 @@ def run(args: argparse.Namespace) -> None:
             base = args.connect
             api_key = args.api_key or os.environ.get("EDGETP_API_KEY")
             check_bridge(base, api_key)
-            hint = ""
+            hint = join = ""
         else:
             nodes = len(args.capacities) if args.capacities else args.local_nodes
-            print(f"edgetp chat: starting a local cluster of {nodes} node(s)…", file=sys.stderr)
+            what = f"a local cluster of {nodes} node(s)" if nodes else "a cluster devices can join"
+            print(f"edgetp chat: starting {what}…", file=sys.stderr)
             local = LocalBridge(_serve_args(args), verbose=args.verbose)
             base = local.start()
             api_key = None
             hint = "The local cluster stays down: quit (Ctrl+Q) and start edgetp chat again."
+            join = next((line for line in local.log if "edgetp join" in line), "")
+            if join:  # the app is about to take the screen: it shows the line too
+                print(join, file=sys.stderr)
         app = ChatApp(
             BridgeClient(base, api_key),
             store,
             system=args.system,
             sampling=sampling,
             down_hint=hint,
+            join_hint=join,
         )
         app.run()
     except BridgeError as exc:
@@ -83,7 +88,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _serve_args(args: argparse.Namespace) -> list[str]:
-    out = ["--local-nodes", str(args.local_nodes)]
+    out = ["--local-nodes", str(args.local_nodes)] if args.local_nodes is not None else []
     if args.capacities:
         out += ["--capacities", ",".join(f"{c:g}" for c in args.capacities)]
     for flag, value in (
@@ -94,11 +99,22 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
         ("--memory-budget", args.memory_budget),
         ("--window", args.window),
         ("--dtype", args.dtype if args.dtype != "f32" else None),
+        ("--cluster-bind", args.lan_bind),
+        ("--cluster-port", args.lan_port),
+        ("--workers", args.workers),
+        ("--join-timeout", args.join_timeout),
+        ("--cluster", args.cluster),
+        ("--interface", args.interface),
     ):
         if value is not None:
             out += [flag, str(value)]
-    if args.drop_cache:
-        out.append("--drop-cache")
+    for flag, given in (
+        ("--drop-cache", args.drop_cache),
+        ("--new-token", args.new_token),
+        ("--no-announce", args.no_announce),
+    ):
+        if given:
+            out.append(flag)
     return out
 
 
@@ -110,7 +126,9 @@ def _only_local(args: argparse.Namespace) -> None:
             ("--context", args.context),
             ("--threads", args.threads),
             ("--capacities", args.capacities),
-            ("--local-nodes", args.local_nodes if args.local_nodes != 1 else None),
+            ("--local-nodes", args.local_nodes),
+            ("--workers", args.workers or None),
+            ("--no-announce", args.no_announce or None),
             ("--memory-budget", args.memory_budget),
             ("--window", args.window),
             ("--dtype", args.dtype if args.dtype != "f32" else None),

@@ -96,7 +96,7 @@ def node_block(node: NodeFigures) -> RenderableType:
     if not node.alive:
         state = Text("✕ down", style="bold red")
     elif not node.ready:
-        state = Text("○ joining", style="yellow")
+        state = Text("○ joining" if node.role == "worker" else "○ planning", style="yellow")
     else:
         state = Text("● up", style="green")
     title = Text.assemble((node.name, "bold"), "  ", (node.role, "italic"), "  ", state)

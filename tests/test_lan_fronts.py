@@ -1,0 +1,153 @@
+"""The fronts on devices that join over the network: `edgetp serve` (and the chat on it) and
+`edgetp master` as a service. Real `edgetp join` processes over loopback, the real model."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+from rich.console import Console
+from textual.widgets import Static
+
+from tui.chat.app import ChatApp
+from tui.chat.client import BridgeClient, LocalBridge, Sampling
+from tui.chat.store import ConversationStore
+
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
+
+EDGETP = Path(sys.executable).parent / "edgetp"
+JOIN_LINE = re.compile(r"edgetp join THIS_HOST:(\d+) --token (\S+)")
+QUESTION = "Name the largest planet of the solar system in one sentence."
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def edgetp(*args: str, **kw) -> subprocess.Popen:
+    cmd = [str(EDGETP)] if EDGETP.exists() else [sys.executable, "-m", "tui.cli"]
+    return subprocess.Popen([*cmd, *args], env=os.environ, **kw)
+
+
+def join(port: str, token: str, name: str, state: Path) -> subprocess.Popen:
+    state.mkdir(parents=True, exist_ok=True)
+    with open(state / "join.log", "wb") as log:
+        return edgetp(
+            "join", f"127.0.0.1:{port}", "--token", token, "--name", name, "--threads", "1",
+            "--state-dir", str(state), stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def greedy_answer(base_url: str) -> str:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=24,
+        temperature=0,
+        timeout=120,
+    )
+    return reply.choices[0].message.content or ""
+
+
+def panel_text(app: ChatApp) -> str:
+    """The cluster panel's node blocks as the terminal shows them."""
+    console = Console(width=60, file=io.StringIO(), record=True)
+    console.print(app.cluster_panel.query_one("#cluster-nodes", Static).content)
+    return console.export_text()
+
+
+async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp_path):
+    """`edgetp chat` without --local-nodes starts a cluster devices can join: two `edgetp join`
+    processes join it while it serves, the panel shows them with their addresses once
+    re-planned, and the greedy answer over the openai client equals the master's alone."""
+    bridge = LocalBridge(
+        ["--cluster-port", "0", "--no-announce", "--context", "256",
+         "--state-dir", str(tmp_path / "master")]
+    )  # fmt: skip
+    await asyncio.to_thread(bridge.start, 240)
+    devices: list[subprocess.Popen] = []
+    try:
+        alone = await asyncio.to_thread(greedy_answer, bridge.base_url)
+        found = [m for line in bridge.log if (m := JOIN_LINE.search(line))]
+        assert found, "\n".join(bridge.log)
+        port, token = found[0].groups()
+        devices = [join(port, token, f"dev-{k}", tmp_path / f"dev-{k}") for k in (1, 2)]
+        store = ConversationStore(tmp_path / "conversations")
+        app = ChatApp(BridgeClient(bridge.base_url), store, sampling=Sampling(), poll_s=0.5)
+        async with app.run_test(size=(110, 36)) as pilot:
+            deadline = time.monotonic() + 180
+            while not (
+                (text := panel_text(app)).count("● up") == 3 and "dev-1" in text and "dev-2" in text
+            ):
+                assert time.monotonic() < deadline, f"the devices never showed up:\n{text}"
+                assert all(d.poll() is None for d in devices), "a device exited"
+                await pilot.pause(0.2)
+        assert text.count("127.0.0.1") >= 2, text  # each device's address
+        figures = httpx.get(f"{bridge.base_url}/v1/cluster", timeout=10).json()
+        assert sorted(n["name"] for n in figures["nodes"]) == ["dev-1", "dev-2", "master"]
+        states = [(n["name"], n["ready"], n["share"]) for n in figures["nodes"]]
+        assert all(ready and (share or 0) > 0 for _, ready, share in states), states
+        together = await asyncio.to_thread(greedy_answer, bridge.base_url)
+        print(f"alone: {alone!r}\n3 nodes: {together!r}")
+        assert together == alone and alone.strip()
+    finally:
+        bridge.stop()
+        stop(devices)
+    assert [d.returncode for d in devices] == [0, 0]  # told BYE, they left cleanly
+
+
+def test_a_master_without_a_terminal_serves_until_sigterm(tmp_path):
+    """Run as a service (stdin at end-of-file), `edgetp master` keeps its worker after the
+    first plan, and SIGTERM stops both cleanly."""
+    master_err = open(tmp_path / "master.log", "w+")
+    master = edgetp(
+        "master", "--port", "0", "--no-announce", "--workers", "1", "--context", "128",
+        "--state-dir", str(tmp_path / "master"),
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=master_err, text=True,
+    )  # fmt: skip
+    devices: list[subprocess.Popen] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (found := JOIN_LINE.search(Path(master_err.name).read_text())):
+            assert master.poll() is None and time.monotonic() < deadline, Path(
+                master_err.name
+            ).read_text()
+            time.sleep(0.1)
+        devices = [join(*found.groups(), "dev-1", tmp_path / "dev-1")]
+        deadline = time.monotonic() + 180
+        while "ready; stdin is not a terminal" not in Path(master_err.name).read_text():
+            assert master.poll() is None, Path(master_err.name).read_text()
+            assert time.monotonic() < deadline, Path(master_err.name).read_text()
+            time.sleep(0.2)
+        time.sleep(3)  # well past end-of-file on stdin: both still run
+        assert master.poll() is None and devices[0].poll() is None
+        master.send_signal(signal.SIGTERM)
+        assert master.wait(30) == 0, Path(master_err.name).read_text()
+        assert devices[0].wait(30) == 0  # the master said BYE
+    finally:
+        stop([master, *devices])
+        master_err.close()
