@@ -21,7 +21,7 @@ from master.plan import plan_slices
 from master.session import Session
 from memory.budget import ALL_RESIDENT, MemoryOptions
 from memory.files import default_state_dir
-from models.kernels import set_threads
+from models.kernels import device_cores, set_threads
 from models.source import ModelSource
 from node.device import plan_shapes, prepare
 from node.security import TOKEN_ENV, JoinToken
@@ -32,7 +32,7 @@ JOIN_TIMEOUT = 120.0  # s for a local worker to start and say HELLO
 
 
 def thread_share(nodes: int) -> int:
-    return max(1, (os.cpu_count() or 1) // nodes)
+    return max(1, device_cores() // nodes)
 
 
 class LocalWorkers:

@@ -170,17 +170,30 @@ def _kernel(dtype: str, rows: int, out: int, inp: int) -> Kernel:
 
 _share: int | None = None  # this process's share of the cores, as last set
 _blas_threads = 1  # BLAS threads in force now: kernels are timed with these
+CORES_ENV = "EDGETP_CORES"  # the cores edgetp may use on this device (default: all of them)
+
+
+def device_cores() -> int:
+    """The cores edgetp's processes on this device share: `$EDGETP_CORES`, else all of them
+    (a device that also runs other work, or a test run of several processes, sets it)."""
+    given = os.environ.get(CORES_ENV, "")
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"{CORES_ENV}={given!r} is not a whole number of at least 1")
+        return int(given)
+    return os.cpu_count() or 1
 
 
 def set_threads(threads: int | None = None) -> int:
-    """This process's share of the cores (all unless told otherwise) for the BLAS matmuls.
+    """This process's share of the cores (all of `device_cores()` unless told) for the BLAS
+    matmuls.
 
     Torch keeps one thread: the projections run on OpenBLAS and what torch still does per step
     is small; its OpenMP workers spinning between ops would steal the cores from OpenBLAS's
     threads (measured: 260 ms/token instead of 14 on SmolLM2 with both at 2).
     """
     global _share
-    _share = threads or os.cpu_count() or 1
+    _share = threads or device_cores()
     return limit_blas(_share)
 
 
@@ -191,7 +204,7 @@ def leave_a_core_to_the_loader(streaming: bool) -> int:
     of 2 from a cold disk took 576 ms/token against 327 for the reads alone with 2 threads,
     and 355 against 348 with one. Streaming is bound by its reads, so compute loses nothing.
     """
-    share = _share or os.cpu_count() or 1
+    share = _share or device_cores()
     return limit_blas(max(1, share - 1) if streaming else share)
 
 

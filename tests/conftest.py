@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.kernels import set_threads
+from models.kernels import CORES_ENV, set_threads
 from models.source import DEFAULT_MODEL, GGUFSource, ModelSource, open_model
 
 set_threads()
@@ -19,10 +19,19 @@ set_threads()
 def pytest_configure(config):
     """One state folder for the whole run, its xdist workers and the nodes they start: what a
     device keeps across clusters (its kernel table) is checked once per run, and nothing is
-    written under the home folder."""
-    if "EDGETP_HOME" not in os.environ and not hasattr(config, "workerinput"):
+    written under the home folder.
+
+    With N test processes, each of them and every node it starts gets 1/N of the cores, as N
+    nodes of one machine would: BLAS threads beyond the cores spin and slow every process.
+    """
+    if hasattr(config, "workerinput"):
+        return
+    if "EDGETP_HOME" not in os.environ:
         os.environ["EDGETP_HOME"] = tempfile.mkdtemp(prefix="edgetp-tests-")
         config._edgetp_home = os.environ["EDGETP_HOME"]
+    processes = getattr(config.option, "numprocesses", None)
+    if CORES_ENV not in os.environ and isinstance(processes, int) and processes > 1:
+        os.environ[CORES_ENV] = str(max(1, (os.cpu_count() or 1) // processes))
 
 
 def pytest_unconfigure(config):

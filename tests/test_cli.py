@@ -94,6 +94,11 @@ def test_out_of_range_sampling_value():
     assert_clear_error(run("run", "--top-p", "0", "hi"), "top_p")
 
 
+def test_a_bad_core_count_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("EDGETP_CORES", "two")
+    assert_clear_error(run("run", "hi"), "EDGETP_CORES='two' is not a whole number")
+
+
 def test_the_parser_and_the_chat_app_start_without_torch():
     """`edgetp --help` and the chat app (a bridge client) load in a fraction of torch's time."""
     probe = (

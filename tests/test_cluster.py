@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from cluster_threads import master_threads
 
 from master.cluster import ClusterError, Hub
 from master.engine import Engine
@@ -39,7 +40,8 @@ def local_cluster(source, capacities, state_dir: Path, worker_dir: Path | None =
         len(capacities) - 1, hub.port, 1, worker_dir or state_dir, False, hub.token
     )
     try:
-        yield session.start(workers=len(capacities) - 1, timeout=120), hub, workers
+        with master_threads(len(capacities)):
+            yield session.start(workers=len(capacities) - 1, timeout=120), hub, workers
     finally:
         session.close()
         for p in workers.procs:

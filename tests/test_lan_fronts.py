@@ -83,9 +83,10 @@ def panel_text(app: ChatApp) -> str:
 async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp_path):
     """`edgetp chat` without --local-nodes starts a cluster devices can join: two `edgetp join`
     processes join it while it serves, the panel shows them with their addresses once
-    re-planned, and the greedy answer over the openai client equals the master's alone."""
+    re-planned, and the greedy answer over the openai client equals the master's alone.
+    (One thread a process: the three share this machine's two cores.)"""
     bridge = LocalBridge(
-        ["--cluster-port", "0", "--no-announce", "--context", "256",
+        ["--cluster-port", "0", "--no-announce", "--context", "256", "--threads", "1",
          "--state-dir", str(tmp_path / "master")]
     )  # fmt: skip
     await asyncio.to_thread(bridge.start, 240)
@@ -126,6 +127,7 @@ def test_a_master_without_a_terminal_serves_until_sigterm(tmp_path):
     master_err = open(tmp_path / "master.log", "w+")
     master = edgetp(
         "master", "--port", "0", "--no-announce", "--workers", "1", "--context", "128",
+        "--threads", "1",
         "--state-dir", str(tmp_path / "master"),
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=master_err, text=True,
     )  # fmt: skip

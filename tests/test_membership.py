@@ -6,6 +6,7 @@ import signal
 import time
 
 import pytest
+from cluster_threads import master_threads
 
 from master.cluster import Hub
 from master.generate import start, stream
@@ -25,6 +26,7 @@ def answer(session: Session, tokenizer) -> list[int]:
     return g.tokens
 
 
+@master_threads(3)
 def test_join_and_leave_between_requests(smollm2, smollm2_tokenizer, tmp_path):
     hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
     session = Session(smollm2, hub, tmp_path / "master", 128, 1, equal_shares=True)

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 import zmq
+from cluster_threads import master_threads
 
 from master.cluster import ClusterError, Hub
 from master.generate import start, stream
@@ -154,6 +155,7 @@ class Sniffer:
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="capturing packets needs root")
+@master_threads(2)
 def test_traffic_between_master_and_worker_is_encrypted(smollm2, smollm2_tokenizer, tmp_path):
     prompt = "The secret password is swordfish. Repeat the secret password:"
     ids = smollm2_tokenizer.encode(prompt)
