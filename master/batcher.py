@@ -319,31 +319,25 @@ class Batcher:
                 self._failed += 1
                 if not job.cancelled:
                     _emit(job, Failed(NodeLost(f"{exc}; re-planning on the nodes left")))
-        try:
-            self.session.replan()  # lets go of the old engine before the new one loads
-        except Exception as again:  # noqa: BLE001 - whatever it was, the cluster is down
-            log.exception("re-planning failed")
-            with self._cond:
-                self._down = (
-                    f"the cluster is down: {exc}; re-planning failed ({again}); "
-                    "restart edgetp serve"
-                )
-                self._fail_all(ClusterError(self._down))
-            return
-        log.warning("re-planned on %d node(s)", self.session.nodes)
+        if self._replanned(self.session.replan, f"{exc}; re-planning"):
+            log.warning("re-planned on %d node(s)", self.session.nodes)
 
     def _take_in_changes(self) -> None:
         """Between requests: nodes that joined get a share, nodes that left give theirs up."""
+        self._replanned(self.session.replan_if_changed, "re-planning for the nodes here")
+
+    def _replanned(self, replan: Callable[[], object], what: str) -> bool:
+        """Run `replan`; if it fails, the cluster is down: every request fails, and later ones
+        are refused, with what happened."""
         try:
-            self.session.replan_if_changed()
+            replan()  # the session lets go of the old engine before the new one loads
         except Exception as exc:  # noqa: BLE001 - whatever it was, the cluster is down
-            log.exception("re-planning for the nodes here failed")
+            log.exception("%s failed", what)
             with self._cond:
-                self._down = (
-                    f"the cluster is down: re-planning for the nodes here failed ({exc}); "
-                    "restart edgetp serve"
-                )
+                self._down = f"the cluster is down: {what} failed ({exc}); restart edgetp serve"
                 self._fail_all(ClusterError(self._down))
+            return False
+        return True
 
     def _admit(self) -> None:
         """Drop cancelled requests, then fill free slots from the waiting line (lock held)."""

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from master.cluster import Hub
 from master.engine import Engine
@@ -133,20 +134,8 @@ def local_session(
 
 
 @contextlib.contextmanager
-def local_engine(
-    source: ModelSource,
-    nodes: int,
-    capacities: Sequence[float] | None = None,
-    threads: int | None = None,
-    state_dir: Path | None = None,
-    context: int | None = None,
-    slots: int = 1,
-    verbose: bool = False,
-    memory: MemoryOptions = ALL_RESIDENT,
-) -> Iterator[Engine]:
-    """The engine of a `local_session` (for one-shot runs and benchmarks)."""
-    with local_session(
-        source, nodes, capacities, threads, state_dir, context, slots, verbose, memory
-    ) as session:
+def local_engine(source: ModelSource, nodes: int, **options: Any) -> Iterator[Engine]:
+    """The engine of a `local_session` with these `options` (for one-shot runs, benchmarks)."""
+    with local_session(source, nodes, **options) as session:
         assert session.engine is not None
         yield session.engine

@@ -338,12 +338,11 @@ def _engine(args: argparse.Namespace, source: ModelSource) -> contextlib.Abstrac
     return local_engine(
         source,
         nodes,
-        args.capacities,
-        args.threads,
-        args.state_dir,
-        args.context,
-        1,
-        args.verbose,
+        capacities=args.capacities,
+        threads=args.threads,
+        state_dir=args.state_dir,
+        context=args.context,
+        verbose=args.verbose,
         memory=_memory(args),
     )
 
