@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -174,14 +175,43 @@ CORES_ENV = "EDGETP_CORES"  # the cores edgetp may use on this device (default: 
 
 
 def device_cores() -> int:
-    """The cores edgetp's processes on this device share: `$EDGETP_CORES`, else all of them
-    (a device that also runs other work, or a test run of several processes, sets it)."""
+    """The cores edgetp's processes on this device share: `$EDGETP_CORES`, else the cores of
+    this process's CPU quota (a cgroup: a container, or an emulated smaller device), else all.
+
+    More BLAS threads than the quota allows only take turns and spin: a 1-CPU cgroup on a
+    2-core host runs one thread.
+    """
     given = os.environ.get(CORES_ENV, "")
     if given:
         if not given.isdigit() or int(given) < 1:
             raise ValueError(f"{CORES_ENV}={given!r} is not a whole number of at least 1")
         return int(given)
-    return os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if "/" in quota:
+        share, period = (int(x) for x in quota.split("/"))
+        cores = max(1, min(cores, share // period))
+    return cores
+
+
+def cgroup_cpu_quota() -> str:
+    """This process's CPU quota (cgroup), "none" when unlimited: a node run as a smaller device
+    (a cgroup with a quota) must time its kernels as that device, not read another's times."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "cpu" in controllers.split(","):  # cgroup v1
+                base = Path("/sys/fs/cgroup/cpu") / path.lstrip("/")
+                quota = (base / "cpu.cfs_quota_us").read_text().strip()
+                period = (base / "cpu.cfs_period_us").read_text().strip()
+                return "none" if quota == "-1" else f"{quota}/{period}"
+            if controllers == "":  # cgroup v2: "max 100000" or "50000 100000"
+                text = (Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.max").read_text()
+                quota, period = text.split()
+                return "none" if quota == "max" else f"{quota}/{period}"
+    except (OSError, ValueError):
+        pass
+    return "unknown"
 
 
 def set_threads(threads: int | None = None) -> int:

@@ -79,7 +79,7 @@ def fingerprint() -> dict[str, str]:
         pass
     return {
         "cpu": cpu,
-        "cpu_quota": _cpu_quota(),
+        "cpu_quota": kernels.cgroup_cpu_quota(),
         "flags": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16],
         "machine": platform.machine(),
         "python": platform.python_version(),
@@ -87,26 +87,6 @@ def fingerprint() -> dict[str, str]:
         "numpy": np.__version__,
         "check": str(CHECK_VERSION),
     }
-
-
-def _cpu_quota() -> str:
-    """This process's CPU quota (cgroup), "none" when unlimited: a node run as a smaller device
-    (a cgroup with a quota) must time its kernels as that device, not read another's times."""
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            if "cpu" in controllers.split(","):  # cgroup v1
-                base = Path("/sys/fs/cgroup/cpu") / path.lstrip("/")
-                quota = (base / "cpu.cfs_quota_us").read_text().strip()
-                period = (base / "cpu.cfs_period_us").read_text().strip()
-                return "none" if quota == "-1" else f"{quota}/{period}"
-            if controllers == "":  # cgroup v2: "max 100000" or "50000 100000"
-                text = (Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.max").read_text()
-                quota, period = text.split()
-                return "none" if quota == "max" else f"{quota}/{period}"
-    except (OSError, ValueError):
-        pass
-    return "unknown"
 
 
 def _cache_path(cache_dir: Path, device: dict[str, str]) -> Path:

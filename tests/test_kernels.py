@@ -136,3 +136,32 @@ def test_the_kernels_command_shows_every_candidate_and_one_choice_per_row():
     assert len(rows) == 5 * len(kernels.ROW_BUCKETS), first.stdout
     for row in rows:
         assert row.count("*") == 1, row
+
+
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.mark.skipif(not os.access(CGROUP_CPU, os.W_OK), reason="needs a writable cgroup v1 cpu")
+@pytest.mark.parametrize(("quota", "cores"), [(100_000, 1), (50_000, 1), (-1, os.cpu_count())])
+def test_a_process_in_a_cpu_quota_uses_the_cores_of_its_quota(quota, cores):
+    """A node run in a cgroup of one CPU (a container, an emulated small device) starts one
+    BLAS thread, not one per core of the host."""
+    group = CGROUP_CPU / f"edgetp-test-{os.getpid()}-{quota}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
+        probe = (
+            "import os, sys\n"
+            f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
+            "from models.kernels import device_cores, set_threads\n"
+            "print(device_cores(), set_threads())"
+        )
+        env = {k: v for k, v in os.environ.items() if k != "EDGETP_CORES"}
+        result = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split() == [str(cores), str(cores)]
+    finally:
+        group.rmdir()
