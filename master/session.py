@@ -20,6 +20,7 @@ from memory.shards import Manifest, ShardStore
 from models.chat_template import render_chat
 from models.config import ModelConfig
 from models.errors import ModelError
+from models.kernels import blas_threads
 from models.layers import Slice
 from models.source import ModelSource, open_model
 from models.tokenizer import Tokenizer
@@ -253,7 +254,7 @@ class Session:
         if self.equal_shares or not members:
             return [1.0] * (1 + len(members))
         if self._master_speed is None:
-            self._master_speed = measure_capacity(torch.get_num_threads()).score()
+            self._master_speed = measure_capacity(blas_threads()).score()
         return [self._master_speed, *(m.capacity.score() for m in members)]
 
     def close(self, reason: str = "master shutting down") -> None:
