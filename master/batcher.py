@@ -270,6 +270,8 @@ class Batcher:
                 between_requests = not self._active and self._down is None
             if between_requests and self.session.can_replan:
                 self._take_in_changes()  # no KV cache to lose: nothing is running
+            elif self.session.can_replan:
+                self.session.answer_joins()  # planned in when the running requests are done
             with self._cond:
                 if self._closed:
                     return

@@ -238,6 +238,12 @@ class Session:
         )
         return True
 
+    def answer_joins(self) -> None:
+        """While requests run: tell devices that say HELLO they are in (they give up on a
+        master silent for 30 s), to be planned in by the next `replan_if_changed`."""
+        if self.hub is not None:
+            self.hub.membership_changed(0.0)
+
     def replan(self) -> Engine:
         """Plan again for the nodes here now (after a failure, or joins and leaves)."""
         if self.hub is None:

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,16 +62,22 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def greedy_answer(base_url: str) -> str:
+def greedy_answer(base_url: str, tokens: int = 24) -> str:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     reply = client.chat.completions.create(
         model="smollm2-135m-instruct",
         messages=[{"role": "user", "content": QUESTION}],
-        max_tokens=24,
+        max_tokens=tokens,
         temperature=0,
         timeout=120,
+        extra_body={"ignore_eos": True},
     )
     return reply.choices[0].message.content or ""
+
+
+def cluster_nodes(base_url: str) -> list[str]:
+    figures = httpx.get(f"{base_url}/v1/cluster", timeout=10).json()
+    return [n["name"] for n in figures["nodes"]]
 
 
 def panel_text(app: ChatApp) -> str:
@@ -82,11 +89,12 @@ def panel_text(app: ChatApp) -> str:
 
 async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp_path):
     """`edgetp chat` without --local-nodes starts a cluster devices can join: two `edgetp join`
-    processes join it while it serves, the panel shows them with their addresses once
-    re-planned, and the greedy answer over the openai client equals the master's alone.
+    processes join it while it answers (they are told they are in at once, and planned in once
+    the answer is done), the panel shows them with their addresses once re-planned, and the
+    greedy answer over the openai client equals the master's alone.
     (One thread a process: the three share this machine's two cores.)"""
     bridge = LocalBridge(
-        ["--cluster-port", "0", "--no-announce", "--context", "256", "--threads", "1",
+        ["--cluster-port", "0", "--no-announce", "--context", "512", "--threads", "1",
          "--state-dir", str(tmp_path / "master")]
     )  # fmt: skip
     await asyncio.to_thread(bridge.start, 240)
@@ -96,7 +104,19 @@ async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp
         found = [m for line in bridge.log if (m := JOIN_LINE.search(line))]
         assert found, "\n".join(bridge.log)
         port, token = found[0].groups()
+        answers: list[str] = []
+        long_answer = threading.Thread(
+            target=lambda: answers.append(greedy_answer(bridge.base_url, 300))
+        )
+        long_answer.start()
         devices = [join(port, token, f"dev-{k}", tmp_path / f"dev-{k}") for k in (1, 2)]
+        deadline = time.monotonic() + 60
+        while len(cluster_nodes(bridge.base_url)) < 3:  # HELLOs answered mid-answer
+            assert time.monotonic() < deadline, cluster_nodes(bridge.base_url)
+            await asyncio.sleep(0.2)
+        assert long_answer.is_alive(), "the answer ended before the devices were let in"
+        await asyncio.to_thread(long_answer.join)
+        assert len(answers) == 1 and answers[0].strip()  # it went on, undisturbed
         store = ConversationStore(tmp_path / "conversations")
         app = ChatApp(BridgeClient(bridge.base_url), store, sampling=Sampling(), poll_s=0.5)
         async with app.run_test(size=(110, 36)) as pilot:

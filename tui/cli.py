@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -434,11 +434,10 @@ def _master(args: argparse.Namespace) -> None:
             _until_stopped(session)
             return
         print("edgetp master: ready; type a prompt per line (Ctrl-D to stop)", file=sys.stderr)
-        for line in sys.stdin:
+        for line in _typed_lines(session):
             if not line.strip():
                 continue
             try:
-                session.replan_if_changed()  # between requests: plan for who is here now
                 assert session.engine is not None
                 seqs = start(
                     session.engine,
@@ -448,9 +447,24 @@ def _master(args: argparse.Namespace) -> None:
                 for _, text in stream(session.engine, tokenizer, seqs):
                     sys.stdout.write(text)
                     sys.stdout.flush()
+                    session.answer_joins()
                 sys.stdout.write("\n")
             except (ClusterError, ModelError) as exc:  # the master keeps running
                 print(f"edgetp: error: {exc}", file=sys.stderr)
+
+
+def _typed_lines(session: Session) -> Iterator[str]:
+    """Lines typed at the terminal until Ctrl-D; while none comes, devices that join or leave
+    are planned in (a joining device gives up on a master silent for 30 s)."""
+    import select
+
+    while True:
+        session.replan_if_changed()
+        if select.select([sys.stdin], [], [], 0.5)[0]:
+            line = sys.stdin.readline()
+            if not line:
+                return
+            yield line
 
 
 def _until_stopped(session: Session) -> None:
