@@ -10,7 +10,6 @@ import dataclasses
 import json
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -258,15 +257,15 @@ def run_cluster_bench(
     context: int | None,
     state_dir: Path | None,
     memory: MemoryOptions = ALL_RESIDENT,
-    overlap: bool = False,
     rss_tokens: int = 0,
     rounds: int = 3,
 ) -> dict[str, Any]:
     """ms/token, TTFT, allreduce latency and every node's loader and memory figures, for each
     node count, with a raw ZeroMQ floor.
 
-    `overlap` adds, per node count, a load-only and a compute-only run of the same window:
-    streaming hides its reads when ms/token is near max(load-only, compute-only).
+    Where nodes stream, each node count also gets its overlap: ms/token against the slowest
+    node's reads and its compute (waits excluded) per token, both measured in the same run.
+    Streaming hides its reads when ms/token is near the larger of the two.
     `rss_tokens` adds a long generation with each node's memory at its first and last token.
     """
     from master.session import open_with_tokenizer
@@ -277,22 +276,17 @@ def run_cluster_bench(
     raw = raw_round_trips((1, 1, hidden), 2000)
     raw_med, raw_p99 = statistics.median(raw) * 1e6, _percentile(raw, 0.99) * 1e6
     tcp_med = statistics.median(raw_tcp_round_trips(hidden * 4, 2000)) * 1e6
-    modes = ["normal", "load-only", "compute-only"] if overlap else ["normal"]
-    # Node counts (and with --overlap the three modes) alternate for `rounds` rounds and each
-    # keeps its median run: these shared machines drift by 20% between minutes, and a ratio of
-    # runs taken minutes apart would measure the drift.
-    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    # Node counts alternate for `rounds` rounds and each keeps its median run: these shared
+    # machines drift by 20% between minutes, and a ratio of runs taken minutes apart would
+    # measure the drift.
+    runs: dict[int, list[dict[str, Any]]] = {}
     for _round in range(rounds):
         for nodes in node_counts:
-            for mode in modes:
-                options = replace(memory, mode=mode)
-                runs.setdefault((nodes, mode), []).append(
-                    _cluster_run(
-                        source, tokenizer, prompt, nodes, n_tokens, context, state_dir, options
-                    )
-                )
+            runs.setdefault(nodes, []).append(
+                _cluster_run(source, tokenizer, prompt, nodes, n_tokens, context, state_dir, memory)
+            )
     rows = []
-    for (_nodes, _mode), kept in runs.items():
+    for kept in runs.values():
         ordered = sorted(kept, key=lambda r: r["ms_per_token"])
         median = ordered[len(ordered) // 2]
         median["rounds_ms_per_token"] = [r["ms_per_token"] for r in kept]
@@ -303,7 +297,7 @@ def run_cluster_bench(
     print(f"p99 {raw_p99:.0f} us; plain TCP, no ZeroMQ: median {tcp_med:.0f} us")
     base = rows[0]["ms_per_token"]
     title = "allreduce us (med/p99 per sum)"
-    print(f"{'nodes':>5} {'mode':<13}{'ms/token':>9}{'vs first':>9}{'TTFT ms':>9}{title:>33}")
+    print(f"{'nodes':>5}{'ms/token':>9}{'vs first':>9}{'TTFT ms':>9}{title:>33}")
     for r in rows:
         ar = (
             f"{r['allreduce_us_median']:.0f} / {r['allreduce_us_p99']:.0f}"
@@ -311,26 +305,14 @@ def run_cluster_bench(
             else "-"
         )
         print(
-            f"{r['nodes']:>5} {r['mode']:<13}{r['ms_per_token']:>9}"
+            f"{r['nodes']:>5}{r['ms_per_token']:>9}"
             f"{r['ms_per_token'] / base:>9.2f}{r['ttft_ms']:>9}{ar:>33}"
         )
-    normal = [r for r in rows if r["mode"] == "normal"]
-    for r in normal:
+    for r in rows:
         _print_nodes(r)
-    if overlap:
-        for nodes in node_counts:
-            by = {r["mode"]: r["ms_per_token"] for r in rows if r["nodes"] == nodes}
-            bound = max(by["load-only"], by["compute-only"])
-            print(
-                f"overlap, {nodes} node(s): streamed {by['normal']} ms/token vs max(load-only "
-                f"{by['load-only']}, compute-only {by['compute-only']}) = {bound}: "
-                f"ratio {by['normal'] / bound:.3f}"
-            )
+        _print_overlap(r)
     same = all(  # every round of every node count, not just the medians
-        r["tokens"] == normal[0]["tokens"]
-        for (_nodes, mode), kept in runs.items()
-        if mode == "normal"
-        for r in kept
+        r["tokens"] == rows[0]["tokens"] for kept in runs.values() for r in kept
     )
     print(f"greedy tokens identical across node counts: {same}")
     long_runs = []
@@ -364,6 +346,31 @@ def _describe(memory: MemoryOptions) -> str:
     )
 
 
+def _overlap(ms_per_token: float, per_node: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How well the slowest streaming node hides its reads behind its compute: ms/token over
+    the larger of its reads and its compute (waits excluded) per token, from the same run."""
+    streaming = [r for r in per_node if r.get("mb_read_per_token")]
+    if not streaming:
+        return None
+    slowest = max(
+        streaming, key=lambda r: max(r["load_ms_per_token"], r["own_compute_ms_per_token"])
+    )
+    load, compute = slowest["load_ms_per_token"], slowest["own_compute_ms_per_token"]
+    bound = max(load, compute)
+    ratio = round(ms_per_token / bound, 3) if bound else None
+    return {"node": slowest["node"], "load_ms": load, "compute_ms": compute, "ratio": ratio}
+
+
+def _print_overlap(run: dict[str, Any]) -> None:
+    o = run["overlap"]
+    if o is not None:
+        print(
+            f"overlap, {run['nodes']} node(s): {run['ms_per_token']} ms/token vs node "
+            f"{o['node']}'s reads {o['load_ms']} ms and compute {o['compute_ms']} ms per "
+            f"token: ratio {o['ratio']}"
+        )
+
+
 def _cluster_run(
     source: ModelSource,
     tokenizer: Any,
@@ -387,13 +394,13 @@ def _cluster_run(
         engine.close()
     return {
         "nodes": nodes,
-        "mode": memory.mode,
         "ms_per_token": round(ms, 2),
         "ttft_ms": round(ttft * 1000, 1),
         "tokens": tokens,
         "allreduce_us_median": round(statistics.median(sums) * 1e6, 1) if sums else None,
         "allreduce_us_p99": round(_percentile(sums, 0.99) * 1e6, 1) if sums else None,
         "per_node": per_node,
+        "overlap": _overlap(round(ms, 2), per_node),
     }
 
 
@@ -420,6 +427,9 @@ def _node_row(name: str, history: Any) -> dict[str, Any]:
         "load_ms_per_token": round(sum(s["load_s"] for s in steps) / n * 1000, 2),
         "wait_ms_per_token": round(sum(s["wait_s"] for s in steps) / n * 1000, 2),
         "compute_ms_per_token": round(sum(s["compute_s"] for s in steps) / n * 1000, 2),
+        "own_compute_ms_per_token": round(
+            sum(s["compute_s"] - s["wait_s"] for s in steps) / n * 1000, 2
+        ),
         "buffer_mb": round(steps[-1]["buffer_bytes"] / 1e6, 1),
         "rss_mb": round(steps[-1]["rss"] / 1e6, 1),
         "peak_rss_mb": round(max(s["peak_rss"] for s in steps) / 1e6, 1),

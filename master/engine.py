@@ -146,7 +146,6 @@ class Engine:
         remote: Remote | None = None,
         window: int | None = None,
         drop_cache: bool = False,
-        mode: str = "normal",
     ) -> Engine:
         """The master's engine: its own slice (node 0) and the globals, read from shards.
 
@@ -155,7 +154,7 @@ class Engine:
         config = ModelConfig.from_dict(manifest.config)
         s = Slice.from_dict(manifest.slices[0])
         paths = [store.path(ref) for ref in manifest.nodes[0]]
-        layers = LayerWindow(paths, window or config.n_layers, drop_cache, mode)
+        layers = LayerWindow(paths, window or config.n_layers, drop_cache)
         factors = manifest.extra.get("rope_freq_factors")
         rope = Rope(rope_inv_freq(config, torch.tensor(factors) if factors else None), max_context)
         cache = KVCache(config, s, slots, max_context, torch.float32)

@@ -112,7 +112,7 @@ def cluster_engine(
     if hub is not None:
         hub.ship(manifest, store, context, slots, windows=[p.window for p in plans])
     engine = Engine.from_manifest(
-        manifest, store, context, slots, hub, plans[0].window, memory.drop_cache, memory.mode
+        manifest, store, context, slots, hub, plans[0].window, memory.drop_cache
     )
     return engine
 

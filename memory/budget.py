@@ -92,9 +92,6 @@ class MemoryOptions:
     window: int | None = None  # layers in memory, forced; None: derived from the budget
     dtype: str = "f32"  # shard dtype, chosen at split time (master only)
     drop_cache: bool = False  # drop each shard from the page cache after reading it
-    # For benchmarks only: "load-only" streams the layers but computes nothing; "compute-only"
-    # computes on the layers already in the window and reads nothing after the first fill.
-    mode: str = "normal"
 
     @property
     def streaming(self) -> bool:
@@ -110,11 +107,7 @@ class MemoryOptions:
             args += ["--window", str(self.window)]
         if self.drop_cache:
             args.append("--drop-cache")
-        if self.mode != "normal":
-            args += ["--stream-mode", self.mode]
         return args
 
 
 ALL_RESIDENT = MemoryOptions()  # the default: no budget, every layer in memory, float32
-
-STREAM_MODES = ("normal", "load-only", "compute-only")

@@ -53,19 +53,13 @@ class StreamFigures:
 class LayerWindow:
     """Layers of one slice, `window` at a time, read from `paths` (one file per layer)."""
 
-    def __init__(
-        self, paths: list[Path], window: int, drop_cache: bool = False, mode: str = "normal"
-    ) -> None:
-        """`mode` is for benchmarks: "compute-only" stops reading once every buffer is filled
-        (compute then runs on stale layers of the same shapes); "load-only" is honoured by the
-        executor, which then skips the math."""
+    def __init__(self, paths: list[Path], window: int, drop_cache: bool = False) -> None:
         if window < 1:
             raise ValueError(f"the window must hold at least one layer, got {window}")
         self.paths = [Path(p) for p in paths]
         self.n_layers = len(self.paths)
         self.window = min(window, self.n_layers)
         self.drop_cache = drop_cache
-        self.mode = mode
         self.resident = self.window == self.n_layers
         sizes = []
         for p in self.paths:
@@ -176,8 +170,7 @@ class LayerWindow:
                 if self._stop:
                     return
             try:
-                if self.mode != "compute-only" or self._views[k % self.window] is None:
-                    self._read(k % self.window, k % self.n_layers)
+                self._read(k % self.window, k % self.n_layers)
             except BaseException as exc:  # handed to compute, which raises it
                 with self._lock:
                     self._error = exc
@@ -215,7 +208,6 @@ class ResidentLayers:
         self.window = self.n_layers
         self.resident = True
         self.figures = StreamFigures()
-        self.mode = "normal"
         self.buffer_bytes = sum(t.nbytes for layer in layers for t in layer.values())
 
     def get(self, layer: int) -> dict[str, torch.Tensor]:

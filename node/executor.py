@@ -68,9 +68,7 @@ class SliceExecutor:
         assert self._batch is not None and self._cos_sin is not None, "begin_step first"
         started = time.perf_counter()
         weights = self.weights.get(index)
-        if self.weights.mode == "load-only":  # a benchmark of the loader alone
-            out = _zeros_like(h)
-        elif isinstance(h, np.ndarray):
+        if isinstance(h, np.ndarray):
             assert self._cos_sin_rows is not None, "rows are for decode steps"
             out = attention_rows(
                 h,
@@ -100,9 +98,7 @@ class SliceExecutor:
         """The layer's second and last block: its weights may leave the window after this."""
         started = time.perf_counter()
         weights = self.weights.get(index)
-        if self.weights.mode == "load-only":
-            out = _zeros_like(h)
-        elif isinstance(h, np.ndarray):
+        if isinstance(h, np.ndarray):
             out = ffn_rows(h, weights, self.config)
         else:
             out = ffn_partial(h, weights, self.config)
@@ -112,7 +108,3 @@ class SliceExecutor:
 
     def close(self) -> None:
         self.weights.close()
-
-
-def _zeros_like(h: Hidden) -> Hidden:
-    return np.zeros_like(h) if isinstance(h, np.ndarray) else h.new_zeros(h.shape)

@@ -81,11 +81,9 @@ class Worker:
         progress: Callable[[int, int], None] | None = None,
         token: JoinToken | None = None,
         drop_cache: bool = False,
-        stream_mode: str = "normal",
     ) -> None:
         self.endpoint = f"tcp://{master}"
         self.drop_cache = drop_cache
-        self.stream_mode = stream_mode
         self.token = token
         self.state_dir = state_dir or default_state_dir()
         self.host = master.rsplit(":", 1)[0]
@@ -224,7 +222,7 @@ class Worker:
         cache = KVCache(config, s, welcome["slots"], welcome["context"], torch.float32)
         window = welcome.get("window") or config.n_layers
         paths = [self.store.path(r) for r in refs]
-        weights = LayerWindow(paths, window, self.drop_cache, self.stream_mode)
+        weights = LayerWindow(paths, window, self.drop_cache)
         executor = SliceExecutor(config, s, weights, rope, cache)
         try:
             prepare(executor.matrix_shapes())  # with the threads the executor settled on

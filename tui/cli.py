@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memory.budget import STREAM_MODES, MemoryOptions, parse_size
+from memory.budget import MemoryOptions, parse_size
 from models.config import DEFAULT_MODEL
 from models.errors import ModelError
 from node.protocol import DEFAULT_PORT
@@ -120,7 +120,6 @@ def _memory(args: argparse.Namespace) -> MemoryOptions:
         window=getattr(args, "window", None),
         dtype=getattr(args, "dtype", "f32"),
         drop_cache=getattr(args, "drop_cache", False),
-        mode=getattr(args, "stream_mode", "normal"),
     )
 
 
@@ -191,9 +190,6 @@ def _parser() -> argparse.ArgumentParser:
             help="for weights and KV cache, e.g. 2GB (default: RAM)",
         )
         _add_memory_args(join, master=False)
-        join.add_argument(
-            "--stream-mode", choices=STREAM_MODES, default="normal", help=argparse.SUPPRESS
-        )
         join.add_argument("--name", default=None, help="this node's name (default: host-random)")
         join.add_argument("--model", default=None, help="refuse a master running another model")
         join.add_argument("--state-dir", type=Path, default=None)
@@ -217,11 +213,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--state-dir", type=Path, default=None)
     _add_memory_args(bench)
-    bench.add_argument(
-        "--overlap",
-        action="store_true",
-        help="with --local-nodes: also time load-only and compute-only runs of the same window",
-    )
     bench.add_argument(
         "--rss-tokens",
         type=int,
@@ -507,7 +498,6 @@ def _join(args: argparse.Namespace) -> None:
             fetch_progress,
             token=token,
             drop_cache=args.drop_cache,
-            stream_mode=args.stream_mode,
         )
         worker.run()
 
@@ -560,7 +550,6 @@ def _bench(args: argparse.Namespace) -> None:
             args.context,
             args.state_dir,
             _memory(args),
-            args.overlap,
             args.rss_tokens,
             args.rounds,
         )
