@@ -1,15 +1,13 @@
-"""The master's side of the cluster: membership, shard shipping, and the star allreduce hub.
+"""The master's side of the cluster: who is a member, what each holds, and shipping its shards.
 
-One ROUTER socket; every worker connects a DEALER. Per layer block the hub sends the hidden
-state to every worker (`send`), the master computes its own partial meanwhile, and `gather`
-adds the workers' partials: two hops per sum, whatever the node count.
+The sockets and the star allreduce are master/transport.py's; the `Hub` decides who takes part
+in them: workers join (HELLO), are planned in and sent their slice (WELCOME), fetch their shards
+(FETCH/CHUNK), and leave or go silent.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -18,26 +16,18 @@ from typing import Any
 
 import numpy as np
 import torch
-import zmq
-from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import recv_monitor_message
 
+from master.transport import ClusterError, NodeDown, Transport
 from memory.shards import Manifest, ShardStore
+from memory.window import FIGURES_KEPT
 from node import protocol as P
-from node.heartbeat import DEAD_AFTER, HeartbeatServer
-from node.security import JoinToken, Keypair, secure_server
+from node.heartbeat import DEAD_AFTER
+from node.security import JoinToken, Keypair
 from node.worker import Capacity
 
 log = logging.getLogger(__name__)
 
-STEP_TIMEOUT = 300.0  # s: a hard cap on one block's gather, beyond heartbeat liveness
-ALLREDUCE_KEPT = 20_000  # recent per-sum latencies kept for the figures
-FIGURES_KEPT = 4096  # per-step figures kept per node for benchmarks
 FIRST_BEAT = 10.0  # s a worker has, after WELCOME, to send its first heartbeat
-
-
-class ClusterError(Exception):
-    """A node or the cluster failed; the message names the node and what to do."""
 
 
 @dataclass
@@ -57,23 +47,13 @@ class Member:
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=FIGURES_KEPT))
 
 
-class _TokenHolders:
-    """ZAP: admit only the client key that the current join token derives."""
-
-    def __init__(self, token: JoinToken) -> None:
-        self.allowed = token.client_keys().public
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        if key == self.allowed:
-            return True
-        log.warning("refused a node: its key does not come from the current join token")
-        return False
-
-
 class Hub:
-    """The master's sockets. Links are CurveZMQ: `keys` is the master's keypair and `token` the
-    join token nodes must hold; both are made up for this process when not given (a local
-    cluster hands the token to its own workers)."""
+    """The workers' membership and their shards, over the master's `Transport`.
+
+    Members are planned in; a worker that joins while an engine runs (`planned`) waits in
+    `pending` for the next re-plan. As the engine's `Remote`, it runs the allreduce on the
+    members and marks one lost when the transport says so.
+    """
 
     def __init__(
         self,
@@ -84,104 +64,37 @@ class Hub:
         keys: Keypair | None = None,
         token: JoinToken | None = None,
     ) -> None:
-        if keys is None:
-            public, secret = zmq.curve_keypair()
-            keys = Keypair(public, secret)
-        self.keys = keys
-        self.token = token or JoinToken(keys.public, os.urandom(16))
-        self.context = zmq.Context()
-        self.auth = ThreadAuthenticator(self.context, log=logging.getLogger("edgetp.auth"))
-        self.auth.start()
-        self.auth.configure_curve_callback("*", _TokenHolders(self.token))
-        self.sock = self.context.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        secure_server(self.sock, keys)
-        try:
-            if port:
-                self.sock.bind(f"tcp://{bind}:{port}")
-                self.port = port
-            else:
-                self.port = self.sock.bind_to_random_port(f"tcp://{bind}")
-        except zmq.ZMQError as exc:
-            self.sock.close(linger=0)
-            self.auth.stop()
-            self.context.term()
-            raise ClusterError(
-                f"cannot listen for devices on {bind}:{port} ({exc.strerror}): pick another "
-                "cluster port, or stop what is using it"
-            ) from exc
-        self._watch_handshakes()
-        self.address = f"{bind}:{self.port}"  # where nodes join
-        self.heartbeat = HeartbeatServer(self.context, bind, keys)
+        self.transport = Transport(bind, port, keys, token)
+        self.keys, self.token = self.transport.keys, self.transport.token
+        self.port, self.address = self.transport.port, self.transport.address
+        self.heartbeat = self.transport.heartbeat
+        self.allreduce_seconds = self.transport.allreduce_seconds
         self.model_names = model_names  # names a worker may ask for (None: any)
         self.ship_rate = ship_rate  # bytes/s cap on shard shipping, for shared links
         self.members: list[Member] = []
         self.pending: list[Member] = []  # joined while serving; planned in at the next re-plan
         self.store: ShardStore | None = None
         self.shipped_bytes = 0
-        self._step = 0
         self.planned = False  # an engine runs on the members: a node joining waits for a re-plan
-        self._sent_at = 0.0
-        self._hello_from = ""  # the peer address of the HELLO being handled
-        # Per sum: time from handing out the hidden state to holding every partial, less the
-        # longest compute of any node (master included): the latency the allreduce adds.
-        # (bounded: a server runs 60 sums a token for days)
-        self.allreduce_seconds: deque[float] = deque(maxlen=ALLREDUCE_KEPT)
 
-    def _watch_handshakes(self) -> None:
-        """Log every connection that fails the Curve handshake (no token, wrong master key)."""
-        monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        )
-
-        def watch() -> None:
-            while True:
-                try:
-                    event = recv_monitor_message(monitor)
-                except zmq.ZMQError:
-                    return
-                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
-                    return
-                log.warning(
-                    "refused a connection on %s: the Curve handshake failed (%s); "
-                    "a node needs the join token this master printed",
-                    event["endpoint"].decode(errors="replace"),
-                    zmq.Event(event["event"]).name,
-                )
-            monitor.close(0)
-
-        threading.Thread(target=watch, name="handshake-log", daemon=True).start()
-
-    # -- plumbing ---------------------------------------------------------------------------
-    def _send(self, identity: bytes, header: dict[str, Any], tensors: tuple = ()) -> None:
-        self._send_frames(identity, P.encode(header, tensors))
-
-    def _send_frames(self, identity: bytes, frames: list[Any]) -> None:
+    def _send(self, identity: bytes, header: dict[str, Any]) -> None:
         try:
-            self.sock.send_multipart([identity, *frames], copy=False)
-        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is gone
-            member = self._member(identity)
-            if member is not None:
-                member.alive = False  # a re-plan leaves it out
-            raise ClusterError(f"node {identity.decode(errors='replace')} is unreachable") from exc
+            self.transport.send(identity, header)
+        except NodeDown as lost:
+            self._lose(lost)
+            raise
 
-    def _recv(
-        self, timeout_ms: int, spin: bool = False
-    ) -> tuple[bytes, dict[str, Any], list] | None:
-        if not P.wait_readable(self.sock, timeout_ms, spin):
-            return None
-        identity, *frames = self.sock.recv_multipart(copy=False)
-        try:
-            header, tensors = P.decode(frames)
-            if header["op"] == P.HELLO:  # where the node connects from, for the cluster view
-                self._hello_from = str(frames[0].get("Peer-Address"))
-        except P.ProtocolError as exc:
-            log.warning("dropped a malformed message from %r: %s", identity.bytes, exc)
-            return None
-        return identity.bytes, header, tensors
+    def _lose(self, lost: NodeDown) -> None:
+        member = self._member(lost.identity)
+        if member is not None:
+            member.alive = False  # a re-plan leaves it out
+
+    def _next(self, timeout_ms: int) -> bool:
+        """Handle the next message outside a step, if one comes within `timeout_ms`."""
+        msg = self.transport.recv(timeout_ms)
+        if msg:
+            self._handle_control(msg[0], msg[1])
+        return msg is not None
 
     def _member(self, identity: bytes) -> Member | None:
         return next((m for m in self.members if m.identity == identity), None)
@@ -229,7 +142,8 @@ class Hub:
             self._send(identity, {"op": P.REFUSE, "reason": reason})
             return
         capacity = Capacity(**header["capacity"])
-        member = Member(identity, name, capacity, header.get("model"), self._hello_from)
+        address = header.get("peer_address", "")
+        member = Member(identity, name, capacity, header.get("model"), address)
         # Answer at once: planning and splitting a big model can take minutes before WELCOME,
         # and the node should know meanwhile that it is in, and watch the master's heartbeat.
         self._send(identity, {"op": P.ACCEPTED, "heartbeat_port": self.heartbeat.port})
@@ -255,8 +169,8 @@ class Hub:
         self.shipped_bytes += len(data)
         reply = P.encode({"op": P.CHUNK, "sha256": ref_sha, "offset": offset})
         try:
-            self.sock.send_multipart([identity, *reply, data], copy=False)
-        except zmq.ZMQError:  # the node went away mid-transfer; its silence is noticed later
+            self.transport.send_frames(identity, [*reply, data])
+        except NodeDown:  # the node went away mid-transfer; its silence is noticed later
             log.warning("node %s left during a shard transfer", identity.decode(errors="replace"))
 
     def wait_for_workers(self, count: int, timeout: float) -> None:
@@ -266,18 +180,14 @@ class Hub:
                 raise ClusterError(
                     f"only {len(self.members)} of {count} workers joined within {timeout:.0f} s"
                 )
-            msg = self._recv(100)
-            if msg:
-                self._handle_control(msg[0], msg[1])
+            self._next(100)
 
     def membership_changed(self, wait: float = 0.0) -> bool:
         """Between requests: take in joins and leaves (waiting up to `wait` s); True when the
         plan no longer matches the members."""
         deadline = time.monotonic() + wait
         while True:
-            msg = self._recv(0 if time.monotonic() >= deadline else 50)
-            if msg:
-                self._handle_control(msg[0], msg[1])
+            if self._next(0 if time.monotonic() >= deadline else 50):
                 continue
             for m in self.members:
                 if m.alive and self.heartbeat.silence(m.name) > DEAD_AFTER:
@@ -340,93 +250,42 @@ class Hub:
                 m.beat_seen = m.beat_seen or self.heartbeat.silence(m.name) != float("inf")
             if time.monotonic() > deadline:
                 raise ClusterError(f"workers did not load their shards within {timeout:.0f} s")
-            msg = self._recv(100)
-            if msg:
-                self._handle_control(msg[0], msg[1])
+            self._next(100)
 
-    # -- the star allreduce -----------------------------------------------------------------
-    def send(
-        self, block: str, layer: int, h: np.ndarray | torch.Tensor, batch: dict | None = None
-    ) -> None:
-        """Hand the hidden state to every worker for one block of one layer."""
+    # -- the engine's Remote: the star allreduce on the members ------------------------------
+    def begin_step(self, batch: dict[str, Any]) -> None:
+        self.transport.begin_step(batch)
+
+    def send(self, block: str, layer: int, h: np.ndarray | torch.Tensor) -> None:
+        """Hand the hidden state to every member for one block of one layer."""
         dead = [m.name for m in self.members if not m.alive]
         if dead:
             raise ClusterError(f"node {', '.join(dead)} left the cluster")
-        if batch is not None:
-            self._step += 1
-        header: dict[str, Any] = {"op": P.STEP, "step": self._step, "layer": layer, "block": block}
-        if batch is not None:
-            header["batch"] = batch
-        self._sent_at = time.perf_counter()
-        frames = P.encode(header, (h,))
-        for m in self.members:
-            self._send_frames(m.identity, frames)
+        try:
+            self.transport.send_step([m.identity for m in self.members], block, layer, h)
+        except NodeDown as lost:
+            self._lose(lost)
+            raise
 
     def gather(self, block: str, layer: int, local_compute: float = 0.0) -> np.ndarray | None:
-        """The sum of every worker's partial for the block just sent (None without workers).
-
-        `local_compute` is how long the master spent on its own partial meanwhile.
-        """
-        waiting = {m.identity: m for m in self.members}
-        waiting_members = dict(waiting)
-        slowest = local_compute
-        partials: dict[bytes, np.ndarray] = {}
-        deadline = time.monotonic() + STEP_TIMEOUT
-        spin = True  # partials are due within a step: spin after each arrival, else sleep
-        while waiting:
-            msg = self._recv(50, spin)
-            spin = msg is not None
-            if msg is None:
-                for m in waiting.values():
-                    if self.heartbeat.silence(m.name) > DEAD_AFTER:
-                        m.alive = False
-                        raise ClusterError(
-                            f"node {m.name} stopped answering mid-step (no heartbeat for "
-                            f"{self.heartbeat.silence(m.name):.1f} s); the request failed"
-                        )
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"no partials within {STEP_TIMEOUT:.0f} s")
-                continue
-            identity, header, tensors = msg
-            op = header["op"]
-            if op == P.PARTIAL:
-                stale = (header["step"], header["layer"], header["block"]) != (
-                    self._step,
-                    layer,
-                    block,
-                )
-                if stale or identity not in waiting:
-                    continue  # left over from a failed step
-                del waiting[identity]
-                partials[identity] = tensors[0]
-                if "figures" in header:
-                    member = waiting_members[identity]
-                    member.figures = header["figures"]
-                    member.history.append(header["figures"])
-                slowest = max(slowest, float(header.get("compute", 0.0)))
-            elif op == P.ERROR:
-                m = self._member(identity)
-                if m:
-                    m.alive = False
-                raise ClusterError(
-                    f"node {m.name if m else identity!r} failed: {header.get('message')}"
-                )
-            else:
-                self._handle_control(identity, header)
-        if not self.members:
-            return None
-        self.allreduce_seconds.append(time.perf_counter() - self._sent_at - slowest)
-        # A fixed order: the same sum whichever partial came first. The partials are read-only
-        # views of the messages; the sum is a new array.
-        first, *rest = (partials[m.identity] for m in self.members)
-        total = first.copy()
-        for p in rest:
-            total += p
+        """The sum of every member's partial for the block just sent (None without workers)."""
+        names = {m.identity: m.name for m in self.members}
+        try:
+            total, figures = self.transport.gather(
+                names, block, layer, self._handle_control, local_compute
+            )
+        except NodeDown as lost:
+            self._lose(lost)
+            raise
+        for m in self.members:
+            if m.identity in figures:
+                m.figures = figures[m.identity]
+                m.history.append(m.figures)
         return total
 
     def close(self, reason: str = "master shutting down") -> None:
         """Say BYE (and why) to every live worker and close; safe to call twice."""
-        if self.sock.closed:
+        if self.transport.sock.closed:
             return
         for m in self.members:
             if m.alive:
@@ -434,8 +293,4 @@ class Hub:
                     self._send(m.identity, {"op": P.BYE, "reason": reason})
                 except ClusterError:
                     pass
-        self.heartbeat.close()
-        self.sock.disable_monitor()
-        self.sock.close(linger=1000)  # let the BYEs leave before the socket goes
-        self.auth.stop()
-        self.context.term()
+        self.transport.close()

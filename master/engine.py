@@ -19,29 +19,32 @@ import torch
 
 from master.plan import plan_slices
 from memory.shards import Manifest, ShardStore
-from memory.window import LayerWindow, ResidentLayers, StreamFigures, step_figures
+from memory.window import (
+    FIGURES_KEPT,
+    LayerWindow,
+    ResidentLayers,
+    StreamFigures,
+    step_figures,
+)
 from models.config import ModelConfig
 from models.errors import ModelError
 from models.kernels import SCALE_SUFFIX, embed, kernel_set, linear, linear_rows
 from models.layers import (
-    Rope,
     Slice,
     StepBatch,
     rms_norm,
     rms_norm_rows,
-    rope_inv_freq,
     slice_layer,
 )
 from models.source import ModelSource
 from node.device import Shape, matrix_shapes, prepare
-from node.executor import Hidden, SliceExecutor
+from node.executor import Hidden, make_executor
 from node.kvcache import KVCache
 from node.protocol import ATTENTION, FFN
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT = 2048
-FIGURES_KEPT = 4096  # steps of the master's own figures kept for benchmarks
 
 
 def context_size(config: ModelConfig, requested: int | None) -> int:
@@ -52,18 +55,27 @@ def context_size(config: ModelConfig, requested: int | None) -> int:
 
 
 class Executor(Protocol):
-    """What the engine needs of a slice computed in this process."""
+    """What the engine needs of a slice computed in this process (node.executor has the one
+    implementation, made by `make_executor`)."""
+
+    slice: Slice
+    weights: LayerWindow | ResidentLayers
+    cache: KVCache
 
     def matrix_shapes(self) -> list[Shape]: ...
     def begin_step(self, batch: StepBatch) -> None: ...
     def attention(self, index: int, h: Hidden) -> Hidden: ...
     def ffn(self, index: int, h: Hidden) -> Hidden: ...
+    def close(self) -> None: ...
 
 
 class Remote(Protocol):
-    """The other devices: given a block's input, later the sum of their partials (an array)."""
+    """The other devices: given a block's input, later the sum of their partials (an array).
 
-    def send(self, block: str, layer: int, h: Hidden, batch: dict | None = None) -> None: ...
+    A step starts with `begin_step` (its batch goes out with the step's first block)."""
+
+    def begin_step(self, batch: dict[str, Any]) -> None: ...
+    def send(self, block: str, layer: int, h: Hidden) -> None: ...
     def gather(self, block: str, layer: int, local_compute: float = 0.0) -> np.ndarray | None: ...
 
 
@@ -121,15 +133,9 @@ class Engine:
                 layers.append(slice_layer(config, full, s))
             if progress:
                 progress(i + 1, config.n_layers)
-        rope = Rope(rope_inv_freq(config, source.rope_freq_factors()), max_context)
+        factors = source.rope_freq_factors()
         executors = [
-            SliceExecutor(
-                config,
-                s,
-                ResidentLayers(layers),
-                rope,
-                KVCache(config, s, slots, max_context, torch.float32),
-            )
+            make_executor(config, s, ResidentLayers(layers), max_context, slots, factors)
             for s, layers in zip(slices, per_slice, strict=True)
         ]
         embedding = source.embedding()
@@ -156,11 +162,10 @@ class Engine:
         paths = [store.path(ref) for ref in manifest.nodes[0]]
         layers = LayerWindow(paths, window or config.n_layers, drop_cache)
         factors = manifest.extra.get("rope_freq_factors")
-        rope = Rope(rope_inv_freq(config, torch.tensor(factors) if factors else None), max_context)
-        cache = KVCache(config, s, slots, max_context, torch.float32)
+        freq = torch.tensor(factors) if factors else None
+        executor = make_executor(config, s, layers, max_context, slots, freq)
         g = store.load(manifest.globals)
         head = "lm_head" if "lm_head" in g else "embedding"  # tied: the embedding is the head
-        executor = SliceExecutor(config, s, layers, rope, cache)
         return cls(
             config,
             g["embedding"],
@@ -176,7 +181,7 @@ class Engine:
 
     @property
     def slices(self) -> list[Slice]:
-        return [e.slice for e in self.executors]  # type: ignore[attr-defined]
+        return [e.slice for e in self.executors]
 
     @torch.inference_mode()
     def forward(
@@ -191,17 +196,20 @@ class Engine:
         T = batch.width
         ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in tokens])  # (B, T) right-padded
         h: Hidden = embed(ids, self.embedding, self.embedding_scale)  # (B, T, D)
-        if T == 1 and not all_logits:  # a decode step: NumPy rows (layers.py says why)
+        if batch.rows:
             h = h.numpy().reshape(batch.size, -1)
         for ex in self.executors:
             ex.begin_step(batch)
+        if self.remote:
+            self.remote.begin_step(batch.to_dict())
         for i in range(self.config.n_layers):
-            h = h + self._block(ATTENTION, i, h, batch if i == 0 else None)
+            h = h + self._block(ATTENTION, i, h)
             h = h + self._block(FFN, i, h)
         self._record_figures()
-        if isinstance(h, np.ndarray):
+        if isinstance(h, np.ndarray):  # batch.rows
             x = rms_norm_rows(h, self.final_norm, self.config.norm_eps)
-            return torch.from_numpy(linear_rows(x, self.lm_head, scale=self.lm_head_scale))
+            logits = torch.from_numpy(linear_rows(x, self.lm_head, scale=self.lm_head_scale))
+            return logits.unsqueeze(1) if all_logits else logits
         if not all_logits:
             last = torch.tensor(batch.lengths) - 1
             h = h[torch.arange(batch.size), last]  # (B, D)
@@ -211,10 +219,7 @@ class Engine:
     def _record_figures(self) -> None:
         if not self.executors:
             return
-        ex = self.executors[0]
-        weights = getattr(ex, "weights", None)
-        if weights is None:
-            return
+        weights = self.executors[0].weights
         self.figures = step_figures(weights, self._reported[0]) | {"kernels": kernel_set()}
         self._reported[0] = replace(weights.figures)
         self.history.append(self.figures)
@@ -226,15 +231,13 @@ class Engine:
         context that built it keeps it) must not keep its memory too.
         """
         for ex in self.executors:
-            weights = getattr(ex, "weights", None)
-            if weights is not None:
-                weights.close()
+            ex.close()
         self.executors = []
 
-    def _block(self, block: str, i: int, h: Hidden, batch: StepBatch | None = None) -> Hidden:
+    def _block(self, block: str, i: int, h: Hidden) -> Hidden:
         """The sum of every slice's partial for one block: the star allreduce."""
         if self.remote:  # send first, so the workers compute while this process does
-            self.remote.send(block, i, h, batch.to_dict() if batch else None)
+            self.remote.send(block, i, h)
         started = time.perf_counter()
         total = None
         for ex in self.executors:

@@ -11,7 +11,9 @@ import statistics
 from typing import Any
 
 from master.batcher import BatcherStats
+from master.engine import Executor
 from master.session import Session
+from memory.window import process_memory
 from models.config import ModelConfig
 from models.layers import Slice
 
@@ -43,7 +45,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
             "ready": engine is not None,  # False while it re-plans and loads its slice
             "slices": slices,
             "address": hub.address if hub else None,
-            "rss_bytes": _rss_bytes(),
+            "rss_bytes": process_memory()["rss"],
             "memory_budget_bytes": session.memory.budget,
             "kv_cache_bytes": kv or None,
             "share": _share(own[0], config) if own else None,
@@ -52,9 +54,8 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
     ]
     allreduce = None
     if hub is not None:
-        heartbeat = getattr(hub, "heartbeat", None)
         for m in [*hub.members, *hub.pending]:
-            silence = heartbeat.silence(m.name) if heartbeat is not None else None
+            silence = hub.heartbeat.silence(m.name)
             nodes.append(
                 {
                     "name": m.name,
@@ -66,24 +67,20 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
                     "memory_budget_bytes": m.capacity.memory_budget,
                     "cores": m.capacity.cores,
                     "speed_gb_s": m.capacity.speed,
-                    "heartbeat_silence_s": round(silence, 3)
-                    if silence is not None and silence != float("inf")
-                    else None,
+                    "heartbeat_silence_s": round(silence, 3) if silence != float("inf") else None,
                     "address": m.address or None,
                     **_stream(m.figures),
                 }
             )
             if m.figures.get("rss") is not None:
                 nodes[-1]["rss_bytes"] = m.figures["rss"]
-        sums = getattr(hub, "allreduce_seconds", [])
         # deque.copy() is one C call: safe while the loop thread appends.
-        recent = list(sums.copy())[-ALLREDUCE_WINDOW:]
+        recent = list(hub.allreduce_seconds.copy())[-ALLREDUCE_WINDOW:]
         if recent:
-            ordered = sorted(recent)
             allreduce = {
-                "sums": len(sums),
-                "median_us": round(statistics.median(ordered) * 1e6, 1),
-                "p99_us": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e6, 1),
+                "sums": len(hub.allreduce_seconds),
+                "median_us": round(statistics.median(recent) * 1e6, 1),
+                "p99_us": round(percentile(recent, 0.99) * 1e6, 1),
             }
     return {
         "model": model,
@@ -119,19 +116,11 @@ def _share(s: Any, c: ModelConfig) -> float:
     return round((s.n_q * attn + s.n_ffn * ffn) / total, 4)
 
 
-def _kv_bytes(executor: object) -> int:
-    cache = getattr(executor, "cache", None)
-    if cache is None:
-        return 0
-    return sum(t.nbytes for t in (*cache.keys, *cache.values))
+def _kv_bytes(executor: Executor) -> int:
+    return sum(t.nbytes for t in (*executor.cache.keys, *executor.cache.values))
 
 
-def _rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of `values`, nearest rank below: p99 is `percentile(v, 0.99)`."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -31,6 +31,8 @@ import torch
 from memory.shards import read_into, tensor_specs, tensor_views
 from models.errors import ModelError
 
+FIGURES_KEPT = 4096  # steps of per-step figures a node's history keeps, for benchmarks
+
 
 @dataclass
 class StreamFigures:

@@ -213,6 +213,12 @@ class StepBatch:
     def width(self) -> int:
         return max(self.lengths)
 
+    @property
+    def rows(self) -> bool:
+        """Whether the step runs as NumPy rows (B, D): a decode step, one new token a sequence
+        (`attention_rows` says why). Every other step runs as torch (B, T, D)."""
+        return self.width == 1
+
     def positions(self) -> torch.Tensor:
         """(B, T) absolute positions of the step's tokens."""
         t = torch.arange(self.width)

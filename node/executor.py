@@ -19,6 +19,7 @@ from models.layers import (
     attention_rows,
     ffn_partial,
     ffn_rows,
+    rope_inv_freq,
 )
 from node.device import Shape, matrix_shapes
 from node.kvcache import KVCache
@@ -30,7 +31,7 @@ class SliceExecutor:
     """Computes one slice's attention and FFN partials, layer by layer, for a step's batch.
 
     A decode step's hidden state comes as NumPy rows (B, D) and its partials go back as rows
-    (models/layers.py, `attention_rows`, says why); any other step is torch (B, T, D).
+    (`StepBatch.rows`); any other step is torch (B, T, D).
     """
 
     def __init__(
@@ -61,15 +62,21 @@ class SliceExecutor:
     def begin_step(self, batch: StepBatch) -> None:
         """Positions are the same for every layer of a step: look up RoPE tables once."""
         self._batch = batch
-        self._cos_sin_rows = self.rope.rows(batch.starts) if batch.width == 1 else None
+        self._cos_sin_rows = self.rope.rows(batch.starts) if batch.rows else None
         self._cos_sin = self.rope.tables(batch.positions())
+
+    @property
+    def rows(self) -> bool:
+        """Whether the current step's hidden states are NumPy rows."""
+        assert self._batch is not None, "begin_step first"
+        return self._batch.rows
 
     def attention(self, index: int, h: Hidden) -> Hidden:
         assert self._batch is not None and self._cos_sin is not None, "begin_step first"
         started = time.perf_counter()
         weights = self.weights.get(index)
-        if isinstance(h, np.ndarray):
-            assert self._cos_sin_rows is not None, "rows are for decode steps"
+        if self._batch.rows:
+            assert isinstance(h, np.ndarray) and self._cos_sin_rows is not None
             out = attention_rows(
                 h,
                 weights,
@@ -81,6 +88,7 @@ class SliceExecutor:
                 self._batch,
             )
         else:
+            assert isinstance(h, torch.Tensor)
             out = attention_partial(
                 h,
                 weights,
@@ -98,9 +106,11 @@ class SliceExecutor:
         """The layer's second and last block: its weights may leave the window after this."""
         started = time.perf_counter()
         weights = self.weights.get(index)
-        if isinstance(h, np.ndarray):
+        if self.rows:
+            assert isinstance(h, np.ndarray)
             out = ffn_rows(h, weights, self.config)
         else:
+            assert isinstance(h, torch.Tensor)
             out = ffn_partial(h, weights, self.config)
         self.weights.release(index)
         self.weights.figures.compute_s += time.perf_counter() - started
@@ -108,3 +118,16 @@ class SliceExecutor:
 
     def close(self) -> None:
         self.weights.close()
+
+
+def make_executor(
+    config: ModelConfig,
+    s: Slice,
+    weights: LayerWindow | ResidentLayers,
+    max_context: int,
+    slots: int,
+    rope_freq_factors: torch.Tensor | None = None,
+) -> SliceExecutor:
+    """A slice's executor with its RoPE tables and an empty KV cache: the one way to build one."""
+    rope = Rope(rope_inv_freq(config, rope_freq_factors), max_context)
+    return SliceExecutor(config, s, weights, rope, KVCache(config, s, slots, max_context))

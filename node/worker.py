@@ -23,12 +23,11 @@ from memory.shards import ShardRef, ShardStore, sha256_file
 from memory.window import LayerWindow, StreamFigures, step_figures
 from models.config import ModelConfig
 from models.kernels import kernel_set, linear
-from models.layers import Rope, Slice, StepBatch, rope_inv_freq
+from models.layers import Slice, StepBatch
 from node import protocol as P
 from node.device import prepare
-from node.executor import Hidden, SliceExecutor
+from node.executor import Hidden, SliceExecutor, make_executor
 from node.heartbeat import DEAD_AFTER, HeartbeatClient
-from node.kvcache import KVCache
 from node.security import JoinToken, fingerprint, save_node_token, secure_client
 
 log = logging.getLogger(__name__)
@@ -218,12 +217,10 @@ class Worker:
             self._fetch(ref)
         factors = welcome.get("rope_freq_factors")
         freq = torch.tensor(factors) if factors else None
-        rope = Rope(rope_inv_freq(config, freq), welcome["context"])
-        cache = KVCache(config, s, welcome["slots"], welcome["context"], torch.float32)
         window = welcome.get("window") or config.n_layers
         paths = [self.store.path(r) for r in refs]
         weights = LayerWindow(paths, window, self.drop_cache)
-        executor = SliceExecutor(config, s, weights, rope, cache)
+        executor = make_executor(config, s, weights, welcome["context"], welcome["slots"], freq)
         try:
             prepare(executor.matrix_shapes())  # with the threads the executor settled on
         except Exception:
@@ -322,10 +319,10 @@ class Worker:
 
     @staticmethod
     def _partial(executor: SliceExecutor, block: str, layer: int, h: np.ndarray) -> Hidden:
-        """This node's partial of one block: a decode step's rows (B, D) stay arrays (see
-        models/layers.py, `attention_rows`); any other step goes to torch."""
+        """This node's partial of one block: a decode step's rows (B, D) stay arrays
+        (`StepBatch.rows`); any other step goes to torch."""
         compute = executor.attention if block == P.ATTENTION else executor.ffn
-        if h.ndim == 2:
+        if executor.rows:
             return compute(layer, h)
         with torch.inference_mode():
             return compute(layer, torch.from_numpy(h.copy()))  # the message's memory is read-only

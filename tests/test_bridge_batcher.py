@@ -169,6 +169,9 @@ def test_a_lost_node_frees_the_old_engine_before_the_re_plan(smollm2, smollm2_to
     request runs on the new engine."""
 
     class LostNode:  # the seam: the other devices, one of which has just died
+        def begin_step(self, batch: object) -> None:
+            pass
+
         def send(self, *args: object, **kwargs: object) -> None:
             raise ClusterError("node local-1 is unreachable")
 

@@ -1,0 +1,252 @@
+"""The master's links to its workers: one CurveZMQ ROUTER socket, and the star allreduce on it.
+
+Every worker connects a DEALER. Per layer block `send_step` hands the hidden state to every
+worker, the master computes its own partial meanwhile, and `gather` adds the workers' partials:
+two hops per sum, whatever the node count. Whatever else arrives (a join, a shard fetch, a
+leave) goes to the caller's handler: who is a member, and what it holds, is master/cluster.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
+
+from node import protocol as P
+from node.heartbeat import DEAD_AFTER, HeartbeatServer
+from node.security import JoinToken, Keypair, secure_server
+
+log = logging.getLogger(__name__)
+
+STEP_TIMEOUT = 300.0  # s: a hard cap on one block's gather, beyond heartbeat liveness
+ALLREDUCE_KEPT = 20_000  # recent per-sum latencies kept for the figures
+
+Handler = Callable[[bytes, dict[str, Any]], None]  # a message that is not a partial
+
+
+class ClusterError(Exception):
+    """A node or the cluster failed; the message names the node and what to do."""
+
+
+class NodeDown(ClusterError):
+    """One node failed, went silent or became unreachable; `identity` says which."""
+
+    def __init__(self, identity: bytes, message: str) -> None:
+        super().__init__(message)
+        self.identity = identity
+
+
+class _TokenHolders:
+    """ZAP: admit only the client key that the current join token derives."""
+
+    def __init__(self, token: JoinToken) -> None:
+        self.allowed = token.client_keys().public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key == self.allowed:
+            return True
+        log.warning("refused a node: its key does not come from the current join token")
+        return False
+
+
+class Transport:
+    """The master's sockets. Links are CurveZMQ: `keys` is the master's keypair and `token` the
+    join token nodes must hold; both are made up for this process when not given (a local
+    cluster hands the token to its own workers)."""
+
+    def __init__(
+        self,
+        bind: str = "127.0.0.1",
+        port: int = 0,
+        keys: Keypair | None = None,
+        token: JoinToken | None = None,
+    ) -> None:
+        if keys is None:
+            public, secret = zmq.curve_keypair()
+            keys = Keypair(public, secret)
+        self.keys = keys
+        self.token = token or JoinToken(keys.public, os.urandom(16))
+        self.context = zmq.Context()
+        self.auth = ThreadAuthenticator(self.context, log=logging.getLogger("edgetp.auth"))
+        self.auth.start()
+        self.auth.configure_curve_callback("*", _TokenHolders(self.token))
+        self.sock = self.context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        secure_server(self.sock, keys)
+        try:
+            if port:
+                self.sock.bind(f"tcp://{bind}:{port}")
+                self.port = port
+            else:
+                self.port = self.sock.bind_to_random_port(f"tcp://{bind}")
+        except zmq.ZMQError as exc:
+            self.sock.close(linger=0)
+            self.auth.stop()
+            self.context.term()
+            raise ClusterError(
+                f"cannot listen for devices on {bind}:{port} ({exc.strerror}): pick another "
+                "cluster port, or stop what is using it"
+            ) from exc
+        self._watch_handshakes()
+        self.address = f"{bind}:{self.port}"  # where nodes join
+        self.heartbeat = HeartbeatServer(self.context, bind, keys)
+        self._step = 0
+        self._batch: dict[str, Any] | None = None  # rides on the step's first message
+        self._sent_at = 0.0
+        # Per sum: time from handing out the hidden state to holding every partial, less the
+        # longest compute of any node (master included): the latency the allreduce adds.
+        # (bounded: a server runs 60 sums a token for days)
+        self.allreduce_seconds: deque[float] = deque(maxlen=ALLREDUCE_KEPT)
+
+    def _watch_handshakes(self) -> None:
+        """Log every connection that fails the Curve handshake (no token, wrong master key)."""
+        monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+
+        def watch() -> None:
+            while True:
+                try:
+                    event = recv_monitor_message(monitor)
+                except zmq.ZMQError:
+                    return
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                log.warning(
+                    "refused a connection on %s: the Curve handshake failed (%s); "
+                    "a node needs the join token this master printed",
+                    event["endpoint"].decode(errors="replace"),
+                    zmq.Event(event["event"]).name,
+                )
+            monitor.close(0)
+
+        threading.Thread(target=watch, name="handshake-log", daemon=True).start()
+
+    # -- messages ---------------------------------------------------------------------------
+    def send(self, identity: bytes, header: dict[str, Any], tensors: tuple = ()) -> None:
+        self.send_frames(identity, P.encode(header, tensors))
+
+    def send_frames(self, identity: bytes, frames: list[Any]) -> None:
+        try:
+            self.sock.send_multipart([identity, *frames], copy=False)
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is gone
+            name = identity.decode(errors="replace")
+            raise NodeDown(identity, f"node {name} is unreachable") from exc
+
+    def recv(
+        self, timeout_ms: int, spin: bool = False
+    ) -> tuple[bytes, dict[str, Any], list] | None:
+        """The next well-formed message, or None after `timeout_ms`. A HELLO gets the address
+        it came from as "peer_address" (for the cluster view)."""
+        if not P.wait_readable(self.sock, timeout_ms, spin):
+            return None
+        identity, *frames = self.sock.recv_multipart(copy=False)
+        try:
+            header, tensors = P.decode(frames)
+        except P.ProtocolError as exc:
+            log.warning("dropped a malformed message from %r: %s", identity.bytes, exc)
+            return None
+        if header["op"] == P.HELLO:
+            header["peer_address"] = str(frames[0].get("Peer-Address"))
+        return identity.bytes, header, tensors
+
+    # -- the star allreduce -----------------------------------------------------------------
+    def begin_step(self, batch: dict[str, Any]) -> None:
+        """A new step: its batch goes to the workers with the step's first block."""
+        self._step += 1
+        self._batch = batch
+
+    def send_step(
+        self, identities: list[bytes], block: str, layer: int, h: np.ndarray | torch.Tensor
+    ) -> None:
+        """Hand the hidden state to every worker for one block of one layer."""
+        header: dict[str, Any] = {"op": P.STEP, "step": self._step, "layer": layer, "block": block}
+        if self._batch is not None:
+            header["batch"], self._batch = self._batch, None
+        self._sent_at = time.perf_counter()
+        frames = P.encode(header, (h,))
+        for identity in identities:
+            self.send_frames(identity, frames)
+
+    def gather(
+        self,
+        names: Mapping[bytes, str],
+        block: str,
+        layer: int,
+        handle: Handler,
+        local_compute: float = 0.0,
+    ) -> tuple[np.ndarray | None, dict[bytes, dict[str, Any]]]:
+        """The sum of the partials of the workers `names` (identity -> name) for the block just
+        sent (None without workers), and the step figures any of them reported.
+
+        `local_compute` is how long the master spent on its own partial meanwhile.
+        """
+        waiting = dict(names)
+        slowest = local_compute
+        partials: dict[bytes, np.ndarray] = {}
+        figures: dict[bytes, dict[str, Any]] = {}
+        deadline = time.monotonic() + STEP_TIMEOUT
+        spin = True  # partials are due within a step: spin after each arrival, else sleep
+        while waiting:
+            msg = self.recv(50, spin)
+            spin = msg is not None
+            if msg is None:
+                for identity, name in waiting.items():
+                    silence = self.heartbeat.silence(name)
+                    if silence > DEAD_AFTER:
+                        raise NodeDown(
+                            identity,
+                            f"node {name} stopped answering mid-step (no heartbeat for "
+                            f"{silence:.1f} s); the request failed",
+                        )
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"no partials within {STEP_TIMEOUT:.0f} s")
+                continue
+            identity, header, tensors = msg
+            op = header["op"]
+            if op == P.PARTIAL:
+                key = (header["step"], header["layer"], header["block"])
+                if key != (self._step, layer, block) or identity not in waiting:
+                    continue  # left over from a failed step
+                del waiting[identity]
+                partials[identity] = tensors[0]
+                if "figures" in header:
+                    figures[identity] = header["figures"]
+                slowest = max(slowest, float(header.get("compute", 0.0)))
+            elif op == P.ERROR and identity in names:
+                raise NodeDown(identity, f"node {names[identity]} failed: {header.get('message')}")
+            else:
+                handle(identity, header)
+        if not names:
+            return None, figures
+        self.allreduce_seconds.append(time.perf_counter() - self._sent_at - slowest)
+        # A fixed order: the same sum whichever partial came first. The partials are read-only
+        # views of the messages; the sum is a new array.
+        first, *rest = (partials[identity] for identity in names)
+        total = first.copy()
+        for p in rest:
+            total += p
+        return total, figures
+
+    def close(self) -> None:
+        """Close the sockets (after whatever BYEs the caller sent); safe to call twice."""
+        if self.sock.closed:
+            return
+        self.heartbeat.close()
+        self.sock.disable_monitor()
+        self.sock.close(linger=1000)  # let the BYEs leave before the socket goes
+        self.auth.stop()
+        self.context.term()
