@@ -2,11 +2,11 @@
 
 Weights are stored in one of four dtypes, chosen when the model is split (`--dtype`). For each
 dtype there are several candidate kernels (`CANDIDATES`), and which is right, and which is fast,
-depends on the CPU: torch's int8 kernel returns garbage or crashes at some shapes on one x86
-vendor and not on the other; OpenBLAS beats MKL for decode's matrix-vector products on one and
-not necessarily on another. So no candidate is trusted by default: `models.kernel_check` checks
-each against a float64 reference in a child process on this device, times the ones that pass,
-and `install`s the fastest per (dtype, rows, out, in). A shape nobody prepared runs on
+depends on the CPU: torch's int8 kernel has returned garbage or crashed at some shapes;
+OpenBLAS beats MKL for decode's matrix-vector products on one CPU and not necessarily on
+another. So no candidate is trusted by default: `node.device.prepare` checks each against a
+float64 reference in a child process on this device, times the ones that pass, and `install`s
+the fastest per (dtype, rows, out, in). A shape nobody prepared runs on
 `reference`, the plain float32 NumPy product every candidate is measured against.
 
 Every kernel takes float32 rows (rows, in) as a NumPy array and returns float32 rows

@@ -12,6 +12,10 @@ Three sources, two engines:
 Whatever the engine, special tokens written in the text (`<|im_start|>`, `<start_of_turn>`) are
 matched whole, as transformers does, because chat templates render them as text and the model was
 trained on them as single tokens. `decode` renders them back, so `decode(encode(s)) == s`.
+
+The file is long (about 600 lines) because rebuilding both engines from GGUF metadata is most of
+it; they stay next to the one `Tokenizer` they serve, so the special-token rule above is kept in
+one place.
 """
 
 from __future__ import annotations
