@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from master.cluster import ClusterError
 from master.engine import Engine
 from master.generate import Generation, check_prompt, step
-from master.sampling import Sampler, SamplingParams
+from master.params import SamplingParams
+from master.sampling import Sampler
 from master.session import Session
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer

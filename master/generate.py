@@ -11,7 +11,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from master.engine import Engine
-from master.sampling import Sampler, SamplingParams
+from master.params import SamplingParams
+from master.sampling import Sampler
 from models.errors import ModelError
 from models.layers import StepBatch
 from models.tokenizer import Tokenizer

@@ -3,40 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 mean no cut; seed None means random."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    max_tokens: int = 256
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False  # decode exactly max_tokens (benchmarks)
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not 0.0 <= self.temperature <= 100.0:
-            problems.append(f"temperature must be in [0, 100], got {self.temperature}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0.0:
-            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens < 1:
-            problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if any(not s for s in self.stop):
-            problems.append("stop strings must not be empty")
-        if problems:
-            raise ValueError("; ".join(problems))
+from master.params import GREEDY_BELOW, SamplingParams
 
 
 class Sampler:
@@ -61,7 +31,7 @@ class Sampler:
             logits[seen] = torch.where(
                 picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
             )
-        if p.temperature == 0.0:
+        if p.temperature < GREEDY_BELOW:
             return int(torch.argmax(logits))
         logits = logits / p.temperature
         if p.top_k > 0 and p.top_k < logits.numel():

@@ -17,7 +17,7 @@ import pytest
 from master.batcher import Batcher, Delta, Event, Failed, Finished, NodeLost
 from master.cluster import ClusterError, Hub
 from master.engine import Engine
-from master.sampling import SamplingParams
+from master.params import SamplingParams
 from master.session import Session, prompt_tokens
 
 pytestmark = pytest.mark.slow

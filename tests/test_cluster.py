@@ -18,8 +18,8 @@ from master.cluster import ClusterError, Hub
 from master.engine import Engine
 from master.generate import start, stream
 from master.local import LocalWorkers
+from master.params import SamplingParams
 from master.plan import plan_slices
-from master.sampling import SamplingParams
 from master.session import Session
 from master.splitter import split_model
 from memory.shards import ShardStore

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from master.generate import SamplingParams, start, stream
+from master.generate import start, stream
+from master.params import SamplingParams
 from models import kernels
 from models.kernels import SCALE_SUFFIX, Candidate, linear, quantize
 from node.device import TOLERANCE, entry_key, prepare

@@ -11,7 +11,7 @@ from cluster_threads import master_threads
 from master.cluster import Hub
 from master.generate import start, stream
 from master.local import LocalWorkers
-from master.sampling import SamplingParams
+from master.params import SamplingParams
 from master.session import Session
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import torch
 
 from master.engine import Engine
 from master.generate import start, stream
-from master.sampling import SamplingParams
+from master.params import SamplingParams
 from master.session import prompt_tokens
 from models.layers import StepBatch
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from master.engine import Engine
 from master.generate import start, stream
-from master.sampling import Sampler, SamplingParams
+from master.params import GREEDY_BELOW, TEMPERATURE_MAX, SamplingParams
+from master.sampling import Sampler
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, 0.5])
 
@@ -28,7 +32,7 @@ def test_seed_makes_sampling_repeatable():
 
 
 def test_top_k_keeps_only_the_k_best():
-    assert set(draws(SamplingParams(temperature=5.0, top_k=2, seed=0))) == {1, 2}
+    assert set(draws(SamplingParams(temperature=2.0, top_k=2, seed=0))) == {1, 2}
 
 
 def test_top_p_keeps_the_smallest_covering_prefix():
@@ -52,21 +56,34 @@ def test_temperature_spreads_choices():
     assert len(set(draws(SamplingParams(temperature=2.0, seed=3), 400))) == 5
 
 
+def test_a_tiny_temperature_is_greedy():
+    assert set(draws(SamplingParams(temperature=GREEDY_BELOW / 2, seed=0), 20)) == {1}
+    assert set(draws(SamplingParams(temperature=1e-300, seed=0), 5)) == {1}  # no overflow
+
+
 @pytest.mark.parametrize(
     "bad",
     [
         {"temperature": -1},
+        {"temperature": TEMPERATURE_MAX + 0.01},
         {"top_p": 0.0},
         {"top_p": 1.5},
         {"top_k": -1},
         {"max_tokens": 0},
         {"repetition_penalty": 0},
+        {"repetition_penalty": 101},
         {"stop": ("",)},
     ],
 )
 def test_out_of_range_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_the_limits_load_without_torch():
+    """The chat app checks its settings against them and must not load torch."""
+    code = "import sys, master.params, master.bridge.schema; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import torch
 from master.cluster import ClusterError
 from master.generate import start, stream
 from master.local import local_engine
+from master.params import SamplingParams
 from master.plan import plan_slices
-from master.sampling import SamplingParams
 from master.splitter import split_model
 from memory.budget import MIN_CONTEXT, BudgetError, MemoryOptions, plan_memory
 from memory.shards import ShardStore

@@ -3,16 +3,13 @@
 Handlers run on the event loop; the engine runs on the batcher's thread. Each request gets an
 asyncio queue that the batcher feeds through `call_soon_threadsafe`. A client that goes away
 (the connection closes) cancels its request: the batcher drops it before its next step.
-Errors come back in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with a
-message that says what to change.
+Every body sent is one of schema.py's models; errors.py makes the errors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,76 +17,44 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic.json_schema import models_json_schema
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from master.batcher import (
-    Batcher,
-    BusyError,
-    Delta,
-    Event,
-    Failed,
-    Finished,
-    NodeLost,
-    ShuttingDown,
-    Ticket,
-)
+from master.batcher import Batcher, BusyError, Delta, Event, Failed, Finished, Ticket
+from master.bridge.errors import APIError, documented, failure, install_handlers
 from master.bridge.schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatDelta,
     ClusterFigures,
     Completion,
+    CompletionChoice,
     CompletionChunk,
+    CompletionChunkChoice,
     CompletionRequest,
-    ErrorResponse,
     Health,
     ModelCard,
     ModelList,
     SamplingFields,
+    Usage,
+    finish_openapi,
+    stream_content,
 )
 from master.cluster import ClusterError
 from master.figures import cluster_figures, generation_figures
-from master.sampling import SamplingParams
+from master.params import SamplingParams
 from master.session import chat_tokens
 from models.errors import ModelError
 from models.tokenizer import Tokenizer
 
-log = logging.getLogger(__name__)
-
-MIN_TEMPERATURE = 1e-4  # below it, sampling is the argmax anyway; dividing by it may overflow
-# Any top_p below the likeliest token's probability (>= 1/vocabulary) keeps that token alone;
-# a top_p that rounds to 0 in float32 (5e-324) would make the sampler drop every token.
-MIN_TOP_P = 1e-6
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class APIError(Exception):
-    """An error to send in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
 
 
 @dataclass
@@ -101,42 +66,6 @@ class Served:
     model_id: str
     aliases: tuple[str, ...] = ()  # other names a request may use for the model
     created: int = 0  # the model file's time, for /v1/models
-
-
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    words = {
-        400: "the request is invalid; the message says what to change",
-        401: "missing or wrong API key",
-        404: "no such model",
-        429: "every slot is busy and the waiting line is full",
-        503: "the cluster is down or the server is shutting down",
-    }
-    return {s: {"model": ErrorResponse, "description": words[s]} for s in statuses}
-
-
-def _stream_doc(chunk: str) -> dict[str, Any]:
-    """The 200 response's text/event-stream content: the schema of each event."""
-    payload = {"contentMediaType": "application/json"}
-    data = {
-        "type": "string",
-        "description": f"a JSON {chunk}, or ErrorResponse if generation failed mid-stream; the "
-        f"last event is the literal [DONE]",
-        "anyOf": [
-            {"const": "[DONE]"},
-            {**payload, "contentSchema": {"$ref": f"#/components/schemas/{chunk}"}},
-            {**payload, "contentSchema": {"$ref": "#/components/schemas/ErrorResponse"}},
-        ],
-    }
-    return {
-        "text/event-stream": {
-            "schema": {
-                "type": "object",
-                "description": "with stream: true, one event per piece of text",
-                "properties": {"event": {"type": "string"}, "data": data},
-                "required": ["data"],
-            }
-        }
-    }
 
 
 def create_app(served: Served, api_key: str | None = None) -> FastAPI:
@@ -164,61 +93,42 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
     guarded: list[Any] = [Depends(check_key)] if api_key else []
     auth_errors = (401,) if api_key else ()
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    install_handlers(app)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc.errors()).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 400:  # FastAPI could not read the body at all (not UTF-8 JSON)
-            message = "the request body is not UTF-8 JSON: send one JSON object"
-            return APIError(400, message, code="invalid_json").response()
-        kind = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), code=kind).response()
-
-    @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error")
-        return APIError(500, f"internal error: {exc}", type="server_error").response()
-
-    @app.get("/health", response_model=Health, responses=_errors(503), tags=["server"])
-    async def health() -> Any:
+    @app.get("/health", response_model=Health, responses=documented(503), tags=["server"])
+    async def health() -> Health:
         """Liveness and the generation counters; 503 when the cluster is down."""
         stats = served.batcher.stats()
         if stats.down:
             raise APIError(503, stats.down, type="server_error", code="cluster_down")
-        return {"model": served.model_id, "generation": generation_figures(stats)}
+        return Health(model=served.model_id, generation=generation_figures(stats))
 
     @app.get(
         "/v1/models",
         response_model=ModelList,
-        responses=_errors(*auth_errors),
+        responses=documented(*auth_errors),
         dependencies=guarded,
         tags=["openai"],
     )
-    async def list_models() -> Any:
+    async def list_models() -> ModelList:
         """The one model this server runs."""
-        return {"data": [_card(served)]}
+        return ModelList(data=[_card(served)])
 
     @app.get(
         "/v1/models/{model}",
         response_model=ModelCard,
-        responses=_errors(*auth_errors, 404),
+        responses=documented(*auth_errors, 404),
         dependencies=guarded,
         tags=["openai"],
     )
-    async def retrieve_model(model: str) -> Any:
+    async def retrieve_model(model: str) -> ModelCard:
         _check_model(served, model)
         return _card(served)
 
     @app.get(
         "/v1/cluster",
         response_model=ClusterFigures,
-        responses=_errors(*auth_errors),
+        responses=documented(*auth_errors),
         dependencies=guarded,
         tags=["server"],
     )
@@ -231,8 +141,8 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
         "/v1/chat/completions",
         response_model=ChatCompletion,
         responses={
-            200: {"content": _stream_doc("ChatCompletionChunk")},
-            **_errors(400, *auth_errors, 404, 429, 503),
+            200: {"content": stream_content(ChatCompletionChunk)},
+            **documented(400, *auth_errors, 404, 429, 503),
         },
         dependencies=guarded,
         tags=["openai"],
@@ -260,8 +170,8 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
         "/v1/completions",
         response_model=Completion,
         responses={
-            200: {"content": _stream_doc("CompletionChunk")},
-            **_errors(400, *auth_errors, 404, 429, 503),
+            200: {"content": stream_content(CompletionChunk)},
+            **documented(400, *auth_errors, 404, 429, 503),
         },
         dependencies=guarded,
         tags=["openai"],
@@ -283,43 +193,13 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
         schema = get_openapi(
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
-        # Validation errors are OpenAI-style 400s here, not FastAPI's 422s.
-        for path in schema.get("paths", {}).values():
-            for op in path.values():
-                op.get("responses", {}).pop("422", None)
-        schemas = schema.get("components", {}).get("schemas", {})
-        for name in ("HTTPValidationError", "ValidationError"):
-            schemas.pop(name, None)
-        # The streamed chunks, which no route returns as its JSON model.
-        _, defs = models_json_schema(
-            [(ChatCompletionChunk, "serialization"), (CompletionChunk, "serialization")],
-            ref_template="#/components/schemas/{model}",
-        )
-        for name, definition in defs.get("$defs", {}).items():
-            schemas.setdefault(name, definition)
-        # Bounds that depend on the model served: the context and the vocabulary.
         vocab = min(served.tokenizer.vocab_size, served.batcher.config.vocab_size)
-        for name in ("ChatCompletionRequest", "CompletionRequest"):
-            props = schemas.get(name, {}).get("properties", {})
-            for field in ("max_tokens", "max_completion_tokens"):
-                _set_maximum(props.get(field), served.batcher.max_context - 1)
-            _set_maximum(props.get("prompt"), vocab - 1)
+        finish_openapi(schema, served.batcher.max_context, vocab)
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
-
-
-def _set_maximum(schema: Any, maximum: int) -> None:
-    """Give every integer in a JSON schema (and its anyOf/items) an upper bound."""
-    if isinstance(schema, dict):
-        if schema.get("type") == "integer":
-            schema["maximum"] = maximum
-        for key in ("anyOf", "items"):
-            sub = schema.get(key)
-            for s in sub if isinstance(sub, list) else [sub]:
-                _set_maximum(s, maximum)
 
 
 def _version() -> str:
@@ -331,8 +211,8 @@ def _version() -> str:
         return "0"
 
 
-def _card(served: Served) -> dict[str, Any]:
-    return {"id": served.model_id, "created": served.created, "owned_by": "edgetp"}
+def _card(served: Served) -> ModelCard:
+    return ModelCard(id=served.model_id, created=served.created, owned_by="edgetp")
 
 
 def _check_model(served: Served, model: str | None) -> None:
@@ -385,12 +265,11 @@ def _params(
             param="max_tokens",
             code="context_length_exceeded",
         )
-    temperature = 1.0 if body.temperature is None else body.temperature
     try:
         return SamplingParams(
-            temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
+            temperature=1.0 if body.temperature is None else body.temperature,
             top_k=body.top_k or 0,
-            top_p=1.0 if body.top_p is None else max(body.top_p, MIN_TOP_P),
+            top_p=1.0 if body.top_p is None else body.top_p,
             repetition_penalty=body.repetition_penalty or 1.0,
             seed=body.seed,
             max_tokens=limit or room,
@@ -431,7 +310,7 @@ async def _generate(
     except BusyError as exc:
         raise APIError(429, str(exc), type="server_error", code="busy") from exc
     except ClusterError as exc:
-        raise _failure(Failed(exc)) from exc
+        raise failure(Failed(exc)) from exc
 
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -441,7 +320,7 @@ async def _generate(
                 ticket.cancel()
                 return Response(status_code=499)
             if isinstance(first, Failed):
-                raise _failure(first)
+                raise failure(first)
             gone.cancel()  # from here the streaming response watches the connection itself
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = _sse(served, kind, rid, first, queue, ticket, include_usage, echo)
@@ -459,9 +338,10 @@ async def _generate(
             if isinstance(event, Delta):
                 text.append(event.text)
             elif isinstance(event, Failed):
-                raise _failure(event)
+                raise failure(event)
             else:
-                return JSONResponse(_whole(served, kind, rid, "".join(text), event))
+                whole = _whole(served, kind, rid, "".join(text), event)
+                return Response(whole.model_dump_json(), media_type="application/json")
     except asyncio.CancelledError:
         ticket.cancel()
         raise
@@ -487,38 +367,25 @@ async def _next(queue: asyncio.Queue[Event], gone: asyncio.Future[None]) -> Even
     return None
 
 
-def _failure(event: Failed) -> APIError:
-    if isinstance(event.error, ShuttingDown):
-        return APIError(503, str(event.error), type="server_error", code="shutting_down")
-    if isinstance(event.error, NodeLost):  # this request is lost; the next ones are served
-        return APIError(503, str(event.error), type="server_error", code="node_lost")
-    if isinstance(event.error, ClusterError):
-        return APIError(503, str(event.error), type="server_error", code="cluster_down")
-    return APIError(500, f"generation failed: {event.error}", type="server_error")
+def _usage(done: Finished) -> Usage:
+    total = done.prompt_tokens + done.completion_tokens
+    return Usage(
+        prompt_tokens=done.prompt_tokens,
+        completion_tokens=done.completion_tokens,
+        total_tokens=total,
+    )
 
 
-def _usage(done: Finished) -> dict[str, int]:
-    return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-    }
-
-
-def _whole(served: Served, kind: str, rid: str, text: str, done: Finished) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": done.finish_reason}
+def _whole(
+    served: Served, kind: str, rid: str, text: str, done: Finished
+) -> ChatCompletion | Completion:
+    head = {"id": rid, "created": int(time.time()), "model": served.model_id}
     if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {
-        "id": rid,
-        "object": "chat.completion" if kind == "chat" else "text_completion",
-        "created": int(time.time()),
-        "model": served.model_id,
-        "choices": [choice],
-        "usage": _usage(done),
-    }
+        message = AssistantMessage(content=text)
+        choice = ChatChoice(index=0, message=message, finish_reason=done.finish_reason)
+        return ChatCompletion(**head, choices=[choice], usage=_usage(done))
+    text_choice = CompletionChoice(index=0, text=text, finish_reason=done.finish_reason)
+    return Completion(**head, choices=[text_choice], usage=_usage(done))
 
 
 async def _sse(
@@ -532,30 +399,19 @@ async def _sse(
     echo: str,
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk shapes; cancels the request if the stream stops."""
-    created = int(time.time())
+    head = {"id": rid, "created": int(time.time()), "model": served.model_id}
 
-    def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    def chunk(text: str | None, finish: str | None = None, role: str | None = None) -> str:
         if kind == "chat":
-            delta: dict[str, str] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            choice["delta"] = delta
-        else:
-            choice["text"] = text or ""
-        return _data(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": created,
-                "model": served.model_id,
-                "choices": [choice],
-            }
-        )
+            delta = ChatDelta(role=role, content=text)
+            choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish)
+            return _event(ChatCompletionChunk(**head, choices=[choice]))
+        text_choice = CompletionChunkChoice(index=0, text=text or "", finish_reason=finish)
+        return _event(CompletionChunk(**head, choices=[text_choice]))
 
     try:
         if kind == "chat":
-            yield chunk("", role=True)
+            yield chunk("", role="assistant")
         elif echo:
             yield chunk(echo)
         event: Event = first
@@ -565,115 +421,17 @@ async def _sse(
             elif isinstance(event, Finished):
                 yield chunk(None, event.finish_reason)
                 if include_usage:
-                    yield _data(
-                        {
-                            "id": rid,
-                            "object": "chat.completion.chunk"
-                            if kind == "chat"
-                            else "text_completion",
-                            "created": created,
-                            "model": served.model_id,
-                            "choices": [],
-                            "usage": _usage(event),
-                        }
-                    )
+                    last = ChatCompletionChunk if kind == "chat" else CompletionChunk
+                    yield _event(last(**head, choices=[], usage=_usage(event)))
                 yield "data: [DONE]\n\n"
                 return
             else:  # the status line is long gone: the error travels as an event
-                error = _failure(event)
-                body = {"message": error.message, "type": error.type, "param": None}
-                yield _data({"error": {**body, "code": error.code}})
+                yield _event(failure(event).body)
                 return
             event = await queue.get()
     finally:
         ticket.cancel()  # a no-op once finished; a client that went away frees its slot here
 
 
-def _data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-_EXPECTED = {
-    "stop": "a string or a list of strings",
-    "prompt": "a string, a list of token ids, or a list of one of either",
-    "content": "a string or a list of {'type': 'text', 'text': ...} parts",
-}
-
-
-def _validation_error(errors: Any) -> APIError:
-    """One 400 for pydantic's errors: the first field at fault, what it got, what it takes."""
-    errors = list(errors)
-    first = errors[0]
-    if first["type"] == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "")
-        return APIError(
-            400,
-            f"the request body is not valid JSON ({detail}): send one JSON object",
-            code="invalid_json",
-        )
-    loc = [str(x) for x in first["loc"]][1:]  # ("body", field, ...)
-    if not loc:
-        return APIError(
-            400,
-            "the request body must be a JSON object (Content-Type: application/json), "
-            f"got {_show(first.get('input'))}",
-            code="invalid_body",
-        )
-    # A union reports one error per branch; name the field once, with what it accepts.
-    field_path = _field_path(loc)
-    param = ".".join(field_path)
-    if first["type"] == "extra_forbidden":
-        return APIError(
-            400,
-            f"unknown field {param!r}: edgetp does not serve it; remove it",
-            param=param,
-            code="unknown_field",
-        )
-    if first["type"] == "missing":
-        return APIError(400, f"{param} is required", param=param, code="missing_field")
-    if any(e["type"] == "string_unicode" for e in errors):
-        return APIError(
-            400,
-            f"{param} is not valid Unicode (a lone UTF-16 surrogate such as \\udfff?): send "
-            f"valid UTF-8 text",
-            param=param,
-            code="invalid_value",
-        )
-    same = [e for e in errors if _field_path([str(x) for x in e["loc"]][1:]) == field_path]
-    if len(same) > 1 and field_path[-1] in _EXPECTED:
-        msg = f"{param} must be {_EXPECTED[field_path[-1]]}"
-    else:
-        msg = f"{param}: {first['msg']}"
-    msg += f"; got {_show(first.get('input'))}"
-    hint = _HINTS.get(param)
-    if hint:
-        msg += f" ({param}: {hint})"
-    return APIError(400, msg, param=param, code="invalid_value")
-
-
-_HINTS = {
-    name: field.description
-    for model in (ChatCompletionRequest, CompletionRequest)
-    for name, field in model.model_fields.items()
-    if field.description
-}
-_BRANCH_TAGS = {"str", "int", "float", "bool", "TextPart"}
-
-
-def _field_path(loc: list[str]) -> list[str]:
-    """The field names and list indexes in `loc` up to the first union branch tag.
-
-    Pydantic names the branch a union error came from ('str', 'list[str]'); errors from the
-    branches of one field then share this path.
-    """
-    out = []
-    for part in loc:
-        if part in _BRANCH_TAGS or "[" in part or "-" in part:  # e.g. 'constrained-str'
-            break
-        out.append(part)
-    return out
-
-
-def _show(value: Any, limit: int = 60) -> str:
-    text = repr(value) if isinstance(value, bytes) else json.dumps(value, default=str)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _event(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"

@@ -12,6 +12,14 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import models_json_schema
+
+from master.params import (
+    GREEDY_BELOW,
+    REPETITION_PENALTY_MAX,
+    REPETITION_PENALTY_MIN,
+    TEMPERATURE_MAX,
+)
 
 SEED_LIMIT = 2**53 - 1  # the largest integer a JSON number (a double) holds exactly
 MAX_STOP_STRINGS = 4
@@ -78,8 +86,8 @@ class SamplingFields(_Strict):
     temperature: float | None = Field(
         None,
         ge=0.0,
-        le=2.0,
-        description="0 is greedy; default 1. Below 1e-4 counts as 0 (the same argmax).",
+        le=TEMPERATURE_MAX,
+        description=f"0 is greedy; default 1. Below {GREEDY_BELOW} counts as 0 (the same argmax).",
     )
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus mass; default 1")
     max_tokens: int | None = Field(
@@ -104,7 +112,10 @@ class SamplingFields(_Strict):
     # edgetp's own sampling knobs (the names other OpenAI-compatible servers use)
     top_k: int | None = Field(None, ge=0, description="edgetp: keep the k likeliest; 0 = all")
     repetition_penalty: float | None = Field(
-        None, ge=0.01, le=100.0, description="edgetp: >1 discourages repeating tokens"
+        None,
+        ge=REPETITION_PENALTY_MIN,
+        le=REPETITION_PENALTY_MAX,
+        description="edgetp: >1 discourages repeating tokens",
     )
     ignore_eos: bool | None = Field(
         False, description="edgetp: keep going past end-of-sequence, up to max_tokens"
@@ -187,9 +198,16 @@ class Completion(BaseModel):
     usage: Usage
 
 
+def _none(value: Any) -> bool:
+    return value is None
+
+
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = Field(None, description="in the first chunk only")
-    content: str | None = Field(None, description="the next piece of text")
+    # Left out rather than null, as OpenAI sends them: the last chunk's delta is {}.
+    role: Literal["assistant"] | None = Field(
+        None, exclude_if=_none, description="in the first chunk only"
+    )
+    content: str | None = Field(None, exclude_if=_none, description="the next piece of text")
 
 
 class ChatChunkChoice(BaseModel):
@@ -207,7 +225,9 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice] = Field(description="empty in the usage chunk")
-    usage: Usage | None = Field(None, description="only in the last chunk, if asked for")
+    usage: Usage | None = Field(
+        None, exclude_if=_none, description="only in the last chunk, if asked for"
+    )
 
 
 class CompletionChunkChoice(BaseModel):
@@ -225,7 +245,9 @@ class CompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[CompletionChunkChoice] = Field(description="empty in the usage chunk")
-    usage: Usage | None = Field(None, description="only in the last chunk, if asked for")
+    usage: Usage | None = Field(
+        None, exclude_if=_none, description="only in the last chunk, if asked for"
+    )
 
 
 class ModelCard(BaseModel):
@@ -321,3 +343,65 @@ class ClusterFigures(BaseModel):
     allreduce: AllreduceFigures | None = Field(None, description="None on a single node")
     generation: GenerationFigures
     down: str | None = Field(None, description="why the cluster is down, if it is")
+
+
+# -- the OpenAPI document ---------------------------------------------------------------------
+def stream_content(chunk: type[BaseModel]) -> dict[str, Any]:
+    """A 200 response's text/event-stream content: the schema of each event."""
+    payload = {"contentMediaType": "application/json"}
+    data = {
+        "type": "string",
+        "description": f"a JSON {chunk.__name__}, or ErrorResponse if generation failed "
+        f"mid-stream; the last event is the literal [DONE]",
+        "anyOf": [
+            {"const": "[DONE]"},
+            {**payload, "contentSchema": {"$ref": f"#/components/schemas/{chunk.__name__}"}},
+            {**payload, "contentSchema": {"$ref": "#/components/schemas/ErrorResponse"}},
+        ],
+    }
+    return {
+        "text/event-stream": {
+            "schema": {
+                "type": "object",
+                "description": "with stream: true, one event per piece of text",
+                "properties": {"event": {"type": "string"}, "data": data},
+                "required": ["data"],
+            }
+        }
+    }
+
+
+def finish_openapi(document: dict[str, Any], context: int, vocab: int) -> None:
+    """Make FastAPI's OpenAPI document say what the bridge does, for a model with this context
+    and vocabulary size."""
+    # Validation errors are OpenAI-style 400s here, not FastAPI's 422s.
+    for path in document.get("paths", {}).values():
+        for op in path.values():
+            op.get("responses", {}).pop("422", None)
+    schemas = document.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    # The streamed chunks, which no route returns as its JSON model.
+    _, defs = models_json_schema(
+        [(ChatCompletionChunk, "serialization"), (CompletionChunk, "serialization")],
+        ref_template="#/components/schemas/{model}",
+    )
+    for name, definition in defs.get("$defs", {}).items():
+        schemas.setdefault(name, definition)
+    # Bounds that depend on the model served.
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        props = schemas.get(name, {}).get("properties", {})
+        for field in ("max_tokens", "max_completion_tokens"):
+            _set_maximum(props.get(field), context - 1)
+        _set_maximum(props.get("prompt"), vocab - 1)
+
+
+def _set_maximum(schema: Any, maximum: int) -> None:
+    """Give every integer in a JSON schema (and its anyOf/items) an upper bound."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            schema["maximum"] = maximum
+        for key in ("anyOf", "items"):
+            sub = schema.get(key)
+            for s in sub if isinstance(sub, list) else [sub]:
+                _set_maximum(s, maximum)
