@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,25 +27,6 @@ from node.kvcache import KVCache
 from node.worker import measure_capacity
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadedModel:
-    source: ModelSource
-    tokenizer: Tokenizer
-    engine: Engine
-
-
-def load(
-    model: str | None,
-    capacities: Sequence[float] = (1.0,),
-    max_context: int | None = None,
-    slots: int = 1,
-) -> LoadedModel:
-    source = open_model(model)
-    tokenizer = source.tokenizer()
-    engine = Engine.local(source, capacities, max_context=max_context, slots=slots)
-    return LoadedModel(source, tokenizer, engine)
 
 
 def open_with_tokenizer(model: str | None) -> tuple[ModelSource, Tokenizer]:
@@ -82,7 +62,7 @@ def chat_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[in
     return tokenizer.encode(rendered, add_bos=False)
 
 
-def cluster_engine(
+def _cluster_engine(
     source: ModelSource,
     hub: Hub | None,
     capacities: Sequence[float],
@@ -274,7 +254,7 @@ class Session:
             # Alone with every weight resident: read straight from the model, no shards.
             engine = Engine.local(self.source, max_context=self.context, slots=self.slots)
         else:
-            engine = cluster_engine(
+            engine = _cluster_engine(
                 self.source,
                 self.hub,
                 self.capacities(),

@@ -291,7 +291,7 @@ class _TokenizersEngine:
         return self._backend.id_to_token(token_id)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's spelling of bytes as printable characters, which byte-level vocabularies use."""
     printable = (
         list(range(ord("!"), ord("~") + 1))
@@ -319,7 +319,7 @@ def _byte_level_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> _Toke
             f"know; known are {sorted(_BYTE_LEVEL_SPLITS)}"
         )
 
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
     control: list[AddedToken] = []

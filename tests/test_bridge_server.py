@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from master.bridge.bench import ServerProcess, start_server, stream_chat
+from master.bridge.client import ServerProcess, start_server, stream_chat
 
 pytestmark = pytest.mark.slow
 

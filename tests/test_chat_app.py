@@ -1,6 +1,6 @@
 """`edgetp chat` driven by Textual's Pilot against a real `edgetp serve` on a two-process cluster.
 
-The bridge is started the way `edgetp chat` starts it (`LocalBridge`), once for the module; the
+The bridge is started the way `edgetp chat` starts it (`start_server`), once for the module; the
 app talks to it over loopback HTTP. Content is greedy (temperature 0) and compared with what the
 same bridge answers to the same messages without the app. The last test starts a bridge of its
 own: it kills that bridge's worker mid-answer.
@@ -20,8 +20,9 @@ import httpx2 as httpx
 import pytest
 from textual.pilot import Pilot
 
+from master.bridge.client import start_server
 from tui.chat.app import ChatApp
-from tui.chat.client import BridgeClient, LocalBridge, Sampling
+from tui.chat.client import BridgeClient, Sampling
 from tui.chat.store import ConversationStore
 from tui.chat.widgets import Answer, ConversationsScreen, Note, SettingsScreen
 
@@ -38,8 +39,7 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def bridge(shared_state):
-    local = LocalBridge([*SERVE, "--state-dir", str(shared_state)])
-    local.start(timeout=240)
+    local = start_server([*SERVE, "--state-dir", str(shared_state)], timeout=240)
     yield local
     local.stop()
 
@@ -99,7 +99,7 @@ def shown(app: ChatApp) -> list[tuple[str, str]]:
 async def test_a_prompt_streams_its_answer_token_by_token(bridge, tmp_path):
     prompt = "Why is the sky blue?"
     sampling = Sampling(temperature=0, top_p=1, max_tokens=48)
-    app = make_app(bridge.base_url, tmp_path, sampling)
+    app = make_app(bridge.base, tmp_path, sampling)
     async with app.run_test(size=SIZE) as pilot:
         await ask(pilot, prompt)
         await until(pilot, lambda: app.query(Answer), 10, "answer view")
@@ -119,7 +119,7 @@ async def test_a_prompt_streams_its_answer_token_by_token(bridge, tmp_path):
         assert all(b.startswith(a) for (_, a), (_, b) in zip(seen, seen[1:], strict=False))
         assert seen[-1][0] - seen[0][0] > 0.5
         expected = await asyncio.to_thread(
-            chat_once, bridge.base_url, [{"role": "user", "content": prompt}], sampling
+            chat_once, bridge.base, [{"role": "user", "content": prompt}], sampling
         )
         assert final.content == expected
         assert "48 tokens" in str(app.query_one("#status").content)
@@ -128,9 +128,9 @@ async def test_a_prompt_streams_its_answer_token_by_token(bridge, tmp_path):
 
 async def test_esc_stops_a_running_answer(bridge, tmp_path):
     sampling = Sampling(temperature=0, top_p=1, max_tokens=300)
-    app = make_app(bridge.base_url, tmp_path, sampling)
+    app = make_app(bridge.base, tmp_path, sampling)
     async with app.run_test(size=SIZE) as pilot:
-        before = await asyncio.to_thread(generation, bridge.base_url)
+        before = await asyncio.to_thread(generation, bridge.base)
         await ask(pilot, "Write a long story about a dragon and a knight.")
         await until(pilot, lambda: len(answer_text(app)) > 20, 30, "first words")
         assert app.answering is not None
@@ -145,7 +145,7 @@ async def test_esc_stops_a_running_answer(bridge, tmp_path):
         assert view.border_subtitle == "stopped"
         # The bridge dropped the request: the closed stream cancelled it.
         deadline = time.monotonic() + 5
-        while (g := await asyncio.to_thread(generation, bridge.base_url))["cancelled"] == before[
+        while (g := await asyncio.to_thread(generation, bridge.base))["cancelled"] == before[
             "cancelled"
         ]:
             assert time.monotonic() < deadline, g
@@ -157,7 +157,7 @@ async def test_esc_stops_a_running_answer(bridge, tmp_path):
 async def test_a_second_turn_uses_the_first_as_context(bridge, tmp_path):
     sampling = Sampling(temperature=0, top_p=1, max_tokens=32)
     first, second = "I have a dog called Rex.", "What is my dog called?"
-    app = make_app(bridge.base_url, tmp_path, sampling)
+    app = make_app(bridge.base, tmp_path, sampling)
     async with app.run_test(size=SIZE) as pilot:
         await ask(pilot, first)
         await answered(pilot, app)
@@ -168,9 +168,9 @@ async def test_a_second_turn_uses_the_first_as_context(bridge, tmp_path):
         assert shown(app) == turns
         answer = turns[3][1]
     history = [{"role": r, "content": c} for r, c in turns[:3]]
-    assert answer == await asyncio.to_thread(chat_once, bridge.base_url, history, sampling)
+    assert answer == await asyncio.to_thread(chat_once, bridge.base, history, sampling)
     alone = await asyncio.to_thread(
-        chat_once, bridge.base_url, [{"role": "user", "content": second}], sampling
+        chat_once, bridge.base, [{"role": "user", "content": second}], sampling
     )
     print("with the first turn:", repr(answer), "\nalone:", repr(alone))
     assert "Rex" in answer and "Rex" not in alone  # only the first turn says the name
@@ -178,7 +178,7 @@ async def test_a_second_turn_uses_the_first_as_context(bridge, tmp_path):
 
 async def test_a_saved_conversation_reopens_with_its_messages(bridge, tmp_path):
     sampling = Sampling(temperature=0, top_p=1, max_tokens=16)
-    app = make_app(bridge.base_url, tmp_path, sampling, system="Answer briefly.")
+    app = make_app(bridge.base, tmp_path, sampling, system="Answer briefly.")
     async with app.run_test(size=SIZE) as pilot:
         await ask(pilot, "Name three colors.")
         await answered(pilot, app)
@@ -194,7 +194,7 @@ async def test_a_saved_conversation_reopens_with_its_messages(bridge, tmp_path):
         assert shown(app) == [] and app.conversation.id != saved.id
 
     # A new app (a later start) lists it and opens it from disk.
-    app = make_app(bridge.base_url, tmp_path, Sampling())
+    app = make_app(bridge.base, tmp_path, Sampling())
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("ctrl+o")
         await until(pilot, lambda: isinstance(app.screen, ConversationsScreen), 5, "list")
@@ -210,7 +210,7 @@ async def test_a_saved_conversation_reopens_with_its_messages(bridge, tmp_path):
 async def test_a_poll_that_lands_as_the_app_closes_is_dropped(bridge, tmp_path):
     """The cluster's figures arrive after the main screen's widgets are gone: nothing to show,
     and no crash (seen when a poll's timer fired during shutdown)."""
-    app = make_app(bridge.base_url, tmp_path, Sampling(), poll_s=3600)
+    app = make_app(bridge.base, tmp_path, Sampling(), poll_s=3600)
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: not app._polling, 30, "first poll")
         await app.screen_stack[0].query_one("#cluster").remove()
@@ -220,7 +220,7 @@ async def test_a_poll_that_lands_as_the_app_closes_is_dropped(bridge, tmp_path):
 
 
 async def test_system_prompt_and_sampling_are_set_in_the_app(bridge, tmp_path):
-    app = make_app(bridge.base_url, tmp_path, Sampling())
+    app = make_app(bridge.base, tmp_path, Sampling())
     system = "You are a pirate. Answer like a pirate."
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("ctrl+s")
@@ -239,7 +239,7 @@ async def test_system_prompt_and_sampling_are_set_in_the_app(bridge, tmp_path):
         answer = app.conversation.messages[-1].content
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Who are you?"}]
     expected = await asyncio.to_thread(
-        chat_once, bridge.base_url, messages, Sampling(temperature=0, top_p=1, max_tokens=12)
+        chat_once, bridge.base, messages, Sampling(temperature=0, top_p=1, max_tokens=12)
     )
     assert answer == expected
 
@@ -249,11 +249,12 @@ async def test_a_worker_killed_mid_answer_shows_the_error_and_the_app_goes_on(
 ):
     """A bridge of its own: the kill loses the answer, and the cluster re-plans without the
     worker, so the next prompt is answered."""
-    local = LocalBridge([*SERVE, "--state-dir", str(shared_state)])
-    await asyncio.to_thread(local.start, 240)
+    local = await asyncio.to_thread(
+        start_server, [*SERVE, "--state-dir", str(shared_state)], timeout=240
+    )
     try:
         app = make_app(
-            local.base_url,
+            local.base,
             tmp_path / "conversations",
             Sampling(temperature=0, top_p=1, max_tokens=400),
             down_hint="(restart the cluster)",
@@ -261,7 +262,6 @@ async def test_a_worker_killed_mid_answer_shows_the_error_and_the_app_goes_on(
         async with app.run_test(size=SIZE) as pilot:
             await ask(pilot, "Write a long story about a dragon and a knight.")
             await until(pilot, lambda: answer_text(app), 30, "first words")
-            assert local.proc is not None
             pid = local.proc.pid
             children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
             workers = [c for c in children if b"join" in Path(f"/proc/{c}/cmdline").read_bytes()]

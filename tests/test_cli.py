@@ -102,8 +102,8 @@ def test_a_bad_core_count_is_a_clear_error(monkeypatch):
 def test_the_parser_and_the_chat_app_start_without_torch():
     """`edgetp --help` and the chat app (a bridge client) load in a fraction of torch's time."""
     probe = (
-        "import sys, tui.cli, tui.chat.app, tui.chat.command\n"
-        "tui.cli._parser().format_help()\n"
+        "import sys, tui.cli, tui.chat.app, tui.chat.command, master.bridge.client\n"
+        "tui.arguments.build_parser().format_help()\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)

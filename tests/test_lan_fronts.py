@@ -20,8 +20,9 @@ import pytest
 from rich.console import Console
 from textual.widgets import Static
 
+from master.bridge.client import start_server
 from tui.chat.app import ChatApp
-from tui.chat.client import BridgeClient, LocalBridge, Sampling
+from tui.chat.client import BridgeClient, Sampling
 from tui.chat.store import ConversationStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
@@ -93,32 +94,33 @@ async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp
     the answer is done), the panel shows them with their addresses once re-planned, and the
     greedy answer over the openai client equals the master's alone.
     (One thread a process: the three share this machine's two cores.)"""
-    bridge = LocalBridge(
+    bridge = await asyncio.to_thread(
+        start_server,
         ["--cluster-port", "0", "--no-announce", "--context", "512", "--threads", "1",
-         "--state-dir", str(tmp_path / "master")]
+         "--state-dir", str(tmp_path / "master")],
+        timeout=240,
     )  # fmt: skip
-    await asyncio.to_thread(bridge.start, 240)
     devices: list[subprocess.Popen] = []
     try:
-        alone = await asyncio.to_thread(greedy_answer, bridge.base_url)
+        alone = await asyncio.to_thread(greedy_answer, bridge.base)
         found = [m for line in bridge.log if (m := JOIN_LINE.search(line))]
         assert found, "\n".join(bridge.log)
         port, token = found[0].groups()
         answers: list[str] = []
         long_answer = threading.Thread(
-            target=lambda: answers.append(greedy_answer(bridge.base_url, 300))
+            target=lambda: answers.append(greedy_answer(bridge.base, 300))
         )
         long_answer.start()
         devices = [join(port, token, f"dev-{k}", tmp_path / f"dev-{k}") for k in (1, 2)]
         deadline = time.monotonic() + 60
-        while len(cluster_nodes(bridge.base_url)) < 3:  # HELLOs answered mid-answer
-            assert time.monotonic() < deadline, cluster_nodes(bridge.base_url)
+        while len(cluster_nodes(bridge.base)) < 3:  # HELLOs answered mid-answer
+            assert time.monotonic() < deadline, cluster_nodes(bridge.base)
             await asyncio.sleep(0.2)
         assert long_answer.is_alive(), "the answer ended before the devices were let in"
         await asyncio.to_thread(long_answer.join)
         assert len(answers) == 1 and answers[0].strip()  # it went on, undisturbed
         store = ConversationStore(tmp_path / "conversations")
-        app = ChatApp(BridgeClient(bridge.base_url), store, sampling=Sampling(), poll_s=0.5)
+        app = ChatApp(BridgeClient(bridge.base), store, sampling=Sampling(), poll_s=0.5)
         async with app.run_test(size=(110, 36)) as pilot:
             deadline = time.monotonic() + 180
             while not (
@@ -128,11 +130,11 @@ async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp
                 assert all(d.poll() is None for d in devices), "a device exited"
                 await pilot.pause(0.2)
         assert text.count("127.0.0.1") >= 2, text  # each device's address
-        figures = httpx.get(f"{bridge.base_url}/v1/cluster", timeout=10).json()
+        figures = httpx.get(f"{bridge.base}/v1/cluster", timeout=10).json()
         assert sorted(n["name"] for n in figures["nodes"]) == ["dev-1", "dev-2", "master"]
         states = [(n["name"], n["ready"], n["share"]) for n in figures["nodes"]]
         assert all(ready and (share or 0) > 0 for _, ready, share in states), states
-        together = await asyncio.to_thread(greedy_answer, bridge.base_url)
+        together = await asyncio.to_thread(greedy_answer, bridge.base)
         print(f"alone: {alone!r}\n3 nodes: {together!r}")
         assert together == alone and alone.strip()
         bridge.stop()

@@ -10,21 +10,21 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from master.engine import Engine
-from master.generate import start, stream
-from master.sampling import SamplingParams
-from master.session import prompt_tokens
-from models.config import ModelConfig
-from models.errors import ModelError
-from models.layers import StepBatch
-from models.source import HFSource, open_model
-from models.synth import (
+from master.bench.synth import (
     MARKER_KEY,
     SHAPES,
     _tokenizer_style,
     _write_tokenizer,
     write_synthetic_model,
 )
+from master.engine import Engine
+from master.generate import start, stream
+from master.params import SamplingParams
+from master.session import prompt_tokens
+from models.config import ModelConfig
+from models.errors import ModelError
+from models.layers import StepBatch
+from models.source import HFSource, open_model
 from models.tokenizer import Tokenizer
 
 SHAPE = "tinyllama-1.1b"
@@ -209,10 +209,10 @@ def test_every_shape_is_a_config_edgetp_reads(name):
 
 
 def test_refuses_to_start_without_the_disk_space(tmp_path, monkeypatch):
-    import models.synth
+    import master.bench.synth
 
     full = shutil.disk_usage(tmp_path)._replace(free=1)
-    monkeypatch.setattr(models.synth.shutil, "disk_usage", lambda _: full)
+    monkeypatch.setattr(master.bench.synth.shutil, "disk_usage", lambda _: full)
     with pytest.raises(ModelError, match="free"):
         write_synthetic_model("llama2-70b", 80, tmp_path / "x")
     assert list(tmp_path.iterdir()) == []

@@ -22,7 +22,8 @@ from textual.css.query import NoMatches
 from textual.widgets import Footer, Header, Input, Markdown, Static
 from textual.worker import Worker
 
-from tui.chat.client import BridgeClient, BridgeError, Finished, Sampling
+from master.bridge.client import BridgeError, StreamEnd
+from tui.chat.client import BridgeClient, Sampling
 from tui.chat.store import Conversation, ConversationStore, Message
 from tui.chat.widgets import (
     Answer,
@@ -167,7 +168,7 @@ class ChatApp(App[None]):
             async for event in self.client.stream_chat(
                 conversation.request_messages(), conversation.sampling
             ):
-                if isinstance(event, Finished):
+                if isinstance(event, StreamEnd):
                     done = event
                     break
                 pieces.append(event)

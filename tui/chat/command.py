@@ -43,16 +43,17 @@ def run(args: argparse.Namespace) -> None:
 
     from textual.logging import TextualHandler
 
+    from master.bridge.client import BridgeError, ServerProcess, start_server
     from models.errors import ModelError
     from tui.chat.app import ChatApp, conversations_dir
-    from tui.chat.client import BridgeClient, BridgeError, LocalBridge, Sampling, check_bridge
+    from tui.chat.client import BridgeClient, Sampling, check_bridge
     from tui.chat.store import ConversationStore
 
     sampling = Sampling(args.temperature, args.top_p, args.max_tokens)
     store = ConversationStore(conversations_dir(args.state_dir))
     # The app owns the terminal: log records go to Textual's log, not across the screen.
     logging.getLogger().handlers[:] = [TextualHandler(stderr=False)]
-    local: LocalBridge | None = None
+    local: ServerProcess | None = None
     try:
         if args.connect:
             _only_local(args)
@@ -64,8 +65,8 @@ def run(args: argparse.Namespace) -> None:
             nodes = len(args.capacities) if args.capacities else args.local_nodes
             what = f"a local cluster of {nodes} node(s)" if nodes else "a cluster devices can join"
             print(f"edgetp chat: starting {what}…", file=sys.stderr)
-            local = LocalBridge(_serve_args(args), verbose=args.verbose)
-            base = local.start()
+            local = start_server(_serve_args(args), verbose=args.verbose)
+            base = local.base
             api_key = None
             hint = "The local cluster stays down: quit (Ctrl+Q) and start edgetp chat again."
             join = next((line for line in local.log if "edgetp join" in line), "")

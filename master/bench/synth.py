@@ -6,9 +6,13 @@ could never download the real one. The folder is an ordinary HF safetensors fold
 one shard per layer plus one for the embedding/norm/head, an index, a tokenizer), read by
 `models.source.HFSource` like any other model.
 
-Weights are generated and written a block of rows at a time, so writing any shape needs a few
-tens of MB of memory, and they are a deterministic function of (seed, tensor name): the same seed
-gives the same bytes, and layer `i` is the same whatever number of layers is written.
+Each file is written by `memory.shards.write_safetensors`, the writer of the shards, so one
+file's tensors are in memory at once: a Llama 2 70B layer is 1.7 GB in float16, Llama 3 70B's
+embedding and head 4.2 GB. The weights are a deterministic function of (seed, tensor name): the
+same seed gives the same bytes, and layer `i` is the same whatever number of layers is written.
+
+Most of the file's length is data: the configs of the real models it imitates, and the chat
+templates and vocabulary their tokenizers need.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import json
 import math
 import os
 import shutil
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,9 @@ from typing import Any
 
 import torch
 
+from memory.shards import write_safetensors
 from models.errors import ModelError
+from models.tokenizer import bytes_to_unicode
 
 _LLAMA_COMMON: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -199,10 +204,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 # model's.
 MARKER_KEY = "edgetp_synthetic"
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _CONFIG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_DATA_ALIGN = 64  # tensor data starts on 64-byte boundaries, as memory.shards writes it
-_BLOCK_BYTES = 32 << 20  # float32 bytes generated at a time, whatever the tensor's size
+_BLOCK_BYTES = 32 << 20  # float32 values drawn at a time: no float32 copy of a whole matrix
 _WEIGHT_STD = 0.02  # Llama's initializer_range
 _DISK_MARGIN = 64 << 20
 
@@ -239,7 +242,7 @@ def write_synthetic_model(
         raise ModelError(f"unknown model shape {shape!r}; known shapes: {', '.join(SHAPES)}")
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise ModelError(f"a synthetic model needs at least 1 layer, got {layers!r}")
-    if dtype not in _SAFETENSORS_DTYPES:
+    if dtype not in _CONFIG_DTYPES:
         raise ModelError(
             f"synthetic weights can be float32, float16 or bfloat16, not {dtype} "
             f"(quantized formats come from the GGUF path)"
@@ -270,18 +273,22 @@ def write_synthetic_model(
         done = 0
         weight_map: dict[str, str] = {}
         for filename, specs in files.items():
-            done = _write_shard(tmp / filename, specs, dtype, seed, done, total, progress)
+            write_safetensors(tmp / filename, {t.name: _values(t, dtype, seed) for t in specs})
+            _fsync(tmp / filename)
+            done += sum(math.prod(t.shape) for t in specs) * _element_size(dtype)
+            if progress:
+                progress(done, total)
             weight_map.update(dict.fromkeys((t.name for t in specs), filename))
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2))
         _write_tokenizer(tmp, shape)
         # config.json last: a folder without it is not taken for a model.
         _write_text(tmp / "config.json", json.dumps(config, indent=2))
-        _fsync_dir(tmp)
+        _fsync(tmp)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        _fsync(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -292,7 +299,7 @@ def synthetic_size(shape: str, layers: int, dtype: torch.dtype = torch.float16) 
     """Bytes of weights `write_synthetic_model` would write (to size a run before starting it)."""
     if shape not in SHAPES:
         raise ModelError(f"unknown model shape {shape!r}; known shapes: {', '.join(SHAPES)}")
-    element = torch.empty((), dtype=dtype).element_size()
+    element = _element_size(dtype)
     return sum(
         math.prod(t.shape) * element
         for specs in _shard_plan(SHAPES[shape], layers).values()
@@ -358,61 +365,24 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _blocks(spec: _TensorSpec, dtype: torch.dtype, seed: int) -> Iterator[torch.Tensor]:
-    """The tensor's values, `_BLOCK_BYTES` of float32 rows at a time, converted to `dtype`."""
+def _values(spec: _TensorSpec, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """The tensor's values in `dtype`, drawn as float32 `_BLOCK_BYTES` of rows at a time."""
     if spec.std is None:
-        yield torch.ones(spec.shape, dtype=dtype)
-        return
-    rows, cols = spec.shape[0], math.prod(spec.shape[1:])
-    per_block = max(1, _BLOCK_BYTES // (cols * 4))
+        return torch.ones(spec.shape, dtype=dtype)
+    out = torch.empty(spec.shape, dtype=dtype)
+    rows = out.view(spec.shape[0], -1)  # (rows, everything else)
+    per_block = max(1, _BLOCK_BYTES // (rows.shape[1] * 4))
     generator = torch.Generator().manual_seed(_tensor_seed(seed, spec.name))
-    buffer = torch.empty((min(per_block, rows), cols), dtype=torch.float32)
-    for start in range(0, rows, per_block):
-        block = buffer[: min(per_block, rows - start)]
+    buffer = torch.empty((min(per_block, len(rows)), rows.shape[1]), dtype=torch.float32)
+    for start in range(0, len(rows), per_block):
+        block = buffer[: min(per_block, len(rows) - start)]
         torch.randn(block.shape, generator=generator, out=block)
-        block.mul_(spec.std)
-        yield block.to(dtype)
+        rows[start : start + len(block)] = block.mul_(spec.std)
+    return out
 
 
-def _write_shard(
-    path: Path,
-    specs: list[_TensorSpec],
-    dtype: torch.dtype,
-    seed: int,
-    done: int,
-    total: int,
-    progress: Progress | None,
-) -> int:
-    """Write one safetensors file: the header from the shapes alone, then the data streamed.
-
-    safetensors' own writers need every tensor in memory at once; the format only needs the
-    shapes up front, so the data can follow block by block.
-    """
-    element = torch.empty((), dtype=dtype).element_size()
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for spec in specs:
-        size = math.prod(spec.shape) * element
-        header[spec.name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": list(spec.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % _DATA_ALIGN)  # the format allows padding with spaces
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for spec in specs:
-            for block in _blocks(spec, dtype, seed):
-                f.write(memoryview(block.contiguous().view(torch.uint8).numpy()))
-                done += block.numel() * element
-                if progress:
-                    progress(done, total)
-        f.flush()
-        os.fsync(f.fileno())
-    return done
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # ----------------------------------------------------------------------- tokenizer
@@ -526,7 +496,7 @@ def _byte_level_tokens() -> Iterator[tuple[str, tuple[str, str] | None]]:
     in the vocabulary and earlier merges rank first, as BPE requires. "Ġ" (a space) only starts
     a token, as GPT-2's pre-tokenizer puts spaces before words.
     """
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     for b in range(256):
         yield spelling[b], None
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [
@@ -540,22 +510,6 @@ def _byte_level_tokens() -> Iterator[tuple[str, tuple[str, str] | None]]:
                 yield prefix + letter, (prefix, letter)
                 longer.append(prefix + letter)
         level = longer
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's spelling of bytes as printable characters, which byte-level vocabularies use."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    spelling = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in spelling:
-            spelling[b] = chr(256 + extra)
-            extra += 1
-    return spelling
 
 
 _LLAMA2_TEMPLATE = (
@@ -595,7 +549,8 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's or a folder's entry to disk: before the rename that makes it a model."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

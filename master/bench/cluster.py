@@ -1,7 +1,8 @@
-"""`edgetp bench`: edgetp against the transformers implementation of the same weights.
+"""`edgetp bench --local-nodes`: a local cluster's speed and memory for several node counts.
 
-Both run greedy decoding of the same prompt in this process, alternating rounds so drift on a
-shared machine hits both alike; the figures kept are medians, and the comparison is their ratio.
+Each node count gets ms/token, time to first token, the allreduce latency per sum next to a raw
+ZeroMQ and a plain TCP round trip of the same payload, and every node's loader and memory
+figures. Node counts alternate over rounds and medians are kept, as in every benchmark here.
 """
 
 from __future__ import annotations
@@ -9,239 +10,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from master.generate import start, step
-from master.sampling import SamplingParams
-from master.session import load, prompt_tokens
+from master.bench.greedy import PROMPT, time_greedy
+from master.bench.round_trips import raw_round_trips, raw_tcp_round_trips
+from master.local import local_engine
+from master.session import open_with_tokenizer, prompt_tokens
 from memory.budget import ALL_RESIDENT, MemoryOptions, format_size
-from models.errors import ModelError
-from models.kernels import set_threads
 from models.layers import Slice
-from models.source import GGUFSource, ModelSource
+from models.source import ModelSource
 from node.kvcache import KVCache
-
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def _time_edgetp(loaded: Any, prompt: list[int], n_tokens: int) -> tuple[float, float, list[int]]:
-    return _time_edgetp_engine(loaded.engine, loaded.tokenizer, prompt, n_tokens)
-
-
-def _time_edgetp_engine(
-    engine: Any, tokenizer: Any, prompt: list[int], n_tokens: int
-) -> tuple[float, float, list[int]]:
-    """(time to first token s, ms per decoded token, tokens) for one greedy run."""
-    # No end-of-sequence: every round decodes exactly n_tokens, so the rounds compare.
-    params = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
-    (g,) = start(engine, [prompt], [params])
-    t0 = time.perf_counter()
-    step(engine, tokenizer, [g])
-    t1 = time.perf_counter()
-    while not g.finished:
-        step(engine, tokenizer, [g])
-    t2 = time.perf_counter()
-    return t1 - t0, (t2 - t1) * 1000 / (len(g.tokens) - 1), g.tokens
-
-
-def _reference_model(source: ModelSource) -> Any:
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError as exc:
-        raise ModelError(
-            "the reference needs transformers: pip install transformers accelerate"
-        ) from exc
-    if isinstance(source, GGUFSource):
-        return AutoModelForCausalLM.from_pretrained(
-            source.path.parent, gguf_file=source.path.name, dtype=torch.float32
-        ).eval()
-    return AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
-
-
-@torch.inference_mode()
-def _time_reference(
-    model: Any, prompt: list[int], n_tokens: int, threads: int
-) -> tuple[float, float, list[int]]:
-    # The reference runs on torch's own kernels: give them every thread edgetp gets, then hand
-    # them back so edgetp's BLAS threads do not compete with torch's.
-    torch.set_num_threads(threads)
-    try:
-        return _greedy_reference(model, prompt, n_tokens)
-    finally:
-        torch.set_num_threads(1)
-
-
-def _greedy_reference(
-    model: Any, prompt: list[int], n_tokens: int
-) -> tuple[float, float, list[int]]:
-    ids = torch.tensor([prompt])
-    t0 = time.perf_counter()
-    out = model(ids, use_cache=True)
-    token = int(out.logits[0, -1].argmax())
-    t1 = time.perf_counter()
-    tokens = [token]
-    past = out.past_key_values
-    for _ in range(n_tokens - 1):
-        out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        token = int(out.logits[0, -1].argmax())
-        tokens.append(token)
-    t2 = time.perf_counter()
-    return t1 - t0, (t2 - t1) * 1000 / (n_tokens - 1), tokens
-
-
-def run_bench(
-    model: str | None,
-    n_tokens: int,
-    rounds: int,
-    json_path: str | None,
-    threads: int | None,
-    context: int | None,
-) -> dict[str, Any]:
-    if n_tokens < 2 or rounds < 1:
-        raise ValueError("--tokens must be >= 2 and --rounds >= 1")
-    threads = set_threads(threads)
-    loaded = load(model, max_context=context)
-    prompt = prompt_tokens(loaded.tokenizer, PROMPT, raw=False)
-    reference = _reference_model(loaded.source)
-    results: dict[str, list[float]] = {
-        "edgetp_ms": [],
-        "ref_ms": [],
-        "edgetp_ttft": [],
-        "ref_ttft": [],
-    }
-    same = True
-    _time_edgetp(loaded, prompt, 4)  # warm-up: first calls pay for allocation and dispatch
-    _time_reference(reference, prompt, 4, threads)
-    for _ in range(rounds):
-        ttft, ms, ours = _time_edgetp(loaded, prompt, n_tokens)
-        results["edgetp_ttft"].append(ttft)
-        results["edgetp_ms"].append(ms)
-        ttft, ms, theirs = _time_reference(reference, prompt, n_tokens, threads)
-        results["ref_ttft"].append(ttft)
-        results["ref_ms"].append(ms)
-        same = same and ours == theirs
-    med = {k: statistics.median(v) for k, v in results.items()}
-    report = {
-        "model": str(loaded.source.path),
-        "threads": threads,
-        "prompt_tokens": len(prompt),
-        "tokens": n_tokens,
-        "rounds": rounds,
-        "edgetp_ms_per_token": round(med["edgetp_ms"], 2),
-        "transformers_ms_per_token": round(med["ref_ms"], 2),
-        "ratio_edgetp_over_transformers": round(med["edgetp_ms"] / med["ref_ms"], 3),
-        "edgetp_tokens_per_s": round(1000 / med["edgetp_ms"], 1),
-        "edgetp_ttft_ms": round(med["edgetp_ttft"] * 1000, 1),
-        "transformers_ttft_ms": round(med["ref_ttft"] * 1000, 1),
-        "greedy_tokens_identical": same,
-        "all_rounds": {k: [round(x, 4) for x in v] for k, v in results.items()},
-    }
-    print(f"model {report['model']}  threads {threads}  prompt {len(prompt)} tokens")
-    print(f"{'':14}{'ms/token':>10}{'TTFT ms':>10}")
-    print(f"{'edgetp':14}{report['edgetp_ms_per_token']:>10}{report['edgetp_ttft_ms']:>10}")
-    print(
-        f"{'transformers':14}{report['transformers_ms_per_token']:>10}"
-        f"{report['transformers_ttft_ms']:>10}"
-    )
-    print(f"ratio edgetp/transformers (ms/token): {report['ratio_edgetp_over_transformers']}")
-    print(f"greedy tokens identical: {same}")
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
-    return report
-
-
-def _echo(endpoint: str) -> None:
-    """A peer that sends every message straight back (runs in its own process)."""
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(endpoint)
-    sock.send(b"hello")  # lets the ROUTER learn this peer's identity
-    while True:
-        frames = sock.recv_multipart(copy=False)
-        if len(frames) == 1:
-            break
-        sock.send_multipart(frames, copy=False)
-    sock.close(0)
-    ctx.term()
-
-
-def raw_round_trips(shape: tuple[int, ...], n: int) -> list[float]:
-    """Seconds per ROUTER->DEALER->ROUTER round trip of a header and an f32 tensor of `shape`,
-    to another process on this machine: the floor an allreduce hop pair can reach."""
-    import multiprocessing
-
-    import zmq
-
-    from node import protocol as P
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    peer = multiprocessing.get_context("spawn").Process(
-        target=_echo, args=(f"tcp://127.0.0.1:{port}",), daemon=True
-    )
-    peer.start()
-    identity = sock.recv_multipart()[0] if sock.poll(30_000) else None
-    if identity is None:
-        raise RuntimeError("the echo process did not start")
-    payload = torch.zeros(shape)
-    header = {"op": P.STEP, "step": 0, "layer": 0, "block": P.ATTENTION}
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        sock.send_multipart([identity, *P.encode(header, (payload,))], copy=False)
-        sock.recv_multipart(copy=False)
-        times.append(time.perf_counter() - t0)
-    sock.send_multipart([identity, b"stop"])
-    peer.join(timeout=5)
-    sock.close(0)
-    ctx.term()
-    return times
-
-
-def _tcp_echo(port: int) -> None:
-    """A peer that sends every byte straight back over a plain TCP socket."""
-    import socket
-
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while data := sock.recv(1 << 16):
-            sock.sendall(data)
-
-
-def raw_tcp_round_trips(size: int, n: int) -> list[float]:
-    """Seconds per round trip of `size` bytes over a plain TCP socket to another process: what
-    the machine's loopback costs without ZeroMQ's I/O threads in the way."""
-    import multiprocessing
-    import socket
-
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        peer = multiprocessing.get_context("spawn").Process(
-            target=_tcp_echo, args=(server.getsockname()[1],), daemon=True
-        )
-        peer.start()
-        server.settimeout(30)
-        sock, _ = server.accept()
-    with sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        payload, times = bytes(size), []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            sock.sendall(payload)
-            got = 0
-            while got < size:
-                got += len(sock.recv(1 << 16))
-            times.append(time.perf_counter() - t0)
-    peer.join(timeout=5)
-    return times
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -268,8 +49,6 @@ def run_cluster_bench(
     Streaming hides its reads when ms/token is near the larger of the two.
     `rss_tokens` adds a long generation with each node's memory at its first and last token.
     """
-    from master.session import open_with_tokenizer
-
     source, tokenizer = open_with_tokenizer(model)
     prompt = prompt_tokens(tokenizer, PROMPT, raw=False)
     hidden = source.config.hidden
@@ -381,12 +160,10 @@ def _cluster_run(
     state_dir: Path | None,
     memory: MemoryOptions,
 ) -> dict[str, Any]:
-    from master.local import local_engine
-
     with local_engine(source, nodes, state_dir=state_dir, context=context, memory=memory) as engine:
-        _time_edgetp_engine(engine, tokenizer, prompt, 4)  # warm-up
+        time_greedy(engine, tokenizer, prompt, 4)  # warm-up
         members = _clear_figures(engine)
-        ttft, ms, tokens = _time_edgetp_engine(engine, tokenizer, prompt, n_tokens)
+        ttft, ms, tokens = time_greedy(engine, tokenizer, prompt, n_tokens)
         sums = engine.remote.allreduce_seconds if engine.remote else []
         per_node = [_node_row("master", engine.history)] + [
             _node_row(m.name, m.history) for m in members
@@ -464,11 +241,9 @@ def _rss_run(
 ) -> dict[str, Any]:
     """Each node's RSS after the first decoded token and after the last, with the KV cache
     written meanwhile: streaming must not grow memory beyond the cache."""
-    from master.local import local_engine
-
     with local_engine(source, nodes, state_dir=state_dir, context=context, memory=memory) as engine:
         members = _clear_figures(engine)
-        _time_edgetp_engine(engine, tokenizer, prompt, n_tokens)
+        time_greedy(engine, tokenizer, prompt, n_tokens)
         histories = [("master", engine.history)] + [(m.name, m.history) for m in members]
         slices = [engine.slices[0], *(Slice.from_dict(m.slice) for m in members)]
         kv_per_token = [KVCache.bytes_per_token(engine.config, s, torch.float32) for s in slices]

@@ -1,0 +1,281 @@
+"""The `edgetp` command line: its subcommands, their options, and the checks on their values.
+
+Only argparse and torch-free modules are imported: the parser is built on every command, the
+chat app's included, which must start without loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from memory.budget import MemoryOptions, parse_size
+from models.config import DEFAULT_MODEL
+from node.protocol import DEFAULT_PORT
+from tui.chat.command import add_arguments as add_chat_arguments
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"a .gguf file, an HF folder, or a bundled name (default: {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--context", type=int, default=None, help="tokens of context to allocate (default 2048)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="BLAS threads (default: all cores)")
+
+
+def _add_cluster_args(p: argparse.ArgumentParser, lan: bool = False) -> None:
+    p.add_argument(
+        "--local-nodes",
+        type=int,
+        default=None if lan else 1,
+        help="nodes on this machine, the master included: K-1 worker processes join it"
+        + (" (instead of devices joining over the LAN)" if lan else ""),
+    )
+    p.add_argument(
+        "--capacities",
+        type=_capacities,
+        default=None,
+        help="relative node capacities for the split, master first (e.g. 1,2,3)",
+    )
+    p.add_argument("--state-dir", type=Path, default=None, help="shard cache and node state")
+
+
+def _add_lan_args(p: argparse.ArgumentParser, flag: str, workers: int) -> None:
+    """Where devices join the master (`flag` names the address options) and how it is found."""
+    p.add_argument(
+        f"--{flag}bind", dest="lan_bind", default="0.0.0.0", help="address devices join on"
+    )
+    p.add_argument(
+        f"--{flag}port",
+        dest="lan_port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"port devices join on (default {DEFAULT_PORT}; 0 picks a free one)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=workers,
+        help=f"devices to wait for before the first answer (default {workers}); more may join "
+        "at any time and get a share between requests",
+    )
+    p.add_argument("--join-timeout", type=float, default=600.0, help="s to wait for them")
+    p.add_argument(
+        "--new-token", action="store_true", help="rotate the join token: old tokens stop working"
+    )
+    p.add_argument("--cluster", default=None, help="cluster name to announce (default: host)")
+    p.add_argument("--interface", default=None, help="IPv4 address to announce mDNS on")
+    p.add_argument("--no-announce", action="store_true", help="do not announce on the LAN")
+
+
+def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
+    if master:
+        p.add_argument(
+            "--dtype",
+            choices=("f32", "f16", "bf16", "int8"),
+            default="f32",
+            help="how the shards store the weights (int8: per-channel scales)",
+        )
+        p.add_argument(
+            "--memory-budget", default=None, help="memory for weights and KV cache, e.g. 2GB"
+        )
+    p.add_argument(
+        "--window", type=_positive, default=None, help="layers of the slice in memory (forced)"
+    )
+    p.add_argument(
+        "--drop-cache",
+        action="store_true",
+        help="drop each shard from the page cache after reading it (cold-disk benchmarks)",
+    )
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def memory_options(args: argparse.Namespace) -> MemoryOptions:
+    """The memory options given on the command line."""
+    budget = getattr(args, "memory_budget", None)
+    return MemoryOptions(
+        budget=parse_size(budget) if budget else None,
+        window=getattr(args, "window", None),
+        dtype=getattr(args, "dtype", "f32"),
+        drop_cache=getattr(args, "drop_cache", False),
+    )
+
+
+def _node_counts(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of counts like 1,2,3") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("node counts must be at least 1")
+    return values
+
+
+def _capacities(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of numbers like 1,2,3") from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("capacities must be positive")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `edgetp` command line: every subcommand and its options."""
+    parser = argparse.ArgumentParser(
+        prog="edgetp", description="Run a language model tensor-parallel across small devices."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="complete one prompt and stream it to stdout")
+    _add_model_args(run)
+    run.add_argument("--max-tokens", type=int, default=256)
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--repetition-penalty", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--system", default=None, help="system prompt for the chat template")
+    run.add_argument("--raw", action="store_true", help="no chat template: complete the text")
+    _add_cluster_args(run)
+    _add_memory_args(run)
+    run.add_argument("prompt", help="the prompt")
+
+    master = sub.add_parser(
+        "master",
+        help="start a master that devices join; prompts from a terminal, else a service",
+    )
+    _add_model_args(master)
+    _add_lan_args(master, "", workers=1)
+    master.add_argument("--capacities", type=_capacities, default=None)
+    master.add_argument("--state-dir", type=Path, default=None)
+    master.add_argument("--max-tokens", type=int, default=256)
+    _add_memory_args(master)
+
+    for name in ("join", "node"):
+        join = sub.add_parser(name, help="join a master as a worker")
+        join.add_argument(
+            "master", nargs="?", default=None, help="HOST[:PORT] of the master (default: find it)"
+        )
+        join.add_argument("--cluster", default=None, help="with several masters: which one")
+        join.add_argument("--interface", default=None, help="IPv4 address to browse mDNS on")
+        join.add_argument("--threads", type=int, default=None)
+        join.add_argument(
+            "--memory-budget",
+            default=None,
+            help="for weights and KV cache, e.g. 2GB (default: RAM)",
+        )
+        _add_memory_args(join, master=False)
+        join.add_argument("--name", default=None, help="this node's name (default: host-random)")
+        join.add_argument("--model", default=None, help="refuse a master running another model")
+        join.add_argument("--state-dir", type=Path, default=None)
+        join.add_argument(
+            "--token",
+            default=None,
+            help="the join token the master printed (or set EDGETP_TOKEN; remembered after "
+            "a successful join)",
+        )
+
+    bench = sub.add_parser("bench", help="measure ms/token against the reference implementation")
+    _add_model_args(bench)
+    bench.add_argument("--tokens", type=int, default=64, help="greedy tokens to time")
+    bench.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians kept")
+    bench.add_argument("--json", default=None, help="also write the results to this file")
+    bench.add_argument(
+        "--local-nodes",
+        type=_node_counts,
+        default=None,
+        help="node counts to compare, e.g. 1,2,3 (instead of the transformers comparison)",
+    )
+    bench.add_argument("--state-dir", type=Path, default=None)
+    _add_memory_args(bench)
+    bench.add_argument(
+        "--rss-tokens",
+        type=int,
+        default=0,
+        help="with --local-nodes: also generate this many "
+        "tokens and report each node's memory along the way",
+    )
+
+    serve = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible REST API; devices may join"
+    )
+    _add_model_args(serve)
+    _add_cluster_args(serve, lan=True)
+    _add_lan_args(serve, "cluster-", workers=0)
+    _add_memory_args(serve)
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: this machine only)"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (or set EDGETP_API_KEY)",
+    )
+    serve.add_argument(
+        "--max-batch", type=int, default=8, help="requests generated at once (KV-cache slots)"
+    )
+
+    synth = sub.add_parser(
+        "synth", help="write a model of a real model's layer shapes with random weights"
+    )
+    synth.add_argument("--shape", required=True, help="e.g. llama2-70b, llama3-8b, tinyllama-1.1b")
+    synth.add_argument("--layers", type=_positive, required=True, help="decoder layers to write")
+    synth.add_argument("--out", type=Path, required=True, help="the model folder to create")
+    synth.add_argument("--dtype", choices=("f16", "bf16", "f32"), default="f16")
+    synth.add_argument("--seed", type=int, default=0)
+
+    chat = sub.add_parser("chat", help="the terminal chat app, with a live view of the cluster")
+    _add_model_args(chat)
+    _add_cluster_args(chat, lan=True)
+    _add_lan_args(chat, "cluster-", workers=0)
+    _add_memory_args(chat)
+    add_chat_arguments(chat)
+
+    kern = sub.add_parser(
+        "kernels", help="the kernels this device admitted for a model's matrices, and their times"
+    )
+    kern.add_argument("--model", default=None, help=f"default: {DEFAULT_MODEL}")
+    kern.add_argument(
+        "--dtype",
+        choices=("f32", "f16", "bf16", "int8"),
+        action="append",
+        default=None,
+        help="shard dtypes to show (repeatable; default: all)",
+    )
+    kern.add_argument("--local-nodes", type=int, default=1, help="nodes the model is split across")
+    kern.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="BLAS threads (default: each local node's share of the cores, as run and serve give)",
+    )
+    kern.add_argument("--recheck", action="store_true", help="check and time everything again")
+
+    bench_serve = sub.add_parser(
+        "bench-serve", help="aggregate tokens/s of edgetp serve with concurrent streaming clients"
+    )
+    bench_serve.add_argument("--model", default=None)
+    bench_serve.add_argument("--context", type=int, default=None)
+    bench_serve.add_argument("--local-nodes", type=int, default=1)
+    bench_serve.add_argument(
+        "--clients", type=_node_counts, default=[1, 4, 8], help="client counts (default 1,4,8)"
+    )
+    bench_serve.add_argument("--tokens", type=int, default=64, help="greedy tokens per client")
+    bench_serve.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians")
+    bench_serve.add_argument("--json", default=None, help="also write the results to this file")
+    bench_serve.add_argument("--state-dir", type=Path, default=None)
+    return parser
