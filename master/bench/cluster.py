@@ -17,17 +17,13 @@ import torch
 
 from master.bench.greedy import PROMPT, time_greedy
 from master.bench.round_trips import raw_round_trips, raw_tcp_round_trips
+from master.figures import percentile
 from master.local import local_engine
 from master.session import open_with_tokenizer, prompt_tokens
 from memory.budget import ALL_RESIDENT, MemoryOptions, format_size
 from models.layers import Slice
 from models.source import ModelSource
 from node.kvcache import KVCache
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run_cluster_bench(
@@ -53,7 +49,7 @@ def run_cluster_bench(
     prompt = prompt_tokens(tokenizer, PROMPT, raw=False)
     hidden = source.config.hidden
     raw = raw_round_trips((1, 1, hidden), 2000)
-    raw_med, raw_p99 = statistics.median(raw) * 1e6, _percentile(raw, 0.99) * 1e6
+    raw_med, raw_p99 = statistics.median(raw) * 1e6, percentile(raw, 0.99) * 1e6
     tcp_med = statistics.median(raw_tcp_round_trips(hidden * 4, 2000)) * 1e6
     # Node counts alternate for `rounds` rounds and each keeps its median run: these shared
     # machines drift by 20% between minutes, and a ratio of runs taken minutes apart would
@@ -175,7 +171,7 @@ def _cluster_run(
         "ttft_ms": round(ttft * 1000, 1),
         "tokens": tokens,
         "allreduce_us_median": round(statistics.median(sums) * 1e6, 1) if sums else None,
-        "allreduce_us_p99": round(_percentile(sums, 0.99) * 1e6, 1) if sums else None,
+        "allreduce_us_p99": round(percentile(sums, 0.99) * 1e6, 1) if sums else None,
         "per_node": per_node,
         "overlap": _overlap(round(ms, 2), per_node),
     }
