@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from master.cluster import ClusterError
 from master.engine import Engine
 from master.generate import Generation, check_prompt, step
 from master.params import SamplingParams
 from master.sampling import Sampler
 from master.session import Session
+from master.transport import ClusterError
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
-from master.cluster import ClusterError, Hub
+from master.cluster import Hub
 from master.engine import Engine, context_size
 from master.plan import plan_slices
 from master.splitter import split_model
+from master.transport import ClusterError
 from memory.budget import ALL_RESIDENT, BudgetError, MemoryOptions, MemoryPlan, plan_memory
 from memory.files import default_state_dir
 from memory.shards import Manifest, ShardStore

@@ -15,10 +15,11 @@ import weakref
 import pytest
 
 from master.batcher import Batcher, Delta, Event, Failed, Finished, NodeLost
-from master.cluster import ClusterError, Hub
+from master.cluster import Hub
 from master.engine import Engine
 from master.params import SamplingParams
 from master.session import Session, prompt_tokens
+from master.transport import ClusterError
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import torch
 import zmq
 from cluster_threads import master_threads
 
-from master.cluster import ClusterError, Hub
+from master.cluster import Hub
 from master.engine import Engine
 from master.generate import start, stream
 from master.local import LocalWorkers
@@ -22,6 +22,7 @@ from master.params import SamplingParams
 from master.plan import plan_slices
 from master.session import Session
 from master.splitter import split_model
+from master.transport import ClusterError
 from memory.shards import ShardStore
 from models.layers import StepBatch
 from node import protocol as P

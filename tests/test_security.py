@@ -15,11 +15,12 @@ import torch
 import zmq
 from cluster_threads import master_threads
 
-from master.cluster import ClusterError, Hub
+from master.cluster import Hub
 from master.generate import start, stream
 from master.local import LocalWorkers
 from master.params import SamplingParams
 from master.session import Session
+from master.transport import ClusterError
 from node import protocol as P
 from node.security import (
     TOKEN_ENV,

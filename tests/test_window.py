@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from master.cluster import ClusterError
 from master.generate import start, stream
 from master.local import local_engine
 from master.params import SamplingParams
 from master.plan import plan_slices
 from master.splitter import split_model
+from master.transport import ClusterError
 from memory.budget import MIN_CONTEXT, BudgetError, MemoryOptions, plan_memory
 from memory.shards import ShardStore
 from memory.window import LayerWindow

@@ -135,10 +135,10 @@ def _lan(args: argparse.Namespace) -> LanOptions:
 
 
 def _master(args: argparse.Namespace) -> None:
-    from master.cluster import ClusterError
     from master.generate import start, stream
     from master.params import SamplingParams
     from master.session import open_with_tokenizer, prompt_tokens
+    from master.transport import ClusterError
 
     source, tokenizer = open_with_tokenizer(args.model)
     with _session(args, source, 1, "edgetp master") as session:
@@ -389,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from master.cluster import ClusterError
+    from master.transport import ClusterError
     from node.worker import NodeError
 
     try:

@@ -47,10 +47,10 @@ from master.bridge.schema import (
     finish_openapi,
     stream_content,
 )
-from master.cluster import ClusterError
 from master.figures import cluster_figures, generation_figures
 from master.params import SamplingParams
 from master.session import chat_tokens
+from master.transport import ClusterError
 from models.errors import ModelError
 from models.tokenizer import Tokenizer
 

@@ -22,7 +22,7 @@ from master.bridge.schema import (
     ErrorBody,
     ErrorResponse,
 )
-from master.cluster import ClusterError
+from master.transport import ClusterError
 
 log = logging.getLogger(__name__)
 
