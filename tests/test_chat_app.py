@@ -3,7 +3,8 @@
 The bridge is started the way `edgetp chat` starts it (`start_server`), once for the module; the
 app talks to it over loopback HTTP. Content is greedy (temperature 0) and compared with what the
 same bridge answers to the same messages without the app. The last test starts a bridge of its
-own: it kills that bridge's worker mid-answer.
+own, over three processes, and kills its two workers one after the other: one between requests
+(seen over the `openai` client), one mid-answer (seen in the app).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx2 as httpx
+import openai
 import pytest
 from textual.pilot import Pilot
 
-from master.bridge.client import start_server
+from master.bridge.client import ServerProcess, start_server
 from tui.chat.app import ChatApp
 from tui.chat.client import BridgeClient, Sampling
 from tui.chat.store import ConversationStore
@@ -244,15 +246,58 @@ async def test_system_prompt_and_sampling_are_set_in_the_app(bridge, tmp_path):
     assert answer == expected
 
 
-async def test_a_worker_killed_mid_answer_shows_the_error_and_the_app_goes_on(
+def workers_of(server: ServerProcess) -> dict[str, int]:
+    """A local server's workers (its `edgetp join` children): name -> pid."""
+    pid = server.proc.pid
+    workers = {}
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+        if "join" in argv:
+            workers[argv[argv.index("--name") + 1]] = int(child)
+    return workers
+
+
+def ask_greedy(client: openai.OpenAI) -> str:
+    reply = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "Why is the sky blue?"}],
+        temperature=0,
+        max_tokens=16,
+    )
+    return reply.choices[0].message.content or ""
+
+
+async def test_workers_lost_one_by_one_fail_one_request_each_and_the_rest_goes_on(
     tmp_path, shared_state
 ):
-    """A bridge of its own: the kill loses the answer, and the cluster re-plans without the
-    worker, so the next prompt is answered."""
+    """A bridge of its own over three processes. A worker killed between requests: the next
+    request fails at once with a 503 naming it, the cluster re-plans on the two nodes left and
+    gives the same greedy answer. The other killed mid-answer in the app: the answer shows the
+    error, the cluster re-plans on the master alone, and the next prompt is answered."""
     local = await asyncio.to_thread(
-        start_server, [*SERVE, "--state-dir", str(shared_state)], timeout=240
+        start_server,
+        ["--local-nodes", "3", "--context", "512", "--state-dir", str(shared_state)],
+        timeout=240,
     )
     try:
+        client = openai.OpenAI(base_url=f"{local.base}/v1", api_key="unused", max_retries=0)
+        before = await asyncio.to_thread(ask_greedy, client)
+        workers = workers_of(local)
+        assert sorted(workers) == ["local-1", "local-2"], workers
+        os.kill(workers["local-1"], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as info:
+            await asyncio.to_thread(ask_greedy, client)
+        assert time.monotonic() - started < 5
+        assert info.value.status_code == 503
+        # Gone between steps ("unreachable") or mid-step ("stopped answering"): named either way.
+        assert "node local-1 " in info.value.message, info.value.message
+        assert "re-planning on the nodes left" in info.value.message
+        # Waits in line while the master re-plans, then is answered by the two nodes left.
+        assert await asyncio.to_thread(ask_greedy, client) == before and before.strip()
+        cluster = httpx.get(f"{local.base}/v1/cluster", timeout=10).json()
+        assert [n["name"] for n in cluster["nodes"]] == ["master", "local-2"], cluster["nodes"]
+
         app = make_app(
             local.base,
             tmp_path / "conversations",
@@ -262,18 +307,14 @@ async def test_a_worker_killed_mid_answer_shows_the_error_and_the_app_goes_on(
         async with app.run_test(size=SIZE) as pilot:
             await ask(pilot, "Write a long story about a dragon and a knight.")
             await until(pilot, lambda: answer_text(app), 30, "first words")
-            pid = local.proc.pid
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            workers = [c for c in children if b"join" in Path(f"/proc/{c}/cmdline").read_bytes()]
-            assert len(workers) == 1
-            os.kill(int(workers[0]), signal.SIGKILL)
+            os.kill(workers["local-2"], signal.SIGKILL)
             seconds = await until(
                 pilot, lambda: "error" in [r for r, _ in shown(app)], 10, "error message"
             )
             print(f"the error showed {seconds:.2f} s after the kill")
             assert seconds < 5
             error = app.conversation.messages[-1]
-            assert error.role == "error" and "node local-1 " in error.content
+            assert error.role == "error" and "node local-2 " in error.content
             assert "re-planning on the nodes left" in error.content
             assert "(restart the cluster)" not in error.content  # nothing to restart
             assert app.conversation.messages[-2].role == "assistant"  # what came before stays
@@ -292,5 +333,7 @@ async def test_a_worker_killed_mid_answer_shows_the_error_and_the_app_goes_on(
             assert [m["role"] for m in saved["messages"]] == [
                 "user", "assistant", "error", "user", "assistant"
             ]  # fmt: skip
+        cluster = httpx.get(f"{local.base}/v1/cluster", timeout=10).json()
+        assert [n["name"] for n in cluster["nodes"]] == ["master"] and cluster["down"] is None
     finally:
         local.stop()
