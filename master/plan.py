@@ -7,8 +7,8 @@ sockets. Shares follow capacity (largest remainder), not forced equal:
   so no KV head is computed twice;
 - nodes > KV heads: query heads are split instead, and a slice holds a copy of each KV head its
   query heads read (the KV heads are replicated);
-- FFN intermediate columns are split in multiples of `FFN_ALIGN` where the size allows, so the
-  matmuls stay on vector-friendly widths.
+- FFN intermediate columns are split in multiples of `FFN_ALIGN` where the size allows: a
+  block of quantized weights (models/quant.py) is 32 columns of the FFN's down projection.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from collections.abc import Sequence
 
 from models.config import ModelConfig
 from models.layers import Slice, kv_heads_for
+from models.quant import BLOCK
 
-FFN_ALIGN = 16
+FFN_ALIGN = BLOCK
 
 
 def proportional_counts(total: int, capacities: Sequence[float]) -> list[int]:

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 
 from memory.files import atomic_write
 from memory.shards import Manifest, ShardStore
-from models.kernels import DTYPES, quantize
+from models.dtypes import SHARD_DTYPES, embedding_dtype
+from models.kernels import quantize
 from models.layers import Slice, cast_layer, slice_layer
 from models.source import ModelSource
 
@@ -45,12 +46,11 @@ def split_model(
 ) -> Manifest:
     """Shards for every (node, layer) and the master's globals; reused when already split.
 
-    `dtype` (f32, f16, bf16, int8) is how the matrices and the embedding/lm_head are stored;
+    `dtype` (one of `SHARD_DTYPES`) is how the matrices and the embedding/lm_head are stored;
     norms and biases stay float32.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown shard dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    torch_dtype = DTYPES[dtype]
+    if dtype not in SHARD_DTYPES:
+        raise ValueError(f"unknown shard dtype {dtype!r}: choose one of {', '.join(SHARD_DTYPES)}")
     identity = model_identity(source)
     manifest_path = store.root / "manifests" / f"{plan_key(identity, slices, dtype)}.json"
     if manifest_path.is_file():
@@ -65,18 +65,15 @@ def split_model(
     for i in range(config.n_layers):
         full = source.layer(i)
         for refs, s in zip(nodes, slices, strict=True):
-            refs.append(store.put(cast_layer(slice_layer(config, full, s), torch_dtype)))
+            refs.append(store.put(cast_layer(slice_layer(config, full, s), dtype)))
         del full
         if progress:
             progress(i + 1, total)
     globals_ = {"final_norm": source.final_norm()}
-    globals_.update(
-        {"embedding" + k: v for k, v in quantize(source.embedding(), torch_dtype).items()}
-    )
+    head = embedding_dtype(dtype)
+    globals_.update({"embedding" + k: v for k, v in quantize(source.embedding(), head).items()})
     if not config.tied_embeddings:
-        globals_.update(
-            {"lm_head" + k: v for k, v in quantize(source.lm_head(), torch_dtype).items()}
-        )
+        globals_.update({"lm_head" + k: v for k, v in quantize(source.lm_head(), head).items()})
     globals_ref = store.put(globals_)
     del globals_
     if progress:

@@ -27,6 +27,7 @@ _TORCH_DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
     "I8": torch.int8,
+    "U8": torch.uint8,
     "I32": torch.int32,
     "I64": torch.int64,
 }
@@ -35,6 +36,7 @@ _SAFETENSORS_DTYPES = {
     torch.float16: "F16",
     torch.bfloat16: "BF16",
     torch.int8: "I8",
+    torch.uint8: "U8",
     torch.int32: "I32",
     torch.int64: "I64",
 }

@@ -94,11 +94,23 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The named tensor, dequantized to float32, in PyTorch (out, in) order."""
+    def info(self, name: str) -> TensorInfo:
+        """Where the named tensor is, its shape and its type, as the header says."""
         if name not in self._tensors:
             raise ModelError(f"{self.path} has no tensor named {name!r}")
-        t = self._tensors[name]
+        return self._tensors[name]
+
+    def stored(self, name: str) -> np.ndarray:
+        """The named tensor's bytes as stored (a copy), a row per output row: numbers, or
+        quantized blocks."""
+        t = self.info(name)
+        rows = np.array(self._stored_rows(t))
+        self._release(t)
+        return rows
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The named tensor, dequantized to float32, in PyTorch (out, in) order."""
+        t = self.info(name)
         rows = self._stored_rows(t)
         out = np.empty(t.shape, dtype=np.float32)
         flat = out.reshape(rows.shape[0], -1)

@@ -1,6 +1,7 @@
 """The matmul every projection goes through, on the kernel this device admitted and chose.
 
-Weights are stored in one of four dtypes, chosen when the model is split (`--dtype`). For each
+Weights are stored in one of the shard dtypes, chosen when the model is split (`--dtype`): four
+plain ones, and GGUF's block formats (models/quant.py). For each
 dtype there are several candidate kernels (`CANDIDATES`), and which is right, and which is fast,
 depends on the CPU: torch's int8 kernel has returned garbage or crashed at some shapes;
 OpenBLAS beats MKL for decode's matrix-vector products on one CPU and not necessarily on
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.quant import FORMATS, block_format, matrix_size
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
@@ -37,8 +40,17 @@ Kernel = Callable[[np.ndarray, torch.Tensor, "torch.Tensor | None"], np.ndarray]
 # -- the candidates ------------------------------------------------------------------------------
 
 
+def dtype_name(w: torch.Tensor) -> str:
+    """The shard dtype a stored matrix is in."""
+    found = block_format(w)
+    return found.name if found is not None else DTYPE_NAMES[w.dtype]
+
+
 def dequantize(w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """A stored matrix as float32 (int8 times its per-channel scales)."""
+    """A stored matrix as float32 (int8 times its per-channel scales; blocks expanded)."""
+    found = block_format(w)
+    if found is not None:
+        return found.dequantize(w)
     if w.dtype == torch.int8:
         if scale is None:
             raise ValueError("an int8 weight needs its per-channel scales")
@@ -54,7 +66,7 @@ def reference(x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None)
     float32 already."""
     if w.dtype == torch.float32:
         return x @ w.numpy().T
-    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)  # blocks: still a row per output
     for a in range(0, w.shape[0], DEQUANT_ROWS):
         b = min(a + DEQUANT_ROWS, w.shape[0])
         block = dequantize(w[a:b], None if scale is None else scale[a:b])
@@ -114,6 +126,7 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
     "f16": (_own("torch-mm-f16", "torch_mm"), _own("upcast-f32", "reference")),
     "bf16": (_own("torch-mm-bf16", "torch_mm"), _own("upcast-f32", "reference")),
     "int8": (_own("torch-int8pack", "torch_int8pack"), _own("dequant-f32", "reference")),
+    **{name: (_own("dequant-f32", "reference"),) for name in FORMATS},
 }
 
 # Row counts group into buckets: a step's rows are its sequences (decode) or its tokens
@@ -264,7 +277,7 @@ def linear(
     """x (..., in) @ w (out, in)^T + bias, as F.linear, in float32; `scale` for an int8 `w`."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1]).float().numpy()
-    return torch.from_numpy(linear_rows(rows, w, bias, scale)).view(*lead, w.shape[0])
+    return torch.from_numpy(linear_rows(rows, w, bias, scale)).view(*lead, matrix_size(w)[0])
 
 
 def linear_rows(
@@ -277,22 +290,25 @@ def linear_rows(
     where each torch call costs more than the arithmetic (models/layers.py says why)."""
     if w.dtype == torch.int8 and scale is None:
         raise ValueError("an int8 weight needs its per-channel scales")
-    kernel = _kernel(DTYPE_NAMES[w.dtype], x.shape[0], w.shape[0], w.shape[1])
+    kernel = _kernel(dtype_name(w), x.shape[0], *matrix_size(w))
     out = kernel(x, w, scale)
     if bias is not None:
         out += bias.numpy()
     return out
 
 
-def quantize(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A float matrix (out, in) stored as `dtype`: {"": weight} plus {"_scale": scales} for int8.
+def quantize(w: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """A float matrix (out, in) stored as shard dtype `dtype`: {"": weight} plus {"_scale":
+    scales} for int8.
 
     int8 is symmetric per output channel: scale = max|row| / 127, so the row's largest weight
-    keeps full precision and a row of zeros stays exactly zero.
+    keeps full precision and a row of zeros stays exactly zero. The block formats are GGUF's.
     """
     w = w.float()
-    if dtype != torch.int8:
-        return {"": w.to(dtype).contiguous()}
+    if dtype in FORMATS:
+        return {"": FORMATS[dtype].quantize(w)}
+    if dtype != "int8":
+        return {"": w.to(DTYPES[dtype]).contiguous()}
     largest = w.abs().amax(dim=1) if w.shape[1] else w.new_zeros(w.shape[0])  # a slice may be empty
     scale = largest.clamp_min(1e-12) / 127.0
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -303,6 +319,9 @@ def embed(
     ids: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Rows of an embedding table stored in any of the dtypes, as float32."""
+    found = block_format(table)
+    if found is not None:  # only the rows asked for are expanded
+        return found.dequantize(table[ids.reshape(-1)]).view(*ids.shape, -1)
     rows = F.embedding(ids, table).float()
     if scale is not None:
         rows *= scale[ids].unsqueeze(-1)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from models.config import ModelConfig
 from models.kernels import SCALE_SUFFIX, linear, linear_rows, quantize
+from models.quant import matrix_size
 
 # Canonical per-layer tensor names, full (unsplit) and in PyTorch (out, in) order.
 LAYER_TENSORS = ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")
@@ -124,8 +125,9 @@ def slice_layer(
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # stored in the shard dtype; the rest float32
 
 
-def cast_layer(layer: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A sliced layer with its matrices stored as `dtype` (int8 adds per-channel scales)."""
+def cast_layer(layer: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """A sliced layer with its matrices stored as shard dtype `dtype` (int8 adds per-channel
+    scales)."""
     out = {}
     for name, t in layer.items():
         if name in MATRICES:
@@ -305,7 +307,7 @@ def attention_partial(
 
 def ffn_partial(h: torch.Tensor, w: dict[str, torch.Tensor], config: ModelConfig) -> torch.Tensor:
     """This slice's share of the SwiGLU FFN block's output for h (B, T, D)."""
-    n = w["w_down"].shape[1]
+    n = matrix_size(w["w_down"])[1]
     if n == 0:
         return h.new_zeros(h.shape)
     x = rms_norm(h, w["ffn_norm"], config.norm_eps)
@@ -385,7 +387,7 @@ def attention_rows(
 
 def ffn_rows(h: np.ndarray, w: dict[str, torch.Tensor], config: ModelConfig) -> np.ndarray:
     """`ffn_partial` for a decode step's rows h (B, D)."""
-    n = w["w_down"].shape[1]
+    n = matrix_size(w["w_down"])[1]
     if n == 0:
         return np.zeros_like(h)
     x = rms_norm_rows(h, w["ffn_norm"], config.norm_eps)

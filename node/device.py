@@ -36,15 +36,16 @@ import numpy as np
 import torch
 
 from memory.files import atomic_write, default_state_dir
-from models import kernels
+from models import kernels, quant
 from models.config import ModelConfig
+from models.dtypes import BLOCK_DTYPES, SHARD_DTYPES, embedding_dtype
 from models.errors import ModelError
 from models.kernels import CANDIDATES, ROW_BUCKETS, Candidate, dequantize, quantize
 from models.layers import MATRICES, Slice, full_layer_shapes, slice_layer
+from models.quant import stored_format, stored_size
 
 log = logging.getLogger(__name__)
 
-CHECK_VERSION = 3  # part of the cache key: bump when the check itself changes
 CHILD_TIMEOUT = 300.0  # s for one child's whole job: a kernel that hangs is a rejected kernel
 PERIOD = 1021  # rows of random weights a tall probe matrix repeats
 MARK = "edgetp-kernel "  # the child's result lines start with this; anything else is noise
@@ -54,7 +55,15 @@ CHECK_ROWS = ((1,), (2,), (3, 4), (5, 8), (9, 64))
 # Largest allowed |error| per element, as a fraction of sum(|x| |w|) over the row: float32
 # accumulates exactly enough for 1e-4; the others round the input to 8 (bf16, int8's bf16
 # input) or 11 (f16) bits first. Garbage (1e13, nan) fails any of these by far.
-TOLERANCE = {"f32": 1e-4, "f16": 1e-2, "bf16": 2e-2, "int8": 2e-2}
+# Of |x| |w|, per shard dtype. The block formats allow int8's: a kernel may round the input to
+# 8 bits a block, as llama.cpp's do (the weights themselves are the stored ones, exactly).
+TOLERANCE = {
+    "f32": 1e-4,
+    "f16": 1e-2,
+    "bf16": 2e-2,
+    "int8": 2e-2,
+    **dict.fromkeys(BLOCK_DTYPES, 2e-2),
+}
 
 Shape = tuple[str, int, int]  # (dtype name, out, in): one stored matrix
 
@@ -85,8 +94,17 @@ def fingerprint() -> dict[str, str]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "numpy": np.__version__,
-        "check": str(CHECK_VERSION),
+        "code": _code_fingerprint(),
     }
+
+
+def _code_fingerprint() -> str:
+    """The source of the candidates and of their check: a cached verdict (a kernel rejected, a
+    time) is about the code that earned it, so a new version of either checks again."""
+    digest = hashlib.sha256()
+    for module in (kernels, quant, sys.modules[__name__]):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _cache_path(cache_dir: Path, device: dict[str, str]) -> Path:
@@ -313,7 +331,7 @@ class _Probe:
             max(inp, 1) ** 0.5
         )
         self.dtype, self.out, self.period = dtype, out, period
-        stored = quantize(torch.from_numpy(block), kernels.DTYPES[dtype])
+        stored = quantize(torch.from_numpy(block), dtype)
         self.wd = dequantize(stored[""], stored.get(kernels.SCALE_SUFFIX)).double().numpy()
         self.tile = np.arange(out) % period
         self.stored = {k: v[self.tile].contiguous() for k, v in stored.items()}
@@ -390,22 +408,27 @@ def matrix_shapes(
 ) -> list[Shape]:
     """The (dtype, out, in) of the named matrices among `specs` (name -> dtype, shape). An empty
     matrix is never multiplied (its block's partial is zero), so it needs no kernel."""
-    return [
-        (kernels.DTYPE_NAMES[specs[n][0]], specs[n][1][0], specs[n][1][1])
-        for n in names
-        if n in specs and specs[n][0] in kernels.DTYPE_NAMES and all(specs[n][1])
-    ]
+    shapes = []
+    for n in names:
+        if n not in specs or not all(specs[n][1]):
+            continue
+        dtype, shape = specs[n]
+        found = stored_format(dtype, shape)
+        if found is None and dtype not in kernels.DTYPE_NAMES:
+            continue
+        name = found.name if found is not None else kernels.DTYPE_NAMES[dtype]
+        shapes.append((name, *stored_size(dtype, shape)))
+    return shapes
 
 
 def plan_shapes(config: ModelConfig, slices: Sequence[Slice], dtype: str) -> list[Shape]:
     """Every matrix a plan's nodes multiply, the master's lm_head included, stored as `dtype`:
     cut from shape-only tensors by the one function that cuts layers."""
     full = {n: torch.empty(s, device="meta") for n, s in full_layer_shapes(config).items()}
-    torch_dtype = kernels.DTYPES[dtype]
-    shapes = [(dtype, config.vocab_size, config.hidden)]
+    shapes = [(embedding_dtype(dtype), config.vocab_size, config.hidden)]
     for s in slices:
         cut = slice_layer(config, full, s)
-        shapes += matrix_shapes({n: (torch_dtype, tuple(cut[n].shape)) for n in MATRICES}, MATRICES)
+        shapes += [(dtype, *cut[n].shape) for n in MATRICES if all(cut[n].shape)]
     return sorted(set(shapes))
 
 
@@ -421,7 +444,7 @@ def describe(prepared: Prepared, shapes: Iterable[Shape], threads: int) -> str:
         if prepared.checked
         else f"read from the cache in {prepared.seconds * 1000:.0f} ms",
     ]
-    for dtype in sorted({s[0] for s in shapes}, key=list(kernels.DTYPES).index):
+    for dtype in sorted({s[0] for s in shapes}, key=SHARD_DTYPES.index):
         names = [c.name for c in CANDIDATES[dtype]]
         lines += ["", f"{dtype}: time per call (us); * chosen", f"{'matrix':>12} {'rows':>5}"]
         lines[-1] += "".join(f"{n:>16}" for n in names)

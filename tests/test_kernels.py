@@ -18,6 +18,7 @@ import torch
 from master.generate import start, stream
 from master.params import SamplingParams
 from models import kernels
+from models.dtypes import BLOCK_DTYPES, SHARD_DTYPES
 from models.kernels import SCALE_SUFFIX, Candidate, linear, quantize
 from node.device import TOLERANCE, entry_key, prepare
 
@@ -75,16 +76,17 @@ def test_a_second_start_reads_the_table_and_checks_nothing(tmp_path, fresh_table
     assert again.table.results == first.table.results
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bf16", "f16", "f32"])
+@pytest.mark.parametrize("dtype", SHARD_DTYPES)
 def test_admitted_kernels_are_right_at_any_width_and_row_count(tmp_path, dtype, fresh_table):
     """torch's int8 kernel read past rows whose width is not a multiple of 8 on one CPU
     (garbage for one row, a crash for several) and was wrong at width 40 with 3 rows on
-    another: whatever the check admits here must be right at those shapes."""
-    widths = [5, 13, 40, 100, 576]
+    another: whatever the check admits here must be right at those shapes (block formats:
+    at widths of whole blocks)."""
+    widths = [32, 96, 576] if dtype in BLOCK_DTYPES else [5, 13, 40, 100, 576]
     prepare([(dtype, 48, w) for w in widths], cache_dir=tmp_path)
     gen = torch.Generator().manual_seed(1)
     for width in widths:
-        stored = quantize(torch.randn(48, width, generator=gen), kernels.DTYPES[dtype])
+        stored = quantize(torch.randn(48, width, generator=gen), dtype)
         w, scale = stored[""], stored.get(SCALE_SUFFIX)
         exact = kernels.dequantize(w, scale).double()
         for rows in (1, 2, 3, 4, 5, 8, 9, 33):

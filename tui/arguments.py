@@ -11,6 +11,7 @@ from pathlib import Path
 
 from memory.budget import MemoryOptions, parse_size
 from models.config import DEFAULT_MODEL
+from models.dtypes import SHARD_DTYPES
 from node.protocol import DEFAULT_PORT
 from tui.chat.command import add_arguments as add_chat_arguments
 
@@ -76,9 +77,10 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
     if master:
         p.add_argument(
             "--dtype",
-            choices=("f32", "f16", "bf16", "int8"),
+            choices=SHARD_DTYPES,
             default="f32",
-            help="how the shards store the weights (int8: per-channel scales)",
+            help="how the shards store the weights (int8: per-channel scales; q8_0, q4_1, "
+            "q4_0: GGUF's blocks of 32)",
         )
         p.add_argument(
             "--memory-budget", default=None, help="memory for weights and KV cache, e.g. 2GB"
@@ -251,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--model", default=None, help=f"default: {DEFAULT_MODEL}")
     kern.add_argument(
         "--dtype",
-        choices=("f32", "f16", "bf16", "int8"),
+        choices=SHARD_DTYPES,
         action="append",
         default=None,
         help="shard dtypes to show (repeatable; default: all)",

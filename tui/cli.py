@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from models.dtypes import SHARD_DTYPES
 from models.errors import ModelError
 from node.protocol import DEFAULT_PORT
 from tui.arguments import build_parser, memory_options
@@ -356,11 +357,7 @@ def _kernels(args: argparse.Namespace) -> None:
     config = open_model(args.model).config
     threads = set_threads(args.threads or thread_share(args.local_nodes))
     slices = plan_slices(config, [1.0] * args.local_nodes)
-    shapes = [
-        s
-        for d in args.dtype or ("f32", "f16", "bf16", "int8")
-        for s in plan_shapes(config, slices, d)
-    ]
+    shapes = [s for d in args.dtype or SHARD_DTYPES for s in plan_shapes(config, slices, d)]
     cache_dir = default_state_dir() / "kernels"
     if args.recheck:
         for old in cache_dir.glob("*.json"):

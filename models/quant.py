@@ -1,0 +1,89 @@
+"""Block-quantized matrices, kept as GGUF stores them: 32 weights a block, each with its scale.
+
+A matrix (out, in) in one of these formats is a uint8 tensor (out, in / 32, block bytes): each
+row its blocks, byte for byte as in a GGUF file, so a GGUF tensor of the same format is carried
+into the shards without a round trip through float, and a row range is a slice of rows.
+
+- q4_0: an f16 scale d and 32 4-bit values q: w = d * (q - 8)            (18 bytes, 4.5 bits)
+- q4_1: an f16 scale d, an f16 minimum m, 32 4-bit values: w = d * q + m  (20 bytes, 5 bits)
+- q8_0: an f16 scale d and 32 int8 values: w = d * q                      (34 bytes, 8.5 bits)
+
+The block size in bytes tells the formats apart, so a tensor's shape says what it holds. The
+arithmetic (quantize, dequantize) is the `gguf` package's, the reference llama.cpp's files are
+written with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from models.dtypes import BLOCK_DTYPES
+
+BLOCK = 32  # weights per block, along a matrix's input dimension
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str
+    ggml_type: GGMLQuantizationType
+    block_bytes: int
+
+    def quantize(self, w: torch.Tensor) -> torch.Tensor:
+        """A float matrix (out, in), in a multiple of 32, as blocks (out, in / 32, bytes)."""
+        out, inp = w.shape
+        if inp % BLOCK:
+            raise ValueError(f"{self.name} needs rows of a multiple of {BLOCK}, got {inp}")
+        if w.numel() == 0:  # a node's empty share of a matrix
+            return torch.empty((out, inp // BLOCK, self.block_bytes), dtype=torch.uint8)
+        blocks = quants.quantize(w.float().numpy(), self.ggml_type)
+        return torch.from_numpy(np.ascontiguousarray(blocks)).view(out, inp // BLOCK, -1)
+
+    def dequantize(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Blocks (rows, in / 32, bytes) as a float32 matrix (rows, in)."""
+        rows, n, _ = blocks.shape
+        if blocks.numel() == 0:
+            return torch.zeros((rows, n * BLOCK))
+        flat = blocks.numpy().reshape(rows, n * self.block_bytes)
+        return torch.from_numpy(quants.dequantize(flat, self.ggml_type)).view(rows, n * BLOCK)
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        BlockFormat("q8_0", GGMLQuantizationType.Q8_0, 34),
+        BlockFormat("q4_1", GGMLQuantizationType.Q4_1, 20),
+        BlockFormat("q4_0", GGMLQuantizationType.Q4_0, 18),
+    )
+}
+assert tuple(FORMATS) == BLOCK_DTYPES, "models/dtypes.py names the same formats"
+_BY_BLOCK_BYTES = {f.block_bytes: f for f in FORMATS.values()}
+
+
+def block_format(w: torch.Tensor) -> BlockFormat | None:
+    """The format of a block-quantized matrix, None for a plain one."""
+    return stored_format(w.dtype, tuple(w.shape))
+
+
+def stored_format(dtype: torch.dtype, shape: tuple[int, ...]) -> BlockFormat | None:
+    """The format a stored tensor of this dtype and shape is in, None for a plain one."""
+    if dtype != torch.uint8 or len(shape) != 3:
+        return None
+    found = _BY_BLOCK_BYTES.get(shape[2])
+    if found is None:
+        raise ValueError(f"blocks of {shape[2]} bytes are none of {', '.join(FORMATS)}")
+    return found
+
+
+def matrix_size(w: torch.Tensor) -> tuple[int, int]:
+    """(out, in) of a stored matrix, plain or in blocks."""
+    return stored_size(w.dtype, tuple(w.shape))
+
+
+def stored_size(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:
+    if stored_format(dtype, shape) is not None:
+        return shape[0], shape[1] * BLOCK
+    return shape[0], shape[1]
