@@ -126,7 +126,14 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
     "f16": (_own("torch-mm-f16", "torch_mm"), _own("upcast-f32", "reference")),
     "bf16": (_own("torch-mm-bf16", "torch_mm"), _own("upcast-f32", "reference")),
     "int8": (_own("torch-int8pack", "torch_int8pack"), _own("dequant-f32", "reference")),
-    **{name: (_own("dequant-f32", "reference"),) for name in FORMATS},
+    **{
+        name: (
+            Candidate("c-q8act", "models.native:q8_activations"),
+            Candidate("c-f32", "models.native:f32_activations"),
+            _own("dequant-f32", "reference"),
+        )
+        for name in FORMATS
+    },
 }
 
 # Row counts group into buckets: a step's rows are its sequences (decode) or its tokens
