@@ -11,8 +11,11 @@ it will use has been, on this device:
 2. timed, if it passed, with the BLAS threads the node computes with;
 
 and installs the fastest that passed (`models.kernels.install`). The results are cached in the
-state folder under a key of the CPU (model, flags and cgroup quota), Python, torch and NumPy,
-so a second start costs a file read. `edgetp kernels` shows the table.
+state folder under a key of the CPU (model, flags and cgroup quota), Python, torch, NumPy and
+the kernels' source, so a second start costs a file read. `edgetp kernels` shows the table.
+
+The file is long (about 470 lines) because both halves of the check live here, the parent that
+plans, caches and installs and the child that probes: they share one job format and one table.
 """
 
 from __future__ import annotations
