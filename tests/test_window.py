@@ -120,15 +120,15 @@ def f32_top1(smollm2, smollm2_tokenizer):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("nodes", "dtype"),
-    [(1, "f16"), (1, "bf16"), (1, "int8"), (3, "int8"), (1, "q8_0"), (3, "q4_1"), (1, "q4_0")],
+    [(1, "f16"), (1, "bf16"), (1, "int8"), (3, "int8"), (1, "q8_0"), (3, "q4_1")],
 )  # three nodes for int8, whose kernels differ most between CPUs, and q4_1, the file's own
 def test_every_shard_dtype_agrees_with_f32(
     smollm2, smollm2_tokenizer, state_dir, f32_top1, nodes, dtype
 ):
     """Each dtype on the kernels this device admitted for it, on one node and split across
     three: teacher-forced top-1 agreement with f32 of at least 0.95; q4_1, which holds the
-    file's own weights, at least 0.98; q4_0, which rounds the file's 4-bit weights again to
-    fewer levels, at least 0.5 (it is for files that come as Q4_0)."""
+    file's own weights, at least 0.98. (q4_0 rounds the file's 4-bit weights again, to 0.70: a
+    format for files that come as Q4_0, whose kernels tests/test_kernels.py checks.)"""
     memory = MemoryOptions(dtype=dtype)
     with local_engine(smollm2, nodes, state_dir=state_dir, context=128, memory=memory) as engine:
         top1 = _teacher_forced_top1(engine, smollm2_tokenizer)
@@ -137,7 +137,7 @@ def test_every_shard_dtype_agrees_with_f32(
     assert n >= 256
     agreement = (top1 == f32_top1).float().mean().item()
     print(f"\n{nodes} node(s), {dtype}: top-1 agreement with f32 over {n}: {agreement:.4f}")
-    assert agreement >= {"q4_1": 0.98, "q4_0": 0.5}.get(dtype, 0.95), (dtype, agreement)
+    assert agreement >= (0.98 if dtype == "q4_1" else 0.95), (dtype, agreement)
 
 
 def test_a_budget_too_small_says_what_would_fit():
