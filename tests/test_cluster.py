@@ -132,11 +132,17 @@ def _ship_once(smollm2, manifest, master_store, worker_dir, kill_when_part_excee
     workers = LocalWorkers(1, hub.port, 1, worker_dir, False, hub.token)
     stop = threading.Event()
 
+    def part_size(part: Path) -> int:
+        try:
+            return part.stat().st_size
+        except FileNotFoundError:  # finished and renamed since the glob
+            return 0
+
     def killer() -> None:
         while not stop.is_set():
             parts = list((worker_dir / "shards").glob("*.part"))
             done = len(list((worker_dir / "shards").glob("*.safetensors")))
-            if parts and done >= 3 and parts[0].stat().st_size > kill_when_part_exceeds:
+            if parts and done >= 3 and part_size(parts[0]) > kill_when_part_exceeds:
                 workers.procs[0].send_signal(signal.SIGKILL)
                 return
             time.sleep(0.005)
