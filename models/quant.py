@@ -36,7 +36,10 @@ class BlockFormat:
         """A float matrix (out, in), in a multiple of 32, as blocks (out, in / 32, bytes)."""
         out, inp = w.shape
         if inp % BLOCK:
-            raise ValueError(f"{self.name} needs rows of a multiple of {BLOCK}, got {inp}")
+            raise ValueError(
+                f"{self.name} needs rows of a multiple of {BLOCK}, got {inp}: "
+                "this model (or this split of it) needs another --dtype"
+            )
         if w.numel() == 0:  # a node's empty share of a matrix
             return torch.empty((out, inp // BLOCK, self.block_bytes), dtype=torch.uint8)
         blocks = quants.quantize(w.float().numpy(), self.ggml_type)
