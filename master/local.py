@@ -118,7 +118,7 @@ def local_session(
     # One device: every node's kernels are checked in one child now (each node would check its
     # own, one after another, each importing torch again); the workers then read the table.
     plan = plan_slices(source.config, capacities or [1.0] * nodes)
-    prepare(plan_shapes(source.config, plan, memory.dtype), install=False)
+    prepare(plan_shapes(source, plan, memory.dtype), install=False)
     hub = Hub("127.0.0.1", 0, model_names=(source.name,))
     session = Session(source, hub, state_dir, context, slots, memory, capacities, equal_shares=True)
     with (

@@ -1,21 +1,24 @@
 """Splitting a source model into per-node, per-layer shard files, one layer at a time.
 
-Only one full layer (plus, at the end, the embedding) is in memory at once, so the master can
-split a model far bigger than its RAM. A split is cached: the manifest is keyed by the model's
-identity and the plan, and a second start with the same plan writes nothing.
+A band of one source tensor's rows is in memory at a time, never a whole layer or matrix, so
+the master can split a model far bigger than its RAM. A split is cached: the manifest is keyed
+by the model's identity and the plan, and a second start with the same plan writes nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
 
 from memory.files import atomic_write
-from memory.shards import Manifest, ShardStore
-from models.dtypes import SHARD_DTYPES, embedding_dtype
+from memory.shards import Manifest, ShardRef, ShardStore, ShardWriter, Spec
+from models.dtypes import DTYPE_CHOICES
 from models.kernels import quantize
-from models.layers import Slice, cast_layer, slice_layer
+from models.layers import Part, Slice, cast_matrix, cut, slice_parts
 from models.source import ModelSource
 
 Progress = Callable[[int, int], None]
@@ -37,6 +40,9 @@ def plan_key(identity: str, slices: Sequence[Slice], dtype: str = "f32") -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+BAND_BYTES = 32 << 20  # float32 bytes of a source tensor read at a time
+
+
 def split_model(
     source: ModelSource,
     slices: Sequence[Slice],
@@ -46,11 +52,13 @@ def split_model(
 ) -> Manifest:
     """Shards for every (node, layer) and the master's globals; reused when already split.
 
-    `dtype` (one of `SHARD_DTYPES`) is how the matrices and the embedding/lm_head are stored;
-    norms and biases stay float32.
+    `dtype` (one of `DTYPE_CHOICES`) is how the matrices and the embedding/lm_head are stored;
+    norms and biases stay float32. Tensors are read a band of rows at a time and every node's
+    share of a band goes straight to its shard file, so the split holds no whole matrix: a 70B
+    model splits within what the master needs to run it.
     """
-    if dtype not in SHARD_DTYPES:
-        raise ValueError(f"unknown shard dtype {dtype!r}: choose one of {', '.join(SHARD_DTYPES)}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"unknown shard dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
     identity = model_identity(source)
     manifest_path = store.root / "manifests" / f"{plan_key(identity, slices, dtype)}.json"
     if manifest_path.is_file():
@@ -60,22 +68,23 @@ def split_model(
             return manifest
 
     config = source.config
-    nodes: list[list] = [[] for _ in slices]
+    nodes: list[list[ShardRef]] = [[] for _ in slices]
     total = config.n_layers + 1
+    cuts = [slice_parts(config, s) for s in slices]
     for i in range(config.n_layers):
-        full = source.layer(i)
-        for refs, s in zip(nodes, slices, strict=True):
-            refs.append(store.put(cast_layer(slice_layer(config, full, s), dtype)))
-        del full
+        dtypes = source.matrix_dtypes(i, dtype)
+        shards = [{n: _Fused(n, parts, dtypes.get(n)) for n, parts in c.items()} for c in cuts]
+        for refs, ref in zip(nodes, _write(source, i, shards, store), strict=True):
+            refs.append(ref)
         if progress:
             progress(i + 1, total)
-    globals_ = {"final_norm": source.final_norm()}
-    head = embedding_dtype(dtype)
-    globals_.update({"embedding" + k: v for k, v in quantize(source.embedding(), head).items()})
-    if not config.tied_embeddings:
-        globals_.update({"lm_head" + k: v for k, v in quantize(source.lm_head(), head).items()})
-    globals_ref = store.put(globals_)
-    del globals_
+    head = source.head_dtype(dtype)
+    names = ["final_norm", "embedding"] + ([] if config.tied_embeddings else ["lm_head"])
+    whole = {
+        n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), None if n == "final_norm" else head)
+        for n in names
+    }
+    (globals_ref,) = _write(source, None, [whole], store)
     if progress:
         progress(total, total)
     manifest = Manifest(
@@ -92,3 +101,78 @@ def split_model(
         manifest.extra["rope_freq_factors"] = freq.tolist()
     atomic_write(manifest_path, manifest.to_json().encode())
     return manifest
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """One tensor of a shard: its parts of the source's tensors, stacked by rows, and its shard
+    dtype (None: a vector, kept float32)."""
+
+    name: str
+    parts: tuple[Part, ...]
+    dtype: str | None
+
+    def specs(self, source: ModelSource, layer: int | None) -> dict[str, Spec]:
+        rows = sum(p.n_rows for p in self.parts)
+        if self.dtype is None:
+            return {self.name: (torch.float32, (rows,))}
+        first = self.parts[0]
+        cols = first.cols or (0, source.shape(layer, first.source)[1])
+        shape = (rows, cols[1] - cols[0])
+        meta = quantize(torch.empty(shape, device="meta"), self.dtype)
+        return {self.name + k: (t.dtype, tuple(t.shape)) for k, t in meta.items()}
+
+
+def _write(
+    source: ModelSource,
+    layer: int | None,
+    shards: list[dict[str, _Fused]],
+    store: ShardStore,
+) -> list[ShardRef]:
+    """Write one shard per entry of `shards`, reading each source tensor once, in bands."""
+    specs = [
+        {k: v for f in shard.values() for k, v in f.specs(source, layer).items()}
+        for shard in shards
+    ]
+    writers = [ShardWriter(store, spec) for spec in specs]
+    try:
+        for name in {p.source for f in shards[0].values() for p in f.parts}:
+            dtype = next(
+                f.dtype for f in shards[0].values() if any(p.source == name for p in f.parts)
+            )
+            carry = dtype is not None and source.stored_type(layer, name).lower() == dtype
+            for first, band in _bands(source, layer, name, carry):
+                rows = (first, first + band.shape[0])
+                for writer, shard in zip(writers, shards, strict=True):
+                    for f in shard.values():
+                        offset = 0
+                        for p in f.parts:
+                            a, b = max(p.rows[0], rows[0]), min(p.rows[1], rows[1])
+                            if p.source == name and a < b:
+                                piece = cut(band, p, rows)
+                                at = offset + a - p.rows[0]
+                                if f.dtype is None:
+                                    writer.write_rows(f.name, at, piece.float())
+                                else:
+                                    for k, t in cast_matrix(piece, f.dtype).items():
+                                        writer.write_rows(f.name + k, at, t)
+                            offset += p.n_rows
+        return [w.finish() for w in writers]
+    except BaseException:
+        for w in writers:
+            w.abandon()
+        raise
+
+
+def _bands(
+    source: ModelSource, layer: int | None, name: str, blocks: bool
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """The tensor's rows, a band at a time (whole heads, so Q and K can be un-permuted)."""
+    shape = source.shape(layer, name)
+    if len(shape) == 1:
+        yield 0, source.rows(layer, name, 0, shape[0])
+        return
+    head = source.config.head_dim
+    step = max(head, BAND_BYTES // (4 * shape[1]) // head * head)
+    for first in range(0, shape[0], step):
+        yield first, source.rows(layer, name, first, min(first + step, shape[0]), blocks)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -42,33 +43,86 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+Spec = tuple[torch.dtype, tuple[int, ...]]  # a tensor's dtype and shape
+
+
+def _layout(specs: dict[str, Spec]) -> tuple[bytes, dict[str, int]]:
+    """A safetensors header for tensors of these specs, and where each one's data starts (from
+    the end of the header).
+
+    Largest first, after a header padded to DATA_ALIGN: the big matrices (whose sizes are
+    multiples of 64 bytes in every model seen) then start on 64-byte boundaries, so a reader
+    can view them in place; the int8 kernel needs that alignment (it crashes without it).
+    """
+    size = {
+        n: math.prod(shape) * torch.empty((), dtype=d).element_size()
+        for n, (d, shape) in specs.items()
+    }
+    header: dict[str, Any] = {}
+    offsets = {}
+    offset = 0
+    for name in sorted(specs, key=lambda n: -size[n]):
+        dtype, shape = specs[name]
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size[name]],
+        }
+        offsets[name] = offset
+        offset += size[name]
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % DATA_ALIGN)  # the format allows padding with spaces
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Write a safetensors file straight from the tensors' memory.
 
     `safetensors.torch.save_file` first copies every tensor into a bytes object; for the
     embedding of a big model that copy alone is hundreds of MB the splitter cannot spare.
     """
-    # Largest first, after a header padded to DATA_ALIGN: the big matrices (whose sizes are
-    # multiples of 64 bytes in every model seen) then start on 64-byte boundaries, so a reader
-    # can view them in place; the int8 kernel needs that alignment (it crashes without it).
-    tensors = dict(sorted(tensors.items(), key=lambda item: -item[1].nbytes))
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, t in tensors.items():
-        size = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % DATA_ALIGN)  # the format allows padding with spaces
+    header, offsets = _layout({n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()})
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in tensors.values():
-            f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+        f.write(header)
+        for name in sorted(offsets, key=offsets.__getitem__):
+            f.write(memoryview(tensors[name].contiguous().view(torch.uint8).numpy()))
+
+
+class ShardWriter:
+    """A shard written a band of rows at a time: the header first (every shape is known before
+    any data), then each band at its place, so a matrix is never whole in memory."""
+
+    def __init__(self, store: ShardStore, specs: dict[str, Spec]) -> None:
+        self.store = store
+        self.specs = specs
+        header, offsets = _layout(specs)
+        self._starts = {n: len(header) + o for n, o in offsets.items()}
+        self._size = len(header) + sum(
+            math.prod(shape) * torch.empty((), dtype=d).element_size()
+            for d, shape in specs.values()
+        )
+        self._tmp = store.root / f".incoming.{os.getpid()}.{id(self)}.tmp"
+        self._file = open(self._tmp, "wb")
+        self._file.write(header)
+        self._file.truncate(self._size)
+
+    def write_rows(self, name: str, first_row: int, rows: torch.Tensor) -> None:
+        """Rows of tensor `name` (its first dimension) from `first_row` on."""
+        dtype, shape = self.specs[name]
+        if rows.dtype != dtype or tuple(rows.shape[1:]) != shape[1:]:
+            raise ValueError(f"{name}: rows {rows.dtype} {tuple(rows.shape)} do not fit {shape}")
+        row_bytes = math.prod(shape[1:]) * rows.element_size()
+        self._file.seek(self._starts[name] + first_row * row_bytes)
+        self._file.write(memoryview(rows.contiguous().view(torch.uint8).numpy()))
+
+    def finish(self) -> ShardRef:
+        """Close the file and store it under its hash (see `ShardStore.put`)."""
+        self._file.close()
+        return self.store.adopt(self._tmp)
+
+    def abandon(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
 
 
 def tensor_views(buffer: torch.Tensor, path: Path, size: int) -> dict[str, torch.Tensor]:
@@ -169,6 +223,11 @@ class ShardStore:
         """
         tmp = self.root / f".incoming.{os.getpid()}.tmp"
         write_safetensors(tmp, tensors)
+        return self.adopt(tmp)
+
+    def adopt(self, tmp: Path) -> ShardRef:
+        """A whole shard file written beside the store, renamed to its hash (removed instead
+        when the store has it already)."""
         ref = ShardRef(sha256_file(tmp), tmp.stat().st_size)
         if self.path(ref).exists():
             tmp.unlink()

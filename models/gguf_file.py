@@ -100,33 +100,39 @@ class GGUFFile:
             raise ModelError(f"{self.path} has no tensor named {name!r}")
         return self._tensors[name]
 
-    def stored(self, name: str) -> np.ndarray:
-        """The named tensor's bytes as stored (a copy), a row per output row: numbers, or
-        quantized blocks."""
+    def stored_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of the named tensor's bytes as stored (a copy), a row per output
+        row: numbers, or quantized blocks."""
         t = self.info(name)
-        rows = np.array(self._stored_rows(t))
+        rows = np.array(self._stored_rows(t)[start:stop])
         self._release(t)
         return rows
 
     def tensor(self, name: str) -> torch.Tensor:
         """The named tensor, dequantized to float32, in PyTorch (out, in) order."""
         t = self.info(name)
-        rows = self._stored_rows(t)
-        out = np.empty(t.shape, dtype=np.float32)
-        flat = out.reshape(rows.shape[0], -1)
+        return self.tensor_rows(name, 0, t.shape[0]).view(t.shape)
+
+    def tensor_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the named tensor (its first dimension), dequantized to float32."""
+        t = self.info(name)
+        rows = self._stored_rows(t)[start:stop] if len(t.shape) > 1 else self._stored_rows(t)
+        out = np.empty((rows.shape[0], t.shape[-1]), np.float32)
         # Dequantize a band of rows at a time: the gguf package's temporaries are several times
         # the output, and for a big embedding that would dwarf the tensor itself.
         try:
             for r in range(0, rows.shape[0], DEQUANT_ROWS):
                 band = gguf.quants.dequantize(rows[r : r + DEQUANT_ROWS], t.tensor_type)
-                flat[r : r + DEQUANT_ROWS] = band.reshape(flat[r : r + DEQUANT_ROWS].shape)
+                out[r : r + DEQUANT_ROWS] = band.reshape(out[r : r + DEQUANT_ROWS].shape)
         except NotImplementedError as exc:
             raise ModelError(
                 f"{self.path}: tensor {name} uses quantization {t.tensor_type.name}, "
                 f"which the gguf package cannot dequantize"
             ) from exc
         self._release(t)
-        return torch.from_numpy(out)
+        if len(t.shape) == 1:
+            return torch.from_numpy(out).view(-1)[start:stop].clone()
+        return torch.from_numpy(out).view(stop - start, *t.shape[1:])
 
     def _stored_rows(self, t: TensorInfo) -> np.ndarray:
         """The tensor's bytes as stored, a row per output row: numbers, or quantized blocks."""

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from models.config import ModelConfig
-from models.kernels import SCALE_SUFFIX, linear, linear_rows, quantize
-from models.quant import matrix_size
+from models.kernels import SCALE_SUFFIX, dequantize, dtype_name, linear, linear_rows, quantize
+from models.quant import matrix_size, take_columns
 
 # Canonical per-layer tensor names, full (unsplit) and in PyTorch (out, in) order.
 LAYER_TENSORS = ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")
@@ -95,43 +95,87 @@ def full_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+@dataclass(frozen=True)
+class Part:
+    """Rows [rows) and columns [cols) of a full source tensor: one piece of a slice's matrix.
+    A slice's matrix is its parts stacked by rows, in order; `cols` None is every column."""
+
+    source: str
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None = None
+
+    @property
+    def n_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+
+def slice_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
+    """What a slice holds of one layer, by fused name: attn_norm, wqkv (+ bqkv), wo, ffn_norm,
+    w_gate_up, w_down. The one rule for cutting a layer: `slice_layer` cuts whole tensors by it,
+    the splitter bands of rows."""
+    hd, d = config.head_dim, config.hidden
+    q, k = (s.q_heads[0] * hd, s.q_heads[1] * hd), (s.kv_heads[0] * hd, s.kv_heads[1] * hd)
+    f = s.ffn
+    parts = {
+        "attn_norm": (Part("attn_norm", (0, d)),),
+        "wqkv": (Part("q", q), Part("k", k), Part("v", k)),
+        "wo": (Part("o", (0, d), q),),
+        "ffn_norm": (Part("ffn_norm", (0, d)),),
+        "w_gate_up": (Part("gate", f), Part("up", f)),
+        "w_down": (Part("down", (0, d), f),),
+    }
+    if config.qkv_bias:
+        parts["bqkv"] = (Part("q_bias", q), Part("k_bias", k), Part("v_bias", k))
+    return parts
+
+
+def cut(t: torch.Tensor, part: Part, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """`part` of the full tensor `t` (plain or in blocks), limited to source rows `rows`; `t`
+    may be a band of the full tensor starting at row `rows[0]`."""
+    first = 0 if rows is None else rows[0]
+    a, b = part.rows if rows is None else (max(part.rows[0], rows[0]), min(part.rows[1], rows[1]))
+    piece = t[a - first : b - first]
+    if part.cols is not None:
+        piece = take_columns(piece, *part.cols)
+    return piece
+
+
 def slice_layer(
     config: ModelConfig, full: dict[str, torch.Tensor], s: Slice
 ) -> dict[str, torch.Tensor]:
-    """Cut one layer's full tensors to a slice, fused for compute.
-
-    Returns attn_norm, wqkv (+ bqkv), wo, ffn_norm, w_gate_up, w_down; all contiguous copies, so
-    the full tensors can be freed.
-    """
-    hd = config.head_dim
-    q0, q1 = s.q_heads[0] * hd, s.q_heads[1] * hd
-    k0, k1 = s.kv_heads[0] * hd, s.kv_heads[1] * hd
-    f0, f1 = s.ffn
-    out = {
-        "attn_norm": full["attn_norm"].clone(),
-        "wqkv": torch.cat([full["q"][q0:q1], full["k"][k0:k1], full["v"][k0:k1]]),
-        "wo": full["o"][:, q0:q1].contiguous(),
-        "ffn_norm": full["ffn_norm"].clone(),
-        "w_gate_up": torch.cat([full["gate"][f0:f1], full["up"][f0:f1]]),
-        "w_down": full["down"][:, f0:f1].contiguous(),
-    }
-    if config.qkv_bias:
-        out["bqkv"] = torch.cat(
-            [full["q_bias"][q0:q1], full["k_bias"][k0:k1], full["v_bias"][k0:k1]]
-        )
+    """Cut one layer's full tensors to a slice, fused for compute (`slice_parts`); all
+    contiguous copies, so the full tensors can be freed. A fused matrix whose parts are stored
+    differently (blocks of two formats, or blocks and floats) is fused in float32."""
+    out = {}
+    for name, parts in slice_parts(config, s).items():
+        pieces = [cut(full[p.source], p) for p in parts]
+        if len({(p.dtype, p.shape[2:]) for p in pieces}) > 1:
+            pieces = [dequantize(p) for p in pieces]
+        out[name] = torch.cat(pieces).contiguous() if len(pieces) > 1 else pieces[0].clone()
     return out
 
 
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # stored in the shard dtype; the rest float32
 
 
-def cast_layer(layer: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
-    """A sliced layer with its matrices stored as shard dtype `dtype` (int8 adds per-channel
-    scales)."""
+def cast_matrix(w: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """A sliced matrix stored as shard dtype `dtype` ({"": weight} plus {"_scale": scales} for
+    int8): kept as it is when it already is, else through float32."""
+    if dtype_name(w) == dtype and dtype != "int8":
+        return {"": w}
+    return quantize(dequantize(w), dtype)
+
+
+def cast_layer(
+    layer: dict[str, torch.Tensor], dtypes: str | dict[str, str]
+) -> dict[str, torch.Tensor]:
+    """A sliced layer with its matrices stored as shard dtype `dtypes` (one for all, or by
+    matrix name); int8 adds per-channel scales."""
     out = {}
     for name, t in layer.items():
         if name in MATRICES:
-            out.update({name + k: v for k, v in quantize(t, dtype).items()})
+            dtype = dtypes if isinstance(dtypes, str) else dtypes[name]
+            out.update({name + k: v for k, v in cast_matrix(t, dtype).items()})
         else:
             out[name] = t
     return out

@@ -40,8 +40,9 @@ class BlockFormat:
                 f"{self.name} needs rows of a multiple of {BLOCK}, got {inp}: "
                 "this model (or this split of it) needs another --dtype"
             )
-        if w.numel() == 0:  # a node's empty share of a matrix
-            return torch.empty((out, inp // BLOCK, self.block_bytes), dtype=torch.uint8)
+        if w.numel() == 0 or w.is_meta:  # a node's empty share; a shape only
+            shape = (out, inp // BLOCK, self.block_bytes)
+            return torch.empty(shape, dtype=torch.uint8, device=w.device)
         blocks = quants.quantize(w.float().numpy(), self.ggml_type)
         return torch.from_numpy(np.ascontiguousarray(blocks)).view(out, inp // BLOCK, -1)
 
@@ -90,3 +91,16 @@ def stored_size(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:
     if stored_format(dtype, shape) is not None:
         return shape[0], shape[1] * BLOCK
     return shape[0], shape[1]
+
+
+def take_columns(w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Columns [start, stop) of a stored matrix (a view), plain or in blocks: blocks are cut
+    between blocks only."""
+    if block_format(w) is None:
+        return w[:, start:stop]
+    if start % BLOCK or stop % BLOCK:
+        raise ValueError(
+            f"columns {start}:{stop} cut through blocks of {BLOCK}: "
+            "this split of the model needs a plain --dtype (f32, f16, bf16, int8)"
+        )
+    return w[:, start // BLOCK : stop // BLOCK]

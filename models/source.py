@@ -1,7 +1,7 @@
 """Where a model's weights come from: a GGUF file, an HF safetensors folder, or a bundled name.
 
-Every source hands out the same canonical tensors (see `models.layers.LAYER_TENSORS`), full and
-float32, one layer at a time, so callers never need the whole model in memory.
+Every source hands out the same canonical tensors (see `models.layers.LAYER_TENSORS`), a layer or
+a band of rows at a time, so callers never need the whole model in memory.
 """
 
 from __future__ import annotations
@@ -14,9 +14,18 @@ from pathlib import Path
 import torch
 
 from models.config import DEFAULT_MODEL, ModelConfig
+from models.dtypes import SOURCE_TYPES, embedding_dtype, matrix_dtype
 from models.errors import ModelError
 from models.gguf_file import GGUFFile
-from models.layers import BIAS_TENSORS, LAYER_TENSORS
+from models.layers import (
+    BIAS_TENSORS,
+    LAYER_TENSORS,
+    MATRICES,
+    Slice,
+    full_layer_shapes,
+    slice_parts,
+)
+from models.quant import FORMATS
 from models.tokenizer import Tokenizer
 
 
@@ -36,7 +45,9 @@ BUNDLED_MODELS = {DEFAULT_MODEL: _smollm2_path}
 
 
 class ModelSource(ABC):
-    """A model's config, tokenizer and full float32 tensors, read on demand."""
+    """A model's config, tokenizer and full tensors, read on demand: whole, or a band of rows
+    at a time (`rows`), as float32 or, where the source stores one of the engine's block
+    formats and the caller asks for it, as those blocks byte for byte."""
 
     path: Path
     config: ModelConfig
@@ -49,22 +60,61 @@ class ModelSource(ABC):
     def tokenizer(self) -> Tokenizer: ...
 
     @abstractmethod
-    def layer(self, index: int) -> dict[str, torch.Tensor]:
-        """Layer `index`'s full tensors under canonical names."""
+    def stored_type(self, layer: int | None, name: str) -> str:
+        """How the source stores a tensor: a GGUF type name, or F32, F16, BF16. `name` is a
+        canonical layer tensor (`layer` its index) or, with `layer` None, "embedding",
+        "lm_head" or "final_norm"."""
 
     @abstractmethod
+    def rows(
+        self, layer: int | None, name: str, start: int, stop: int, blocks: bool = False
+    ) -> torch.Tensor:
+        """Rows [start, stop) of a tensor (named as in `stored_type`): float32, or with `blocks`
+        the stored blocks where they are in one of models.quant's formats. Q and K rows come in
+        whole heads."""
+
+    def shape(self, layer: int | None, name: str) -> tuple[int, ...]:
+        if layer is not None:
+            return full_layer_shapes(self.config)[name]
+        c = self.config
+        return (c.hidden,) if name == "final_norm" else (c.vocab_size, c.hidden)
+
+    def tensor(self, layer: int | None, name: str, blocks: bool = False) -> torch.Tensor:
+        return self.rows(layer, name, 0, self.shape(layer, name)[0], blocks)
+
+    def layer(self, index: int, blocks: bool = False) -> dict[str, torch.Tensor]:
+        """Layer `index`'s full tensors under canonical names."""
+        return {name: self.tensor(index, name, blocks) for name in self.layer_tensors()}
+
+    def layer_tensors(self) -> tuple[str, ...]:
+        return LAYER_TENSORS + (BIAS_TENSORS if self.config.qkv_bias else ())
+
     def embedding(self) -> torch.Tensor:
         """(vocab, hidden)."""
+        return self.tensor(None, "embedding")
 
-    @abstractmethod
-    def final_norm(self) -> torch.Tensor: ...
+    def final_norm(self) -> torch.Tensor:
+        return self.tensor(None, "final_norm")
 
-    @abstractmethod
     def lm_head(self) -> torch.Tensor:
         """(vocab, hidden); the embedding itself when the model ties them."""
+        return self.tensor(None, "lm_head")
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         return None
+
+    def matrix_dtypes(self, layer: int, dtype: str) -> dict[str, str]:
+        """The shard dtype of each of a layer's fused matrices (`models.layers.MATRICES`) when
+        the split asks for `dtype` (`auto`: as this source stores them)."""
+        parts = slice_parts(self.config, Slice.whole(self.config))
+        return {
+            m: matrix_dtype(dtype, [self.stored_type(layer, p.source) for p in parts[m]])
+            for m in MATRICES
+        }
+
+    def head_dtype(self, dtype: str) -> str:
+        """The shard dtype of the embedding and lm_head when the split asks for `dtype`."""
+        return embedding_dtype(dtype, self.stored_type(None, "embedding"))
 
 
 def open_model(spec: str | Path | None = None) -> ModelSource:
@@ -112,6 +162,14 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
+def _gguf_name(layer: int | None, name: str, tied: bool) -> str:
+    if layer is not None:
+        return f"blk.{layer}.{_GGUF_LAYER[name]}"
+    if name == "lm_head" and not tied:
+        return "output.weight"
+    return "output_norm.weight" if name == "final_norm" else "token_embd.weight"
+
+
 class GGUFSource(ModelSource):
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -120,27 +178,38 @@ class GGUFSource(ModelSource):
         self.config = ModelConfig.from_gguf(self.file.metadata, str(path), tied)
         # llama.cpp's converter permutes Q/K rows for its interleaved RoPE only for these.
         self._permuted = self.config.architecture in ("llama", "mistral")
+        for name in self.file.tensor_names():  # say it now, not halfway through a split
+            kind = self.file.info(name).tensor_type.name
+            if kind not in SOURCE_TYPES:
+                raise ModelError(
+                    f"{path}: tensor {name} is stored as {kind}, which edgetp cannot read "
+                    f"(it reads {', '.join(SOURCE_TYPES)}); convert the model with another "
+                    "quantization"
+                )
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf_metadata(self.file.metadata, str(self.path))
 
-    def layer(self, index: int) -> dict[str, torch.Tensor]:
-        names = LAYER_TENSORS + (BIAS_TENSORS if self.config.qkv_bias else ())
-        out = {name: self.file.tensor(f"blk.{index}.{_GGUF_LAYER[name]}") for name in names}
-        if self._permuted:
-            out["q"] = unpermute_qk(out["q"], self.config.n_heads)
-            out["k"] = unpermute_qk(out["k"], self.config.n_kv_heads)
+    def stored_type(self, layer: int | None, name: str) -> str:
+        gguf_name = _gguf_name(layer, name, self.config.tied_embeddings)
+        return self.file.info(gguf_name).tensor_type.name
+
+    def rows(
+        self, layer: int | None, name: str, start: int, stop: int, blocks: bool = False
+    ) -> torch.Tensor:
+        gguf_name = _gguf_name(layer, name, self.config.tied_embeddings)
+        kind = self.file.info(gguf_name).tensor_type.name.lower()
+        if blocks and kind in FORMATS:
+            stored = self.file.stored_rows(gguf_name, start, stop)
+            out = torch.from_numpy(stored).view(stop - start, -1, FORMATS[kind].block_bytes)
+        else:
+            out = self.file.tensor_rows(gguf_name, start, stop)
+        if self._permuted and layer is not None and name in ("q", "k"):
+            hd = self.config.head_dim
+            if start % hd or stop % hd:
+                raise ValueError(f"rows {start}:{stop} of {gguf_name} cut through a head")
+            out = unpermute_qk(out, (stop - start) // hd)
         return out
-
-    def embedding(self) -> torch.Tensor:
-        return self.file.tensor("token_embd.weight")
-
-    def final_norm(self) -> torch.Tensor:
-        return self.file.tensor("output_norm.weight")
-
-    def lm_head(self) -> torch.Tensor:
-        name = "token_embd.weight" if self.config.tied_embeddings else "output.weight"
-        return self.file.tensor(name)
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         if self.file.has_tensor("rope_freqs.weight"):
@@ -205,30 +274,34 @@ class HFSource(ModelSource):
         if "lm_head.weight" not in self._where:
             self.config = ModelConfig.from_dict({**self.config.to_dict(), "tied_embeddings": True})
 
-    def _tensor(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
+    def _key(self, layer: int | None, name: str) -> str:
+        if layer is not None:
+            key = hf_layer_name(layer, name)
+        elif name == "lm_head" and not self.config.tied_embeddings:
+            key = "lm_head.weight"
+        else:
+            key = "model.norm.weight" if name == "final_norm" else "model.embed_tokens.weight"
         if key not in self._where:
             raise ModelError(f"{self.path}: tensor {key!r} is missing")
-        # A file is opened per tensor: an open file stays mapped, and every page a read touched
+        return key
+
+    def stored_type(self, layer: int | None, name: str) -> str:
+        from safetensors import safe_open
+
+        key = self._key(layer, name)
+        with safe_open(str(self._where[key]), framework="pt") as handle:
+            return handle.get_slice(key).get_dtype()
+
+    def rows(
+        self, layer: int | None, name: str, start: int, stop: int, blocks: bool = False
+    ) -> torch.Tensor:
+        from safetensors import safe_open
+
+        key = self._key(layer, name)
+        # A file is opened per read: an open file stays mapped, and every page a read touched
         # would count as this process's memory (GBs while splitting a 70B model).
         with safe_open(str(self._where[key]), framework="pt") as handle:
-            return handle.get_tensor(key).to(torch.float32)
+            return handle.get_slice(key)[start:stop].to(torch.float32)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_hf_folder(self.path)
-
-    def layer(self, index: int) -> dict[str, torch.Tensor]:
-        names = LAYER_TENSORS + (BIAS_TENSORS if self.config.qkv_bias else ())
-        return {name: self._tensor(hf_layer_name(index, name)) for name in names}
-
-    def embedding(self) -> torch.Tensor:
-        return self._tensor("model.embed_tokens.weight")
-
-    def final_norm(self) -> torch.Tensor:
-        return self._tensor("model.norm.weight")
-
-    def lm_head(self) -> torch.Tensor:
-        if self.config.tied_embeddings:
-            return self.embedding()
-        return self._tensor("lm_head.weight")

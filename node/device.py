@@ -33,19 +33,21 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from memory.files import atomic_write, default_state_dir
 from models import kernels, quant
-from models.config import ModelConfig
-from models.dtypes import BLOCK_DTYPES, SHARD_DTYPES, embedding_dtype
+from models.dtypes import BLOCK_DTYPES, SHARD_DTYPES
 from models.errors import ModelError
 from models.kernels import CANDIDATES, ROW_BUCKETS, Candidate, dequantize, quantize
-from models.layers import MATRICES, Slice, full_layer_shapes, slice_layer
+from models.layers import Slice, full_layer_shapes, slice_layer
 from models.quant import stored_format, stored_size
+
+if TYPE_CHECKING:
+    from models.source import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -424,14 +426,17 @@ def matrix_shapes(
     return shapes
 
 
-def plan_shapes(config: ModelConfig, slices: Sequence[Slice], dtype: str) -> list[Shape]:
-    """Every matrix a plan's nodes multiply, the master's lm_head included, stored as `dtype`:
-    cut from shape-only tensors by the one function that cuts layers."""
+def plan_shapes(source: ModelSource, slices: Sequence[Slice], dtype: str) -> list[Shape]:
+    """Every matrix a plan's nodes multiply, the master's lm_head included, stored as the split
+    stores them for `dtype`: cut from shape-only tensors by the one function that cuts layers."""
+    config = source.config
     full = {n: torch.empty(s, device="meta") for n, s in full_layer_shapes(config).items()}
-    shapes = [(embedding_dtype(dtype), config.vocab_size, config.hidden)]
+    shapes = [(source.head_dtype(dtype), config.vocab_size, config.hidden)]
+    layer_dtypes = {tuple(source.matrix_dtypes(i, dtype).items()) for i in range(config.n_layers)}
     for s in slices:
         cut = slice_layer(config, full, s)
-        shapes += [(dtype, *cut[n].shape) for n in MATRICES if all(cut[n].shape)]
+        for dtypes in layer_dtypes:
+            shapes += [(d, *cut[n].shape) for n, d in dtypes if all(cut[n].shape)]
     return sorted(set(shapes))
 
 

