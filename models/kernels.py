@@ -103,6 +103,7 @@ class Candidate:
     name: str
     target: str
     max_rows: int | None = None
+    fallback: bool = False  # expands the weights to float32 at every product: used only if asked
 
     def load(self) -> Kernel:
         import importlib
@@ -111,8 +112,10 @@ class Candidate:
         return getattr(importlib.import_module(module), attr)
 
 
-def _own(name: str, function: str, max_rows: int | None = None) -> Candidate:
-    return Candidate(name, f"{__name__}:{function}", max_rows)
+def _own(
+    name: str, function: str, max_rows: int | None = None, fallback: bool = False
+) -> Candidate:
+    return Candidate(name, f"{__name__}:{function}", max_rows, fallback)
 
 
 # Per dtype, what a user of any CPU would expect to be considered; the plain route (`reference`,
@@ -126,11 +129,13 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
     "f16": (_own("torch-mm-f16", "torch_mm"), _own("upcast-f32", "reference")),
     "bf16": (_own("torch-mm-bf16", "torch_mm"), _own("upcast-f32", "reference")),
     "int8": (_own("torch-int8pack", "torch_int8pack"), _own("dequant-f32", "reference")),
+    # Expanding blocks to float32 at every product costs ~30x a q4_1 token: a device whose
+    # native kernels were rejected refuses the dtype unless `ALLOW_FALLBACK_ENV` asks for it.
     **{
         name: (
             Candidate("c-q8act", "models.native:q8_activations"),
             Candidate("c-f32", "models.native:f32_activations"),
-            _own("dequant-f32", "reference"),
+            _own("dequant-f32", "reference", fallback=True),
         )
         for name in FORMATS
     },
@@ -191,6 +196,7 @@ def _kernel(dtype: str, rows: int, out: int, inp: int) -> Kernel:
 
 _share: int | None = None  # this process's share of the cores, as last set
 _blas_threads = 1  # BLAS threads in force now: kernels are timed with these
+ALLOW_FALLBACK_ENV = "EDGETP_ALLOW_SLOW_KERNELS"  # "1": a dtype may run on its fallback
 CORES_ENV = "EDGETP_CORES"  # the cores edgetp may use on this device (default: all of them)
 
 

@@ -198,25 +198,42 @@ def prepare(
             atomic_write(path, json.dumps(vars(table), indent=1).encode())
             _log_disagreements(todo, table)
     choices = {}
+    allow_fallback = os.environ.get(kernels.ALLOW_FALLBACK_ENV) == "1"
     for s in wanted:
         for b in range(len(ROW_BUCKETS)):
             key = entry_key(s, b, threads)
             name = table.chosen(key)
-            if name is None:
-                verdicts = "; ".join(
-                    f"{n}: {r['error']}" for n, r in table.results.get(key, {}).items()
-                )
-                raise KernelError(
-                    f"no kernel computes {key} right on this device ({verdicts}); "
-                    f"try another --dtype"
-                )
-            choices[(s[0], b, s[1], s[2])] = next(c for c in candidates[s[0]] if c.name == name)
+            chosen = next((c for c in candidates[s[0]] if c.name == name), None)
+            if chosen is None or (chosen.fallback and not allow_fallback):
+                names = [c.name for c in candidates[s[0]]]
+                raise KernelError(_unservable(s[0], key, table, names, chosen))
+            choices[(s[0], b, s[1], s[2])] = chosen
     if install:
         kernels.install(choices)
     seconds = time.perf_counter() - started
     how = f"checked and timed {len(todo)}" if todo else "read from the cache"
     log.info("kernels for %d matrices %s in %.3f s", len(wanted), how, seconds)
     return Prepared(table, len(todo), seconds)
+
+
+def _unservable(
+    dtype: str, key: str, table: Table, names: list[str], fallback: Candidate | None
+) -> str:
+    """Why `dtype` cannot run here (each candidate's verdict), and what the user can do."""
+    results = table.results.get(key, {})
+    verdicts = "; ".join(
+        f"{n}: {table.crashed.get(n) or results[n]['error']}"
+        for n in names
+        if n in table.crashed or (n in results and not results[n]["ok"])
+    )
+    if fallback is None:
+        return f"no kernel computes {key} right on this device ({verdicts}); try another --dtype"
+    return (
+        f"--dtype {dtype} has no working kernel on this device ({verdicts}); choose another "
+        f"--dtype (f32, f16, bf16 or int8), or set {kernels.ALLOW_FALLBACK_ENV}=1 to run it "
+        f"on {fallback.name}, which expands the weights to float32 at every product (tens of "
+        "times slower)"
+    )
 
 
 def _log_disagreements(checked: list[dict[str, Any]], table: Table) -> None:

@@ -20,7 +20,7 @@ from master.params import SamplingParams
 from models import kernels
 from models.dtypes import BLOCK_DTYPES, SHARD_DTYPES
 from models.kernels import SCALE_SUFFIX, Candidate, linear, quantize
-from node.device import TOLERANCE, entry_key, prepare
+from node.device import TOLERANCE, KernelError, entry_key, prepare
 
 TESTS = Path(__file__).parent
 FAKES = (
@@ -65,6 +65,27 @@ def test_a_wrong_and_a_crashing_kernel_are_rejected_and_the_product_stays_right(
         for rows in (1, 3, 8, 40):
             x = torch.randn(rows, inp, generator=gen)
             torch.testing.assert_close(linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_dtype_without_a_working_kernel_is_refused_unless_the_fallback_is_asked_for(
+    tmp_path, fakes_importable, fresh_table, monkeypatch
+):
+    """When a block format's native kernels are rejected (no compiler, another CPU), running it
+    would expand every matrix to float32 at every product: the node says which dtype, why, and
+    what to do, and runs the expansion only when the user sets the variable."""
+    fallback = next(c for c in kernels.CANDIDATES["q4_1"] if c.fallback)
+    candidates = {"q4_1": (*FAKES, fallback)}
+    shapes = [("q4_1", 48, 64)]
+    monkeypatch.delenv(kernels.ALLOW_FALLBACK_ENV, raising=False)
+    with pytest.raises(KernelError) as refused:
+        prepare(shapes, cache_dir=tmp_path, candidates=candidates)
+    message = str(refused.value)
+    assert "--dtype q4_1 has no working kernel" in message, message
+    assert "fast-but-wrong: wrong" in message and "crasher: " in message, message
+    assert kernels.ALLOW_FALLBACK_ENV in message and kernels.kernel_set() == ""
+    monkeypatch.setenv(kernels.ALLOW_FALLBACK_ENV, "1")
+    prepare(shapes, cache_dir=tmp_path, candidates=candidates)
+    assert kernels.kernel_set() == f"q4_1: {fallback.name}"
 
 
 def test_a_second_start_reads_the_table_and_checks_nothing(tmp_path, fresh_table):
