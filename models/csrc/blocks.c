@@ -8,16 +8,17 @@
 // *_q8:  llama.cpp's way: the activations rounded to int8 a block (scale amax/127), integer dot
 //        products, one float scale a block; the m term uses the block's rounded sum, so its
 //        rounding cancels.
+// Both work on tiles of up to 4 weight rows x up to 8 rows of x: independent accumulators (a
+// single one would wait on the fmadd's latency every block), each weight block unpacked once for
+// the tile's x rows and each x block loaded once for its weight rows; threads split W by groups of
+// 4 rows. Any tile sums each output in the same order, so the result does not depend on the tiling.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <math.h>
 #include <omp.h>
 
 #define AI static inline __attribute__((always_inline))
-
-AI float h2f(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 
 AI float hsum(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -29,10 +30,36 @@ AI float hsum(__m256 v) {
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 AI int bsize(int kind) { return kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : 34; }
 
-// one block -> 4 x 8 floats (elements 0-7, 8-15, 16-23, 24-31), dequantized
-AI void block_f32(int kind, const uint8_t *blk, __m256 w[4]) {
-    float d = h2f(blk);
-    __m256 vd = _mm256_set1_ps(d);
+// A tile of G > 1 weight rows reads G short streams at once, too many for the hardware prefetcher
+// (measured: q8_0 49152x576 three times slower without this): fetch the next G rows, in step.
+AI void prefetch_next(int G, const uint8_t *w, size_t rowbytes, int b, int bs) {
+    if (G == 1) return;
+    const char *next = (const char *)w + G * rowbytes + (size_t)b * G * bs;
+    for (int i = 0; i < G * bs; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
+}
+
+// The f16 scales of G (1, 2 or 4) blocks side by side as floats: d_g in lane g and, for Q4_1, the
+// minimum m_g in lane 4 + g. One conversion for G blocks instead of G scalar ones.
+AI __m256 heads(int kind, int G, const uint8_t *const blk[4]) {
+    __m128i h[4];
+    for (int g = 0; g < G; g++) { int32_t v; memcpy(&v, blk[g], 4); h[g] = _mm_cvtsi32_si128(v); }
+    if (kind == Q4_1) {  // words d m per block: gather [d0 m0 d1 m1 ..], then [d0 d1 .. | m0 m1 ..]
+        __m128i dm = G == 1 ? h[0] : _mm_unpacklo_epi32(h[0], h[1]);
+        if (G == 4) dm = _mm_unpacklo_epi64(dm, _mm_unpacklo_epi32(h[2], h[3]));
+        dm = _mm_shuffle_epi8(dm, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+        return _mm256_cvtph_ps(dm);
+    }
+    __m128i d = G == 1 ? h[0] : _mm_unpacklo_epi16(h[0], h[1]);  // the first word is d
+    if (G == 4) d = _mm_unpacklo_epi32(d, _mm_unpacklo_epi16(h[2], h[3]));
+    return _mm256_castps128_ps256(_mm_cvtph_ps(d));  // (vcvtph2ps xmm zeroes the upper lanes)
+}
+
+// lane i (0-3) of both halves of v, everywhere: an in-lane shuffle, twice vpermps's throughput
+AI __m256 lane(__m256 v, int i) { return _mm256_permute_ps(v, i * 0x55); }
+
+// one block -> 4 x 8 floats (elements 0-7, 8-15, 16-23, 24-31), w = d*q + m (Q8_0: d*q); vd and
+// vm hold d and m everywhere
+AI void block_f32(int kind, const uint8_t *blk, __m256 vd, __m256 vm, __m256 w[4]) {
     if (kind == Q8_0) {
         const uint8_t *q = blk + 2;
         for (int i = 0; i < 4; i++) {
@@ -41,156 +68,247 @@ AI void block_f32(int kind, const uint8_t *blk, __m256 w[4]) {
         }
         return;
     }
-    float m = kind == Q4_1 ? h2f(blk + 2) : -8.0f * d;
-    __m256 vm = _mm256_set1_ps(m);
-    __m128i b = _mm_loadu_si128((const __m128i *)(blk + (kind == Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(b, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    // the 16 bytes in both halves; in-lane byte shuffles spread bytes 0-7 and 8-15 to dwords
+    // (cheaper than vpmovzxbd, which crosses lanes): their low nibbles are elements 0-15, the
+    // high ones 16-31
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + (kind == Q4_1 ? 4 : 2))));
+    const __m256i lo = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                                               4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1));
+    const __m256i hi = _mm256_shuffle_epi8(b, _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+                                                               12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1));
+    const __m256i low4 = _mm256_set1_epi32(15);
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, low4));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, low4));
+    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
     for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(w[i], vd, vm);
 }
 
-// RT rows of x against one weight row
-AI void row_f32(int kind, int RT, const uint8_t *wr, int nb, const float *x, int K, float *y, int N) {
-    __m256 acc[8];
-    for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
+// G weight rows x RT rows of x: G*RT accumulators, each weight block expanded once for RT rows
+// and each x block loaded once for G rows. Every accumulator sums its products in the order of
+// one row's (four fmadds a block): the same floats for any tile.
+AI void tile_f32(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int nb, const float *x, int K, float *y,
+                 int ldy) {
+    __m256 acc[4][8];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < RT; r++) acc[g][r] = _mm256_setzero_ps();
     const int bs = bsize(kind);
     for (int b = 0; b < nb; b++) {
-        __m256 w[4];
-        block_f32(kind, wr + (size_t)b * bs, w);
-        const float *xb = x + b * 32;
-        for (int r = 0; r < RT; r++) {
-            const float *xr = xb + (size_t)r * K;
-            acc[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r]);
-            acc[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r]);
-            acc[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[r]);
-            acc[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[r]);
+        prefetch_next(G, w, rowbytes, b, bs);
+        const uint8_t *blk[4];
+        for (int g = 0; g < G; g++) blk[g] = w + g * rowbytes + (size_t)b * bs;
+        const __m256 dm = heads(kind, G, blk);
+        const __m256 dd = _mm256_insertf128_ps(dm, _mm256_castps256_ps128(dm), 1);  // d_g in lanes g and 4 + g
+        const __m256 mm = kind == Q4_1 ? _mm256_permute2f128_ps(dm, dm, 0x11) : _mm256_mul_ps(dd, _mm256_set1_ps(-8.0f));
+        for (int g = 0; g < G; g++) {
+            __m256 wv[4];
+            block_f32(kind, blk[g], lane(dd, g), lane(mm, g), wv);
+            for (int r = 0; r < RT; r++) {
+                const float *xr = x + (size_t)r * K + b * 32;
+                for (int i = 0; i < 4; i++) acc[g][r] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xr + 8 * i), acc[g][r]);
+            }
         }
     }
-    for (int r = 0; r < RT; r++) y[(size_t)r * N] = hsum(acc[r]);
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < RT; r++) y[(size_t)r * ldy + g] = hsum(acc[g][r]);
 }
 
-AI void gemm_f32_ld(int kind, const float *x, int R, int K, const uint8_t *W, int N, float *y, int ldy, int nth) {
+// weight rows [0, G) (G = 4, or 1 at the end of W) against all R rows of x: 8 rows of x a tile
+// as long as there are 8 (bound by the fmadds, more weight rows a tile gain nothing), then the
+// rest with 4 or 2 weight rows a tile (measured)
+AI void rows_f32(int kind, int G, const uint8_t *w, size_t rowbytes, int nb, const float *x, int R, int K, float *y,
+                 int ldy) {
+    int r0 = 0;
+#define T(GT, RT) for (int g = 0; g < G; g += (G == 4 ? GT : 1)) \
+        tile_f32(kind, G == 4 ? GT : 1, RT, w + g * rowbytes, rowbytes, nb, x + (size_t)r0 * K, K, \
+                 y + (size_t)r0 * ldy + g, ldy)
+    for (; r0 + 8 <= R; r0 += 8) T(1, 8);
+    switch (R - r0) {
+    case 1: T(4, 1); break;
+    case 2: T(4, 2); break;
+    case 3: T(4, 3); break;
+    case 4: T(4, 4); break;
+    case 5: T(2, 5); break;
+    case 6: T(2, 6); break;
+    case 7: T(2, 7); break;
+    default: break;
+    }
+#undef T
+}
+
+// ---- int8 activations (ggml's way) -------------------------------------------------------------
+
+// x rows -> int8 per 32-block: xq (R, K); per block b and row r, dx[b*R + r] (the scale) and
+// sx[b*R + r] (d times the sum of the *quantized* block, as ggml's Q8_1: the m term's error then
+// cancels). Block-major, so a tile reads its rows' scales side by side.
+static void quant_rows(const float *x, int R, int K, int8_t *xq, float *dx, float *sx) {
     const int nb = K / 32;
-    const size_t rowbytes = (size_t)nb * bsize(kind);
-#pragma omp parallel for schedule(static) num_threads(nth)
-    for (int o = 0; o < N; o++) {
-        const uint8_t *wr = W + (size_t)o * rowbytes;
-        int r0 = 0;
-#define CALLF(RT) row_f32(kind, RT, wr, nb, x + (size_t)r0 * K, K, y + (size_t)r0 * ldy + o, ldy)
-        for (; r0 + 8 <= R; r0 += 8) CALLF(8);
-        switch (R - r0) {
-        case 1: CALLF(1); break;
-        case 2: CALLF(2); break;
-        case 3: CALLF(3); break;
-        case 4: CALLF(4); break;
-        case 5: CALLF(5); break;
-        case 6: CALLF(6); break;
-        case 7: CALLF(7); break;
-        default: break;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    // packs interleave the 128-bit lanes: this puts the 8 dwords back in order
+    const __m256i unlace = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int r = 0; r < R; r++) {
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)r * K + b * 32;
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+            __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                     _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            float d = _mm_cvtss_f32(h) / 127.0f, id = d ? 1.0f / d : 0.0f;
+            const __m256 vid = _mm256_set1_ps(id);
+            __m256i q[4];  // round to nearest even, as lrintf
+            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+            __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(xq + (size_t)r * K + b * 32), _mm256_permutevar8x32_epi32(p, unlace));
+            dx[(size_t)b * R + r] = d;
+            sx[(size_t)b * R + r] = d * (float)_mm_cvtsi128_si32(s);
         }
-#undef CALLF
     }
 }
-AI void gemm_f32(int kind, const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) {
-    gemm_f32_ld(kind, x, R, K, W, N, y, N, nth);
+
+// G weight rows x RT activation rows: G*RT independent accumulators (no chain on the fmadd's
+// latency), a weight block unpacked once for RT rows, an x block loaded once for G rows.
+AI void tile_q8(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int nb, const int8_t *xq, int K,
+                const float *dx, const float *sx, int R, float *y, int ldy) {
+    __m256 acc[4][8], accm[8];  // accm: the m terms, lane g (Q4_0: d*sx, times -8 at the end) or 4 + g (Q4_1)
+    for (int r = 0; r < RT; r++) {
+        for (int g = 0; g < G; g++) acc[g][r] = _mm256_setzero_ps();
+        accm[r] = _mm256_setzero_ps();
+    }
+    const int bs = bsize(kind);
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
+    const __m256i hi4 = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);  // shifts the upper half's bytes to their high nibbles
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk[4];
+        for (int g = 0; g < G; g++) blk[g] = w + g * rowbytes + (size_t)b * bs;
+        prefetch_next(G, w, rowbytes, b, bs);
+        __m256i q[4], qa[4];
+        for (int g = 0; g < G; g++) {
+            if (kind == Q8_0) {
+                q[g] = _mm256_loadu_si256((const __m256i *)(blk[g] + 2));
+                qa[g] = _mm256_sign_epi8(q[g], q[g]);  // maddubs wants one unsigned side
+            } else {  // the low nibbles are elements 0-15, the high ones 16-31
+                const __m128i *nib = (const __m128i *)(blk[g] + (kind == Q4_1 ? 4 : 2));
+                qa[g] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_broadcastsi128_si256(_mm_loadu_si128(nib)), hi4), low4);
+            }
+        }
+        const __m256 dm = heads(kind, G, blk);
+        const __m256 dd = _mm256_insertf128_ps(dm, _mm256_castps256_ps128(dm), 1);  // d_g in lanes g and 4 + g
+        // the scale of (g, r) is d_g * dx_r: with fewer x rows than weight rows, one product a row
+        // and a lane broadcast a block; else a broadcast a block and one product a row
+        __m256 vd[4];
+        if (RT >= G) for (int g = 0; g < G; g++) vd[g] = lane(dd, g);
+        for (int r = 0; r < RT; r++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + b * 32));
+            const __m256 vdx = _mm256_broadcast_ss(dx + (size_t)b * R + r);
+            const __m256 s = _mm256_mul_ps(dd, vdx);
+            for (int g = 0; g < G; g++) {
+                __m256i xs = kind == Q8_0 ? _mm256_sign_epi8(xv, q[g]) : xv;
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qa[g], xs), ones);
+                __m256 sg = RT >= G ? _mm256_mul_ps(vd[g], vdx) : lane(s, g);
+                acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sg, acc[g][r]);
+            }
+            if (kind != Q8_0) accm[r] = _mm256_fmadd_ps(dm, _mm256_broadcast_ss(sx + (size_t)b * R + r), accm[r]);
+        }
+    }
+    for (int r = 0; r < RT; r++) {
+        float am[8];
+        _mm256_storeu_ps(am, accm[r]);
+        for (int g = 0; g < G; g++)
+            y[(size_t)r * ldy + g] = hsum(acc[g][r]) + (kind == Q4_1 ? am[4 + g] : kind == Q4_0 ? -8.0f * am[g] : 0.0f);
+    }
+}
+
+// weight rows [o, o + G) against all R rows of x: 8 x rows a tile (prefill), then the rest.
+// Tiles of 4 weight rows even past the 16 registers (the spilled accumulators cost less than
+// unpacking the weights more often), but for 6 and 7 x rows: measured.
+AI void rows_q8(int kind, int G, const uint8_t *w, size_t rowbytes, int nb, const int8_t *xq, int K,
+                const float *dx, const float *sx, int R, float *y, int ldy) {
+    int r0 = 0;
+#define T(GT, RT) for (int g = 0; g < G; g += (G == 4 ? GT : 1)) \
+        tile_q8(kind, G == 4 ? GT : 1, RT, w + g * rowbytes, rowbytes, nb, xq + (size_t)r0 * K, K, dx + r0, sx + r0, R, \
+                y + (size_t)r0 * ldy + g, ldy)
+    for (; r0 + 8 <= R; r0 += 8) T(4, 8);
+    switch (R - r0) {
+    case 1: T(4, 1); break;
+    case 2: T(4, 2); break;
+    case 3: T(4, 3); break;
+    case 4: T(4, 4); break;
+    case 5: T(4, 5); break;
+    case 6: T(2, 6); break;
+    case 7: T(2, 7); break;
+    default: break;
+    }
+#undef T
+}
+
+// ---- the products ------------------------------------------------------------------------------
+
+typedef struct {
+    const float *x;  // the activations: float (x), or rounded (xq, dx, sx: xq == NULL for float)
+    const int8_t *xq;
+    const float *dx, *sx;
+    int R, K;
+    const uint8_t *W;
+    int N;
+    float *y;
+} Job;
+
+// weight rows [o, o + G) against all of x
+AI void rows(int kind, int G, const Job *j, int o) {
+    const int nb = j->K / 32;
+    const size_t rowbytes = (size_t)nb * bsize(kind);
+    const uint8_t *w = j->W + o * rowbytes;
+    if (j->xq) rows_q8(kind, G, w, rowbytes, nb, j->xq, j->K, j->dx, j->sx, j->R, j->y + o, j->N);
+    else rows_f32(kind, G, w, rowbytes, nb, j->x, j->R, j->K, j->y + o, j->N);
+}
+
+// weight rows [4i, 4i + 4), one at a time at the end of W
+AI void group(int kind, const Job *j, int i) {
+    if (4 * i + 4 <= j->N) rows(kind, 4, j, 4 * i);
+    else for (int o = 4 * i; o < j->N; o++) rows(kind, 1, j, o);
+}
+
+// Groups of 4 weight rows split evenly between the threads. One loop per format: OpenMP outlines
+// a loop's body before inlining, and `kind` must be a constant in the inner loops.
+static void run(int kind, const Job *j, int nth) {
+    const int ng = (j->N + 3) / 4;
+    if (kind == Q4_0) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group(Q4_0, j, i);
+    } else if (kind == Q4_1) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group(Q4_1, j, i);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group(Q8_0, j, i);
+    }
+}
+
+static void gemm_f32(int kind, const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) {
+    const Job j = {x, NULL, NULL, NULL, R, K, W, N, y};
+    run(kind, &j, nth);
+}
+
+static void gemm_q8(int kind, const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) {
+    const int nb = K / 32;
+    int8_t *xq = aligned_alloc(64, ((size_t)R * K + 63) / 64 * 64);
+    float *dx = malloc(sizeof(float) * R * nb), *sx = malloc(sizeof(float) * R * nb);
+    quant_rows(x, R, K, xq, dx, sx);
+    const Job j = {x, xq, dx, sx, R, K, W, N, y};
+    run(kind, &j, nth);
+    free(xq); free(dx); free(sx);
 }
 
 void q4_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q4_0, x, R, K, W, N, y, nth); }
 void q4_1_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q4_1, x, R, K, W, N, y, nth); }
 void q8_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q8_0, x, R, K, W, N, y, nth); }
-
-// ---- int8 activations (ggml's way) -------------------------------------------------------------
-
-// x row -> int8 per 32-block: xq, dx (scale), sx (float sum of the block's x)
-static void quant_x(const float *x, int K, int8_t *xq, float *dx, float *sx) {
-    for (int b = 0; b < K / 32; b++) {
-        const float *xb = x + b * 32;
-        float amax = 0;
-        for (int j = 0; j < 32; j++) { float a = fabsf(xb[j]); amax = a > amax ? a : amax; }
-        float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
-        int s = 0;  // the sum of the *quantized* block (as ggml's Q8_1): the m term's error then cancels
-        for (int j = 0; j < 32; j++) { int v = (int)lrintf(xb[j] * id); xq[b * 32 + j] = (int8_t)v; s += v; }
-        dx[b] = d;
-        sx[b] = d * (float)s;
-    }
-}
-
-AI void row_q8(int kind, int RT, const uint8_t *wr, int nb, const int8_t *xq, const float *dx, const float *sx, int K,
-               float *y, int N) {
-    __m256 acc[8];
-    float accm[8];
-    for (int r = 0; r < RT; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = 0; }
-    const int bs = bsize(kind);
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m128i mask = _mm_set1_epi8(15);
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = wr + (size_t)b * bs;
-        float d = h2f(blk);
-        __m256i q;
-        float m = 0;
-        if (kind == Q8_0) {
-            q = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        } else {
-            __m128i bb = _mm_loadu_si128((const __m128i *)(blk + (kind == Q4_1 ? 4 : 2)));
-            q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bb, 4), mask), _mm_and_si128(bb, mask));
-            m = kind == Q4_1 ? h2f(blk + 2) : -8.0f * d;
-        }
-        __m256i qa = kind == Q8_0 ? _mm256_sign_epi8(q, q) : q;
-        for (int r = 0; r < RT; r++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + b * 32));
-            if (kind == Q8_0) xv = _mm256_sign_epi8(xv, q);
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xv), ones);
-            float s = d * dx[(size_t)r * nb + b];
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[r]);
-            if (kind != Q8_0) accm[r] += m * sx[(size_t)r * nb + b];
-        }
-    }
-    for (int r = 0; r < RT; r++) y[(size_t)r * N] = hsum(acc[r]) + accm[r];
-}
-
-static void quant_rows(const float *x, int R, int K, int8_t *xq, float *dx, float *sx) {
-    for (int r = 0; r < R; r++) quant_x(x + (size_t)r * K, K, xq + (size_t)r * K, dx + (size_t)r * (K / 32), sx + (size_t)r * (K / 32));
-}
-
-// rows [0, N) of W (already offset), y with row stride ldy
-AI void gemm_q8_pre(int kind, const int8_t *xq, const float *dx, const float *sx, int R, int K, const uint8_t *W, int N,
-                    float *y, int ldy, int nth) {
-    const int nb = K / 32;
-    const size_t rowbytes = (size_t)nb * bsize(kind);
-#pragma omp parallel for schedule(static) num_threads(nth)
-    for (int o = 0; o < N; o++) {
-        const uint8_t *wr = W + (size_t)o * rowbytes;
-        int r0 = 0;
-#define CALL(RT) row_q8(kind, RT, wr, nb, xq + (size_t)r0 * K, dx + (size_t)r0 * nb, sx + (size_t)r0 * nb, K, y + (size_t)r0 * ldy + o, ldy)
-        for (; r0 + 8 <= R; r0 += 8) CALL(8);
-        switch (R - r0) {
-        case 1: CALL(1); break;
-        case 2: CALL(2); break;
-        case 3: CALL(3); break;
-        case 4: CALL(4); break;
-        case 5: CALL(5); break;
-        case 6: CALL(6); break;
-        case 7: CALL(7); break;
-        default: break;
-        }
-#undef CALL
-    }
-}
-
-AI void gemm_q8(int kind, const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) {
-    const int nb = K / 32;
-    int8_t *xq = aligned_alloc(64, ((size_t)R * K + 63) / 64 * 64);
-    float *dx = malloc(sizeof(float) * R * nb), *sx = malloc(sizeof(float) * R * nb);
-    quant_rows(x, R, K, xq, dx, sx);
-    gemm_q8_pre(kind, xq, dx, sx, R, K, W, N, y, N, nth);
-    free(xq); free(dx); free(sx);
-}
-
 void q4_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_q8(Q4_0, x, R, K, W, N, y, nth); }
 void q4_1_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_q8(Q4_1, x, R, K, W, N, y, nth); }
 void q8_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_q8(Q8_0, x, R, K, W, N, y, nth); }
