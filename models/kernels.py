@@ -293,6 +293,9 @@ def linear(
     return torch.from_numpy(linear_rows(rows, w, bias, scale)).view(*lead, matrix_size(w)[0])
 
 
+_layouts: dict[tuple[torch.dtype, torch.Size], tuple[str, int, int]] = {}  # -> (dtype, out, in)
+
+
 def linear_rows(
     x: np.ndarray,
     w: torch.Tensor,
@@ -303,7 +306,10 @@ def linear_rows(
     where each torch call costs more than the arithmetic (models/layers.py says why)."""
     if w.dtype == torch.int8 and scale is None:
         raise ValueError("an int8 weight needs its per-channel scales")
-    kernel = _kernel(dtype_name(w), x.shape[0], *matrix_size(w))
+    layout = _layouts.get((w.dtype, w.shape))
+    if layout is None:  # a decode step asks ~120 times per token for a few shapes
+        layout = _layouts[(w.dtype, w.shape)] = (dtype_name(w), *matrix_size(w))
+    kernel = _kernel(layout[0], x.shape[0], layout[1], layout[2])
     out = kernel(x, w, scale)
     if bias is not None:
         out += bias.numpy()

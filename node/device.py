@@ -107,8 +107,10 @@ def _code_fingerprint() -> str:
     """The source of the candidates and of their check: a cached verdict (a kernel rejected, a
     time) is about the code that earned it, so a new version of either checks again."""
     digest = hashlib.sha256()
-    for module in (kernels, quant, sys.modules[__name__]):
-        digest.update(Path(module.__file__).read_bytes())
+    models = Path(kernels.__file__).parent
+    sources = [models / "native.py", *sorted((models / "csrc").glob("*.c"))]
+    for path in [Path(m.__file__) for m in (kernels, quant, sys.modules[__name__])] + sources:
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -138,11 +140,13 @@ class Table:
     results: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     crashed: dict[str, str] = field(default_factory=dict)  # candidate -> what happened
 
-    def chosen(self, key: str) -> str | None:
+    def chosen(self, key: str, among: Iterable[str] | None = None) -> str | None:
+        """The fastest candidate that passed (of `among`, when given)."""
+        allowed = None if among is None else set(among)
         timed = [
             (r["us"], name)
             for name, r in self.results.get(key, {}).items()
-            if r["ok"] and name not in self.crashed
+            if r["ok"] and name not in self.crashed and (allowed is None or name in allowed)
         ]
         return min(timed)[1] if timed else None
 
@@ -202,8 +206,7 @@ def prepare(
     for s in wanted:
         for b in range(len(ROW_BUCKETS)):
             key = entry_key(s, b, threads)
-            name = table.chosen(key)
-            chosen = next((c for c in candidates[s[0]] if c.name == name), None)
+            chosen = _pick(table, key, candidates[s[0]])
             if chosen is None or (chosen.fallback and not allow_fallback):
                 names = [c.name for c in candidates[s[0]]]
                 raise KernelError(_unservable(s[0], key, table, names, chosen))
@@ -214,6 +217,13 @@ def prepare(
     how = f"checked and timed {len(todo)}" if todo else "read from the cache"
     log.info("kernels for %d matrices %s in %.3f s", len(wanted), how, seconds)
     return Prepared(table, len(todo), seconds)
+
+
+def _pick(table: Table, key: str, candidates: Sequence[Candidate]) -> Candidate | None:
+    """The fastest candidate that passed; a fallback only when no other did (never the fastest
+    by a fluke of timing)."""
+    name = table.chosen(key, (c.name for c in candidates if not c.fallback)) or table.chosen(key)
+    return next((c for c in candidates if c.name == name), None)
 
 
 def _unservable(
@@ -476,7 +486,8 @@ def describe(prepared: Prepared, shapes: Iterable[Shape], threads: int) -> str:
         for shape in sorted(s for s in shapes if s[0] == dtype):
             for b in range(len(ROW_BUCKETS)):
                 key = entry_key(shape, b, threads)
-                chosen, results = t.chosen(key), t.results.get(key, {})
+                picked = _pick(t, key, CANDIDATES[dtype])
+                chosen, results = picked and picked.name, t.results.get(key, {})
                 row = f"{shape[1]:>6}x{shape[2]:<5} {key.split(' rows ')[1].split()[0]:>5}"
                 for n in names:
                     r = results.get(n)
