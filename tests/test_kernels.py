@@ -88,6 +88,23 @@ def test_a_block_dtype_without_a_working_kernel_is_refused_unless_the_fallback_i
     assert kernels.kernel_set() == f"q4_1: {fallback.name}"
 
 
+def test_a_fallback_timed_fastest_by_a_fluke_is_not_chosen_over_a_native_kernel():
+    """Under load a native kernel can time slower than the float expansion once; the
+    expansion is the last resort all the same."""
+    from node.device import Table, _pick
+
+    native, fallback = kernels.CANDIDATES["q4_1"][0], kernels.CANDIDATES["q4_1"][-1]
+    assert fallback.fallback and not native.fallback
+    key = entry_key(("q4_1", 960, 576), 0, 2)
+    table = Table(device={}, results={key: {
+        native.name: {"ok": True, "error": None, "us": 9898.0},
+        fallback.name: {"ok": True, "error": None, "us": 7008.0},
+    }})  # fmt: skip
+    assert _pick(table, key, kernels.CANDIDATES["q4_1"]) == native
+    table.results[key][native.name] = {"ok": False, "error": "wrong by 1", "us": None}
+    assert _pick(table, key, kernels.CANDIDATES["q4_1"]) == fallback
+
+
 def test_a_second_start_reads_the_table_and_checks_nothing(tmp_path, fresh_table):
     shapes = [("f32", 64, 32)]
     first = prepare(shapes, cache_dir=tmp_path)
