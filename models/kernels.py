@@ -133,7 +133,6 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
     # native kernels were rejected refuses the dtype unless `ALLOW_FALLBACK_ENV` asks for it.
     **{
         name: (
-            Candidate("c-q8act", "models.native:q8_activations"),
             Candidate("c-f32", "models.native:f32_activations"),
             _own("dequant-f32", "reference", fallback=True),
         )

@@ -47,7 +47,7 @@ def load() -> ctypes.CDLL:
         if not built.is_file():
             _build(folder, built)
         lib = ctypes.CDLL(str(built))
-        for name in ("q4_0_f32", "q4_1_f32", "q8_0_f32", "q4_0_q8", "q4_1_q8", "q8_0_q8"):
+        for name in ("q4_0_f32", "q4_1_f32", "q8_0_f32"):
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
             fn.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
@@ -78,30 +78,20 @@ def _build(folder: Path, built: Path) -> None:
             os.unlink(partial)
 
 
+_functions: dict[int, Callable[..., None]] = {}  # block bytes -> the format's C product
+
+
 def f32_activations(
     x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None
 ) -> np.ndarray:
-    """The candidate "c-f32": the stored weights' product in float32."""
-    return _product(x, w, "f32")
-
-
-def q8_activations(x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None) -> np.ndarray:
-    """The candidate "c-q8act": the input rounded to int8 a block, as llama.cpp multiplies."""
-    return _product(x, w, "q8")
-
-
-_functions: dict[tuple[int, str], Callable[..., None]] = {}  # (block bytes, activations) -> C
-
-
-def _product(x: np.ndarray, w: torch.Tensor, activations: str) -> np.ndarray:
-    """x (rows, in) @ w^T for blocks w (out, in/32, bytes). A decode step calls this ~120 times
-    a token, so the lookups are cached and the pointers read the cheap way (`.ctypes` builds an
-    object per access)."""
-    fn = _functions.get((w.shape[-1], activations))
+    """The candidate "c-f32": x (rows, in) @ w^T for blocks w (out, in/32, bytes), the stored
+    weights' product in float32. A decode step calls this ~120 times a token, so the lookups
+    are cached and the pointers read the cheap way (`.ctypes` builds an object per access)."""
+    fn = _functions.get(w.shape[-1])
     if fn is None:
         fmt = block_format(w)
         assert fmt is not None, "a block-format kernel needs a block matrix"
-        fn = _functions[(w.shape[-1], activations)] = getattr(load(), f"{fmt.name}_{activations}")
+        fn = _functions[w.shape[-1]] = getattr(load(), f"{fmt.name}_f32")
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
     blocks = w if w.is_contiguous() else w.contiguous()  # held until the call returns

@@ -3,18 +3,16 @@
 // Built for x86 with AVX2, FMA and F16C by models/native.py; a CPU without them rejects the
 // kernels in the on-device check (node/device.py), never at a user's request.
 //
-// *_f32: float activations; each block is expanded in registers (w = d*q + m) and multiplied in
-//        float32: the stored weights' exact product, to float rounding.
-// *_q8:  llama.cpp's way: the activations rounded to int8 a block (scale amax/127), integer dot
-//        products, one float scale a block; the m term uses the block's rounded sum, so its
-//        rounding cancels.
-// Both work on tiles of up to 4 weight rows x up to 8 rows of x: independent accumulators (a
-// single one would wait on the fmadd's latency every block), each weight block unpacked once for
-// the tile's x rows and each x block loaded once for its weight rows; threads split W by groups of
-// 4 rows. Any tile sums each output in the same order, so the result does not depend on the tiling.
+// Float activations: each block is expanded in registers (w = d*q + m) and multiplied in
+// float32, the stored weights' exact product to float rounding. (Rounding the activations to
+// int8 a block, as llama.cpp does, was measured too: no faster in a decode step, which reads the
+// weights from memory, and it moved SmolLM2's top token at 3 % of teacher-forced positions.)
+// Tiles of up to 4 weight rows x up to 8 rows of x: independent accumulators (a single one would
+// wait on the fmadd's latency every block), each weight block unpacked once for the tile's x rows
+// and each x block loaded once for its weight rows; threads split W by groups of 4 rows. Any tile
+// sums each output in the same order, so the result does not depend on the tiling.
 #include <immintrin.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -136,124 +134,10 @@ AI void rows_f32(int kind, int G, const uint8_t *w, size_t rowbytes, int nb, con
 #undef T
 }
 
-// ---- int8 activations (ggml's way) -------------------------------------------------------------
-
-// x rows -> int8 per 32-block: xq (R, K); per block b and row r, dx[b*R + r] (the scale) and
-// sx[b*R + r] (d times the sum of the *quantized* block, as ggml's Q8_1: the m term's error then
-// cancels). Block-major, so a tile reads its rows' scales side by side.
-static void quant_rows(const float *x, int R, int K, int8_t *xq, float *dx, float *sx) {
-    const int nb = K / 32;
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    // packs interleave the 128-bit lanes: this puts the 8 dwords back in order
-    const __m256i unlace = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int r = 0; r < R; r++) {
-        for (int b = 0; b < nb; b++) {
-            const float *xb = x + (size_t)r * K + b * 32;
-            __m256 v[4];
-            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
-            __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
-                                     _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_max_ss(h, _mm_movehdup_ps(h));
-            float d = _mm_cvtss_f32(h) / 127.0f, id = d ? 1.0f / d : 0.0f;
-            const __m256 vid = _mm256_set1_ps(id);
-            __m256i q[4];  // round to nearest even, as lrintf
-            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
-            __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-            _mm256_storeu_si256((__m256i *)(xq + (size_t)r * K + b * 32), _mm256_permutevar8x32_epi32(p, unlace));
-            dx[(size_t)b * R + r] = d;
-            sx[(size_t)b * R + r] = d * (float)_mm_cvtsi128_si32(s);
-        }
-    }
-}
-
-// G weight rows x RT activation rows: G*RT independent accumulators (no chain on the fmadd's
-// latency), a weight block unpacked once for RT rows, an x block loaded once for G rows.
-AI void tile_q8(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int nb, const int8_t *xq, int K,
-                const float *dx, const float *sx, int R, float *y, int ldy) {
-    __m256 acc[4][8], accm[8];  // accm: the m terms, lane g (Q4_0: d*sx, times -8 at the end) or 4 + g (Q4_1)
-    for (int r = 0; r < RT; r++) {
-        for (int g = 0; g < G; g++) acc[g][r] = _mm256_setzero_ps();
-        accm[r] = _mm256_setzero_ps();
-    }
-    const int bs = bsize(kind);
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
-    const __m256i hi4 = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);  // shifts the upper half's bytes to their high nibbles
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk[4];
-        for (int g = 0; g < G; g++) blk[g] = w + g * rowbytes + (size_t)b * bs;
-        prefetch_next(G, w, rowbytes, b, bs);
-        __m256i q[4], qa[4];
-        for (int g = 0; g < G; g++) {
-            if (kind == Q8_0) {
-                q[g] = _mm256_loadu_si256((const __m256i *)(blk[g] + 2));
-                qa[g] = _mm256_sign_epi8(q[g], q[g]);  // maddubs wants one unsigned side
-            } else {  // the low nibbles are elements 0-15, the high ones 16-31
-                const __m128i *nib = (const __m128i *)(blk[g] + (kind == Q4_1 ? 4 : 2));
-                qa[g] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_broadcastsi128_si256(_mm_loadu_si128(nib)), hi4), low4);
-            }
-        }
-        const __m256 dm = heads(kind, G, blk);
-        const __m256 dd = _mm256_insertf128_ps(dm, _mm256_castps256_ps128(dm), 1);  // d_g in lanes g and 4 + g
-        // the scale of (g, r) is d_g * dx_r: with fewer x rows than weight rows, one product a row
-        // and a lane broadcast a block; else a broadcast a block and one product a row
-        __m256 vd[4];
-        if (RT >= G) for (int g = 0; g < G; g++) vd[g] = lane(dd, g);
-        for (int r = 0; r < RT; r++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)r * K + b * 32));
-            const __m256 vdx = _mm256_broadcast_ss(dx + (size_t)b * R + r);
-            const __m256 s = _mm256_mul_ps(dd, vdx);
-            for (int g = 0; g < G; g++) {
-                __m256i xs = kind == Q8_0 ? _mm256_sign_epi8(xv, q[g]) : xv;
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qa[g], xs), ones);
-                __m256 sg = RT >= G ? _mm256_mul_ps(vd[g], vdx) : lane(s, g);
-                acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sg, acc[g][r]);
-            }
-            if (kind != Q8_0) accm[r] = _mm256_fmadd_ps(dm, _mm256_broadcast_ss(sx + (size_t)b * R + r), accm[r]);
-        }
-    }
-    for (int r = 0; r < RT; r++) {
-        float am[8];
-        _mm256_storeu_ps(am, accm[r]);
-        for (int g = 0; g < G; g++)
-            y[(size_t)r * ldy + g] = hsum(acc[g][r]) + (kind == Q4_1 ? am[4 + g] : kind == Q4_0 ? -8.0f * am[g] : 0.0f);
-    }
-}
-
-// weight rows [o, o + G) against all R rows of x: 8 x rows a tile (prefill), then the rest.
-// Tiles of 4 weight rows even past the 16 registers (the spilled accumulators cost less than
-// unpacking the weights more often), but for 6 and 7 x rows: measured.
-AI void rows_q8(int kind, int G, const uint8_t *w, size_t rowbytes, int nb, const int8_t *xq, int K,
-                const float *dx, const float *sx, int R, float *y, int ldy) {
-    int r0 = 0;
-#define T(GT, RT) for (int g = 0; g < G; g += (G == 4 ? GT : 1)) \
-        tile_q8(kind, G == 4 ? GT : 1, RT, w + g * rowbytes, rowbytes, nb, xq + (size_t)r0 * K, K, dx + r0, sx + r0, R, \
-                y + (size_t)r0 * ldy + g, ldy)
-    for (; r0 + 8 <= R; r0 += 8) T(4, 8);
-    switch (R - r0) {
-    case 1: T(4, 1); break;
-    case 2: T(4, 2); break;
-    case 3: T(4, 3); break;
-    case 4: T(4, 4); break;
-    case 5: T(4, 5); break;
-    case 6: T(2, 6); break;
-    case 7: T(2, 7); break;
-    default: break;
-    }
-#undef T
-}
-
 // ---- the products ------------------------------------------------------------------------------
 
 typedef struct {
-    const float *x;  // the activations: float (x), or rounded (xq, dx, sx: xq == NULL for float)
-    const int8_t *xq;
-    const float *dx, *sx;
+    const float *x;
     int R, K;
     const uint8_t *W;
     int N;
@@ -265,8 +149,7 @@ AI void rows(int kind, int G, const Job *j, int o) {
     const int nb = j->K / 32;
     const size_t rowbytes = (size_t)nb * bsize(kind);
     const uint8_t *w = j->W + o * rowbytes;
-    if (j->xq) rows_q8(kind, G, w, rowbytes, nb, j->xq, j->K, j->dx, j->sx, j->R, j->y + o, j->N);
-    else rows_f32(kind, G, w, rowbytes, nb, j->x, j->R, j->K, j->y + o, j->N);
+    rows_f32(kind, G, w, rowbytes, nb, j->x, j->R, j->K, j->y + o, j->N);
 }
 
 // weight rows [4i, 4i + 4), one at a time at the end of W
@@ -292,23 +175,10 @@ static void run(int kind, const Job *j, int nth) {
 }
 
 static void gemm_f32(int kind, const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) {
-    const Job j = {x, NULL, NULL, NULL, R, K, W, N, y};
+    const Job j = {x, R, K, W, N, y};
     run(kind, &j, nth);
-}
-
-static void gemm_q8(int kind, const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) {
-    const int nb = K / 32;
-    int8_t *xq = aligned_alloc(64, ((size_t)R * K + 63) / 64 * 64);
-    float *dx = malloc(sizeof(float) * R * nb), *sx = malloc(sizeof(float) * R * nb);
-    quant_rows(x, R, K, xq, dx, sx);
-    const Job j = {x, xq, dx, sx, R, K, W, N, y};
-    run(kind, &j, nth);
-    free(xq); free(dx); free(sx);
 }
 
 void q4_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q4_0, x, R, K, W, N, y, nth); }
 void q4_1_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q4_1, x, R, K, W, N, y, nth); }
 void q8_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q8_0, x, R, K, W, N, y, nth); }
-void q4_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_q8(Q4_0, x, R, K, W, N, y, nth); }
-void q4_1_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_q8(Q4_1, x, R, K, W, N, y, nth); }
-void q8_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_q8(Q8_0, x, R, K, W, N, y, nth); }
