@@ -12,6 +12,7 @@ import torch
 from master.plan import plan_slices
 from master.splitter import split_model
 from memory.shards import ShardStore
+from models import native
 from models.errors import ModelError
 from models.gguf_file import GGUFFile
 from models.kernels import dequantize, dtype_name, embed, linear_rows, quantize
@@ -174,3 +175,21 @@ def test_an_unreadable_tensor_type_is_named_with_what_is_supported(tmp_path):
         GGUFSource(tmp_path / "iq.gguf")
     message = str(caught.value)
     assert "token_embd.weight" in message and "IQ2_XS" in message and "Q4_K" in message
+
+
+@pytest.mark.parametrize("product", [native.f32_activations, native.portable_activations])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_both_c_builds_multiply_the_stored_weights_exactly(product, fmt):
+    """The AVX2 build and the portable one (the candidate on ARM boards, which this machine
+    cannot run: here it is built for x86 without the intrinsics) agree with float64 on the
+    dequantized weights to float32 rounding, at widths of one block and odd heights."""
+    gen = torch.Generator().manual_seed(1)
+    for out, inp in [(1, 32), (7, 64), (577, 576), (96, 1536)]:
+        w = FORMATS[fmt].quantize(torch.randn(out, inp, generator=gen))
+        exact_w = FORMATS[fmt].dequantize(w).double()
+        for rows in (1, 3, 9):
+            x = torch.randn(rows, inp, generator=gen)
+            exact = x.double() @ exact_w.T
+            bound = 1e-4 * torch.outer(x.double().norm(dim=1), exact_w.norm(dim=1)) + 1e-6
+            got = torch.from_numpy(product(x.numpy(), w)).double()
+            assert ((got - exact).abs() <= bound).all(), (out, inp, rows)
