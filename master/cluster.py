@@ -173,9 +173,15 @@ class Hub:
         except NodeDown:  # the node went away mid-transfer; its silence is noticed later
             log.warning("node %s left during a shard transfer", identity.decode(errors="replace"))
 
-    def wait_for_workers(self, count: int, timeout: float) -> None:
+    def wait_for_workers(
+        self, count: int, timeout: float, check: Callable[[], None] | None = None
+    ) -> None:
+        """Until `count` workers are members; `check` raises if one can no longer come (a local
+        worker that died)."""
         deadline = time.monotonic() + timeout
         while len(self.members) < count:
+            if check is not None:
+                check()
             if time.monotonic() > deadline:
                 raise ClusterError(
                     f"only {len(self.members)} of {count} workers joined within {timeout:.0f} s"

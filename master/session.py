@@ -14,7 +14,14 @@ from master.engine import Engine, context_size
 from master.plan import plan_slices
 from master.splitter import split_model
 from master.transport import ClusterError
-from memory.budget import ALL_RESIDENT, BudgetError, MemoryOptions, MemoryPlan, plan_memory
+from memory.budget import (
+    ALL_RESIDENT,
+    BudgetError,
+    MemoryOptions,
+    MemoryPlan,
+    device_memory_budget,
+    plan_memory,
+)
 from memory.files import default_state_dir
 from memory.shards import Manifest, ShardStore
 from models.chat_template import render_chat
@@ -110,7 +117,8 @@ def memory_plans(
     config = ModelConfig.from_dict(manifest.config)
     members = hub.members if hub is not None else []
     names = ["the master", *(f"node {m.name}" for m in members)]
-    budgets = [memory.budget, *(m.capacity.memory_budget for m in members)]
+    own = memory.budget if memory.budget is not None else device_memory_budget()
+    budgets = [own, *(m.capacity.memory_budget for m in members)]
     windows = [memory.window, *(m.capacity.window for m in members)]
 
     def plan(k: int, ctx: int) -> MemoryPlan:
@@ -197,12 +205,15 @@ class Session:
     def can_replan(self) -> bool:
         return self.hub is not None
 
-    def start(self, workers: int = 0, timeout: float = 600.0) -> Engine:
-        """Wait until `workers` have joined (0: plan for whoever is here), then plan and load."""
+    def start(
+        self, workers: int = 0, timeout: float = 600.0, check: Callable[[], None] | None = None
+    ) -> Engine:
+        """Wait until `workers` have joined (0: plan for whoever is here), then plan and load.
+        `check` raises when a worker can no longer join (a local worker that died)."""
         if self.hub is None and workers:
             raise ValueError("workers join a session through its hub: this one has none")
         if self.hub is not None and workers:
-            self.hub.wait_for_workers(workers, timeout)
+            self.hub.wait_for_workers(workers, timeout, check)
         return self._plan()
 
     def replan_if_changed(self, wait: float = 0.0) -> bool:

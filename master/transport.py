@@ -108,6 +108,7 @@ class Transport:
         # longest compute of any node (master included): the latency the allreduce adds.
         # (bounded: a server runs 60 sums a token for days)
         self.allreduce_seconds: deque[float] = deque(maxlen=ALLREDUCE_KEPT)
+        self.spin = P.spin_seconds()
 
     def _watch_handshakes(self) -> None:
         """Log every connection that fails the Curve handshake (no token, wrong master key)."""
@@ -146,9 +147,7 @@ class Transport:
             name = identity.decode(errors="replace")
             raise NodeDown(identity, f"node {name} is unreachable") from exc
 
-    def recv(
-        self, timeout_ms: int, spin: bool = False
-    ) -> tuple[bytes, dict[str, Any], list] | None:
+    def recv(self, timeout_ms: int, spin: float = 0.0) -> tuple[bytes, dict[str, Any], list] | None:
         """The next well-formed message, or None after `timeout_ms`. A HELLO gets the address
         it came from as "peer_address" (for the cluster view)."""
         if not P.wait_readable(self.sock, timeout_ms, spin):
@@ -199,10 +198,10 @@ class Transport:
         partials: dict[bytes, np.ndarray] = {}
         figures: dict[bytes, dict[str, Any]] = {}
         deadline = time.monotonic() + STEP_TIMEOUT
-        spin = True  # partials are due within a step: spin after each arrival, else sleep
+        spin = self.spin  # partials are due within a step: spin after each arrival, else sleep
         while waiting:
             msg = self.recv(50, spin)
-            spin = msg is not None
+            spin = self.spin if msg is not None else 0.0
             if msg is None:
                 for identity, name in waiting.items():
                     silence = self.heartbeat.silence(name)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 _UNITS = {
     "": 1, "b": 1,
@@ -19,6 +21,46 @@ def parse_size(text: str) -> int:
     if not match or unit not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: write e.g. 2GB, 512MiB or 800MB")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+UNLIMITED = 1 << 62  # a cgroup v1 memory limit at or above this is none
+
+
+def device_memory_budget() -> int | None:
+    """What this process may still fill with weights and KV cache when a cgroup limits its
+    memory (a container, an emulated device): the limit, less what the process holds now and a
+    tenth of the limit (at least 64 MB) for the rest of its work; None without a limit.
+
+    The limit counts the page cache too, which the kernel gives back before it kills.
+    """
+    limit = _cgroup_memory_limit()
+    if limit is None:
+        return None
+    with open("/proc/self/statm") as f:
+        resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return max(0, limit - resident - max(64 * 2**20, limit // 10))
+
+
+def _cgroup_memory_limit() -> int | None:
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):  # cgroup v1
+            limit = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes"
+        elif controllers == "":  # cgroup v2
+            limit = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"
+        else:
+            continue
+        try:
+            text = limit.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < UNLIMITED:
+            return int(text)
+    return None
 
 
 class BudgetError(ValueError):

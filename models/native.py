@@ -2,8 +2,7 @@
 
 NumPy and torch have no product for GGUF's blocks; expanding a matrix to float32 for every
 product costs 30 times a float32 token. So the C sources ship with the package and the system's
-C compiler builds them, once per version of the source, into a folder under the temp directory
-(a build artifact, shared by the processes of one boot). Two builds, two candidates:
+C compiler builds them at first use (models/cbuild.py). Two builds, two candidates:
 
 - "c-f32" (models/csrc/blocks.c): x86 with AVX2, FMA and F16C, tuned by hand;
 - "c-portable" (models/csrc/blocks_portable.c): plain C the compiler vectorises for this CPU
@@ -18,11 +17,7 @@ check.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from models.cbuild import built
 from models.kernels import blas_threads
 from models.quant import block_format
 
@@ -63,13 +59,7 @@ def load(build: str = "avx2") -> ctypes.CDLL:
         spec = BUILDS[build]
         if spec.x86_only and os.uname().machine not in ("x86_64", "AMD64"):
             raise RuntimeError(f"{spec.source.name} is for x86, this is {os.uname().machine}")
-        source = spec.source.read_bytes()
-        digest = hashlib.sha256(source + " ".join(spec.flags).encode()).hexdigest()[:16]
-        folder = Path(tempfile.gettempdir()) / f"edgetp-native-{os.getuid()}"
-        built = folder / f"{spec.source.stem}-{digest}.so"
-        if not built.is_file():
-            _build(spec, folder, built)
-        lib = ctypes.CDLL(str(built))
+        lib = ctypes.CDLL(str(built(spec.source, spec.flags, ".so")))
         for name in ("q4_0_f32", "q4_1_f32", "q8_0_f32"):
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
@@ -77,28 +67,6 @@ def load(build: str = "avx2") -> ctypes.CDLL:
             fn.restype = None
         _libs[build] = lib
     return _libs[build]
-
-
-def _build(spec: Build, folder: Path, built: Path) -> None:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) to build the block-format kernels")
-    folder.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name and renamed: a process loading it never sees half a file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *spec.flags, str(spec.source), "-o", partial],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"building {spec.source.name} failed: {done.stderr.strip()[-500:]}")
-        os.replace(partial, built)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
 
 
 _functions: dict[tuple[str, int], Callable[..., None]] = {}  # (build, block bytes) -> product

@@ -102,10 +102,20 @@ def _tensor(spec: Any, frame: Any) -> np.ndarray:
     return array.reshape(shape)
 
 
-def wait_readable(sock: zmq.Socket, timeout_ms: int, spin: bool) -> bool:
-    """True when `sock` has a message within `timeout_ms`; with `spin`, check in a loop for
-    SPIN_SECONDS before sleeping in poll()."""
-    end = time.perf_counter() + (SPIN_SECONDS if spin else 0.0)
+def spin_seconds() -> float:
+    """How long this process checks for an answer in a loop before sleeping: SPIN_SECONDS, or
+    none under a CPU quota (a container, an emulated device), where the loop would spend the
+    quota the compute needs and the throttling it brings costs more than a wake-up. Read when a
+    socket's owner starts: the master of a local cluster enters its device's cgroup first."""
+    from models.kernels import cgroup_cpu_quota  # torch-free callers of this module never ask
+
+    return SPIN_SECONDS if cgroup_cpu_quota() == "none" else 0.0
+
+
+def wait_readable(sock: zmq.Socket, timeout_ms: int, spin: float) -> bool:
+    """True when `sock` has a message within `timeout_ms`; check in a loop for `spin` seconds
+    first (`spin_seconds()`, or 0 for none)."""
+    end = time.perf_counter() + spin
     readable = [(sock, zmq.POLLIN)]  # zmq_poll itself: sock.poll builds a Poller each call
     while time.perf_counter() < end:
         if zmq.zmq_poll(readable, 0):

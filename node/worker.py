@@ -18,6 +18,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from memory.budget import device_memory_budget
 from memory.files import default_state_dir
 from memory.shards import ShardRef, ShardStore, sha256_file
 from memory.window import LayerWindow, StreamFigures, step_figures
@@ -65,7 +66,9 @@ def measure_capacity(
         n += 1
     speed = n * w.numel() * 4 / (time.perf_counter() - start) / 1e9
     if memory_budget is None:
-        memory_budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory_budget = device_memory_budget() or (
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        )
     return Capacity(int(memory_budget), threads, round(speed, 2), window)
 
 
@@ -82,6 +85,7 @@ class Worker:
         drop_cache: bool = False,
     ) -> None:
         self.endpoint = f"tcp://{master}"
+        self.spin = P.spin_seconds()
         self.drop_cache = drop_cache
         self.token = token
         self.state_dir = state_dir or default_state_dir()
@@ -115,11 +119,11 @@ class Worker:
     def _recv(self, timeout: float, waiting_for: str) -> list[Any]:
         """The next message's frames; fails if the master goes silent or `timeout` passes."""
         deadline = time.monotonic() + timeout
-        spin = True  # only right after the last message: an idle node sleeps
+        spin = self.spin  # only right after the last message: an idle node sleeps
         while True:
             if P.wait_readable(self.sock, 100, spin):
                 return self.sock.recv_multipart(copy=False)
-            spin = False
+            spin = 0.0
             self._check_handshake()
             if self.heartbeat and self.heartbeat.master_silence() > DEAD_AFTER:
                 raise NodeError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from master.emulate.spec import DeviceSpec, parse_device
 from memory.budget import MemoryOptions, parse_size
 from models.config import DEFAULT_MODEL
 from models.dtypes import DTYPE_CHOICES, SHARD_DTYPES
@@ -43,6 +44,24 @@ def _add_cluster_args(p: argparse.ArgumentParser, lan: bool = False) -> None:
         help="relative node capacities for the split, master first (e.g. 1,2,3)",
     )
     p.add_argument("--state-dir", type=Path, default=None, help="shard cache and node state")
+
+
+def _add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        type=_device,
+        action="append",
+        default=None,
+        help="run each local node as an emulated device (root, cgroups v1): one spec for all "
+        "or one per node, master first, e.g. cpu=0.5,mem=1GB,disk=200MB/s,link=100Mbit,rtt=2ms",
+    )
+
+
+def _device(text: str) -> DeviceSpec:
+    try:
+        return parse_device(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _add_lan_args(p: argparse.ArgumentParser, flag: str, workers: int) -> None:
@@ -152,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", default=None, help="system prompt for the chat template")
     run.add_argument("--raw", action="store_true", help="no chat template: complete the text")
     _add_cluster_args(run)
+    _add_device_arg(run)
     _add_memory_args(run)
     run.add_argument("prompt", help="the prompt")
 
@@ -202,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="node counts to compare, e.g. 1,2,3 (instead of the transformers comparison)",
     )
     bench.add_argument("--state-dir", type=Path, default=None)
+    _add_device_arg(bench)
     _add_memory_args(bench)
     bench.add_argument(
         "--rss-tokens",
@@ -217,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve)
     _add_cluster_args(serve, lan=True)
     _add_lan_args(serve, "cluster-", workers=0)
+    _add_device_arg(serve)
     _add_memory_args(serve)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: this machine only)"

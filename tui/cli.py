@@ -21,6 +21,7 @@ from node.protocol import DEFAULT_PORT
 from tui.arguments import build_parser, memory_options
 
 if TYPE_CHECKING:
+    from master.engine import Engine
     from master.lan import LanOptions
     from master.session import Session
     from models.source import ModelSource
@@ -55,21 +56,40 @@ def _run(args: argparse.Namespace) -> None:
         sys.stdout.write("\n")
 
 
-def _engine(args: argparse.Namespace, source: ModelSource) -> contextlib.AbstractContextManager:
-    """One process, or a local cluster of `--local-nodes` processes over loopback."""
-    from master.local import local_engine
+@contextlib.contextmanager
+def _engine(args: argparse.Namespace, source: ModelSource) -> Iterator[Engine]:
+    """One process, or a local cluster of `--local-nodes` processes (emulated devices with
+    `--device`)."""
+    with _local_session(args, source, 1, _local_nodes(args) or 1) as session:
+        assert session.engine is not None
+        yield session.engine
 
-    nodes = len(args.capacities) if args.capacities else args.local_nodes
-    return local_engine(
-        source,
-        nodes,
-        capacities=args.capacities,
-        threads=args.threads,
-        state_dir=args.state_dir,
-        context=args.context,
-        verbose=args.verbose,
-        memory=memory_options(args),
-    )
+
+@contextlib.contextmanager
+def _local_session(
+    args: argparse.Namespace, source: ModelSource, slots: int, nodes: int
+) -> Iterator[Session]:
+    from master.emulate.devices import emulated
+    from master.local import local_session
+    from memory.files import default_state_dir
+
+    state_dir = args.state_dir or default_state_dir()
+    with (
+        emulated(getattr(args, "device", None), nodes, state_dir) as devices,
+        local_session(
+            source,
+            nodes,
+            args.capacities,
+            args.threads,
+            state_dir,
+            args.context,
+            slots,
+            args.verbose,
+            memory=memory_options(args),
+            devices=devices,
+        ) as session,
+    ):
+        yield session
 
 
 def _session(
@@ -82,23 +102,12 @@ def _session(
     """The cluster a long-running command serves: `local` processes of this machine, or
     (None) a LAN master that devices join."""
     from master.lan import lan_session
-    from master.local import local_session
     from memory.files import default_state_dir
     from models.kernels import set_threads
     from tui.progress import StageBars
 
     if local is not None:
-        return local_session(
-            source,
-            local,
-            args.capacities,
-            args.threads,
-            args.state_dir,
-            args.context,
-            slots,
-            args.verbose,
-            memory=memory_options(args),
-        )
+        return _local_session(args, source, slots, local)
     set_threads(args.threads)
     return lan_session(
         source,
@@ -116,8 +125,16 @@ def _session(
 
 
 def _local_nodes(args: argparse.Namespace) -> int | None:
-    """The processes of this machine a serve or chat runs (None: devices join over the LAN)."""
-    return len(args.capacities) if args.capacities else args.local_nodes
+    """The processes of this machine a command runs (None: devices join over the LAN). Specs
+    for several `--device`s say how many, where `--local-nodes` does not."""
+    if args.capacities:
+        return len(args.capacities)
+    devices = getattr(args, "device", None) or []
+    if len(devices) > 1 and args.local_nodes in (None, 1):
+        return len(devices)
+    if devices and args.local_nodes is None:
+        return 1
+    return args.local_nodes
 
 
 def _lan(args: argparse.Namespace) -> LanOptions:
@@ -386,12 +403,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    from master.emulate.devices import DeviceError
     from master.transport import ClusterError
     from node.worker import NodeError
 
     try:
         COMMANDS[args.command](args)
-    except (ModelError, ValueError, ClusterError, NodeError) as exc:
+    except (ModelError, ValueError, ClusterError, NodeError, DeviceError) as exc:
         if args.verbose:
             logging.exception("details")
         print(f"edgetp: error: {exc}", file=sys.stderr)

@@ -1,0 +1,418 @@
+"""Local nodes run as devices of their own, on one Linux machine, as root.
+
+- cpu: a CFS quota (cgroup v1 `cpu`) over a 10 ms period (CPU_PERIOD_US says why): cpu=0.5 runs
+  5 ms of every 10.
+- mem: a limit on the cgroup v1 `memory` controller, which charges the page cache too: a node
+  whose slice does not fit reads it from disk, and one that overruns is killed by the kernel
+  (counted by `figures`).
+- disk: a read rate (cgroup v1 `blkio` throttle) on the block device holding the shards.
+- link, rtt: each worker in a network namespace, on a veth pair to a bridge where the master
+  listens; tc tbf limits the rate each way (the master's own rate on the bridge, its uplink).
+  This kernel has no netem, so latency comes from a relay (relay.c) on the bridge that holds
+  every byte rtt/2 each way between a worker and the master: outside the transport's code.
+
+Every name carries the creating process's id (cgroups and namespaces `edgetp-<pid>-<node>`,
+links `etp<pid>...`). A run removes what it made on exit, Ctrl-C included; a master killed
+outright cannot, so each run first removes what runs whose process is gone left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import re
+import select
+import shlex
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from master.emulate.spec import DeviceSpec, device_specs
+from models.cbuild import built
+
+log = logging.getLogger(__name__)
+
+CGROUPS = Path("/sys/fs/cgroup")
+CONTROLLERS = ("cpu", "memory", "blkio")
+MIN_QUOTA_US = 1000  # the kernel refuses a shorter CFS quota
+# The CFS period: short enough that a throttled node waits at most 5 ms (cpu=0.5) in the middle
+# of a sum, where the kernel's default of 100 ms would stall it for 50. Not shorter: on these
+# virtual machines a node that stops and starts every period loses its caches, and SmolLM2 on one
+# node at cpu=0.5 took 2.05x its unconstrained time at 10 ms, 2.4x at 4 ms and 3.3x at 2 ms.
+CPU_PERIOD_US = 10_000
+RELAY_SOURCE = Path(__file__).with_name("relay.c")
+RELAY_READY_TIMEOUT = 10.0  # s
+_OURS = re.compile(r"edgetp-(\d+)-(\d+)")
+_OUR_LINK = re.compile(r"etp(\d+)[bh]\d*")
+
+
+class DeviceError(RuntimeError):
+    """This machine cannot emulate the devices asked for; the message says what is missing."""
+
+
+def cpu_period_us(cores: float) -> int:
+    """CPU_PERIOD_US, or the shortest period whose quota for `cores` the kernel accepts."""
+    return max(CPU_PERIOD_US, int(-(-MIN_QUOTA_US // cores)))
+
+
+def check_host(specs: Sequence[DeviceSpec]) -> None:
+    """One DeviceError line naming everything `specs` needs that this machine lacks."""
+    if os.geteuid() != 0:
+        raise DeviceError(
+            "--device needs root (cgroups and network namespaces are root's): run as root, "
+            "or leave --device out"
+        )
+    missing = [
+        f"the cgroup v1 {c} controller at {CGROUPS / c}"
+        for c in CONTROLLERS
+        if not (CGROUPS / c / "cgroup.procs").is_file()
+    ]
+    if any(s.networked for s in specs):
+        tools = [tool for tool in ("ip", "tc") if not shutil.which(tool)]
+        missing += [f"the `{tool}` command (iproute2)" for tool in tools]
+    if missing:
+        raise DeviceError(f"--device needs {'; '.join(missing)}, which this machine lacks")
+
+
+def own_cgroup(controller: str) -> Path:
+    """This process's cgroup folder for a v1 controller."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(","):
+            return CGROUPS / controller / path.lstrip("/")
+    return CGROUPS / controller
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _run(*cmd: str, check: bool = True) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise DeviceError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def _remove_cgroup(folder: Path) -> None:
+    """Kills what is left in it and removes it (a cgroup with tasks cannot be removed)."""
+    for _ in range(50):
+        with contextlib.suppress(OSError, ValueError):
+            for pid in (folder / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        try:
+            folder.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)
+    log.warning("could not remove %s: processes are still in it", folder)
+
+
+def remove_leftovers() -> list[str]:
+    """Removes the cgroups, namespaces and links of runs whose process is gone; their names."""
+    removed = []
+    for controller in CONTROLLERS:
+        parent = own_cgroup(controller)
+        for folder in parent.glob("edgetp-*-*"):
+            match = _OURS.fullmatch(folder.name)
+            if match and not _alive(int(match.group(1))):
+                _remove_cgroup(folder)
+                removed.append(str(folder))
+    if shutil.which("ip"):
+        for line in _run("ip", "netns", "list", check=False).splitlines():
+            name = line.split()[0] if line.split() else ""
+            match = _OURS.fullmatch(name)
+            if match and not _alive(int(match.group(1))):
+                for pid in _run("ip", "netns", "pids", name, check=False).split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+                _run("ip", "netns", "del", name, check=False)
+                removed.append(name)
+        for line in _run("ip", "-o", "link", "show", check=False).splitlines():
+            name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+            match = _OUR_LINK.fullmatch(name)
+            if match and not _alive(int(match.group(1))):
+                _run("ip", "link", "del", name, check=False)
+                removed.append(name)
+    return removed
+
+
+def _block_device(folder: Path) -> str:
+    """ "major:minor" of the whole disk holding `folder` (blkio throttles disks, not partitions)."""
+    st = os.stat(folder)
+    sys_dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    if not sys_dev.exists():
+        raise DeviceError(
+            f"disk=: {folder} is on no block device (a tmpfs or overlay?): "
+            "give --state-dir a folder on a disk"
+        )
+    if (sys_dev / "partition").exists():
+        sys_dev = sys_dev.resolve().parent
+    return (sys_dev / "dev").read_text().strip()
+
+
+class EmulatedDevices:
+    """Node k (0: the master) of a local cluster runs as `specs[k]`; a context manager that
+    makes the cgroups and the network on entry and removes them on exit."""
+
+    def __init__(self, specs: Sequence[DeviceSpec], shard_dir: Path) -> None:
+        self.specs = list(specs)
+        self.shard_dir = shard_dir
+        self.tag = f"edgetp-{os.getpid()}"
+        self.cgroups: list[dict[str, Path]] = []
+        self.parents: dict[str, Path] = {}
+        self.networked = any(s.networked for s in self.specs)
+        self.subnet: ipaddress.IPv4Network | None = None
+        self.bridge = f"etp{os.getpid()}b"
+        self.namespaces: list[str] = []
+        self.relays: list[subprocess.Popen[bytes]] = []
+        self.master_entered = False
+
+    # -- the parts each node sees ------------------------------------------------------------
+
+    @property
+    def master_host(self) -> str:
+        """Where the master's hub binds."""
+        return self._address(254) if self.networked else "127.0.0.1"
+
+    def worker_host(self, k: int) -> str:
+        """The address worker k joins: the master's, or its relay's where it has an rtt."""
+        if not self.networked:
+            return "127.0.0.1"
+        return self._address(100 + k) if self.specs[k].rtt else self._address(254)
+
+    def threads(self, k: int) -> int | None:
+        return self.specs[k].threads
+
+    def wrap(self, k: int, cmd: Sequence[str]) -> list[str]:
+        """`cmd` run as worker k's device: in its cgroups, then in its namespace."""
+        moves = "; ".join(
+            f"echo $$ > {shlex.quote(str(folder / 'cgroup.procs'))}"
+            for folder in self.cgroups[k].values()
+        )
+        inner = ["ip", "netns", "exec", self.namespaces[k], *cmd] if self.networked else list(cmd)
+        return ["sh", "-c", f'{moves} && exec "$@"', "edgetp-device", *inner]
+
+    def enter_master(self) -> None:
+        """This process (the master) into node 0's cgroups, with what it already holds."""
+        for folder in self.cgroups[0].values():
+            (folder / "cgroup.procs").write_text(str(os.getpid()))
+        self.master_entered = True
+
+    def start_links(self, ports: Sequence[int]) -> None:
+        """A relay per worker with an rtt, holding each byte rtt/2 each way on these ports
+        (the hub's and its heartbeat's), once the master listens on them."""
+        if not any(s.rtt for s in self.specs[1:]):
+            return
+        relay = built(RELAY_SOURCE, ("-O2",))
+        for k, spec in enumerate(self.specs[1:], start=1):
+            if not spec.rtt:
+                continue
+            half_us = round(spec.rtt / 2 * 1e6)
+            cmd = [str(relay), str(half_us), self.worker_host(k), self.master_host]
+            proc = subprocess.Popen(
+                [*cmd, *map(str, ports)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            )
+            self.relays.append(proc)
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], RELAY_READY_TIMEOUT)
+            if not ready or proc.stdout.readline().strip() != b"ready":
+                raise DeviceError(f"the link relay for node {k} did not start")
+
+    def oom_kills(self, k: int) -> int:
+        """How many processes the kernel killed in node k for going over its memory limit."""
+        if k >= len(self.cgroups):
+            return 0
+        return _keyed(self.cgroups[k]["memory"] / "memory.oom_control").get("oom_kill", 0)
+
+    def figures(self) -> list[dict[str, Any]]:
+        """Per node: its spec, the cgroup's peak memory (page cache included), how often the
+        kernel killed in it for memory, and how much of the time its CPU quota throttled it."""
+        rows = []
+        for k, folders in enumerate(self.cgroups):
+            memory, cpu = folders["memory"], folders["cpu"]
+            oom = _keyed(memory / "memory.oom_control")
+            stat = _keyed(cpu / "cpu.stat")
+            rows.append({
+                "node": k,
+                "device": self.specs[k].as_json(),
+                "peak_memory_bytes": int((memory / "memory.max_usage_in_bytes").read_text()),
+                "oom_kills": oom.get("oom_kill", 0),
+                "throttled_periods": stat.get("nr_throttled", 0),
+                "periods": stat.get("nr_periods", 0),
+            })  # fmt: skip
+        return rows
+
+    # -- making and removing ------------------------------------------------------------------
+
+    def __enter__(self) -> EmulatedDevices:
+        check_host(self.specs)
+        for name in remove_leftovers():
+            log.info("removed %s, left over by an earlier run", name)
+        self.parents = {c: own_cgroup(c) for c in CONTROLLERS}
+        try:
+            for k, spec in enumerate(self.specs):
+                self.cgroups.append(self._make_cgroups(k, spec))
+            if self.networked:
+                self._make_network()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for proc in self.relays:
+            with contextlib.suppress(OSError):
+                assert proc.stdin is not None
+                proc.stdin.close()  # a relay exits when its input closes
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.relays = []
+        if self.master_entered:
+            for parent in self.parents.values():
+                (parent / "cgroup.procs").write_text(str(os.getpid()))
+            self.master_entered = False
+        for folders in self.cgroups:
+            for folder in folders.values():
+                _remove_cgroup(folder)
+        self.cgroups = []
+        for name in self.namespaces:
+            if name:
+                _run("ip", "netns", "del", name, check=False)
+        self.namespaces = []
+        if self.subnet is not None:
+            _run("ip", "link", "del", self.bridge, check=False)
+            self.subnet = None
+
+    def _make_cgroups(self, k: int, spec: DeviceSpec) -> dict[str, Path]:
+        folders = {c: self.parents[c] / f"{self.tag}-{k}" for c in CONTROLLERS}
+        for folder in folders.values():
+            folder.mkdir()
+        if spec.cpu is not None:
+            period = cpu_period_us(spec.cpu)
+            (folders["cpu"] / "cpu.cfs_period_us").write_text(str(period))
+            (folders["cpu"] / "cpu.cfs_quota_us").write_text(str(round(spec.cpu * period)))
+        if spec.mem is not None:
+            memory = folders["memory"]
+            # What the master holds when it enters comes with it (deprecated in newer kernels,
+            # where a move leaves the charge behind: the figures then under-count the master).
+            with contextlib.suppress(OSError):
+                (memory / "memory.move_charge_at_immigrate").write_text("3")
+            (memory / "memory.limit_in_bytes").write_text(str(spec.mem))
+            with contextlib.suppress(OSError):  # no swap accounting: nothing to limit
+                (memory / "memory.memsw.limit_in_bytes").write_text(str(spec.mem))
+        if spec.disk is not None:
+            device = _block_device(self.shard_dir)
+            (folders["blkio"] / "blkio.throttle.read_bps_device").write_text(
+                f"{device} {spec.disk}"
+            )
+        return folders
+
+    def _address(self, host: int) -> str:
+        assert self.subnet is not None
+        return str(self.subnet.network_address + host)
+
+    def _make_network(self) -> None:
+        self.subnet = _free_subnet()
+        prefix = self.subnet.prefixlen
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{self._address(254)}/{prefix}", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+        if self.specs[0].link:
+            _shape(self.bridge, self.specs[0].link)
+        self.namespaces = [""]  # the master stays in this namespace, on the bridge
+        pid = os.getpid()
+        for k, spec in enumerate(self.specs[1:], start=1):
+            ns, host_end, node_end = f"{self.tag}-{k}", f"etp{pid}h{k}", f"etp{pid}p{k}"
+            _run("ip", "netns", "add", ns)
+            self.namespaces.append(ns)
+            _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
+            _run("ip", "link", "set", node_end, "netns", ns)
+            _run("ip", "link", "set", host_end, "master", self.bridge, "up")
+            inside = ("ip", "-n", ns)
+            _run(*inside, "link", "set", node_end, "name", "eth0")
+            _run(*inside, "addr", "add", f"{self._address(k)}/{prefix}", "dev", "eth0")
+            _run(*inside, "link", "set", "eth0", "up")
+            _run(*inside, "link", "set", "lo", "up")
+            if spec.link:
+                _shape(host_end, spec.link)  # master -> node
+                _shape("eth0", spec.link, ns)  # node -> master
+            if spec.rtt:
+                _run("ip", "addr", "add", f"{self.worker_host(k)}/{prefix}", "dev", self.bridge)
+
+
+def _shape(dev: str, bits_per_s: int, ns: str | None = None) -> None:
+    """tbf at `bits_per_s` on `dev`'s egress, with a burst of 1 ms of the rate (at least a
+    few packets) and a queue of 200 ms."""
+    burst = max(bits_per_s // 8 // 1000, 16 * 1514)
+    prefix = ("ip", "netns", "exec", ns) if ns else ()
+    _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{bits_per_s}bit",
+         "burst", str(burst), "latency", "200ms")  # fmt: skip
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 of 172.30.0.0/16 no interface here uses, picked by this process's id."""
+    used = _run("ip", "-4", "-o", "addr", "show")
+    start = os.getpid() % 256
+    for i in range(256):
+        net = ipaddress.IPv4Network(f"172.30.{(start + i) % 256}.0/24")
+        if f" {str(net.network_address)[:-1]}" not in used:
+            return net
+    raise DeviceError("no free /24 in 172.30.0.0/16 for the emulated devices' network")
+
+
+def _keyed(path: Path) -> dict[str, int]:
+    """A cgroup file of `key value` lines."""
+    values = {}
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            values[key] = int(value)
+    return values
+
+
+@contextlib.contextmanager
+def emulated(
+    specs: Sequence[DeviceSpec] | None, nodes: int, shard_dir: Path
+) -> Iterator[EmulatedDevices | None]:
+    """`nodes` emulated devices of `specs` (one for all, or one per node), made now and removed
+    on exit, also on SIGTERM; None without specs."""
+    if not specs:
+        yield None
+        return
+    devices = EmulatedDevices(device_specs(specs, nodes), shard_dir)
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_term)  # unwinds through the cleanup below
+    try:
+        with devices:
+            yield devices
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_term(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)

@@ -1,0 +1,128 @@
+"""Emulated devices (master/emulate/): specs read as people write them, one error line where the
+machine cannot emulate, and two real devices whose limits are in force and that leave nothing
+behind."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from master.bench.greedy import time_greedy
+from master.emulate import devices as emulate
+from master.emulate.devices import EmulatedDevices, emulated, remove_leftovers
+from master.emulate.spec import DeviceSpec, device_specs, parse_device
+from master.local import local_engine
+from master.transport import ClusterError
+from tui.cli import main
+
+PROMPT = "The capital of France is"
+
+
+def test_device_specs_read_as_people_write_them():
+    spec = parse_device("cpu=0.5,mem=1GB,disk=200MB/s,link=100Mbit,rtt=2ms")
+    assert spec == DeviceSpec(cpu=0.5, mem=10**9, disk=200 * 10**6, link=10**8, rtt=0.002)
+    assert spec.threads == 1 and parse_device("cpu=1.5").threads == 2
+    assert parse_device("rtt=500us").rtt == pytest.approx(0.0005)
+    assert parse_device("mem=512MiB").mem == 512 * 2**20
+    for bad, says in [
+        ("cpu=0", "cores"),
+        ("disk=200MB", "rate"),
+        ("link=fast", "bit rate"),
+        ("rtt=2", "time"),
+        ("gpu=1", "not a device property"),
+        ("cpu=1,cpu=2", "twice"),
+        ("", "says nothing"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            parse_device(bad)
+    assert device_specs([spec], 3) == [spec, spec, spec]
+    with pytest.raises(ValueError, match="one for all, or one per node"):
+        device_specs([spec, spec], 3)
+
+
+def test_a_machine_that_cannot_emulate_says_what_is_missing_in_one_line(
+    monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["run", "--device", "cpu=0.5", "--max-tokens", "2", PROMPT]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--device needs root" in err, err
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(emulate, "CGROUPS", tmp_path)  # a machine without cgroup v1
+    with pytest.raises(emulate.DeviceError) as err:
+        emulate.check_host([DeviceSpec(cpu=0.5)])
+    for controller in ("cpu", "memory", "blkio"):
+        assert f"cgroup v1 {controller} controller" in str(err.value)
+
+
+def _ours() -> list[str]:
+    """Every cgroup, namespace and link this process's devices could have left."""
+    tag, link = f"edgetp-{os.getpid()}-", f"etp{os.getpid()}"
+    found = [str(f) for c in emulate.CONTROLLERS for f in emulate.own_cgroup(c).glob(f"{tag}*")]
+    found += [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                        text=True).stdout.split() if n.startswith(tag)]  # fmt: skip
+    found += [
+        line for line in subprocess.run(["ip", "-o", "link"], capture_output=True,
+                                        text=True).stdout.splitlines() if link in line
+    ]  # fmt: skip
+    return found
+
+
+@pytest.mark.slow
+def test_two_devices_hold_their_limits_and_leave_nothing_behind(
+    smollm2, smollm2_tokenizer, tmp_path
+):
+    """Real processes, cgroups, a namespace and a relay. This machine kind runs tests as root
+    with cgroups v1: anything less fails here, with the line the command would print."""
+    emulate.check_host([DeviceSpec(rtt=0.001)])
+    prompt = smollm2_tokenizer.encode(PROMPT)
+
+    # A worker over its memory limit is killed by the kernel, and the start says so at once.
+    specs = [DeviceSpec(), DeviceSpec(mem=100 * 10**6)]
+    with EmulatedDevices(specs, tmp_path) as devices:
+        with pytest.raises(ClusterError, match="over its device's memory limit"):
+            with local_engine(smollm2, 2, state_dir=tmp_path, context=64, devices=devices):
+                pass
+        assert devices.oom_kills(1) >= 1
+    assert _ours() == []
+
+    # The rtt shows in every sum, the CPU quota throttles, and the answer is one node's.
+    with local_engine(smollm2, 1, state_dir=tmp_path, context=64) as engine:
+        _, _, alone = time_greedy(engine, smollm2_tokenizer, prompt, 6)
+    rtt = 0.006
+    with emulated([DeviceSpec(), DeviceSpec(cpu=0.5, rtt=rtt)], 2, tmp_path) as devices:
+        assert devices is not None and _ours() != []
+        with local_engine(smollm2, 2, state_dir=tmp_path, context=64, devices=devices) as engine:
+            _, _, split = time_greedy(engine, smollm2_tokenizer, prompt, 6)
+            assert engine.remote is not None
+            sums = list(engine.remote.allreduce_seconds)
+            engine.close()
+        figures = devices.figures()
+    assert split == alone
+    median = statistics.median(sums)
+    print(f"\nrtt {rtt * 1e3} ms: allreduce median {median * 1e3:.2f} ms over {len(sums)} sums")
+    assert rtt <= median < rtt + 0.004, median
+    assert figures[1]["throttled_periods"] > 0 and figures[1]["device"]["cpu"] == 0.5
+    assert _ours() == []
+
+
+def test_what_a_killed_run_left_behind_is_removed_by_the_next(tmp_path):
+    """A master killed outright cannot clean up: the next run removes what it left, by the
+    process id in each name."""
+    emulate.check_host([DeviceSpec(rtt=0.001)])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tag = f"edgetp-{gone.pid}-1"
+    folders = [emulate.own_cgroup(c) / tag for c in emulate.CONTROLLERS]
+    for folder in folders:
+        folder.mkdir()
+    subprocess.run(["ip", "netns", "add", tag], check=True)
+    subprocess.run(["ip", "link", "add", f"etp{gone.pid}b", "type", "bridge"], check=True)
+    removed = remove_leftovers()
+    assert set(removed) >= {*map(str, folders), tag, f"etp{gone.pid}b"}
+    assert not any(Path(f).exists() for f in folders)
+    assert tag not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
