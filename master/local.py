@@ -172,7 +172,11 @@ def local_session(
     hub = Hub(devices.master_host if devices else "127.0.0.1", 0, model_names=(source.name,))
     if devices:
         devices.start_links([hub.port, hub.heartbeat.port])
-    session = Session(source, hub, state_dir, context, slots, memory, capacities, equal_shares=True)
+    # Processes sharing this machine's cores get equal shares (their measurements would only
+    # see each other starting); emulated devices are planned by what each measured.
+    session = Session(
+        source, hub, state_dir, context, slots, memory, capacities, equal_shares=devices is None
+    )
     with (
         session,
         LocalWorkers(

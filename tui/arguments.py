@@ -223,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--state-dir", type=Path, default=None)
     _add_device_arg(bench)
+    bench.add_argument(
+        "--baseline",
+        action="store_true",
+        help="with --device: also time one node with no device limits and the first device's "
+        "threads; ratios are taken against it",
+    )
     _add_memory_args(bench)
     bench.add_argument(
         "--rss-tokens",

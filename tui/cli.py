@@ -298,6 +298,8 @@ def _bench(args: argparse.Namespace) -> None:
             memory_options(args),
             args.rss_tokens,
             args.rounds,
+            args.device,
+            args.baseline,
         )
     else:
         run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)

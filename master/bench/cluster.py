@@ -3,6 +3,11 @@
 Each node count gets ms/token, time to first token, the allreduce latency per sum next to a raw
 ZeroMQ and a plain TCP round trip of the same payload, and every node's loader and memory
 figures. Node counts alternate over rounds and medians are kept, as in every benchmark here.
+
+With `--device`, every node runs as an emulated device (master/emulate/) and each run also
+reports each device's peak memory (its cgroup's, page cache included), the kernel's memory kills
+and how often its CPU quota throttled it; `--baseline` adds an unconstrained one-node run with
+the first device's threads, which the ratios are then taken against.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ import torch
 
 from master.bench.greedy import PROMPT, time_greedy
 from master.bench.round_trips import raw_round_trips, raw_tcp_round_trips
+from master.emulate.devices import emulated
+from master.emulate.spec import DeviceSpec, device_specs
 from master.figures import percentile
 from master.local import local_engine
 from master.session import open_with_tokenizer, prompt_tokens
 from memory.budget import ALL_RESIDENT, MemoryOptions, format_size
+from memory.files import default_state_dir
 from models.layers import Slice
 from models.source import ModelSource
 from node.kvcache import KVCache
@@ -36,6 +44,8 @@ def run_cluster_bench(
     memory: MemoryOptions = ALL_RESIDENT,
     rss_tokens: int = 0,
     rounds: int = 3,
+    devices: list[DeviceSpec] | None = None,
+    baseline: bool = False,
 ) -> dict[str, Any]:
     """ms/token, TTFT, allreduce latency and every node's loader and memory figures, for each
     node count, with a raw ZeroMQ floor.
@@ -45,6 +55,13 @@ def run_cluster_bench(
     Streaming hides its reads when ms/token is near the larger of the two.
     `rss_tokens` adds a long generation with each node's memory at its first and last token.
     """
+    if baseline and not devices:
+        raise ValueError("--baseline compares emulated devices with one free node: give --device")
+    state_dir = state_dir or default_state_dir()
+    configs = [_Config(n, _specs(devices, n)) for n in node_counts]
+    if baseline:
+        assert devices is not None
+        configs.insert(0, _Config(1, None, threads=devices[0].threads))
     source, tokenizer = open_with_tokenizer(model)
     prompt = prompt_tokens(tokenizer, PROMPT, raw=False)
     hidden = source.config.hidden
@@ -54,11 +71,13 @@ def run_cluster_bench(
     # Node counts alternate for `rounds` rounds and each keeps its median run: these shared
     # machines drift by 20% between minutes, and a ratio of runs taken minutes apart would
     # measure the drift.
-    runs: dict[int, list[dict[str, Any]]] = {}
+    runs: dict[_Config, list[dict[str, Any]]] = {}
     for _round in range(rounds):
-        for nodes in node_counts:
-            runs.setdefault(nodes, []).append(
-                _cluster_run(source, tokenizer, prompt, nodes, n_tokens, context, state_dir, memory)
+        for config in configs:
+            runs.setdefault(config, []).append(
+                _cluster_run(
+                    source, tokenizer, prompt, config, n_tokens, context, state_dir, memory
+                )
             )
     rows = []
     for kept in runs.values():
@@ -72,7 +91,7 @@ def run_cluster_bench(
     print(f"p99 {raw_p99:.0f} us; plain TCP, no ZeroMQ: median {tcp_med:.0f} us")
     base = rows[0]["ms_per_token"]
     title = "allreduce us (med/p99 per sum)"
-    print(f"{'nodes':>5}{'ms/token':>9}{'vs first':>9}{'TTFT ms':>9}{title:>33}")
+    print(f"{'nodes':>5}{'ms/token':>9}{'vs first':>9}{'TTFT ms':>9}{title:>33}  devices")
     for r in rows:
         ar = (
             f"{r['allreduce_us_median']:.0f} / {r['allreduce_us_p99']:.0f}"
@@ -81,10 +100,11 @@ def run_cluster_bench(
         )
         print(
             f"{r['nodes']:>5}{r['ms_per_token']:>9}"
-            f"{r['ms_per_token'] / base:>9.2f}{r['ttft_ms']:>9}{ar:>33}"
+            f"{r['ms_per_token'] / base:>9.2f}{r['ttft_ms']:>9}{ar:>33}  {r['label']}"
         )
     for r in rows:
         _print_nodes(r)
+        _print_devices(r)
         _print_overlap(r)
     same = all(  # every round of every node count, not just the medians
         r["tokens"] == rows[0]["tokens"] for kept in runs.values() for r in kept
@@ -92,14 +112,15 @@ def run_cluster_bench(
     print(f"greedy tokens identical across node counts: {same}")
     long_runs = []
     if rss_tokens:
-        for nodes in node_counts:
+        for config in configs:
             long_runs.append(
-                _rss_run(source, tokenizer, prompt, nodes, rss_tokens, context, state_dir, memory)
+                _rss_run(source, tokenizer, prompt, config, rss_tokens, context, state_dir, memory)
             )
     report = {
         "model": str(source.path),
         "tokens": n_tokens,
         "memory": dataclasses.asdict(memory),
+        "device_specs": [d.as_json() for d in devices or []],
         "raw_round_trip_us_median": round(raw_med, 1),
         "raw_round_trip_us_p99": round(raw_p99, 1),
         "raw_tcp_round_trip_us_median": round(tcp_med, 1),
@@ -110,6 +131,37 @@ def run_cluster_bench(
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """One cluster to time: `nodes` nodes, each as its device in `specs` (None: free nodes)."""
+
+    nodes: int
+    specs: tuple[DeviceSpec, ...] | None
+    threads: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.specs is None:
+            return f"none, {self.threads} thread(s)" if self.threads else "none"
+        return " | ".join(s.describe() for s in self.specs)
+
+
+def _specs(devices: list[DeviceSpec] | None, nodes: int) -> tuple[DeviceSpec, ...] | None:
+    """The devices of an `nodes`-node run: the one spec for all, or the first `nodes` given."""
+    if not devices:
+        return None
+    return tuple(device_specs(devices if len(devices) == 1 else devices[:nodes], nodes))
+
+
+def _print_devices(run: dict[str, Any]) -> None:
+    for d in run["devices"]:
+        print(
+            f"  device of node {d['node']}: peak memory {format_size(d['peak_memory_bytes'])} "
+            f"(page cache included), {d['oom_kills']} memory kill(s), CPU quota throttled "
+            f"{d['throttled_periods']} of {d['periods']} periods"
+        )
 
 
 def _describe(memory: MemoryOptions) -> str:
@@ -150,13 +202,25 @@ def _cluster_run(
     source: ModelSource,
     tokenizer: Any,
     prompt: list[int],
-    nodes: int,
+    config: _Config,
     n_tokens: int,
     context: int | None,
-    state_dir: Path | None,
+    state_dir: Path,
     memory: MemoryOptions,
 ) -> dict[str, Any]:
-    with local_engine(source, nodes, state_dir=state_dir, context=context, memory=memory) as engine:
+    nodes = config.nodes
+    with (
+        emulated(config.specs, nodes, state_dir) as devices,
+        local_engine(
+            source,
+            nodes,
+            state_dir=state_dir,
+            context=context,
+            memory=memory,
+            threads=config.threads,
+            devices=devices,
+        ) as engine,
+    ):
         time_greedy(engine, tokenizer, prompt, 4)  # warm-up
         members = _clear_figures(engine)
         ttft, ms, tokens = time_greedy(engine, tokenizer, prompt, n_tokens)
@@ -165,8 +229,11 @@ def _cluster_run(
             _node_row(m.name, m.history) for m in members
         ]
         engine.close()
+        device_rows = devices.figures() if devices else []
     return {
         "nodes": nodes,
+        "label": config.label,
+        "devices": device_rows,
         "ms_per_token": round(ms, 2),
         "ttft_ms": round(ttft * 1000, 1),
         "tokens": tokens,
@@ -229,15 +296,27 @@ def _rss_run(
     source: ModelSource,
     tokenizer: Any,
     prompt: list[int],
-    nodes: int,
+    config: _Config,
     n_tokens: int,
     context: int | None,
-    state_dir: Path | None,
+    state_dir: Path,
     memory: MemoryOptions,
 ) -> dict[str, Any]:
     """Each node's RSS after the first decoded token and after the last, with the KV cache
     written meanwhile: streaming must not grow memory beyond the cache."""
-    with local_engine(source, nodes, state_dir=state_dir, context=context, memory=memory) as engine:
+    nodes = config.nodes
+    with (
+        emulated(config.specs, nodes, state_dir) as devices,
+        local_engine(
+            source,
+            nodes,
+            state_dir=state_dir,
+            context=context,
+            memory=memory,
+            threads=config.threads,
+            devices=devices,
+        ) as engine,
+    ):
         members = _clear_figures(engine)
         time_greedy(engine, tokenizer, prompt, n_tokens)
         histories = [("master", engine.history)] + [(m.name, m.history) for m in members]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import math
 import os
 import re
 import select
@@ -40,7 +41,7 @@ from models.cbuild import built
 log = logging.getLogger(__name__)
 
 CGROUPS = Path("/sys/fs/cgroup")
-CONTROLLERS = ("cpu", "memory", "blkio")
+CONTROLLERS = ("cpu", "cpuset", "memory", "blkio")
 MIN_QUOTA_US = 1000  # the kernel refuses a shorter CFS quota
 # The CFS period: short enough that a throttled node waits at most 5 ms (cpu=0.5) in the middle
 # of a sum, where the kernel's default of 100 ms would stall it for 50. Not shorter: on these
@@ -252,12 +253,22 @@ class EmulatedDevices:
             rows.append({
                 "node": k,
                 "device": self.specs[k].as_json(),
-                "peak_memory_bytes": int((memory / "memory.max_usage_in_bytes").read_text()),
+                "peak_memory_bytes": self._peak_memory(k),
                 "oom_kills": oom.get("oom_kill", 0),
                 "throttled_periods": stat.get("nr_throttled", 0),
                 "periods": stat.get("nr_periods", 0),
             })  # fmt: skip
         return rows
+
+    def _peak_memory(self, k: int) -> int:
+        """The cgroup's peak usage; for the master, which entered its cgroup after it started
+        and so left its earlier charge behind, at least its own peak RSS."""
+        peak = int((self.cgroups[k]["memory"] / "memory.max_usage_in_bytes").read_text())
+        if k == 0 and self.master_entered:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = max(peak, int(line.split()[1]) * 1024)
+        return peak
 
     # -- making and removing ------------------------------------------------------------------
 
@@ -310,6 +321,9 @@ class EmulatedDevices:
         folders = {c: self.parents[c] / f"{self.tag}-{k}" for c in CONTROLLERS}
         for folder in folders.values():
             folder.mkdir()
+        cpuset = folders["cpuset"]
+        (cpuset / "cpuset.mems").write_text((self.parents["cpuset"] / "cpuset.mems").read_text())
+        (cpuset / "cpuset.cpus").write_text(",".join(map(str, self._cores(k, spec))))
         if spec.cpu is not None:
             period = cpu_period_us(spec.cpu)
             (folders["cpu"] / "cpu.cfs_period_us").write_text(str(period))
@@ -329,6 +343,16 @@ class EmulatedDevices:
                 f"{device} {spec.disk}"
             )
         return folders
+
+    def _cores(self, k: int, spec: DeviceSpec) -> list[int]:
+        """Node k's own cores: as many as its quota needs (all without one), taken in turn from
+        this process's, so that each device's threads wake each other on a core of their own."""
+        cores = _cpu_list((self.parents["cpuset"] / "cpuset.cpus").read_text())
+        if spec.cpu is None:
+            return cores
+        need = min(len(cores), max(1, math.ceil(spec.cpu - 1e-9)))
+        start = sum(max(1, math.ceil((s.cpu or len(cores)) - 1e-9)) for s in self.specs[:k])
+        return sorted({cores[(start + i) % len(cores)] for i in range(need)})
 
     def _address(self, host: int) -> str:
         assert self.subnet is not None
@@ -381,6 +405,16 @@ def _free_subnet() -> ipaddress.IPv4Network:
         if f" {str(net.network_address)[:-1]}" not in used:
             return net
     raise DeviceError("no free /24 in 172.30.0.0/16 for the emulated devices' network")
+
+
+def _cpu_list(text: str) -> list[int]:
+    """The cores of a cpuset list such as "0-3,6"."""
+    cores: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cores.extend(range(int(first), int(last or first) + 1))
+    return cores
 
 
 def _keyed(path: Path) -> dict[str, int]:
