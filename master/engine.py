@@ -107,6 +107,7 @@ class Engine:
         self.figures: dict[str, Any] = {}
         self.history: deque[dict[str, Any]] = deque(maxlen=FIGURES_KEPT)
         self._reported = [StreamFigures() for _ in self.executors]
+        self._blocks_s = 0.0  # this step's time in `_block`
         # Every matrix this process multiplies gets a kernel this device admitted (one check).
         head = {"lm_head": (lm_head.dtype, tuple(lm_head.shape))}
         prepare(
@@ -193,6 +194,7 @@ class Engine:
                 raise ModelError(
                     f"sequence of {st + n} tokens exceeds the context of {self.max_context}"
                 )
+        self._blocks_s = 0.0
         T = batch.width
         ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in tokens])  # (B, T) right-padded
         h: Hidden = embed(ids, self.embedding, self.embedding_scale)  # (B, T, D)
@@ -205,7 +207,14 @@ class Engine:
         for i in range(self.config.n_layers):
             h = h + self._block(ATTENTION, i, h)
             h = h + self._block(FFN, i, h)
-        self._record_figures()
+        head_started = time.perf_counter()
+        logits = self._head(h, batch, all_logits)
+        head_s = time.perf_counter() - head_started
+        self._record_figures({"blocks_s": self._blocks_s, "head_s": head_s})
+        return logits
+
+    def _head(self, h: Hidden, batch: StepBatch, all_logits: bool) -> torch.Tensor:
+        """Final norm and lm_head: this process's serial work at the end of every step."""
         if isinstance(h, np.ndarray):  # batch.rows
             x = rms_norm_rows(h, self.final_norm, self.config.norm_eps)
             logits = torch.from_numpy(linear_rows(x, self.lm_head, scale=self.lm_head_scale))
@@ -216,11 +225,14 @@ class Engine:
         x = rms_norm(h, self.final_norm, self.config.norm_eps)
         return linear(x, self.lm_head, scale=self.lm_head_scale)
 
-    def _record_figures(self) -> None:
+    def _record_figures(self, times: dict[str, float]) -> None:
+        """The step's figures: the loader's and memory's (as workers report theirs), and where
+        the step's time went: `blocks_s` in the layers' sums (every node's compute and the
+        hops), `head_s` in the final norm and lm_head."""
         if not self.executors:
             return
         weights = self.executors[0].weights
-        self.figures = step_figures(weights, self._reported[0]) | {"kernels": kernel_set()}
+        self.figures = step_figures(weights, self._reported[0]) | times | {"kernels": kernel_set()}
         self._reported[0] = replace(weights.figures)
         self.history.append(self.figures)
 
@@ -236,6 +248,7 @@ class Engine:
 
     def _block(self, block: str, i: int, h: Hidden) -> Hidden:
         """The sum of every slice's partial for one block: the star allreduce."""
+        sent = time.perf_counter()
         if self.remote:  # send first, so the workers compute while this process does
             self.remote.send(block, i, h)
         started = time.perf_counter()
@@ -250,4 +263,5 @@ class Engine:
                     others = torch.from_numpy(others)
                 total = others if total is None else total + others
         assert total is not None, "an engine needs at least one slice"
+        self._blocks_s += time.perf_counter() - sent
         return total

@@ -104,6 +104,7 @@ def run_cluster_bench(
         )
     for r in rows:
         _print_nodes(r)
+        _print_time(r)
         _print_devices(r)
         _print_overlap(r)
     same = all(  # every round of every node count, not just the medians
@@ -224,7 +225,7 @@ def _cluster_run(
         time_greedy(engine, tokenizer, prompt, 4)  # warm-up
         members = _clear_figures(engine)
         ttft, ms, tokens = time_greedy(engine, tokenizer, prompt, n_tokens)
-        sums = engine.remote.allreduce_seconds if engine.remote else []
+        sums = list(engine.remote.allreduce_seconds) if engine.remote else []
         per_node = [_node_row("master", engine.history)] + [
             _node_row(m.name, m.history) for m in members
         ]
@@ -241,7 +242,43 @@ def _cluster_run(
         "allreduce_us_p99": round(percentile(sums, 0.99) * 1e6, 1) if sums else None,
         "per_node": per_node,
         "overlap": _overlap(round(ms, 2), per_node),
+        "time": _where_time_goes(ms, per_node, sums[2 * source.config.n_layers :]),
     }
+
+
+def _where_time_goes(
+    ms: float, per_node: list[dict[str, Any]], decode_sums: list[float]
+) -> dict[str, float]:
+    """A decoded token's time, ms: in the layers' blocks (the slowest node's compute, and the
+    hops the allreduce adds beyond it: `decode_sums`), in the master's lm_head, and the master's
+    other serial work (embedding, sampling, the generation loop)."""
+    master = per_node[0]
+    if "decode_steps" not in master:
+        return {}
+    steps = master["decode_steps"]
+    hops = sum(decode_sums) * 1000 / steps
+    blocks, head = master["blocks_ms_per_token"], master["head_ms_per_token"]
+    return {
+        "ms_per_token": round(ms, 2),
+        "compute_ms": round(blocks - hops, 2),
+        "hops_ms": round(hops, 2),
+        "lm_head_ms": round(head, 2),
+        "other_master_ms": round(ms - blocks - head, 2),
+        "own_compute_ms": {r["node"]: r["own_compute_ms_per_token"] for r in per_node},
+    }
+
+
+def _print_time(run: dict[str, Any]) -> None:
+    t = run["time"]
+    if not t:
+        return
+    nodes = ", ".join(f"{name} {ms}" for name, ms in t["own_compute_ms"].items())
+    print(
+        f"  where a token's {t['ms_per_token']} ms go: layers {t['compute_ms']} (the slowest "
+        f"node's compute, block by block) + hops {t['hops_ms']} + the master's lm_head "
+        f"{t['lm_head_ms']} + its other serial work {t['other_master_ms']} (embedding, "
+        f"sampling, the loop); each node's own layer compute: {nodes}"
+    )
 
 
 def _clear_figures(engine: Any) -> list[Any]:
@@ -266,10 +303,16 @@ def _node_row(name: str, history: Any) -> dict[str, Any]:
         "mb_read_per_token": round(sum(s["bytes_read"] for s in steps) / n / 1e6, 2),
         "load_ms_per_token": round(sum(s["load_s"] for s in steps) / n * 1000, 2),
         "wait_ms_per_token": round(sum(s["wait_s"] for s in steps) / n * 1000, 2),
+        "decode_steps": n,
         "compute_ms_per_token": round(sum(s["compute_s"] for s in steps) / n * 1000, 2),
         "own_compute_ms_per_token": round(
             sum(s["compute_s"] - s["wait_s"] for s in steps) / n * 1000, 2
         ),
+        **{  # the master's own: where its step's time went (master.engine)
+            f"{key}_ms_per_token": round(sum(s[f"{key}_s"] for s in steps) / n * 1000, 2)
+            for key in ("blocks", "head")
+            if f"{key}_s" in steps[0]
+        },
         "buffer_mb": round(steps[-1]["buffer_bytes"] / 1e6, 1),
         "rss_mb": round(steps[-1]["rss"] / 1e6, 1),
         "peak_rss_mb": round(max(s["peak_rss"] for s in steps) / 1e6, 1),
