@@ -13,13 +13,15 @@ sockets. Shares follow capacity (largest remainder), not forced equal:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from models.config import ModelConfig
-from models.layers import Slice, kv_heads_for
+from models.layers import Slice, full_layer_shapes, kv_heads_for
 from models.quant import BLOCK
 
 FFN_ALIGN = BLOCK
+MASTER_FLOOR = 0.05  # of its own speed: a master too slow for any layer still keeps a slice
 
 
 def proportional_counts(total: int, capacities: Sequence[float]) -> list[int]:
@@ -59,3 +61,21 @@ def plan_slices(config: ModelConfig, capacities: Sequence[float]) -> list[Slice]
     ffn_ranges = _ranges(proportional_counts(units, capacities), align)
 
     return [Slice(q, kv_heads_for(q, group), f) for q, f in zip(q_ranges, ffn_ranges, strict=True)]
+
+
+def with_master_head(config: ModelConfig, speeds: Sequence[float]) -> list[float]:
+    """Capacities for the layers' split when the first node, the master, also multiplies the
+    lm_head alone at the end of every token, from each node's measured `speeds`.
+
+    A node's time is the weights it multiplies over its speed. With the layers' weights L, the
+    head's H and speeds c, every node is busy equally long when a token takes T = (L + H) / sum(c):
+    the master's layers then take c0 T - H of it and any other node's c_i T, so the master's
+    capacity for the layers is c0 - H sum(c) / (L + H), the others' as measured. (Weights are
+    counted, not bytes: the head is taken to be stored as the layers are.) For SmolLM2 the head
+    is a fifth of a token's weights: on two equal devices the master takes 37% of the layers.
+    """
+    per_layer = sum(math.prod(shape) for shape in full_layer_shapes(config).values())
+    layers = config.n_layers * per_layer  # the norms and biases in it: a rounding error
+    head = config.vocab_size * config.hidden
+    master = speeds[0] - head * sum(speeds) / (layers + head)
+    return [max(master, MASTER_FLOOR * speeds[0]), *speeds[1:]]

@@ -3,6 +3,7 @@ turning what a person typed into prompt tokens."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -11,8 +12,8 @@ import torch
 
 from master.cluster import Hub
 from master.engine import Engine, context_size
-from master.plan import plan_slices
-from master.splitter import split_model
+from master.plan import plan_slices, with_master_head
+from master.splitter import model_identity, split_model
 from master.transport import ClusterError
 from memory.budget import (
     ALL_RESIDENT,
@@ -22,7 +23,7 @@ from memory.budget import (
     device_memory_budget,
     plan_memory,
 )
-from memory.files import default_state_dir
+from memory.files import atomic_write, default_state_dir
 from memory.shards import Manifest, ShardStore
 from models.chat_template import render_chat
 from models.config import ModelConfig
@@ -68,6 +69,28 @@ def chat_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[in
     )
     # The template writes any BOS itself; adding another would change the model's input.
     return tokenizer.encode(rendered, add_bos=False)
+
+
+# Measured speeds move by 10-20% from one start to the next. A plan whose shares are all within
+# this of the last measured plan's (same model, dtype and node count) is kept, and with it the
+# split: re-splitting a 70B model for a 10% difference would cost far more than the 10%.
+PLAN_TOLERANCE = 0.25
+
+
+def keep_last_plan(record: Path, capacities: Sequence[float]) -> list[float]:
+    """`capacities`, or the last ones recorded at `record` when every node's share is within
+    PLAN_TOLERANCE of theirs (relative); what is returned is recorded for the next start."""
+    shares = [c / sum(capacities) for c in capacities]
+    try:
+        last = [float(c) for c in json.loads(record.read_text())]
+    except (OSError, ValueError, TypeError):
+        last = []
+    if len(last) == len(capacities) and all(c > 0 for c in last):
+        last_shares = [c / sum(last) for c in last]
+        if all(abs(a - b) <= PLAN_TOLERANCE * b for a, b in zip(shares, last_shares, strict=True)):
+            return last
+    atomic_write(record, json.dumps(list(capacities)).encode())
+    return list(capacities)
 
 
 def _cluster_engine(
@@ -253,7 +276,11 @@ class Session:
             return [1.0] * (1 + len(members))
         if self._master_speed is None:
             self._master_speed = measure_capacity(blas_threads()).score()
-        return [self._master_speed, *(m.capacity.score() for m in members)]
+        speeds = [self._master_speed, *(m.capacity.score() for m in members)]
+        record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}.json"
+        return keep_last_plan(
+            self.state_dir / "plans" / record, with_master_head(self.config, speeds)
+        )
 
     def close(self, reason: str = "master shutting down") -> None:
         """Let go of the engine and say BYE to the workers; safe to call twice."""

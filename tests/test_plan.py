@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from master.plan import plan_slices, proportional_counts
+from master.plan import MASTER_FLOOR, plan_slices, proportional_counts, with_master_head
+from master.session import keep_last_plan
 from models.config import ModelConfig
 
 SMOLLM2 = ModelConfig(
@@ -71,3 +74,36 @@ def test_plan_covers_every_head_and_column_once(caps):
     q = [h for s in slices for h in range(*s.q_heads)]
     f = [c for s in slices for c in range(*s.ffn)]
     assert q == list(range(9)) and f == list(range(1536))
+
+
+@given(speeds=st.lists(st.floats(0.5, 20), min_size=2, max_size=4))
+def test_the_master_s_layers_shrink_by_its_lm_head(speeds):
+    """Every node busy as long per token: the master's layers plus the head, over its speed,
+    equal any other node's layers over its speed (before the plan rounds to whole heads)."""
+    head = SMOLLM2.vocab_size * SMOLLM2.hidden
+    layers = 30 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536 + 2 * 576)
+    capacities = with_master_head(SMOLLM2, speeds)
+    shares = [c / sum(capacities) for c in capacities]
+    if capacities[0] == MASTER_FLOOR * speeds[0]:  # the head alone fills a balanced token
+        assert head / speeds[0] >= (1 - MASTER_FLOOR) * (layers + head) / sum(speeds)
+        return
+    master = (shares[0] * layers + head) / speeds[0]
+    for share, speed in zip(shares[1:], speeds[1:], strict=True):
+        assert math.isclose(share * layers / speed, master, rel_tol=1e-9)
+
+
+def test_two_equal_devices_give_the_master_the_smaller_share():
+    master, worker = plan_slices(SMOLLM2, with_master_head(SMOLLM2, [1.0, 1.0]))
+    assert (master.n_q, worker.n_q) == (3, 6)
+    assert master.n_ffn < worker.n_ffn
+
+
+def test_a_measured_plan_is_kept_while_the_shares_stay_close(tmp_path):
+    """Speeds measured at each start jitter by 10-20%: the plan, and so the split, stays."""
+    record = tmp_path / "plans" / "model-f32-2.json"
+    assert keep_last_plan(record, [1.0, 1.0]) == [1.0, 1.0]
+    assert keep_last_plan(record, [1.2, 1.0]) == [1.0, 1.0]  # shares 0.55 against 0.5
+    assert keep_last_plan(record, [3.0, 1.0]) == [3.0, 1.0]  # 0.75 against 0.5: a new plan
+    assert keep_last_plan(record, [2.7, 1.0]) == [3.0, 1.0]
+    record.write_text("not json")
+    assert keep_last_plan(record, [2.7, 1.0]) == [2.7, 1.0]
