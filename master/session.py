@@ -71,10 +71,11 @@ def chat_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[in
     return tokenizer.encode(rendered, add_bos=False)
 
 
-# Measured speeds move by 10-20% from one start to the next. A plan whose shares are all within
+# Measured speeds move by 10-25% from one start to the next (one cpu=0.25 device: 3.1 to 4.8
+# GB/s; the host's other work moves them, not the quota). A plan whose shares are all within
 # this of the last measured plan's (same model, dtype and node count) is kept, and with it the
-# split: re-splitting a 70B model for a 10% difference would cost far more than the 10%.
-PLAN_TOLERANCE = 0.25
+# split: re-splitting a 70B model for a 20% difference would cost far more than the 20%.
+PLAN_TOLERANCE = 0.5
 
 
 def keep_last_plan(record: Path, capacities: Sequence[float]) -> list[float]:

@@ -103,7 +103,8 @@ def test_a_measured_plan_is_kept_while_the_shares_stay_close(tmp_path):
     record = tmp_path / "plans" / "model-f32-2.json"
     assert keep_last_plan(record, [1.0, 1.0]) == [1.0, 1.0]
     assert keep_last_plan(record, [1.2, 1.0]) == [1.0, 1.0]  # shares 0.55 against 0.5
-    assert keep_last_plan(record, [3.0, 1.0]) == [3.0, 1.0]  # 0.75 against 0.5: a new plan
-    assert keep_last_plan(record, [2.7, 1.0]) == [3.0, 1.0]
+    assert keep_last_plan(record, [1.0, 1.4]) == [1.0, 1.0]
+    assert keep_last_plan(record, [4.0, 1.0]) == [4.0, 1.0]  # 0.8 against 0.5: a new plan
+    assert keep_last_plan(record, [3.0, 1.0]) == [4.0, 1.0]
     record.write_text("not json")
-    assert keep_last_plan(record, [2.7, 1.0]) == [2.7, 1.0]
+    assert keep_last_plan(record, [3.0, 1.0]) == [3.0, 1.0]
