@@ -98,13 +98,14 @@ def test_two_equal_devices_give_the_master_the_smaller_share():
     assert master.n_ffn < worker.n_ffn
 
 
-def test_a_measured_plan_is_kept_while_the_shares_stay_close(tmp_path):
-    """Speeds measured at each start jitter by 10-20%: the plan, and so the split, stays."""
+def test_a_measured_plan_is_kept_until_a_new_one_would_be_much_faster(tmp_path):
+    """Speeds measured at each start jitter: the plan, and so the split, stays until a plan from
+    this start's figures would make a token REPLAN_GAIN faster."""
     record = tmp_path / "plans" / "model-f32-2.json"
     assert keep_last_plan(record, [1.0, 1.0]) == [1.0, 1.0]
-    assert keep_last_plan(record, [1.2, 1.0]) == [1.0, 1.0]  # shares 0.55 against 0.5
-    assert keep_last_plan(record, [1.0, 1.4]) == [1.0, 1.0]
-    assert keep_last_plan(record, [4.0, 1.0]) == [4.0, 1.0]  # 0.8 against 0.5: a new plan
-    assert keep_last_plan(record, [3.0, 1.0]) == [4.0, 1.0]
+    assert keep_last_plan(record, [1.0, 1.4]) == [1.0, 1.0]  # 0.5 / 1.0 against 1 / 2.4
+    assert keep_last_plan(record, [2.0, 2.0]) == [1.0, 1.0]  # faster alike: the same plan
+    assert keep_last_plan(record, [4.0, 0.6]) == [4.0, 0.6]  # 0.5 / 0.6 against 1.5 / 4.6
+    assert keep_last_plan(record, [3.0, 1.0]) == [4.0, 0.6]
     record.write_text("not json")
     assert keep_last_plan(record, [3.0, 1.0]) == [3.0, 1.0]
