@@ -12,13 +12,27 @@ from typing import Any
 
 from models.errors import ModelError
 
-# GGUF `general.architecture` and HF `architectures[0]` names of the Llama family, with whether
-# the attention projections carry a bias (Qwen2 does).
-GGUF_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}
+
+@dataclass(frozen=True)
+class Family:
+    """What a supported architecture changes in the Llama layer math."""
+
+    qkv_bias: bool = False  # the Q, K and V projections carry a bias (Qwen2)
+    qk_norm: bool = False  # each query and key head is RMS-normed before RoPE (Qwen3)
+
+
+# GGUF `general.architecture` and HF `architectures[0]` names of the supported families.
+GGUF_ARCHITECTURES = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(qkv_bias=True),
+    "qwen3": Family(qk_norm=True),
+}
 HF_ARCHITECTURES = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
+    "LlamaForCausalLM": Family(),
+    "MistralForCausalLM": Family(),
+    "Qwen2ForCausalLM": Family(qkv_bias=True),
+    "Qwen3ForCausalLM": Family(qk_norm=True),
 }
 
 # The model `edgetp` runs when none is named: a PyPI package installed by `make setup`.
@@ -27,13 +41,16 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.x "llama3" or plain "linear" RoPE frequency scaling."""
+    """RoPE frequency scaling: Llama 3.x "llama3", YaRN "yarn" (Qwen2.5) or plain "linear"."""
 
-    kind: str  # "llama3" | "linear"
+    kind: str  # "llama3" | "yarn" | "linear"
     factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_context: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_context: int = 8192  # llama3, yarn
+    beta_fast: float = 32.0  # yarn: rotations below which a frequency is only extrapolated
+    beta_slow: float = 1.0  # yarn: rotations above which it is only interpolated
+    attention_factor: float | None = None  # yarn: cos/sin scale; None: 0.1 ln(factor) + 1
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,7 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None = None
     qkv_bias: bool = False
+    qk_norm: bool = False
     tied_embeddings: bool = False
 
     def __post_init__(self) -> None:
@@ -105,6 +123,12 @@ class ModelConfig:
         scaling_type = metadata.get(f"{arch}.rope.scaling.type")
         if scaling_type == "linear":
             scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
+        elif scaling_type == "yarn":
+            scaling = RopeScaling(
+                "yarn",
+                float(key("rope.scaling.factor")),
+                original_context=int(key("rope.scaling.original_context_length")),
+            )
         elif scaling_type not in (None, "none"):
             raise ModelError(f"{source}: RoPE scaling {scaling_type!r} is not supported")
         return cls(
@@ -120,7 +144,8 @@ class ModelConfig:
             norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
-            qkv_bias=GGUF_ARCHITECTURES[arch],
+            qkv_bias=GGUF_ARCHITECTURES[arch].qkv_bias,
+            qk_norm=GGUF_ARCHITECTURES[arch].qk_norm,
             tied_embeddings=tied,
         )
 
@@ -152,22 +177,44 @@ class ModelConfig:
             vocab_size=int(key("vocab_size")),
             context_length=int(key("max_position_embeddings")),
             norm_eps=float(key("rms_norm_eps")),
-            rope_theta=float(config.get("rope_theta") or 10000.0),
+            rope_theta=float(_hf_rope(config).get("rope_theta") or 10000.0),
             rope_scaling=_hf_rope_scaling(config, source),
-            qkv_bias=HF_ARCHITECTURES[arch] or bool(config.get("attention_bias")),
+            qkv_bias=HF_ARCHITECTURES[arch].qkv_bias or bool(config.get("attention_bias")),
+            qk_norm=HF_ARCHITECTURES[arch].qk_norm,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
 
 
+def _hf_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE base and scaling keys of a config.json: top-level `rope_theta` and `rope_scaling`
+    as most published models have them, or the one `rope_parameters` of newer files."""
+    return (
+        {"rope_theta": config.get("rope_theta")}
+        | (config.get("rope_scaling") or {})
+        | (config.get("rope_parameters") or {})
+    )
+
+
 def _hf_rope_scaling(config: dict[str, Any], source: str) -> RopeScaling | None:
-    scaling = config.get("rope_scaling")
-    if not scaling:
-        return None
+    scaling = _hf_rope(config)
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return None
     if kind == "linear":
         return RopeScaling("linear", float(scaling["factor"]))
+    if kind == "yarn":
+        if scaling.get("mscale") or scaling.get("mscale_all_dim"):
+            raise ModelError(f"{source}: YaRN with mscale (DeepSeek's variant) is not supported")
+        return RopeScaling(
+            "yarn",
+            float(scaling["factor"]),
+            original_context=int(
+                scaling.get("original_max_position_embeddings") or config["max_position_embeddings"]
+            ),
+            beta_fast=float(scaling.get("beta_fast") or 32.0),
+            beta_slow=float(scaling.get("beta_slow") or 1.0),
+            attention_factor=scaling.get("attention_factor"),
+        )
     if kind == "llama3":
         return RopeScaling(
             "llama3",

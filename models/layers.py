@@ -33,6 +33,7 @@ from models.quant import matrix_size, take_columns
 # Canonical per-layer tensor names, full (unsplit) and in PyTorch (out, in) order.
 LAYER_TENSORS = ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")
 BIAS_TENSORS = ("q_bias", "k_bias", "v_bias")
+QK_NORM_TENSORS = ("q_norm", "k_norm")  # one (head_dim,) weight each, shared by every head
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ def full_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }  # fmt: skip
     if config.qkv_bias:
         shapes |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
+    if config.qk_norm:
+        shapes |= {"q_norm": (hd,), "k_norm": (hd,)}
     return shapes
 
 
@@ -126,6 +129,8 @@ def slice_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
     }
     if config.qkv_bias:
         parts["bqkv"] = (Part("q_bias", q), Part("k_bias", k), Part("v_bias", k))
+    if config.qk_norm:
+        parts |= {"q_norm": (Part("q_norm", (0, hd)),), "k_norm": (Part("k_norm", (0, hd)),)}
     return parts
 
 
@@ -189,12 +194,24 @@ def project(
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-pair rotation frequencies (head_dim/2,), with Llama 3 or linear scaling applied."""
+    """Per-pair rotation frequencies (head_dim/2,), with Llama 3, YaRN or linear scaling."""
     d = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     sc = config.rope_scaling
     if sc is not None and sc.kind == "linear":
         inv = inv / sc.factor
+    elif sc is not None and sc.kind == "yarn":
+        # Pairs that turn fewer than beta_slow times over the original context are
+        # interpolated (divided by the factor), more than beta_fast kept, a linear ramp between.
+        def pair(rotations: float) -> float:
+            turns = sc.original_context / (rotations * 2 * math.pi)
+            return d * math.log(turns) / (2 * math.log(config.rope_theta))
+
+        low = max(math.floor(pair(sc.beta_fast)), 0)
+        high = min(math.ceil(pair(sc.beta_slow)), d - 1)
+        ramp = (torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 0.001)
+        keep = 1 - ramp.clamp(0, 1)
+        inv = inv / sc.factor * (1 - keep) + inv * keep
     elif sc is not None and sc.kind == "llama3":
         low_wavelen = sc.original_context / sc.low_freq_factor
         high_wavelen = sc.original_context / sc.high_freq_factor
@@ -211,14 +228,27 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
     return inv.to(torch.float32)
 
 
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The scale YaRN puts on cos and sin (so on every attention logit, squared); 1 otherwise."""
+    sc = config.rope_scaling
+    if sc is None or sc.kind != "yarn":
+        return 1.0
+    if sc.attention_factor is not None:
+        return sc.attention_factor
+    return 0.1 * math.log(sc.factor) + 1.0 if sc.factor > 1 else 1.0
+
+
 class Rope:
     """Precomputed cos/sin tables up to `max_positions`, indexed by absolute position."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None
+    ) -> None:
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # (P, hd/2)
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
+        freqs = torch.outer(t, rope_inv_freq(config, freq_factors))  # (P, hd/2)
+        scale = rope_attention_factor(config)
+        self.cos = freqs.cos() * scale
+        self.sin = freqs.sin() * scale
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for positions (B, T) shaped (B, 1, T, hd/2) to broadcast over heads."""
@@ -304,8 +334,12 @@ def attention_partial(
     x = rms_norm(h, w["attn_norm"], config.norm_eps)
     qkv = project(x, w, "wqkv", w.get("bqkv"))  # (B, T, (nq + 2 nkv) hd)
     q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
-    q = q.view(B, T, nq, hd).transpose(1, 2)  # (B, nq, T, hd)
-    k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+    q, k = q.view(B, T, nq, hd), k.view(B, T, nkv, hd)
+    if config.qk_norm:
+        q = rms_norm(q, w["q_norm"], config.norm_eps)
+        k = rms_norm(k, w["k_norm"], config.norm_eps)
+    q = q.transpose(1, 2)  # (B, nq, T, hd)
+    k = k.transpose(1, 2)  # (B, nkv, T, hd)
     v = v.view(B, T, nkv, hd).transpose(1, 2)
     cos, sin = cos_sin
     q = apply_rope(q, cos, sin)
@@ -376,6 +410,12 @@ def rms_norm_rows(x: np.ndarray, weight: torch.Tensor, eps: float) -> np.ndarray
     return x / np.sqrt(mean_square + np.float32(eps)) * weight.numpy()
 
 
+def _head_norm_rows(x: np.ndarray, weight: torch.Tensor, eps: float) -> np.ndarray:
+    """`rms_norm` of each head of x (B, H, hd)."""
+    B, H, hd = x.shape
+    return rms_norm_rows(x.reshape(B * H, hd), weight, eps).reshape(B, H, hd)
+
+
 def _rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """`apply_rope` for (B, H, hd) with cos, sin (B, 1, hd/2)."""
     half = x.shape[-1] // 2
@@ -406,7 +446,16 @@ def attention_rows(
         return np.zeros_like(h)
     x = rms_norm_rows(h, w["attn_norm"], config.norm_eps)
     qkv = project_rows(x, w, "wqkv", w.get("bqkv"))  # (B, (nq + 2 nkv) hd)
-    roped = _rope_rows(qkv[:, : (nq + nkv) * hd].reshape(B, nq + nkv, hd), *cos_sin)
+    qk = qkv[:, : (nq + nkv) * hd].reshape(B, nq + nkv, hd)
+    if config.qk_norm:
+        qk = np.concatenate(
+            (
+                _head_norm_rows(qk[:, :nq], w["q_norm"], config.norm_eps),
+                _head_norm_rows(qk[:, nq:], w["k_norm"], config.norm_eps),
+            ),
+            axis=1,
+        )
+    roped = _rope_rows(qk, *cos_sin)
     q, k = roped[:, :nq], roped[:, nq:]
     v = qkv[:, (nq + nkv) * hd :].reshape(B, nkv, hd)
     group = config.group_size

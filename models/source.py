@@ -21,6 +21,7 @@ from models.layers import (
     BIAS_TENSORS,
     LAYER_TENSORS,
     MATRICES,
+    QK_NORM_TENSORS,
     Slice,
     full_layer_shapes,
     slice_parts,
@@ -87,7 +88,12 @@ class ModelSource(ABC):
         return {name: self.tensor(index, name, blocks) for name in self.layer_tensors()}
 
     def layer_tensors(self) -> tuple[str, ...]:
-        return LAYER_TENSORS + (BIAS_TENSORS if self.config.qkv_bias else ())
+        c = self.config
+        return (
+            LAYER_TENSORS
+            + (BIAS_TENSORS if c.qkv_bias else ())
+            + (QK_NORM_TENSORS if c.qk_norm else ())
+        )
 
     def embedding(self) -> torch.Tensor:
         """(vocab, hidden)."""
@@ -148,6 +154,8 @@ _GGUF_LAYER = {
     "q_bias": "attn_q.bias",
     "k_bias": "attn_k.bias",
     "v_bias": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
 }
 
 
@@ -230,6 +238,8 @@ _HF_LAYER = {
     "q_bias": "self_attn.q_proj.bias",
     "k_bias": "self_attn.k_proj.bias",
     "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
 }
 
 

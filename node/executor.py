@@ -19,7 +19,6 @@ from models.layers import (
     attention_rows,
     ffn_partial,
     ffn_rows,
-    rope_inv_freq,
 )
 from node.device import Shape, matrix_shapes
 from node.kvcache import KVCache
@@ -129,5 +128,5 @@ def make_executor(
     rope_freq_factors: torch.Tensor | None = None,
 ) -> SliceExecutor:
     """A slice's executor with its RoPE tables and an empty KV cache: the one way to build one."""
-    rope = Rope(rope_inv_freq(config, rope_freq_factors), max_context)
+    rope = Rope(config, max_context, rope_freq_factors)
     return SliceExecutor(config, s, weights, rope, KVCache(config, s, slots, max_context))

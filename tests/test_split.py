@@ -19,7 +19,6 @@ from models.layers import (
     cast_layer,
     ffn_partial,
     ffn_rows,
-    rope_inv_freq,
     slice_layer,
 )
 
@@ -69,7 +68,7 @@ def _random_layer(config: ModelConfig, gen: torch.Generator) -> dict[str, torch.
 
 def _partials(config, full, slices, steps):
     """Per slice, the attention and FFN partials of each step (prefill, then decode)."""
-    rope = Rope(rope_inv_freq(config), config.context_length)
+    rope = Rope(config, config.context_length)
     out = []
     for s in slices:
         w = slice_layer(config, full, s)
@@ -149,7 +148,7 @@ def test_smollm2_layer_invariant(smollm2, capacities):
 def _check_rows_match_torch(config, full, capacities, lengths, seed, dtype) -> None:
     """Per slice, a decode step's partials and cache writes are the same on rows as in torch."""
     gen = torch.Generator().manual_seed(seed)
-    rope = Rope(rope_inv_freq(config), config.context_length)
+    rope = Rope(config, config.context_length)
     prefill = StepBatch((0, 1, 2), (0, 0, 0), tuple(lengths))
     # Slots out of order and different positions: each row must find its own cache slot.
     decode = StepBatch((2, 0, 1), (lengths[2], lengths[0], lengths[1]), (1, 1, 1))

@@ -1,0 +1,221 @@
+"""Each supported model family against transformers' implementation of the same weights.
+
+transformers builds a small model of the family's real layout (GQA groups, a head_dim that is
+not hidden / heads where the family has one) with random weights; it is saved as an HF folder
+and as a GGUF file, and our logits are compared with transformers' at every position of a
+prefill and of 16 decode steps, for 1 to 4 nodes (more than the KV heads), f32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from master.engine import Engine
+from models.layers import StepBatch
+from models.source import _GGUF_LAYER, _HF_LAYER, open_model
+
+pytestmark = pytest.mark.slow
+
+PROMPT_LENGTH = 40
+DECODE_STEPS = 16
+NODES = (1, 2, 3, 4)  # the models below have 2 KV heads
+
+SMALL = {
+    "hidden_size": 96,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "vocab_size": 320,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+}
+
+# family -> (transformers config class name, the config's family-specific keys, GGUF arch)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "rope_theta": 1e6}, "qwen3"),
+    "llama3-rope": (
+        "LlamaConfig",
+        {
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": True,
+            # original context 64 < the 56 positions used: every band of the scaling is hit
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+        "llama",
+    ),
+    "qwen2-yarn": (
+        "Qwen2Config",
+        {
+            "rope_theta": 10000.0,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+        "qwen2",
+    ),
+}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights at a scale where every part of the layer moves the logits: norms around 1 (not
+    the initial ones a wrong reading would not notice), matrices at 1/sqrt(fan-in)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+
+def _llama_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter's Q/K row order (interleaved RoPE pairs), which GGUF files hold."""
+    return (
+        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _write_gguf(model, arch: str, path: Path) -> None:
+    """The model's weights as a GGUF file of architecture `arch`, f32, as llama.cpp's converter
+    names and orders them."""
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope.get("rope_type") == "llama3":
+        # llama.cpp's converter stores Llama 3 scaling as a divisor per frequency
+        rotary = model.model.rotary_emb
+        default = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2).double() / head_dim)
+        writer.add_tensor("rope_freqs.weight", (default / rotary.inv_freq.double()).float().numpy())
+    writer.add_vocab_size(c.vocab_size)
+    state = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
+    if not c.tie_word_embeddings:
+        writer.add_tensor("output.weight", state["lm_head.weight"].numpy())
+    heads = {"q": c.num_attention_heads, "k": c.num_key_value_heads}
+    for i in range(c.num_hidden_layers):
+        for canonical, hf in _HF_LAYER.items():
+            key = f"model.layers.{i}.{hf}"
+            if key not in state:
+                continue
+            t = state[key]
+            if arch == "llama" and canonical in heads:
+                t = _llama_permute(t, heads[canonical])
+            writer.add_tensor(f"blk.{i}.{_GGUF_LAYER[canonical]}", t.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(family name, transformers model, its HF folder, its GGUF file, a prompt, its name)."""
+    import transformers
+
+    name = request.param
+    config_class, extra, arch = FAMILIES[name]
+    config = getattr(transformers, config_class)(**SMALL, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    _randomize(model, seed=len(name))
+    model.eval()
+    folder = tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder)
+    _write_gguf(model, arch, folder / "model.gguf")
+    prompt = torch.randint(
+        0, config.vocab_size, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0)
+    )
+    return name, model, folder, prompt.tolist()
+
+
+@torch.inference_mode()
+def _reference(model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """transformers' logits at every position of prompt + its greedy continuation, and that
+    continuation (DECODE_STEPS tokens)."""
+    ids = list(prompt)
+    for _ in range(DECODE_STEPS):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return model(torch.tensor([ids])).logits[0], ids[len(prompt) :]
+
+
+@torch.inference_mode()
+def _ours(engine: Engine, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Our logits for the prompt (one prefill step) and then the continuation, one decode step
+    a token (the decode path), fed the reference's tokens so both see the same sequence."""
+    logits = [engine.forward([prompt], StepBatch((0,), (0,), (len(prompt),)), all_logits=True)[0]]
+    for i, token in enumerate(continuation):
+        step = StepBatch((0,), (len(prompt) + i,), (1,))
+        logits.append(engine.forward([[token]], step))
+    return torch.cat(logits)
+
+
+def _assert_close_logits(ours: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    worst = float((ours - expected).abs().max())
+    bound = 1e-3 * float(expected.abs().max())
+    print(f"{what}: max|logit difference| {worst:.2e}, bound {bound:.2e}")
+    assert worst <= bound, f"{what}: {worst} > {bound}"
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_logits_equal_transformers_at_every_position_on_every_node_count(family, source):
+    name, model, folder, prompt = family
+    expected, continuation = _reference(model, prompt)
+    # the last decode step's logits predict a token past the reference's sequence
+    expected = expected[: PROMPT_LENGTH + DECODE_STEPS - 1]
+    model_source = open_model(folder if source == "hf" else folder / "model.gguf")
+    assert model_source.config.n_kv_heads < max(NODES)
+    for n in NODES:
+        engine = Engine.local(model_source, capacities=(1.0,) * n)
+        ours = _ours(engine, prompt, continuation[:-1])
+        _assert_close_logits(ours, expected, f"{name} {source} {n} node(s)")
+
+
+def test_greedy_32_tokens_equal_transformers_generate(family):
+    name, model, folder, prompt = family
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        # every position attended: the random prompt may hold the pad id
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
+        )
+    expected = out[0, len(prompt) :].tolist()
+    for n in (1, 3):
+        engine = Engine.local(open_model(folder), capacities=(1.0,) * n)
+        ids = list(prompt)
+        logits = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)))
+        for _ in range(32):
+            ids.append(int(logits[0].argmax()))
+            logits = engine.forward([[ids[-1]]], StepBatch((0,), (len(ids) - 1,), (1,)))
+        assert ids[len(prompt) :] == expected, f"{name}, {n} node(s)"
