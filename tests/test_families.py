@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from master.engine import Engine
+from master.local import local_engine
+from memory.budget import MemoryOptions
 from models.layers import StepBatch
 from models.source import _GGUF_LAYER, _HF_LAYER, open_model
 
@@ -138,26 +140,40 @@ def _write_gguf(model, arch: str, path: Path) -> None:
     writer.close()
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory):
-    """(family name, transformers model, its HF folder, its GGUF file, a prompt, its name)."""
+_BUILT: dict[str, tuple] = {}
+
+
+def _build(name: str, tmp_path_factory) -> tuple:
+    """(family name, transformers model, its HF folder (with model.gguf), a prompt), once."""
     import transformers
 
-    name = request.param
-    config_class, extra, arch = FAMILIES[name]
-    config = getattr(transformers, config_class)(**SMALL, **extra)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager", dtype=torch.float32
-    )
-    _randomize(model, seed=len(name))
-    model.eval()
-    folder = tmp_path_factory.mktemp(name)
-    model.save_pretrained(folder)
-    _write_gguf(model, arch, folder / "model.gguf")
-    prompt = torch.randint(
-        0, config.vocab_size, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0)
-    )
-    return name, model, folder, prompt.tolist()
+    if name not in _BUILT:
+        config_class, extra, arch = FAMILIES[name]
+        config = getattr(transformers, config_class)(**SMALL, **extra)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager", dtype=torch.float32
+        )
+        _randomize(model, seed=len(name))
+        model.eval()
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        _write_gguf(model, arch, folder / "model.gguf")
+        prompt = torch.randint(
+            0, config.vocab_size, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0)
+        )
+        _BUILT[name] = (name, model, folder, prompt.tolist())
+    return _BUILT[name]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """The family whose layer has the most tensors of its own (query and key norms)."""
+    return _build("qwen3", tmp_path_factory)
 
 
 @torch.inference_mode()
@@ -219,3 +235,31 @@ def test_greedy_32_tokens_equal_transformers_generate(family):
             ids.append(int(logits[0].argmax()))
             logits = engine.forward([[ids[-1]]], StepBatch((0,), (len(ids) - 1,), (1,)))
         assert ids[len(prompt) :] == expected, f"{name}, {n} node(s)"
+
+
+def _windowed(source, nodes: int, dtype: str, prompt: list[int], continuation: list[int]):
+    """Our logits from `nodes` real processes, each streaming its slice one layer at a time
+    from shards of `dtype`."""
+    memory = MemoryOptions(window=1, dtype=dtype)
+    with local_engine(source, nodes, context=128, memory=memory) as engine:
+        return _ours(engine, prompt, continuation)
+
+
+def test_real_nodes_streaming_f32_shards_equal_transformers(family):
+    name, model, folder, prompt = family
+    expected, continuation = _reference(model, prompt)
+    expected = expected[: PROMPT_LENGTH + DECODE_STEPS - 1]
+    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation[:-1])
+    _assert_close_logits(ours, expected, f"{name} 3 real nodes, window 1, f32 shards")
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_1"])
+def test_block_shards_split_across_real_nodes_equal_one_node(qwen3, dtype):
+    """The family's own tensors survive each block dtype's shards: the split gives what one
+    node gives on the same quantized weights."""
+    name, model, folder, prompt = qwen3
+    _, continuation = _reference(model, prompt)
+    source = open_model(folder)
+    one = _windowed(source, 1, dtype, prompt, continuation[:-1])
+    three = _windowed(source, 3, dtype, prompt, continuation[:-1])
+    _assert_close_logits(three, one, f"{name} {dtype} 3 real nodes against 1")
