@@ -15,25 +15,33 @@ from models.errors import ModelError
 
 @dataclass(frozen=True)
 class Family:
-    """What a supported architecture changes in the Llama layer math."""
+    """A supported model family: its names in GGUF and HF files, and what it changes in the
+    Llama layer math."""
 
+    name: str  # as users know it
+    gguf: str  # GGUF `general.architecture`
+    hf: str  # HF config.json `architectures[0]`
     qkv_bias: bool = False  # the Q, K and V projections carry a bias (Qwen2)
     qk_norm: bool = False  # each query and key head is RMS-normed before RoPE (Qwen3)
 
 
-# GGUF `general.architecture` and HF `architectures[0]` names of the supported families.
-GGUF_ARCHITECTURES = {
-    "llama": Family(),
-    "mistral": Family(),
-    "qwen2": Family(qkv_bias=True),
-    "qwen3": Family(qk_norm=True),
-}
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": Family(),
-    "MistralForCausalLM": Family(),
-    "Qwen2ForCausalLM": Family(qkv_bias=True),
-    "Qwen3ForCausalLM": Family(qk_norm=True),
-}
+FAMILIES = (
+    Family("Llama 2, 3.x", "llama", "LlamaForCausalLM"),
+    Family("Mistral", "mistral", "MistralForCausalLM"),
+    Family("Qwen2, 2.5", "qwen2", "Qwen2ForCausalLM", qkv_bias=True),
+    Family("Qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True),
+)
+GGUF_ARCHITECTURES = {f.gguf: f for f in FAMILIES}
+HF_ARCHITECTURES = {f.hf: f for f in FAMILIES}
+
+
+def unsupported(source: str, arch: Any) -> ModelError:
+    """The one error for a model of another family, naming every family that is supported."""
+    supported = "; ".join(f"{f.name} ({f.gguf} / {f.hf})" for f in FAMILIES)
+    return ModelError(
+        f"{source}: architecture {arch!r} is not supported. Supported families: {supported}"
+    )
+
 
 # The model `edgetp` runs when none is named: a PyPI package installed by `make setup`.
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -101,10 +109,7 @@ class ModelConfig:
     def from_gguf(cls, metadata: dict[str, Any], source: str, tied: bool) -> ModelConfig:
         arch = metadata.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
-            raise ModelError(
-                f"{source}: architecture {arch!r} is not supported "
-                f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})"
-            )
+            raise unsupported(source, arch)
 
         def key(name: str, default: Any = None) -> Any:
             full = f"{arch}.{name}"
@@ -154,10 +159,7 @@ class ModelConfig:
         archs = config.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in HF_ARCHITECTURES:
-            raise ModelError(
-                f"{source}: architecture {arch!r} is not supported "
-                f"(supported: {', '.join(sorted(HF_ARCHITECTURES))})"
-            )
+            raise unsupported(source, arch)
 
         def key(name: str) -> Any:
             if config.get(name) is None:

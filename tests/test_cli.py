@@ -11,6 +11,8 @@ import gguf
 import pytest
 import torch
 
+from models.config import FAMILIES
+
 EDGETP = Path(sys.executable).parent / "edgetp"
 
 
@@ -71,7 +73,17 @@ def test_unsupported_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert_clear_error(run("run", "--model", str(path), "hi"), "'mamba' is not supported")
+    # the one line names what would work
+    supported = [f"{f.name} ({f.gguf} / {f.hf})" for f in FAMILIES]
+    assert_clear_error(
+        run("run", "--model", str(path), "hi"), "'mamba' is not supported", *supported
+    )
+    (tmp_path / "config.json").write_text('{"architectures": ["MambaForCausalLM"]}')
+    assert_clear_error(
+        run("run", "--model", str(tmp_path), "hi"),
+        "'MambaForCausalLM' is not supported",
+        *supported,
+    )
 
 
 def test_hf_folder_without_config(tmp_path):
