@@ -45,7 +45,11 @@ def open_with_tokenizer(model: str | None) -> tuple[ModelSource, Tokenizer]:
 
 
 def prompt_tokens(
-    tokenizer: Tokenizer, text: str, raw: bool, system: str | None = None
+    tokenizer: Tokenizer,
+    text: str,
+    raw: bool,
+    system: str | None = None,
+    enable_thinking: bool | None = None,
 ) -> list[int]:
     """Tokens for a one-turn prompt: chat-templated, or the text as is when `raw`."""
     if not text.strip():
@@ -55,10 +59,14 @@ def prompt_tokens(
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": text}
     ]
-    return chat_tokens(tokenizer, messages)
+    return chat_tokens(tokenizer, messages, enable_thinking)
 
 
-def chat_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def chat_tokens(
+    tokenizer: Tokenizer, messages: list[dict[str, str]], enable_thinking: bool | None = None
+) -> list[int]:
+    """Tokens for a conversation under the model's chat template, ending where the reply
+    begins; `enable_thinking` as `models.chat_template.render_chat` takes it."""
     if not tokenizer.chat_template:
         raise ModelError("this model has no chat template: use --raw to give the prompt as is")
     rendered = render_chat(
@@ -66,6 +74,7 @@ def chat_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[in
         messages,
         bos_token=tokenizer.bos_token,
         eos_token=tokenizer.eos_token,
+        enable_thinking=enable_thinking,
     )
     # The template writes any BOS itself; adding another would change the model's input.
     return tokenizer.encode(rendered, add_bos=False)

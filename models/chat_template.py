@@ -26,17 +26,26 @@ def render_chat(
     bos_token: str | None,
     eos_token: str | None,
     add_generation_prompt: bool = True,
+    enable_thinking: bool | None = None,
 ) -> str:
     """The prompt text for `messages` ({"role": ..., "content": ...}) under the model's template.
 
     With `add_generation_prompt` the text ends where the assistant's reply begins.
+    `enable_thinking` (Qwen3's switch for its thinking block) reaches the template only when
+    given, as transformers passes it: templates test whether it is defined.
     """
     if not template:
         raise ModelError(
             "this model has no chat template (no tokenizer.chat_template in the GGUF, none in "
             "tokenizer_config.json); use raw mode to send the prompt text as it is"
         )
+    if enable_thinking is not None and "enable_thinking" not in template:
+        raise ModelError(
+            "this model's chat template has no thinking block to turn on or off "
+            "(it never reads enable_thinking)"
+        )
     compiled = _compile(template)
+    switches = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     try:
         return compiled.render(
             messages=messages,
@@ -46,6 +55,7 @@ def render_chat(
             # transformers always passes these; templates test them.
             tools=None,
             documents=None,
+            **switches,
         )
     except jinja2.TemplateError as exc:
         # Includes raise_exception() calls: the template's own verdict on the conversation.

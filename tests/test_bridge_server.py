@@ -230,6 +230,12 @@ def test_curl_streams_line_by_line(served):
         ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400,
          "stop must be a string or a list of strings", "stop"),
         ({"messages": [{"role": "user", "content": "hi"}]}, 400, None, None),  # fine: 200 below
+        ({"messages": [{"role": "user", "content": "hi"}],
+          "chat_template_kwargs": {"enable_thinking": False}}, 400,
+         "never reads enable_thinking", "chat_template_kwargs"),
+        ({"messages": [{"role": "user", "content": "hi"}],
+          "chat_template_kwargs": {"thinking": False}}, 400,
+         "unknown field 'chat_template_kwargs.thinking'", "chat_template_kwargs.thinking"),
         ({"messages": [{"role": "user", "content": "word " * 600}]}, 400,
          "context holds 512", "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}, 400,

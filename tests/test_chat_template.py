@@ -144,3 +144,63 @@ def test_sandbox_blocks_python_internals():
 def test_no_template_says_use_raw_mode(template):
     with pytest.raises(ModelError, match="no chat template.*raw mode"):
         render_chat(template, [{"role": "user", "content": "hi"}], bos_token=None, eos_token=None)
+
+
+# A template of Qwen3's form (ChatML; earlier turns' reasoning dropped; its generation prompt
+# opens an empty thinking block when enable_thinking is false) and its whitespace control.
+THINKING_TEMPLATE = """\
+{%- set ns = namespace(last_user=-1) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content %}
+    {%- if message.role == 'assistant' and '</think>' in content %}
+        {%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}
+        {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- if loop.index0 > ns.last_user %}
+            {%- set content = '<think>\\n' + reasoning + '\\n</think>\\n\\n' + content %}
+        {%- endif %}
+    {%- endif %}
+    {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("enable_thinking", [False, True, None])
+@pytest.mark.parametrize("conversation", CONVERSATIONS, ids=lambda c: f"{len(c)}-messages")
+def test_thinking_switch_renders_as_transformers_renders_it(conversation, enable_thinking):
+    chat_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    conversation = [
+        {**m, "content": "<think>\nweighing it\n</think>\n\n" + m["content"]}
+        if m["role"] == "assistant"
+        else m
+        for m in conversation
+    ]
+    switch = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    ours = render_chat(THINKING_TEMPLATE, conversation, bos_token=None, eos_token=None, **switch)
+    rendered, _ = chat_utils.render_jinja_template(
+        conversations=[conversation],
+        chat_template=THINKING_TEMPLATE,
+        add_generation_prompt=True,
+        **switch,
+    )
+    assert ours == rendered[0]
+    assert ours.endswith("</think>\n\n") == (enable_thinking is False)
+
+
+def test_thinking_switch_on_a_template_without_one_is_a_model_error():
+    with pytest.raises(ModelError, match="no thinking block.*enable_thinking"):
+        render_chat(
+            FEATURE_TEMPLATE,
+            [{"role": "user", "content": "hi"}],
+            bos_token="",
+            eos_token="",
+            enable_thinking=False,
+        )

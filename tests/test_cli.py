@@ -86,6 +86,10 @@ def test_unsupported_architecture(tmp_path):
     )
 
 
+def test_no_think_on_a_model_without_a_thinking_block():
+    assert_clear_error(run("run", "--no-think", "hi"), "no thinking block", "enable_thinking")
+
+
 def test_hf_folder_without_config(tmp_path):
     assert_clear_error(run("run", "--model", str(tmp_path), "hi"), "no config.json")
 

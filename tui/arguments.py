@@ -170,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--system", default=None, help="system prompt for the chat template")
     run.add_argument("--raw", action="store_true", help="no chat template: complete the text")
+    run.add_argument(
+        "--no-think",
+        dest="enable_thinking",
+        action="store_const",
+        const=False,
+        default=None,
+        help="render the chat template with its thinking block off (Qwen3: enable_thinking)",
+    )
     _add_cluster_args(run)
     _add_device_arg(run)
     _add_memory_args(run)

@@ -46,7 +46,7 @@ def _run(args: argparse.Namespace) -> None:
     if not args.prompt.strip():
         raise ModelError("the prompt is empty: give some text")
     source, tokenizer = open_with_tokenizer(args.model)
-    tokens = prompt_tokens(tokenizer, args.prompt, args.raw, args.system)
+    tokens = prompt_tokens(tokenizer, args.prompt, args.raw, args.system, args.enable_thinking)
     check_prompt(tokens, context_size(source.config, args.context))  # before the slow load
     with _engine(args, source) as engine:
         seqs = start(engine, [tokens], [params])

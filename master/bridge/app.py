@@ -33,6 +33,7 @@ from master.bridge.schema import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatTemplateKwargs,
     ClusterFigures,
     Completion,
     CompletionChoice,
@@ -160,9 +161,13 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
             for m in body.messages
         ]
         try:
-            prompt = await run_in_threadpool(chat_tokens, served.tokenizer, messages)
+            switches = body.chat_template_kwargs or ChatTemplateKwargs()
+            prompt = await run_in_threadpool(
+                chat_tokens, served.tokenizer, messages, switches.enable_thinking
+            )
         except ModelError as exc:
-            raise APIError(400, str(exc), param="messages") from exc
+            param = "messages" if switches.enable_thinking is None else "chat_template_kwargs"
+            raise APIError(400, str(exc), param=param) from exc
         limit = body.max_completion_tokens or body.max_tokens
         return await _generate(served, request, "chat", body, prompt, limit, "messages", "")
 

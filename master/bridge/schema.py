@@ -133,8 +133,18 @@ class SamplingFields(_Strict):
         return data
 
 
+class ChatTemplateKwargs(_Strict):
+    enable_thinking: bool | None = Field(
+        None,
+        description="false: the chat template's thinking block off (Qwen3's switch)",
+    )
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: ChatTemplateKwargs | None = Field(
+        None, description="switches passed to the model's chat template"
+    )
     max_completion_tokens: int | None = Field(
         None, ge=1, description="the newer name of max_tokens; wins if both are given"
     )
