@@ -23,6 +23,7 @@ class Family:
     hf: str  # HF config.json `architectures[0]`
     qkv_bias: bool = False  # the Q, K and V projections carry a bias (Qwen2)
     qk_norm: bool = False  # each query and key head is RMS-normed before RoPE (Qwen3)
+    fused: bool = False  # Q, K, V stored as one matrix, gate and up as another (Phi-3)
 
 
 FAMILIES = (
@@ -30,6 +31,7 @@ FAMILIES = (
     Family("Mistral", "mistral", "MistralForCausalLM"),
     Family("Qwen2, 2.5", "qwen2", "Qwen2ForCausalLM", qkv_bias=True),
     Family("Qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True),
+    Family("Phi-3, 3.5, 4-mini", "phi3", "Phi3ForCausalLM", fused=True),
 )
 GGUF_ARCHITECTURES = {f.gguf: f for f in FAMILIES}
 HF_ARCHITECTURES = {f.hf: f for f in FAMILIES}
@@ -49,16 +51,26 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: Llama 3.x "llama3", YaRN "yarn" (Qwen2.5) or plain "linear"."""
+    """RoPE frequency scaling: Llama 3.x "llama3", YaRN "yarn" (Qwen2.5), LongRoPE "longrope"
+    (Phi-3.5, Phi-4-mini) or plain "linear"."""
 
-    kind: str  # "llama3" | "yarn" | "linear"
+    kind: str  # "llama3" | "yarn" | "longrope" | "linear"
     factor: float
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_context: int = 8192  # llama3, yarn
+    original_context: int = 8192  # llama3, yarn, longrope
     beta_fast: float = 32.0  # yarn: rotations below which a frequency is only extrapolated
     beta_slow: float = 1.0  # yarn: rotations above which it is only interpolated
-    attention_factor: float | None = None  # yarn: cos/sin scale; None: 0.1 ln(factor) + 1
+    # yarn, longrope: cos/sin scale; None: yarn 0.1 ln(factor) + 1, longrope
+    # sqrt(1 + ln(factor) / ln(original_context))
+    attention_factor: float | None = None
+    # longrope: per-frequency divisors for a context within original_context, and beyond it
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:  # JSON gives lists
+        object.__setattr__(self, "short_factor", tuple(self.short_factor))
+        object.__setattr__(self, "long_factor", tuple(self.long_factor))
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
+    fused: bool = False
+    rotary_dim: int | None = None  # leading dims of each head RoPE turns; None: all of them
     tied_embeddings: bool = False
 
     def __post_init__(self) -> None:
@@ -84,6 +98,10 @@ class ModelConfig:
             raise ModelError(
                 f"{self.n_heads} attention heads do not divide into {self.n_kv_heads} KV heads"
             )
+
+    @property
+    def rope_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     @property
     def group_size(self) -> int:
@@ -106,7 +124,14 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_gguf(cls, metadata: dict[str, Any], source: str, tied: bool) -> ModelConfig:
+    def from_gguf(
+        cls,
+        metadata: dict[str, Any],
+        source: str,
+        tied: bool,
+        longrope: tuple[list[float], list[float]] | None = None,
+    ) -> ModelConfig:
+        """`longrope`: the file's short and long RoPE factor tensors, where it has them."""
         arch = metadata.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise unsupported(source, arch)
@@ -136,13 +161,25 @@ class ModelConfig:
             )
         elif scaling_type not in (None, "none"):
             raise ModelError(f"{source}: RoPE scaling {scaling_type!r} is not supported")
+        if longrope is not None:
+            original = int(key("rope.scaling.original_context_length"))
+            scaling = RopeScaling(
+                "longrope",
+                float(key("context_length")) / original,
+                original_context=original,
+                attention_factor=metadata.get(f"{arch}.rope.scaling.attn_factor"),
+                short_factor=tuple(longrope[0]),
+                long_factor=tuple(longrope[1]),
+            )
+        head_dim = int(key("attention.key_length", hidden // n_heads))
+        rotary_dim = int(key("rope.dimension_count", head_dim))
         return cls(
             architecture=arch,
             n_layers=int(key("block_count")),
             hidden=hidden,
             n_heads=n_heads,
             n_kv_heads=int(key("attention.head_count_kv", n_heads)),
-            head_dim=int(key("attention.key_length", hidden // n_heads)),
+            head_dim=head_dim,
             ffn_hidden=int(key("feed_forward_length")),
             vocab_size=int(vocab),
             context_length=int(key("context_length")),
@@ -151,6 +188,8 @@ class ModelConfig:
             rope_scaling=scaling,
             qkv_bias=GGUF_ARCHITECTURES[arch].qkv_bias,
             qk_norm=GGUF_ARCHITECTURES[arch].qk_norm,
+            fused=GGUF_ARCHITECTURES[arch].fused,
+            rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=tied,
         )
 
@@ -168,33 +207,43 @@ class ModelConfig:
 
         hidden = int(key("hidden_size"))
         n_heads = int(key("num_attention_heads"))
+        head_dim = int(config.get("head_dim") or hidden // n_heads)
+        partial = float(_hf_rope(config).get("partial_rotary_factor") or 1.0)
+        rotary_dim = int(head_dim * partial)
+        context = int(key("max_position_embeddings"))
+        # Attention over only the last `sliding_window` positions (Mistral 7B v0.1, Phi-3 mini
+        # 4k) equals full attention while the sequence fits in the window: the context stops
+        # there. (Qwen2 configs name a window they do not use.)
+        window = config.get("sliding_window")
+        if window and config.get("use_sliding_window", True):
+            context = min(context, int(window))
         return cls(
             architecture=arch,
             n_layers=int(key("num_hidden_layers")),
             hidden=hidden,
             n_heads=n_heads,
             n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-            head_dim=int(config.get("head_dim") or hidden // n_heads),
+            head_dim=head_dim,
             ffn_hidden=int(key("intermediate_size")),
             vocab_size=int(key("vocab_size")),
-            context_length=int(key("max_position_embeddings")),
+            context_length=context,
             norm_eps=float(key("rms_norm_eps")),
             rope_theta=float(_hf_rope(config).get("rope_theta") or 10000.0),
             rope_scaling=_hf_rope_scaling(config, source),
             qkv_bias=HF_ARCHITECTURES[arch].qkv_bias or bool(config.get("attention_bias")),
             qk_norm=HF_ARCHITECTURES[arch].qk_norm,
+            fused=HF_ARCHITECTURES[arch].fused,
+            rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
 
 
 def _hf_rope(config: dict[str, Any]) -> dict[str, Any]:
-    """RoPE base and scaling keys of a config.json: top-level `rope_theta` and `rope_scaling`
-    as most published models have them, or the one `rope_parameters` of newer files."""
-    return (
-        {"rope_theta": config.get("rope_theta")}
-        | (config.get("rope_scaling") or {})
-        | (config.get("rope_parameters") or {})
-    )
+    """RoPE base and scaling keys of a config.json: top-level `rope_theta`,
+    `partial_rotary_factor` and `rope_scaling` as most published models have them, or the one
+    `rope_parameters` of newer files."""
+    top = {k: config.get(k) for k in ("rope_theta", "partial_rotary_factor")}
+    return top | (config.get("rope_scaling") or {}) | (config.get("rope_parameters") or {})
 
 
 def _hf_rope_scaling(config: dict[str, Any], source: str) -> RopeScaling | None:
@@ -216,6 +265,20 @@ def _hf_rope_scaling(config: dict[str, Any], source: str) -> RopeScaling | None:
             beta_fast=float(scaling.get("beta_fast") or 32.0),
             beta_slow=float(scaling.get("beta_slow") or 1.0),
             attention_factor=scaling.get("attention_factor"),
+        )
+    if kind == "longrope":
+        original = int(
+            scaling.get("original_max_position_embeddings")
+            or config.get("original_max_position_embeddings")
+            or config["max_position_embeddings"]
+        )
+        return RopeScaling(
+            "longrope",
+            float(scaling.get("factor") or config["max_position_embeddings"] / original),
+            original_context=original,
+            attention_factor=scaling.get("attention_factor"),
+            short_factor=tuple(scaling["short_factor"]),
+            long_factor=tuple(scaling["long_factor"]),
         )
     if kind == "llama3":
         return RopeScaling(

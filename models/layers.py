@@ -193,13 +193,21 @@ def project(
     return linear(x, w[name], bias, w.get(name + SCALE_SUFFIX))
 
 
-def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-pair rotation frequencies (head_dim/2,), with Llama 3, YaRN or linear scaling."""
-    d = config.head_dim
+def rope_inv_freq(
+    config: ModelConfig, freq_factors: torch.Tensor | None = None, context: int = 0
+) -> torch.Tensor:
+    """Per-pair rotation frequencies (rope_dims/2,), with Llama 3, YaRN, LongRoPE or linear
+    scaling. LongRoPE takes its long factors for a `context` past the original one (as
+    llama.cpp does; transformers switches by the length of the sequence so far, which would
+    change the keys already cached)."""
+    d = config.rope_dims
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     sc = config.rope_scaling
     if sc is not None and sc.kind == "linear":
         inv = inv / sc.factor
+    elif sc is not None and sc.kind == "longrope":
+        long = context > sc.original_context
+        inv = inv / torch.tensor(sc.long_factor if long else sc.short_factor, dtype=torch.float64)
     elif sc is not None and sc.kind == "yarn":
         # Pairs that turn fewer than beta_slow times over the original context are
         # interpolated (divided by the factor), more than beta_fast kept, a linear ramp between.
@@ -229,13 +237,18 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
 
 
 def rope_attention_factor(config: ModelConfig) -> float:
-    """The scale YaRN puts on cos and sin (so on every attention logit, squared); 1 otherwise."""
+    """The scale YaRN and LongRoPE put on cos and sin (so on every attention logit, squared);
+    1 otherwise."""
     sc = config.rope_scaling
-    if sc is None or sc.kind != "yarn":
+    if sc is None or sc.kind not in ("yarn", "longrope"):
         return 1.0
     if sc.attention_factor is not None:
-        return sc.attention_factor
-    return 0.1 * math.log(sc.factor) + 1.0 if sc.factor > 1 else 1.0
+        return float(sc.attention_factor)
+    if sc.factor <= 1:
+        return 1.0
+    if sc.kind == "yarn":
+        return 0.1 * math.log(sc.factor) + 1.0
+    return math.sqrt(1 + math.log(sc.factor) / math.log(sc.original_context))
 
 
 class Rope:
@@ -245,7 +258,7 @@ class Rope:
         self, config: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None
     ) -> None:
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, rope_inv_freq(config, freq_factors))  # (P, hd/2)
+        freqs = torch.outer(t, rope_inv_freq(config, freq_factors, max_positions))  # (P, rd/2)
         scale = rope_attention_factor(config)
         self.cos = freqs.cos() * scale
         self.sin = freqs.sin() * scale
@@ -261,7 +274,11 @@ class Rope:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, hd) by half-split pairs, as HF Llama does (GGUF rows are un-permuted)."""
+    """Rotate (B, H, T, hd) by half-split pairs, as HF Llama does (GGUF rows are un-permuted):
+    the leading 2 x cos.shape[-1] dims of each head (all of them but for partial rotary)."""
+    half = cos.shape[-1]
+    if 2 * half < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., : 2 * half], cos, sin), x[..., 2 * half :]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -417,8 +434,10 @@ def _head_norm_rows(x: np.ndarray, weight: torch.Tensor, eps: float) -> np.ndarr
 
 
 def _rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """`apply_rope` for (B, H, hd) with cos, sin (B, 1, hd/2)."""
-    half = x.shape[-1] // 2
+    """`apply_rope` for (B, H, hd) with cos, sin (B, 1, rd/2)."""
+    half = cos.shape[-1]
+    if 2 * half < x.shape[-1]:
+        return np.concatenate((_rope_rows(x[..., : 2 * half], cos, sin), x[..., 2 * half :]), -1)
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1)
 

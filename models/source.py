@@ -159,6 +159,33 @@ _GGUF_LAYER = {
 }
 
 
+# Where a fused family (Phi-3) stores the canonical matrices: Q, K, V one after another in one
+# matrix, gate then up in another; `fused_rows` gives each one's first row.
+_GGUF_FUSED = {
+    "q": "attn_qkv.weight",
+    "k": "attn_qkv.weight",
+    "v": "attn_qkv.weight",
+    "gate": "ffn_up.weight",
+    "up": "ffn_up.weight",
+}
+_HF_FUSED = {
+    "q": "self_attn.qkv_proj.weight",
+    "k": "self_attn.qkv_proj.weight",
+    "v": "self_attn.qkv_proj.weight",
+    "gate": "mlp.gate_up_proj.weight",
+    "up": "mlp.gate_up_proj.weight",
+}
+
+
+def fused_rows(config: ModelConfig, layer: int | None, name: str) -> int:
+    """The row of its fused matrix at which canonical tensor `name` starts (0 where the model
+    stores it on its own)."""
+    if not config.fused or layer is None or name not in _GGUF_FUSED:
+        return 0
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    return {"q": 0, "k": q, "v": q + kv, "gate": 0, "up": config.ffn_hidden}[name]
+
+
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> half-split pairs)."""
     rows = w.shape[0]
@@ -170,9 +197,10 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
-def _gguf_name(layer: int | None, name: str, tied: bool) -> str:
+def _gguf_name(layer: int | None, name: str, tied: bool, fused: bool = False) -> str:
     if layer is not None:
-        return f"blk.{layer}.{_GGUF_LAYER[name]}"
+        stored = _GGUF_FUSED[name] if fused and name in _GGUF_FUSED else _GGUF_LAYER[name]
+        return f"blk.{layer}.{stored}"
     if name == "lm_head" and not tied:
         return "output.weight"
     return "output_norm.weight" if name == "final_norm" else "token_embd.weight"
@@ -183,7 +211,13 @@ class GGUFSource(ModelSource):
         self.path = path
         self.file = GGUFFile(path)
         tied = not self.file.has_tensor("output.weight")
-        self.config = ModelConfig.from_gguf(self.file.metadata, str(path), tied)
+        longrope = None
+        if self.file.has_tensor("rope_factors_short.weight"):  # llama.cpp's LongRoPE tensors
+            longrope = (
+                self.file.tensor("rope_factors_short.weight").tolist(),
+                self.file.tensor("rope_factors_long.weight").tolist(),
+            )
+        self.config = ModelConfig.from_gguf(self.file.metadata, str(path), tied, longrope)
         # llama.cpp's converter permutes Q/K rows for its interleaved RoPE only for these.
         self._permuted = self.config.architecture in ("llama", "mistral")
         for name in self.file.tensor_names():  # say it now, not halfway through a split
@@ -198,20 +232,24 @@ class GGUFSource(ModelSource):
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf_metadata(self.file.metadata, str(self.path))
 
+    def _name(self, layer: int | None, name: str) -> str:
+        c = self.config
+        return _gguf_name(layer, name, c.tied_embeddings, c.fused)
+
     def stored_type(self, layer: int | None, name: str) -> str:
-        gguf_name = _gguf_name(layer, name, self.config.tied_embeddings)
-        return self.file.info(gguf_name).tensor_type.name
+        return self.file.info(self._name(layer, name)).tensor_type.name
 
     def rows(
         self, layer: int | None, name: str, start: int, stop: int, blocks: bool = False
     ) -> torch.Tensor:
-        gguf_name = _gguf_name(layer, name, self.config.tied_embeddings)
+        gguf_name = self._name(layer, name)
         kind = self.file.info(gguf_name).tensor_type.name.lower()
+        at = fused_rows(self.config, layer, name)
         if blocks and kind in FORMATS:
-            stored = self.file.stored_rows(gguf_name, start, stop)
+            stored = self.file.stored_rows(gguf_name, at + start, at + stop)
             out = torch.from_numpy(stored).view(stop - start, -1, FORMATS[kind].block_bytes)
         else:
-            out = self.file.tensor_rows(gguf_name, start, stop)
+            out = self.file.tensor_rows(gguf_name, at + start, at + stop)
         if self._permuted and layer is not None and name in ("q", "k"):
             hd = self.config.head_dim
             if start % hd or stop % hd:
@@ -285,7 +323,9 @@ class HFSource(ModelSource):
             self.config = ModelConfig.from_dict({**self.config.to_dict(), "tied_embeddings": True})
 
     def _key(self, layer: int | None, name: str) -> str:
-        if layer is not None:
+        if layer is not None and self.config.fused and name in _HF_FUSED:
+            key = f"model.layers.{layer}.{_HF_FUSED[name]}"
+        elif layer is not None:
             key = hf_layer_name(layer, name)
         elif name == "lm_head" and not self.config.tied_embeddings:
             key = "lm_head.weight"
@@ -308,10 +348,11 @@ class HFSource(ModelSource):
         from safetensors import safe_open
 
         key = self._key(layer, name)
+        at = fused_rows(self.config, layer, name)
         # A file is opened per read: an open file stays mapped, and every page a read touched
         # would count as this process's memory (GBs while splitting a 70B model).
         with safe_open(str(self._where[key]), framework="pt") as handle:
-            return handle.get_slice(key)[start:stop].to(torch.float32)
+            return handle.get_slice(key)[at + start : at + stop].to(torch.float32)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_hf_folder(self.path)

@@ -37,6 +37,7 @@ SMALL = {
     "rms_norm_eps": 1e-6,
 }
 
+PHI_TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # within the vocabulary
 # family -> (transformers config class name, the config's family-specific keys, GGUF arch)
 FAMILIES = {
     "qwen3": ("Qwen3Config", {"head_dim": 32, "rope_theta": 1e6}, "qwen3"),
@@ -68,6 +69,45 @@ FAMILIES = {
         },
         "qwen2",
     ),
+    # Phi-4-mini's layout: a quarter of each head unrotated, LongRoPE, tied embeddings. The
+    # sequences are past the original context of 32: the long factors, on both sides.
+    "phi4-mini": (
+        "Phi3Config",
+        {
+            "partial_rotary_factor": 0.75,
+            "tie_word_embeddings": True,
+            **PHI_TOKENS,
+            "original_max_position_embeddings": 32,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 2.5],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+            },
+        },
+        "phi3",
+    ),
+    # Phi-3.5-mini's: whole heads rotated, LongRoPE run within the original context of 80 (the
+    # KV cache holds 80 positions): the short factors.
+    "phi3.5-mini": (
+        "Phi3Config",
+        {
+            **PHI_TOKENS,
+            "original_max_position_embeddings": 80,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0],
+                "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0, 34.0],
+            },
+        },
+        "phi3",
+    ),
+}
+# KV cache positions where a family's RoPE depends on them (default: the model's context)
+CONTEXT = {"phi3.5-mini": 80}
+# llama.cpp's names of the fused matrices
+GGUF_FUSED = {
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 
 
@@ -113,6 +153,14 @@ def _write_gguf(model, arch: str, path: Path) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope.get("rope_type") == "longrope":
+        # llama.cpp's converter: the factors as tensors, the rotated dims and the attention factor
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_attn_factors(model.model.rotary_emb.attention_scaling)
+        for kind in ("short", "long"):
+            factors = torch.tensor(rope[f"{kind}_factor"], dtype=torch.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors.numpy())
     if rope.get("rope_type") == "llama3":
         # llama.cpp's converter stores Llama 3 scaling as a divisor per frequency
         rotary = model.model.rotary_emb
@@ -126,6 +174,10 @@ def _write_gguf(model, arch: str, path: Path) -> None:
         writer.add_tensor("output.weight", state["lm_head.weight"].numpy())
     heads = {"q": c.num_attention_heads, "k": c.num_key_value_heads}
     for i in range(c.num_hidden_layers):
+        for hf, name in GGUF_FUSED.items():
+            key = f"model.layers.{i}.{hf}"
+            if key in state:
+                writer.add_tensor(f"blk.{i}.{name}", state[key].numpy())
         for canonical, hf in _HF_LAYER.items():
             key = f"model.layers.{i}.{hf}"
             if key not in state:
@@ -213,7 +265,7 @@ def test_logits_equal_transformers_at_every_position_on_every_node_count(family,
     model_source = open_model(folder if source == "hf" else folder / "model.gguf")
     assert model_source.config.n_kv_heads < max(NODES)
     for n in NODES:
-        engine = Engine.local(model_source, capacities=(1.0,) * n)
+        engine = Engine.local(model_source, (1.0,) * n, max_context=CONTEXT.get(name))
         ours = _ours(engine, prompt, continuation[:-1])
         _assert_close_logits(ours, expected, f"{name} {source} {n} node(s)")
 
@@ -228,7 +280,7 @@ def test_greedy_32_tokens_equal_transformers_generate(family):
         )
     expected = out[0, len(prompt) :].tolist()
     for n in (1, 3):
-        engine = Engine.local(open_model(folder), capacities=(1.0,) * n)
+        engine = Engine.local(open_model(folder), (1.0,) * n, max_context=CONTEXT.get(name))
         ids = list(prompt)
         logits = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)))
         for _ in range(32):
@@ -237,11 +289,13 @@ def test_greedy_32_tokens_equal_transformers_generate(family):
         assert ids[len(prompt) :] == expected, f"{name}, {n} node(s)"
 
 
-def _windowed(source, nodes: int, dtype: str, prompt: list[int], continuation: list[int]):
+def _windowed(
+    source, nodes: int, dtype: str, prompt: list[int], continuation: list[int], context: int
+):
     """Our logits from `nodes` real processes, each streaming its slice one layer at a time
     from shards of `dtype`."""
     memory = MemoryOptions(window=1, dtype=dtype)
-    with local_engine(source, nodes, context=128, memory=memory) as engine:
+    with local_engine(source, nodes, context=context, memory=memory) as engine:
         return _ours(engine, prompt, continuation)
 
 
@@ -249,7 +303,8 @@ def test_real_nodes_streaming_f32_shards_equal_transformers(family):
     name, model, folder, prompt = family
     expected, continuation = _reference(model, prompt)
     expected = expected[: PROMPT_LENGTH + DECODE_STEPS - 1]
-    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation[:-1])
+    context = CONTEXT.get(name, 128)
+    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation[:-1], context)
     _assert_close_logits(ours, expected, f"{name} 3 real nodes, window 1, f32 shards")
 
 
@@ -260,6 +315,6 @@ def test_block_shards_split_across_real_nodes_equal_one_node(qwen3, dtype):
     name, model, folder, prompt = qwen3
     _, continuation = _reference(model, prompt)
     source = open_model(folder)
-    one = _windowed(source, 1, dtype, prompt, continuation[:-1])
-    three = _windowed(source, 3, dtype, prompt, continuation[:-1])
+    one = _windowed(source, 1, dtype, prompt, continuation[:-1], 128)
+    three = _windowed(source, 3, dtype, prompt, continuation[:-1], 128)
     _assert_close_logits(three, one, f"{name} {dtype} 3 real nodes against 1")
