@@ -30,6 +30,7 @@ from models.config import ModelConfig
 from models.errors import ModelError
 from models.kernels import SCALE_SUFFIX, embed, kernel_set, linear, linear_rows
 from models.layers import (
+    POST_NORMS,
     Slice,
     StepBatch,
     rms_norm,
@@ -92,8 +93,13 @@ class Engine:
         remote: Remote | None = None,
         embedding_scale: torch.Tensor | None = None,
         lm_head_scale: torch.Tensor | None = None,
+        post_norms: torch.Tensor | None = None,
     ) -> None:
         self.config = config
+        # (2 n_layers, D): each block's summed output is normed before the residual (Gemma 3)
+        self.post_norms = post_norms
+        if config.post_norms and post_norms is None:
+            raise ValueError(f"{config.architecture} needs the post-block norms")
         self.remote = remote
         self.embedding = embedding
         self.embedding_scale = embedding_scale
@@ -141,7 +147,17 @@ class Engine:
         ]
         embedding = source.embedding()
         lm_head = embedding if config.tied_embeddings else source.lm_head()
-        return cls(config, embedding, source.final_norm(), lm_head, executors, max_context, slots)
+        post_norms = source.tensor(None, POST_NORMS) if config.post_norms else None
+        return cls(
+            config,
+            embedding,
+            source.final_norm(),
+            lm_head,
+            executors,
+            max_context,
+            slots,
+            post_norms=post_norms,
+        )
 
     @classmethod
     def from_manifest(
@@ -178,6 +194,7 @@ class Engine:
             remote,
             embedding_scale=g.get("embedding" + SCALE_SUFFIX),
             lm_head_scale=g.get(head + SCALE_SUFFIX),
+            post_norms=g.get(POST_NORMS),
         )
 
     @property
@@ -198,6 +215,8 @@ class Engine:
         T = batch.width
         ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in tokens])  # (B, T) right-padded
         h: Hidden = embed(ids, self.embedding, self.embedding_scale)  # (B, T, D)
+        if self.config.embedding_multiplier != 1.0:
+            h = h * self.config.embedding_multiplier
         if batch.rows:
             h = h.numpy().reshape(batch.size, -1)
         for ex in self.executors:
@@ -205,13 +224,20 @@ class Engine:
         if self.remote:
             self.remote.begin_step(batch.to_dict())
         for i in range(self.config.n_layers):
-            h = h + self._block(ATTENTION, i, h)
-            h = h + self._block(FFN, i, h)
+            h = h + self._post_norm(2 * i, self._block(ATTENTION, i, h))
+            h = h + self._post_norm(2 * i + 1, self._block(FFN, i, h))
         head_started = time.perf_counter()
         logits = self._head(h, batch, all_logits)
         head_s = time.perf_counter() - head_started
         self._record_figures({"blocks_s": self._blocks_s, "head_s": head_s})
         return logits
+
+    def _post_norm(self, row: int, out: Hidden) -> Hidden:
+        """A block's summed output, normed by POST_NORMS row `row` where the model has them."""
+        if self.post_norms is None:
+            return out
+        w, eps = self.post_norms[row], self.config.norm_eps
+        return rms_norm_rows(out, w, eps) if isinstance(out, np.ndarray) else rms_norm(out, w, eps)
 
     def _head(self, h: Hidden, batch: StepBatch, all_logits: bool) -> torch.Tensor:
         """Final norm and lm_head: this process's serial work at the end of every step."""

@@ -164,7 +164,9 @@ def memory_plans(
             config.n_layers,
             KVCache.bytes_per_token(config, s, torch.float32) * slots,
             ctx,
-            fixed_bytes=manifest.globals.size if k == 0 else 0,
+            # the local layers' KV rings: their window, whatever the context
+            fixed_bytes=KVCache.window_bytes(config, s) * slots
+            + (manifest.globals.size if k == 0 else 0),
             window=windows[k],
             who=names[k],
         )

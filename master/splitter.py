@@ -18,7 +18,7 @@ from memory.files import atomic_write
 from memory.shards import Manifest, ShardRef, ShardStore, ShardWriter, Spec
 from models.dtypes import DTYPE_CHOICES
 from models.kernels import quantize
-from models.layers import Part, Slice, cast_matrix, cut, slice_parts
+from models.layers import POST_NORMS, Part, Slice, cast_matrix, cut, slice_parts
 from models.source import ModelSource
 
 Progress = Callable[[int, int], None]
@@ -79,10 +79,11 @@ def split_model(
         if progress:
             progress(i + 1, total)
     head = source.head_dtype(dtype)
-    names = ["final_norm", "embedding"] + ([] if config.tied_embeddings else ["lm_head"])
+    # the norms stay float32; POST_NORMS is 2-D, hence "f32" rather than a vector's None
+    kept = {"final_norm": None, POST_NORMS: "f32"}
     whole = {
-        n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), None if n == "final_norm" else head)
-        for n in names
+        n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), kept.get(n, head))
+        for n in source.global_names()
     }
     (globals_ref,) = _write(source, None, [whole], store)
     if progress:

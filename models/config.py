@@ -7,6 +7,7 @@ support (another architecture, a missing key) is a `ModelError` naming it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,9 @@ class Family:
     qkv_bias: bool = False  # the Q, K and V projections carry a bias (Qwen2)
     qk_norm: bool = False  # each query and key head is RMS-normed before RoPE (Qwen3)
     fused: bool = False  # Q, K, V stored as one matrix, gate and up as another (Phi-3)
+    # Gemma 3: norms of (1 + weight) (HF files store the weight, GGUF files 1 + weight), an
+    # embedding scaled by sqrt(hidden), post-block norms, GeGLU, local sliding-window layers
+    gemma: bool = False
 
 
 FAMILIES = (
@@ -32,6 +36,7 @@ FAMILIES = (
     Family("Qwen2, 2.5", "qwen2", "Qwen2ForCausalLM", qkv_bias=True),
     Family("Qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True),
     Family("Phi-3, 3.5, 4-mini", "phi3", "Phi3ForCausalLM", fused=True),
+    Family("Gemma 3 (text)", "gemma3", "Gemma3ForCausalLM", qk_norm=True, gemma=True),
 )
 GGUF_ARCHITECTURES = {f.gguf: f for f in FAMILIES}
 HF_ARCHITECTURES = {f.hf: f for f in FAMILIES}
@@ -92,12 +97,26 @@ class ModelConfig:
     fused: bool = False
     rotary_dim: int | None = None  # leading dims of each head RoPE turns; None: all of them
     tied_embeddings: bool = False
+    embedding_multiplier: float = 1.0  # the embedding's rows are scaled by it (Gemma: sqrt(D))
+    post_norms: bool = False  # each block's summed output is RMS-normed before the residual
+    activation: str = "silu"  # of the FFN's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    query_scale: float | None = None  # of the attention scores; None: 1 / sqrt(head_dim)
+    sliding_window: int | None = None  # local layers attend to this many last positions
+    local_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # the local layers' RoPE base (they are unscaled)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "local_layers", tuple(self.local_layers))  # JSON gives lists
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ModelError(f"FFN activation {self.activation!r} is not supported")
         if self.n_heads % self.n_kv_heads:
             raise ModelError(
                 f"{self.n_heads} attention heads do not divide into {self.n_kv_heads} KV heads"
             )
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends only to the last `sliding_window` positions."""
+        return layer in self.local_layers
 
     @property
     def rope_dims(self) -> int:
@@ -173,9 +192,29 @@ class ModelConfig:
             )
         head_dim = int(key("attention.key_length", hidden // n_heads))
         rotary_dim = int(key("rope.dimension_count", head_dim))
+        n_layers = int(key("block_count"))
+        gemma = {}
+        if GGUF_ARCHITECTURES[arch].gemma:
+            # As llama.cpp reads Gemma 3: every 6th layer global unless the file says otherwise,
+            # local RoPE base 10000, scores scaled by head_dim (27B: hidden / heads).
+            pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", 6)
+            if isinstance(pattern, list):  # one flag a layer: local or not
+                local = tuple(i for i, is_local in enumerate(pattern) if is_local)
+            else:
+                local = tuple(i for i in range(n_layers) if (i + 1) % int(pattern))
+            scalar = hidden // n_heads if n_layers == 62 else head_dim
+            gemma = {
+                "embedding_multiplier": math.sqrt(hidden),
+                "post_norms": True,
+                "activation": "gelu_tanh",
+                "query_scale": scalar**-0.5,
+                "sliding_window": int(key("attention.sliding_window")),
+                "local_layers": local,
+                "local_rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+            }
         return cls(
             architecture=arch,
-            n_layers=int(key("block_count")),
+            n_layers=n_layers,
             hidden=hidden,
             n_heads=n_heads,
             n_kv_heads=int(key("attention.head_count_kv", n_heads)),
@@ -191,6 +230,7 @@ class ModelConfig:
             fused=GGUF_ARCHITECTURES[arch].fused,
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=tied,
+            **gemma,
         )
 
     @classmethod
@@ -215,8 +255,10 @@ class ModelConfig:
         # 4k) equals full attention while the sequence fits in the window: the context stops
         # there. (Qwen2 configs name a window they do not use.)
         window = config.get("sliding_window")
-        if window and config.get("use_sliding_window", True):
+        family = HF_ARCHITECTURES[arch]
+        if window and config.get("use_sliding_window", True) and not family.gemma:
             context = min(context, int(window))
+        gemma = _hf_gemma(config, source) if family.gemma else {}
         return cls(
             architecture=arch,
             n_layers=int(key("num_hidden_layers")),
@@ -235,7 +277,38 @@ class ModelConfig:
             fused=HF_ARCHITECTURES[arch].fused,
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            **gemma,
         )
+
+
+def _hf_gemma(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The Gemma 3 fields of a `Gemma3ForCausalLM` config.json."""
+    for unsupported_key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(unsupported_key) is not None:  # Gemma 2's, not Gemma 3's
+            raise ModelError(f"{source}: {unsupported_key} is not supported")
+    if config.get("use_bidirectional_attention"):
+        raise ModelError(f"{source}: bidirectional attention (an embedding model) is not supported")
+    activation = config.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelError(f"{source}: FFN activation {activation!r} is not supported")
+    n_layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if not types:  # older files: every `sliding_window_pattern`-th layer is global
+        pattern = int(config.get("sliding_window_pattern") or 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(n_layers)]  # fmt: skip
+    local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
+    return {
+        "embedding_multiplier": math.sqrt(int(config["hidden_size"])),
+        "post_norms": True,
+        "activation": "gelu_tanh",
+        "query_scale": float(config.get("query_pre_attn_scalar") or 256) ** -0.5,
+        "sliding_window": int(config["sliding_window"]),
+        "local_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        "local_rope_theta": float(
+            local.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0
+        ),
+    }
 
 
 def _hf_rope(config: dict[str, Any]) -> dict[str, Any]:
@@ -243,7 +316,9 @@ def _hf_rope(config: dict[str, Any]) -> dict[str, Any]:
     `partial_rotary_factor` and `rope_scaling` as most published models have them, or the one
     `rope_parameters` of newer files."""
     top = {k: config.get(k) for k in ("rope_theta", "partial_rotary_factor")}
-    return top | (config.get("rope_scaling") or {}) | (config.get("rope_parameters") or {})
+    newer = config.get("rope_parameters") or {}
+    newer = newer.get("full_attention", newer)  # Gemma 3: one per kind of layer; global here
+    return top | (config.get("rope_scaling") or {}) | newer
 
 
 def _hf_rope_scaling(config: dict[str, Any], source: str) -> RopeScaling | None:

@@ -34,6 +34,10 @@ from models.quant import matrix_size, take_columns
 LAYER_TENSORS = ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")
 BIAS_TENSORS = ("q_bias", "k_bias", "v_bias")
 QK_NORM_TENSORS = ("q_norm", "k_norm")  # one (head_dim,) weight each, shared by every head
+# Norms of a block's summed output (Gemma 3): the master applies them after the allreduce, so
+# the master holds them all, as one global (2 n_layers, hidden) tensor named POST_NORMS.
+POST_NORM_TENSORS = ("post_attn_norm", "post_ffn_norm")
+POST_NORMS = "post_norms"
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,8 @@ def full_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
     if config.qk_norm:
         shapes |= {"q_norm": (hd,), "k_norm": (hd,)}
+    if config.post_norms:
+        shapes |= {name: (config.hidden,) for name in POST_NORM_TENSORS}
     return shapes
 
 
@@ -338,11 +344,13 @@ def attention_partial(
     cache_k: torch.Tensor,
     cache_v: torch.Tensor,
     batch: StepBatch,
+    window: int | None = None,
 ) -> torch.Tensor:
     """This slice's share of the attention block's output for h (B, T, D).
 
     cache_k/cache_v: this layer's cache, (slots, n_kv, max_ctx, hd); the step's keys and values
-    are written into it before attending.
+    are written into it before attending. A local layer (`window`: it attends to that many last
+    positions) has a ring of min(window, max_ctx) positions instead (`_attend_window`).
     """
     B, T, _ = h.shape
     hd, nq, nkv = config.head_dim, s.n_q, s.n_kv
@@ -362,7 +370,9 @@ def attention_partial(
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
 
-    if B == 1:
+    if window is not None:
+        out = _attend_window(q, k, v, cache_k, cache_v, batch, window, s, config)
+    elif B == 1:
         slot, start = batch.slots[0], batch.starts[0]
         end = start + T
         cache_k[slot, :, start:end] = k[0]
@@ -372,6 +382,7 @@ def attention_partial(
         causal = T > 1 and start == 0
         if T > 1 and start > 0:  # a continued prompt: attend to the past and causally within
             mask = torch.arange(end) <= (start + torch.arange(T)).unsqueeze(1)  # (T, L)
+        out = _attend(q, keys, values, mask, causal, s, config)
     else:
         ends = [st + n for st, n in zip(batch.starts, batch.lengths, strict=True)]
         for b, (slot, st, n) in enumerate(
@@ -385,29 +396,81 @@ def attention_partial(
         qpos = batch.positions()  # (B, T)
         kpos = torch.arange(L)
         mask = (kpos <= qpos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
-        causal = False
-
-    if nq == nkv * config.group_size and s.q_heads[0] % config.group_size == 0:
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=nq != nkv
-        )
-    else:  # query heads split within a group: map each local query head to its KV head
-        kv_of_q = torch.arange(*s.q_heads) // config.group_size - s.kv_heads[0]
-        out = F.scaled_dot_product_attention(
-            q, keys[:, kv_of_q], values[:, kv_of_q], attn_mask=mask, is_causal=causal
-        )
+        out = _attend(q, keys, values, mask, False, s, config)
     out = out.transpose(1, 2).reshape(B, T, nq * hd)
     return project(out, w, "wo")  # (B, T, D), row-parallel: sum over slices
 
 
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    s: Slice,
+    config: ModelConfig,
+) -> torch.Tensor:
+    """Attention of this slice's query heads q (B, nq, T, hd) over its KV heads' keys and
+    values (B, nkv, L, hd)."""
+    nq, nkv, group = s.n_q, s.n_kv, config.group_size
+    scale = config.query_scale
+    if nq == nkv * group and s.q_heads[0] % group == 0:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=nq != nkv, scale=scale
+        )
+    # query heads split within a group: map each local query head to its KV head
+    kv_of_q = torch.arange(*s.q_heads) // group - s.kv_heads[0]
+    return F.scaled_dot_product_attention(
+        q, keys[:, kv_of_q], values[:, kv_of_q], attn_mask=mask, is_causal=causal, scale=scale
+    )
+
+
+def _attend_window(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    batch: StepBatch,
+    window: int,
+    s: Slice,
+    config: ModelConfig,
+) -> torch.Tensor:
+    """A local layer's attention: each query sees the last `window` positions, itself included.
+
+    The cache is a ring of W = min(window, max_ctx) positions, position p at p % W: a sequence's
+    past comes out of it in position order, its new keys join, and the last W go back in.
+    """
+    W = cache_k.shape[2]
+    out = torch.zeros_like(q)
+    for b, (slot, st, n) in enumerate(zip(batch.slots, batch.starts, batch.lengths, strict=True)):
+        past = torch.arange(max(0, st - window + 1), st)
+        kpos = torch.cat((past, torch.arange(st, st + n)))
+        keys = torch.cat((cache_k[slot][:, past % W], k[b, :, :n]), dim=1).unsqueeze(0)
+        values = torch.cat((cache_v[slot][:, past % W], v[b, :, :n]), dim=1).unsqueeze(0)
+        qpos = torch.arange(st, st + n).unsqueeze(1)
+        mask = (kpos <= qpos) & (kpos > qpos - window)  # (n, L)
+        out[b : b + 1, :, :n] = _attend(q[b : b + 1, :, :n], keys, values, mask, False, s, config)
+        kept = torch.arange(max(st, st + n - W), st + n)
+        cache_k[slot][:, kept % W] = k[b][:, kept - st]
+        cache_v[slot][:, kept % W] = v[b][:, kept - st]
+    return out
+
+
+def _gate(gate: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    if config.activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh")
+    return F.silu(gate)
+
+
 def ffn_partial(h: torch.Tensor, w: dict[str, torch.Tensor], config: ModelConfig) -> torch.Tensor:
-    """This slice's share of the SwiGLU FFN block's output for h (B, T, D)."""
+    """This slice's share of the FFN block's output for h (B, T, D): SwiGLU, or GeGLU."""
     n = matrix_size(w["w_down"])[1]
     if n == 0:
         return h.new_zeros(h.shape)
     x = rms_norm(h, w["ffn_norm"], config.norm_eps)
     gate, up = project(x, w, "w_gate_up").split(n, dim=-1)  # column-parallel
-    return project(F.silu(gate) * up, w, "w_down")  # row-parallel: sum over slices
+    return project(_gate(gate, config) * up, w, "w_down")  # row-parallel: sum over slices
 
 
 # -- the decode path: NumPy rows -----------------------------------------------------------------
@@ -451,9 +514,11 @@ def attention_rows(
     cache_k: np.ndarray,
     cache_v: np.ndarray,
     batch: StepBatch,
+    window: int | None = None,
 ) -> np.ndarray:
     """`attention_partial` for a decode step: h (B, D), one new token per sequence at
-    `batch.starts`; cos_sin from `Rope.rows`; the cache as arrays (slots, n_kv, max_ctx, hd).
+    `batch.starts`; cos_sin from `Rope.rows`; the cache as arrays (slots, n_kv, max_ctx, hd),
+    or a local layer's ring (`window`).
 
     Why NumPy: a decode step's slice of a layer is a few MB of weights, and between messages
     every torch call runs cold. Measured on SmolLM2 (a third of a layer, one thread): attention
@@ -480,12 +545,15 @@ def attention_rows(
     group = config.group_size
     grouped = nq == nkv * group and s.q_heads[0] % group == 0
     kv_of_q = None if grouped else np.arange(*s.q_heads) // group - s.kv_heads[0]
-    scale = np.float32(1.0 / math.sqrt(hd))
+    scale = np.float32(config.query_scale or 1.0 / math.sqrt(hd))
+    W = cache_k.shape[2]  # a local layer's ring: position p at p % W, the last W positions
     out = np.empty((B, nq, hd), dtype=np.float32)
     for b, (slot, pos) in enumerate(zip(batch.slots, batch.starts, strict=True)):
-        cache_k[slot, :, pos] = k[b]
-        cache_v[slot, :, pos] = v[b]
-        keys, values = cache_k[slot, :, : pos + 1], cache_v[slot, :, : pos + 1]  # (nkv, L, hd)
+        at = pos % W if window is not None else pos
+        cache_k[slot, :, at] = k[b]
+        cache_v[slot, :, at] = v[b]
+        seen = min(pos + 1, W)
+        keys, values = cache_k[slot, :, :seen], cache_v[slot, :, :seen]  # (nkv, L, hd)
         if grouped:  # each KV head serves `group` query heads
             queries = q[b].reshape(nkv, group, hd)
         else:  # query heads split within a group: each reads its own KV head
@@ -507,6 +575,10 @@ def ffn_rows(h: np.ndarray, w: dict[str, torch.Tensor], config: ModelConfig) -> 
     x = rms_norm_rows(h, w["ffn_norm"], config.norm_eps)
     gate_up = project_rows(x, w, "w_gate_up")
     gate, up = gate_up[:, :n], gate_up[:, n:]
-    # silu(g) = g * sigmoid(g), with sigmoid as 0.5 (1 + tanh(g / 2)): no overflow for any g
-    act = gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up
+    if config.activation == "gelu_tanh":
+        inner = np.float32(math.sqrt(2 / math.pi)) * (gate + np.float32(0.044715) * gate**3)
+        act = np.float32(0.5) * gate * (1 + np.tanh(inner)) * up
+    else:
+        # silu(g) = g * sigmoid(g), with sigmoid as 0.5 (1 + tanh(g / 2)): no overflow for any g
+        act = gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up
     return project_rows(act, w, "w_down")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from models.config import DEFAULT_MODEL, ModelConfig
+from models.config import DEFAULT_MODEL, HF_ARCHITECTURES, ModelConfig
 from models.dtypes import SOURCE_TYPES, embedding_dtype, matrix_dtype
 from models.errors import ModelError
 from models.gguf_file import GGUFFile
@@ -21,6 +21,8 @@ from models.layers import (
     BIAS_TENSORS,
     LAYER_TENSORS,
     MATRICES,
+    POST_NORM_TENSORS,
+    POST_NORMS,
     QK_NORM_TENSORS,
     Slice,
     full_layer_shapes,
@@ -60,24 +62,38 @@ class ModelSource(ABC):
     @abstractmethod
     def tokenizer(self) -> Tokenizer: ...
 
-    @abstractmethod
     def stored_type(self, layer: int | None, name: str) -> str:
         """How the source stores a tensor: a GGUF type name, or F32, F16, BF16. `name` is a
         canonical layer tensor (`layer` its index) or, with `layer` None, "embedding",
-        "lm_head" or "final_norm"."""
+        "lm_head", "final_norm" or POST_NORMS."""
+        return "F32" if name == POST_NORMS else self._stored_type(layer, name)
 
-    @abstractmethod
     def rows(
         self, layer: int | None, name: str, start: int, stop: int, blocks: bool = False
     ) -> torch.Tensor:
         """Rows [start, stop) of a tensor (named as in `stored_type`): float32, or with `blocks`
         the stored blocks where they are in one of models.quant's formats. Q and K rows come in
         whole heads."""
+        if name == POST_NORMS:  # row 2 i: layer i's post-attention norm, 2 i + 1: post-FFN
+            return torch.stack(
+                [self.tensor(r // 2, POST_NORM_TENSORS[r % 2]) for r in range(start, stop)]
+            )
+        return self._rows(layer, name, start, stop, blocks)
+
+    @abstractmethod
+    def _stored_type(self, layer: int | None, name: str) -> str: ...
+
+    @abstractmethod
+    def _rows(
+        self, layer: int | None, name: str, start: int, stop: int, blocks: bool
+    ) -> torch.Tensor: ...
 
     def shape(self, layer: int | None, name: str) -> tuple[int, ...]:
-        if layer is not None:
-            return full_layer_shapes(self.config)[name]
         c = self.config
+        if layer is not None:
+            return full_layer_shapes(c)[name]
+        if name == POST_NORMS:
+            return (2 * c.n_layers, c.hidden)
         return (c.hidden,) if name == "final_norm" else (c.vocab_size, c.hidden)
 
     def tensor(self, layer: int | None, name: str, blocks: bool = False) -> torch.Tensor:
@@ -93,6 +109,16 @@ class ModelSource(ABC):
             LAYER_TENSORS
             + (BIAS_TENSORS if c.qkv_bias else ())
             + (QK_NORM_TENSORS if c.qk_norm else ())
+        )  # the post norms are the master's: POST_NORMS
+
+    def global_names(self) -> list[str]:
+        """The tensors the master holds whole: the embedding, lm_head and norms after the
+        layers' sums."""
+        c = self.config
+        return (
+            ["final_norm", "embedding"]
+            + ([] if c.tied_embeddings else ["lm_head"])
+            + ([POST_NORMS] if c.post_norms else [])
         )
 
     def embedding(self) -> torch.Tensor:
@@ -156,6 +182,8 @@ _GGUF_LAYER = {
     "v_bias": "attn_v.bias",
     "q_norm": "attn_q_norm.weight",
     "k_norm": "attn_k_norm.weight",
+    "post_attn_norm": "post_attention_norm.weight",
+    "post_ffn_norm": "post_ffw_norm.weight",
 }
 
 
@@ -236,11 +264,11 @@ class GGUFSource(ModelSource):
         c = self.config
         return _gguf_name(layer, name, c.tied_embeddings, c.fused)
 
-    def stored_type(self, layer: int | None, name: str) -> str:
+    def _stored_type(self, layer: int | None, name: str) -> str:
         return self.file.info(self._name(layer, name)).tensor_type.name
 
-    def rows(
-        self, layer: int | None, name: str, start: int, stop: int, blocks: bool = False
+    def _rows(
+        self, layer: int | None, name: str, start: int, stop: int, blocks: bool
     ) -> torch.Tensor:
         gguf_name = self._name(layer, name)
         kind = self.file.info(gguf_name).tensor_type.name.lower()
@@ -279,6 +307,13 @@ _HF_LAYER = {
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
 }
+# Gemma 3 names its norms after where they sit: "post_attention" is after attention, not
+# before the FFN as in Llama.
+_HF_GEMMA_NORMS = {
+    "ffn_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_ffn_norm": "post_feedforward_layernorm.weight",
+}
 
 
 def hf_layer_name(index: int, canonical: str) -> str:
@@ -300,6 +335,7 @@ class HFSource(ModelSource):
         except json.JSONDecodeError as exc:
             raise ModelError(f"{config_path} is not valid JSON ({exc})") from exc
         self.config = ModelConfig.from_hf(raw, str(config_path))
+        self._norm_plus_one = HF_ARCHITECTURES[self.config.architecture].gemma
         index = path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -325,6 +361,8 @@ class HFSource(ModelSource):
     def _key(self, layer: int | None, name: str) -> str:
         if layer is not None and self.config.fused and name in _HF_FUSED:
             key = f"model.layers.{layer}.{_HF_FUSED[name]}"
+        elif layer is not None and self._norm_plus_one and name in _HF_GEMMA_NORMS:
+            key = f"model.layers.{layer}.{_HF_GEMMA_NORMS[name]}"
         elif layer is not None:
             key = hf_layer_name(layer, name)
         elif name == "lm_head" and not self.config.tied_embeddings:
@@ -335,15 +373,15 @@ class HFSource(ModelSource):
             raise ModelError(f"{self.path}: tensor {key!r} is missing")
         return key
 
-    def stored_type(self, layer: int | None, name: str) -> str:
+    def _stored_type(self, layer: int | None, name: str) -> str:
         from safetensors import safe_open
 
         key = self._key(layer, name)
         with safe_open(str(self._where[key]), framework="pt") as handle:
             return handle.get_slice(key).get_dtype()
 
-    def rows(
-        self, layer: int | None, name: str, start: int, stop: int, blocks: bool = False
+    def _rows(
+        self, layer: int | None, name: str, start: int, stop: int, blocks: bool
     ) -> torch.Tensor:
         from safetensors import safe_open
 
@@ -352,7 +390,10 @@ class HFSource(ModelSource):
         # A file is opened per read: an open file stays mapped, and every page a read touched
         # would count as this process's memory (GBs while splitting a 70B model).
         with safe_open(str(self._where[key]), framework="pt") as handle:
-            return handle.get_slice(key)[at + start : at + stop].to(torch.float32)
+            out = handle.get_slice(key)[at + start : at + stop].to(torch.float32)
+        if self._norm_plus_one and (name.endswith("norm")):
+            out = out + 1  # Gemma's norms scale by (1 + weight); GGUF files store the sum
+        return out
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_hf_folder(self.path)

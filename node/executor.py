@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -40,6 +41,7 @@ class SliceExecutor:
         weights: LayerWindow | ResidentLayers,
         rope: Rope,
         cache: KVCache,
+        local_rope: Rope | None = None,
     ) -> None:
         if weights.n_layers != config.n_layers:
             raise ValueError(f"expected {config.n_layers} layers, got {weights.n_layers}")
@@ -49,9 +51,12 @@ class SliceExecutor:
         # A slice that streams gives its loader a core (models/kernels.py says why).
         leave_a_core_to_the_loader(isinstance(weights, LayerWindow) and not weights.resident)
         self.rope = rope
+        self.local_rope = local_rope  # the local layers' (Gemma 3), if they have their own
         self.cache = cache
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cos_sin_rows: tuple[np.ndarray, np.ndarray] | None = None
+        self._local_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._local_cos_sin_rows: tuple[np.ndarray, np.ndarray] | None = None
         self._batch: StepBatch | None = None
 
     def matrix_shapes(self) -> list[Shape]:
@@ -63,6 +68,9 @@ class SliceExecutor:
         self._batch = batch
         self._cos_sin_rows = self.rope.rows(batch.starts) if batch.rows else None
         self._cos_sin = self.rope.tables(batch.positions())
+        if self.local_rope is not None:
+            self._local_cos_sin_rows = self.local_rope.rows(batch.starts) if batch.rows else None
+            self._local_cos_sin = self.local_rope.tables(batch.positions())
 
     @property
     def rows(self) -> bool:
@@ -74,29 +82,37 @@ class SliceExecutor:
         assert self._batch is not None and self._cos_sin is not None, "begin_step first"
         started = time.perf_counter()
         weights = self.weights.get(index)
+        local = self.config.is_local(index)
+        window = self.config.sliding_window if local else None
+        own_rope = local and self.local_rope is not None
         if self._batch.rows:
-            assert isinstance(h, np.ndarray) and self._cos_sin_rows is not None
+            cos_sin_rows = self._local_cos_sin_rows if own_rope else self._cos_sin_rows
+            assert isinstance(h, np.ndarray) and cos_sin_rows is not None
             out = attention_rows(
                 h,
                 weights,
                 self.slice,
                 self.config,
-                self._cos_sin_rows,
+                cos_sin_rows,
                 self.cache.key_arrays[index],
                 self.cache.value_arrays[index],
                 self._batch,
+                window,
             )
         else:
             assert isinstance(h, torch.Tensor)
+            cos_sin = self._local_cos_sin if own_rope else self._cos_sin
+            assert cos_sin is not None
             out = attention_partial(
                 h,
                 weights,
                 self.slice,
                 self.config,
-                self._cos_sin,
+                cos_sin,
                 self.cache.keys[index],
                 self.cache.values[index],
                 self._batch,
+                window,
             )
         self.weights.figures.compute_s += time.perf_counter() - started
         return out
@@ -129,4 +145,9 @@ def make_executor(
 ) -> SliceExecutor:
     """A slice's executor with its RoPE tables and an empty KV cache: the one way to build one."""
     rope = Rope(config, max_context, rope_freq_factors)
-    return SliceExecutor(config, s, weights, rope, KVCache(config, s, slots, max_context))
+    local_rope = None
+    if config.local_layers and config.local_rope_theta is not None:  # unscaled, own base
+        local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+        local_rope = Rope(local, max_context)
+    cache = KVCache(config, s, slots, max_context)
+    return SliceExecutor(config, s, weights, rope, cache, local_rope)

@@ -27,9 +27,11 @@ class KVCache:
         max_context: int,
         dtype: torch.dtype = KV_DTYPE,
     ) -> None:
-        shape = (slots, s.n_kv, max_context, config.head_dim)  # (S, n_kv, ctx, hd)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
+        def shape(layer: int) -> tuple[int, ...]:  # (S, n_kv, positions, hd)
+            return (slots, s.n_kv, positions(config, layer, max_context), config.head_dim)
+
+        self.keys = [torch.zeros(shape(i), dtype=dtype) for i in range(config.n_layers)]
+        self.values = [torch.zeros(shape(i), dtype=dtype) for i in range(config.n_layers)]
         # The same memory as arrays, for the decode path (models/layers.py, attention_rows).
         self.key_arrays = [k.numpy() for k in self.keys]
         self.value_arrays = [v.numpy() for v in self.values]
@@ -38,5 +40,21 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, s: Slice, dtype: torch.dtype = KV_DTYPE) -> int:
+        """A slot's bytes per token of context: those of the layers that attend to all of it."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.n_layers * s.n_kv * config.head_dim * itemsize
+        full = config.n_layers - len(config.local_layers)
+        return 2 * full * s.n_kv * config.head_dim * itemsize
+
+    @staticmethod
+    def window_bytes(config: ModelConfig, s: Slice, dtype: torch.dtype = KV_DTYPE) -> int:
+        """A slot's bytes for the local layers' rings, whatever the context (at most this)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        window = config.sliding_window or 0
+        return 2 * len(config.local_layers) * window * s.n_kv * config.head_dim * itemsize
+
+
+def positions(config: ModelConfig, layer: int, max_context: int) -> int:
+    """Positions a layer's cache holds: a local layer only its window, as a ring."""
+    if config.is_local(layer) and config.sliding_window:
+        return min(config.sliding_window, max_context)
+    return max_context

@@ -101,9 +101,46 @@ FAMILIES = {
         },
         "phi3",
     ),
+    # Gemma 3's layout: one KV head, head_dim 32 with a query scale of its own, 6 layers of which
+    # the 6th is global (as llama.cpp reads a GGUF file), a local window of 16 (the prompt is
+    # 40), the global layers' RoPE scaled as the 4B and larger models have it.
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "num_hidden_layers": 6,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 16,
+            "rope_parameters": {
+                "full_attention": {
+                    "rope_type": "linear",
+                    "factor": 8.0,
+                    "rope_theta": 1000000.0,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            **PHI_TOKENS,
+        },
+        "gemma3",
+    ),
 }
+# Gemma 3 27B's scores are scaled by query_pre_attn_scalar = hidden / heads, not head_dim. A GGUF
+# file holds no scale (llama.cpp tells the 27B by its layer count): an HF folder only.
+FAMILIES["gemma3-27b-scale"] = (
+    "Gemma3TextConfig",
+    FAMILIES["gemma3"][1] | {"query_pre_attn_scalar": 24},
+    "gemma3",
+)
+HF_ONLY = {"gemma3-27b-scale"}
 # KV cache positions where a family's RoPE depends on them (default: the model's context)
 CONTEXT = {"phi3.5-mini": 80}
+# llama.cpp's names of Gemma 3's norms (its "post_attention" norm is after attention)
+GGUF_GEMMA_NORMS = {
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 # llama.cpp's names of the fused matrices
 GGUF_FUSED = {
     "self_attn.qkv_proj.weight": "attn_qkv.weight",
@@ -148,7 +185,13 @@ def _write_gguf(model, arch: str, path: Path) -> None:
     writer.add_context_length(c.max_position_embeddings)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = c.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers'
     writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "gemma3":
+        writer.add_sliding_window(c.sliding_window)
     if rope.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -168,24 +211,24 @@ def _write_gguf(model, arch: str, path: Path) -> None:
         writer.add_tensor("rope_freqs.weight", (default / rotary.inv_freq.double()).float().numpy())
     writer.add_vocab_size(c.vocab_size)
     state = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    if arch == "gemma3":  # llama.cpp's converter stores Gemma's norms as 1 + weight
+        state = {k: v + 1 if k.endswith("norm.weight") else v for k, v in state.items()}
     writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
     writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
     if not c.tie_word_embeddings:
         writer.add_tensor("output.weight", state["lm_head.weight"].numpy())
-    heads = {"q": c.num_attention_heads, "k": c.num_key_value_heads}
-    for i in range(c.num_hidden_layers):
-        for hf, name in GGUF_FUSED.items():
-            key = f"model.layers.{i}.{hf}"
-            if key in state:
-                writer.add_tensor(f"blk.{i}.{name}", state[key].numpy())
-        for canonical, hf in _HF_LAYER.items():
-            key = f"model.layers.{i}.{hf}"
-            if key not in state:
-                continue
-            t = state[key]
-            if arch == "llama" and canonical in heads:
-                t = _llama_permute(t, heads[canonical])
-            writer.add_tensor(f"blk.{i}.{_GGUF_LAYER[canonical]}", t.numpy())
+    names = {hf: _GGUF_LAYER[canonical] for canonical, hf in _HF_LAYER.items()} | GGUF_FUSED
+    if arch == "gemma3":
+        names |= GGUF_GEMMA_NORMS
+    heads = {"attn_q.weight": c.num_attention_heads, "attn_k.weight": c.num_key_value_heads}
+    for key, t in state.items():
+        if not key.startswith("model.layers."):
+            continue
+        i, hf = key.removeprefix("model.layers.").split(".", 1)
+        name = names[hf]
+        if arch == "llama" and name in heads:
+            t = _llama_permute(t, heads[name])
+        writer.add_tensor(f"blk.{i}.{name}", t.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -201,7 +244,7 @@ def _build(name: str, tmp_path_factory) -> tuple:
 
     if name not in _BUILT:
         config_class, extra, arch = FAMILIES[name]
-        config = getattr(transformers, config_class)(**SMALL, **extra)
+        config = getattr(transformers, config_class)(**(SMALL | extra))
         model = transformers.AutoModelForCausalLM.from_config(
             config, attn_implementation="eager", dtype=torch.float32
         )
@@ -217,7 +260,7 @@ def _build(name: str, tmp_path_factory) -> tuple:
     return _BUILT[name]
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(set(FAMILIES) - HF_ONLY))
 def family(request, tmp_path_factory):
     return _build(request.param, tmp_path_factory)
 
@@ -256,7 +299,11 @@ def _assert_close_logits(ours: torch.Tensor, expected: torch.Tensor, what: str) 
     assert worst <= bound, f"{what}: {worst} > {bound}"
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize(
+    ("family", "source"),
+    [(f, s) for f in sorted(FAMILIES) for s in ("hf", "gguf") if s == "hf" or f not in HF_ONLY],
+    indirect=["family"],
+)
 def test_logits_equal_transformers_at_every_position_on_every_node_count(family, source):
     name, model, folder, prompt = family
     expected, continuation = _reference(model, prompt)
