@@ -158,17 +158,20 @@ def memory_plans(
 
     def plan(k: int, ctx: int) -> MemoryPlan:
         s = Slice.from_dict(manifest.slices[k])
+        rings = KVCache.window_bytes(config, s) * slots  # their window, whatever the context
         return plan_memory(
             budgets[k],
             max(r.size for r in manifest.nodes[k]),
             config.n_layers,
             KVCache.bytes_per_token(config, s, torch.float32) * slots,
             ctx,
-            # the local layers' KV rings: their window, whatever the context
-            fixed_bytes=KVCache.window_bytes(config, s) * slots
-            + (manifest.globals.size if k == 0 else 0),
+            fixed_bytes=rings + (manifest.globals.size if k == 0 else 0),
             window=windows[k],
             who=names[k],
+            fixed_what=" and ".join(
+                (["the embedding and lm_head"] if k == 0 else [])
+                + (["the local layers' KV rings"] if rings else [])
+            ),
         )
 
     layers = manifest.nodes[0]

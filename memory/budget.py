@@ -94,12 +94,14 @@ def plan_memory(
     fixed_bytes: int = 0,
     window: int | None = None,
     who: str = "this node",
+    fixed_what: str = "the embedding and lm_head",
 ) -> MemoryPlan:
     """The window and context a memory budget allows.
 
-    The budget covers what edgetp allocates: the window's layer buffers, the KV cache and, on
-    the master, the embedding and lm_head (`fixed_bytes`); not the Python runtime. The window
-    takes what the full KV cache leaves; if that is under two layers (one computing, one
+    The budget covers what edgetp allocates: the window's layer buffers, the KV cache and what
+    is held whatever the window and context (`fixed_bytes`, named by `fixed_what`: on the
+    master the embedding and lm_head; local layers' KV rings); not the Python runtime. The
+    window takes what the full KV cache leaves; if that is under two layers (one computing, one
     loading), the context shrinks instead, down to MIN_CONTEXT. A forced `window` is kept and
     the context fits around it.
     """
@@ -114,9 +116,7 @@ def plan_memory(
     fits = (free - w * layer_bytes) // max(kv_bytes_per_token, 1)
     if fits < MIN_CONTEXT:
         need = fixed_bytes + w * layer_bytes + kv_bytes_per_token * MIN_CONTEXT
-        globals_ = (
-            f", the embedding and lm_head ({format_size(fixed_bytes)})" if fixed_bytes else ""
-        )
+        globals_ = f", {fixed_what} ({format_size(fixed_bytes)})" if fixed_bytes else ""
         raise BudgetError(
             f"{who}: a memory budget of {format_size(budget)} cannot hold {w} layers of its "
             f"slice ({format_size(layer_bytes)} each){globals_} and a KV cache of "
