@@ -70,7 +70,7 @@ class ShuttingDown(ClusterError):
 
 
 class NodeLost(ClusterError):
-    """A node failed mid-step: the requests in that step are lost; the rest re-plan."""
+    """A node failed mid-step and a request cannot go on: the nodes left cannot hold it."""
 
 
 @dataclass
@@ -136,6 +136,8 @@ class BatcherStats:
     tokens_per_s: float = 0.0
     last_cancel: CancelRecord | None = None
     down: str | None = None
+    recovered: int = 0  # requests that went on after a node was lost in their step
+    last_loss: str | None = None  # what the last node loss was and what became of it
 
 
 class Batcher:
@@ -156,6 +158,8 @@ class Batcher:
         # Counters, changed only under the lock.
         self._steps = 0
         self._submitted = self._completed = self._cancelled = self._failed = 0
+        self._recovered = 0
+        self._last_loss: str | None = None
         self._prompt_tokens = self._completion_tokens = 0
         self._largest_batch = 0
         self._recent: collections.deque[tuple[float, float, int]] = collections.deque(
@@ -246,6 +250,8 @@ class Batcher:
                 tokens_per_s=round(sum(n for _, _, n in recent) / busy, 1) if busy else 0.0,
                 last_cancel=self._last_cancel,
                 down=self._down,
+                recovered=self._recovered,
+                last_loss=self._last_loss,
             )
 
     def close(self, timeout: float = 10.0) -> None:
@@ -305,10 +311,12 @@ class Batcher:
                     self._deliver(job)
 
     def _recover(self, number: int, exc: ClusterError) -> None:
-        """A node failed mid-step: its requests are lost (their KV caches were split across
-        the nodes); re-plan on the nodes left if the engine can, else the cluster is down.
-
-        Requests that arrive meanwhile wait in line for the new engine.
+        """A node failed mid-step: re-plan on the nodes left, and every running request goes on
+        where it was. Its KV cache was split across the old plan, so its next step replays its
+        prompt and the tokens it has so far into the new engine's cache (a prefill), then it
+        samples its next token as the uninterrupted run would have. A request that no longer
+        fits the new plan's context fails, saying so; if the cluster cannot re-plan, every
+        request fails. Requests that arrive meanwhile wait in line for the new engine.
         """
         log.error("step %d failed: %s", number, exc)
         exc.with_traceback(None)  # its frames hold the failed engine's slices: let them go
@@ -317,13 +325,31 @@ class Batcher:
                 self._down = f"the cluster is down: {exc}; restart edgetp serve to re-plan"
                 self._fail_all(ClusterError(self._down))
                 return
-            for job in list(self._active):  # the waiting line keeps its place
-                self._drop(job)
-                self._failed += 1
-                if not job.cancelled:
-                    _emit(job, Failed(NodeLost(f"{exc}; re-planning on the nodes left")))
-        if self._replanned(self.session.replan, f"{exc}; re-planning"):
-            log.warning("re-planned on %d node(s)", self.session.nodes)
+        lost_at = time.strftime("%H:%M:%S")
+        if not self._replanned(self.session.replan, f"{exc}; re-planning"):
+            return
+        assert self.engine is not None
+        context = self.engine.max_context
+        replayed = 0
+        with self._cond:
+            for job in list(self._active):
+                g = job.generation
+                if len(g.prompt) + len(g.tokens) + 1 > context:
+                    self._drop(job)
+                    self._failed += 1
+                    _emit(job, Failed(NodeLost(
+                        f"{exc}; the nodes left hold a context of {context} tokens, and this "
+                        f"answer needs {len(g.prompt) + len(g.tokens) + 1}"
+                    )))  # fmt: skip
+                    continue
+                g.position = 0  # replayed whole by the next step (`Generation.pending`)
+                replayed += 1
+            self._recovered += replayed
+            self._last_loss = (
+                f"{lost_at} {exc}; re-planned on {self.session.nodes} node(s), "
+                f"{replayed} answer(s) went on"
+            )
+        log.warning("re-planned on %d node(s); %d answer(s) replayed", self.session.nodes, replayed)
 
     def _take_in_changes(self) -> None:
         """Between requests: nodes that joined get a share, nodes that left give theirs up."""

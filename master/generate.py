@@ -37,8 +37,9 @@ class Generation:
         return self.finish_reason is not None
 
     def pending(self) -> list[int]:
-        """Tokens to feed in the next step."""
-        return self.prompt if self.position == 0 else self.tokens[-1:]
+        """Tokens to feed in the next step: from an empty cache, the prompt and every token so
+        far (a new request, or one replayed after a node was lost); else the last token."""
+        return self.prompt + self.tokens if self.position == 0 else self.tokens[-1:]
 
     def take_text(self) -> str:
         """New text since the last call, holding back what a stop string might still claim."""

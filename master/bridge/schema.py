@@ -298,6 +298,10 @@ class GenerationFigures(BaseModel):
     batch_recent: list[int] = Field(description="sequences in each of those steps")
     tokens_per_s: float = Field(description="tokens per second of those steps' time")
     last_cancel: CancelFigures | None = None
+    recovered: int = Field(0, description="requests that went on after a node was lost")
+    last_loss: str | None = Field(
+        None, description="when the last node was lost, which, and what the cluster did"
+    )
 
 
 class Health(BaseModel):

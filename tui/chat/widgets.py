@@ -87,6 +87,8 @@ def summary(figures: ClusterFigures) -> RenderableType:
         table.add_row("allreduce", NONE)
     table.add_row("requests", f"{g.active} active · {g.waiting} waiting / {g.slots}")
     parts: list[RenderableType] = [table]
+    if g.last_loss:  # a node lost mid-answer: the answers went on; say so here, not in them
+        parts.append(Text(f"node lost at {g.last_loss}", style="yellow"))
     if figures.down:
         parts.insert(0, Text(f"DOWN: {figures.down}", style="bold red"))
     return Group(*parts)
