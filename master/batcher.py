@@ -325,9 +325,10 @@ class Batcher:
                 self._down = f"the cluster is down: {exc}; restart edgetp serve to re-plan"
                 self._fail_all(ClusterError(self._down))
                 return
-        lost_at = time.strftime("%H:%M:%S")
+        lost_at, started = time.strftime("%H:%M:%S"), time.perf_counter()
         if not self._replanned(self.session.replan, f"{exc}; re-planning"):
             return
+        replan_s = time.perf_counter() - started
         assert self.engine is not None
         context = self.engine.max_context
         replayed = 0
@@ -346,10 +347,15 @@ class Batcher:
                 replayed += 1
             self._recovered += replayed
             self._last_loss = (
-                f"{lost_at} {exc}; re-planned on {self.session.nodes} node(s), "
-                f"{replayed} answer(s) went on"
+                f"{lost_at} {exc}; re-planned on {self.session.nodes} node(s) in "
+                f"{replan_s:.1f} s, {replayed} answer(s) went on"
             )
-        log.warning("re-planned on %d node(s); %d answer(s) replayed", self.session.nodes, replayed)
+        log.warning(
+            "re-planned on %d node(s) in %.1f s; %d answer(s) replayed",
+            self.session.nodes,
+            replan_s,
+            replayed,
+        )
 
     def _take_in_changes(self) -> None:
         """Between requests: nodes that joined get a share, nodes that left give theirs up."""

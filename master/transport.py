@@ -209,7 +209,7 @@ class Transport:
                         raise NodeDown(
                             identity,
                             f"node {name} stopped answering mid-step (no heartbeat for "
-                            f"{silence:.1f} s); the request failed",
+                            f"{silence:.1f} s)",
                         )
                 if time.monotonic() > deadline:
                     raise ClusterError(f"no partials within {STEP_TIMEOUT:.0f} s")

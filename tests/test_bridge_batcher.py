@@ -14,7 +14,7 @@ import weakref
 
 import pytest
 
-from master.batcher import Batcher, Delta, Event, Failed, Finished, NodeLost
+from master.batcher import Batcher, Delta, Event, Failed, Finished
 from master.cluster import Hub
 from master.engine import Engine
 from master.params import SamplingParams
@@ -164,17 +164,23 @@ def test_submit_is_thread_safe(batcher, prompts, solo):
     assert [results[0], results[1]] == solo[:2]
 
 
-def test_a_lost_node_frees_the_old_engine_before_the_re_plan(smollm2, smollm2_tokenizer, prompts):
-    """A step that fails for a lost node fails its request, and the old engine's weights and
-    KV cache are gone before the new engine loads: a device cannot hold both. The next
-    request runs on the new engine."""
+def test_a_node_lost_mid_answer_loses_no_answer_and_frees_the_old_engine_first(
+    smollm2, smollm2_tokenizer, prompts, solo
+):
+    """A step that fails for a lost node, eight tokens into two answers: the master re-plans
+    and both answers go on from where they were, token for token what they are uninterrupted;
+    the old engine's weights and KV cache were gone before the new engine loaded (a device
+    cannot hold both)."""
 
-    class LostNode:  # the seam: the other devices, one of which has just died
+    class LostNode:  # the seam: the other devices, one of which dies during step 9
+        steps = 0
+
         def begin_step(self, batch: object) -> None:
-            pass
+            self.steps += 1
 
         def send(self, *args: object, **kwargs: object) -> None:
-            raise ClusterError("node local-1 is unreachable")
+            if self.steps == 9:
+                raise ClusterError("node local-1 is unreachable")
 
         def gather(self, *args: object, **kwargs: object) -> None:
             return None
@@ -189,18 +195,20 @@ def test_a_lost_node_frees_the_old_engine_before_the_re_plan(smollm2, smollm2_to
             return super()._plan()
 
     # A real hub that no worker joined: the master alone re-plans for itself.
-    session = Watched(smollm2, Hub("127.0.0.1", 0), context=64, slots=1)
+    session = Watched(smollm2, Hub("127.0.0.1", 0), context=256, slots=2)
     old = session.start()
     old.remote = LostNode()
     old_caches.append(weakref.ref(old.executors[0].cache))
     del old
     b = Batcher(session, smollm2_tokenizer, max_waiting=4).start()
     try:
-        failed = Client(b, prompts[0], greedy(4)).next()
-        assert isinstance(failed, Failed) and isinstance(failed.error, NodeLost), failed
-        assert "local-1" in str(failed.error)
-        done = Client(b, prompts[0], greedy(4)).finish()
-        assert done.completion_tokens == 4
+        clients = [Client(b, p, greedy(24)) for p in prompts[:2]]
+        done = [c.finish() for c in clients]
+        assert [c.text for c in clients] == solo[:2]
+        assert [d.completion_tokens for d in done] == [24, 24]
+        stats = b.stats()
+        assert stats.recovered == 2 and stats.failed == 0, stats
+        assert "local-1" in (stats.last_loss or "") and "2 answer(s) went on" in stats.last_loss
     finally:
         b.close()
         session.close()
