@@ -73,6 +73,7 @@ class Hub:
         self.ship_rate = ship_rate  # bytes/s cap on shard shipping, for shared links
         self.members: list[Member] = []
         self.pending: list[Member] = []  # joined while serving; planned in at the next re-plan
+        self.restarts: dict[str, int] = {}  # node name -> times its process was restarted here
         self.store: ShardStore | None = None
         self.shipped_bytes = 0
         self.planned = False  # an engine runs on the members: a node joining waits for a re-plan

@@ -69,6 +69,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
                     "speed_gb_s": m.capacity.speed,
                     "heartbeat_silence_s": round(silence, 3) if silence != float("inf") else None,
                     "address": m.address or None,
+                    "restarts": hub.restarts.get(m.name, 0),
                     **_stream(m.figures),
                 }
             )

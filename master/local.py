@@ -13,6 +13,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +37,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT = 120.0  # s for a local worker to start and say HELLO
+# A local worker that exits is started again after a wait that doubles with each exit, from
+# the first (longer than the 2 s that mark a silent node dead, so the master has let go of the
+# old process before the new one says HELLO under its name) up to the longest; one that ran
+# for STEADY_S starts over at the first.
+RESTART_WAIT_S = (3.0, 60.0)
+STEADY_S = 60.0
 
 
 def thread_share(nodes: int) -> int:
@@ -58,11 +66,14 @@ class LocalWorkers:
         devices: EmulatedDevices | None = None,
     ) -> None:
         # The token goes by environment, not argv, where any local user could read it.
-        env = os.environ | {TOKEN_ENV: str(token)}
+        self.env = os.environ | {TOKEN_ENV: str(token)}
+        self.cmds: list[list[str]] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
         self.devices = devices
         self.first = first
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
         log_dir = state_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         for k in range(first - 1, first - 1 + count):
@@ -75,34 +86,79 @@ class LocalWorkers:
                 # Same machine, same disk: workers read the master's shard store, nothing ships.
                 "--state-dir", str(state_dir), *memory.node_args(),
             ]  # fmt: skip
-            if devices:
-                cmd = devices.wrap(node, cmd)
+            self.cmds.append(devices.wrap(node, cmd) if devices else cmd)
             self.logs.append(log_dir / f"local-{node}.log")
-            with open(self.logs[-1], "ab") as log_file:
-                self.procs.append(
-                    subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file, env=env)
-                )
+            self.procs.append(self._spawn(len(self.procs)))
+
+    def _spawn(self, i: int) -> subprocess.Popen[bytes]:
+        with open(self.logs[i], "ab") as log_file:
+            return subprocess.Popen(
+                self.cmds[i], stdout=subprocess.DEVNULL, stderr=log_file, env=self.env
+            )
+
+    def supervise(self, hub: Hub) -> None:
+        """From now on, start a worker that exits again, after RESTART_WAIT_S, counting it in
+        `hub.restarts`; it joins as a new node and is planned in at the next re-plan."""
+        self._supervisor = threading.Thread(
+            target=self._restart_exited, args=(hub,), name="edgetp-local-workers", daemon=True
+        )
+        self._supervisor.start()
+
+    def _restart_exited(self, hub: Hub) -> None:
+        waits = [RESTART_WAIT_S[0]] * len(self.procs)
+        started = [time.monotonic()] * len(self.procs)
+        due: dict[int, float] = {}  # worker -> when it starts again
+        while not self._stopping.wait(0.2):
+            now = time.monotonic()
+            for i, p in enumerate(self.procs):
+                if p.poll() is None:
+                    continue
+                name = f"local-{self.first + i}"
+                if i not in due:
+                    if now - started[i] >= STEADY_S:
+                        waits[i] = RESTART_WAIT_S[0]
+                    due[i] = now + waits[i]
+                    log.warning("%s; starting it again in %.0f s", self.exit_reason(i), waits[i])
+                    waits[i] = min(2 * waits[i], RESTART_WAIT_S[1])
+                elif now >= due[i]:
+                    del due[i]
+                    self.procs[i] = self._spawn(i)
+                    started[i] = now
+                    hub.restarts[name] = hub.restarts.get(name, 0) + 1
+                    log.warning(
+                        "local worker %s started again (restart %d)", name, hub.restarts[name]
+                    )
+
+    def stop_supervising(self) -> None:
+        """No more restarts: the cluster is shutting down and its workers exit on their own."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
+
+    def exit_reason(self, i: int) -> str:
+        """Why worker `i` exited, and where its log is."""
+        p, node = self.procs[i], self.first + i
+        why = f"exited with code {p.returncode}"
+        if p.returncode is not None and p.returncode < 0:
+            why = f"was killed by signal {-p.returncode}"
+        if self.devices and self.devices.oom_kills(node):
+            spec = self.devices.specs[node].describe()
+            why = f"was killed by the kernel: over its device's memory limit ({spec})"
+        last = _last_line(self.logs[i])
+        return (
+            f"local worker local-{node} {why}"
+            + (f": {last}" if last else "")
+            + f" (log: {self.logs[i]})"
+        )
 
     def check(self) -> None:
         """Raises ClusterError naming a worker that has exited, why, and where its log is."""
         for i, p in enumerate(self.procs):
-            if p.poll() is None:
-                continue
-            node = self.first + i
-            why = f"exited with code {p.returncode}"
-            if p.returncode < 0:
-                why = f"was killed by signal {-p.returncode}"
-            if self.devices and self.devices.oom_kills(node):
-                spec = self.devices.specs[node].describe()
-                why = f"was killed by the kernel: over its device's memory limit ({spec})"
-            last = _last_line(self.logs[i])
-            raise ClusterError(
-                f"local worker local-{node} {why}"
-                + (f": {last}" if last else "")
-                + f" (log: {self.logs[i]})"
-            )
+            if p.poll() is not None:
+                raise ClusterError(self.exit_reason(i))
 
     def stop(self, timeout: float = 5.0) -> None:
+        self.stop_supervising()
         for p in self.procs:
             try:
                 p.wait(timeout=timeout)
@@ -114,6 +170,7 @@ class LocalWorkers:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.stop_supervising()
         for p in self.procs:
             if exc[0] is not None and p.poll() is None:
                 p.terminate()
@@ -191,7 +248,9 @@ def local_session(
         ) as workers,
     ):
         session.start(workers=nodes - 1, timeout=JOIN_TIMEOUT, check=workers.check)
+        workers.supervise(hub)
         yield session
+        workers.stop_supervising()
         session.close()  # says BYE: the workers then exit on their own
         workers.stop()
 

@@ -341,6 +341,7 @@ class NodeFigures(BaseModel):
     kernels: str | None = Field(
         None, description="the kernels this device admitted and chose, per weight dtype"
     )
+    restarts: int = Field(0, description="times this machine restarted the node's process")
 
 
 class AllreduceFigures(BaseModel):
