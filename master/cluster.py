@@ -253,6 +253,7 @@ class Hub:
                 # A worker's first beat comes just after WELCOME; allow it FIRST_BEAT to start.
                 silent = min(self.heartbeat.silence(m.name), time.monotonic() - welcomed)
                 if silent > max(DEAD_AFTER, FIRST_BEAT if not m.beat_seen else 0.0):
+                    m.alive = False  # a re-plan leaves it out
                     raise ClusterError(f"node {m.name} stopped answering while loading its shards")
                 m.beat_seen = m.beat_seen or self.heartbeat.silence(m.name) != float("inf")
             if time.monotonic() > deadline:

@@ -25,6 +25,7 @@ from memory.budget import (
 )
 from memory.files import atomic_write, default_state_dir
 from memory.shards import Manifest, ShardStore
+from memory.window import return_freed_memory
 from models.chat_template import render_chat
 from models.config import ModelConfig
 from models.errors import ModelError
@@ -330,3 +331,4 @@ class Session:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+            return_freed_memory()

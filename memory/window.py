@@ -19,6 +19,8 @@ keep the model: the honest setting for cold-disk benchmarks.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import threading
 import time
@@ -223,6 +225,17 @@ class ResidentLayers:
         pass
 
     def close(self) -> None:
+        pass
+
+
+def return_freed_memory() -> None:
+    """Give the memory of what was just let go (an engine's weights and KV caches) back to the
+    system. glibc keeps freed blocks for reuse: after a re-plan freed one engine's slices and
+    loaded another's, a master held 1.2 GB where it had held 0.7 GB."""
+    gc.collect()  # the engine's cycles first, so their tensors are freed now
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
 
 

@@ -1,0 +1,160 @@
+"""A soak: `edgetp serve --local-nodes 3` under a steady load of concurrent streamed greedy
+requests from the `openai` client while its workers are SIGKILLed, and briefly SIGSTOPped and
+SIGCONTed (a drop shorter than the 2 s that mark a node dead), at random moments.
+
+Every request must finish with the text it has when run alone, or fail with a documented error
+(503 `node_lost`, `cluster_down`) within 10 s; none may hang; the master's memory after the run
+stays within 10% of before. The suite runs a short form; `make soak` the full one
+(EDGETP_SOAK=full: at least 300 requests and 10 kills).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from master.bridge.client import ServerProcess, start_server
+
+pytestmark = pytest.mark.slow
+
+FULL = os.environ.get("EDGETP_SOAK") == "full"
+REQUESTS = 300 if FULL else 24
+KILLS = 10 if FULL else 2
+CLIENTS = 4
+MAX_TOKENS = 40
+PROMPTS = ["Why is the sky blue?", "Name three rivers.", "What is a prime number?"]
+REQUEST_TIMEOUT = 120.0  # s: a request that takes longer has hung
+
+
+def workers(server: ServerProcess) -> dict[str, int]:
+    """The server's live `edgetp join` children, name -> pid (restarted ones are children of
+    another thread than the main one)."""
+    out = {}
+    for children in Path(f"/proc/{server.proc.pid}/task").glob("*/children"):
+        for child in children.read_text().split():
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+                state = Path(f"/proc/{child}/stat").read_text().split()[2]
+            except OSError:
+                continue
+            if "join" in argv and state != "Z":
+                out[argv[argv.index("--name") + 1]] = int(child)
+    return out
+
+
+def cluster(base: str) -> dict:
+    return httpx.get(f"{base}/v1/cluster", timeout=10).json()
+
+
+def planned_on_all_three(base: str, timeout: float = 90) -> dict:
+    """/v1/cluster once the master and both workers are planned and ready again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        figures = cluster(base)
+        nodes = figures["nodes"]
+        if len(nodes) == 3 and all(n["ready"] and n["alive"] and n["slices"] for n in nodes):
+            return figures
+        assert time.monotonic() < deadline, nodes
+        time.sleep(0.5)
+
+
+def ask(client: openai.OpenAI, prompt: str) -> str:
+    stream = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def test_requests_survive_killed_and_paused_workers(shared_state):
+    server = start_server(
+        ["--local-nodes", "3", "--context", "512", "--state-dir", str(shared_state)], timeout=240
+    )
+    try:
+        client = openai.OpenAI(
+            base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT
+        )
+        solo = {p: ask(client, p) for p in PROMPTS}
+        rss_before = cluster(server.base)["nodes"][0]["rss_bytes"]
+        outcomes: Counter[str] = Counter()
+        failures: list[str] = []
+        lock = threading.Lock()
+        issued = iter(range(REQUESTS))
+        rng = random.Random(0)
+
+        def load() -> None:
+            while True:
+                with lock:
+                    n = next(issued, None)
+                if n is None:
+                    return
+                prompt = PROMPTS[n % len(PROMPTS)]
+                started = time.monotonic()
+                try:
+                    text = ask(client, prompt)
+                    outcome = "completed" if text == solo[prompt] else "lost"
+                    if outcome == "lost":
+                        failures.append(f"{prompt!r}: {text!r} != {solo[prompt]!r}")
+                except openai.APITimeoutError:
+                    outcome = "hung"
+                except openai.APIError as exc:  # an error status, or an error event mid-stream
+                    body = exc.body if isinstance(exc.body, dict) else {}
+                    code = (body.get("error") or body).get("code") if body else None
+                    by_design = code in ("node_lost", "cluster_down")
+                    outcome = "failed-by-design" if by_design else "lost"
+                    failures.append(f"{prompt!r} after {time.monotonic() - started:.1f} s: {exc}")
+                with lock:
+                    outcomes[outcome] += 1
+
+        threads = [threading.Thread(target=load) for _ in range(CLIENTS)]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        kills = pauses = 0
+        while any(t.is_alive() for t in threads):
+            time.sleep(rng.uniform(1.0, 3.0))
+            live = workers(server)
+            planned = {n["name"] for n in cluster(server.base)["nodes"] if n["slices"]}
+            targets = sorted(set(live) & planned)
+            if not targets:
+                continue
+            name = rng.choice(targets)
+            if kills < KILLS and rng.random() < 0.6:
+                os.kill(live[name], signal.SIGKILL)
+                kills += 1
+            else:  # a drop shorter than the heartbeat limit: not a loss
+                os.kill(live[name], signal.SIGSTOP)
+                time.sleep(rng.uniform(0.2, 1.0))
+                os.kill(live[name], signal.SIGCONT)
+                pauses += 1
+        for t in threads:
+            t.join()
+        seconds = time.monotonic() - started
+        after = planned_on_all_three(server.base)  # the killed workers are back
+        generation = after["generation"]
+        print(
+            f"\n{sum(outcomes.values())} requests in {seconds:.0f} s, {kills} kills, {pauses} "
+            f"pauses: {dict(outcomes)}; recovered mid-answer {generation['recovered']}; "
+            f"restarts {[(n['name'], n.get('restarts', 0)) for n in after['nodes']]}"
+        )
+        assert sum(outcomes.values()) == REQUESTS
+        assert outcomes["hung"] == 0 and outcomes["lost"] == 0, failures
+        assert kills >= KILLS, f"only {kills} kills: the load ended first"
+        rss_after = after["nodes"][0]["rss_bytes"]
+        print(f"master RSS {rss_before / 1e6:.0f} MB before, {rss_after / 1e6:.0f} MB after")
+        assert rss_after <= 1.1 * rss_before
+    finally:
+        server.stop()
