@@ -38,7 +38,7 @@ test-fast: setup
 # The soak in full: 300 streamed requests against `edgetp serve --local-nodes 3` while its
 # workers are killed (10 times) and paused; `make test` runs a short form of it.
 soak: setup
-	EDGETP_SOAK=full $(BIN)/python -m pytest -q -s tests/test_soak.py
+	EDGETP_SOAK=full $(BIN)/python -m pytest -q -s --timeout 1800 tests/test_soak.py
 
 bench: setup
 	$(BIN)/edgetp bench

@@ -81,7 +81,9 @@ def ask(client: openai.OpenAI, prompt: str) -> str:
 
 def test_requests_survive_killed_and_paused_workers(shared_state):
     server = start_server(
-        ["--local-nodes", "3", "--context", "512", "--state-dir", str(shared_state)], timeout=240
+        ["--local-nodes", "3", "--context", "512", "--state-dir", str(shared_state)],
+        verbose=True,
+        timeout=240,
     )
     try:
         client = openai.OpenAI(
@@ -143,11 +145,14 @@ def test_requests_survive_killed_and_paused_workers(shared_state):
         for t in threads:
             t.join()
         seconds = time.monotonic() - started
+        print(
+            f"\n{sum(outcomes.values())} requests in {seconds:.0f} s, {kills} kills, {pauses} "
+            f"pauses: {dict(outcomes)}"
+        )
         after = planned_on_all_three(server.base)  # the killed workers are back
         generation = after["generation"]
         print(
-            f"\n{sum(outcomes.values())} requests in {seconds:.0f} s, {kills} kills, {pauses} "
-            f"pauses: {dict(outcomes)}; recovered mid-answer {generation['recovered']}; "
+            f"recovered mid-answer {generation['recovered']}; "
             f"restarts {[(n['name'], n.get('restarts', 0)) for n in after['nodes']]}"
         )
         assert sum(outcomes.values()) == REQUESTS
@@ -158,3 +163,4 @@ def test_requests_survive_killed_and_paused_workers(shared_state):
         assert rss_after <= 1.1 * rss_before
     finally:
         server.stop()
+        print("\n".join(line for line in server.log if "WARNING" in line or "ERROR" in line))
