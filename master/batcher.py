@@ -326,7 +326,7 @@ class Batcher:
                 self._fail_all(ClusterError(self._down))
                 return
         lost_at, started = time.strftime("%H:%M:%S"), time.perf_counter()
-        if not self._replanned(self._replan_on_the_nodes_left, f"{exc}; re-planning"):
+        if not self._replanned(self.session.replan, f"{exc}; re-planning"):
             return
         replan_s = time.perf_counter() - started
         assert self.engine is not None
@@ -356,18 +356,6 @@ class Batcher:
             replan_s,
             replayed,
         )
-
-    def _replan_on_the_nodes_left(self) -> None:
-        """Re-plan; a node lost during the re-plan itself (another kill, a link down while
-        shards load) is left out of the next try, until only the master is left to fail."""
-        for tries_left in range(self.session.nodes - 1, -1, -1):  # a node lost per try at most
-            try:
-                self.session.replan()
-                return
-            except ClusterError as exc:
-                if not tries_left:
-                    raise
-                log.error("re-planning failed: %s; re-planning again without it", exc)
 
     def _take_in_changes(self) -> None:
         """Between requests: nodes that joined get a share, nodes that left give theirs up."""

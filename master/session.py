@@ -278,12 +278,21 @@ class Session:
             self.hub.membership_changed(0.0)
 
     def replan(self) -> Engine:
-        """Plan again for the nodes here now (after a failure, or joins and leaves)."""
+        """Plan again for the nodes here now (after a failure, or joins and leaves). A node
+        lost during the re-plan itself (another kill, a link down while shards load) is left
+        out of the next try, until the master alone is left to fail."""
         if self.hub is None:
             raise ClusterError("this master runs alone: there are no nodes to re-plan for")
-        self.hub.take_in_changes()
-        self._close_engine()  # before the new one loads: a device cannot hold both
-        return self._plan()
+        for tries_left in range(self.nodes + len(self.hub.pending) - 1, -1, -1):
+            self.hub.take_in_changes()
+            self._close_engine()  # before the new one loads: a device cannot hold both
+            try:
+                return self._plan()
+            except ClusterError as exc:
+                if not tries_left:
+                    raise
+                log.error("re-planning failed: %s; re-planning again without it", exc)
+        raise AssertionError("unreachable: the last try raises")
 
     def capacities(self) -> list[float]:
         """Each node's weight in the split, the master first."""
