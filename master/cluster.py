@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from master.transport import ClusterError, NodeDown, Transport
+from master.transport import MALFORMED, ClusterError, NodeDown, Transport
 from memory.shards import Manifest, ShardStore
 from memory.window import FIGURES_KEPT
 from node import protocol as P
@@ -102,8 +102,30 @@ class Hub:
 
     # -- joining and shipping ---------------------------------------------------------------
     def _handle_control(self, identity: bytes, header: dict[str, Any]) -> None:
-        """Messages that may come at any time outside a step."""
+        """Messages that may come at any time outside a step. One that does not hold what its
+        op needs is logged and its sender dropped (a node) or refused (a HELLO): a peer with
+        the token must not be able to stop the master."""
+        try:
+            self._control(identity, header)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            member = self._member(identity)
+            who = member.name if member else identity.decode(errors="replace")
+            log.warning("dropped node %s: a malformed %r message (%r)", who, header.get("op"), exc)
+            if member is not None:
+                member.alive = False  # a re-plan leaves it out
+            else:
+                self._send_quietly(identity, {"op": P.REFUSE, "reason": "malformed message"})
+
+    def _send_quietly(self, identity: bytes, header: dict[str, Any]) -> None:
+        try:
+            self.transport.send(identity, header)
+        except NodeDown:
+            pass
+
+    def _control(self, identity: bytes, header: dict[str, Any]) -> None:
         op = header["op"]
+        if op == MALFORMED:
+            raise ValueError(header["why"])
         if op == P.HELLO:
             self._hello(identity, header)
         elif op == P.FETCH:
@@ -142,12 +164,25 @@ class Hub:
             log.warning("refused node %s: %s", name, reason)
             self._send(identity, {"op": P.REFUSE, "reason": reason})
             return
-        capacity = Capacity(**header["capacity"])
+        c = header["capacity"]
+        window = c.get("window")
+        capacity = Capacity(
+            int(c["memory_budget"]),
+            int(c["cores"]),
+            float(c["speed"]),
+            None if window is None else int(window),
+        )
         address = header.get("peer_address", "")
         member = Member(identity, name, capacity, header.get("model"), address)
         # Answer at once: planning and splitting a big model can take minutes before WELCOME,
         # and the node should know meanwhile that it is in, and watch the master's heartbeat.
         self._send(identity, {"op": P.ACCEPTED, "heartbeat_port": self.heartbeat.port})
+        # The same identity again (a restarted worker, a peer dropped before): one entry each.
+        self.pending = [m for m in self.pending if m.identity != identity]
+        for old in [m for m in self.members if m.identity == identity]:
+            old.alive = False  # planned or not, the new process holds none of its slice
+            if not self.planned:
+                self.members.remove(old)
         if self.planned:  # serving: it takes a share at the next re-plan, between requests
             self.pending.append(member)
             log.info("node %s joined; it gets a share at the next re-plan", name)

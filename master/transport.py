@@ -38,6 +38,10 @@ class ClusterError(Exception):
     """A node or the cluster failed; the message names the node and what to do."""
 
 
+# The op a message that did not decode is handed on as: its sender is dropped.
+MALFORMED = "malformed"
+
+
 class NodeDown(ClusterError):
     """One node failed, went silent or became unreachable; `identity` says which."""
 
@@ -104,6 +108,7 @@ class Transport:
         self._step = 0
         self._batch: dict[str, Any] | None = None  # rides on the step's first message
         self._sent_at = 0.0
+        self._sent_shape: tuple[int, ...] = ()
         # Per sum: time from handing out the hidden state to holding every partial, less the
         # longest compute of any node (master included): the latency the allreduce adds.
         # (bounded: a server runs 60 sums a token for days)
@@ -148,16 +153,16 @@ class Transport:
             raise NodeDown(identity, f"node {name} is unreachable") from exc
 
     def recv(self, timeout_ms: int, spin: float = 0.0) -> tuple[bytes, dict[str, Any], list] | None:
-        """The next well-formed message, or None after `timeout_ms`. A HELLO gets the address
-        it came from as "peer_address" (for the cluster view)."""
+        """The next message, or None after `timeout_ms`; one that does not decode comes as op
+        MALFORMED, so that its sender is dropped. A HELLO gets the address it came from as
+        "peer_address" (for the cluster view)."""
         if not P.wait_readable(self.sock, timeout_ms, spin):
             return None
         identity, *frames = self.sock.recv_multipart(copy=False)
         try:
             header, tensors = P.decode(frames)
         except P.ProtocolError as exc:
-            log.warning("dropped a malformed message from %r: %s", identity.bytes, exc)
-            return None
+            return identity.bytes, {"op": MALFORMED, "why": str(exc)}, []  # its reader logs it
         if header["op"] == P.HELLO:
             header["peer_address"] = str(frames[0].get("Peer-Address"))
         return identity.bytes, header, tensors
@@ -176,6 +181,7 @@ class Transport:
         if self._batch is not None:
             header["batch"], self._batch = self._batch, None
         self._sent_at = time.perf_counter()
+        self._sent_shape = tuple(h.shape)  # what each partial must be
         frames = P.encode(header, (h,))
         for identity in identities:
             self.send_frames(identity, frames)
@@ -217,14 +223,23 @@ class Transport:
             identity, header, tensors = msg
             op = header["op"]
             if op == P.PARTIAL:
-                key = (header["step"], header["layer"], header["block"])
+                key = (header.get("step"), header.get("layer"), header.get("block"))
                 if key != (self._step, layer, block) or identity not in waiting:
                     continue  # left over from a failed step
+                if len(tensors) != 1 or tensors[0].shape != self._sent_shape:
+                    got = [t.shape for t in tensors]
+                    raise NodeDown(
+                        identity, f"node {waiting[identity]} sent a malformed partial ({got})"
+                    )
                 del waiting[identity]
                 partials[identity] = tensors[0]
-                if "figures" in header:
+                if isinstance(header.get("figures"), dict):
                     figures[identity] = header["figures"]
-                slowest = max(slowest, float(header.get("compute", 0.0)))
+                compute = header.get("compute")
+                if isinstance(compute, int | float):
+                    slowest = max(slowest, float(compute))
+            elif op == MALFORMED and identity in waiting:
+                raise NodeDown(identity, f"node {names[identity]} sent {header['why']}")
             elif op == P.ERROR and identity in names:
                 raise NodeDown(identity, f"node {names[identity]} failed: {header.get('message')}")
             else:
