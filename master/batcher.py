@@ -138,6 +138,7 @@ class BatcherStats:
     down: str | None = None
     recovered: int = 0  # requests that went on after a node was lost in their step
     last_loss: str | None = None  # what the last node loss was and what became of it
+    replans_mid_answer: int = 0  # re-plans between two steps while answers ran (joins, leaves)
 
 
 class Batcher:
@@ -160,6 +161,7 @@ class Batcher:
         self._submitted = self._completed = self._cancelled = self._failed = 0
         self._recovered = 0
         self._last_loss: str | None = None
+        self._replans_mid_answer = 0  # nodes planned in or out between two steps of answers
         self._prompt_tokens = self._completion_tokens = 0
         self._largest_batch = 0
         self._recent: collections.deque[tuple[float, float, int]] = collections.deque(
@@ -252,6 +254,7 @@ class Batcher:
                 down=self._down,
                 recovered=self._recovered,
                 last_loss=self._last_loss,
+                replans_mid_answer=self._replans_mid_answer,
             )
 
     def close(self, timeout: float = 10.0) -> None:
@@ -277,8 +280,10 @@ class Batcher:
                 between_requests = not self._active and self._down is None
             if between_requests and self.session.can_replan:
                 self._take_in_changes()  # no KV cache to lose: nothing is running
-            elif self.session.can_replan:
-                self.session.answer_joins()  # planned in when the running requests are done
+            elif self.session.can_replan and self.session.answer_joins():
+                # A node joined (a restarted worker, a new device) or went silent: plan it in
+                # or out at this step boundary, not after the running answers, which replay.
+                self._replan_running("the nodes changed", loss=False)
             with self._cond:
                 if self._closed:
                     return
@@ -293,7 +298,9 @@ class Batcher:
                 assert self.engine is not None  # only None while the loop itself re-plans
                 step(self.engine, self.tokenizer, [j.generation for j in batch])
             except ClusterError as exc:
-                self._recover(number, exc)
+                log.error("step %d failed: %s", number, exc)
+                exc.with_traceback(None)  # its frames hold the failed engine's slices
+                self._replan_running(str(exc), loss=True)
                 continue
             except Exception as exc:  # a bug: fail this batch, keep serving the next requests
                 log.exception("step %d failed", number)
@@ -310,23 +317,22 @@ class Batcher:
                 for job in batch:
                     self._deliver(job)
 
-    def _recover(self, number: int, exc: ClusterError) -> None:
-        """A node failed mid-step: re-plan on the nodes left, and every running request goes on
-        where it was. Its KV cache was split across the old plan, so its next step replays its
-        prompt and the tokens it has so far into the new engine's cache (a prefill), then it
-        samples its next token as the uninterrupted run would have. A request that no longer
-        fits the new plan's context fails, saying so; if the cluster cannot re-plan, every
-        request fails. Requests that arrive meanwhile wait in line for the new engine.
+    def _replan_running(self, cause: str, loss: bool) -> None:
+        """Re-plan on the nodes here now, and every running request goes on where it was: a
+        node failed mid-step (`loss`), or nodes joined or left between two steps. A request's
+        KV cache was split across the old plan, so its next step replays its prompt and the
+        tokens it has so far into the new engine's cache (a prefill), then it samples its next
+        token as the uninterrupted run would have. A request that no longer fits the new plan's
+        context fails, saying so; if the cluster cannot re-plan, every request fails. Requests
+        that arrive meanwhile wait in line for the new engine.
         """
-        log.error("step %d failed: %s", number, exc)
-        exc.with_traceback(None)  # its frames hold the failed engine's slices: let them go
         with self._cond:
             if not self.session.can_replan:
-                self._down = f"the cluster is down: {exc}; restart edgetp serve to re-plan"
+                self._down = f"the cluster is down: {cause}; restart edgetp serve to re-plan"
                 self._fail_all(ClusterError(self._down))
                 return
-        lost_at, started = time.strftime("%H:%M:%S"), time.perf_counter()
-        if not self._replanned(self.session.replan, f"{exc}; re-planning"):
+        at, started = time.strftime("%H:%M:%S"), time.perf_counter()
+        if not self._replanned(self.session.replan, f"{cause}; re-planning"):
             return
         replan_s = time.perf_counter() - started
         assert self.engine is not None
@@ -339,19 +345,23 @@ class Batcher:
                     self._drop(job)
                     self._failed += 1
                     _emit(job, Failed(NodeLost(
-                        f"{exc}; the nodes left hold a context of {context} tokens, and this "
-                        f"answer needs {len(g.prompt) + len(g.tokens) + 1}"
+                        f"{cause}; the nodes here now hold a context of {context} tokens, and "
+                        f"this answer needs {len(g.prompt) + len(g.tokens) + 1}"
                     )))  # fmt: skip
                     continue
                 g.position = 0  # replayed whole by the next step (`Generation.pending`)
                 replayed += 1
-            self._recovered += replayed
-            self._last_loss = (
-                f"{lost_at} {exc}; re-planned on {self.session.nodes} node(s) in "
-                f"{replan_s:.1f} s, {replayed} answer(s) went on"
-            )
+            if loss:
+                self._recovered += replayed
+                self._last_loss = (
+                    f"{at} {cause}; re-planned on {self.session.nodes} node(s) in "
+                    f"{replan_s:.1f} s, {replayed} answer(s) went on"
+                )
+            else:
+                self._replans_mid_answer += 1
         log.warning(
-            "re-planned on %d node(s) in %.1f s; %d answer(s) replayed",
+            "%s: re-planned on %d node(s) in %.1f s; %d answer(s) replayed",
+            "a node was lost" if loss else "the nodes changed",
             self.session.nodes,
             replan_s,
             replayed,

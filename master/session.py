@@ -271,11 +271,11 @@ class Session:
         )
         return True
 
-    def answer_joins(self) -> None:
+    def answer_joins(self) -> bool:
         """While requests run: tell devices that say HELLO they are in (they give up on a
-        master silent for 30 s), to be planned in by the next `replan_if_changed`."""
-        if self.hub is not None:
-            self.hub.membership_changed(0.0)
+        master silent for 30 s). True when the plan no longer matches the members (a node
+        joined, left or went silent): the caller re-plans at its next step boundary."""
+        return self.hub is not None and self.hub.membership_changed(0.0)
 
     def replan(self) -> Engine:
         """Plan again for the nodes here now (after a failure, or joins and leaves). A node

@@ -307,10 +307,12 @@ def back_to_three(base: str, restarts: dict[str, int], timeout: float = 90) -> d
 
 
 async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(tmp_path, shared_state):
-    """A bridge of its own over three processes. A worker killed in the middle of a streamed
-    200-token answer: the stream pauses, the master re-plans on the two nodes left, replays
-    the answer so far, and the stream completes with the uninterrupted run's text; the worker is
-    started again and planned back in. The other killed mid-answer in the app: the answer
+    """A bridge of its own over three processes. A worker paused for 1 s mid-answer (less than
+    the 2 s that mark a node dead) costs a pause and nothing else: no re-plan. A worker killed
+    in the middle of a streamed 200-token answer: the stream pauses, the master re-plans on the
+    two nodes left, replays the answer so far, and the stream completes with the uninterrupted
+    run's text; the worker is started again and planned back in at a step boundary while
+    answers stream, not after them. The other killed mid-answer in the app: the answer
     completes, the cluster panel says a node was lost, the next prompt is answered, and that
     worker comes back too."""
     local = await asyncio.to_thread(
@@ -320,9 +322,20 @@ async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(tmp_path, sh
     )
     try:
         client = openai.OpenAI(base_url=f"{local.base}/v1", api_key="unused", max_retries=0)
-        before, _ = await asyncio.to_thread(stream_greedy, client, 200, lambda n: None)
         workers = workers_of(local)
         assert sorted(workers) == ["local-1", "local-2"], workers
+
+        def pause_at_chunk_30(n: int) -> None:
+            if n == 30:
+                os.kill(workers["local-2"], signal.SIGSTOP)
+                time.sleep(1.0)
+                os.kill(workers["local-2"], signal.SIGCONT)
+
+        before, paused = await asyncio.to_thread(stream_greedy, client, 200, pause_at_chunk_30)
+        generation = httpx.get(f"{local.base}/v1/cluster", timeout=10).json()["generation"]
+        print(f"a 1 s pause of a worker held the stream {paused:.2f} s")
+        assert generation["recovered"] == 0 and generation["replans_mid_answer"] == 0, generation
+        assert generation["last_loss"] is None
 
         def kill_at_the_60th_chunk(n: int) -> None:
             if n == 60:
@@ -336,8 +349,12 @@ async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(tmp_path, sh
         assert cluster["generation"]["recovered"] == 1, cluster["generation"]
         assert "node local-1 " in cluster["generation"]["last_loss"], cluster["generation"]
         assert cluster["generation"]["failed"] == 0
-        # The killed worker is started again and planned back in once no answer runs.
-        await asyncio.to_thread(back_to_three, local.base, {"local-1": 1, "local-2": 0})
+        # The killed worker is started again, and planned back in at a step boundary while one
+        # of these answers streams (a few seconds after the kill): each replays and goes on.
+        again, _ = await asyncio.to_thread(stream_greedy, client, 200, lambda n: None)
+        assert again == before
+        cluster = await asyncio.to_thread(back_to_three, local.base, {"local-1": 1, "local-2": 0})
+        assert cluster["generation"]["replans_mid_answer"] >= 1, cluster["generation"]
 
         app = make_app(
             local.base,

@@ -302,6 +302,9 @@ class GenerationFigures(BaseModel):
     last_loss: str | None = Field(
         None, description="when the last node was lost, which, and what the cluster did"
     )
+    replans_mid_answer: int = Field(
+        0, description="times nodes were planned in or out between two steps of running answers"
+    )
 
 
 class Health(BaseModel):
