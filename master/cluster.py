@@ -40,6 +40,7 @@ class Member:
     ready: bool = False
     alive: bool = True
     beat_seen: bool = False
+    failure: str = ""  # why it was dropped, when it said (an ERROR) or sent what it should not
     window: int | None = None  # layers of its slice in memory, as planned
     slice: dict[str, list[int]] | None = None  # its share of every layer, as planned
     # Its latest step's figures (loader, memory), and every step's since the last clear.
@@ -113,6 +114,7 @@ class Hub:
             log.warning("dropped node %s: a malformed %r message (%r)", who, header.get("op"), exc)
             if member is not None:
                 member.alive = False  # a re-plan leaves it out
+                member.failure = f"a malformed {header.get('op')!r} message"
             else:
                 self._send_quietly(identity, {"op": P.REFUSE, "reason": "malformed message"})
 
@@ -142,10 +144,17 @@ class Hub:
                 log.info(
                     "node %s left; its share goes to the others at the next re-plan", member.name
                 )
-        elif op == P.ERROR:
+        elif op == P.ERROR:  # mid-step the transport raises it; here it drops the node
             member = self._member(identity)
-            name = member.name if member else identity.decode(errors="replace")
-            raise ClusterError(f"node {name} failed: {header.get('message')}")
+            if member is None:
+                who = identity.decode(errors="replace")
+                log.warning("ignored an error from %s, not a member: %s", who, header["message"])
+                return
+            if not member.alive:  # dropped already: its other errors say no more
+                return
+            member.alive, member.failure = False, str(header["message"])
+            log.warning("node %s failed (%s); the next plan leaves it out", member.name,
+                        member.failure)  # fmt: skip
 
     def _hello(self, identity: bytes, header: dict[str, Any]) -> None:
         name = str(header.get("name", identity.decode(errors="replace")))
@@ -241,10 +250,16 @@ class Hub:
                 return False
 
     def take_in_changes(self) -> None:
-        """Drop the members that left and admit the pending ones, before a re-plan."""
+        """Drop the members that left and admit the pending ones, before a re-plan. A dropped
+        node that may still be there (it went silent for a while, or failed) is told so: it
+        joins again, rather than wait for steps that no longer come to it."""
+        staying = {m.identity for m in self.members if m.alive} | {m.identity for m in self.pending}
         for m in self.members:
             if not m.alive:
                 self.heartbeat.forget(m.name)
+                if m.identity not in staying:  # not a restarted process of the same name
+                    why = f"dropped from the plan ({m.failure or 'it stopped answering'})"
+                    self._send_quietly(m.identity, {"op": P.BYE, "reason": why, "rejoin": True})
         self.members = [m for m in self.members if m.alive] + self.pending
         self.pending = []
         for m in self.members:
@@ -286,6 +301,11 @@ class Hub:
         while not all(m.ready for m in self.members):
             for m in self.members:
                 # A worker's first beat comes just after WELCOME; allow it FIRST_BEAT to start.
+                if not m.alive:  # it said ERROR, or a new process of the same name joined
+                    raise ClusterError(
+                        f"node {m.name} failed while loading its shards: "
+                        f"{m.failure or 'it joined again'}"
+                    )
                 silent = min(self.heartbeat.silence(m.name), time.monotonic() - welcomed)
                 if silent > max(DEAD_AFTER, FIRST_BEAT if not m.beat_seen else 0.0):
                     m.alive = False  # a re-plan leaves it out

@@ -87,6 +87,10 @@ class Transport:
         self.sock = self.context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A node that joins again (restarted, or told it was dropped) may connect before this
+        # socket has seen its old connection close: without a hand-over the new one would be
+        # refused, and the HELLO queued on it lost with it.
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         secure_server(self.sock, keys)
         try:
             if port:

@@ -29,6 +29,7 @@ from node import protocol as P
 from node.device import prepare
 from node.executor import Hidden, SliceExecutor, make_executor
 from node.heartbeat import DEAD_AFTER, HeartbeatClient
+from node.kvcache import KVCache
 from node.security import JoinToken, fingerprint, save_node_token, secure_client
 
 log = logging.getLogger(__name__)
@@ -152,22 +153,24 @@ class Worker:
         raise NodeError(why)
 
     # -- lifecycle --------------------------------------------------------------------------
-    def run(self) -> None:
-        """Join, sync shards, then serve steps until the master says BYE."""
+    def run(self) -> bool:
+        """Join, sync shards, then serve steps until the master says BYE. True when the master
+        dropped this node from its plan and asks it to join again (`edgetp join` does)."""
         self.sock.connect(self.endpoint)
         try:
             welcome = self._handshake()
             try:
-                executor = self._load(welcome)
+                executor = self._load(read_welcome(welcome))
             except Exception as exc:  # tell the master, which is waiting for READY
                 self._send({"op": P.ERROR, "message": f"{type(exc).__name__}: {exc}"})
                 raise
             self._send({"op": P.READY, "fetched": self.fetched_bytes})
             log.info("node %s ready: slice %s", self.name, executor.slice)
-            self._serve(executor)
+            return self._serve(executor)
         except KeyboardInterrupt:  # stopped by its owner: tell the master, which re-plans
             self._send({"op": P.LEAVE})
             log.info("node %s leaving", self.name)
+            return False
         finally:
             if self.heartbeat:
                 self.heartbeat.close()
@@ -211,20 +214,17 @@ class Worker:
             raise NodeError(f"unexpected message before WELCOME: {header['op']!r}")
         return header
 
-    def _load(self, welcome: dict[str, Any]) -> SliceExecutor:
-        config = ModelConfig.from_dict(welcome["config"])
-        s = Slice.from_dict(welcome["slice"])
-        refs = [ShardRef(**r) for r in welcome["shards"]]
+    def _load(self, welcome: Welcome) -> SliceExecutor:
+        config, s, refs = welcome.config, welcome.slice, welcome.shards
         missing = [r for r in refs if not self.store.has_valid(r)]
         self._fetch_total = sum(r.size for r in missing)
         for ref in missing:
             self._fetch(ref)
-        factors = welcome.get("rope_freq_factors")
+        factors = welcome.rope_freq_factors
         freq = torch.tensor(factors) if factors else None
-        window = welcome.get("window") or config.n_layers
         paths = [self.store.path(r) for r in refs]
-        weights = LayerWindow(paths, window, self.drop_cache)
-        executor = make_executor(config, s, weights, welcome["context"], welcome["slots"], freq)
+        weights = LayerWindow(paths, welcome.window or config.n_layers, self.drop_cache)
+        executor = make_executor(config, s, weights, welcome.context, welcome.slots, freq)
         try:
             prepare(executor.matrix_shapes())  # with the threads the executor settled on
         except Exception:
@@ -271,7 +271,7 @@ class Worker:
             raise NodeError(f"shard {ref.filename} arrived corrupt (sha256 mismatch); run again")
         os.replace(part, self.store.path(ref))
 
-    def _reload(self, welcome: dict[str, Any]) -> SliceExecutor:
+    def _reload(self, welcome: Welcome) -> SliceExecutor:
         before = self.fetched_bytes
         try:
             executor = self._load(welcome)
@@ -282,29 +282,37 @@ class Worker:
         log.info("node %s re-planned: slice %s", self.name, executor.slice)
         return executor
 
-    def _serve(self, executor: SliceExecutor) -> None:
+    def _serve(self, executor: SliceExecutor) -> bool:
+        """Compute partials until the master says BYE; True when it asks this node to join
+        again (it was dropped from the plan)."""
         reported = StreamFigures()  # the loader's totals at the last report
+        batch: StepBatch | None = None  # the step's, sent with its first block
         while True:
             frames = self._recv(float("inf"), "waiting for work")
-            header, tensors = P.decode(frames)
-            op = header["op"]
-            if op == P.BYE:
-                log.info("master said bye: %s", header.get("reason", ""))
-                return
-            if op == P.WELCOME:  # a re-plan: a new slice, maybe new shards to fetch
-                executor.close()
-                executor = self._reload(welcome=header)
-                reported = StreamFigures()
+            try:
+                header, work = read_message(frames, executor.config, executor.cache, batch)
+            except P.ProtocolError as exc:
+                # Only the master (its key) can send here, so this is a bug or a mismatched
+                # version, never a reason to stop: log it, and answer what the master may be
+                # waiting for, so that it drops this node rather than wait for a partial.
+                log.warning("ignored a malformed message from the master: %s", exc)
+                if _waits_for_answer(frames):
+                    self._send({"op": P.ERROR, "message": f"malformed message: {exc}"})
                 continue
-            if op != P.STEP:
-                raise NodeError(f"unexpected message from the master: {op!r}")
+            if work is None:  # BYE
+                log.info("master said bye: %s", header.get("reason", ""))
+                return bool(header.get("rejoin"))
+            if isinstance(work, Welcome):  # a re-plan: a new slice, maybe new shards to fetch
+                executor.close()
+                executor = self._reload(work)
+                reported, batch = StreamFigures(), None
+                continue
+            batch, layer, block, h = work.batch, work.layer, work.block, work.hidden
             try:
                 if "batch" in header:
-                    executor.begin_step(StepBatch.from_dict(header["batch"]))
-                (h,) = tensors
-                layer = header["layer"]
+                    executor.begin_step(batch)
                 started = time.perf_counter()
-                partial = self._partial(executor, header["block"], layer, h)
+                partial = self._partial(executor, block, layer, h)
             except Exception as exc:  # report, then stop: the master fails the request
                 self._send({"op": P.ERROR, "message": f"{type(exc).__name__}: {exc}"})
                 raise
@@ -312,10 +320,10 @@ class Worker:
                 "op": P.PARTIAL,
                 "step": header["step"],
                 "layer": layer,
-                "block": header["block"],
+                "block": block,
                 "compute": time.perf_counter() - started,
             }
-            if header["block"] == P.FFN and layer == executor.config.n_layers - 1:
+            if block == P.FFN and layer == executor.config.n_layers - 1:
                 reply["figures"] = step_figures(executor.weights, reported)
                 reply["figures"]["kernels"] = kernel_set()
                 reported = replace(executor.weights.figures)
@@ -330,3 +338,114 @@ class Worker:
             return compute(layer, h)
         with torch.inference_mode():
             return compute(layer, torch.from_numpy(h.copy()))  # the message's memory is read-only
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """What a WELCOME tells a node: its slice of the model, and how to hold it."""
+
+    config: ModelConfig
+    slice: Slice
+    shards: list[ShardRef]
+    context: int
+    slots: int
+    window: int | None
+    rope_freq_factors: list[float] | None
+
+
+def read_welcome(header: dict[str, Any]) -> Welcome:
+    """A WELCOME's contents, or ProtocolError saying what is wrong with them."""
+    try:
+        config = ModelConfig.from_dict(header["config"])
+        shards = [ShardRef(str(r["sha256"]), int(r["size"])) for r in header["shards"]]
+        welcome = Welcome(
+            config,
+            Slice.from_dict(header["slice"]),
+            shards,
+            int(header["context"]),
+            int(header["slots"]),
+            None if header.get("window") is None else int(header["window"]),
+            header.get("rope_freq_factors"),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise P.ProtocolError(f"a WELCOME without a usable plan ({exc!r})") from exc
+    if len(shards) != config.n_layers or welcome.context < 1 or welcome.slots < 1:
+        raise P.ProtocolError(
+            f"a WELCOME with {len(shards)} shards for {config.n_layers} layers, context "
+            f"{welcome.context}, {welcome.slots} slots"
+        )
+    return welcome
+
+
+@dataclass(frozen=True)
+class Step:
+    """One block of one layer to compute: what a STEP tells a node."""
+
+    batch: StepBatch  # the step's (sent with its first block)
+    layer: int
+    block: str
+    hidden: np.ndarray  # decode (B, D), else (B, T, D)
+
+
+def read_message(
+    frames: list[Any], config: ModelConfig, cache: KVCache, batch: StepBatch | None
+) -> tuple[dict[str, Any], Step | Welcome | None]:
+    """What a serving node is told: a `Step` (checked against what it holds: `config`,
+    `cache`, the step's `batch` so far), a `Welcome` (a re-plan) or None (BYE), with the header.
+    ProtocolError for anything else."""
+    header, tensors = P.decode(frames)
+    op = header["op"]
+    if op == P.STEP:
+        return header, read_step(header, tensors, config, cache, batch)
+    if op == P.WELCOME:
+        return header, read_welcome(header)
+    if op == P.BYE:
+        return header, None
+    raise P.ProtocolError(f"unexpected {op!r} while serving steps")
+
+
+def read_step(
+    header: dict[str, Any],
+    tensors: list[np.ndarray],
+    config: ModelConfig,
+    cache: KVCache,
+    batch: StepBatch | None,
+) -> Step:
+    """A STEP's batch (its own, or the step's so far), layer, block and hidden state, checked
+    against what this node holds; ProtocolError for anything it could not compute."""
+    try:
+        if "batch" in header:
+            batch = StepBatch.from_dict(header["batch"])
+            if not all(isinstance(v, int) for v in (*batch.slots, *batch.starts, *batch.lengths)):
+                raise TypeError(f"batch {header['batch']!r} is not whole numbers")
+        layer, block, _ = header["layer"], header["block"], int(header["step"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise P.ProtocolError(f"a STEP without a usable header ({exc!r})") from exc
+    if batch is None:
+        raise P.ProtocolError("a STEP before any batch was given")
+    if not (isinstance(layer, int) and 0 <= layer < config.n_layers) or block not in (
+        P.ATTENTION,
+        P.FFN,
+    ):
+        raise P.ProtocolError(f"a STEP for layer {layer!r}, block {block!r}")
+    if not (
+        0 < batch.size == len(batch.starts) == len(batch.lengths)
+        and all(0 <= slot < cache.slots for slot in batch.slots)
+        and all(0 <= a and 0 < n and a + n <= cache.max_context
+                for a, n in zip(batch.starts, batch.lengths, strict=True))
+    ):  # fmt: skip
+        raise P.ProtocolError(f"a STEP batch this node cannot hold: {batch}")
+    shape = (batch.size, config.hidden) if batch.rows else (batch.size, batch.width, config.hidden)
+    if len(tensors) != 1 or tensors[0].shape != shape or tensors[0].dtype != np.float32:
+        got = [(t.dtype.name, t.shape) for t in tensors]
+        raise P.ProtocolError(f"a STEP's hidden state is {got}, not one float32 {shape}")
+    return Step(batch, layer, block, tensors[0])
+
+
+def _waits_for_answer(frames: list[Any]) -> bool:
+    """Whether a message that did not make sense may have been a STEP (the master waits for
+    its partial) or a WELCOME (it waits for READY), as far as its header can be read."""
+    try:
+        return P.decode_header(frames[0])["op"] in (P.STEP, P.WELCOME)
+    except (P.ProtocolError, IndexError, TypeError):
+        return False

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import subprocess
 import sys
 import threading
 import time
 
-import msgpack
 import pytest
 import torch
 import zmq
@@ -197,76 +195,3 @@ def test_traffic_between_master_and_worker_is_encrypted(smollm2, smollm2_tokeniz
     assert hidden_bytes not in wire and step_header not in wire
     assert answer.strip() and answer.encode() not in wire
     assert b"swordfish" not in wire and prompt.encode() not in wire
-
-
-def _garbage(rng: random.Random) -> list[bytes]:
-    """One message a confused or hostile peer with the token might send: random bytes, a cut
-    header, ops with fields missing or of the wrong type, tensors listed but not sent."""
-    capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
-    wrong = [None, "x", -1, 2**62, 1.5, [], {}, b"\xff", {"a": [1, {"b": None}]}]
-    kind = rng.randrange(5)
-    if kind == 0:
-        return [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 4))]
-    if kind == 1:
-        whole = msgpack.packb({"op": P.HELLO, "capacity": capacity, "name": "cut"})
-        return [whole[: rng.randrange(len(whole))]]
-    if kind == 2:  # an op the master knows, its fields replaced by the wrong things
-        op = rng.choice([P.HELLO, P.FETCH, P.READY, P.LEAVE, P.PARTIAL, P.HEARTBEAT, "nope", 7])
-        header = {"op": op, "version": P.PROTOCOL_VERSION, "name": "g", "capacity": capacity,
-                  "sha256": "0" * 64, "offset": 0, "size": 1, "step": 1, "layer": 0}  # fmt: skip
-        for key in rng.sample(sorted(header, key=str), rng.randrange(1, 4)):
-            if rng.random() < 0.3:
-                del header[key]
-            else:
-                header[key] = rng.choice(wrong)
-        if op == P.HELLO and rng.random() < 0.5:
-            header["capacity"] = {k: rng.choice(wrong) for k in capacity}
-        return [msgpack.packb(header, use_bin_type=True)]
-    if kind == 3:  # tensors listed that do not come, or come ragged
-        header = {"op": P.PARTIAL, "step": 1, "layer": 0, "block": "attn",
-                  "tensors": [["float32", [2, rng.choice([3, -1, 2**40])]]]}  # fmt: skip
-        return [msgpack.packb(header)] + [rng.randbytes(rng.randrange(0, 40))] * rng.randrange(2)
-    return [msgpack.packb(rng.choice(wrong + [[P.HELLO], "hello"]), use_bin_type=True)]
-
-
-def test_an_authenticated_peer_sending_garbage_cannot_stop_the_master(caplog):
-    """2,000 malformed messages from a peer that holds the token: the master logs and drops
-    each, drops the peer (or refuses its HELLO), raises nothing, and then admits a
-    well-behaved node as before."""
-    hub = Hub("127.0.0.1", 0)
-    ctx = zmq.Context.instance()
-    bad = ctx.socket(zmq.DEALER)
-    bad.setsockopt(zmq.LINGER, 0)
-    secure_client(bad, hub.token)
-    bad.connect(f"tcp://127.0.0.1:{hub.port}")
-    rng = random.Random(0)
-    try:
-        with caplog.at_level(logging.WARNING):
-            for n in range(2000):
-                bad.send_multipart(_garbage(rng))
-                if n % 100 == 99:
-                    hub.membership_changed(0.05)  # the master takes them in as they come
-            quiet = time.monotonic() + 2
-            while time.monotonic() < quiet:
-                hub.membership_changed(0.05)
-        # A HELLO whose garbage was in fields it does not read got the peer in; its next bad
-        # message dropped it; a later HELLO let it in again, once.
-        assert len(hub.members) <= 1, hub.members
-        dropped = [r for r in caplog.records if "malformed" in r.getMessage()]
-        print(f"\n{len(dropped)} of 2000 messages dropped as malformed; the rest refused")
-        assert len(dropped) > 500, len(dropped)  # most are; some are well-formed but refused
-        good = ctx.socket(zmq.DEALER)
-        good.setsockopt(zmq.LINGER, 0)
-        secure_client(good, hub.token)
-        good.connect(f"tcp://127.0.0.1:{hub.port}")
-        capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
-        hello = {"op": P.HELLO, "version": P.PROTOCOL_VERSION, "name": "ok", "capacity": capacity}
-        good.send_multipart(P.encode(hello))
-        deadline = time.monotonic() + 5
-        while "ok" not in [m.name for m in hub.members] and time.monotonic() < deadline:
-            hub.membership_changed(0.1)
-        assert "ok" in [m.name for m in hub.members], hub.members
-        good.close()
-    finally:
-        bad.close()
-        hub.close()

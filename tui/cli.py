@@ -233,18 +233,22 @@ def _join(args: argparse.Namespace) -> None:
     else:
         address = args.master if ":" in args.master else f"{args.master}:{DEFAULT_PORT}"
     capacity = measure_capacity(threads, budget, args.window)
-    with progress_bar("fetching shards", in_bytes=True) as fetch_progress:
-        worker = Worker(
-            address,
-            capacity,
-            state_dir,
-            args.name,
-            args.model,
-            fetch_progress,
-            token=token,
-            drop_cache=args.drop_cache,
-        )
-        worker.run()
+    rejoin = True
+    while rejoin:  # a master that dropped this node from its plan asks it to join again
+        with progress_bar("fetching shards", in_bytes=True) as fetch_progress:
+            worker = Worker(
+                address,
+                capacity,
+                state_dir,
+                args.name,
+                args.model,
+                fetch_progress,
+                token=token,
+                drop_cache=args.drop_cache,
+            )
+            rejoin = worker.run()
+        if rejoin:
+            print("edgetp join: dropped from the master's plan; joining again", file=sys.stderr)
 
 
 BROWSE_SECONDS = 3.0

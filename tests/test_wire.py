@@ -1,0 +1,140 @@
+"""The wire under malformed messages: neither the master nor a node stops for one. Each is
+logged once; the peer that sent it is dropped; the cluster answers as before afterwards."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import pytest
+import zmq
+from cluster_threads import master_threads
+from wire_garbage import to_master, to_node
+
+from master.cluster import Hub
+from master.generate import start, stream
+from master.local import LocalWorkers
+from master.params import SamplingParams
+from master.session import Session
+from models.layers import Slice, StepBatch
+from node import protocol as P
+from node.kvcache import KVCache
+from node.security import secure_client
+from node.worker import read_message
+
+MESSAGES = 2000
+SLOTS, CONTEXT = 1, 128  # the live node's, as its master plans it below
+
+
+def test_a_node_refuses_each_of_2000_malformed_messages_with_a_protocol_error(smollm2):
+    """What a serving node reads from its master (`read_message`, the one decoder its loop
+    calls): every generated message is wrong somewhere, and each is refused with a
+    ProtocolError, never another exception that would stop the node."""
+    config = smollm2.config
+    cache = KVCache(config, Slice.whole(config), SLOTS, CONTEXT)
+    batch = StepBatch((0,), (0,), (1,))  # a step is under way: a STEP needs no batch of its own
+    rng = random.Random(0)
+    for _ in range(MESSAGES):
+        frames = to_node(rng, config.n_layers, config.hidden, SLOTS, CONTEXT)
+        with pytest.raises(P.ProtocolError):
+            read_message(frames, config, cache, batch)
+
+
+def test_an_authenticated_peer_sending_garbage_cannot_stop_the_master(caplog):
+    """2,000 malformed messages from a peer that holds the token: the master logs and drops
+    each, drops the peer (or refuses its HELLO), raises nothing, and then admits a
+    well-behaved node as before."""
+    hub = Hub("127.0.0.1", 0)
+    ctx = zmq.Context.instance()
+    bad = ctx.socket(zmq.DEALER)
+    bad.setsockopt(zmq.LINGER, 0)
+    secure_client(bad, hub.token)
+    bad.connect(f"tcp://127.0.0.1:{hub.port}")
+    rng = random.Random(0)
+    try:
+        with caplog.at_level(logging.WARNING):
+            for n in range(MESSAGES):
+                bad.send_multipart(to_master(rng))
+                if n % 100 == 99:
+                    hub.membership_changed(0.05)  # the master takes them in as they come
+            quiet = time.monotonic() + 2
+            while time.monotonic() < quiet:
+                hub.membership_changed(0.05)
+        # A HELLO whose garbage was in fields it does not read got the peer in; its next bad
+        # message dropped it; a later HELLO let it in again, once.
+        assert len(hub.members) <= 1, hub.members
+        dropped = [r for r in caplog.records if "malformed" in r.getMessage()]
+        print(f"\n{len(dropped)} of {MESSAGES} messages dropped as malformed; the rest refused")
+        assert len(dropped) > 500, len(dropped)  # most are; some are well-formed but refused
+        good = ctx.socket(zmq.DEALER)
+        good.setsockopt(zmq.LINGER, 0)
+        secure_client(good, hub.token)
+        good.connect(f"tcp://127.0.0.1:{hub.port}")
+        capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
+        hello = {"op": P.HELLO, "version": P.PROTOCOL_VERSION, "name": "ok", "capacity": capacity}
+        good.send_multipart(P.encode(hello))
+        deadline = time.monotonic() + 5
+        while "ok" not in [m.name for m in hub.members] and time.monotonic() < deadline:
+            hub.membership_changed(0.1)
+        assert "ok" in [m.name for m in hub.members], hub.members
+        good.close()
+    finally:
+        bad.close()
+        hub.close()
+
+
+def _greedy(session: Session, tokenizer, n: int = 16) -> list[int]:
+    ids = tokenizer.encode("The capital of France is")
+    (g,) = start(session.engine, [ids], [SamplingParams(max_tokens=n, ignore_eos=True)])
+    for _ in stream(session.engine, tokenizer, [g]):
+        pass
+    return g.tokens
+
+
+@pytest.mark.slow
+@master_threads(2)
+def test_a_serving_node_sent_2000_malformed_messages_logs_each_and_rejoins(
+    smollm2, smollm2_tokenizer, shared_state
+):
+    """The master's own socket (it holds the keys a node trusts) sends a real worker process
+    2,000 malformed messages between two requests. The node logs each once and keeps running;
+    those the master may have waited on (a STEP, a WELCOME) it answers with an ERROR, so the
+    master drops it from the plan and tells it so; it joins again by itself (shipping
+    nothing), and the two nodes' answer equals the one before."""
+    hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
+    session = Session(smollm2, hub, shared_state, CONTEXT, SLOTS, capacities=[1, 1])
+    workers = LocalWorkers(1, hub.port, 1, shared_state, False, hub.token)
+    log_file = workers.logs[0]
+    logged_before = log_file.read_text().count("ignored a malformed message")
+    try:
+        session.start(workers=1, timeout=120)
+        want = _greedy(session, smollm2_tokenizer)
+        (member,) = hub.members
+        rng = random.Random(1)
+        c = smollm2.config
+        for _ in range(MESSAGES):
+            hub.transport.send_frames(member.identity, to_node(rng, c.n_layers, c.hidden, SLOTS,
+                                                              CONTEXT))  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            logged = log_file.read_text().count("ignored a malformed message") - logged_before
+            if logged >= MESSAGES or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        print(f"\nthe node logged {logged} of {MESSAGES} malformed messages")
+        assert logged == MESSAGES
+        assert workers.procs[0].poll() is None, "the node stopped"
+        shipped = hub.shipped_bytes
+        deadline = time.monotonic() + 60
+        replans = 0
+        while not (replans >= 2 and session.nodes == 2 and hub.members[0].ready):
+            assert time.monotonic() < deadline, (replans, hub.members)
+            replans += session.replan_if_changed(wait=0.5)  # dropped, then planned in again
+        assert "dropped from the master's plan; joining again" in log_file.read_text()
+        assert _greedy(session, smollm2_tokenizer) == want
+        assert workers.procs[0].poll() is None  # the same process: it joined again, not restarted
+        assert hub.shipped_bytes == shipped  # it holds its shards already
+    finally:
+        session.close()
+        workers.stop()
