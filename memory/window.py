@@ -11,6 +11,12 @@ request) breaks that order; the next request for another layer restarts the load
 
 When the window covers every layer, each is read once into its own buffer and never again.
 
+A streamed layer is read again every step, so what is on disk can change under a running node (a
+process writing there, a failing disk). Each read is checked against the first one's checksum
+(xxh3, some 30 GB/s: next to a read from disk it costs little, docs/decisions.md says how much),
+and a layer whose bytes changed raises `ShardChanged` rather than compute with them; the node
+fetches the file again and `retry`s.
+
 Reads go into the buffers with readinto: no mmap, so nothing counts as "in memory" that is
 really in the page cache. With `drop_cache`, each file is dropped from the page cache after it
 is read (posix_fadvise DONTNEED), so every read comes from the disk, as on a device that cannot
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from memory.shards import read_into, tensor_specs, tensor_views
 from models.errors import ModelError
@@ -54,10 +61,30 @@ class StreamFigures:
         )
 
 
+class ShardChanged(ModelError):
+    """A layer's shard file no longer holds the bytes it held when it was first read."""
+
+    def __init__(self, layer: int, path: Path) -> None:
+        super().__init__(
+            f"shard {path} (layer {layer}) changed on disk since it was checked: fetch it "
+            "again, or start again to re-split it"
+        )
+        self.layer = layer
+        self.path = path
+
+
 class LayerWindow:
     """Layers of one slice, `window` at a time, read from `paths` (one file per layer)."""
 
-    def __init__(self, paths: list[Path], window: int, drop_cache: bool = False) -> None:
+    def __init__(
+        self,
+        paths: list[Path],
+        window: int,
+        drop_cache: bool = False,
+        checksums: list[int] | None = None,
+    ) -> None:
+        """`checksums`: each file's xxh3 as verified (`ShardStore.checksum`); without them,
+        each layer's first read is taken as right."""
         if window < 1:
             raise ValueError(f"the window must hold at least one layer, got {window}")
         self.paths = [Path(p) for p in paths]
@@ -77,6 +104,7 @@ class LayerWindow:
         # Allocated and touched now: the memory a node needs is taken before the first token.
         self.buffers = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in range(self.window)]
         self._views: list[dict[str, torch.Tensor] | None] = [None] * self.window
+        self._checksums: list[int | None] = list(checksums or [None] * self.n_layers)
         self._seq_of_slot = [-1] * self.window  # which use (k) a buffer holds
         self._used = 0  # k of the layer compute is on (or will be on next)
         self._error: BaseException | None = None
@@ -130,6 +158,14 @@ class LayerWindow:
             if self._used % self.n_layers == layer:
                 self._used += 1
                 self._lock.notify_all()
+
+    def retry(self, layer: int) -> None:
+        """Read again from `layer` on, after the loader failed there (its file fetched anew)."""
+        if self.resident:
+            self._read(layer, layer)
+            return
+        with self._lock:
+            self._restart(layer)
 
     def close(self) -> None:
         with self._lock:
@@ -198,6 +234,11 @@ class LayerWindow:
             raise ModelError(f"shard {path} cannot be read ({exc.strerror})") from exc
         if got != size:
             raise ModelError(f"shard {path} is truncated: {got} of {size} bytes")
+        checksum = xxhash.xxh3_64_intdigest(memoryview(buffer.numpy())[:size])  # frees the GIL
+        if self._checksums[layer] is None:
+            self._checksums[layer] = checksum
+        elif checksum != self._checksums[layer]:
+            raise ShardChanged(layer, path)
         self._views[slot] = tensor_views(buffer, path, size)
         self.figures.load_s += time.perf_counter() - started
         self.figures.bytes_read += size

@@ -20,8 +20,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from memory.budget import device_memory_budget
 from memory.files import default_state_dir
-from memory.shards import ShardRef, ShardStore, sha256_file
-from memory.window import LayerWindow, StreamFigures, step_figures
+from memory.shards import ShardRef, ShardStore, file_digests
+from memory.window import LayerWindow, ShardChanged, StreamFigures, step_figures
 from models.config import ModelConfig
 from models.kernels import kernel_set, linear
 from models.layers import Slice, StepBatch
@@ -110,6 +110,7 @@ class Worker:
         )
         self.heartbeat: HeartbeatClient | None = None
         self.fetched_bytes = 0
+        self.refs: list[ShardRef] = []  # this node's shards, layer by layer, as planned
         self.resumed_bytes = 0
         self._fetch_total = 0
 
@@ -216,14 +217,14 @@ class Worker:
 
     def _load(self, welcome: Welcome) -> SliceExecutor:
         config, s, refs = welcome.config, welcome.slice, welcome.shards
-        missing = [r for r in refs if not self.store.has_valid(r)]
-        self._fetch_total = sum(r.size for r in missing)
-        for ref in missing:
-            self._fetch(ref)
+        self.refs = refs
+        held = list(zip(refs, [self.store.checksum(r) for r in refs], strict=True))
+        self._fetch_total = sum(r.size for r, checksum in held if checksum is None)
+        verified = [self._fetch(r) if checksum is None else checksum for r, checksum in held]
         factors = welcome.rope_freq_factors
         freq = torch.tensor(factors) if factors else None
         paths = [self.store.path(r) for r in refs]
-        weights = LayerWindow(paths, welcome.window or config.n_layers, self.drop_cache)
+        weights = LayerWindow(paths, welcome.window or config.n_layers, self.drop_cache, verified)
         executor = make_executor(config, s, weights, welcome.context, welcome.slots, freq)
         try:
             prepare(executor.matrix_shapes())  # with the threads the executor settled on
@@ -232,8 +233,9 @@ class Worker:
             raise
         return executor
 
-    def _fetch(self, ref: ShardRef) -> None:
-        """Fetch one shard in chunks into a .part file, resuming one left by an earlier run."""
+    def _fetch(self, ref: ShardRef) -> int:
+        """Fetch one shard in chunks into a .part file, resuming one left by an earlier run;
+        its xxh3 once verified."""
         part = self.store.partial_path(ref)
         offset = part.stat().st_size if part.exists() else 0
         if offset > ref.size:
@@ -266,10 +268,12 @@ class Worker:
                 self.fetched_bytes += len(data)
                 if self.progress:
                     self.progress(self.fetched_bytes, self._fetch_total)
-        if sha256_file(part) != ref.sha256:
+        sha256, checksum = file_digests(part)
+        if sha256 != ref.sha256:
             part.unlink()
             raise NodeError(f"shard {ref.filename} arrived corrupt (sha256 mismatch); run again")
         os.replace(part, self.store.path(ref))
+        return checksum
 
     def _reload(self, welcome: Welcome) -> SliceExecutor:
         before = self.fetched_bytes
@@ -312,7 +316,12 @@ class Worker:
                 if "batch" in header:
                     executor.begin_step(batch)
                 started = time.perf_counter()
-                partial = self._partial(executor, block, layer, h)
+                try:
+                    partial = self._partial(executor, block, layer, h)
+                except ShardChanged as changed:  # nothing computed yet: fetch it, go on
+                    self._fetch_again(changed)
+                    executor.weights.retry(layer)
+                    partial = self._partial(executor, block, layer, h)
             except Exception as exc:  # report, then stop: the master fails the request
                 self._send({"op": P.ERROR, "message": f"{type(exc).__name__}: {exc}"})
                 raise
@@ -328,6 +337,24 @@ class Worker:
                 reply["figures"]["kernels"] = kernel_set()
                 reported = replace(executor.weights.figures)
             self._send(reply, (partial,))
+
+    def _fetch_again(self, changed: ShardChanged) -> None:
+        """A shard that changed on this device's disk since it was verified (rot, or a process
+        writing there): fetch it from the master again, mid-step (the master serves fetches
+        while it waits for partials)."""
+        ref = self.refs[changed.layer]
+        started, before = time.perf_counter(), self.fetched_bytes
+        log.warning("%s; fetching it from the master again", changed)
+        try:
+            self._fetch(ref)
+        except NodeError as exc:  # the master's copy is no better (one disk, in a local cluster)
+            raise NodeError(f"{changed}; fetching it again failed: {exc}") from exc
+        log.warning(
+            "shard %s fetched again (%d bytes in %.2f s); the step goes on",
+            ref.filename,
+            self.fetched_bytes - before,
+            time.perf_counter() - started,
+        )
 
     @staticmethod
     def _partial(executor: SliceExecutor, block: str, layer: int, h: np.ndarray) -> Hidden:

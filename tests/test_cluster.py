@@ -23,7 +23,8 @@ from master.plan import plan_slices
 from master.session import Session
 from master.splitter import split_model
 from master.transport import ClusterError
-from memory.shards import ShardStore
+from memory.budget import MemoryOptions
+from memory.shards import Manifest, ShardStore
 from models.layers import StepBatch
 from node import protocol as P
 from node.security import TOKEN_ENV, secure_client
@@ -187,6 +188,53 @@ def test_shard_transfer_resumes_and_refetches_corrupt_files(smollm2, tmp_path):
     victim.write_bytes(bytes(data))
     assert _ship_once(smollm2, manifest, master_store, worker_dir) == refs[5].size
     assert store.has_valid(refs[5])
+
+
+def test_a_shard_changed_on_a_worker_s_disk_mid_answer_is_fetched_again(
+    smollm2, smollm2_tokenizer, tmp_path
+):
+    """A worker streaming its slice (window 2) from a folder of its own: a bit of one of its
+    layers flipped on its disk between two steps of an answer. It notices at that layer's next
+    read, fetches the file from the master mid-step, and the answer goes on to the tokens of an
+    undisturbed run; only that file crosses the wire again."""
+    memory = MemoryOptions(window=2)
+    hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
+    session = Session(smollm2, hub, tmp_path / "master", 256, 1, memory, capacities=[1, 1])
+    worker_dir = tmp_path / "worker"
+    workers = LocalWorkers(1, hub.port, 1, worker_dir, False, hub.token, memory=memory)
+    ids = smollm2_tokenizer.encode("The capital of France is")
+    params = [SamplingParams(max_tokens=24, ignore_eos=True)]
+    try:
+        with master_threads(2):
+            engine = session.start(workers=1, timeout=120)
+            (g,) = start(engine, [ids], params)
+            for _ in stream(engine, smollm2_tokenizer, [g]):
+                pass
+            want = g.tokens
+            (manifest,) = [
+                Manifest.from_json(p.read_text())
+                for p in (tmp_path / "master" / "shards" / "manifests").glob("*.json")
+            ]
+            ref = manifest.nodes[1][20]
+            victim = ShardStore(worker_dir / "shards").path(ref)
+            right = victim.read_bytes()
+            shipped = hub.shipped_bytes
+            (g,) = start(engine, [ids], params)
+            for n, _ in enumerate(stream(engine, smollm2_tokenizer, [g])):
+                if n == 4:
+                    with open(victim, "r+b") as f:  # same size, same header: one weight
+                        f.seek(len(right) - 5)
+                        f.write(bytes([right[-5] ^ 0x01]))
+            assert g.tokens == want
+        assert hub.shipped_bytes - shipped == ref.size
+        assert victim.read_bytes() == right
+        log = workers.logs[0].read_text()
+        print("\n" + "\n".join(line for line in log.splitlines() if "shard" in line))
+        assert f"shard {victim} (layer 20) changed on disk" in log
+        assert f"shard {ref.filename} fetched again" in log
+    finally:
+        session.close()
+        workers.stop()
 
 
 def test_handshake_refuses_another_version_and_another_model(smollm2, tmp_path, caplog):

@@ -15,7 +15,7 @@ from master.splitter import split_model
 from master.transport import ClusterError
 from memory.budget import MIN_CONTEXT, BudgetError, MemoryOptions, plan_memory
 from memory.shards import ShardStore
-from memory.window import LayerWindow
+from memory.window import LayerWindow, ShardChanged
 from models.errors import ModelError
 from models.layers import StepBatch
 
@@ -255,6 +255,42 @@ def test_a_shard_lost_while_streaming_raises_with_its_path(layer_files, tmp_path
         with pytest.raises(ModelError, match=f"shard {paths[3]} cannot be read"):
             window.get(3)
         assert time.monotonic() - started < 5
+    finally:
+        window.close()
+
+
+def test_a_shard_changed_under_a_streaming_window_is_refused_until_read_right(
+    layer_files, tmp_path
+):
+    """A bit flipped in a layer's file between two steps: the window refuses the layer,
+    naming the file, instead of computing with it; once the file is right again (a node
+    fetches it anew) `retry` reads it and streaming goes on."""
+    store, refs = layer_files
+    paths = []
+    for r in refs[:4]:
+        copy = tmp_path / r.filename
+        copy.write_bytes(store.path(r).read_bytes())
+        paths.append(copy)
+    window = LayerWindow(paths, 2, checksums=[store.checksum(r) for r in refs[:4]])
+    right = paths[3].read_bytes()
+    try:
+        for i in range(4):  # one step
+            window.get(i)
+            window.release(i)
+        with open(paths[3], "r+b") as f:  # same size, same header: only a weight differs
+            f.seek(len(right) - 5)
+            f.write(bytes([right[-5] ^ 0x01]))
+        for i in range(3):  # the next step, up to the changed layer
+            window.get(i)
+            window.release(i)
+        with pytest.raises(ShardChanged, match=rf"shard {paths[3]} \(layer 3\) changed on disk"):
+            window.get(3)
+        paths[3].write_bytes(right)
+        window.retry(3)
+        got, want = window.get(3), store.load(refs[3])
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        window.release(3)
+        window.get(0)  # and on to the next step
     finally:
         window.close()
 
