@@ -12,10 +12,12 @@ request) breaks that order; the next request for another layer restarts the load
 When the window covers every layer, each is read once into its own buffer and never again.
 
 A streamed layer is read again every step, so what is on disk can change under a running node (a
-process writing there, a failing disk). Each read is checked against the first one's checksum
-(xxh3, some 30 GB/s: next to a read from disk it costs little, docs/decisions.md says how much),
-and a layer whose bytes changed raises `ShardChanged` rather than compute with them; the node
-fetches the file again and `retry`s.
+process writing there, a failing disk). Bytes that come from the disk are checked against the
+file's checksum as the node verified it (xxh3, chunk by chunk as they arrive: about 5% of a read
+from disk); bytes the page cache holds can only have changed through a write, which moves the
+file's ctime, so a read served whole from the page cache of a file not written since its last
+check costs nothing more (docs/decisions.md has the figures). A layer whose bytes changed raises
+`ShardChanged` rather than compute with them; the node fetches the file again and `retry`s.
 
 Reads go into the buffers with readinto: no mmap, so nothing counts as "in memory" that is
 really in the page cache. With `drop_cache`, each file is dropped from the page cache after it
@@ -40,6 +42,7 @@ import xxhash
 from memory.shards import read_into, tensor_specs, tensor_views
 from models.errors import ModelError
 
+READ_CHUNK = 1 << 20  # bytes a streaming read takes at a time, each checksummed while in cache
 FIGURES_KEPT = 4096  # steps of per-step figures a node's history keeps, for benchmarks
 
 
@@ -105,6 +108,7 @@ class LayerWindow:
         self.buffers = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in range(self.window)]
         self._views: list[dict[str, torch.Tensor] | None] = [None] * self.window
         self._checksums: list[int | None] = list(checksums or [None] * self.n_layers)
+        self._identities: list[tuple[int, ...] | None] = [None] * self.n_layers  # when checked
         self._seq_of_slot = [-1] * self.window  # which use (k) a buffer holds
         self._used = 0  # k of the layer compute is on (or will be on next)
         self._error: BaseException | None = None
@@ -225,23 +229,59 @@ class LayerWindow:
         path, size = self.paths[layer], self.sizes[layer]
         buffer = self.buffers[slot]
         started = time.perf_counter()
+        view = memoryview(buffer.numpy())[:size]
         try:
             with open(path, "rb", buffering=0) as f:
-                got = read_into(f, memoryview(buffer.numpy())[:size])
+                st = os.fstat(f.fileno())
+                identity = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                cached = _read_cached(f.fileno(), view)
+                checksum = None
+                if cached < size or identity != self._identities[layer]:
+                    # Some bytes come from the disk, or the file was written since it was
+                    # last checked: checksum it all, each chunk as it is read (still in the
+                    # CPU's cache) while the disk reads ahead.
+                    checksum = xxhash.xxh3_64(view[:cached])  # frees the GIL
+                    os.posix_fadvise(f.fileno(), cached, size - cached, os.POSIX_FADV_WILLNEED)
+                f.seek(cached)
+                got = cached
+                while got < size:
+                    n = read_into(f, view[got : got + READ_CHUNK])
+                    if not n:
+                        break
+                    if checksum is not None:
+                        checksum.update(view[got : got + n])
+                    got += n
                 if self.drop_cache:
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
             raise ModelError(f"shard {path} cannot be read ({exc.strerror})") from exc
         if got != size:
             raise ModelError(f"shard {path} is truncated: {got} of {size} bytes")
-        checksum = xxhash.xxh3_64_intdigest(memoryview(buffer.numpy())[:size])  # frees the GIL
-        if self._checksums[layer] is None:
-            self._checksums[layer] = checksum
-        elif checksum != self._checksums[layer]:
-            raise ShardChanged(layer, path)
+        if checksum is not None:
+            if self._checksums[layer] is None:
+                self._checksums[layer] = checksum.intdigest()
+            elif checksum.intdigest() != self._checksums[layer]:
+                raise ShardChanged(layer, path)
+            self._identities[layer] = identity
         self._views[slot] = tensor_views(buffer, path, size)
         self.figures.load_s += time.perf_counter() - started
         self.figures.bytes_read += size
+
+
+def _read_cached(fd: int, view: memoryview) -> int:
+    """Fill `view` from the start of the file with what the page cache holds, up to the first
+    byte it does not (Linux's RWF_NOWAIT); the bytes read. 0 where that cannot be asked."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    got = 0
+    while nowait is not None and got < len(view):
+        try:
+            n = os.preadv(fd, [view[got:]], got, nowait)
+        except (BlockingIOError, OSError):  # not cached there, or a kernel without it
+            break
+        if not n:
+            break
+        got += n
+    return got
 
 
 class ResidentLayers:

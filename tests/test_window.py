@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -291,6 +292,42 @@ def test_a_shard_changed_under_a_streaming_window_is_refused_until_read_right(
         assert all(torch.equal(got[k], want[k]) for k in want)
         window.release(3)
         window.get(0)  # and on to the next step
+    finally:
+        window.close()
+
+
+def test_a_streaming_window_checks_what_comes_from_the_disk_not_from_the_page_cache(
+    layer_files, tmp_path
+):
+    """Rot on a disk changes no file time: what tells it is a read from the disk, checked
+    against the verified checksum. Here the verified checksum of layer 2 is made to disagree
+    with the file (as the disk's bytes would after rot): reads served by the page cache pass
+    untouched (the file was not written since its check), the first read from the disk fails."""
+    store, refs = layer_files
+    paths = []
+    for r in refs[:3]:
+        copy = tmp_path / r.filename
+        copy.write_bytes(store.path(r).read_bytes())
+        paths.append(copy)
+    window = LayerWindow(paths, 2, checksums=[store.checksum(r) for r in refs[:3]])
+    try:
+        for _step in range(2):
+            for i in range(3):
+                window.get(i)
+                window.release(i)
+        window._checksums[2] ^= 1  # what the disk holds is no longer what was verified
+        for i in range(3):  # served by the page cache: not checked again, not refused
+            window.get(i)
+            window.release(i)
+        window.get(0)  # the loader holds layers 0 and 1; layer 2 waits for a free buffer
+        with open(paths[2], "rb") as f:  # evicted: its next read is from the disk
+            os.fsync(f.fileno())  # written just now: dirty pages would stay
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        window.release(0)
+        window.get(1)
+        window.release(1)
+        with pytest.raises(ShardChanged, match="layer 2"):
+            window.get(2)
     finally:
         window.close()
 
