@@ -24,6 +24,7 @@ from master.generate import Generation, check_prompt, step
 from master.params import SamplingParams
 from master.sampling import Sampler
 from master.session import Session
+from master.speculate import Speculator
 from master.transport import ClusterError
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
@@ -139,13 +140,21 @@ class BatcherStats:
     recovered: int = 0  # requests that went on after a node was lost in their step
     last_loss: str | None = None  # what the last node loss was and what became of it
     replans_mid_answer: int = 0  # re-plans between two steps while answers ran (joins, leaves)
+    speculation: dict[str, float] | None = None  # drafts' acceptance and tokens a step, when on
 
 
 class Batcher:
     """The generation loop: `start()` it, `submit()` requests, `close()` it."""
 
-    def __init__(self, session: Session, tokenizer: Tokenizer, max_waiting: int = 64) -> None:
+    def __init__(
+        self,
+        session: Session,
+        tokenizer: Tokenizer,
+        max_waiting: int = 64,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.session = session
+        self.speculator = speculator  # drafts checked in each step (master/speculate.py)
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
         self._cond = threading.Condition()
@@ -164,9 +173,9 @@ class Batcher:
         self._replans_mid_answer = 0  # nodes planned in or out between two steps of answers
         self._prompt_tokens = self._completion_tokens = 0
         self._largest_batch = 0
-        self._recent: collections.deque[tuple[float, float, int]] = collections.deque(
+        self._recent: collections.deque[tuple[float, float, int, int]] = collections.deque(
             maxlen=RECENT_STEPS
-        )  # (ended at, seconds, sequences) of the latest steps
+        )  # (ended at, seconds, sequences, tokens made) of the latest steps
         self._last_cancel: CancelRecord | None = None
 
     @property
@@ -234,7 +243,7 @@ class Batcher:
     def stats(self) -> BatcherStats:
         with self._cond:
             recent = list(self._recent)
-            busy = sum(s for _, s, _ in recent)
+            busy = sum(s for _, s, _, _ in recent)
             return BatcherStats(
                 slots=self.session.slots,
                 active=len(self._active),
@@ -247,14 +256,15 @@ class Batcher:
                 prompt_tokens=self._prompt_tokens,
                 completion_tokens=self._completion_tokens,
                 largest_batch=self._largest_batch,
-                step_ms_recent=[round(s * 1000, 2) for _, s, _ in recent],
-                batch_recent=[n for _, _, n in recent],
-                tokens_per_s=round(sum(n for _, _, n in recent) / busy, 1) if busy else 0.0,
+                step_ms_recent=[round(s * 1000, 2) for _, s, _, _ in recent],
+                batch_recent=[n for _, _, n, _ in recent],
+                tokens_per_s=round(sum(t for _, _, _, t in recent) / busy, 1) if busy else 0.0,
                 last_cancel=self._last_cancel,
                 down=self._down,
                 recovered=self._recovered,
                 last_loss=self._last_loss,
                 replans_mid_answer=self._replans_mid_answer,
+                speculation=self.speculator.figures() if self.speculator else None,
             )
 
     def close(self, timeout: float = 10.0) -> None:
@@ -293,10 +303,11 @@ class Batcher:
                     continue
                 self._steps += 1
                 number = self._steps
+            before = sum(len(j.generation.tokens) for j in batch)
             started = time.perf_counter()
             try:
                 assert self.engine is not None  # only None while the loop itself re-plans
-                step(self.engine, self.tokenizer, [j.generation for j in batch])
+                step(self.engine, self.tokenizer, [j.generation for j in batch], self.speculator)
             except ClusterError as exc:
                 log.error("step %d failed: %s", number, exc)
                 exc.with_traceback(None)  # its frames hold the failed engine's slices
@@ -312,7 +323,8 @@ class Batcher:
                 continue
             seconds = time.perf_counter() - started
             with self._cond:
-                self._recent.append((time.perf_counter(), seconds, len(batch)))
+                made = sum(len(j.generation.tokens) for j in batch) - before
+                self._recent.append((time.perf_counter(), seconds, len(batch), made))
                 self._largest_batch = max(self._largest_batch, len(batch))
                 for job in batch:
                     self._deliver(job)

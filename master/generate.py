@@ -7,12 +7,14 @@ share the same trip through the layers.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from master.engine import Engine
 from master.params import SamplingParams
 from master.sampling import Sampler
+from master.speculate import DraftState, Speculator
 from models.errors import ModelError
 from models.layers import StepBatch
 from models.tokenizer import Tokenizer
@@ -31,6 +33,7 @@ class Generation:
     emitted: int = 0  # characters of `text` already handed out
     finish_reason: str | None = None  # "stop" | "length"
     position: int = 0  # tokens already in the KV cache
+    drafts: DraftState = field(default_factory=DraftState)  # speculation's figures for it
 
     @property
     def finished(self) -> bool:
@@ -69,22 +72,68 @@ def check_prompt(prompt: Sequence[int], max_context: int) -> None:
         )
 
 
-def step(engine: Engine, tokenizer: Tokenizer, seqs: Sequence[Generation]) -> None:
-    """Advance every unfinished sequence by one token."""
+def step(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    seqs: Sequence[Generation],
+    speculator: Speculator | None = None,
+) -> None:
+    """Advance every unfinished sequence by one token, or by several with a `speculator`:
+    a decoding sequence feeds drafted tokens after its last one, and keeps those the logits
+    confirm plus the one they choose next (master/speculate.py)."""
     active = [g for g in seqs if not g.finished]
     if not active:
         return
+    if engine.config.local_layers:  # a local layer's KV ring: a rejected draft would overwrite
+        speculator = None  # a position its window still reads
     feeds = [g.pending() for g in active]
+    decoding = [g.position > 0 for g in active]  # not a prompt (new, or replayed)
+    drafts = [
+        speculator.draft(g.drafts, g.prompt + g.tokens, _room(g, engine.max_context))
+        if speculator is not None and decoding[b]
+        else []
+        for b, g in enumerate(active)
+    ]
+    fed = [f + d for f, d in zip(feeds, drafts, strict=True)]
     batch = StepBatch(
         tuple(g.slot for g in active),
         tuple(g.position for g in active),
-        tuple(len(f) for f in feeds),
+        tuple(len(f) for f in fed),
     )
-    logits = engine.forward(feeds, batch)  # (B, V)
+    started = time.perf_counter()
+    logits = engine.forward(fed, batch, all_logits=any(drafts))  # (B, V), or (B, T, V)
+    if speculator is not None:
+        seconds = time.perf_counter() - started
+        speculator.record_step(seconds, batch.width, all(decoding))
     for b, g in enumerate(active):
         g.position += len(feeds[b])
-        token = g.sampler(logits[b], g.prompt + g.tokens)
-        _accept(g, token, tokenizer, engine.max_context)
+        if not any(drafts):
+            _accept(g, g.sampler(logits[b], g.prompt + g.tokens), tokenizer, engine.max_context)
+            if speculator is not None and decoding[b]:
+                speculator.record_draft(g.drafts, 0, 0, 1)
+            continue
+        rows = logits[b, len(feeds[b]) - 1 : len(fed[b])]  # the next token's, at each place
+        made = accepted = 0
+        for row, draft in zip(rows, [*drafts[b], None], strict=True):
+            history = g.prompt + g.tokens
+            if draft is None:
+                token = g.sampler(row, history)
+            else:
+                token = g.sampler.verify(row, history, draft)
+            _accept(g, token, tokenizer, engine.max_context)
+            made += 1
+            if token != draft or g.finished:
+                break
+            accepted += 1
+            g.position += 1  # the draft's keys and values, written by this step, now count
+        if speculator is not None and decoding[b]:
+            speculator.record_draft(g.drafts, len(drafts[b]), accepted, made)
+
+
+def _room(g: Generation, max_context: int) -> int:
+    """Drafts a decoding sequence can take: the context must hold them and the token after,
+    and no more than its max_tokens will keep."""
+    return min(max_context - g.position - 2, g.params.max_tokens - len(g.tokens) - 1)
 
 
 def _accept(g: Generation, token: int, tokenizer: Tokenizer, max_context: int) -> None:
@@ -120,11 +169,14 @@ def start(
 
 
 def stream(
-    engine: Engine, tokenizer: Tokenizer, seqs: Sequence[Generation]
+    engine: Engine,
+    tokenizer: Tokenizer,
+    seqs: Sequence[Generation],
+    speculator: Speculator | None = None,
 ) -> Iterator[tuple[int, str]]:
     """Step until every sequence is finished; yields (index in seqs, new text) as it comes."""
     while not all(g.finished for g in seqs):
-        step(engine, tokenizer, seqs)
+        step(engine, tokenizer, seqs, speculator)
         for i, g in enumerate(seqs):
             text = g.take_text()
             if text:

@@ -13,6 +13,7 @@ import time
 import weakref
 
 import pytest
+from test_speculate import EDIT, SlowLinkSpeculator
 
 from master.batcher import Batcher, Delta, Event, Failed, Finished
 from master.cluster import Hub
@@ -214,3 +215,32 @@ def test_a_node_lost_mid_answer_loses_no_answer_and_frees_the_old_engine_first(
         session.close()
     assert alive_during_replan == [False]
     assert b.engine is None and session.engine is None  # closed with the session
+
+
+def test_drafted_requests_in_one_batch_give_each_its_own_greedy_text(
+    smollm2, smollm2_tokenizer, batcher, prompts
+):
+    """With drafts (`--draft lookup`), a request that repeats its prompt and one that does not
+    share the steps: each text equals the one the batcher without drafts gives; the figures say
+    how many drafts were taken, and tokens/s counts every token a step made."""
+    mixed = [prompt_tokens(smollm2_tokenizer, EDIT, raw=False), prompts[0]]
+    plain = [Client(batcher, p, greedy(48)) for p in mixed]
+    for c in plain:
+        c.finish()
+    session = Session(smollm2, context=256, slots=2)
+    session.start()
+    drafting = Batcher(session, smollm2_tokenizer, speculator=SlowLinkSpeculator()).start()
+    try:
+        clients = [Client(drafting, p, greedy(48)) for p in mixed]
+        assert [c.finish().completion_tokens for c in clients] == [48, 48]
+        stats = drafting.stats()
+    finally:
+        drafting.close()
+        session.close()
+    edit_steps = clients[0].steps_seen[-1] - clients[0].steps_seen[0] + 1
+    print(f"\n{stats.speculation}; the repeating request took {edit_steps} steps for 48 tokens")
+    assert [c.text for c in clients] == [c.text for c in plain]
+    assert stats.speculation["accepted"] > 10 and edit_steps < 40
+    busy = sum(stats.step_ms_recent) / 1000  # every step of both is among the recent ones
+    assert len(stats.step_ms_recent) == stats.steps
+    assert abs(stats.tokens_per_s * busy - 96) < 1  # tokens made, not sequences stepped

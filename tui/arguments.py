@@ -114,6 +114,17 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
     )
 
 
+def _add_draft_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft",
+        choices=("lookup", "off"),
+        default="off",
+        help="speculative decoding: 'lookup' drafts tokens from the prompt and the text so far "
+        "and checks them in one cluster step (fewer round trips a token; the output is the "
+        "same); default off",
+    )
+
+
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
@@ -181,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_args(run)
     _add_device_arg(run)
     _add_memory_args(run)
+    _add_draft_arg(run)
     run.add_argument("prompt", help="the prompt")
 
     master = sub.add_parser(
@@ -239,6 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_memory_args(bench)
     bench.add_argument(
+        "--draft",
+        choices=("lookup", "off"),
+        action="append",
+        default=None,
+        help="with --local-nodes: time decoding with these drafts (repeatable, e.g. --draft off "
+        "--draft lookup, alternating; default off)",
+    )
+    bench.add_argument("--prompt", default=None, help="with --local-nodes: the prompt to time")
+    bench.add_argument(
         "--rss-tokens",
         type=int,
         default=0,
@@ -266,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-batch", type=int, default=8, help="requests generated at once (KV-cache slots)"
     )
+    _add_draft_arg(serve)
 
     synth = sub.add_parser(
         "synth", help="write a model of a real model's layer shapes with random weights"
@@ -281,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_args(chat, lan=True)
     _add_lan_args(chat, "cluster-", workers=0)
     _add_memory_args(chat)
+    _add_draft_arg(chat)
     add_chat_arguments(chat)
 
     kern = sub.add_parser(

@@ -33,6 +33,7 @@ def _run(args: argparse.Namespace) -> None:
     from master.generate import check_prompt, start, stream
     from master.params import SamplingParams
     from master.session import open_with_tokenizer, prompt_tokens
+    from master.speculate import Speculator
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -50,7 +51,8 @@ def _run(args: argparse.Namespace) -> None:
     check_prompt(tokens, context_size(source.config, args.context))  # before the slow load
     with _engine(args, source) as engine:
         seqs = start(engine, [tokens], [params])
-        for _, text in stream(engine, tokenizer, seqs):
+        speculator = Speculator() if args.draft == "lookup" else None
+        for _, text in stream(engine, tokenizer, seqs, speculator):
             sys.stdout.write(text)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -304,6 +306,8 @@ def _bench(args: argparse.Namespace) -> None:
             args.rounds,
             args.device,
             args.baseline,
+            args.draft or ["off"],
+            args.prompt,
         )
     else:
         run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)
@@ -325,6 +329,7 @@ def _serve(args: argparse.Namespace) -> None:
         args.port,
         args.api_key or os.environ.get("EDGETP_API_KEY"),
         args.verbose,
+        args.draft == "lookup",
     )
 
 

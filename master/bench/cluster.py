@@ -27,6 +27,7 @@ from master.emulate.spec import DeviceSpec, device_specs
 from master.figures import percentile
 from master.local import local_engine
 from master.session import open_with_tokenizer, prompt_tokens
+from master.speculate import Speculator
 from memory.budget import ALL_RESIDENT, MemoryOptions, format_size
 from memory.files import default_state_dir
 from models.layers import Slice
@@ -46,6 +47,8 @@ def run_cluster_bench(
     rounds: int = 3,
     devices: list[DeviceSpec] | None = None,
     baseline: bool = False,
+    drafts: list[str] | None = None,
+    prompt_text: str | None = None,
 ) -> dict[str, Any]:
     """ms/token, TTFT, allreduce latency and every node's loader and memory figures, for each
     node count, with a raw ZeroMQ floor.
@@ -54,16 +57,19 @@ def run_cluster_bench(
     node's reads and its compute (waits excluded) per token, both measured in the same run.
     Streaming hides its reads when ms/token is near the larger of the two.
     `rss_tokens` adds a long generation with each node's memory at its first and last token.
+    `drafts` ("off", "lookup") times each node count with each, alternating (speculation).
     """
     if baseline and not devices:
         raise ValueError("--baseline compares emulated devices with one free node: give --device")
     state_dir = state_dir or default_state_dir()
-    configs = [_Config(n, _specs(devices, n)) for n in node_counts]
+    configs = [
+        _Config(n, _specs(devices, n), draft=d) for n in node_counts for d in drafts or ["off"]
+    ]
     if baseline:
         assert devices is not None
         configs.insert(0, _Config(1, None, threads=devices[0].threads))
     source, tokenizer = open_with_tokenizer(model)
-    prompt = prompt_tokens(tokenizer, PROMPT, raw=False)
+    prompt = prompt_tokens(tokenizer, prompt_text or PROMPT, raw=False)
     hidden = source.config.hidden
     raw = raw_round_trips((1, 1, hidden), 2000)
     raw_med, raw_p99 = statistics.median(raw) * 1e6, percentile(raw, 0.99) * 1e6
@@ -141,12 +147,15 @@ class _Config:
     nodes: int
     specs: tuple[DeviceSpec, ...] | None
     threads: int | None = None
+    draft: str = "off"  # speculation: "off" or "lookup"
 
     @property
     def label(self) -> str:
         if self.specs is None:
-            return f"none, {self.threads} thread(s)" if self.threads else "none"
-        return " | ".join(s.describe() for s in self.specs)
+            label = f"none, {self.threads} thread(s)" if self.threads else "none"
+        else:
+            label = " | ".join(s.describe() for s in self.specs)
+        return label if self.draft == "off" else f"{label}; draft {self.draft}"
 
 
 def _specs(devices: list[DeviceSpec] | None, nodes: int) -> tuple[DeviceSpec, ...] | None:
@@ -224,7 +233,8 @@ def _cluster_run(
     ):
         time_greedy(engine, tokenizer, prompt, 4)  # warm-up
         members = _clear_figures(engine)
-        ttft, ms, tokens = time_greedy(engine, tokenizer, prompt, n_tokens)
+        speculator = Speculator() if config.draft == "lookup" else None
+        ttft, ms, tokens = time_greedy(engine, tokenizer, prompt, n_tokens, speculator)
         sums = list(engine.remote.allreduce_seconds) if engine.remote else []
         per_node = [_node_row("master", engine.history)] + [
             _node_row(m.name, m.history) for m in members
@@ -242,29 +252,35 @@ def _cluster_run(
         "allreduce_us_p99": round(percentile(sums, 0.99) * 1e6, 1) if sums else None,
         "per_node": per_node,
         "overlap": _overlap(round(ms, 2), per_node),
-        "time": _where_time_goes(ms, per_node, sums[2 * source.config.n_layers :]),
+        "time": _where_time_goes(ms, per_node, sums[2 * source.config.n_layers :], n_tokens - 1),
+        "speculation": speculator.figures() if speculator else None,
     }
 
 
 def _where_time_goes(
-    ms: float, per_node: list[dict[str, Any]], decode_sums: list[float]
+    ms: float, per_node: list[dict[str, Any]], decode_sums: list[float], decoded: int
 ) -> dict[str, float]:
     """A decoded token's time, ms: in the layers' blocks (the slowest node's compute, and the
     hops the allreduce adds beyond it: `decode_sums`), in the master's lm_head, and the master's
-    other serial work (embedding, sampling, the generation loop)."""
+    other serial work (embedding, sampling, the generation loop). `decoded` tokens came of the
+    decode steps (more than the steps, with speculation)."""
     master = per_node[0]
     if "decode_steps" not in master:
         return {}
     steps = master["decode_steps"]
-    hops = sum(decode_sums) * 1000 / steps
-    blocks, head = master["blocks_ms_per_token"], master["head_ms_per_token"]
+    per_token = steps / decoded  # the nodes' figures are per step
+    hops = sum(decode_sums) * 1000 / decoded
+    blocks = master["blocks_ms_per_token"] * per_token
+    head = master["head_ms_per_token"] * per_token
     return {
         "ms_per_token": round(ms, 2),
         "compute_ms": round(blocks - hops, 2),
         "hops_ms": round(hops, 2),
         "lm_head_ms": round(head, 2),
         "other_master_ms": round(ms - blocks - head, 2),
-        "own_compute_ms": {r["node"]: r["own_compute_ms_per_token"] for r in per_node},
+        "own_compute_ms": {
+            r["node"]: round(r["own_compute_ms_per_token"] * per_token, 2) for r in per_node
+        },
     }
 
 
@@ -320,7 +336,15 @@ def _node_row(name: str, history: Any) -> dict[str, Any]:
 
 
 def _print_nodes(run: dict[str, Any]) -> None:
-    print(f"per node, {run['nodes']} node(s), averaged per decoded token:")
+    spec = run.get("speculation")
+    if spec:
+        print(
+            f"  draft {run['label'].rsplit('draft ', 1)[-1]}: {spec['accepted']} of "
+            f"{spec['drafted']} drafted tokens accepted ({spec['acceptance']}), "
+            f"{spec['tokens_per_step']} tokens per step"
+        )
+    per = "decode step (one token each)" if not spec else "decode step"
+    print(f"per node, {run['nodes']} node(s), averaged per {per}:")
     print(
         f"  {'node':<10}{'window':>7}{'MB read':>9}{'load ms':>9}{'wait ms':>9}"
         f"{'buffers MB':>11}{'RSS MB':>9}{'peak RSS MB':>12}"

@@ -7,22 +7,28 @@ import time
 from master.engine import Engine
 from master.generate import start, step
 from master.params import SamplingParams
+from master.speculate import Speculator
 from models.tokenizer import Tokenizer
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
 def time_greedy(
-    engine: Engine, tokenizer: Tokenizer, prompt: list[int], n_tokens: int
+    engine: Engine,
+    tokenizer: Tokenizer,
+    prompt: list[int],
+    n_tokens: int,
+    speculator: Speculator | None = None,
 ) -> tuple[float, float, list[int]]:
-    """(time to first token s, ms per decoded token, tokens) for one greedy run."""
+    """(time to first token s, ms per decoded token, tokens) for one greedy run, drafting
+    tokens with `speculator` if given."""
     # No end-of-sequence: every round decodes exactly n_tokens, so the rounds compare.
     params = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
     (g,) = start(engine, [prompt], [params])
     t0 = time.perf_counter()
-    step(engine, tokenizer, [g])
+    step(engine, tokenizer, [g], speculator)
     t1 = time.perf_counter()
     while not g.finished:
-        step(engine, tokenizer, [g])
+        step(engine, tokenizer, [g], speculator)
     t2 = time.perf_counter()
     return t1 - t0, (t2 - t1) * 1000 / (len(g.tokens) - 1), g.tokens

@@ -305,6 +305,11 @@ class GenerationFigures(BaseModel):
     replans_mid_answer: int = Field(
         0, description="times nodes were planned in or out between two steps of running answers"
     )
+    speculation: dict[str, float] | None = Field(
+        None,
+        description="with --draft lookup: tokens drafted and accepted, the acceptance rate, and "
+        "tokens a sequence makes per step",
+    )
 
 
 class Health(BaseModel):

@@ -21,6 +21,7 @@ import uvicorn
 from master.batcher import Batcher
 from master.bridge.app import Served, create_app
 from master.session import Session
+from master.speculate import Speculator
 from models.config import DEFAULT_MODEL
 from models.source import ModelSource
 from models.tokenizer import Tokenizer
@@ -60,6 +61,7 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     verbose: bool = False,
+    speculate: bool = False,
 ) -> None:
     """Enter `sessions` (a started session of `source`) and serve it until interrupted.
 
@@ -72,7 +74,8 @@ def serve(
         aliases = tuple({model or DEFAULT_MODEL, source.path.stem} - {source.name})
         created = int(source.path.stat().st_mtime)
         with sessions as session:
-            batcher = Batcher(session, tokenizer).start()
+            speculator = Speculator() if speculate else None
+            batcher = Batcher(session, tokenizer, speculator=speculator).start()
             try:
                 served = Served(batcher, tokenizer, source.name, aliases, created)
                 app = create_app(served, api_key)

@@ -100,6 +100,7 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
         ("--memory-budget", args.memory_budget),
         ("--window", args.window),
         ("--dtype", args.dtype if args.dtype != "f32" else None),
+        ("--draft", args.draft if args.draft != "off" else None),
         ("--cluster-bind", args.lan_bind),
         ("--cluster-port", args.lan_port),
         ("--workers", args.workers),
@@ -134,6 +135,7 @@ def _only_local(args: argparse.Namespace) -> None:
             ("--window", args.window),
             ("--dtype", args.dtype if args.dtype != "f32" else None),
             ("--drop-cache", args.drop_cache or None),
+            ("--draft", args.draft if args.draft != "off" else None),
         )
         if value is not None
     ]

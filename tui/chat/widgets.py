@@ -77,7 +77,14 @@ def summary(figures: ClusterFigures) -> RenderableType:
     table.add_row("model", figures.model)
     table.add_row("layers", f"{figures.layers} · context {figures.context}")
     table.add_row("tokens/s", f"{g.tokens_per_s:.1f}" if steps else NONE)
-    table.add_row("ms/token", ms)
+    if g.speculation:  # a step makes several tokens: its time is not a token's
+        table.add_row("ms/step", ms)
+        s = g.speculation
+        table.add_row(
+            "drafts", f"{s['acceptance']:.0%} accepted · {s['tokens_per_step']:.2f} tokens/step"
+        )
+    else:
+        table.add_row("ms/token", ms)
     if figures.allreduce is not None:
         a = figures.allreduce
         table.add_row("allreduce", f"{_us(a.median_us)} · p99 {_us(a.p99_us)}")
