@@ -140,7 +140,7 @@ class Hub:
         elif op == P.LEAVE:
             member = self._member(identity)
             if member:
-                member.alive = False
+                member.alive, member.failure = False, "it left"
                 log.info(
                     "node %s left; its share goes to the others at the next re-plan", member.name
                 )

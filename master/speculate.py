@@ -75,7 +75,8 @@ class Speculator:
 
     def cost(self, k: int) -> float:
         """A decode step with k drafts, in one-token steps: as measured, else read off the line
-        between the nearest measured widths (beyond the widest, TOKEN_COST a token more)."""
+        between the nearest measured widths; beyond the widest, its slope from one token on
+        (TOKEN_COST a token while only one-token steps are measured)."""
         one, w = self.step_s.get(1), k + 1
         if one is None:
             return 1 + k * TOKEN_COST
@@ -84,7 +85,9 @@ class Speculator:
         lo = max(x for x in self.step_s if x < w)
         above = [x for x in self.step_s if x > w]
         if not above:
-            return self.step_s[lo] / one + (w - lo) * TOKEN_COST
+            widest = self.step_s[lo] / one
+            slope = (widest - 1) / (lo - 1) if lo > 1 else TOKEN_COST
+            return widest + (w - lo) * max(slope, 0.0)
         hi = min(above)
         between = self.step_s[lo] + (self.step_s[hi] - self.step_s[lo]) * (w - lo) / (hi - lo)
         return between / one

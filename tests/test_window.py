@@ -236,13 +236,25 @@ def test_a_window_covering_every_layer_reads_each_once(layer_files):
     assert window.resident and len(window.buffers) == 4
 
 
+def _copies(store, refs, folder):
+    """Copies of these shards in `folder`, to damage without touching the store's."""
+    paths = []
+    for r in refs:
+        paths.append(folder / r.filename)
+        paths[-1].write_bytes(store.path(r).read_bytes())
+    return paths
+
+
+def _stream(window, layers):
+    """One step's use of `layers`, in order."""
+    for i in layers:
+        window.get(i)
+        window.release(i)
+
+
 def test_a_shard_lost_while_streaming_raises_with_its_path(layer_files, tmp_path):
     store, refs = layer_files
-    paths = []
-    for r in refs[:4]:
-        copy = tmp_path / r.filename
-        copy.write_bytes(store.path(r).read_bytes())
-        paths.append(copy)
+    paths = _copies(store, refs[:4], tmp_path)
     window = LayerWindow(paths, 2)
     try:
         window.get(0)
@@ -267,23 +279,15 @@ def test_a_shard_changed_under_a_streaming_window_is_refused_until_read_right(
     naming the file, instead of computing with it; once the file is right again (a node
     fetches it anew) `retry` reads it and streaming goes on."""
     store, refs = layer_files
-    paths = []
-    for r in refs[:4]:
-        copy = tmp_path / r.filename
-        copy.write_bytes(store.path(r).read_bytes())
-        paths.append(copy)
+    paths = _copies(store, refs[:4], tmp_path)
     window = LayerWindow(paths, 2, checksums=[store.checksum(r) for r in refs[:4]])
     right = paths[3].read_bytes()
     try:
-        for i in range(4):  # one step
-            window.get(i)
-            window.release(i)
+        _stream(window, range(4))  # one step
         with open(paths[3], "r+b") as f:  # same size, same header: only a weight differs
             f.seek(len(right) - 5)
             f.write(bytes([right[-5] ^ 0x01]))
-        for i in range(3):  # the next step, up to the changed layer
-            window.get(i)
-            window.release(i)
+        _stream(window, range(3))  # the next step, up to the changed layer
         with pytest.raises(ShardChanged, match=rf"shard {paths[3]} \(layer 3\) changed on disk"):
             window.get(3)
         paths[3].write_bytes(right)
@@ -304,21 +308,12 @@ def test_a_streaming_window_checks_what_comes_from_the_disk_not_from_the_page_ca
     with the file (as the disk's bytes would after rot): reads served by the page cache pass
     untouched (the file was not written since its check), the first read from the disk fails."""
     store, refs = layer_files
-    paths = []
-    for r in refs[:3]:
-        copy = tmp_path / r.filename
-        copy.write_bytes(store.path(r).read_bytes())
-        paths.append(copy)
+    paths = _copies(store, refs[:3], tmp_path)
     window = LayerWindow(paths, 2, checksums=[store.checksum(r) for r in refs[:3]])
     try:
-        for _step in range(2):
-            for i in range(3):
-                window.get(i)
-                window.release(i)
+        _stream(window, [0, 1, 2, 0, 1, 2])  # two steps
         window._checksums[2] ^= 1  # what the disk holds is no longer what was verified
-        for i in range(3):  # served by the page cache: not checked again, not refused
-            window.get(i)
-            window.release(i)
+        _stream(window, range(3))  # served by the page cache: not checked again, not refused
         window.get(0)  # the loader holds layers 0 and 1; layer 2 waits for a free buffer
         with open(paths[2], "rb") as f:  # evicted: its next read is from the disk
             os.fsync(f.fileno())  # written just now: dirty pages would stay
