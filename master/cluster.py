@@ -41,6 +41,7 @@ class Member:
     alive: bool = True
     beat_seen: bool = False
     failure: str = ""  # why it was dropped, when it said (an ERROR) or sent what it should not
+    rejoin: bool = True  # once dropped, whether to ask it to join again (not if it is too small)
     window: int | None = None  # layers of its slice in memory, as planned
     slice: dict[str, list[int]] | None = None  # its share of every layer, as planned
     # Its latest step's figures (loader, memory), and every step's since the last clear.
@@ -259,7 +260,8 @@ class Hub:
                 self.heartbeat.forget(m.name)
                 if m.identity not in staying:  # not a restarted process of the same name
                     why = f"dropped from the plan ({m.failure or 'it stopped answering'})"
-                    self._send_quietly(m.identity, {"op": P.BYE, "reason": why, "rejoin": True})
+                    bye = {"op": P.BYE, "reason": why, "rejoin": m.rejoin}
+                    self._send_quietly(m.identity, bye)
         self.members = [m for m in self.members if m.alive] + self.pending
         self.pending = []
         for m in self.members:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from master.cluster import Hub
+from master.cluster import Hub, Member
 from master.engine import Engine, context_size
 from master.plan import plan_slices, with_master_head
 from master.splitter import model_identity, split_model
@@ -129,9 +129,9 @@ def _cluster_engine(
     try:
         plans = memory_plans(manifest, hub, context, slots, memory)
     except ModelError as exc:  # tell the workers why, or they only see the master go
-        if hub is not None:
+        if hub is not None and not (isinstance(exc, WorkerTooSmall) and hub.planned):
             hub.close(reason=f"the master cannot run this plan: {exc}")
-        raise
+        raise  # a re-plan goes on without a worker that cannot hold its share
     context = min(p.context for p in plans)
     if hub is not None:
         hub.ship(manifest, store, context, slots, windows=[p.window for p in plans])
@@ -158,6 +158,14 @@ def memory_plans(
     windows = [memory.window, *(m.capacity.window for m in members)]
 
     def plan(k: int, ctx: int) -> MemoryPlan:
+        try:
+            return plan_node(k, ctx)
+        except BudgetError as exc:
+            if k == 0:
+                raise ModelError(str(exc)) from exc
+            raise WorkerTooSmall(members[k - 1], str(exc)) from exc
+
+    def plan_node(k: int, ctx: int) -> MemoryPlan:
         s = Slice.from_dict(manifest.slices[k])
         rings = KVCache.window_bytes(config, s) * slots  # their window, whatever the context
         return plan_memory(
@@ -176,17 +184,23 @@ def memory_plans(
         )
 
     layers = manifest.nodes[0]
-    try:
-        first = [plan(k, context) for k in range(len(names))]
-        smallest = min(p.context for p in first)
-        plans = [plan(k, smallest) for k in range(len(names))]
-    except BudgetError as exc:
-        raise ModelError(str(exc)) from exc
+    first = [plan(k, context) for k in range(len(names))]
+    smallest = min(p.context for p in first)
+    plans = [plan(k, smallest) for k in range(len(names))]
     for name, p in zip(names, plans, strict=True):
         log.info(
             "%s: %d of %d layers in memory, context %d", name, p.window, len(layers), p.context
         )
     return plans
+
+
+class WorkerTooSmall(ModelError):
+    """A worker's memory budget cannot hold its share of the plan (the message says what
+    would); a re-plan goes on without it."""
+
+    def __init__(self, member: Member, message: str) -> None:
+        super().__init__(message)
+        self.member = member
 
 
 class Session:
@@ -288,6 +302,11 @@ class Session:
             self._close_engine()  # before the new one loads: a device cannot hold both
             try:
                 return self._plan()
+            except WorkerTooSmall as exc:  # told so, and not asked to join again
+                if not tries_left:
+                    raise
+                exc.member.alive, exc.member.failure, exc.member.rejoin = False, str(exc), False
+                log.error("%s; re-planning without it", exc)
             except ClusterError as exc:
                 if not tries_left:
                     raise

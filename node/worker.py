@@ -208,6 +208,8 @@ class Worker:
         # however long that takes, its heartbeat says it is alive.
         header, _ = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
         if header["op"] == P.BYE:
+            if "rejoin" in header:  # dropped, not shutting down
+                raise NodeError(f"the master said: {header.get('reason')}")
             raise NodeError(
                 f"the master stopped before giving this node a slice: {header['reason']}"
             )
@@ -304,6 +306,8 @@ class Worker:
                     self._send({"op": P.ERROR, "message": f"malformed message: {exc}"})
                 continue
             if work is None:  # BYE
+                if header.get("rejoin") is False:  # dropped for good: say why, as an error
+                    raise NodeError(f"the master said: {header.get('reason')}")
                 log.info("master said bye: %s", header.get("reason", ""))
                 return bool(header.get("rejoin"))
             if isinstance(work, Welcome):  # a re-plan: a new slice, maybe new shards to fetch

@@ -13,6 +13,7 @@ from master.generate import start, stream
 from master.local import LocalWorkers
 from master.params import SamplingParams
 from master.session import Session
+from memory.budget import MemoryOptions
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +69,36 @@ def test_join_and_leave_between_requests(smollm2, smollm2_tokenizer, tmp_path):
     # Back to the 2-node plan: the remaining worker still holds those shards; nothing ships.
     assert shipped_leave == 0
     assert second.procs[0].returncode == 0  # it left cleanly
+
+
+@master_threads(3)
+def test_a_device_too_small_for_its_share_is_refused_and_the_cluster_goes_on(
+    smollm2, smollm2_tokenizer, tmp_path
+):
+    """A device whose memory budget cannot hold its share joins a running cluster: the
+    re-plan leaves it out and tells it what budget would do, and the cluster answers as
+    before, instead of going down with the plan that could not be held."""
+    hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
+    session = Session(smollm2, hub, tmp_path / "master", 128, 1, equal_shares=True)
+    first = LocalWorkers(1, hub.port, 1, tmp_path / "w1", False, hub.token, first=1)
+    small = None
+    try:
+        session.start(workers=1, timeout=120)
+        one = answer(session, smollm2_tokenizer)
+        tiny = MemoryOptions(budget=4 * 10**6)
+        small = LocalWorkers(1, hub.port, 1, tmp_path / "w2", False, hub.token, 2, tiny)
+        assert session.replan_if_changed(wait=60)  # it joined: planned without it
+        assert [m.name for m in hub.members] == ["local-1"]
+        assert answer(session, smollm2_tokenizer) == one
+        assert small.procs[0].wait(timeout=30) == 1
+        said = small.logs[0].read_text().strip().splitlines()[-1]
+        print(f"\nthe small device: {said}")
+        assert said.startswith("edgetp: error: the master said: dropped from the plan (node ")
+        assert "local-2: a memory budget of 4.0 MB cannot hold" in said
+        assert "give --memory-budget" in said
+        assert not session.replan_if_changed(wait=1)  # it does not come back
+    finally:
+        session.close()
+        first.stop()
+        if small:
+            small.stop()
