@@ -53,10 +53,25 @@ def lookup(tokens: Sequence[int], k: int, ngrams: Sequence[int] = NGRAMS) -> lis
 
 @dataclass
 class DraftState:
-    """One sequence's speculation figures."""
+    """One sequence's speculation figures: drafts kept and drafts tested (decayed counts,
+    from a prior of one in two), and steps since a backed-off draft was last tried.
 
-    accept_rate: float = 0.5  # share of drafted tokens accepted (running)
-    since_probe: int = 0  # steps since it last drafted while backed off
+    A draft is tested up to its first rejection, the tokens after it never are: the chance that
+    a draft is kept, given those before it were, is kept / tested (counting the rejected one),
+    not kept / drafted, which would count untested tokens as misses."""
+
+    kept: float = 1.0
+    tested: float = 2.0
+    since_probe: int = 0
+
+    @property
+    def accept_rate(self) -> float:
+        return self.kept / self.tested
+
+    @classmethod
+    def at(cls, rate: float) -> DraftState:
+        """A sequence whose drafts were kept at `rate`, as if over many of them."""
+        return cls(kept=100 * rate, tested=100.0)
 
 
 class Speculator:
@@ -129,8 +144,9 @@ class Speculator:
         if drafted:
             self.drafted += drafted
             self.accepted += accepted
-            share = accepted / drafted
-            state.accept_rate = (1 - EMA) * state.accept_rate + EMA * share
+            tested = accepted + (accepted < drafted)  # up to the first rejection
+            state.kept = (1 - EMA) * state.kept + accepted
+            state.tested = (1 - EMA) * state.tested + tested
 
     def figures(self) -> dict[str, float]:
         """Acceptance and tokens a sequence makes per step, over the engine loop's life."""

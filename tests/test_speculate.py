@@ -47,15 +47,20 @@ def test_lookup_drafts_what_followed_the_latest_earlier_match():
 
 def test_the_draft_length_backs_off_when_drafts_miss_and_grows_when_tokens_are_cheap():
     s = Speculator()
+    state = DraftState()
+    s.record_draft(state, drafted=8, accepted=6, made=7)  # the 7th rejected, the 8th untested
+    assert (state.kept, state.tested) == (0.8 * 1 + 6, 0.8 * 2 + 7)
+    s.record_draft(state, drafted=4, accepted=4, made=5)  # all kept: none rejected
+    assert (state.kept, state.tested) == (0.8 * 6.8 + 4, 0.8 * 8.6 + 4)
     s.step_s = {w: 0.100 + 0.002 * (w - 1) for w in range(1, 10)}  # hops make the step
-    assert s.draft_length(DraftState(accept_rate=0.9)) == DRAFT_MAX
-    missing = DraftState(accept_rate=0.0)
+    assert s.draft_length(DraftState.at(0.9)) == DRAFT_MAX
+    missing = DraftState.at(0.0)
     lengths = [s.draft_length(missing) for _ in range(32)]
     assert lengths.count(2) == 2 and lengths.count(0) == 30  # a try costs 4%: every 16 steps
     s.step_s = {1: 0.013, 2: 0.022, 3: 0.032, 5: 0.044, 9: 0.044}  # one node, as measured
-    assert s.draft_length(DraftState(accept_rate=0.9)) == 8
-    assert s.draft_length(DraftState(accept_rate=0.3)) == 0
-    missing = DraftState(accept_rate=0.05)
+    assert s.draft_length(DraftState.at(0.9)) == 8
+    assert s.draft_length(DraftState.at(0.3)) == 0
+    missing = DraftState.at(0.05)
     lengths = [s.draft_length(missing) for _ in range(600)]
     # Tried again now and then, as rarely as keeps the tries under 1% of the time: a try of 2
     # costs 1.46 steps more than a step, so one every 147 steps.
