@@ -47,10 +47,19 @@ def to_node(rng: random.Random, n_layers: int, hidden: int, slots: int, context:
     """A message a node might get from its master that it cannot act on, for a node of
     `n_layers` layers of width `hidden` with `slots` KV-cache slots of `context` positions:
     random bytes, a cut header, a STEP wrong in one or more of its layer, block, step number,
-    batch or hidden state, a WELCOME without a usable plan, an op a serving node does not take."""
-    kind = rng.randrange(6)
+    batch or hidden state, a WELCOME without a usable plan, an op a serving node does not take,
+    a STEP's frames in the wrong order, an oversized one."""
+    kind = rng.randrange(8)
     if kind == 0:
         return [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 4))]
+    if kind == 6:  # a wrong STEP's frames reordered: its tensor first
+        return list(reversed(_bad_step(rng, n_layers, hidden, slots, context)))
+    if kind == 7:  # oversized: a hidden state a thousand times too wide, or a 1 MB header
+        if rng.random() < 0.5:
+            header = {"op": P.STEP, "step": 1, "layer": 0, "block": P.FFN,
+                      "batch": {"slots": [0], "starts": [0], "lengths": [1]}}  # fmt: skip
+            return _step_frames(header, np.zeros((1, hidden * 1000), np.float32))
+        return [msgpack.packb({"op": P.STEP, "layer": "x" * (1 << 20)}, use_bin_type=True)]
     if kind == 1:
         whole = _step_frames({"op": P.STEP, "step": 1, "layer": 0, "block": P.ATTENTION},
                              np.zeros((1, hidden), np.float32))  # fmt: skip
