@@ -276,7 +276,7 @@ def _read_cached(fd: int, view: memoryview) -> int:
     while nowait is not None and got < len(view):
         try:
             n = os.preadv(fd, [view[got:]], got, nowait)
-        except (BlockingIOError, OSError):  # not cached there, or a kernel without it
+        except OSError:  # EAGAIN: not cached there; EINVAL, EOPNOTSUPP: a kernel without it
             break
         if not n:
             break
