@@ -140,7 +140,7 @@ class BatcherStats:
     recovered: int = 0  # requests that went on after a node was lost in their step
     last_loss: str | None = None  # what the last node loss was and what became of it
     replans_mid_answer: int = 0  # re-plans between two steps while answers ran (joins, leaves)
-    speculation: dict[str, float] | None = None  # drafts' acceptance and tokens a step, when on
+    speculation: dict[str, float | str] | None = None  # drafts' acceptance, tokens a step
 
 
 class Batcher:
@@ -268,7 +268,8 @@ class Batcher:
             )
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the loop; requests still running or waiting fail with a ClusterError."""
+        """Stop the loop; requests still running or waiting fail with a ClusterError. The
+        speculator's draft model, if any, goes with the loop."""
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -276,6 +277,8 @@ class Batcher:
             self._thread.join(timeout)
         with self._cond:
             self._fail_all(ShuttingDown("the server is shutting down"))
+        if self.speculator is not None and not self._thread.is_alive():
+            self.speculator.close()
 
     # -- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:

@@ -88,12 +88,17 @@ def step(
         speculator = None  # a position its window still reads
     feeds = [g.pending() for g in active]
     decoding = [g.position > 0 for g in active]  # not a prompt (new, or replayed)
-    drafts = [
-        speculator.draft(g.drafts, g.prompt + g.tokens, _room(g, engine.max_context))
-        if speculator is not None and decoding[b]
-        else []
-        for b, g in enumerate(active)
-    ]
+    drafts: list[list[int]] = [[] for _ in active]
+    drafting = [b for b in range(len(active)) if decoding[b]]
+    if speculator is not None and drafting:
+        proposed = speculator.drafts(
+            [active[b].drafts for b in drafting],
+            [active[b].prompt + active[b].tokens for b in drafting],
+            [_room(active[b], engine.max_context) for b in drafting],
+            [active[b].slot for b in drafting],
+        )
+        for b, d in zip(drafting, proposed, strict=True):
+            drafts[b] = d
     fed = [f + d for f, d in zip(feeds, drafts, strict=True)]
     batch = StepBatch(
         tuple(g.slot for g in active),

@@ -50,6 +50,12 @@ def test_missing_model_file(tmp_path):
     assert_clear_error(run("run", "--model", str(tmp_path / "nope.gguf"), "hi"), "not found")
 
 
+def test_missing_draft_model_file(tmp_path):
+    """Before the target's weights load: the one line names the draft."""
+    result = run("run", "--draft", str(tmp_path / "draft.gguf"), "hi")
+    assert_clear_error(result, "model not found", "draft.gguf")
+
+
 def test_not_a_gguf_file(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_text("hello, I am a text file")

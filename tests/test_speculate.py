@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from cluster_threads import master_threads
 
 from master.engine import Engine
 from master.generate import start, stream
-from master.local import local_engine
+from master.local import local_session
 from master.params import SamplingParams
 from master.sampling import Sampler
-from master.session import prompt_tokens
-from master.speculate import DRAFT_MAX, DraftState, Speculator, lookup
+from master.session import Session, prompt_tokens
+from master.speculate import (
+    DRAFT_MAX,
+    DraftModel,
+    DraftState,
+    Speculator,
+    draft_source,
+    lookup,
+    open_speculator,
+)
+from models.config import DEFAULT_MODEL
+from models.errors import ModelError
 
 PARAGRAPH = (
     "The committee met on Tuesday to discuss the budget for the coming year. After a long "
@@ -24,15 +36,27 @@ EDIT = f"Repeat this paragraph word for word, but write Friday instead of Tuesda
 
 class SlowLinkSpeculator(Speculator):
     """Step costs as on links with 2 ms round trips (a step 100 ms, each token 2 ms more),
-    whatever this machine measures: these tests check what drafts do to the output, not
-    when they pay (the benchmarks measure that)."""
+    and a draft model's forwards as free, whatever this machine measures: these tests check
+    what drafts do to the output, not when they pay (the benchmarks measure that)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, model: DraftModel | None = None) -> None:
+        super().__init__(model=model)
         self.step_s = {w: 0.100 + 0.002 * (w - 1) for w in range(1, DRAFT_MAX + 2)}
 
     def record_step(self, seconds: float, width: int, decode: bool) -> None:
         pass
+
+    def cost(self, k: int) -> float:
+        return self.step_cost(k)
+
+
+def poor_draft_model(session: Session, tokenizer) -> DraftModel:
+    """The target's own weights rounded again to q4_0 (teacher-forced top-1 agreement with the
+    target 0.70, tests/test_window.py): drafts that are often rejected, so every test with it
+    takes rejected drafts back out of the draft model's cache as well as the target's."""
+    speculator = open_speculator(DEFAULT_MODEL, "q4_0", session, tokenizer)
+    assert speculator is not None and speculator.model is not None
+    return speculator.model
 
 
 def test_lookup_drafts_what_followed_the_latest_earlier_match():
@@ -56,7 +80,8 @@ def test_the_draft_length_backs_off_when_drafts_miss_and_grows_when_tokens_are_c
     assert s.draft_length(DraftState.at(0.9)) == DRAFT_MAX
     missing = DraftState.at(0.0)
     lengths = [s.draft_length(missing) for _ in range(32)]
-    assert lengths.count(2) == 2 and lengths.count(0) == 30  # a try costs 4%: every 16 steps
+    assert [i for i, k in enumerate(lengths) if k] == [15, 31]  # a try costs 4%: every 16 steps
+    assert set(lengths) == {0, 2}
     s.step_s = {1: 0.013, 2: 0.022, 3: 0.032, 5: 0.044, 9: 0.044}  # one node, as measured
     assert s.draft_length(DraftState.at(0.9)) == 8
     assert s.draft_length(DraftState.at(0.3)) == 0
@@ -64,7 +89,18 @@ def test_the_draft_length_backs_off_when_drafts_miss_and_grows_when_tokens_are_c
     lengths = [s.draft_length(missing) for _ in range(600)]
     # Tried again now and then, as rarely as keeps the tries under 1% of the time: a try of 2
     # costs 1.46 steps more than a step, so one every 147 steps.
-    assert lengths.count(2) == 4 and lengths.count(0) == 596, lengths
+    assert [i for i, k in enumerate(lengths) if k] == [146, 293, 440, 587], lengths
+    assert set(lengths) == {0, 2}
+    # A new sequence, whose prior (one in two) would not draft here, tries at once: nothing is
+    # known of how its drafts fare.
+    new = DraftState()
+    assert [s.draft_length(new) for _ in range(3)] == [2, 0, 0]
+    # A draft model whose forward costs what a one-token step does: on one node its drafts
+    # could not pay even if all were kept, so it never tries, not even at first.
+    slow = Speculator(model=SimpleNamespace(forward_s=0.013))
+    slow.step_s = dict(s.step_s)
+    assert {slow.draft_length(DraftState.at(1.0)) for _ in range(400)} == {0}
+    assert {slow.draft_length(DraftState()) for _ in range(400)} == {0}
 
 
 @pytest.mark.parametrize(
@@ -124,15 +160,52 @@ def test_greedy_tokens_are_the_same_with_and_without_drafts_on_one_node(smollm2,
 
 
 @pytest.mark.slow
+def test_greedy_tokens_are_the_same_with_a_draft_model(smollm2, smollm2_tokenizer, shared_state):
+    """A batch of two open prompts, drafted by a poor draft model: each sequence's tokens
+    equal its non-speculative run's although many drafts are rejected."""
+    prompts = [
+        prompt_tokens(smollm2_tokenizer, "Why is the sky blue?", raw=False),
+        prompt_tokens(smollm2_tokenizer, "Write a haiku about the sea.", raw=False),
+    ]
+    with Session(smollm2, None, shared_state, context=512, slots=2) as session:
+        session.start()
+        assert session.engine is not None
+        plain = _generate(session.engine, smollm2_tokenizer, prompts, None)
+        speculator = SlowLinkSpeculator(poor_draft_model(session, smollm2_tokenizer))
+        try:
+            drafted = _generate(session.engine, smollm2_tokenizer, prompts, speculator)
+        finally:
+            speculator.close()
+    figures = speculator.figures()
+    print(f"\n{figures}")
+    assert drafted == plain
+    assert figures["accepted"] > 20 and figures["tokens_per_step"] > 1.3, figures
+    assert figures["accepted"] < figures["drafted"], figures  # rejections were taken back
+
+
+@pytest.mark.slow
 @master_threads(3)
 def test_greedy_tokens_are_the_same_with_and_without_drafts_on_three_nodes(
     smollm2, smollm2_tokenizer, shared_state
 ):
+    """Prompt lookup and a draft model on the master of three nodes."""
     prompts = [prompt_tokens(smollm2_tokenizer, EDIT, raw=False)]
-    with local_engine(smollm2, 3, state_dir=shared_state, context=512) as engine:
-        plain = _generate(engine, smollm2_tokenizer, prompts, None)
-        speculator = SlowLinkSpeculator()
-        drafted = _generate(engine, smollm2_tokenizer, prompts, speculator)
-    print(f"\n{speculator.figures()}")
-    assert drafted == plain
-    assert speculator.figures()["tokens_per_step"] > 1.5
+    with local_session(smollm2, 3, state_dir=shared_state, context=512) as session:
+        assert session.engine is not None
+        plain = _generate(session.engine, smollm2_tokenizer, prompts, None)
+        lookups = SlowLinkSpeculator()
+        by_lookup = _generate(session.engine, smollm2_tokenizer, prompts, lookups)
+        by_model = SlowLinkSpeculator(poor_draft_model(session, smollm2_tokenizer))
+        try:
+            by_draft_model = _generate(session.engine, smollm2_tokenizer, prompts, by_model)
+        finally:
+            by_model.close()
+    print(f"\n{lookups.figures()}\n{by_model.figures()}")
+    assert by_lookup == plain and by_draft_model == plain
+    assert lookups.figures()["tokens_per_step"] > 1.5
+    assert by_model.figures()["tokens_per_step"] > 1.5
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(smollm2_tokenizer):
+    with pytest.raises(ModelError, match="vocabulary has 262144 tokens, the target's 49152"):
+        draft_source("gemma3-270m", smollm2_tokenizer)

@@ -12,7 +12,7 @@ from pathlib import Path
 from master.emulate.spec import DeviceSpec, parse_device
 from memory.budget import MemoryOptions, parse_size
 from models.config import DEFAULT_MODEL
-from models.dtypes import DTYPE_CHOICES, SHARD_DTYPES
+from models.dtypes import AUTO, DTYPE_CHOICES, SHARD_DTYPES
 from node.protocol import DEFAULT_PORT
 from tui.chat.command import add_arguments as add_chat_arguments
 
@@ -114,14 +114,28 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
     )
 
 
-def _add_draft_arg(p: argparse.ArgumentParser) -> None:
+def _add_draft_arg(p: argparse.ArgumentParser, bench: bool = False) -> None:
     p.add_argument(
         "--draft",
-        choices=("lookup", "off"),
-        default="off",
-        help="speculative decoding: 'lookup' drafts tokens from the prompt and the text so far "
-        "and checks them in one cluster step (fewer round trips a token; the output is the "
-        "same); default off",
+        metavar="lookup|off|MODEL",
+        action="append" if bench else "store",
+        default=None if bench else "off",
+        help=(
+            "with --local-nodes: time decoding with these drafts (repeatable and alternating, "
+            "e.g. --draft off --draft lookup; default off). "
+            if bench
+            else "speculative decoding, checked in one cluster step (fewer round trips a "
+            "token; the output is the same): "
+        )
+        + "'lookup' drafts tokens from the prompt and the text so far; MODEL (a .gguf file, "
+        "an HF folder or a bundled model name) is a draft model of the same vocabulary, run "
+        "whole on the master; default off",
+    )
+    p.add_argument(
+        "--draft-dtype",
+        choices=DTYPE_CHOICES,
+        default=AUTO,
+        help="how the draft model's shards store its weights (default auto: as its file does)",
     )
 
 
@@ -250,14 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         "threads; ratios are taken against it",
     )
     _add_memory_args(bench)
-    bench.add_argument(
-        "--draft",
-        choices=("lookup", "off"),
-        action="append",
-        default=None,
-        help="with --local-nodes: time decoding with these drafts (repeatable, e.g. --draft off "
-        "--draft lookup, alternating; default off)",
-    )
+    _add_draft_arg(bench, bench=True)
     bench.add_argument("--prompt", default=None, help="with --local-nodes: the prompt to time")
     bench.add_argument(
         "--rss-tokens",

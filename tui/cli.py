@@ -21,7 +21,6 @@ from node.protocol import DEFAULT_PORT
 from tui.arguments import build_parser, memory_options
 
 if TYPE_CHECKING:
-    from master.engine import Engine
     from master.lan import LanOptions
     from master.session import Session
     from models.source import ModelSource
@@ -33,7 +32,7 @@ def _run(args: argparse.Namespace) -> None:
     from master.generate import check_prompt, start, stream
     from master.params import SamplingParams
     from master.session import open_with_tokenizer, prompt_tokens
-    from master.speculate import Speculator
+    from master.speculate import draft_source, open_speculator
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -49,22 +48,19 @@ def _run(args: argparse.Namespace) -> None:
     source, tokenizer = open_with_tokenizer(args.model)
     tokens = prompt_tokens(tokenizer, args.prompt, args.raw, args.system, args.enable_thinking)
     check_prompt(tokens, context_size(source.config, args.context))  # before the slow load
-    with _engine(args, source) as engine:
-        seqs = start(engine, [tokens], [params])
-        speculator = Speculator() if args.draft == "lookup" else None
-        for _, text in stream(engine, tokenizer, seqs, speculator):
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-
-
-@contextlib.contextmanager
-def _engine(args: argparse.Namespace, source: ModelSource) -> Iterator[Engine]:
-    """One process, or a local cluster of `--local-nodes` processes (emulated devices with
-    `--device`)."""
+    draft_source(args.draft, tokenizer)
     with _local_session(args, source, 1, _local_nodes(args) or 1) as session:
         assert session.engine is not None
-        yield session.engine
+        speculator = open_speculator(args.draft, args.draft_dtype, session, tokenizer)
+        try:
+            seqs = start(session.engine, [tokens], [params])
+            for _, text in stream(session.engine, tokenizer, seqs, speculator):
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        finally:
+            if speculator is not None:
+                speculator.close()
 
 
 @contextlib.contextmanager
@@ -308,6 +304,7 @@ def _bench(args: argparse.Namespace) -> None:
             args.baseline,
             args.draft or ["off"],
             args.prompt,
+            args.draft_dtype,
         )
     else:
         run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)
@@ -316,10 +313,12 @@ def _bench(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from master.bridge.server import serve
     from master.session import open_with_tokenizer
+    from master.speculate import draft_source
 
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
     source, tokenizer = open_with_tokenizer(args.model)
+    draft_source(args.draft, tokenizer)  # before the slow load
     serve(
         _session(args, source, args.max_batch, "edgetp serve", _local_nodes(args)),
         source,
@@ -329,7 +328,7 @@ def _serve(args: argparse.Namespace) -> None:
         args.port,
         args.api_key or os.environ.get("EDGETP_API_KEY"),
         args.verbose,
-        args.draft == "lookup",
+        (args.draft, args.draft_dtype),
     )
 
 

@@ -25,11 +25,12 @@ from master.bench.round_trips import raw_round_trips, raw_tcp_round_trips
 from master.emulate.devices import emulated
 from master.emulate.spec import DeviceSpec, device_specs
 from master.figures import percentile
-from master.local import local_engine
+from master.local import local_engine, local_session
 from master.session import open_with_tokenizer, prompt_tokens
-from master.speculate import Speculator
+from master.speculate import open_speculator
 from memory.budget import ALL_RESIDENT, MemoryOptions, format_size
 from memory.files import default_state_dir
+from models.dtypes import AUTO
 from models.layers import Slice
 from models.source import ModelSource
 from node.kvcache import KVCache
@@ -49,6 +50,7 @@ def run_cluster_bench(
     baseline: bool = False,
     drafts: list[str] | None = None,
     prompt_text: str | None = None,
+    draft_dtype: str = AUTO,
 ) -> dict[str, Any]:
     """ms/token, TTFT, allreduce latency and every node's loader and memory figures, for each
     node count, with a raw ZeroMQ floor.
@@ -57,13 +59,16 @@ def run_cluster_bench(
     node's reads and its compute (waits excluded) per token, both measured in the same run.
     Streaming hides its reads when ms/token is near the larger of the two.
     `rss_tokens` adds a long generation with each node's memory at its first and last token.
-    `drafts` ("off", "lookup") times each node count with each, alternating (speculation).
+    `drafts` ("off", "lookup", a draft model) times each node count with each, alternating
+    (speculation; a draft model's shards at `draft_dtype`).
     """
     if baseline and not devices:
         raise ValueError("--baseline compares emulated devices with one free node: give --device")
     state_dir = state_dir or default_state_dir()
     configs = [
-        _Config(n, _specs(devices, n), draft=d) for n in node_counts for d in drafts or ["off"]
+        _Config(n, _specs(devices, n), draft=d, draft_dtype=draft_dtype)
+        for n in node_counts
+        for d in drafts or ["off"]
     ]
     if baseline:
         assert devices is not None
@@ -147,7 +152,8 @@ class _Config:
     nodes: int
     specs: tuple[DeviceSpec, ...] | None
     threads: int | None = None
-    draft: str = "off"  # speculation: "off" or "lookup"
+    draft: str = "off"  # speculation: "off", "lookup" or a draft model
+    draft_dtype: str = AUTO
 
     @property
     def label(self) -> str:
@@ -221,7 +227,7 @@ def _cluster_run(
     nodes = config.nodes
     with (
         emulated(config.specs, nodes, state_dir) as devices,
-        local_engine(
+        local_session(
             source,
             nodes,
             state_dir=state_dir,
@@ -229,12 +235,18 @@ def _cluster_run(
             memory=memory,
             threads=config.threads,
             devices=devices,
-        ) as engine,
+        ) as session,
     ):
+        engine = session.engine
+        assert engine is not None
         time_greedy(engine, tokenizer, prompt, 4)  # warm-up
         members = _clear_figures(engine)
-        speculator = Speculator() if config.draft == "lookup" else None
+        speculator = open_speculator(config.draft, config.draft_dtype, session, tokenizer)
         ttft, ms, tokens = time_greedy(engine, tokenizer, prompt, n_tokens, speculator)
+        figures = None
+        if speculator is not None:
+            figures = speculator.figures()
+            speculator.close()
         sums = list(engine.remote.allreduce_seconds) if engine.remote else []
         per_node = [_node_row("master", engine.history)] + [
             _node_row(m.name, m.history) for m in members
@@ -252,18 +264,24 @@ def _cluster_run(
         "allreduce_us_p99": round(percentile(sums, 0.99) * 1e6, 1) if sums else None,
         "per_node": per_node,
         "overlap": _overlap(round(ms, 2), per_node),
-        "time": _where_time_goes(ms, per_node, sums[2 * source.config.n_layers :], n_tokens - 1),
-        "speculation": speculator.figures() if speculator else None,
+        "time": _where_time_goes(
+            ms, per_node, sums[2 * source.config.n_layers :], n_tokens - 1, figures
+        ),
+        "speculation": figures,
     }
 
 
 def _where_time_goes(
-    ms: float, per_node: list[dict[str, Any]], decode_sums: list[float], decoded: int
+    ms: float,
+    per_node: list[dict[str, Any]],
+    decode_sums: list[float],
+    decoded: int,
+    speculation: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """A decoded token's time, ms: in the layers' blocks (the slowest node's compute, and the
-    hops the allreduce adds beyond it: `decode_sums`), in the master's lm_head, and the master's
-    other serial work (embedding, sampling, the generation loop). `decoded` tokens came of the
-    decode steps (more than the steps, with speculation)."""
+    hops the allreduce adds beyond it: `decode_sums`), in the master's lm_head, in a draft
+    model's forwards, and the master's other serial work (embedding, sampling, the generation
+    loop). `decoded` tokens came of the decode steps (more than the steps, with speculation)."""
     master = per_node[0]
     if "decode_steps" not in master:
         return {}
@@ -272,12 +290,14 @@ def _where_time_goes(
     hops = sum(decode_sums) * 1000 / decoded
     blocks = master["blocks_ms_per_token"] * per_token
     head = master["head_ms_per_token"] * per_token
+    drafting = (speculation or {}).get("drafting_s", 0.0) * 1000 / decoded
     return {
         "ms_per_token": round(ms, 2),
         "compute_ms": round(blocks - hops, 2),
         "hops_ms": round(hops, 2),
         "lm_head_ms": round(head, 2),
-        "other_master_ms": round(ms - blocks - head, 2),
+        "drafting_ms": round(drafting, 2),
+        "other_master_ms": round(ms - blocks - head - drafting, 2),
         "own_compute_ms": {
             r["node"]: round(r["own_compute_ms_per_token"] * per_token, 2) for r in per_node
         },
@@ -289,11 +309,12 @@ def _print_time(run: dict[str, Any]) -> None:
     if not t:
         return
     nodes = ", ".join(f"{name} {ms}" for name, ms in t["own_compute_ms"].items())
+    drafting = f" + its draft model {t['drafting_ms']}" if t.get("drafting_ms") else ""
     print(
         f"  where a token's {t['ms_per_token']} ms go: layers {t['compute_ms']} (the slowest "
         f"node's compute, block by block) + hops {t['hops_ms']} + the master's lm_head "
-        f"{t['lm_head_ms']} + its other serial work {t['other_master_ms']} (embedding, "
-        f"sampling, the loop); each node's own layer compute: {nodes}"
+        f"{t['lm_head_ms']}{drafting} + its other serial work {t['other_master_ms']} "
+        f"(embedding, sampling, the loop); each node's own layer compute: {nodes}"
     )
 
 
@@ -338,10 +359,11 @@ def _node_row(name: str, history: Any) -> dict[str, Any]:
 def _print_nodes(run: dict[str, Any]) -> None:
     spec = run.get("speculation")
     if spec:
+        cost = f", {spec['draft_ms']} ms a draft forward" if "draft_ms" in spec else ""
         print(
-            f"  draft {run['label'].rsplit('draft ', 1)[-1]}: {spec['accepted']} of "
+            f"  draft {spec['draft']}: {spec['accepted']} of "
             f"{spec['drafted']} drafted tokens accepted ({spec['acceptance']}), "
-            f"{spec['tokens_per_step']} tokens per step"
+            f"{spec['tokens_per_step']} tokens per step{cost}"
         )
     per = "decode step (one token each)" if not spec else "decode step"
     print(f"per node, {run['nodes']} node(s), averaged per {per}:")

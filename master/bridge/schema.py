@@ -305,10 +305,11 @@ class GenerationFigures(BaseModel):
     replans_mid_answer: int = Field(
         0, description="times nodes were planned in or out between two steps of running answers"
     )
-    speculation: dict[str, float] | None = Field(
+    speculation: dict[str, float | str] | None = Field(
         None,
-        description="with --draft lookup: tokens drafted and accepted, the acceptance rate, and "
-        "tokens a sequence makes per step",
+        description="with --draft: the draft ('lookup' or the draft model), tokens drafted and "
+        "accepted, the acceptance rate, tokens a sequence makes per step, and with a draft "
+        "model its ms per forward (draft_ms)",
     )
 
 

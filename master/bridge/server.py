@@ -21,8 +21,9 @@ import uvicorn
 from master.batcher import Batcher
 from master.bridge.app import Served, create_app
 from master.session import Session
-from master.speculate import Speculator
+from master.speculate import open_speculator
 from models.config import DEFAULT_MODEL
+from models.dtypes import AUTO
 from models.source import ModelSource
 from models.tokenizer import Tokenizer
 
@@ -61,11 +62,12 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     verbose: bool = False,
-    speculate: bool = False,
+    draft: tuple[str, str] = ("off", AUTO),
 ) -> None:
     """Enter `sessions` (a started session of `source`) and serve it until interrupted.
 
-    `model` is the name the model was asked for, accepted in requests besides its own.
+    `model` is the name the model was asked for, accepted in requests besides its own;
+    `draft` is `--draft` and `--draft-dtype` (master/speculate.py).
     """
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the option out")
@@ -74,7 +76,7 @@ def serve(
         aliases = tuple({model or DEFAULT_MODEL, source.path.stem} - {source.name})
         created = int(source.path.stat().st_mtime)
         with sessions as session:
-            speculator = Speculator() if speculate else None
+            speculator = open_speculator(*draft, session, tokenizer)
             batcher = Batcher(session, tokenizer, speculator=speculator).start()
             try:
                 served = Served(batcher, tokenizer, source.name, aliases, created)

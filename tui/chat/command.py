@@ -101,6 +101,7 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
         ("--window", args.window),
         ("--dtype", args.dtype if args.dtype != "f32" else None),
         ("--draft", args.draft if args.draft != "off" else None),
+        ("--draft-dtype", args.draft_dtype if args.draft_dtype != "auto" else None),
         ("--cluster-bind", args.lan_bind),
         ("--cluster-port", args.lan_port),
         ("--workers", args.workers),
@@ -136,6 +137,7 @@ def _only_local(args: argparse.Namespace) -> None:
             ("--dtype", args.dtype if args.dtype != "f32" else None),
             ("--drop-cache", args.drop_cache or None),
             ("--draft", args.draft if args.draft != "off" else None),
+            ("--draft-dtype", args.draft_dtype if args.draft_dtype != "auto" else None),
         )
         if value is not None
     ]

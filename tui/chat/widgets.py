@@ -81,7 +81,9 @@ def summary(figures: ClusterFigures) -> RenderableType:
         table.add_row("ms/step", ms)
         s = g.speculation
         table.add_row(
-            "drafts", f"{s['acceptance']:.0%} accepted · {s['tokens_per_step']:.2f} tokens/step"
+            "drafts",
+            f"{s['draft']} · {s['acceptance']:.0%} accepted · "
+            f"{s['tokens_per_step']:.2f} tokens/step",
         )
     else:
         table.add_row("ms/token", ms)
