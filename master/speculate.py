@@ -43,6 +43,7 @@ NGRAMS = (3, 2)  # suffix lengths looked up, longest first
 PROBE_EVERY = 16  # steps at least between tries of a draft that backed off
 PROBE_DRAFTS = 2  # tokens a try drafts
 PROBE_BUDGET = 0.01  # of the steps' time that tries may cost when they all miss
+CATCH_UP = 32  # tokens of the forward a draft model's catching up is timed with, at load
 TOKEN_COST = 0.25  # what one more token costs a step, relative to it, until measured
 EMA = 0.2  # weight of the newest measurement in the running figures
 
@@ -105,6 +106,7 @@ class DraftModel:
         self.session = session
         self.name = name
         self.forward_s: float | None = None  # a one-token forward, measured (a running mean)
+        self.catch_up_s = 0.0  # a token of a many-token forward (catching up), timed at load
         self.seconds = 0.0  # spent drafting, over its life
 
     @property
@@ -114,13 +116,25 @@ class DraftModel:
 
     @torch.inference_mode()
     def measure(self) -> None:
-        """Time a one-token forward (the second of two: the first warms up), so that the first
-        drafts are sized, or left out, by what drafting costs on this device. Nothing is kept
-        of it: a sequence's first draft feeds its cache from position 0."""
+        """Time a one-token forward and a catch-up of CATCH_UP tokens (each the second of two:
+        the first warms up), so that the first drafts are sized, or left out, by what drafting
+        costs on this device. Nothing is kept of them: a sequence's first draft feeds its
+        cache from position 0."""
+        n = min(CATCH_UP, self.engine.max_context)
+        for _ in range(2):
+            started = time.perf_counter()
+            self.engine.forward([[0] * n], StepBatch((0,), (0,), (n,)))
+            self.catch_up_s = (time.perf_counter() - started) / n
         for _ in range(2):
             started = time.perf_counter()
             self.engine.forward([[0]], StepBatch((0,), (0,), (1,)))
             self.forward_s = time.perf_counter() - started
+
+    @staticmethod
+    def behind(state: DraftState, history: Sequence[int]) -> int:
+        """Tokens of `history` its cache lacks for a sequence (more than the usual one or two
+        after a pause in drafting)."""
+        return len(history) - _common_prefix(state.fed, history)
 
     def room(self, tokens: Sequence[int]) -> int:
         """Drafts its context holds after `tokens` (its context may be the smaller one)."""
@@ -230,10 +244,11 @@ class Speculator:
         between = self.step_s[lo] + (self.step_s[hi] - self.step_s[lo]) * (w - lo) / (hi - lo)
         return between / one
 
-    def draft_length(self, state: DraftState) -> int:
+    def draft_length(self, state: DraftState, behind: int = 0) -> int:
         """The k in [0, draft_max] that makes the most tokens per second by the figures: a step
         of k drafts makes 1 + a + ... + a^k tokens (a the acceptance rate) and costs `cost(k)`
-        one-token steps."""
+        one-token steps. `behind`: tokens a draft model must catch up on before it drafts
+        (after a pause), which a try that misses costs too."""
         a = state.accept_rate
         best, best_rate, made = 0, 1.0, 1.0
         for k in range(1, self.draft_max + 1):
@@ -244,13 +259,21 @@ class Speculator:
         # Now and then, see whether the text turned repetitive: as often as a try that misses
         # costs no more than PROBE_BUDGET, and only where drafts could pay if all were kept
         # (by a measured step: once one is).
-        try_cost = self.cost(PROBE_DRAFTS)
+        try_cost = self.cost(PROBE_DRAFTS) + self.catch_up_cost(behind)
         if best == 0 and 1 in self.step_s and try_cost < PROBE_DRAFTS + 1:
             state.since_probe += 1
             if state.since_probe >= max(PROBE_EVERY, (try_cost - 1) / PROBE_BUDGET):
                 state.since_probe = 0
                 return PROBE_DRAFTS
         return best
+
+    def catch_up_cost(self, tokens: int) -> float:
+        """A draft model's catching up on `tokens`, in one-token steps (0 before one is
+        measured)."""
+        one = self.step_s.get(1)
+        if self.model is None or not tokens or one is None:
+            return 0.0
+        return tokens * self.model.catch_up_s / one
 
     def drafts(
         self,
@@ -261,12 +284,13 @@ class Speculator:
     ) -> list[list[int]]:
         """The drafts for decoding sequences whose tokens (prompt and output) are `histories`,
         each at most its room (what its context and max_tokens leave), in cache `slots`."""
-        lengths = [
-            max(0, min(self.draft_length(s), room)) for s, room in zip(states, rooms, strict=True)
-        ]
         if self.model is None:
+            lengths = [min(self.draft_length(s), r) for s, r in zip(states, rooms, strict=True)]
             return [lookup(h, k) if k > 0 else [] for h, k in zip(histories, lengths, strict=True)]
-        lengths = [min(k, self.model.room(h)) for h, k in zip(histories, lengths, strict=True)]
+        lengths = [
+            min(self.draft_length(s, self.model.behind(s, h)), r, self.model.room(h))
+            for s, h, r in zip(states, histories, rooms, strict=True)
+        ]
         if not any(k > 0 for k in lengths):
             return [[] for _ in states]
         return self.model.propose(states, histories, slots, lengths)

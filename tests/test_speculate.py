@@ -97,10 +97,16 @@ def test_the_draft_length_backs_off_when_drafts_miss_and_grows_when_tokens_are_c
     assert [s.draft_length(new) for _ in range(3)] == [2, 0, 0]
     # A draft model whose forward costs what a one-token step does: on one node its drafts
     # could not pay even if all were kept, so it never tries, not even at first.
-    slow = Speculator(model=SimpleNamespace(forward_s=0.013))
+    slow = Speculator(model=SimpleNamespace(forward_s=0.013, catch_up_s=0.005))
     slow.step_s = dict(s.step_s)
     assert {slow.draft_length(DraftState.at(1.0)) for _ in range(400)} == {0}
     assert {slow.draft_length(DraftState()) for _ in range(400)} == {0}
+    # One half as slow would pay when all are kept, but a new sequence's first try would
+    # also catch the draft model up on its prompt: 36 tokens at 5 ms are 14 steps' time.
+    half = Speculator(model=SimpleNamespace(forward_s=0.007, catch_up_s=0.005))
+    half.step_s = {1: 0.013}  # only one-token steps measured yet
+    assert half.draft_length(DraftState()) == 2
+    assert half.draft_length(DraftState(), behind=36) == 0
 
 
 @pytest.mark.parametrize(
