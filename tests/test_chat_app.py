@@ -26,6 +26,10 @@ from textual.pilot import Pilot
 from textual.widgets import Static
 
 from master.bridge.client import ServerProcess, start_server
+from master.plan import plan_slices
+from master.splitter import split_model
+from memory.shards import ShardStore
+from node.device import plan_shapes, prepare
 from tui.chat.app import ChatApp
 from tui.chat.client import BridgeClient, Sampling
 from tui.chat.store import ConversationStore
@@ -306,7 +310,18 @@ def back_to_three(base: str, restarts: dict[str, int], timeout: float = 90) -> d
         time.sleep(0.5)
 
 
-async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(tmp_path, shared_state):
+def split_for_two_nodes(smollm2, state_dir: Path) -> None:
+    """The plan a loss of one of three nodes re-plans to, split and its kernels checked
+    beforehand: a pause then measures noticing, re-planning and replaying, not a first split,
+    which other tests (in any order) may or may not have done already."""
+    slices = plan_slices(smollm2.config, [1.0, 1.0])
+    split_model(smollm2, slices, ShardStore(state_dir / "shards"))
+    prepare(plan_shapes(smollm2, slices, "f32"), install=False)
+
+
+async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(
+    tmp_path, shared_state, smollm2
+):
     """A bridge of its own over three processes. A worker paused for 1 s mid-answer (less than
     the 2 s that mark a node dead) costs a pause and nothing else: no re-plan. A worker killed
     in the middle of a streamed 200-token answer: the stream pauses, the master re-plans on the
@@ -315,6 +330,7 @@ async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(tmp_path, sh
     answers stream, not after them. The other killed mid-answer in the app: the answer
     completes, the cluster panel says a node was lost, the next prompt is answered, and that
     worker comes back too."""
+    await asyncio.to_thread(split_for_two_nodes, smollm2, shared_state)
     local = await asyncio.to_thread(
         start_server,
         ["--local-nodes", "3", "--context", "512", "--state-dir", str(shared_state)],
