@@ -48,6 +48,11 @@ TOKEN_COST = 0.25  # what one more token costs a step, relative to it, until mea
 EMA = 0.2  # weight of the newest measurement in the running figures
 
 
+def running_mean(last: float | None, new: float) -> float:
+    """A measured time's running figure: the newest measurement weighs EMA."""
+    return new if last is None else (1 - EMA) * last + EMA * new
+
+
 def lookup(tokens: Sequence[int], k: int, ngrams: Sequence[int] = NGRAMS) -> list[int]:
     """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of
     `tokens` (n from `ngrams`, longest first); none when no such occurrence is followed by any."""
@@ -169,9 +174,7 @@ class DraftModel:
             started = time.perf_counter()
             logits = self.engine.forward([feeds[b] for b in live], batch)
             if batch.width <= 2:  # not a catch-up after a pause: what a draft token costs
-                seconds = time.perf_counter() - started
-                last = self.forward_s
-                self.forward_s = seconds if last is None else (1 - EMA) * last + EMA * seconds
+                self.forward_s = running_mean(self.forward_s, time.perf_counter() - started)
             for row, b in zip(torch.argmax(logits, dim=-1).tolist(), live, strict=True):
                 drafts[b].append(int(row))
                 feeds[b] = [int(row)]
@@ -298,8 +301,7 @@ class Speculator:
     def record_step(self, seconds: float, width: int, decode: bool) -> None:
         """A step's time: `width` tokens a sequence at most; `decode`: no prompt in it."""
         if decode:
-            last = self.step_s.get(width)
-            self.step_s[width] = seconds if last is None else (1 - EMA) * last + EMA * seconds
+            self.step_s[width] = running_mean(self.step_s.get(width), seconds)
 
     def record_draft(self, state: DraftState, drafted: int, accepted: int, made: int) -> None:
         """What one sequence's step did: `made` tokens, `accepted` of its `drafted` ones."""
