@@ -118,7 +118,8 @@ def _own(
     return Candidate(name, f"{__name__}:{function}", max_rows, fallback)
 
 
-def _has_avx2() -> bool:
+def has_avx2() -> bool:
+    """Whether this CPU runs the hand-tuned block products (models/csrc/blocks.c)."""
     try:
         return " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
     except OSError:
@@ -128,7 +129,7 @@ def _has_avx2() -> bool:
 # The portable C build of the block products (ARM boards, x86 without AVX2) is 14x slower than
 # the AVX2 one where both run: a candidate only where the AVX2 build cannot be (checking and
 # timing it would lengthen every first start for nothing).
-_PORTABLE = () if _has_avx2() else (Candidate("c-portable", "models.native:portable_activations"),)
+_PORTABLE = () if has_avx2() else (Candidate("c-portable", "models.native:portable_activations"),)
 
 # Per dtype, what a user of any CPU would expect to be considered; the plain route (`reference`,
 # NumPy's BLAS on float32) comes last, so the check can cut short timing it where it is slow.

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from models.cbuild import built
-from models.kernels import blas_threads
+from models.kernels import blas_threads, has_avx2
 from models.quant import block_format
 
 CSRC = Path(__file__).with_name("csrc")
@@ -51,6 +51,11 @@ BUILDS = {
 SMALL = 1 << 17
 
 _libs: dict[str, ctypes.CDLL] = {}
+
+
+def default_build() -> str:
+    """The build this CPU's block products come from: the AVX2 one where it runs."""
+    return "avx2" if has_avx2() else "portable"
 
 
 def load(build: str = "avx2") -> ctypes.CDLL:

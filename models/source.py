@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
 
+from models import native
 from models.config import DEFAULT_MODEL, HF_ARCHITECTURES, ModelConfig
-from models.dtypes import SOURCE_TYPES, embedding_dtype, matrix_dtype
+from models.dtypes import AUTO, SOURCE_TYPES, embedding_dtype, matrix_dtype
 from models.errors import ModelError
 from models.gguf_file import GGUFFile
 from models.layers import (
@@ -31,6 +33,8 @@ from models.layers import (
 )
 from models.quant import FORMATS
 from models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def _smollm2_path() -> Path:
@@ -172,21 +176,48 @@ class ModelSource(ABC):
         return embedding_dtype(dtype, self.stored_type(None, "embedding"))
 
 
-def open_model(spec: str | Path | None = None) -> ModelSource:
-    """A GGUF file path, an HF folder path, or a bundled model name (default: SmolLM2)."""
+def model_path(spec: str | Path | None = None) -> Path:
+    """Where a model given as a GGUF file path, an HF folder path, or a bundled model name
+    (default: SmolLM2) is."""
     spec = str(spec) if spec is not None else DEFAULT_MODEL
     if spec in BUNDLED_MODELS:
-        path = BUNDLED_MODELS[spec]()
-    else:
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise ModelError(
-                f"model not found: {spec} (give a .gguf file, an HF folder with config.json, "
-                f"or one of: {', '.join(BUNDLED_MODELS)})"
-            )
+        return BUNDLED_MODELS[spec]()
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelError(
+            f"model not found: {spec} (give a .gguf file, an HF folder with config.json, "
+            f"or one of: {', '.join(BUNDLED_MODELS)})"
+        )
+    return path
+
+
+def open_model(spec: str | Path | None = None) -> ModelSource:
+    """A GGUF file path, an HF folder path, or a bundled model name (default: SmolLM2)."""
+    path = model_path(spec)
     if path.is_dir():
         return HFSource(path)
     return GGUFSource(path)
+
+
+def default_dtype(spec: str | Path | None = None) -> str:
+    """The shard dtype when none is asked for: a GGUF file's weights as the file stores them
+    (`auto`: 4-bit decode measured at 1.26x llama.cpp's time on the same file,
+    docs/bench/smollm2-q4_1-vs-llamacpp.txt), an HF folder's as float32 (their bf16 or f16
+    would decode on torch's kernels, which round the input). Where the block formats' C kernels
+    cannot be built (no compiler), float32, saying so: the default command runs anywhere."""
+    path = model_path(spec)
+    if path.is_dir():
+        return "f32"
+    try:
+        native.load(native.default_build())
+    except (RuntimeError, OSError) as e:
+        log.warning(
+            "the model's own block formats need C kernels (%s): running its weights as f32 "
+            "(install gcc for its own, smaller ones)",
+            e,
+        )
+        return "f32"
+    return AUTO
 
 
 # GGUF tensor names of the canonical per-layer tensors.

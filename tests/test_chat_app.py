@@ -29,6 +29,7 @@ from master.bridge.client import ServerProcess, start_server
 from master.plan import plan_slices
 from master.splitter import split_model
 from memory.shards import ShardStore
+from models.source import default_dtype
 from node.device import plan_shapes, prepare
 from tui.chat.app import ChatApp
 from tui.chat.client import BridgeClient, Sampling
@@ -315,8 +316,9 @@ def split_for_two_nodes(smollm2, state_dir: Path) -> None:
     beforehand: a pause then measures noticing, re-planning and replaying, not a first split,
     which other tests (in any order) may or may not have done already."""
     slices = plan_slices(smollm2.config, [1.0, 1.0])
-    split_model(smollm2, slices, ShardStore(state_dir / "shards"))
-    prepare(plan_shapes(smollm2, slices, "f32"), install=False)
+    dtype = default_dtype()  # what the server runs the bundled model at
+    split_model(smollm2, slices, ShardStore(state_dir / "shards"), dtype=dtype)
+    prepare(plan_shapes(smollm2, slices, dtype), install=False)
 
 
 async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -44,6 +45,37 @@ def test_run_streams_the_greedy_completion(smollm2, smollm2_tokenizer, reference
         )
     expected = smollm2_tokenizer.decode(out[0, len(ids) :].tolist())
     assert result.stdout == expected + "\n"
+
+
+def _shard_dtype_and_bytes(state_dir: Path) -> tuple[str, int]:
+    (manifest,) = (state_dir / "shards" / "manifests").glob("*.json")
+    shards = (state_dir / "shards").glob("*.safetensors")
+    return json.loads(manifest.read_text())["extra"]["dtype"], sum(p.stat().st_size for p in shards)
+
+
+def test_a_gguf_file_keeps_its_own_weights_unless_no_compiler_can_build_their_kernels(
+    tmp_path,
+):
+    """No --dtype: SmolLM2's Q4_1 file runs as the file stores it (`auto`), its shards a fifth
+    of float32's 538 MB. On a device with no C compiler for the block kernels it runs as f32
+    and says so; the answer is the same (the same weights either way)."""
+    args = ("run", "--raw", "--max-tokens", "8", "The capital of France is")
+    own = run(*args, "--state-dir", str(tmp_path / "own"))
+    assert own.returncode == 0, own.stderr
+    dtype, size = _shard_dtype_and_bytes(tmp_path / "own")
+    assert dtype == "auto" and size < 0.2 * 538_382_784, (dtype, size)
+
+    bare = tmp_path / "tmp"  # no kernel built before, and no compiler on the PATH to build one
+    bare.mkdir()
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent), "TMPDIR": str(bare)}
+    cmd = [str(EDGETP)] if EDGETP.exists() else [sys.executable, "-m", "tui.cli"]
+    f32 = subprocess.run(
+        [*cmd, *args, "--state-dir", str(tmp_path / "f32")],
+        capture_output=True, text=True, timeout=180, env=env,
+    )  # fmt: skip
+    assert f32.returncode == 0, f32.stderr
+    assert "no C compiler" in f32.stderr and "running its weights as f32" in f32.stderr
+    assert f32.stdout == own.stdout
 
 
 def test_missing_model_file(tmp_path):

@@ -97,9 +97,10 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
         p.add_argument(
             "--dtype",
             choices=DTYPE_CHOICES,
-            default="f32",
+            default=None,
             help="how the shards store the weights (int8: per-channel scales; q8_0, q4_1, "
-            "q4_0: GGUF's blocks of 32; auto: as the model file stores each one)",
+            "q4_0: GGUF's blocks of 32; auto: as the model file stores each one; default: "
+            "auto for a .gguf file, f32 for an HF folder)",
         )
         p.add_argument(
             "--memory-budget", default=None, help="memory for weights and KV cache, e.g. 2GB"
@@ -145,13 +146,23 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _dtype(args: argparse.Namespace) -> str:
+    """The shard dtype asked for, else the model's default; f32 for a command that splits
+    nothing (a worker is told the master's)."""
+    if not hasattr(args, "dtype"):
+        return "f32"
+    from models.source import default_dtype  # torch: not for `--help`
+
+    return args.dtype or default_dtype(getattr(args, "model", None))
+
+
 def memory_options(args: argparse.Namespace) -> MemoryOptions:
     """The memory options given on the command line."""
     budget = getattr(args, "memory_budget", None)
     return MemoryOptions(
         budget=parse_size(budget) if budget else None,
         window=getattr(args, "window", None),
-        dtype=getattr(args, "dtype", "f32"),
+        dtype=_dtype(args),
         drop_cache=getattr(args, "drop_cache", False),
     )
 
