@@ -31,7 +31,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,12 @@ def own_cgroup(controller: str) -> Path:
         if controller in controllers.split(","):
             return CGROUPS / controller / path.lstrip("/")
     return CGROUPS / controller
+
+
+def _in_cgroups(folders: Iterable[Path], cmd: Sequence[str]) -> list[str]:
+    """`cmd` started in these cgroups (one per controller) before it runs anything."""
+    moves = "; ".join(f"echo $$ > {shlex.quote(str(f / 'cgroup.procs'))}" for f in folders)
+    return ["sh", "-c", f'{moves} && exec "$@"', "edgetp-device", *cmd]
 
 
 def _alive(pid: int) -> bool:
@@ -203,12 +209,8 @@ class EmulatedDevices:
 
     def wrap(self, k: int, cmd: Sequence[str]) -> list[str]:
         """`cmd` run as worker k's device: in its cgroups, then in its namespace."""
-        moves = "; ".join(
-            f"echo $$ > {shlex.quote(str(folder / 'cgroup.procs'))}"
-            for folder in self.cgroups[k].values()
-        )
         inner = ["ip", "netns", "exec", self.namespaces[k], *cmd] if self.networked else list(cmd)
-        return ["sh", "-c", f'{moves} && exec "$@"', "edgetp-device", *inner]
+        return _in_cgroups(self.cgroups[k].values(), inner)
 
     def enter_master(self) -> None:
         """This process (the master) into node 0's cgroups, with what it already holds."""
@@ -227,8 +229,13 @@ class EmulatedDevices:
                 continue
             half_us = round(spec.rtt / 2 * 1e6)
             cmd = [str(relay), str(half_us), self.worker_host(k), self.master_host]
+            # The relay is the wire, not a device: out of the master's cgroups (whose quota
+            # and core it would share, so that a busy master delayed its own link), into
+            # this run's own, where it may also take a real-time priority.
             proc = subprocess.Popen(
-                [*cmd, *map(str, ports)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+                _in_cgroups(self.parents.values(), [*cmd, *map(str, ports)]),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
             )
             self.relays.append(proc)
             assert proc.stdout is not None
