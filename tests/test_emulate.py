@@ -126,3 +126,17 @@ def test_what_a_killed_run_left_behind_is_removed_by_the_next(tmp_path):
     assert set(removed) >= {*map(str, folders), tag, f"etp{gone.pid}b"}
     assert not any(Path(f).exists() for f in folders)
     assert tag not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_a_disk_limit_for_a_state_folder_yet_to_be_made_takes_its_parent_s_disk(tmp_path):
+    """`--state-dir` may name a folder the run creates: its disk is the one it will be on."""
+    later = tmp_path / "state" / "not-yet"
+
+    def disk(folder: Path) -> str:
+        try:
+            return emulate._block_device(folder)
+        except emulate.DeviceError as exc:  # a tmpfs or overlay: the same answer either way
+            return str(exc).replace(str(folder), "<folder>")
+
+    assert disk(later) == disk(tmp_path)
+    assert not later.exists()

@@ -161,8 +161,9 @@ def remove_leftovers() -> list[str]:
 
 
 def _block_device(folder: Path) -> str:
-    """ "major:minor" of the whole disk holding `folder` (blkio throttles disks, not partitions)."""
-    st = os.stat(folder)
+    """ "major:minor" of the whole disk holding `folder` (blkio throttles disks, not partitions).
+    A folder the run has yet to create will be on its nearest existing parent's disk."""
+    st = os.stat(next(p for p in (folder, *folder.parents) if p.exists()))
     sys_dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
     if not sys_dev.exists():
         raise DeviceError(
