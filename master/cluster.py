@@ -181,6 +181,7 @@ class Hub:
             int(c["cores"]),
             float(c["speed"]),
             None if window is None else int(window),
+            None if c.get("disk") is None else float(c["disk"]),
         )
         address = header.get("peer_address", "")
         member = Member(identity, name, capacity, header.get("model"), address)

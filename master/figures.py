@@ -67,6 +67,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
                     "memory_budget_bytes": m.capacity.memory_budget,
                     "cores": m.capacity.cores,
                     "speed_gb_s": m.capacity.speed,
+                    "disk_gb_s": m.capacity.disk,
                     "heartbeat_silence_s": round(silence, 3) if silence != float("inf") else None,
                     "address": m.address or None,
                     "restarts": hub.restarts.get(m.name, 0),

@@ -18,10 +18,15 @@ from collections.abc import Sequence
 
 from models.config import ModelConfig
 from models.layers import Slice, full_layer_shapes, kv_heads_for
-from models.quant import BLOCK
+from models.quant import BLOCK, FORMATS
 
 FFN_ALIGN = BLOCK
 MASTER_FLOOR = 0.05  # of its own speed: a master too slow for any layer still keeps a slice
+# Bytes a weight takes in a shard, by shard dtype (int8's per-row scales: a rounding error).
+BYTES_PER_WEIGHT = {
+    "f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0,
+    **{name: f.block_bytes / BLOCK for name, f in FORMATS.items()},
+}  # fmt: skip
 
 
 def proportional_counts(total: int, capacities: Sequence[float]) -> list[int]:
@@ -79,3 +84,36 @@ def with_master_head(config: ModelConfig, speeds: Sequence[float]) -> list[float
     head = config.vocab_size * config.hidden
     master = speeds[0] - head * sum(speeds) / (layers + head)
     return [max(master, MASTER_FLOOR * speeds[0]), *speeds[1:]]
+
+
+def with_disk_reads(
+    speeds: Sequence[float],
+    disks: Sequence[float | None],
+    budgets: Sequence[int],
+    forced: Sequence[bool],
+    layers_bytes: int,
+    layers_weights: int,
+) -> list[float]:
+    """Speeds for the split when some nodes stream their slice from disk: a node with a forced
+    window, or whose memory budget cannot hold its share of the layers' `layers_bytes`, goes no
+    faster than its disk (`disks`, GB/s; None: not measured) delivers weights.
+
+    `speeds` are GB/s of float32 weights through a matmul, so a disk's GB/s of shard bytes
+    count 4 / (bytes a weight takes in the shards) times. A node that must stream at its
+    compute-speed share is taken to stream at any share: a smaller one may fit, but the
+    figures would then flip between plans.
+    """
+    per_weight = layers_bytes / max(layers_weights, 1)
+    streams = list(forced)
+    result = list(speeds)
+    for _ in range(len(speeds)):  # each pass can only add streaming nodes
+        total = sum(result)
+        streams = [
+            s or budget < layers_bytes * c / total
+            for s, budget, c in zip(streams, budgets, result, strict=True)
+        ]
+        result = [
+            min(c, d * 4 / per_weight) if s and d else c
+            for c, d, s in zip(speeds, disks, streams, strict=True)
+        ]
+    return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 
 from master.cluster import Hub, Member
 from master.engine import Engine, context_size
-from master.plan import plan_slices, with_master_head
+from master.plan import BYTES_PER_WEIGHT, plan_slices, with_disk_reads, with_master_head
 from master.splitter import model_identity, split_model
 from master.transport import ClusterError
 from memory.budget import (
@@ -30,11 +31,11 @@ from models.chat_template import render_chat
 from models.config import ModelConfig
 from models.errors import ModelError
 from models.kernels import blas_threads
-from models.layers import Slice
+from models.layers import MATRICES, Slice, full_layer_shapes, slice_parts
 from models.source import ModelSource, open_model
 from models.tokenizer import Tokenizer
 from node.kvcache import KVCache
-from node.worker import measure_capacity
+from node.worker import Capacity, measure_capacity
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,20 @@ def chat_tokens(
 # and with it the split, unless by this start's figures a new plan would make a token this much
 # faster: re-splitting a 70B model costs far more than a node a fifth off its share.
 REPLAN_GAIN = 0.5
+
+
+def layers_size(source: ModelSource, dtype: str) -> tuple[int, int]:
+    """The bytes the layers' matrices take in shards of `dtype`, and their weights."""
+    config = source.config
+    shapes = full_layer_shapes(config)
+    parts = slice_parts(config, Slice.whole(config))
+    weights = {m: sum(math.prod(shapes[p.source]) for p in parts[m]) for m in MATRICES}
+    size = sum(
+        weights[m] * BYTES_PER_WEIGHT[d]
+        for layer in range(config.n_layers)
+        for m, d in source.matrix_dtypes(layer, dtype).items()
+    )
+    return int(size), config.n_layers * sum(weights.values())
 
 
 def keep_last_plan(record: Path, capacities: Sequence[float]) -> list[float]:
@@ -239,7 +254,7 @@ class Session:
         self.progress = progress
         self.engine: Engine | None = None
         self.max_context = context_size(source.config, context)  # the plan's, once planned
-        self._master_speed: float | None = None
+        self._master_capacity: Capacity | None = None
 
     def __enter__(self) -> Session:
         return self
@@ -320,9 +335,21 @@ class Session:
             return list(self.given_capacities)
         if self.equal_shares or not members:
             return [1.0] * (1 + len(members))
-        if self._master_speed is None:
-            self._master_speed = measure_capacity(blas_threads()).score()
-        speeds = [self._master_speed, *(m.capacity.score() for m in members)]
+        if self._master_capacity is None:
+            own = self.memory
+            self._master_capacity = measure_capacity(
+                blas_threads(), own.budget, own.window, self.state_dir
+            )
+        devices = [self._master_capacity, *(m.capacity for m in members)]
+        speeds = [c.score() for c in devices]
+        if any(c.disk for c in devices):  # some may stream their slice: their disks count
+            speeds = with_disk_reads(
+                speeds,
+                [c.disk for c in devices],
+                [c.memory_budget for c in devices],
+                [c.window is not None and c.window < self.config.n_layers for c in devices],
+                *layers_size(self.source, self.memory.dtype),
+            )
         record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}.json"
         return keep_last_plan(
             self.state_dir / "plans" / record, with_master_head(self.config, speeds)

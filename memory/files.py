@@ -5,8 +5,12 @@ No torch and no numpy here: the chat app and the CLI's parser import this at sta
 
 from __future__ import annotations
 
+import mmap
 import os
+import time
 from pathlib import Path
+
+DISK_PROBE_BYTES = 16 << 20  # long enough to see a read-rate limit, short enough for a start
 
 
 def default_state_dir() -> Path:
@@ -28,3 +32,33 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def measure_disk_read(folder: Path, size: int = DISK_PROBE_BYTES) -> float | None:
+    """GB/s this device reads from the disk holding `folder`, past the page cache (O_DIRECT):
+    what a streaming node's reads cost it. Writes a probe file of `size` bytes there and removes
+    it. None where that cannot be measured (a tmpfs, a file system without O_DIRECT)."""
+    chunk = 1 << 20
+    probe = folder / f".disk-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        data = os.urandom(chunk)  # not zeros: some disks and file systems compress them
+        with open(probe, "wb") as f:
+            for _ in range(size // chunk):
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT asks
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+        try:
+            started, read = time.perf_counter(), 0
+            while n := os.readv(fd, [buffer]):
+                read += n
+            seconds = time.perf_counter() - started
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    finally:
+        probe.unlink(missing_ok=True)
+    return read / seconds / 1e9 if read and seconds > 0 else None

@@ -19,7 +19,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from memory.budget import device_memory_budget
-from memory.files import default_state_dir
+from memory.files import default_state_dir, measure_disk_read
 from memory.shards import ShardRef, ShardStore, file_digests
 from memory.window import LayerWindow, ShardChanged, StreamFigures, step_figures
 from models.config import ModelConfig
@@ -48,6 +48,7 @@ class Capacity:
     cores: int
     speed: float  # measured matrix-vector throughput, GB/s of weights
     window: int | None = None  # layers to keep in memory, when forced with --window
+    disk: float | None = None  # GB/s read from its disk, measured where it may stream
 
     def score(self) -> float:
         """What the plan divides work by."""
@@ -55,9 +56,14 @@ class Capacity:
 
 
 def measure_capacity(
-    threads: int, memory_budget: int | None = None, window: int | None = None
+    threads: int,
+    memory_budget: int | None = None,
+    window: int | None = None,
+    disk_dir: Path | None = None,
 ) -> Capacity:
-    """A quick (~0.1 s) measurement of how fast this device streams weights through a matmul."""
+    """A quick (~0.1 s) measurement of how fast this device streams weights through a matmul,
+    and, when a window or a memory limit may make it stream its slice from `disk_dir`, how fast
+    it reads that disk."""
     w = torch.randn(4096, 1024)  # 16 MB: bigger than most caches, small enough to be quick
     x = torch.randn(1, 1024)
     linear(x, w)
@@ -66,11 +72,14 @@ def measure_capacity(
         linear(x, w)
         n += 1
     speed = n * w.numel() * 4 / (time.perf_counter() - start) / 1e9
+    limited = memory_budget is not None or window is not None
     if memory_budget is None:
-        memory_budget = device_memory_budget() or (
-            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        )
-    return Capacity(int(memory_budget), threads, round(speed, 2), window)
+        limit = device_memory_budget()
+        limited = limited or limit is not None
+        memory_budget = limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    disk = measure_disk_read(disk_dir) if limited and disk_dir is not None else None
+    disk = None if disk is None else round(disk, 3)
+    return Capacity(int(memory_budget), threads, round(speed, 2), window, disk)
 
 
 class Worker:

@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from master.plan import MASTER_FLOOR, plan_slices, proportional_counts, with_master_head
+from master.plan import (
+    MASTER_FLOOR,
+    plan_slices,
+    proportional_counts,
+    with_disk_reads,
+    with_master_head,
+)
 from master.session import keep_last_plan
 from models.config import ModelConfig
 
@@ -109,3 +115,24 @@ def test_a_measured_plan_is_kept_until_a_new_one_would_be_much_faster(tmp_path):
     assert keep_last_plan(record, [3.0, 1.0]) == [4.0, 0.6]
     record.write_text("not json")
     assert keep_last_plan(record, [3.0, 1.0]) == [3.0, 1.0]
+
+
+def test_a_node_that_streams_its_slice_goes_no_faster_than_its_disk():
+    """70B-shaped layers at q4_1 (2.14 GB a token, 0.625 bytes a weight): a node that streams
+    at 0.1 GB/s delivers 0.64 GB/s of float32-equivalent weights, whatever its compute."""
+    size, weights = 2_139_095_040, 3_422_552_064
+    disk_cap = 0.1 * 4 / 0.625
+    # Every node forced to stream: a fast master no longer takes the largest share.
+    speeds = with_disk_reads([20.0, 5.0, 10.0, 10.0], [0.1] * 4, [4 << 30] * 4, [True] * 4,
+                             size, weights)  # fmt: skip
+    assert speeds == pytest.approx([disk_cap] * 4)
+    # A node that holds its share keeps its compute speed; one without a disk figure too.
+    big, small = 64 << 30, 256 << 20  # a third of the layers is 713 MB
+    speeds = with_disk_reads([8.0, 8.0, 8.0], [0.1, 0.1, None], [big, small, small],
+                             [False] * 3, size, weights)  # fmt: skip
+    assert speeds == pytest.approx([8.0, disk_cap, 8.0])
+    # Nothing streams: the measured speeds as they are.
+    assert with_disk_reads([3.0, 1.0], [0.1, 0.1], [big, big], [False, False], size, weights) == [
+        3.0,
+        1.0,
+    ]

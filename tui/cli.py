@@ -230,7 +230,7 @@ def _join(args: argparse.Namespace) -> None:
         address = _find_master(args.cluster, args.interface, token)
     else:
         address = args.master if ":" in args.master else f"{args.master}:{DEFAULT_PORT}"
-    capacity = measure_capacity(threads, budget, args.window)
+    capacity = measure_capacity(threads, budget, args.window, state_dir)
     rejoin = True
     while rejoin:  # a master that dropped this node from its plan asks it to join again
         with progress_bar("fetching shards", in_bytes=True) as fetch_progress:
