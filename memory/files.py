@@ -5,6 +5,7 @@ No torch and no numpy here: the chat app and the CLI's parser import this at sta
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
@@ -48,17 +49,18 @@ def measure_disk_read(folder: Path, size: int = DISK_PROBE_BYTES) -> float | Non
                 f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT asks
         fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
         try:
-            started, read = time.perf_counter(), 0
-            while n := os.readv(fd, [buffer]):
-                read += n
-            seconds = time.perf_counter() - started
+            with mmap.mmap(-1, chunk) as buffer:  # page-aligned, as O_DIRECT asks
+                started, read = time.perf_counter(), 0
+                while n := os.readv(fd, [buffer]):
+                    read += n
+                seconds = time.perf_counter() - started
         finally:
             os.close(fd)
     except OSError:
         return None
     finally:
-        probe.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a probe that was never written, or a read-only disk
+            probe.unlink()
     return read / seconds / 1e9 if read and seconds > 0 else None

@@ -16,6 +16,7 @@ from master.plan import (
     with_master_head,
 )
 from master.session import keep_last_plan
+from memory.files import measure_disk_read
 from models.config import ModelConfig
 
 SMOLLM2 = ModelConfig(
@@ -136,3 +137,13 @@ def test_a_node_that_streams_its_slice_goes_no_faster_than_its_disk():
         3.0,
         1.0,
     ]
+
+
+def test_the_disk_probe_leaves_nothing_and_says_none_where_it_cannot_write(tmp_path):
+    """The probe behind a streaming node's disk figure writes, reads past the page cache and
+    removes its file; a folder it cannot create gives no figure, not an error."""
+    rate = measure_disk_read(tmp_path / "state")
+    assert rate is None or rate > 0  # None: this file system has no O_DIRECT (a tmpfs)
+    assert list((tmp_path / "state").iterdir()) == []
+    (tmp_path / "file").write_text("not a folder")
+    assert measure_disk_read(tmp_path / "file" / "state") is None
