@@ -214,8 +214,9 @@ CORES_ENV = "EDGETP_CORES"  # the cores edgetp may use on this device (default: 
 
 
 def device_cores() -> int:
-    """The cores edgetp's processes on this device share: `$EDGETP_CORES`, else the cores of
-    this process's CPU quota (a cgroup: a container, or an emulated smaller device), else all.
+    """The cores edgetp's processes on this device share: `$EDGETP_CORES`, else the cores this
+    process may run on (its affinity: taskset, a cpuset), fewer if its CPU quota (a cgroup: a
+    container, or an emulated smaller device) allows fewer.
 
     More BLAS threads than the quota allows only take turns and spin: a 1-CPU cgroup on a
     2-core host runs one thread.
@@ -225,7 +226,7 @@ def device_cores() -> int:
         if not given.isdigit() or int(given) < 1:
             raise ValueError(f"{CORES_ENV}={given!r} is not a whole number of at least 1")
         return int(given)
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) or 1  # os.cpu_count() counts cores it may not use
     quota = cgroup_cpu_quota()
     if "/" in quota:
         share, period = (int(x) for x in quota.split("/"))

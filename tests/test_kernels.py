@@ -179,6 +179,22 @@ def test_the_kernels_command_shows_every_candidate_and_one_choice_per_row():
         assert row.count("*") == 1, row
 
 
+def test_a_process_pinned_to_one_core_uses_one_thread():
+    """A node started under taskset or a cpuset of one core (docker --cpuset-cpus) runs one BLAS
+    thread: two would take turns on that core, spinning (a layer's FFN 18x slower, measured)."""
+    probe = (
+        "from models.kernels import device_cores, set_threads; print(device_cores(), set_threads())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "EDGETP_CORES"}
+    one_core = min(os.sched_getaffinity(0))
+    result = subprocess.run(
+        [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{one_core}}}); {probe}"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "1"]
+
+
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 
 
