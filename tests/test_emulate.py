@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,11 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
     with emulated([DeviceSpec(), DeviceSpec(cpu=0.5, rtt=rtt)], 2, tmp_path) as devices:
         assert devices is not None and _ours() != []
         with local_engine(smollm2, 2, state_dir=tmp_path, context=64, devices=devices) as engine:
+            cpu_before = devices.cpu_seconds()
+            started = time.perf_counter()
             _, _, split = time_greedy(engine, smollm2_tokenizer, prompt, 6)
+            wall = time.perf_counter() - started
+            cpu_used = [b - a for a, b in zip(cpu_before, devices.cpu_seconds(), strict=True)]
             assert engine.remote is not None
             sums = list(engine.remote.allreduce_seconds)
             engine.close()
@@ -107,6 +112,11 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
     print(f"\nrtt {rtt * 1e3} ms: allreduce median {median * 1e3:.2f} ms over {len(sums)} sums")
     assert rtt <= median < rtt + 0.004, median
     assert figures[1]["throttled_periods"] > 0 and figures[1]["device"]["cpu"] == 0.5
+    # Both devices' threads ran, and the quota'd one no more than its half core allows (a
+    # period's quota of slack for where the span starts and ends).
+    print(f"CPU seconds over {wall:.2f} s: {cpu_used}")
+    assert all(used > 0 for used in cpu_used), cpu_used
+    assert cpu_used[1] <= 0.5 * wall + 0.005, (cpu_used, wall)
     assert _ours() == []
 
 

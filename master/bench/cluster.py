@@ -5,9 +5,10 @@ ZeroMQ and a plain TCP round trip of the same payload, and every node's loader a
 figures. Node counts alternate over rounds and medians are kept, as in every benchmark here.
 
 With `--device`, every node runs as an emulated device (master/emulate/) and each run also
-reports each device's peak memory (its cgroup's, page cache included), the kernel's memory kills
-and how often its CPU quota throttled it; `--baseline` adds an unconstrained one-node run with
-the first device's threads, which the ratios are then taken against.
+reports each device's peak memory (its cgroup's, page cache included), the kernel's memory kills,
+how often its CPU quota throttled it and the CPU time its threads spent per decoded token (which,
+over its quota, is the least time a token can take there); `--baseline` adds an unconstrained
+one-node run with the first device's threads, which the ratios are then taken against.
 """
 
 from __future__ import annotations
@@ -178,6 +179,12 @@ def _print_devices(run: dict[str, Any]) -> None:
             f"(page cache included), {d['oom_kills']} memory kill(s), CPU quota throttled "
             f"{d['throttled_periods']} of {d['periods']} periods"
         )
+        cores = d["device"]["cpu"]
+        if cores:  # a quota of q cores: a token takes at least the device's CPU over q
+            print(
+                f"    its CPU per decoded token: {d['cpu_ms_per_token']} ms, all its threads; "
+                f"at cpu={cores:g}, no token can take under {d['cpu_ms_per_token'] / cores:.1f} ms"
+            )
 
 
 def _describe(memory: MemoryOptions) -> str:
@@ -242,7 +249,11 @@ def _cluster_run(
         time_greedy(engine, tokenizer, prompt, 4)  # warm-up
         members = _clear_figures(engine)
         speculator = open_speculator(config.draft, config.draft_dtype, session, tokenizer)
-        ttft, ms, tokens = time_greedy(engine, tokenizer, prompt, n_tokens, speculator)
+        cpu_before: list[float] = []  # each device's CPU time as the decode steps start
+        mark = (lambda: cpu_before.extend(devices.cpu_seconds())) if devices else None
+        ttft, ms, tokens = time_greedy(engine, tokenizer, prompt, n_tokens, speculator, mark)
+        cpu_after = devices.cpu_seconds() if devices else []
+        cpu_used = [b - a for a, b in zip(cpu_before, cpu_after, strict=True)]
         figures = None
         if speculator is not None:
             figures = speculator.figures()
@@ -253,6 +264,8 @@ def _cluster_run(
         ]
         engine.close()
         device_rows = devices.figures() if devices else []
+        for row, used in zip(device_rows, cpu_used, strict=True):
+            row["cpu_ms_per_token"] = round(used * 1000 / (len(tokens) - 1), 2)
     return {
         "nodes": nodes,
         "label": config.label,

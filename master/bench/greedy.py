@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from master.engine import Engine
 from master.generate import start, step
@@ -19,16 +20,21 @@ def time_greedy(
     prompt: list[int],
     n_tokens: int,
     speculator: Speculator | None = None,
+    on_first_token: Callable[[], object] | None = None,
 ) -> tuple[float, float, list[int]]:
     """(time to first token s, ms per decoded token, tokens) for one greedy run, drafting
-    tokens with `speculator` if given."""
+    tokens with `speculator` if given; `on_first_token` is called between the prompt and the
+    decode steps, outside both timings."""
     # No end-of-sequence: every round decodes exactly n_tokens, so the rounds compare.
     params = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
     (g,) = start(engine, [prompt], [params])
     t0 = time.perf_counter()
     step(engine, tokenizer, [g], speculator)
     t1 = time.perf_counter()
+    if on_first_token is not None:
+        on_first_token()
+    decode_started = time.perf_counter()
     while not g.finished:
         step(engine, tokenizer, [g], speculator)
     t2 = time.perf_counter()
-    return t1 - t0, (t2 - t1) * 1000 / (len(g.tokens) - 1), g.tokens
+    return t1 - t0, (t2 - decode_started) * 1000 / (len(g.tokens) - 1), g.tokens

@@ -250,6 +250,12 @@ class EmulatedDevices:
             return 0
         return _keyed(self.cgroups[k]["memory"] / "memory.oom_control").get("oom_kill", 0)
 
+    def cpu_seconds(self) -> list[float]:
+        """Per node, the CPU time every thread in its cgroup has run so far: what its quota
+        bounds. Threads that have exited are not in it, so take differences over a span in
+        which the nodes' threads live (a timed run)."""
+        return [_threads_cpu_seconds(folders["cpu"] / "tasks") for folders in self.cgroups]
+
     def figures(self) -> list[dict[str, Any]]:
         """Per node: its spec, the cgroup's peak memory (page cache included), how often the
         kernel killed in it for memory, and how much of the time its CPU quota throttled it."""
@@ -423,6 +429,16 @@ def _cpu_list(text: str) -> list[int]:
             first, _, last = part.partition("-")
             cores.extend(range(int(first), int(last or first) + 1))
     return cores
+
+
+def _threads_cpu_seconds(tasks: Path) -> float:
+    """The CPU time of the threads listed in a cgroup's `tasks` file (a thread gone since it
+    was listed counts nothing)."""
+    total_ns = 0
+    for tid in tasks.read_text().split():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total_ns += int(Path(f"/proc/{tid}/task/{tid}/schedstat").read_text().split()[0])
+    return total_ns / 1e9
 
 
 def _keyed(path: Path) -> dict[str, int]:
