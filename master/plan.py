@@ -68,22 +68,28 @@ def plan_slices(config: ModelConfig, capacities: Sequence[float]) -> list[Slice]
     return [Slice(q, kv_heads_for(q, group), f) for q, f in zip(q_ranges, ffn_ranges, strict=True)]
 
 
-def with_master_head(config: ModelConfig, speeds: Sequence[float]) -> list[float]:
+def with_master_head(
+    config: ModelConfig, speeds: Sequence[float], head_speed: float | None = None
+) -> list[float]:
     """Capacities for the layers' split when the first node, the master, also multiplies the
-    lm_head alone at the end of every token, from each node's measured `speeds`.
+    lm_head alone at the end of every token, from each node's `speeds` for the layers and the
+    master's for its head (`head_speed`; default its speed for the layers).
 
     A node's time is the weights it multiplies over its speed. With the layers' weights L, the
-    head's H and speeds c, every node is busy equally long when a token takes T = (L + H) / sum(c):
-    the master's layers then take c0 T - H of it and any other node's c_i T, so the master's
-    capacity for the layers is c0 - H sum(c) / (L + H), the others' as measured. (Weights are
-    counted, not bytes: the head is taken to be stored as the layers are.) For SmolLM2 the head
-    is a fifth of a token's weights: on two equal devices the master takes 37% of the layers.
+    head's H, speeds c and the head's speed h, every node is busy equally long when a token takes
+    T = (L + c0 H / h) / sum(c): the master's layers then take c0 (T - H / h) of it and any other
+    node's c_i T, so the master's capacity for the layers is c0 - c0 H sum(c) / (h L + c0 H), the
+    others' as measured. (Weights are counted, not bytes: the head is taken to be stored as the
+    layers are.) For SmolLM2 the head is a fifth of a token's weights: on two equal devices the
+    master takes 37% of the layers. The head stays in memory, so a master whose layers stream
+    from a slow disk still multiplies it at its compute speed.
     """
     per_layer = sum(math.prod(shape) for shape in full_layer_shapes(config).values())
     layers = config.n_layers * per_layer  # the norms and biases in it: a rounding error
     head = config.vocab_size * config.hidden
-    master = speeds[0] - head * sum(speeds) / (layers + head)
-    return [max(master, MASTER_FLOOR * speeds[0]), *speeds[1:]]
+    c0, h = speeds[0], head_speed or speeds[0]
+    master = c0 - c0 * head * sum(speeds) / (h * layers + c0 * head)
+    return [max(master, MASTER_FLOOR * c0), *speeds[1:]]
 
 
 def with_disk_reads(

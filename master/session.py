@@ -342,6 +342,7 @@ class Session:
             )
         devices = [self._master_capacity, *(m.capacity for m in members)]
         speeds = [c.score() for c in devices]
+        head_speed = speeds[0]  # the head is resident: multiplied at compute speed
         if any(c.disk for c in devices):  # some may stream their slice: their disks count
             speeds = with_disk_reads(
                 speeds,
@@ -352,7 +353,7 @@ class Session:
             )
         record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}.json"
         return keep_last_plan(
-            self.state_dir / "plans" / record, with_master_head(self.config, speeds)
+            self.state_dir / "plans" / record, with_master_head(self.config, speeds, head_speed)
         )
 
     def close(self, reason: str = "master shutting down") -> None:
