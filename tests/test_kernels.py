@@ -181,7 +181,7 @@ def test_the_kernels_command_shows_every_candidate_and_one_choice_per_row():
 
 def test_a_process_pinned_to_one_core_uses_one_thread():
     """A node started under taskset or a cpuset of one core (docker --cpuset-cpus) runs one BLAS
-    thread: two would take turns on that core, spinning (a layer's FFN 18x slower, measured)."""
+    thread: two take turns on that core, spinning (a SmolLM2 FFN block: 7.5 ms against 0.43)."""
     probe = (
         "from models.kernels import device_cores, set_threads; print(device_cores(), set_threads())"
     )
