@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ SMALL = "smollm2-135m"  # a real shape whose files are small, where only the wri
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
+def folder(tmp_path_factory) -> Iterator[Path]:
     out = tmp_path_factory.mktemp("synth") / "tiny"
     calls = []
     written = write_synthetic_model(
@@ -41,7 +42,8 @@ def folder(tmp_path_factory) -> Path:
     assert written == out
     assert calls and calls[-1][0] == calls[-1][1]
     assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:], strict=False))
-    return out
+    yield out
+    shutil.rmtree(out.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
@@ -48,8 +49,10 @@ POSITIONS_PER_TEXT = 86  # 3 x 86 = 258 >= 256 positions
 
 @pytest.fixture(scope="module")
 def state_dir(tmp_path_factory):
-    """One shard store for the module: each split is written once."""
-    return tmp_path_factory.mktemp("window-state")
+    """One shard store for the module: each split is written once, and removed at its end."""
+    folder = tmp_path_factory.mktemp("window-state")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def greedy(engine, tokenizer, n=64):
