@@ -4,10 +4,17 @@
  *   relay DELAY_US LISTEN_IP TARGET_IP PORT [PORT...]
  *
  * listens on LISTEN_IP:PORT for each PORT and forwards every connection to TARGET_IP:PORT. Bytes
- * read at time t are written at t + DELAY_US, in order, on one thread: an epoll loop woken by a
- * timerfd (nanosecond deadlines; epoll's own timeout counts milliseconds). It prints "ready" once
- * listening, and exits when its standard input closes, so it never outlives the process that
- * started it, even one that was killed.
+ * that reached it at time t are written at t + DELAY_US, in order, on one thread: an epoll loop
+ * woken by a timerfd (nanosecond deadlines; epoll's own timeout counts milliseconds). It prints
+ * "ready" once listening, and exits when its standard input closes, so it never outlives the
+ * process that started it, even one that was killed.
+ *
+ * A wire is exact; a process that sleeps is not. Woken by data or by its timer, a sleeping
+ * thread runs tens to hundreds of microseconds late (an idle virtual CPU first has to be
+ * scheduled again), and each way of a round trip has both wake-ups: measured here, 125 us a way
+ * on top of a 1 ms delay. So t is the kernel's arrival time of the bytes (SO_TIMESTAMPNS), not
+ * the time the relay read them, and the timer is set early by how late it has been waking (a
+ * running mean and twice its spread), the rest waited out awake.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -29,6 +36,7 @@
 
 #define MAX_CONNS 256
 #define READ_BYTES 65536
+#define MAX_EARLY_NS 500000u  /* the timer is never set more than this before a deadline */
 
 enum kind { LISTENER, SOCKET, TIMER, PARENT };
 
@@ -60,6 +68,8 @@ struct conn {
 };
 
 static uint64_t delay_ns;
+static uint64_t early_ns;   /* how early to set the timer: see timer_was_late */
+static uint64_t armed_for;  /* the time the timer was last set to wake at (0: unset) */
 static int epfd, timerfd_;
 static struct conn conns[MAX_CONNS];
 static struct sockaddr_in target;
@@ -68,6 +78,14 @@ static uint64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
 }
 
 static void watch(struct handle *h, uint32_t events) {
@@ -91,14 +109,31 @@ static void close_conn(struct conn *c) {
     memset(c, 0, sizeof(*c));
 }
 
-static void enqueue(struct flow *f, const char *data, size_t len, int eof) {
+/* When the bytes of the last read reached the socket, from the cmsg of SO_TIMESTAMPNS (realtime,
+ * turned monotonic), or now without one; never later than now. */
+static uint64_t arrival_ns(struct msghdr *msg) {
+    uint64_t now = now_ns();
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c; c = CMSG_NXTHDR(msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_TIMESTAMPNS) continue;
+        struct timespec at, real;
+        memcpy(&at, CMSG_DATA(c), sizeof(at));
+        clock_gettime(CLOCK_REALTIME, &real);
+        uint64_t at_ns = (uint64_t)at.tv_sec * 1000000000u + (uint64_t)at.tv_nsec;
+        uint64_t real_ns = (uint64_t)real.tv_sec * 1000000000u + (uint64_t)real.tv_nsec;
+        uint64_t ago = real_ns > at_ns ? real_ns - at_ns : 0;
+        return ago < now ? now - ago : now;
+    }
+    return now;
+}
+
+static void enqueue(struct flow *f, const char *data, size_t len, int eof, uint64_t at) {
     struct chunk *k = malloc(sizeof(struct chunk) + len);
     if (!k) {
         perror("relay: malloc");
         exit(1);
     }
     k->next = NULL;
-    k->due = now_ns() + delay_ns;
+    k->due = at + delay_ns;
     k->len = len;
     k->off = 0;
     k->eof = eof;
@@ -110,13 +145,17 @@ static void enqueue(struct flow *f, const char *data, size_t len, int eof) {
 /* Reads all that is there; returns -1 when the connection is broken. */
 static int drain(struct conn *c, int side) {
     static char buf[READ_BYTES];
+    static char control[CMSG_SPACE(sizeof(struct timespec))];
     struct flow *f = &c->flows[side];
     for (;;) {
-        ssize_t n = read(f->from, buf, sizeof(buf));
+        struct iovec io = {.iov_base = buf, .iov_len = sizeof(buf)};
+        struct msghdr msg = {.msg_iov = &io, .msg_iovlen = 1, .msg_control = control,
+                             .msg_controllen = sizeof(control)};
+        ssize_t n = recvmsg(f->from, &msg, 0);
         if (n > 0) {
-            enqueue(f, buf, (size_t)n, 0);
+            enqueue(f, buf, (size_t)n, 0, arrival_ns(&msg));
         } else if (n == 0) {
-            if (!f->eof_sent) enqueue(f, NULL, 0, 1);
+            if (!f->eof_sent) enqueue(f, NULL, 0, 1, now_ns());
             f->eof_sent = 1;
             return 0;
         } else if (errno == EINTR) {
@@ -156,7 +195,7 @@ static int flush(struct flow *f, uint64_t now) {
     return 0;
 }
 
-static void arm_timer(void) {
+static uint64_t next_due(void) {
     uint64_t next = UINT64_MAX;
     for (int i = 0; i < MAX_CONNS; i++) {
         if (!conns[i].used) continue;
@@ -165,13 +204,31 @@ static void arm_timer(void) {
             if (k && k->due < next) next = k->due;
         }
     }
+    return next;
+}
+
+/* Wakes the loop `early_ns` before `next` (UINT64_MAX: never). */
+static void arm_timer(uint64_t next) {
     struct itimerspec at = {0};
+    armed_for = 0;
     if (next != UINT64_MAX) {
-        at.it_value.tv_sec = (time_t)(next / 1000000000u);
-        at.it_value.tv_nsec = (long)(next % 1000000000u);
-        if (at.it_value.tv_sec == 0 && at.it_value.tv_nsec == 0) at.it_value.tv_nsec = 1;
+        armed_for = next > early_ns ? next - early_ns : 1;
+        at.it_value.tv_sec = (time_t)(armed_for / 1000000000u);
+        at.it_value.tv_nsec = (long)(armed_for % 1000000000u);
     }
     timerfd_settime(timerfd_, TFD_TIMER_ABSTIME, &at, NULL);
+}
+
+/* The timer woke the loop `late` after it was set for: the next one is set earlier by how late
+ * it has been, on average over the last eight or so, and twice the spread about that average,
+ * so that it rarely wakes after a deadline. */
+static void timer_was_late(uint64_t late) {
+    static uint64_t mean, spread;
+    if (late > MAX_EARLY_NS) late = MAX_EARLY_NS;
+    uint64_t off = late > mean ? late - mean : mean - late;
+    mean = mean - mean / 8 + late / 8;
+    spread = spread - spread / 8 + off / 8;
+    early_ns = mean + 2 * spread < MAX_EARLY_NS ? mean + 2 * spread : MAX_EARLY_NS;
 }
 
 static void accept_one(struct handle *listener) {
@@ -192,6 +249,8 @@ static void accept_one(struct handle *listener) {
     int one = 1;
     setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     setsockopt(onward, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    setsockopt(client, SOL_SOCKET, SO_TIMESTAMPNS, &one, sizeof(one));
+    setsockopt(onward, SOL_SOCKET, SO_TIMESTAMPNS, &one, sizeof(one));
     struct conn *c = &conns[slot];
     c->used = 1;
     int fds[2] = {client, onward};
@@ -259,24 +318,32 @@ int main(int argc, char **argv) {
                 char b[64];
                 if (read(0, b, sizeof(b)) <= 0) return 0;
             } else if (h->kind == TIMER) {
-                uint64_t expirations;
+                uint64_t expirations, now = now_ns();
                 (void)!read(timerfd_, &expirations, sizeof(expirations));
+                if (armed_for && now > armed_for) timer_was_late(now - armed_for);
             } else if (h->kind == LISTENER) {
                 accept_one(h);
             } else if (h->conn && h->conn->used && drain(h->conn, h->side) != 0) {
                 close_conn(h->conn);
             }
         }
-        uint64_t now = now_ns();
-        for (int i = 0; i < MAX_CONNS; i++) {
-            struct conn *c = &conns[i];
-            if (!c->used) continue;
-            if (flush(&c->flows[0], now) != 0 || flush(&c->flows[1], now) != 0 ||
-                (c->flows[0].eof_sent && c->flows[1].eof_sent && !c->flows[0].head &&
-                 !c->flows[1].head)) {
-                close_conn(c);
+        uint64_t next;
+        for (;;) {
+            uint64_t now = now_ns();
+            for (int i = 0; i < MAX_CONNS; i++) {
+                struct conn *c = &conns[i];
+                if (!c->used) continue;
+                if (flush(&c->flows[0], now) != 0 || flush(&c->flows[1], now) != 0 ||
+                    (c->flows[0].eof_sent && c->flows[1].eof_sent && !c->flows[0].head &&
+                     !c->flows[1].head)) {
+                    close_conn(c);
+                }
             }
+            next = next_due();
+            /* Due sooner than a sleep would end: wait for it awake. */
+            if (next == UINT64_MAX || next > now_ns() + early_ns) break;
+            while (now_ns() < next) cpu_relax();
         }
-        arm_timer();
+        arm_timer(next);
     }
 }
