@@ -115,6 +115,8 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
     print(f"\nrtt {rtt * 1e3} ms: allreduce median {median * 1e3:.2f} ms over {len(sums)} sums")
     assert rtt <= median < rtt + 0.004, median
     assert figures[1]["throttled_periods"] > 0 and figures[1]["device"]["cpu"] == 0.5
+    # Half a core is a core of its own (its cpuset), the free master's all of them.
+    assert len(figures[1]["cores"]) == 1 and set(figures[1]["cores"]) <= set(figures[0]["cores"])
     # Both devices' threads ran, and the quota'd one no more than its half core allows (a
     # period's quota of slack for where the span starts and ends).
     print(f"CPU seconds over {wall:.2f} s: {cpu_used}")

@@ -174,8 +174,14 @@ def _specs(devices: list[DeviceSpec] | None, nodes: int) -> tuple[DeviceSpec, ..
 
 def _print_devices(run: dict[str, Any]) -> None:
     for d in run["devices"]:
+        # Devices on one core share its caches and wake each other up: a real device would not.
+        sharing = [
+            o["node"] for o in run["devices"] if o is not d and set(o["cores"]) & set(d["cores"])
+        ]
+        shared = f", shared with node {', '.join(map(str, sharing))}" if sharing else ""
         print(
-            f"  device of node {d['node']}: peak memory {format_size(d['peak_memory_bytes'])} "
+            f"  device of node {d['node']} (core {','.join(map(str, d['cores']))}{shared}): "
+            f"peak memory {format_size(d['peak_memory_bytes'])} "
             f"(page cache included), {d['oom_kills']} memory kill(s), CPU quota throttled "
             f"{d['throttled_periods']} of {d['periods']} periods"
         )

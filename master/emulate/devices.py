@@ -257,8 +257,9 @@ class EmulatedDevices:
         return [_threads_cpu_seconds(folders["cpu"] / "tasks") for folders in self.cgroups]
 
     def figures(self) -> list[dict[str, Any]]:
-        """Per node: its spec, the cgroup's peak memory (page cache included), how often the
-        kernel killed in it for memory, and how much of the time its CPU quota throttled it."""
+        """Per node: its spec, the cores it runs on, the cgroup's peak memory (page cache
+        included), how often the kernel killed in it for memory, and how much of the time its CPU
+        quota throttled it."""
         rows = []
         for k, folders in enumerate(self.cgroups):
             memory, cpu = folders["memory"], folders["cpu"]
@@ -267,6 +268,7 @@ class EmulatedDevices:
             rows.append({
                 "node": k,
                 "device": self.specs[k].as_json(),
+                "cores": _cpu_list((folders["cpuset"] / "cpuset.cpus").read_text()),
                 "peak_memory_bytes": self._peak_memory(k),
                 "oom_kills": oom.get("oom_kill", 0),
                 "throttled_periods": stat.get("nr_throttled", 0),
