@@ -6,6 +6,7 @@ told apart from a slow machine.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import socket
 import time
@@ -13,6 +14,7 @@ import time
 import torch
 import zmq
 
+from master.emulate.devices import start_relay, stop_relay
 from node import protocol as P
 
 
@@ -60,25 +62,30 @@ def raw_round_trips(shape: tuple[int, ...], n: int) -> list[float]:
     return times
 
 
-def _tcp_echo(port: int) -> None:
+def _tcp_echo(host: str, port: int) -> None:
     """A peer that sends every byte straight back over a plain TCP socket."""
-    with socket.create_connection(("127.0.0.1", port)) as sock:
+    with socket.create_connection((host, port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         while data := sock.recv(1 << 16):
             sock.sendall(data)
 
 
-def raw_tcp_round_trips(size: int, n: int) -> list[float]:
+def raw_tcp_round_trips(size: int, n: int, relay_half_us: int | None = None) -> list[float]:
     """Seconds per round trip of `size` bytes over a plain TCP socket to another process: what
-    the machine's loopback costs without ZeroMQ's I/O threads in the way."""
-    with socket.create_server(("127.0.0.1", 0)) as server:
+    the machine's loopback costs without ZeroMQ's I/O threads in the way. With `relay_half_us`,
+    through an emulated link's relay holding each byte that long each way: what it adds."""
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        port, host = server.getsockname()[1], "127.0.0.1"
+        if relay_half_us is not None:  # the relay listens on another loopback address
+            host = "127.0.0.2"
+            stack.callback(stop_relay, start_relay(relay_half_us, host, "127.0.0.1", [port]))
         peer = multiprocessing.get_context("spawn").Process(
-            target=_tcp_echo, args=(server.getsockname()[1],), daemon=True
+            target=_tcp_echo, args=(host, port), daemon=True
         )
         peer.start()
         server.settimeout(30)
-        sock, _ = server.accept()
-    with sock:
+        sock = stack.enter_context(server.accept()[0])
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         payload, times = bytes(size), []
         for _ in range(n):
@@ -88,5 +95,5 @@ def raw_tcp_round_trips(size: int, n: int) -> list[float]:
             while got < size:
                 got += len(sock.recv(1 << 16))
             times.append(time.perf_counter() - t0)
-    peer.join(timeout=5)
+    peer.join(timeout=5)  # the socket's close reached it: it has returned
     return times

@@ -97,6 +97,41 @@ def _in_cgroups(folders: Iterable[Path], cmd: Sequence[str]) -> list[str]:
     return ["sh", "-c", f'{moves} && exec "$@"', "edgetp-device", *cmd]
 
 
+def start_relay(
+    half_us: int,
+    listen: str,
+    target: str,
+    ports: Sequence[int],
+    cgroups: Iterable[Path] = (),
+    what: str = "the link relay",
+) -> subprocess.Popen[bytes]:
+    """relay.c, holding every byte `half_us` each way from `listen`:port to `target`:port for
+    each port, started (in `cgroups`, if given) and listening; DeviceError naming `what` if it
+    does not start. `stop_relay` ends it."""
+    cmd = [str(built(RELAY_SOURCE, ("-O2",))), str(half_us), listen, target, *map(str, ports)]
+    folders = list(cgroups)
+    proc = subprocess.Popen(
+        _in_cgroups(folders, cmd) if folders else cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], RELAY_READY_TIMEOUT)
+    if not ready or proc.stdout.readline().strip() != b"ready":
+        stop_relay(proc)
+        raise DeviceError(f"{what} did not start")
+    return proc
+
+
+def stop_relay(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(OSError):
+        assert proc.stdin is not None
+        proc.stdin.close()  # a relay exits when its input closes
+    try:
+        proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -222,27 +257,21 @@ class EmulatedDevices:
     def start_links(self, ports: Sequence[int]) -> None:
         """A relay per worker with an rtt, holding each byte rtt/2 each way on these ports
         (the hub's and its heartbeat's), once the master listens on them."""
-        if not any(s.rtt for s in self.specs[1:]):
-            return
-        relay = built(RELAY_SOURCE, ("-O2",))
         for k, spec in enumerate(self.specs[1:], start=1):
-            if not spec.rtt:
-                continue
-            half_us = round(spec.rtt / 2 * 1e6)
-            cmd = [str(relay), str(half_us), self.worker_host(k), self.master_host]
-            # The relay is the wire, not a device: out of the master's cgroups (whose quota
-            # and core it would share, so that a busy master delayed its own link), into
-            # this run's own, where it may also take a real-time priority.
-            proc = subprocess.Popen(
-                _in_cgroups(self.parents.values(), [*cmd, *map(str, ports)]),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-            )
-            self.relays.append(proc)
-            assert proc.stdout is not None
-            ready, _, _ = select.select([proc.stdout], [], [], RELAY_READY_TIMEOUT)
-            if not ready or proc.stdout.readline().strip() != b"ready":
-                raise DeviceError(f"the link relay for node {k} did not start")
+            if spec.rtt:
+                # The relay is the wire, not a device: out of the master's cgroups (whose quota
+                # and core it would share, so that a busy master delayed its own link), into
+                # this run's own, where it may also take a real-time priority.
+                self.relays.append(
+                    start_relay(
+                        round(spec.rtt / 2 * 1e6),
+                        self.worker_host(k),
+                        self.master_host,
+                        ports,
+                        self.parents.values(),
+                        f"the link relay for node {k}",
+                    )
+                )
 
     def oom_kills(self, k: int) -> int:
         """How many processes the kernel killed in node k for going over its memory limit."""
@@ -308,14 +337,7 @@ class EmulatedDevices:
 
     def close(self) -> None:
         for proc in self.relays:
-            with contextlib.suppress(OSError):
-                assert proc.stdin is not None
-                proc.stdin.close()  # a relay exits when its input closes
-            try:
-                proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_relay(proc)
         self.relays = []
         if self.master_entered:
             for parent in self.parents.values():
