@@ -26,7 +26,8 @@ def pytest_configure(config):
     """
     if hasattr(config, "workerinput"):
         return
-    _check_free_disk()
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS:  # the whole suite
+        _check_free_disk()
     if "EDGETP_HOME" not in os.environ:
         os.environ["EDGETP_HOME"] = tempfile.mkdtemp(prefix="edgetp-tests-")
         config._edgetp_home = os.environ["EDGETP_HOME"]
