@@ -5,8 +5,10 @@ behind."""
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -132,6 +134,45 @@ def test_the_link_relay_holds_every_byte_its_delay_and_no_longer_than_it_must():
     median = past[len(past) // 2]
     print(f"\nthrough the relay, past 2 ms: median {median:.0f} us, min {past[0]:.0f}")
     assert past[0] >= 0, past[:5]
+
+
+def test_a_relay_whose_receiver_stalls_waits_for_it_without_spinning():
+    """32 MB through the relay to a receiver that reads nothing for 1 s: the relay's writes
+    would block, and it waits for room (EPOLLOUT) instead of retrying in a loop, which at its
+    real-time priority held a core for the whole stall (1.03 s of CPU in 1 s, before)."""
+    size, stall = 32 << 20, 1.0
+    received = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def stalled_receiver() -> None:
+            conn, _ = server.accept()
+            with conn:
+                time.sleep(stall)
+                got = 0
+                while got < size and (data := conn.recv(1 << 20)):
+                    got += len(data)
+            if got == size:
+                received.set()
+
+        threading.Thread(target=stalled_receiver, daemon=True).start()
+        relay = emulate.start_relay(1000, "127.0.0.2", "127.0.0.1", [port])
+        try:
+            before = _cpu_seconds(relay.pid)
+            with socket.create_connection(("127.0.0.2", port), timeout=10) as sender:
+                sender.sendall(bytes(size))
+                assert received.wait(30), "the bytes never arrived"
+            used = _cpu_seconds(relay.pid) - before
+        finally:
+            emulate.stop_relay(relay)
+    print(f"\nrelay CPU over a {stall} s stall: {used:.2f} s")
+    assert used < stall / 4, used
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (/proc/<pid>/stat, in clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_what_a_killed_run_left_behind_is_removed_by_the_next(tmp_path):

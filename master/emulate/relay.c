@@ -52,6 +52,7 @@ struct flow {       /* one direction of a connection */
     int from, to;
     struct chunk *head, *tail;
     int eof_sent;
+    int blocked;    /* its receiver's buffer is full: wait for EPOLLOUT, not for a deadline */
 };
 
 struct conn;
@@ -170,7 +171,7 @@ static int drain(struct conn *c, int side) {
 
 /* Writes what is due; returns -1 when the connection is broken. */
 static int flush(struct flow *f, uint64_t now) {
-    while (f->head && f->head->due <= now) {
+    while (!f->blocked && f->head && f->head->due <= now) {
         struct chunk *k = f->head;
         if (k->eof) {
             shutdown(f->to, SHUT_WR);
@@ -182,7 +183,8 @@ static int flush(struct flow *f, uint64_t now) {
                 } else if (n < 0 && errno == EINTR) {
                     continue;
                 } else if (n < 0 && (errno == EAGAIN || errno == ENOTCONN)) {
-                    return 0;   /* EPOLLOUT (or the connect finishing) brings us back */
+                    f->blocked = 1;  /* EPOLLOUT (or the connect finishing) brings us back */
+                    return 0;
                 } else {
                     return -1;
                 }
@@ -201,7 +203,7 @@ static uint64_t next_due(void) {
         if (!conns[i].used) continue;
         for (int s = 0; s < 2; s++) {
             struct chunk *k = conns[i].flows[s].head;
-            if (k && k->due < next) next = k->due;
+            if (k && !conns[i].flows[s].blocked && k->due < next) next = k->due;
         }
     }
     return next;
@@ -323,8 +325,10 @@ int main(int argc, char **argv) {
                 if (armed_for && now > armed_for) timer_was_late(now - armed_for);
             } else if (h->kind == LISTENER) {
                 accept_one(h);
-            } else if (h->conn && h->conn->used && drain(h->conn, h->side) != 0) {
-                close_conn(h->conn);
+            } else if (h->conn && h->conn->used) {
+                if (events[i].events & EPOLLOUT)  /* room again for what flows to this end */
+                    h->conn->flows[1 - h->side].blocked = 0;
+                if (drain(h->conn, h->side) != 0) close_conn(h->conn);
             }
         }
         uint64_t next;
