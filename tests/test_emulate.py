@@ -136,11 +136,13 @@ def test_the_link_relay_holds_every_byte_its_delay_and_no_longer_than_it_must():
     assert past[0] >= 0, past[:5]
 
 
-def test_a_relay_whose_receiver_stalls_waits_for_it_without_spinning():
-    """32 MB through the relay to a receiver that reads nothing for 1 s: the relay's writes
-    would block, and it waits for room (EPOLLOUT) instead of retrying in a loop, which at its
-    real-time priority held a core for the whole stall (1.03 s of CPU in 1 s, before)."""
-    size, stall = 32 << 20, 1.0
+def test_a_relay_whose_receiver_stalls_waits_without_spinning_or_hoarding():
+    """64 MB through the relay to a receiver that reads nothing for 1 s. The relay's writes
+    would block: it waits for room (EPOLLOUT) instead of retrying in a loop, which at its
+    real-time priority held a core for the whole stall (1.11 s of CPU in 1 s, before). And it
+    stops reading at its 4 MB buffer, so the sender waits as for a slow link, instead of taking
+    in all it is sent (61.6 MB peak, before)."""
+    size, stall = 64 << 20, 1.0
     received = threading.Event()
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
@@ -163,10 +165,13 @@ def test_a_relay_whose_receiver_stalls_waits_for_it_without_spinning():
                 sender.sendall(bytes(size))
                 assert received.wait(30), "the bytes never arrived"
             used = _cpu_seconds(relay.pid) - before
+            status = Path(f"/proc/{relay.pid}/status").read_text().split("VmHWM:")[1]
+            peak = int(status.split()[0]) * 1024
         finally:
             emulate.stop_relay(relay)
-    print(f"\nrelay CPU over a {stall} s stall: {used:.2f} s")
+    print(f"\nrelay over a {stall} s stall: CPU {used:.2f} s, peak memory {peak / 2**20:.1f} MB")
     assert used < stall / 4, used
+    assert peak < 16 << 20, peak
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -36,6 +36,9 @@
 
 #define MAX_CONNS 256
 #define READ_BYTES 65536
+/* What a flow holds before it stops reading: a link's buffer, not a reservoir. Past it the
+ * sender's TCP window fills and it waits, as it would for a slow link. */
+#define MAX_QUEUED (4u << 20)
 #define MAX_EARLY_NS 500000u  /* the timer is never set more than this before a deadline */
 
 enum kind { LISTENER, SOCKET, TIMER, PARENT };
@@ -53,6 +56,8 @@ struct flow {       /* one direction of a connection */
     struct chunk *head, *tail;
     int eof_sent;
     int blocked;    /* its receiver's buffer is full: wait for EPOLLOUT, not for a deadline */
+    int paused;     /* it stopped reading at MAX_QUEUED: read again once it is under */
+    size_t queued;  /* bytes read, not yet written */
 };
 
 struct conn;
@@ -141,14 +146,17 @@ static void enqueue(struct flow *f, const char *data, size_t len, int eof, uint6
     if (len) memcpy(k->data, data, len);
     if (f->tail) f->tail->next = k; else f->head = k;
     f->tail = k;
+    f->queued += len;
 }
 
-/* Reads all that is there; returns -1 when the connection is broken. */
+/* Reads all that is there, up to MAX_QUEUED held; returns -1 when the connection is broken. */
 static int drain(struct conn *c, int side) {
     static char buf[READ_BYTES];
     static char control[CMSG_SPACE(sizeof(struct timespec))];
     struct flow *f = &c->flows[side];
     for (;;) {
+        f->paused = f->queued >= MAX_QUEUED;
+        if (f->paused) return 0;
         struct iovec io = {.iov_base = buf, .iov_len = sizeof(buf)};
         struct msghdr msg = {.msg_iov = &io, .msg_iovlen = 1, .msg_control = control,
                              .msg_controllen = sizeof(control)};
@@ -192,6 +200,7 @@ static int flush(struct flow *f, uint64_t now) {
         }
         f->head = k->next;
         if (!f->head) f->tail = NULL;
+        f->queued -= k->len;
         free(k);
     }
     return 0;
@@ -337,9 +346,12 @@ int main(int argc, char **argv) {
             for (int i = 0; i < MAX_CONNS; i++) {
                 struct conn *c = &conns[i];
                 if (!c->used) continue;
-                if (flush(&c->flows[0], now) != 0 || flush(&c->flows[1], now) != 0 ||
-                    (c->flows[0].eof_sent && c->flows[1].eof_sent && !c->flows[0].head &&
-                     !c->flows[1].head)) {
+                int broken = flush(&c->flows[0], now) != 0 || flush(&c->flows[1], now) != 0;
+                for (int s = 0; s < 2 && !broken; s++)  /* room again: read what waits */
+                    if (c->flows[s].paused && c->flows[s].queued < MAX_QUEUED)
+                        broken = drain(c, s) != 0;
+                if (broken || (c->flows[0].eof_sent && c->flows[1].eof_sent &&
+                               !c->flows[0].head && !c->flows[1].head)) {
                     close_conn(c);
                 }
             }
