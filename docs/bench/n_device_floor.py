@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from master.bench.round_trips import _echo
 from master.emulate.devices import start_relay, stop_relay
 from node import protocol as P
 
@@ -118,17 +119,7 @@ def _thread_cpu(pid: int) -> tuple[float, float]:
 
 def _peer(core: int, endpoint: str) -> None:
     os.sched_setaffinity(0, {core})  # before the context: its I/O thread inherits the core
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(endpoint)
-    sock.send(b"hello")
-    while True:
-        frames = sock.recv_multipart(copy=False)
-        if len(frames) == 1:
-            break
-        sock.send_multipart(frames, copy=False)
-    sock.close(0)
-    ctx.term()
+    _echo(endpoint)
 
 
 def zmq_costs(n: int, relay_half_us: int | None = None) -> dict[str, float]:
@@ -150,7 +141,11 @@ def zmq_costs(n: int, relay_half_us: int | None = None) -> dict[str, float]:
     ]
     for p in peers:
         p.start()
-    identities = [sock.recv_multipart()[0] for _ in peers]
+    identities = []
+    for _ in peers:
+        if not sock.poll(30_000):
+            raise RuntimeError("an echo process did not start")
+        identities.append(sock.recv_multipart()[0])
     header = {"op": P.STEP, "step": 0, "layer": 0, "block": P.ATTENTION}
     frames = P.encode(header, (np.zeros((1, HIDDEN), dtype=np.float32),))
     pids = [os.getpid(), *(p.pid for p in peers)]
