@@ -82,11 +82,12 @@ def chat_tokens(
     return tokenizer.encode(rendered, add_bos=False)
 
 
-# Measured speeds move from one start to the next: one cpu=0.25 device measured 3.1 to 4.8 GB/s,
-# and among eight devices on two cores single nodes moved by up to 60% (the host's other work
-# moves them, not the quota). The last measured plan (same model, dtype and node count) is kept,
-# and with it the split, unless by this start's figures a new plan would make a token this much
-# faster: re-splitting a 70B model costs far more than a node a fifth off its share.
+# Measured speeds move from one start to the next, if less than they did (node.worker's probe):
+# a cpu=0.5 device measured 6.2-7.4 GB/s alone and 4.2-4.7 while another core streamed beside
+# it (memory bandwidth the cores share). The last measured plan (same model, dtype and node
+# count) is kept, and with it the split, unless by this start's figures a new plan would make a
+# token this much faster: re-splitting a 70B model costs far more than a node a fifth off its
+# share.
 REPLAN_GAIN = 0.5
 
 

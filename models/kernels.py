@@ -227,11 +227,19 @@ def device_cores() -> int:
             raise ValueError(f"{CORES_ENV}={given!r} is not a whole number of at least 1")
         return int(given)
     cores = len(os.sched_getaffinity(0)) or 1  # os.cpu_count() counts cores it may not use
-    quota = cgroup_cpu_quota()
-    if "/" in quota:
-        share, period = (int(x) for x in quota.split("/"))
-        cores = max(1, min(cores, share // period))
+    quota = cpu_quota_cores()
+    if quota is not None:
+        cores = max(1, min(cores, int(quota)))
     return cores
+
+
+def cpu_quota_cores() -> float | None:
+    """This process's CPU quota in cores (0.5: half a core's time), None when unlimited."""
+    quota = cgroup_cpu_quota()
+    if "/" not in quota:
+        return None
+    share, period = (int(x) for x in quota.split("/"))
+    return share / period
 
 
 def cgroup_cpu_quota() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -23,7 +24,7 @@ from memory.files import default_state_dir, measure_disk_read
 from memory.shards import ShardRef, ShardStore, file_digests
 from memory.window import LayerWindow, ShardChanged, StreamFigures, step_figures
 from models.config import ModelConfig
-from models.kernels import kernel_set, linear
+from models.kernels import cpu_quota_cores, kernel_set, linear
 from models.layers import Slice, StepBatch
 from node import protocol as P
 from node.device import prepare
@@ -55,6 +56,20 @@ class Capacity:
         return max(self.speed, 1e-3)
 
 
+PROBE_WIDTH = 1024  # the probe matrix's columns
+PROBE_MIN_BYTES = 16 << 20
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def _probe_bytes() -> int:
+    """Twice the largest cache of this CPU, at least PROBE_MIN_BYTES."""
+    largest = 0
+    for size in CPU_CACHES.glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):  # sysfs prints sizes as "32768K"
+            largest = max(largest, int(size.read_text().strip().removesuffix("K")) << 10)
+    return max(PROBE_MIN_BYTES, 2 * largest)
+
+
 def measure_capacity(
     threads: int,
     memory_budget: int | None = None,
@@ -63,15 +78,29 @@ def measure_capacity(
 ) -> Capacity:
     """A quick (~0.1 s) measurement of how fast this device streams weights through a matmul,
     and, when a window or a memory limit may make it stream its slice from `disk_dir`, how fast
-    it reads that disk."""
-    w = torch.randn(4096, 1024)  # 16 MB: bigger than most caches, small enough to be quick
-    x = torch.randn(1, 1024)
+    it reads that disk.
+
+    The matrix is twice the largest CPU cache: a decode step streams its weights from memory,
+    and a matrix that fits in a cache shared with other cores measures what they do with it
+    (a 16 MB one moved 2x between starts on a 2-core VM). Under a CPU quota the loop is timed in CPU
+    seconds and scaled by the quota: wall time there measures where in the quota's period the
+    loop ran and who else ran on the core, not the device.
+    """
+    w = torch.full((_probe_bytes() // (4 * PROBE_WIDTH), PROBE_WIDTH), 0.5)
+    x = torch.randn(1, PROBE_WIDTH)
     linear(x, w)
-    start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < 0.1:
+    quota = cpu_quota_cores()
+    # One BLAS thread: its own CPU time, not its process's other threads' (a master serving).
+    # Without a quota, wall time: a BLAS pool's CPU seconds would count its threads' spinning.
+    cpu_clock = time.thread_time if threads == 1 else time.process_time
+    clock = time.perf_counter if quota is None else cpu_clock
+    wall_start, start, n = time.perf_counter(), clock(), 0
+    while time.perf_counter() - wall_start < 0.1:
         linear(x, w)
         n += 1
-    speed = n * w.numel() * 4 / (time.perf_counter() - start) / 1e9
+    speed = n * w.numel() * 4 / (clock() - start) / 1e9
+    if quota is not None:
+        speed *= min(quota, threads)
     limited = memory_budget is not None or window is not None
     if memory_budget is None:
         limit = device_memory_budget()
