@@ -58,16 +58,17 @@ class Capacity:
 
 PROBE_WIDTH = 1024  # the probe matrix's columns
 PROBE_MIN_BYTES = 16 << 20
+PROBE_MAX_BYTES = 256 << 20  # a server's L3 can pass 100 MB: the probe is a start-up cost
 CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
 def _probe_bytes() -> int:
-    """Twice the largest cache of this CPU, at least PROBE_MIN_BYTES."""
+    """Twice the largest cache of this CPU, within PROBE_MIN_BYTES and PROBE_MAX_BYTES."""
     largest = 0
     for size in CPU_CACHES.glob("index*/size"):
         with contextlib.suppress(OSError, ValueError):  # sysfs prints sizes as "32768K"
             largest = max(largest, int(size.read_text().strip().removesuffix("K")) << 10)
-    return max(PROBE_MIN_BYTES, 2 * largest)
+    return min(PROBE_MAX_BYTES, max(PROBE_MIN_BYTES, 2 * largest))
 
 
 def measure_capacity(
