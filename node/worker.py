@@ -82,10 +82,10 @@ def measure_capacity(
     it reads that disk.
 
     The matrix is twice the largest CPU cache: a decode step streams its weights from memory,
-    and a matrix that fits in a cache shared with other cores measures what they do with it
-    (a 16 MB one moved 2x between starts on a 2-core VM). Under a CPU quota the loop is timed in CPU
-    seconds and scaled by the quota: wall time there measures where in the quota's period the
-    loop ran and who else ran on the core, not the device.
+    and a matrix that fits in a cache shared with other cores measures what they do with it (a
+    16 MB one moved 2x between starts on a 2-core VM). Under a CPU quota the loop is timed in
+    CPU seconds and scaled by the quota: wall time there measures where in the quota's period
+    the loop ran and who else ran on the core, not the device.
     """
     w = torch.full((_probe_bytes() // (4 * PROBE_WIDTH), PROBE_WIDTH), 0.5)
     x = torch.randn(1, PROBE_WIDTH)

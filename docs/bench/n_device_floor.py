@@ -33,25 +33,23 @@ from typing import Any
 import numpy as np
 import zmq
 
-from master.bench.round_trips import _echo
+from master.bench.round_trips import zmq_echo
 from master.emulate.devices import start_relay, stop_relay
+from master.engine import Engine
+from models.layers import StepBatch
+from models.source import open_model
 from node import protocol as P
 
 SECONDS = 4.0  # each timed compute loop
 SUMS = 3000
 GAP_S = 0.0005  # between sums, as while the devices compute
-HIDDEN = 576
 
 
 def _compute(
     capacities: tuple[float, ...], k: int, core: int, head: bool, start: Any, out: Any
 ) -> None:
     """us of CPU per layer of slice k (and per lm_head when `head`), looping for SECONDS."""
-    os.sched_setaffinity(0, {core})
-    from master.engine import Engine  # after pinning: BLAS sizes its threads to this core
-    from models.layers import StepBatch
-    from models.source import open_model
-
+    os.sched_setaffinity(0, {core})  # first: the engine's executors size BLAS to this core
     engine = Engine.local(open_model(None), capacities=capacities, max_context=256)
     config = engine.config
     engine.forward([list(range(100, 140))], StepBatch((0,), (0,), (40,)))
@@ -119,10 +117,10 @@ def _thread_cpu(pid: int) -> tuple[float, float]:
 
 def _peer(core: int, endpoint: str) -> None:
     os.sched_setaffinity(0, {core})  # before the context: its I/O thread inherits the core
-    _echo(endpoint)
+    zmq_echo(endpoint)
 
 
-def zmq_costs(n: int, relay_half_us: int | None = None) -> dict[str, float]:
+def zmq_costs(n: int, hidden: int, relay_half_us: int | None = None) -> dict[str, float]:
     """Per sum, us: each process's main and I/O-thread CPU, and the sum's median wall time."""
     os.sched_setaffinity(0, {0})
     ctx = zmq.Context()
@@ -147,7 +145,7 @@ def zmq_costs(n: int, relay_half_us: int | None = None) -> dict[str, float]:
             raise RuntimeError("an echo process did not start")
         identities.append(sock.recv_multipart()[0])
     header = {"op": P.STEP, "step": 0, "layer": 0, "block": P.ATTENTION}
-    frames = P.encode(header, (np.zeros((1, HIDDEN), dtype=np.float32),))
+    frames = P.encode(header, (np.zeros((1, hidden), dtype=np.float32),))
     pids = [os.getpid(), *(p.pid for p in peers)]
     times = []
     for r in range(SUMS + 200):
@@ -180,7 +178,8 @@ def main() -> None:
     one_device_ms = float(sys.argv[1])
     q = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
     bars = {2: 0.65, 3: 0.5}
-    n_layers, sums = 30, 60
+    config = open_model(None).config
+    n_layers, sums = config.n_layers, 2 * config.n_layers  # two sums a layer
     print(f"1 device at cpu={q}, measured by the bench: {one_device_ms:.2f} ms/token")
     whole = compute_costs(1)[0]
     print(
@@ -189,7 +188,7 @@ def main() -> None:
     )
     for n in (2, 3):
         compute = compute_costs(n)
-        hops = zmq_costs(n)
+        hops = zmq_costs(n, config.hidden)
         head_us = compute[0][1]
         cpu_ms, io_ms, main_ms = [], [], []
         for k in range(n):
@@ -212,7 +211,7 @@ def main() -> None:
             f"device; with the send and receive calls ({sum(main_ms):.2f} ms) "
             f"{with_calls_ms:.2f} = {with_calls_ms / one_device_ms:.2f}x (bar {bars[n]}x)"
         )
-    relayed = zmq_costs(2, relay_half_us=1000)
+    relayed = zmq_costs(2, config.hidden, relay_half_us=1000)
     print(
         f"rtt=2ms through the relay: a round trip {relayed['sum_median_us']:.0f} us median, "
         f"{relayed['sum_median_us'] - 2000:.0f} us beyond the rtt (bar 150)"

@@ -18,7 +18,7 @@ from master.emulate.devices import start_relay, stop_relay
 from node import protocol as P
 
 
-def _echo(endpoint: str) -> None:
+def zmq_echo(endpoint: str) -> None:
     """A peer that sends every message straight back (runs in its own process)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -41,7 +41,7 @@ def raw_round_trips(shape: tuple[int, ...], n: int) -> list[float]:
     sock.setsockopt(zmq.LINGER, 0)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     peer = multiprocessing.get_context("spawn").Process(
-        target=_echo, args=(f"tcp://127.0.0.1:{port}",), daemon=True
+        target=zmq_echo, args=(f"tcp://127.0.0.1:{port}",), daemon=True
     )
     peer.start()
     identity = sock.recv_multipart()[0] if sock.poll(30_000) else None
