@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from master.plan import plan_slices
+from memory.pages import pack
 from memory.shards import Manifest, ShardStore
 from memory.window import (
     FIGURES_KEPT,
@@ -137,7 +138,7 @@ class Engine:
         for i in range(config.n_layers):
             full = source.layer(i)  # one full layer in memory at a time
             for layers, s in zip(per_slice, slices, strict=True):
-                layers.append(slice_layer(config, full, s))
+                layers.append(pack(slice_layer(config, full, s)))
             if progress:
                 progress(i + 1, config.n_layers)
         factors = source.rope_freq_factors()
@@ -145,8 +146,8 @@ class Engine:
             make_executor(config, s, ResidentLayers(layers), max_context, slots, factors)
             for s, layers in zip(slices, per_slice, strict=True)
         ]
-        embedding = source.embedding()
-        lm_head = embedding if config.tied_embeddings else source.lm_head()
+        embedding = pack({"embedding": source.embedding()})["embedding"]
+        lm_head = embedding if config.tied_embeddings else pack({"head": source.lm_head()})["head"]
         post_norms = source.tensor(None, POST_NORMS) if config.post_norms else None
         return cls(
             config,

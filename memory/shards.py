@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import xxhash
 
+from memory.pages import DATA_ALIGN, weight_buffer
 from models.errors import ModelError
 
 HASH_CHUNK = 1 << 20
-DATA_ALIGN = 64  # bytes: where a shard's tensor data starts, for SIMD kernels
 _TORCH_DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -265,7 +265,7 @@ class ShardStore:
         path = self.path(ref)
         try:
             size = path.stat().st_size
-            buffer = torch.empty(size, dtype=torch.uint8)
+            buffer = weight_buffer(size)
             with open(path, "rb", buffering=0) as f:
                 got = read_into(f, memoryview(buffer.numpy()))
         except OSError as exc:

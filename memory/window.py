@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import xxhash
 
+from memory.pages import weight_buffer
 from memory.shards import read_into, tensor_specs, tensor_views
 from models.errors import ModelError
 
@@ -105,7 +106,7 @@ class LayerWindow:
         self.figures = StreamFigures()
         self._lock = threading.Condition()
         # Allocated and touched now: the memory a node needs is taken before the first token.
-        self.buffers = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in range(self.window)]
+        self.buffers = [weight_buffer(max(sizes)) for _ in range(self.window)]
         self._views: list[dict[str, torch.Tensor] | None] = [None] * self.window
         self._checksums: list[int | None] = list(checksums or [None] * self.n_layers)
         self._identities: list[tuple[int, ...] | None] = [None] * self.n_layers  # when checked

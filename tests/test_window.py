@@ -16,6 +16,7 @@ from master.plan import plan_slices
 from master.splitter import split_model
 from master.transport import ClusterError
 from memory.budget import MIN_CONTEXT, BudgetError, MemoryOptions, plan_memory
+from memory.pages import DATA_ALIGN, HUGE_PAGE, pack
 from memory.shards import ShardStore
 from memory.window import LayerWindow, ShardChanged
 from models.errors import ModelError
@@ -237,6 +238,41 @@ def test_a_window_covering_every_layer_reads_each_once(layer_files):
             window.release(i)
     assert window.figures.bytes_read == sum(r.size for r in refs[:4])
     assert window.resident and len(window.buffers) == 4
+
+
+def _advised(address: int) -> tuple[bool, int]:
+    """Whether the mapping holding `address` asked for huge pages, and its size (bytes)."""
+    with open("/proc/self/smaps") as f:
+        inside, size = False, 0
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: "lo-hi perms ..."
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside, size = lo <= address < hi, hi - lo
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split(), size
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_weights_sit_in_buffers_that_ask_for_huge_pages(layer_files):
+    """A decode step reads every weight: the window's buffers and packed layers are aligned to
+    2 MB and their whole 2 MB pages advised as huge pages (memory/pages.py), the tail not."""
+    store, refs = layer_files
+    window = LayerWindow([store.path(r) for r in refs[:2]], 2)
+    try:
+        buffer = window.buffers[0]
+        assert buffer.data_ptr() % HUGE_PAGE == 0 and buffer.numel() >= HUGE_PAGE
+        assert _advised(buffer.data_ptr()) == (True, buffer.numel() // HUGE_PAGE * HUGE_PAGE)
+        tail = buffer.data_ptr() + buffer.numel() - 1
+        assert buffer.numel() % HUGE_PAGE == 0 or not _advised(tail)[0]
+    finally:
+        window.close()
+    layer = store.load(refs[0])
+    packed = pack(layer)
+    assert all(torch.equal(packed[k], layer[k]) for k in layer)
+    assert all(t.data_ptr() % DATA_ALIGN == 0 for t in packed.values())
+    first = next(iter(packed.values()))  # where the one buffer starts
+    assert _advised(first.data_ptr())[0] == (sum(t.nbytes for t in layer.values()) >= HUGE_PAGE)
 
 
 def _copies(store, refs, folder):
