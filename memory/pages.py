@@ -3,8 +3,8 @@
 A decode step streams every weight once, a matrix-vector product per matrix, so a token's time is
 how fast one core reads memory. With 4 KB pages that read walks the page tables every 4 KB; with
 2 MB pages 512 times less often. One core multiplying 100 SmolLM2-sized matrices (354 MB) read
-13.0 GB/s from 4 KB pages and 14.9 from 2 MB ones, and a decoded token took 42.8 ms against 47.0
-(docs/decisions.md). Linux gives anonymous memory 2 MB pages where the region asks for them
+12.3-13.3 GB/s from 4 KB pages and 13.9-15.1 from 2 MB ones; a decoded token took 40.1 ms against
+43.5 (docs/decisions.md). Linux gives anonymous memory 2 MB pages where the region asks for them
 (madvise MADV_HUGEPAGE: transparent huge pages in "madvise" mode, the usual default) or always;
 elsewhere the buffer is plain memory and everything works as before.
 
