@@ -31,7 +31,10 @@ def weight_buffer(nbytes: int) -> torch.Tensor:
     huge = nbytes // HUGE_PAGE * HUGE_PAGE
     advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
     if huge and advice is not None:
-        area.madvise(advice, start, huge)
+        try:
+            area.madvise(advice, start, huge)
+        except OSError:  # EINVAL: a kernel built without transparent huge pages
+            pass
     buffer = whole[start : start + nbytes]  # zeros: fresh anonymous memory
     buffer[:: mmap.PAGESIZE].zero_()  # touched now: the memory is taken before the first token
     return buffer
