@@ -21,6 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from memory.budget import device_memory_budget
 from memory.files import default_state_dir, measure_disk_read
+from memory.pages import weight_buffer
 from memory.shards import ShardRef, ShardStore, file_digests
 from memory.window import LayerWindow, ShardChanged, StreamFigures, step_figures
 from models.config import ModelConfig
@@ -87,7 +88,10 @@ def measure_capacity(
     CPU seconds and scaled by the quota: wall time there measures where in the quota's period
     the loop ran and who else ran on the core, not the device.
     """
-    w = torch.full((_probe_bytes() // (4 * PROBE_WIDTH), PROBE_WIDTH), 0.5)
+    rows = _probe_bytes() // (4 * PROBE_WIDTH)
+    # In the pages weights live in (memory.pages): the probe reads memory as a decode step does.
+    w = weight_buffer(rows * PROBE_WIDTH * 4).view(torch.float32).view(rows, PROBE_WIDTH)
+    w.fill_(0.5)
     x = torch.randn(1, PROBE_WIDTH)
     linear(x, w)
     quota = cpu_quota_cores()
