@@ -20,6 +20,7 @@ import torch
 from master.transport import MALFORMED, ClusterError, NodeDown, Transport
 from memory.shards import Manifest, ShardStore
 from memory.window import FIGURES_KEPT
+from models.rows_native import NativeBlocks
 from node import protocol as P
 from node.heartbeat import DEAD_AFTER
 from node.security import JoinToken, Keypair
@@ -343,11 +344,31 @@ class Hub:
         except NodeDown as lost:
             self._lose(lost)
             raise
+        self._take_figures(figures)
+        return total
+
+    def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]:
+        """Every layer of a decode step through the native loop (`Transport.decode_layers`):
+        the new hidden state and this process's compute seconds."""
+        dead = [m.name for m in self.members if not m.alive]
+        if dead:
+            raise ClusterError(f"node {', '.join(dead)} left the cluster")
+        names = {m.identity: m.name for m in self.members}
+        try:
+            h, figures, compute = self.transport.decode_layers(
+                blocks, names, h, self._handle_control
+            )
+        except NodeDown as lost:
+            self._lose(lost)
+            raise
+        self._take_figures(figures)
+        return h, compute
+
+    def _take_figures(self, figures: dict[bytes, dict[str, Any]]) -> None:
         for m in self.members:
             if m.identity in figures:
                 m.figures = figures[m.identity]
                 m.history.append(m.figures)
-        return total
 
     def close(self, reason: str = "master shutting down") -> None:
         """Say BYE (and why) to every live worker and close; safe to call twice."""

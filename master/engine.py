@@ -38,6 +38,7 @@ from models.layers import (
     rms_norm_rows,
     slice_layer,
 )
+from models.rows_native import NativeBlocks
 from models.source import ModelSource
 from node.device import Shape, matrix_shapes, prepare
 from node.executor import Hidden, make_executor
@@ -63,6 +64,8 @@ class Executor(Protocol):
     slice: Slice
     weights: LayerWindow | ResidentLayers
     cache: KVCache
+    native: NativeBlocks | None  # its decode blocks in C, where this device admitted them
+    native_step: bool  # the current step runs on them
 
     def matrix_shapes(self) -> list[Shape]: ...
     def begin_step(self, batch: StepBatch) -> None: ...
@@ -79,6 +82,7 @@ class Remote(Protocol):
     def begin_step(self, batch: dict[str, Any]) -> None: ...
     def send(self, block: str, layer: int, h: Hidden) -> None: ...
     def gather(self, block: str, layer: int, local_compute: float = 0.0) -> np.ndarray | None: ...
+    def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]: ...
 
 
 class Engine:
@@ -224,14 +228,30 @@ class Engine:
             ex.begin_step(batch)
         if self.remote:
             self.remote.begin_step(batch.to_dict())
-        for i in range(self.config.n_layers):
-            h = h + self._post_norm(2 * i, self._block(ATTENTION, i, h))
-            h = h + self._post_norm(2 * i + 1, self._block(FFN, i, h))
+        blocks = self._native_layers()
+        if blocks is not None and self.remote is not None:
+            assert isinstance(h, np.ndarray)
+            started = time.perf_counter()
+            h, compute = self.remote.decode_layers(blocks, h)
+            self.executors[0].weights.figures.compute_s += compute
+            self._blocks_s += time.perf_counter() - started
+        else:
+            for i in range(self.config.n_layers):
+                h = h + self._post_norm(2 * i, self._block(ATTENTION, i, h))
+                h = h + self._post_norm(2 * i + 1, self._block(FFN, i, h))
         head_started = time.perf_counter()
         logits = self._head(h, batch, all_logits)
         head_s = time.perf_counter() - head_started
         self._record_figures({"blocks_s": self._blocks_s, "head_s": head_s})
         return logits
+
+    def _native_layers(self) -> NativeBlocks | None:
+        """This step's layers run as one native loop with the workers (node/hop.py) when it is
+        a decode step this process's one slice runs natively, with no post-block norms."""
+        if self.remote is None or len(self.executors) != 1 or self.post_norms is not None:
+            return None
+        ex = self.executors[0]
+        return ex.native if ex.native_step else None
 
     def _post_norm(self, row: int, out: Hidden) -> Hidden:
         """A block's summed output, normed by POST_NORMS row `row` where the model has them."""

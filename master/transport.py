@@ -22,8 +22,11 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
+from models.rows_native import NativeBlocks
+from node import hop as hop_codes
 from node import protocol as P
 from node.heartbeat import DEAD_AFTER, HeartbeatServer
+from node.hop import HubHop
 from node.security import JoinToken, Keypair, secure_server
 
 log = logging.getLogger(__name__)
@@ -118,6 +121,7 @@ class Transport:
         # (bounded: a server runs 60 sums a token for days)
         self.allreduce_seconds: deque[float] = deque(maxlen=ALLREDUCE_KEPT)
         self.spin = P.spin_seconds()
+        self._hop: HubHop | None = None  # the native loop, for the members it was made for
 
     def _watch_handshakes(self) -> None:
         """Log every connection that fails the Curve handshake (no token, wrong master key)."""
@@ -163,13 +167,8 @@ class Transport:
         if not P.wait_readable(self.sock, timeout_ms, spin):
             return None
         identity, *frames = self.sock.recv_multipart(copy=False)
-        try:
-            header, tensors = P.decode(frames)
-        except P.ProtocolError as exc:
-            return identity.bytes, {"op": MALFORMED, "why": str(exc)}, []  # its reader logs it
-        if header["op"] == P.HELLO:
-            header["peer_address"] = str(frames[0].get("Peer-Address"))
-        return identity.bytes, header, tensors
+        peer = str(frames[0].get("Peer-Address")) if frames else ""
+        return _decoded(identity.bytes, frames, peer)
 
     # -- the star allreduce -----------------------------------------------------------------
     def begin_step(self, batch: dict[str, Any]) -> None:
@@ -213,41 +212,17 @@ class Transport:
             msg = self.recv(50, spin)
             spin = self.spin if msg is not None else 0.0
             if msg is None:
-                for identity, name in waiting.items():
-                    silence = self.heartbeat.silence(name)
-                    if silence > DEAD_AFTER:
-                        raise NodeDown(
-                            identity,
-                            f"node {name} stopped answering mid-step (no heartbeat for "
-                            f"{silence:.1f} s)",
-                        )
+                self._check_silence(waiting)
                 if time.monotonic() > deadline:
                     raise ClusterError(f"no partials within {STEP_TIMEOUT:.0f} s")
                 continue
             identity, header, tensors = msg
-            op = header["op"]
-            if op == P.PARTIAL:
-                key = (header.get("step"), header.get("layer"), header.get("block"))
-                if key != (self._step, layer, block) or identity not in waiting:
-                    continue  # left over from a failed step
-                if len(tensors) != 1 or tensors[0].shape != self._sent_shape:
-                    got = [t.shape for t in tensors]
-                    raise NodeDown(
-                        identity, f"node {waiting[identity]} sent a malformed partial ({got})"
-                    )
-                del waiting[identity]
-                partials[identity] = tensors[0]
+            partial = self._arrived(identity, header, tensors, names, waiting, block, layer, handle)
+            if partial is not None:
+                partials[identity], compute = partial
                 if isinstance(header.get("figures"), dict):
                     figures[identity] = header["figures"]
-                compute = header.get("compute")
-                if isinstance(compute, int | float):
-                    slowest = max(slowest, float(compute))
-            elif op == MALFORMED and identity in waiting:
-                raise NodeDown(identity, f"node {names[identity]} sent {header['why']}")
-            elif op == P.ERROR and identity in names:
-                raise NodeDown(identity, f"node {names[identity]} failed: {header.get('message')}")
-            else:
-                handle(identity, header)
+                slowest = max(slowest, compute)
         if not names:
             return None, figures
         self.allreduce_seconds.append(time.perf_counter() - self._sent_at - slowest)
@@ -259,12 +234,131 @@ class Transport:
             total += p
         return total, figures
 
+    def _arrived(
+        self,
+        identity: bytes,
+        header: dict[str, Any],
+        tensors: list[np.ndarray],
+        names: Mapping[bytes, str],
+        waiting: dict[bytes, str],
+        block: str,
+        layer: int,
+        handle: Handler,
+    ) -> tuple[np.ndarray, float] | None:
+        """A message that came while partials were due: a partial for this block from a node
+        still `waiting` (taken off it) with its compute time; None for anything else, which is
+        handled (or raised: a node that failed or sent nonsense)."""
+        op = header["op"]
+        if op == P.PARTIAL:
+            key = (header.get("step"), header.get("layer"), header.get("block"))
+            if key != (self._step, layer, block) or identity not in waiting:
+                return None  # left over from a failed step
+            if len(tensors) != 1 or tensors[0].shape != self._sent_shape:
+                got = [t.shape for t in tensors]
+                raise NodeDown(
+                    identity, f"node {waiting[identity]} sent a malformed partial ({got})"
+                )
+            del waiting[identity]
+            compute = header.get("compute")
+            return tensors[0], float(compute) if isinstance(compute, int | float) else 0.0
+        if op == MALFORMED and identity in waiting:
+            raise NodeDown(identity, f"node {names[identity]} sent {header['why']}")
+        if op == P.ERROR and identity in names:
+            raise NodeDown(identity, f"node {names[identity]} failed: {header.get('message')}")
+        handle(identity, header)
+        return None
+
+    # -- the star allreduce of a whole decode step, natively (node/hop.py) ------------------
+    def decode_layers(
+        self, blocks: NativeBlocks, names: Mapping[bytes, str], h: np.ndarray, handle: Handler
+    ) -> tuple[np.ndarray, dict[bytes, dict[str, Any]], float]:
+        """Every layer of a decode step: each block's STEP to every worker, this process's
+        partial, the workers' partials gathered and summed into the residual stream, with no
+        Python between messages; what the native loop does not take comes here as in `gather`.
+        The new hidden state, the step figures any worker reported, and this process's compute
+        seconds."""
+        identities = list(names)
+        hop = self._hop
+        if hop is None or hop.identities != identities or hop.blocks is not blocks:
+            if hop is not None:
+                self._hop.close()
+            hop = self._hop = HubHop(self.sock, blocks, identities)
+        first = None
+        if self._batch is not None:
+            header = {"op": P.STEP, "step": self._step, "layer": 0, "block": P.ATTENTION}
+            header["batch"], self._batch = self._batch, None
+            first = P.encode(header, (h,))[0]
+        hop.begin(self._step, h, first)
+        self._sent_shape = tuple(h.shape)
+        figures: dict[bytes, dict[str, Any]] = {}
+        deadline, at = time.monotonic() + STEP_TIMEOUT, (0, 0)
+        while True:
+            status = hop.run(50)
+            if status == hop_codes.DONE:
+                break
+            state = hop.state
+            layer, block = int(state.layer), P.FFN if state.ffn else P.ATTENTION
+            waiting = {i: n for k, (i, n) in enumerate(names.items()) if not hop.received[k]}
+            if (state.layer, state.ffn) != at:  # a block further on: its own deadline
+                deadline, at = time.monotonic() + STEP_TIMEOUT, (state.layer, state.ffn)
+            if status == hop_codes.SEND_FAILED:
+                identity = identities[state.failed]
+                raise NodeDown(identity, f"node {names[identity]} is unreachable")
+            if status == hop_codes.ERROR:
+                raise ClusterError(f"the cluster socket failed: {zmq.strerror(zmq.zmq_errno())}")
+            if status == hop_codes.TIMEOUT:
+                self._check_silence(waiting)
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"no partials within {STEP_TIMEOUT:.0f} s")
+                continue
+            frames, peer = hop.message()  # FOREIGN
+            if not frames:
+                continue  # more frames than any message: nobody's partial
+            identity, header, tensors = _decoded(frames[0], frames[1:], peer)
+            partial = self._arrived(identity, header, tensors, names, waiting, block, layer, handle)
+            if partial is not None:
+                k = identities.index(identity)
+                hop.partials[k] = partial[0]
+                hop.received[k] = 1
+                state.slowest = max(state.slowest, partial[1])
+                if isinstance(header.get("figures"), dict):
+                    figures[identity] = header["figures"]
+        self.allreduce_seconds.extend(hop.allreduce.tolist())
+        return hop.h, figures, float(hop.state.own_compute_s)
+
+    def _check_silence(self, waiting: Mapping[bytes, str]) -> None:
+        """NodeDown for a node whose partial is due and whose heartbeats stopped."""
+        for identity, name in waiting.items():
+            silence = self.heartbeat.silence(name)
+            if silence > DEAD_AFTER:
+                raise NodeDown(
+                    identity,
+                    f"node {name} stopped answering mid-step (no heartbeat for {silence:.1f} s)",
+                )
+
     def close(self) -> None:
         """Close the sockets (after whatever BYEs the caller sent); safe to call twice."""
         if self.sock.closed:
             return
+        if self._hop is not None:
+            self._hop.close()
         self.heartbeat.close()
         self.sock.disable_monitor()
         self.sock.close(linger=1000)  # let the BYEs leave before the socket goes
         self.auth.stop()
         self.context.term()
+
+
+def _decoded(
+    identity: bytes, frames: list[Any], peer: str
+) -> tuple[bytes, dict[str, Any], list[np.ndarray]]:
+    """A received message as (identity, header, tensors); one that does not decode comes as op
+    MALFORMED, so that its sender is dropped. A HELLO gets the address it came from as
+    "peer_address" (for the cluster view)."""
+    try:
+        header, tensors = P.decode(frames)
+    except P.ProtocolError as exc:
+        return identity, {"op": MALFORMED, "why": str(exc)}, []  # its reader logs it
+    if header["op"] == P.HELLO:
+        header["peer_address"] = peer
+    return identity, header, tensors

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from memory.window import LayerWindow, ResidentLayers
+from models import rows_native
 from models.config import ModelConfig
 from models.kernels import leave_a_core_to_the_loader
 from models.layers import (
@@ -58,6 +59,19 @@ class SliceExecutor:
         self._local_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self._local_cos_sin_rows: tuple[np.ndarray, np.ndarray] | None = None
         self._batch: StepBatch | None = None
+        # A decode step's blocks in one C call each, where this device admitted them.
+        self.native: rows_native.NativeBlocks | None = None
+        self.native_step = False  # the current step runs on them
+
+    def admit_native(self) -> None:
+        """Run decode steps on native blocks if the slice is resident float32 and this
+        device's build of them agrees with the NumPy path (models/rows_native.py)."""
+        if not self.weights.resident:
+            return
+        layers = [self.weights.get(i) for i in range(self.config.n_layers)]
+        self.native = rows_native.admit(
+            self.config, self.slice, layers, self.cache.key_arrays, self.cache.value_arrays
+        )
 
     def matrix_shapes(self) -> list[Shape]:
         """The (dtype, out, in) of the matrices this slice multiplies: what needs a kernel."""
@@ -71,6 +85,13 @@ class SliceExecutor:
         if self.local_rope is not None:
             self._local_cos_sin_rows = self.local_rope.rows(batch.starts) if batch.rows else None
             self._local_cos_sin = self.local_rope.tables(batch.positions())
+        self.native_step = (
+            self.native is not None and batch.rows and batch.size <= rows_native.MAX_ROWS
+        )
+        if self.native_step:
+            assert self.native is not None and self._cos_sin_rows is not None
+            local = self._local_cos_sin_rows if self.local_rope is not None else None
+            self.native.begin_step(batch, self._cos_sin_rows, local)
 
     @property
     def rows(self) -> bool:
@@ -85,7 +106,10 @@ class SliceExecutor:
         local = self.config.is_local(index)
         window = self.config.sliding_window if local else None
         own_rope = local and self.local_rope is not None
-        if self._batch.rows:
+        if self.native_step:
+            assert self.native is not None and isinstance(h, np.ndarray)
+            out = self.native.attention(index, h)
+        elif self._batch.rows:
             cos_sin_rows = self._local_cos_sin_rows if own_rope else self._cos_sin_rows
             assert isinstance(h, np.ndarray) and cos_sin_rows is not None
             out = attention_rows(
@@ -121,7 +145,10 @@ class SliceExecutor:
         """The layer's second and last block: its weights may leave the window after this."""
         started = time.perf_counter()
         weights = self.weights.get(index)
-        if self.rows:
+        if self.native_step:
+            assert self.native is not None and isinstance(h, np.ndarray)
+            out = self.native.ffn(index, h)
+        elif self.rows:
             assert isinstance(h, np.ndarray)
             out = ffn_rows(h, weights, self.config)
         else:
@@ -150,4 +177,6 @@ def make_executor(
         local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
         local_rope = Rope(local, max_context)
     cache = KVCache(config, s, slots, max_context)
-    return SliceExecutor(config, s, weights, rope, cache, local_rope)
+    executor = SliceExecutor(config, s, weights, rope, cache, local_rope)
+    executor.admit_native()
+    return executor

@@ -31,6 +31,7 @@ from node import protocol as P
 from node.device import prepare
 from node.executor import Hidden, SliceExecutor, make_executor
 from node.heartbeat import DEAD_AFTER, HeartbeatClient
+from node.hop import ERROR, FOREIGN, WorkerHop
 from node.kvcache import KVCache
 from node.security import JoinToken, fingerprint, save_node_token, secure_client
 
@@ -336,54 +337,88 @@ class Worker:
         again (it was dropped from the plan)."""
         reported = StreamFigures()  # the loader's totals at the last report
         batch: StepBatch | None = None  # the step's, sent with its first block
-        while True:
-            frames = self._recv(float("inf"), "waiting for work")
-            try:
-                header, work = read_message(frames, executor.config, executor.cache, batch)
-            except P.ProtocolError as exc:
-                # Only the master (its key) can send here, so this is a bug or a mismatched
-                # version, never a reason to stop: log it, and answer what the master may be
-                # waiting for, so that it drops this node rather than wait for a partial.
-                log.warning("ignored a malformed message from the master: %s", exc)
-                if _waits_for_answer(frames):
-                    self._send({"op": P.ERROR, "message": f"malformed message: {exc}"})
-                continue
-            if work is None:  # BYE
-                if header.get("rejoin") is False:  # dropped for good: say why, as an error
-                    raise NodeError(f"the master said: {header.get('reason')}")
-                log.info("master said bye: %s", header.get("reason", ""))
-                return bool(header.get("rejoin"))
-            if isinstance(work, Welcome):  # a re-plan: a new slice, maybe new shards to fetch
-                executor.close()
-                executor = self._reload(work)
-                reported, batch = StreamFigures(), None
-                continue
-            batch, layer, block, h = work.batch, work.layer, work.block, work.hidden
-            try:
-                if "batch" in header:
-                    executor.begin_step(batch)
-                started = time.perf_counter()
+        hop = _native_loop(self.sock, executor)
+        try:
+            while True:
+                frames = self._next_work(hop, executor)
                 try:
-                    partial = self._partial(executor, block, layer, h)
-                except ShardChanged as changed:  # nothing computed yet: fetch it, go on
-                    self._fetch_again(changed)
-                    executor.weights.retry(layer)
-                    partial = self._partial(executor, block, layer, h)
-            except Exception as exc:  # report, then stop: the master fails the request
-                self._send({"op": P.ERROR, "message": f"{type(exc).__name__}: {exc}"})
-                raise
-            reply = {
-                "op": P.PARTIAL,
-                "step": header["step"],
-                "layer": layer,
-                "block": block,
-                "compute": time.perf_counter() - started,
-            }
-            if block == P.FFN and layer == executor.config.n_layers - 1:
-                reply["figures"] = step_figures(executor.weights, reported)
-                reply["figures"]["kernels"] = kernel_set()
-                reported = replace(executor.weights.figures)
-            self._send(reply, (partial,))
+                    header, work = read_message(frames, executor.config, executor.cache, batch)
+                except P.ProtocolError as exc:
+                    # Only the master (its key) can send here, so this is a bug or a mismatched
+                    # version, never a reason to stop: log it, and answer what the master may be
+                    # waiting for, so that it drops this node rather than wait for a partial.
+                    log.warning("ignored a malformed message from the master: %s", exc)
+                    if _waits_for_answer(frames):
+                        self._send({"op": P.ERROR, "message": f"malformed message: {exc}"})
+                    continue
+                if work is None:  # BYE
+                    if header.get("rejoin") is False:  # dropped for good: say why, as an error
+                        raise NodeError(f"the master said: {header.get('reason')}")
+                    log.info("master said bye: %s", header.get("reason", ""))
+                    return bool(header.get("rejoin"))
+                if isinstance(work, Welcome):  # a re-plan: a new slice, maybe new shards
+                    if hop is not None:
+                        hop.close()
+                    executor.close()
+                    executor = self._reload(work)
+                    hop = _native_loop(self.sock, executor)
+                    reported, batch = StreamFigures(), None
+                    continue
+                batch, layer, block, h = work.batch, work.layer, work.block, work.hidden
+                try:
+                    if "batch" in header:
+                        executor.begin_step(batch)
+                        if hop is not None:  # the step's other blocks go natively, or none
+                            hop.begin_step(batch.size if executor.native_step else 0)
+                    started = time.perf_counter()
+                    try:
+                        partial = self._partial(executor, block, layer, h)
+                    except ShardChanged as changed:  # nothing computed yet: fetch it, go on
+                        self._fetch_again(changed)
+                        executor.weights.retry(layer)
+                        partial = self._partial(executor, block, layer, h)
+                except Exception as exc:  # report, then stop: the master fails the request
+                    self._send({"op": P.ERROR, "message": f"{type(exc).__name__}: {exc}"})
+                    raise
+                reply = {
+                    "op": P.PARTIAL,
+                    "step": header["step"],
+                    "layer": layer,
+                    "block": block,
+                    "compute": time.perf_counter() - started,
+                }
+                if block == P.FFN and layer == executor.config.n_layers - 1:
+                    reply["figures"] = step_figures(executor.weights, reported)
+                    reply["figures"]["kernels"] = kernel_set()
+                    reported = replace(executor.weights.figures)
+                self._send(reply, (partial,))
+        finally:
+            if hop is not None:
+                hop.close()
+
+    def _next_work(self, hop: WorkerHop | None, executor: SliceExecutor) -> list[Any]:
+        """The next message for the Python path: after the native loop has served the decode
+        blocks it takes (node/hop.py), or straight from the socket."""
+        if hop is None or hop.state.B == 0:
+            return self._recv(float("inf"), "waiting for work")
+        try:
+            while True:
+                status = hop.serve(100)
+                if status == FOREIGN:
+                    return hop.frames()
+                if status == ERROR:
+                    raise NodeError(
+                        f"the link to the master at {self.endpoint} failed: "
+                        f"{zmq.strerror(zmq.zmq_errno())}"
+                    )
+                self._check_handshake()  # TIMEOUT: no message for 100 ms
+                if self.heartbeat and self.heartbeat.master_silence() > DEAD_AFTER:
+                    raise NodeError(
+                        f"the master at {self.endpoint} stopped answering while waiting for "
+                        f"work (no heartbeat for {self.heartbeat.master_silence():.1f} s)"
+                    )
+        finally:
+            executor.weights.figures.compute_s += hop.take_compute()
 
     def _fetch_again(self, changed: ShardChanged) -> None:
         """A shard that changed on this device's disk since it was verified (rot, or a process
@@ -412,6 +447,17 @@ class Worker:
             return compute(layer, h)
         with torch.inference_mode():
             return compute(layer, torch.from_numpy(h.copy()))  # the message's memory is read-only
+
+
+def _native_loop(sock: zmq.Socket, executor: SliceExecutor) -> WorkerHop | None:
+    """The native per-sum loop for a slice with native blocks, if this device builds it."""
+    if executor.native is None:
+        return None
+    try:
+        return WorkerHop(sock, executor.native)
+    except (RuntimeError, OSError) as exc:
+        log.info("decode steps are served from Python: %s", exc)
+        return None
 
 
 @dataclass(frozen=True)

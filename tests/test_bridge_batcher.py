@@ -12,6 +12,7 @@ import threading
 import time
 import weakref
 
+import numpy as np
 import pytest
 from test_speculate import EDIT, SlowLinkSpeculator
 
@@ -21,6 +22,7 @@ from master.engine import Engine
 from master.params import SamplingParams
 from master.session import Session, prompt_tokens
 from master.transport import ClusterError
+from models.rows_native import NativeBlocks
 
 pytestmark = pytest.mark.slow
 
@@ -185,6 +187,13 @@ def test_a_node_lost_mid_answer_loses_no_answer_and_frees_the_old_engine_first(
 
         def gather(self, *args: object, **kwargs: object) -> None:
             return None
+
+        def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]:
+            self.send()  # no other devices: the master's own blocks are the whole layer
+            for i in range(blocks.config.n_layers):
+                h = h + blocks.attention(i, h)
+                h = h + blocks.ffn(i, h)
+            return h, 0.0
 
     old_caches: list[weakref.ref] = []
     alive_during_replan: list[bool] = []

@@ -1,0 +1,161 @@
+// A decode step's two blocks in one call each: the partial of one slice of one layer for B rows
+// (one new token per sequence), the math of models/layers.py's attention_rows and ffn_rows.
+//
+// Why C: between two messages a block is ~35 NumPy calls run cold, each a few microseconds of
+// interpreter and dispatch before any arithmetic (stop notes in docs/decisions.md). Here a block
+// is one call; the matrix products stay on the BLAS routine the device admitted for them
+// (OpenBLAS's sgemv, handed over as a pointer: no second BLAS in the process).
+//
+// Layout, as in Python: weights row-major (out, in); the KV cache (slots, n_kv, positions, hd);
+// cos/sin (B, half) for each sequence's position. Built and checked on the device
+// (models/rows_native.py): a build whose blocks differ from the NumPy ones is never used.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+// cblas_sgemv with 64-bit integers (NumPy's OpenBLAS): order, trans, m, n, alpha, a, lda, x,
+// incx, beta, y, incy.
+typedef void (*sgemv_fn)(int, int, int64_t, int64_t, float, const float *, int64_t,
+                         const float *, int64_t, float, float *, int64_t);
+static sgemv_fn sgemv;
+
+void rows_set_sgemv(void *fn) { sgemv = (sgemv_fn)fn; }
+
+// One step's sequences: shared by every layer's blocks.
+typedef struct {
+    int64_t B;
+    const int64_t *slots;   // (B)
+    const int64_t *starts;  // (B): the position of each sequence's new token
+    const float *cos, *sin; // (B, half), this step's rows of the RoPE tables
+    const float *local_cos, *local_sin; // a local layer's own tables (Gemma 3), or the same
+} rows_step;
+
+typedef struct {
+    int64_t D, hd, nq, nkv, half; // half: rotary pairs per head (hd / 2 unless partial)
+    const int64_t *kv_of_q;       // (nq): the KV head (of this slice) each query head reads
+    const float *norm;            // (D)
+    const float *q_norm, *k_norm; // (hd) each, or NULL
+    float eps, scale;
+    const float *wqkv, *bqkv;     // ((nq + 2 nkv) hd, D), bias or NULL
+    const float *wo;              // (D, nq hd)
+    float *cache_k, *cache_v;     // (slots, nkv, W, hd)
+    int64_t W;                    // positions the cache holds
+    int ring;                     // a local layer: position p at p % W, the last W positions
+    int local_rope;               // a local layer with its own RoPE tables
+    float *scratch;               // (nq + 2 nkv) hd + nq hd + W + D floats
+} rows_attention_args;
+
+typedef struct {
+    int64_t D, n;           // n: this slice's FFN columns
+    const float *norm;      // (D)
+    float eps;
+    int gelu;               // gelu_tanh, else silu
+    const float *w_gate_up; // (2 n, D)
+    const float *w_down;    // (D, n)
+    float *scratch;         // D + 2 n floats
+} rows_ffn_args;
+
+static void gemv(const float *w, int64_t out, int64_t in, const float *x, float *y) {
+    sgemv(101 /* row-major */, 111 /* no transpose */, out, in, 1.0f, w, in, x, 1, 0.0f, y, 1);
+}
+
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+static void rope(float *v, const float *c, const float *s, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c[i] - x2 * s[i];
+        v[i + half] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+// out (B, D) = this slice's attention partial for h (B, D); appends each sequence's key and value.
+void rows_attention(const rows_attention_args *a, const rows_step *st, const float *h, float *out) {
+    const int64_t D = a->D, hd = a->hd, nq = a->nq, nkv = a->nkv, width = (nq + 2 * nkv) * hd;
+    float *qkv = a->scratch, *att = qkv + width, *p = att + nq * hd;
+    float *x = p + a->W;
+    if (nq == 0) {
+        memset(out, 0, sizeof(float) * st->B * D);
+        return;
+    }
+    for (int64_t b = 0; b < st->B; b++) {
+        const float *cos = (a->local_rope ? st->local_cos : st->cos) + b * a->half;
+        const float *sin = (a->local_rope ? st->local_sin : st->sin) + b * a->half;
+        rms_norm(h + b * D, a->norm, D, a->eps, x);
+        gemv(a->wqkv, width, D, x, qkv);
+        if (a->bqkv)
+            for (int64_t i = 0; i < width; i++) qkv[i] += a->bqkv[i];
+        for (int64_t i = 0; i < nq + nkv; i++) {
+            float *v = qkv + i * hd;
+            const float *hn = i < nq ? a->q_norm : a->k_norm;
+            if (hn) rms_norm(v, hn, hd, a->eps, v);
+            rope(v, cos, sin, a->half);
+        }
+        int64_t pos = st->starts[b], slot = st->slots[b];
+        int64_t at = a->ring ? pos % a->W : pos, seen = pos + 1 < a->W ? pos + 1 : a->W;
+        for (int64_t j = 0; j < nkv; j++) {
+            size_t row = (((size_t)slot * nkv + j) * a->W + at) * hd;
+            memcpy(a->cache_k + row, qkv + (nq + j) * hd, sizeof(float) * hd);
+            memcpy(a->cache_v + row, qkv + (nq + nkv + j) * hd, sizeof(float) * hd);
+        }
+        for (int64_t i = 0; i < nq; i++) {
+            const float *q = qkv + i * hd;
+            size_t base = ((size_t)slot * nkv + a->kv_of_q[i]) * a->W * hd;
+            const float *keys = a->cache_k + base, *values = a->cache_v + base;
+            float top = -INFINITY;
+            for (int64_t t = 0; t < seen; t++) {
+                float s = 0.0f;
+                for (int64_t d = 0; d < hd; d++) s += q[d] * keys[t * hd + d];
+                p[t] = s * a->scale;
+                if (p[t] > top) top = p[t];
+            }
+            float sum = 0.0f;
+            for (int64_t t = 0; t < seen; t++) sum += p[t] = expf(p[t] - top);
+            float *o = att + i * hd;
+            memset(o, 0, sizeof(float) * hd);
+            for (int64_t t = 0; t < seen; t++) {
+                float w = p[t] / sum;
+                for (int64_t d = 0; d < hd; d++) o[d] += w * values[t * hd + d];
+            }
+        }
+        gemv(a->wo, D, nq * hd, att, out + b * D);
+    }
+}
+
+// out (B, D) = this slice's FFN partial for h (B, D).
+void rows_ffn(const rows_ffn_args *a, const rows_step *st, const float *h, float *out) {
+    const int64_t D = a->D, n = a->n;
+    float *x = a->scratch, *gu = x + D;
+    if (n == 0) {
+        memset(out, 0, sizeof(float) * st->B * D);
+        return;
+    }
+    for (int64_t b = 0; b < st->B; b++) {
+        rms_norm(h + b * D, a->norm, D, a->eps, x);
+        gemv(a->w_gate_up, 2 * n, D, x, gu);
+        for (int64_t i = 0; i < n; i++) {
+            float g = gu[i], u = gu[n + i];
+            if (a->gelu) {
+                float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+                gu[i] = 0.5f * g * (1.0f + tanhf(inner)) * u;
+            } else {
+                gu[i] = g * (0.5f + 0.5f * tanhf(0.5f * g)) * u;
+            }
+        }
+        gemv(a->w_down, D, n, gu, out + b * D);
+    }
+}
+
+// The two blocks behind one signature, for a caller that keeps a table of them (node/csrc/hop.c).
+void rows_block(const void *args, int ffn, const rows_step *st, const float *h, float *out) {
+    if (ffn)
+        rows_ffn((const rows_ffn_args *)args, st, h, out);
+    else
+        rows_attention((const rows_attention_args *)args, st, h, out);
+}

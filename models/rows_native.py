@@ -1,0 +1,323 @@
+"""A decode step's blocks in one C call each (models/csrc/rows.c), for a slice whose weights are
+float32 and resident.
+
+`attention_rows` and `ffn_rows` are ~35 NumPy calls a block; between two messages each runs cold
+and costs more than its arithmetic. `NativeBlocks` computes the same partials in one call a block,
+its matrix products on the BLAS routine NumPy uses (OpenBLAS's sgemv, handed to the C code as a
+pointer), and keeps a table of every layer's arguments that node/csrc/hop.c walks without Python
+between messages.
+
+It is used on a device only after `admit` has compared its partials with the NumPy ones there
+(`NativeBlocks.check`); anything it does not cover (another dtype, a window that streams, more
+rows than a decode batch) runs the NumPy path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.cbuild import built
+from models.config import ModelConfig
+from models.layers import MATRICES, Slice, StepBatch, attention_rows, ffn_rows
+from models.quant import block_format
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "rows.c"
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-lm")
+MAX_ROWS = 8  # a decode batch: one sgemv a row, as the admitted "numpy-gemv" kernel does
+SGEMV_SYMBOLS = ("scipy_cblas_sgemv64_", "cblas_sgemv64_")  # 64-bit integer arguments
+TIMING_ROUNDS, TIMING_CALLS = 3, 10  # the admission's timing: a few ms for SmolLM2
+TOLERANCE = 1e-4  # of the largest partial value: sgemv's own rounding, summed in another order
+
+c_float_p = ctypes.POINTER(ctypes.c_float)
+c_int64_p = ctypes.POINTER(ctypes.c_int64)
+
+
+class Step(ctypes.Structure):
+    _fields_ = [
+        ("B", ctypes.c_int64),
+        ("slots", c_int64_p),
+        ("starts", c_int64_p),
+        ("cos", c_float_p),
+        ("sin", c_float_p),
+        ("local_cos", c_float_p),
+        ("local_sin", c_float_p),
+    ]
+
+
+class AttentionArgs(ctypes.Structure):
+    _fields_ = [
+        ("D", ctypes.c_int64),
+        ("hd", ctypes.c_int64),
+        ("nq", ctypes.c_int64),
+        ("nkv", ctypes.c_int64),
+        ("half", ctypes.c_int64),
+        ("kv_of_q", c_int64_p),
+        ("norm", c_float_p),
+        ("q_norm", c_float_p),
+        ("k_norm", c_float_p),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("wqkv", c_float_p),
+        ("bqkv", c_float_p),
+        ("wo", c_float_p),
+        ("cache_k", c_float_p),
+        ("cache_v", c_float_p),
+        ("W", ctypes.c_int64),
+        ("ring", ctypes.c_int),
+        ("local_rope", ctypes.c_int),
+        ("scratch", c_float_p),
+    ]
+
+
+class FfnArgs(ctypes.Structure):
+    _fields_ = [
+        ("D", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("norm", c_float_p),
+        ("eps", ctypes.c_float),
+        ("gelu", ctypes.c_int),
+        ("w_gate_up", c_float_p),
+        ("w_down", c_float_p),
+        ("scratch", c_float_p),
+    ]
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def load() -> ctypes.CDLL:
+    """The built library with NumPy's sgemv handed to it; RuntimeError saying why not."""
+    global _lib
+    if _lib is None:
+        sgemv = _numpy_sgemv()
+        lib = ctypes.CDLL(str(built(SOURCE, FLAGS, ".so")))
+        lib.rows_set_sgemv.argtypes = [ctypes.c_void_p]
+        lib.rows_set_sgemv(sgemv)
+        for name in ("rows_attention", "rows_ffn"):
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            fn.restype = None
+        _lib = lib
+    return _lib
+
+
+def _numpy_sgemv() -> int:
+    """The address of the sgemv of the BLAS NumPy runs on (threadpoolctl finds its file)."""
+    from threadpoolctl import threadpool_info
+
+    for info in threadpool_info():
+        if info.get("user_api") != "blas":
+            continue
+        lib = ctypes.CDLL(info["filepath"])
+        for symbol in SGEMV_SYMBOLS:
+            fn = getattr(lib, symbol, None)
+            if fn is not None:
+                return ctypes.cast(fn, ctypes.c_void_p).value or 0
+    raise RuntimeError("NumPy's BLAS has no 64-bit-integer cblas_sgemv to call from C")
+
+
+def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | None:
+    """Why a slice with these (one layer's) weights cannot run natively, or None."""
+    for name in MATRICES:
+        w = weights[name]
+        if block_format(w) is not None or w.dtype != torch.float32:
+            return f"{name} is stored as {w.dtype}, not float32"
+    return None
+
+
+def _ptr(t: torch.Tensor | np.ndarray | None) -> c_float_p | None:
+    if t is None:
+        return None
+    a = t.numpy() if isinstance(t, torch.Tensor) else t
+    assert a.dtype == np.float32 and a.flags.c_contiguous
+    return a.ctypes.data_as(c_float_p)
+
+
+class NativeBlocks:
+    """Every layer's block arguments for one slice (resident float32 weights) and its KV cache;
+    `begin_step` points them at a step's sequences."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        s: Slice,
+        layers: list[dict[str, torch.Tensor]],
+        keys: list[np.ndarray],
+        values: list[np.ndarray],
+    ) -> None:
+        self.lib = load()
+        self.config = config
+        self.layers = layers  # held, as the caches are: the structs point into them
+        self.caches = keys, values
+        hd, nq, nkv = config.head_dim, s.n_q, s.n_kv
+        group = config.group_size
+        self.kv_of_q = (np.arange(*s.q_heads, dtype=np.int64) // group) - s.kv_heads[0]
+        scale = config.query_scale or 1.0 / math.sqrt(hd)
+        self.scratch: list[np.ndarray] = []
+        self.attention_args: list[AttentionArgs] = []
+        self.ffn_args: list[FfnArgs] = []
+        for i, w in enumerate(layers):
+            W = keys[i].shape[2]
+            room = np.zeros((nq + 2 * nkv) * hd + nq * hd + W + config.hidden, np.float32)
+            self.scratch.append(room)
+            local = config.is_local(i)
+            self.attention_args.append(
+                AttentionArgs(
+                    config.hidden, hd, nq, nkv, config.rope_dims // 2,
+                    self.kv_of_q.ctypes.data_as(c_int64_p),
+                    _ptr(w["attn_norm"]), _ptr(w.get("q_norm")), _ptr(w.get("k_norm")),
+                    config.norm_eps, scale, _ptr(w["wqkv"]), _ptr(w.get("bqkv")), _ptr(w["wo"]),
+                    _ptr(keys[i]), _ptr(values[i]), W,
+                    int(local and config.sliding_window is not None),
+                    int(local and config.local_rope_theta is not None),
+                    _ptr(room),
+                )
+            )  # fmt: skip
+            n = w["w_down"].shape[1]
+            room = np.zeros(config.hidden + 2 * n, np.float32)
+            self.scratch.append(room)
+            self.ffn_args.append(
+                FfnArgs(
+                    config.hidden, n, _ptr(w["ffn_norm"]), config.norm_eps,
+                    int(config.activation == "gelu_tanh"), _ptr(w["w_gate_up"]),
+                    _ptr(w["w_down"]), _ptr(room),
+                )
+            )  # fmt: skip
+        self.step = Step()
+        self._held: tuple[np.ndarray, ...] = ()
+        self.out = np.zeros((MAX_ROWS, config.hidden), np.float32)
+
+    def begin_step(
+        self,
+        batch: StepBatch,
+        cos_sin: tuple[np.ndarray, np.ndarray],
+        local_cos_sin: tuple[np.ndarray, np.ndarray] | None,
+    ) -> None:
+        """A decode step's sequences and their RoPE rows ((B, 1, half) each, from `Rope.rows`)."""
+        slots = np.array(batch.slots, np.int64)
+        starts = np.array(batch.starts, np.int64)
+        cos, sin = (np.ascontiguousarray(t, np.float32) for t in cos_sin)
+        lcos, lsin = (
+            (cos, sin)
+            if local_cos_sin is None
+            else (np.ascontiguousarray(t, np.float32) for t in local_cos_sin)
+        )
+        self._held = (slots, starts, cos, sin, lcos, lsin)  # the struct points into them
+        st = self.step
+        st.B = batch.size
+        st.slots, st.starts = slots.ctypes.data_as(c_int64_p), starts.ctypes.data_as(c_int64_p)
+        st.cos, st.sin = _ptr(cos), _ptr(sin)
+        st.local_cos, st.local_sin = _ptr(lcos), _ptr(lsin)
+
+    def attention(self, index: int, h: np.ndarray) -> np.ndarray:
+        out = np.empty_like(h)
+        self.lib.rows_attention(
+            ctypes.byref(self.attention_args[index]), ctypes.byref(self.step),
+            _contiguous(h).ctypes.data, out.ctypes.data,
+        )  # fmt: skip
+        return out
+
+    def ffn(self, index: int, h: np.ndarray) -> np.ndarray:
+        out = np.empty_like(h)
+        self.lib.rows_ffn(
+            ctypes.byref(self.ffn_args[index]), ctypes.byref(self.step),
+            _contiguous(h).ctypes.data, out.ctypes.data,
+        )  # fmt: skip
+        return out
+
+    def check(self, s: Slice, keys: list[np.ndarray], values: list[np.ndarray]) -> str | None:
+        """Compare this build's partials with the NumPy path's on layer 0 for a random row at a
+        few positions (slot 0, whose cache a first request fills anew); None when they agree,
+        else what differed."""
+        from models.layers import Rope
+
+        config = self.config
+        rope = Rope(config, max(4, keys[0].shape[2]))
+        rng = np.random.default_rng(0)
+        saved = keys[0][0].copy(), values[0][0].copy()
+        try:
+            for pos in range(3):
+                batch = StepBatch((0,), (pos,), (1,))
+                cos_sin = rope.rows(batch.starts)
+                h = rng.standard_normal((1, config.hidden), dtype=np.float32)
+                want = attention_rows(
+                    h, self.layers[0], s, config, cos_sin, keys[0], values[0], batch,
+                    config.sliding_window if config.is_local(0) else None,
+                )  # fmt: skip
+                self.begin_step(batch, cos_sin, None)
+                got = self.attention(0, h)
+                for name, a, b in (
+                    ("attention", got, want),
+                    ("ffn", self.ffn(0, h), ffn_rows(h, self.layers[0], config)),
+                ):
+                    limit = TOLERANCE * max(1.0, float(np.abs(b).max()))
+                    worst = float(np.abs(a - b).max())
+                    if not worst <= limit:
+                        return f"{name} at position {pos} differs by {worst:.3g} (> {limit:.3g})"
+            native, numpy = self._time(s, h, keys, values, rope)
+            if native > numpy:
+                return f"slower than NumPy here ({native:.0f} against {numpy:.0f} us a layer)"
+        finally:
+            keys[0][0], values[0][0] = saved
+        return None
+
+
+    def _time(
+        self, s: Slice, h: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray], rope: Any
+    ) -> tuple[float, float]:
+        """us a layer (both blocks) natively and on NumPy, the best of alternating rounds."""
+        config, w = self.config, self.layers[0]
+        batch = StepBatch((0,), (2,), (1,))
+        cos_sin = rope.rows(batch.starts)
+        self.begin_step(batch, cos_sin, None)
+        window = config.sliding_window if config.is_local(0) else None
+        best = [math.inf, math.inf]
+        for _ in range(TIMING_ROUNDS):
+            started = time.perf_counter()
+            for _ in range(TIMING_CALLS):
+                self.ffn(0, self.attention(0, h))
+            best[0] = min(best[0], time.perf_counter() - started)
+            started = time.perf_counter()
+            for _ in range(TIMING_CALLS):
+                a = attention_rows(h, w, s, config, cos_sin, keys[0], values[0], batch, window)
+                ffn_rows(a, w, config)
+            best[1] = min(best[1], time.perf_counter() - started)
+        return best[0] / TIMING_CALLS * 1e6, best[1] / TIMING_CALLS * 1e6
+
+
+def _contiguous(h: np.ndarray) -> np.ndarray:
+    if h.dtype == np.float32 and h.flags.c_contiguous:
+        return h
+    return np.ascontiguousarray(h, np.float32)
+
+
+def admit(
+    config: ModelConfig,
+    s: Slice,
+    layers: list[dict[str, torch.Tensor]],
+    keys: list[np.ndarray],
+    values: list[np.ndarray],
+) -> NativeBlocks | None:
+    """Native blocks for this slice where this device builds them and they agree with the
+    NumPy path; None (logged) otherwise."""
+    why = unsupported(config, layers[0])
+    if why is None:
+        try:
+            blocks = NativeBlocks(config, s, layers, keys, values)
+            why = blocks.check(s, keys, values)
+        except (RuntimeError, OSError) as exc:
+            why = str(exc)
+    if why is not None:
+        log.info("decode blocks run on NumPy: %s", why)
+        return None
+    return blocks

@@ -1,0 +1,164 @@
+"""The native decode path: C blocks that equal the NumPy ones, and a worker's native loop that
+answers STEPs over real ZeroMQ sockets as the Python path would, handing back what it does not
+take."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from models.config import ModelConfig
+from models.layers import Rope, Slice, StepBatch, attention_rows, ffn_rows, full_layer_shapes
+from models.layers import slice_layer as cut_layer
+from models.rows_native import NativeBlocks, admit
+from node import protocol as P
+from node.hop import FOREIGN, TIMEOUT, WorkerHop
+from node.kvcache import KVCache
+
+BASE = ModelConfig(
+    architecture="llama", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16,
+    ffn_hidden=96, vocab_size=100, context_length=64, norm_eps=1e-5, rope_theta=10000.0,
+)  # fmt: skip
+FAMILIES = {
+    "llama": BASE,
+    "qwen2-bias": replace(BASE, qkv_bias=True),
+    "qwen3-qk-norm": replace(BASE, qk_norm=True),
+    "phi-partial-rotary": replace(BASE, rotary_dim=8),
+    "gemma-gelu-ring": replace(
+        BASE, qk_norm=True, activation="gelu_tanh", query_scale=0.3, sliding_window=4,
+        local_layers=(0,), local_rope_theta=1000.0,
+    ),
+}  # fmt: skip
+SLICES = {
+    "whole": Slice((0, 4), (0, 2), (0, 96)),
+    "a group": Slice((2, 4), (1, 2), (40, 96)),
+    "heads split in a group": Slice((1, 2), (0, 1), (0, 8)),
+    "no attention": Slice((0, 0), (0, 0), (0, 96)),
+}
+
+
+def _slice(config: ModelConfig, s: Slice, seed: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(config.n_layers):
+        full = {
+            n: torch.randn(shape, generator=gen) * 0.3
+            for n, shape in full_layer_shapes(config).items()
+        }
+        layers.append(cut_layer(config, full, s))
+    return layers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("part", SLICES)
+def test_native_blocks_equal_the_numpy_blocks(family, part):
+    """Three sequences decoding side by side, past a local layer's window: every partial of
+    both blocks as NumPy computes it, and the same keys and values in the cache."""
+    config, s = FAMILIES[family], SLICES[part]
+    layers = _slice(config, s, 1)
+    ours, theirs = KVCache(config, s, 3, 16), KVCache(config, s, 3, 16)
+    blocks = admit(config, s, layers, ours.key_arrays, ours.value_arrays)
+    assert blocks is not None
+    rope = Rope(config, 16)
+    local = Rope(replace(config, rope_theta=config.local_rope_theta or 0.0), 16)
+    rng = np.random.default_rng(2)
+    for pos in range(7):
+        batch = StepBatch((0, 2, 1), (pos, pos + 2, pos + 1), (1, 1, 1))
+        cos_sin = rope.rows(batch.starts)
+        local_cos_sin = local.rows(batch.starts) if config.local_rope_theta else None
+        blocks.begin_step(batch, cos_sin, local_cos_sin)
+        h = rng.standard_normal((3, config.hidden), dtype=np.float32)
+        for i in range(config.n_layers):
+            own = local_cos_sin if config.is_local(i) and local_cos_sin else cos_sin
+            window = config.sliding_window if config.is_local(i) else None
+            want = attention_rows(
+                h, layers[i], s, config, own, theirs.key_arrays[i], theirs.value_arrays[i],
+                batch, window,
+            )  # fmt: skip
+            np.testing.assert_allclose(blocks.attention(i, h), want, rtol=1e-4, atol=1e-5)
+            want = ffn_rows(h, layers[i], config)
+            np.testing.assert_allclose(blocks.ffn(i, h), want, rtol=1e-4, atol=1e-5)
+    for i in range(config.n_layers):
+        np.testing.assert_allclose(ours.key_arrays[i], theirs.key_arrays[i], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ours.value_arrays[i], theirs.value_arrays[i], atol=1e-6)
+
+
+def test_a_slice_in_another_dtype_runs_on_numpy():
+    layers = [{k: v.half() if k.startswith("w") else v for k, v in w.items()}
+              for w in _slice(BASE, SLICES["whole"], 3)]  # fmt: skip
+    cache = KVCache(BASE, SLICES["whole"], 1, 8)
+    assert admit(BASE, SLICES["whole"], layers, cache.key_arrays, cache.value_arrays) is None
+
+
+@pytest.fixture
+def link():
+    """A master's ROUTER and a worker's DEALER on a random loopback port."""
+    context = zmq.Context()
+    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    for sock in (router, dealer):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.setsockopt(zmq.IDENTITY, b"w1")
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    dealer.send(b"hello")
+    assert router.recv_multipart() == [b"w1", b"hello"]
+    yield router, dealer
+    router.close(0)
+    dealer.close(0)
+    context.term()
+
+
+def test_the_worker_loop_answers_steps_and_hands_back_the_rest(link):
+    router, dealer = link
+    config, s = BASE, SLICES["a group"]
+    cache = KVCache(config, s, 2, 16)
+    blocks = NativeBlocks(config, s, _slice(config, s, 4), cache.key_arrays, cache.value_arrays)
+    reference = NativeBlocks(config, s, blocks.layers, *(
+        [a.copy() for a in arrays] for arrays in (cache.key_arrays, cache.value_arrays)
+    ))  # fmt: skip
+    batch = StepBatch((0, 1), (3, 5), (1, 1))
+    rope = Rope(config, 16)
+    for b in (blocks, reference):
+        b.begin_step(batch, rope.rows(batch.starts), None)
+    hop = WorkerHop(dealer, blocks)
+    hop.begin_step(batch.size)
+    h = np.random.default_rng(5).standard_normal((2, config.hidden), dtype=np.float32)
+
+    assert hop.serve(20) == TIMEOUT  # nothing sent yet
+    router.send_multipart(
+        [b"w1", *P.encode({"op": P.STEP, "step": 7, "layer": 0, "block": P.FFN}, (h,))]
+    )
+    router.send_multipart(
+        [b"w1", *P.encode({"op": P.STEP, "step": 7, "layer": 1, "block": P.ATTENTION}, (h,))]
+    )
+    bye = [msgpack.packb({"op": P.BYE, "reason": "test"})]
+    router.send_multipart([b"w1", *bye])
+    assert hop.serve(2000) == FOREIGN  # two partials sent, the BYE held for Python
+    assert hop.frames() == bye
+    for block, want in ((P.FFN, reference.ffn(0, h)), (P.ATTENTION, reference.attention(1, h))):
+        identity, *frames = router.recv_multipart()
+        header, (partial,) = P.decode(frames)
+        assert identity == b"w1"
+        assert {k: header[k] for k in ("op", "step", "block")} == {
+            "op": P.PARTIAL, "step": 7, "block": block,
+        }  # fmt: skip
+        assert isinstance(header["compute"], float) and header["compute"] > 0
+        np.testing.assert_array_equal(partial, want)
+    assert hop.state.blocks == 2
+
+    # The last layer's FFN carries the step's figures: Python's, as is a step with its batch.
+    for header in (
+        {"op": P.STEP, "step": 7, "layer": config.n_layers - 1, "block": P.FFN},
+        {"op": P.STEP, "step": 8, "layer": 0, "block": P.ATTENTION, "batch": batch.to_dict()},
+    ):
+        frames = P.encode(header, (h,))
+        router.send_multipart([b"w1", *frames])
+        assert hop.serve(2000) == FOREIGN
+        assert hop.frames() == [bytes(f) for f in frames]
+    hop.close()
