@@ -45,7 +45,6 @@ class Held(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("dropped", ctypes.c_int64),
     ]
-    _align_ = 8
 
 
 class Worker(ctypes.Structure):
