@@ -51,6 +51,15 @@ void hop_init(void *init, void *recv, void *data, void *size, void *more, void *
     msg_gets = gets;
 }
 
+// A signal for Python (Ctrl-C) interrupts a send: send again, and let Python see the signal
+// when this call returns, rather than take it for a peer that is gone.
+static int send_frame(void *sock, const void *buf, size_t n, int flags) {
+    int rc;
+    do rc = zsend(sock, buf, n, flags);
+    while (rc < 0 && errno == EINTR);
+    return rc;
+}
+
 enum { HOP_DONE = 0, HOP_TIMEOUT = 1, HOP_FOREIGN = 2, HOP_SEND_FAILED = 3, HOP_ERROR = 4 };
 #define HELD 8
 
@@ -312,7 +321,7 @@ int hop_serve(hop_worker *w, long timeout_ms) {
         w->compute_s += compute;
         w->blocks++;
         size_t n = header(buf, sizeof buf, "partial", p.step, p.layer, p.ffn, &compute, w->B, w->D);
-        if (zsend(w->sock, buf, n, ZMQ_SNDMORE) < 0 || zsend(w->sock, w->out, bytes, 0) < 0)
+        if (send_frame(w->sock, buf, n, ZMQ_SNDMORE) < 0 || send_frame(w->sock, w->out, bytes, 0) < 0)
             return HOP_ERROR;
         release(m);
     }
@@ -359,8 +368,9 @@ int hop_run(hop_hub *hb, long timeout_ms) {
             }
             hb->sent_at = now();
             for (int64_t i = 0; i < hb->n_workers; i++) {
-                if (zsend(hb->sock, hb->ids[i], (size_t)hb->id_lens[i], ZMQ_SNDMORE) < 0 ||
-                    zsend(hb->sock, head, n, ZMQ_SNDMORE) < 0 || zsend(hb->sock, hb->h, bytes, 0) < 0) {
+                if (send_frame(hb->sock, hb->ids[i], (size_t)hb->id_lens[i], ZMQ_SNDMORE) < 0 ||
+                    send_frame(hb->sock, head, n, ZMQ_SNDMORE) < 0 ||
+                    send_frame(hb->sock, hb->h, bytes, 0) < 0) {
                     hb->failed = i;
                     return HOP_SEND_FAILED;
                 }
