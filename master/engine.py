@@ -40,6 +40,7 @@ from models.layers import (
 )
 from models.rows_native import NativeBlocks
 from models.source import ModelSource
+from node import hop
 from node.device import Shape, matrix_shapes, prepare
 from node.executor import Hidden, make_executor
 from node.kvcache import KVCache
@@ -247,8 +248,11 @@ class Engine:
 
     def _native_layers(self) -> NativeBlocks | None:
         """This step's layers run as one native loop with the workers (node/hop.py) when it is
-        a decode step this process's one slice runs natively, with no post-block norms."""
+        a decode step this process's one slice runs natively, with no post-block norms, on a
+        device that builds the loop."""
         if self.remote is None or len(self.executors) != 1 or self.post_norms is not None:
+            return None
+        if not hop.available():
             return None
         ex = self.executors[0]
         return ex.native if ex.native_step else None

@@ -26,7 +26,7 @@ import torch
 
 from models.cbuild import built
 from models.config import ModelConfig
-from models.layers import MATRICES, Slice, StepBatch, attention_rows, ffn_rows
+from models.layers import MATRICES, Rope, Slice, StepBatch, attention_rows, ffn_rows
 from models.quant import block_format
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,6 @@ class NativeBlocks:
             )  # fmt: skip
         self.step = Step()
         self._held: tuple[np.ndarray, ...] = ()
-        self.out = np.zeros((MAX_ROWS, config.hidden), np.float32)
 
     def begin_step(
         self,
@@ -239,8 +238,6 @@ class NativeBlocks:
         """Compare this build's partials with the NumPy path's on layer 0 for a random row at a
         few positions (slot 0, whose cache a first request fills anew); None when they agree,
         else what differed."""
-        from models.layers import Rope
-
         config = self.config
         rope = Rope(config, max(4, keys[0].shape[2]))
         rng = np.random.default_rng(0)
@@ -270,7 +267,6 @@ class NativeBlocks:
         finally:
             keys[0][0], values[0][0] = saved
         return None
-
 
     def _time(
         self, s: Slice, h: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray], rope: Any

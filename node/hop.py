@@ -18,7 +18,7 @@ import numpy as np
 import zmq
 
 from models.cbuild import built
-from models.rows_native import NativeBlocks
+from models.rows_native import MAX_ROWS, NativeBlocks
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,20 @@ class Hub(ctypes.Structure):
 
 
 _lib: ctypes.CDLL | None = None
+_unavailable: str | None = None  # why the library cannot be had here, once found out
+
+
+def available() -> bool:
+    """Whether this device runs the native loops (a C compiler, and a libzmq to call); the
+    reason is logged once when it does not, and the Python path serves instead."""
+    global _unavailable
+    if _lib is None and _unavailable is None:
+        try:
+            load()
+        except (RuntimeError, OSError, AttributeError) as exc:
+            _unavailable = str(exc)
+            log.info("decode steps' messages go through Python: %s", exc)
+    return _lib is not None
 
 
 def load() -> ctypes.CDLL:
@@ -131,13 +145,9 @@ def _libzmq_path() -> str:
     raise RuntimeError("cannot find the libzmq pyzmq loaded")
 
 
-def _held_frames(lib: ctypes.CDLL, msg: Held) -> list[bytes]:
-    """The message C would not take, as the frames Python's path reads; its memory released."""
-    return _held(lib, msg)[0]
-
-
 def _held(lib: ctypes.CDLL, msg: Held) -> tuple[list[bytes], str]:
-    """The held message's frames, and the address of the peer it came from ("" if unknown)."""
+    """The message C would not take, as the frames Python's path reads (its memory released),
+    and the address of the peer it came from ("" if unknown)."""
     address = ctypes.addressof(msg)
     count = lib.hop_frames(address)
     if count < 0:
@@ -171,7 +181,7 @@ class WorkerHop:
         self.blocks = blocks
         self.table = _table(blocks)
         config = blocks.config
-        self.inp = np.zeros((len(blocks.out), config.hidden), np.float32)
+        self.inp = np.zeros((MAX_ROWS, config.hidden), np.float32)
         self.out = np.zeros_like(self.inp)
         self.state = Worker(
             sock=sock.underlying,
@@ -198,7 +208,7 @@ class WorkerHop:
         return seconds
 
     def frames(self) -> list[bytes]:
-        return _held_frames(self.lib, self.state.msg)
+        return _held(self.lib, self.state.msg)[0]
 
     def close(self) -> None:
         self.lib.hop_release(ctypes.addressof(self.state.msg))
@@ -218,8 +228,8 @@ class HubHop:
         self._ids = [ctypes.create_string_buffer(i, len(i)) for i in identities]
         self._id_ptrs = (ctypes.c_void_p * max(n, 1))(*(ctypes.addressof(b) for b in self._ids))
         self._id_lens = np.array([len(i) for i in identities] or [0], np.int64)
-        self.own = np.zeros((len(blocks.out), config.hidden), np.float32)
-        self.partials = np.zeros((max(n, 1), len(blocks.out), config.hidden), np.float32)
+        self.own = np.zeros((MAX_ROWS, config.hidden), np.float32)
+        self.partials = np.zeros((max(n, 1), MAX_ROWS, config.hidden), np.float32)
         self.received = np.zeros(max(n, 1), np.uint8)
         self.allreduce = np.zeros(2 * config.n_layers, np.float64)
         self.h = np.zeros((1, config.hidden), np.float32)

@@ -32,6 +32,7 @@ from node.device import prepare
 from node.executor import Hidden, SliceExecutor, make_executor
 from node.heartbeat import DEAD_AFTER, HeartbeatClient
 from node.hop import ERROR, FOREIGN, WorkerHop
+from node.hop import available as hop_available
 from node.kvcache import KVCache
 from node.security import JoinToken, fingerprint, save_node_token, secure_client
 
@@ -450,14 +451,10 @@ class Worker:
 
 
 def _native_loop(sock: zmq.Socket, executor: SliceExecutor) -> WorkerHop | None:
-    """The native per-sum loop for a slice with native blocks, if this device builds it."""
-    if executor.native is None:
+    """The native per-sum loop for a slice with native blocks, where this device runs it."""
+    if executor.native is None or not hop_available():
         return None
-    try:
-        return WorkerHop(sock, executor.native)
-    except (RuntimeError, OSError) as exc:
-        log.info("decode steps are served from Python: %s", exc)
-        return None
+    return WorkerHop(sock, executor.native)
 
 
 @dataclass(frozen=True)

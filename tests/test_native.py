@@ -162,3 +162,21 @@ def test_the_worker_loop_answers_steps_and_hands_back_the_rest(link):
         assert hop.serve(2000) == FOREIGN
         assert hop.frames() == [bytes(f) for f in frames]
     hop.close()
+
+
+def test_a_device_without_the_native_loop_says_why_and_serves_from_python(monkeypatch, caplog):
+    """No libzmq to call (pyzmq built with it inside its own module, say): the loop is not
+    available, once logged, and the engine and the worker keep their Python path."""
+    import node.hop as hop
+
+    def missing() -> str:
+        raise RuntimeError("cannot find the libzmq pyzmq loaded")
+
+    monkeypatch.setattr(hop, "_lib", None)
+    monkeypatch.setattr(hop, "_unavailable", None)
+    monkeypatch.setattr(hop, "_libzmq_path", missing)
+    with caplog.at_level("INFO", logger="node.hop"):
+        assert not hop.available() and not hop.available()
+    assert [r.getMessage() for r in caplog.records] == [
+        "decode steps' messages go through Python: cannot find the libzmq pyzmq loaded"
+    ]
