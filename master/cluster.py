@@ -45,6 +45,7 @@ class Member:
     rejoin: bool = True  # once dropped, whether to ask it to join again (not if it is too small)
     window: int | None = None  # layers of its slice in memory, as planned
     slice: dict[str, list[int]] | None = None  # its share of every layer, as planned
+    head_rows: int = 0  # its rows of the lm_head, as planned
     # Its latest step's figures (loader, memory), and every step's since the last clear.
     figures: dict[str, Any] = field(default_factory=dict)
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=FIGURES_KEPT))
@@ -287,6 +288,10 @@ class Hub:
         for k, member in enumerate(self.members, start=1):
             member.window = windows[k] if windows else None
             member.slice = manifest.slices[k]
+            member.head_rows = 0
+            if manifest.heads:
+                a, b = manifest.head_rows[k]
+                member.head_rows = b - a
             welcome = {
                 "op": P.WELCOME,
                 "node": k,
@@ -299,6 +304,8 @@ class Hub:
                 "window": member.window,
                 "heartbeat_port": self.heartbeat.port,
             }
+            if manifest.heads:
+                welcome["head"] = {"rows": manifest.head_rows[k], **vars(manifest.heads[k - 1])}
             self._send(member.identity, welcome)
         welcomed = time.monotonic()
         deadline = welcomed + timeout
@@ -346,6 +353,18 @@ class Hub:
             raise
         self._take_figures(figures)
         return total
+
+    def gather_rows(self, layer: int, local_compute: float = 0.0) -> list[np.ndarray]:
+        """Every member's logits for the HEAD just sent (as `layer`), in member order."""
+        names = {m.identity: m.name for m in self.members}
+        widths = {m.identity: m.head_rows for m in self.members}
+        try:
+            return self.transport.gather_rows(
+                names, widths, layer, self._handle_control, local_compute
+            )
+        except NodeDown as lost:
+            self._lose(lost)
+            raise
 
     def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]:
         """Every layer of a decode step through the native loop (`Transport.decode_layers`):

@@ -44,7 +44,7 @@ from node import hop
 from node.device import Shape, matrix_shapes, prepare
 from node.executor import Hidden, make_executor
 from node.kvcache import KVCache
-from node.protocol import ATTENTION, FFN
+from node.protocol import ATTENTION, FFN, HEAD
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class Remote(Protocol):
     def send(self, block: str, layer: int, h: Hidden) -> None: ...
     def gather(self, block: str, layer: int, local_compute: float = 0.0) -> np.ndarray | None: ...
     def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]: ...
+    def gather_rows(self, layer: int, local_compute: float = 0.0) -> list[np.ndarray]: ...
 
 
 class Engine:
@@ -100,8 +101,14 @@ class Engine:
         embedding_scale: torch.Tensor | None = None,
         lm_head_scale: torch.Tensor | None = None,
         post_norms: torch.Tensor | None = None,
+        head_split: bool = False,
     ) -> None:
         self.config = config
+        # `lm_head` holds this process's rows of the head and the workers hold the rest
+        # (master.plan.head_rows): the head's logits are gathered like a block's partials.
+        self.head_split = head_split
+        if head_split and remote is None:
+            raise ValueError("a split lm_head needs the workers that hold the rest of it")
         # (2 n_layers, D): each block's summed output is normed before the residual (Gemma 3)
         self.post_norms = post_norms
         if config.post_norms and post_norms is None:
@@ -189,18 +196,24 @@ class Engine:
         executor = make_executor(config, s, layers, max_context, slots, freq)
         g = store.load(manifest.globals)
         head = "lm_head" if "lm_head" in g else "embedding"  # tied: the embedding is the head
+        lm_head, lm_head_scale = g[head], g.get(head + SCALE_SUFFIX)
+        if manifest.head_rows:  # its own rows (views: the globals' buffer is read whole)
+            a, b = manifest.head_rows[0]
+            lm_head = lm_head[a:b]
+            lm_head_scale = None if lm_head_scale is None else lm_head_scale[a:b]
         return cls(
             config,
             g["embedding"],
             g["final_norm"],
-            g[head],
+            lm_head,
             [executor],
             max_context,
             slots,
             remote,
             embedding_scale=g.get("embedding" + SCALE_SUFFIX),
-            lm_head_scale=g.get(head + SCALE_SUFFIX),
+            lm_head_scale=lm_head_scale,
             post_norms=g.get(POST_NORMS),
+            head_split=bool(manifest.head_rows),
         )
 
     @property
@@ -265,16 +278,28 @@ class Engine:
         return rms_norm_rows(out, w, eps) if isinstance(out, np.ndarray) else rms_norm(out, w, eps)
 
     def _head(self, h: Hidden, batch: StepBatch, all_logits: bool) -> torch.Tensor:
-        """Final norm and lm_head: this process's serial work at the end of every step."""
-        if isinstance(h, np.ndarray):  # batch.rows
-            x = rms_norm_rows(h, self.final_norm, self.config.norm_eps)
-            logits = torch.from_numpy(linear_rows(x, self.lm_head, scale=self.lm_head_scale))
-            return logits.unsqueeze(1) if all_logits else logits
-        if not all_logits:
-            last = torch.tensor(batch.lengths) - 1
-            h = h[torch.arange(batch.size), last]  # (B, D)
-        x = rms_norm(h, self.final_norm, self.config.norm_eps)
-        return linear(x, self.lm_head, scale=self.lm_head_scale)
+        """Final norm and lm_head: the end of every step. Logits (B, V), or (B, T, V)."""
+        eps = self.config.norm_eps
+        if isinstance(h, np.ndarray):  # batch.rows: (B, D)
+            x = torch.from_numpy(rms_norm_rows(h, self.final_norm, eps))
+            if all_logits:
+                x = x.unsqueeze(1)
+        else:
+            if not all_logits:
+                last = torch.tensor(batch.lengths) - 1
+                h = h[torch.arange(batch.size), last]  # (B, D)
+            x = rms_norm(h, self.final_norm, eps)
+        if not self.head_split:
+            return linear(x, self.lm_head, scale=self.lm_head_scale)
+        # Every node's rows of the vocabulary at once: the workers' as a block's partials.
+        assert self.remote is not None
+        rows = np.ascontiguousarray(x.reshape(-1, x.shape[-1]).numpy(), dtype=np.float32)
+        layer = self.config.n_layers
+        self.remote.send(HEAD, layer, rows)
+        started = time.perf_counter()
+        own = linear_rows(rows, self.lm_head, scale=self.lm_head_scale)
+        others = self.remote.gather_rows(layer, time.perf_counter() - started)
+        return torch.from_numpy(np.concatenate([own, *others], axis=1)).view(*x.shape[:-1], -1)
 
     def _record_figures(self, times: dict[str, float]) -> None:
         """The step's figures: the loader's and memory's (as workers report theirs), and where

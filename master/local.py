@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from master.cluster import Hub
 from master.engine import Engine
-from master.plan import plan_slices
+from master.plan import head_rows, plan_slices
 from master.session import Session
 from master.transport import ClusterError
 from memory.budget import ALL_RESIDENT, MemoryOptions
@@ -224,8 +224,10 @@ def local_session(
     set_threads(threads)  # workers of a device with a CPU quota take that device's threads
     # One device: every node's kernels are checked in one child now (each node would check its
     # own, one after another, each importing torch again); the workers then read the table.
-    plan = plan_slices(source.config, capacities or [1.0] * nodes)
-    prepare(plan_shapes(source, plan, memory.dtype), install=False)
+    shares = capacities or [1.0] * nodes
+    plan = plan_slices(source.config, shares)
+    heads = head_rows(source.config, plan, shares)
+    prepare(plan_shapes(source, plan, memory.dtype, heads), install=False)
     hub = Hub(devices.master_host if devices else "127.0.0.1", 0, model_names=(source.name,))
     if devices:
         devices.start_links([hub.port, hub.heartbeat.port])

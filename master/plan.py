@@ -8,7 +8,9 @@ sockets. Shares follow capacity (largest remainder), not forced equal:
 - nodes > KV heads: query heads are split instead, and a slice holds a copy of each KV head its
   query heads read (the KV heads are replicated);
 - FFN intermediate columns are split in multiples of `FFN_ALIGN` where the size allows: a
-  block of quantized weights (models/quant.py) is 32 columns of the FFN's down projection.
+  block of quantized weights (models/quant.py) is 32 columns of the FFN's down projection;
+- the lm_head is split by vocabulary rows, so that each node's weights, its layers' and its
+  head rows', follow its capacity (`head_rows`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import math
 from collections.abc import Sequence
 
 from models.config import ModelConfig
-from models.layers import Slice, full_layer_shapes, kv_heads_for
+from models.layers import Slice, full_layer_shapes, kv_heads_for, slice_parts
 from models.quant import BLOCK, FORMATS
 
 FFN_ALIGN = BLOCK
-MASTER_FLOOR = 0.05  # of its own speed: a master too slow for any layer still keeps a slice
+HEAD_ALIGN = 64  # lm_head rows go to nodes in runs of this many
 # Bytes a weight takes in a shard, by shard dtype (int8's per-row scales: a rounding error).
 BYTES_PER_WEIGHT = {
     "f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0,
@@ -68,28 +70,39 @@ def plan_slices(config: ModelConfig, capacities: Sequence[float]) -> list[Slice]
     return [Slice(q, kv_heads_for(q, group), f) for q, f in zip(q_ranges, ffn_ranges, strict=True)]
 
 
-def with_master_head(
-    config: ModelConfig, speeds: Sequence[float], head_speed: float | None = None
-) -> list[float]:
-    """Capacities for the layers' split when the first node, the master, also multiplies the
-    lm_head alone at the end of every token, from each node's `speeds` for the layers and the
-    master's for its head (`head_speed`; default its speed for the layers).
+def head_rows(
+    config: ModelConfig, slices: Sequence[Slice], capacities: Sequence[float]
+) -> list[tuple[int, int]]:
+    """Each node's rows of the lm_head (its vocabulary range), in the order of `slices`.
 
-    A node's time is the weights it multiplies over its speed. With the layers' weights L, the
-    head's H, speeds c and the head's speed h, every node is busy equally long when a token takes
-    T = (L + c0 H / h) / sum(c): the master's layers then take c0 (T - H / h) of it and any other
-    node's c_i T, so the master's capacity for the layers is c0 - c0 H sum(c) / (h L + c0 H), the
-    others' as measured. (Weights are counted, not bytes: the head is taken to be stored as the
-    layers are.) For SmolLM2 the head is a fifth of a token's weights: on two equal devices the
-    master takes 37% of the layers. The head stays in memory, so a master whose layers stream
-    from a slow disk still multiplies it at its compute speed.
+    Whole heads split the layers only so finely (SmolLM2's 3 KV-head groups go 2:1 on two
+    devices), so the head's rows even out the rest: each node gets rows such that its weights,
+    layers and head together, follow its capacity, where the layers' uneven split allows. Rows
+    go in multiples of HEAD_ALIGN.
     """
-    per_layer = sum(math.prod(shape) for shape in full_layer_shapes(config).values())
-    layers = config.n_layers * per_layer  # the norms and biases in it: a rounding error
-    head = config.vocab_size * config.hidden
-    c0, h = speeds[0], head_speed or speeds[0]
-    master = c0 - c0 * head * sum(speeds) / (h * layers + c0 * head)
-    return [max(master, MASTER_FLOOR * c0), *speeds[1:]]
+    per_node = [config.n_layers * _layer_weights(config, s) for s in slices]
+    units = -(-config.vocab_size // HEAD_ALIGN)
+    total = sum(per_node) / config.hidden / HEAD_ALIGN + units  # in units of head rows
+    wanted = [max(total * c / sum(capacities) - w / config.hidden / HEAD_ALIGN, 0.0)
+              for c, w in zip(capacities, per_node, strict=True)]  # fmt: skip
+    if not any(wanted):  # the layers alone are already out of balance: split by capacity
+        wanted = list(capacities)
+    # Every node at least one run where there are enough: a node with no rows would still be
+    # asked for its (empty) logits, and one run is within the balance anyway.
+    least = 1 if units >= len(slices) else 0
+    counts = proportional_counts(units - least * len(slices), [w or 1e-12 for w in wanted])
+    counts = [c + least for c in counts]
+    return [(a, min(b, config.vocab_size)) for a, b in _ranges(counts, HEAD_ALIGN)]
+
+
+def _layer_weights(config: ModelConfig, s: Slice) -> int:
+    """The weights of one layer a slice holds (`slice_parts`' rows times columns)."""
+    full = full_layer_shapes(config)
+    return sum(
+        p.n_rows * (p.cols[1] - p.cols[0] if p.cols else math.prod(full[p.source][1:]))
+        for parts in slice_parts(config, s).values()
+        for p in parts
+    )
 
 
 def with_disk_reads(

@@ -13,7 +13,7 @@ import torch
 
 from master.cluster import Hub, Member
 from master.engine import Engine, context_size
-from master.plan import BYTES_PER_WEIGHT, plan_slices, with_disk_reads, with_master_head
+from master.plan import BYTES_PER_WEIGHT, head_rows, plan_slices, with_disk_reads
 from master.splitter import model_identity, split_model
 from master.transport import ClusterError
 from memory.budget import (
@@ -139,9 +139,11 @@ def _cluster_engine(
     """
     context = context_size(source.config, max_context)
     slices = plan_slices(source.config, capacities)
+    # With workers, each node multiplies its rows of the lm_head: not the master alone, serially
+    heads = head_rows(source.config, slices, capacities) if hub and hub.members else None
     store = ShardStore(state_dir / "shards")
     split_progress = (lambda d, t: progress("splitting", d, t)) if progress else None
-    manifest = split_model(source, slices, store, split_progress, memory.dtype)
+    manifest = split_model(source, slices, store, split_progress, memory.dtype, heads)
     try:
         plans = memory_plans(manifest, hub, context, slots, memory)
     except ModelError as exc:  # tell the workers why, or they only see the master go
@@ -190,11 +192,12 @@ def memory_plans(
             config.n_layers,
             KVCache.bytes_per_token(config, s, torch.float32) * slots,
             ctx,
-            fixed_bytes=rings + (manifest.globals.size if k == 0 else 0),
+            fixed_bytes=rings + (manifest.globals.size if k == 0 else manifest.head_size(k)),
             window=windows[k],
             who=names[k],
             fixed_what=" and ".join(
                 (["the embedding and lm_head"] if k == 0 else [])
+                + (["its rows of the lm_head"] if k and manifest.head_size(k) else [])
                 + (["the local layers' KV rings"] if rings else [])
             ),
         )
@@ -343,7 +346,6 @@ class Session:
             )
         devices = [self._master_capacity, *(m.capacity for m in members)]
         speeds = [c.score() for c in devices]
-        head_speed = speeds[0]  # the head is resident: multiplied at compute speed
         if any(c.disk for c in devices):  # some may stream their slice: their disks count
             speeds = with_disk_reads(
                 speeds,
@@ -352,10 +354,10 @@ class Session:
                 [c.window is not None and c.window < self.config.n_layers for c in devices],
                 *layers_size(self.source, self.memory.dtype),
             )
-        record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}.json"
-        return keep_last_plan(
-            self.state_dir / "plans" / record, with_master_head(self.config, speeds, head_speed)
-        )
+        # (named apart from the plans kept while the master multiplied the whole lm_head, whose
+        # smaller master shares would otherwise be kept)
+        record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}-head-split.json"
+        return keep_last_plan(self.state_dir / "plans" / record, speeds)
 
     def close(self, reason: str = "master shutting down") -> None:
         """Let go of the engine and say BYE to the workers; safe to call twice."""

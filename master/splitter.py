@@ -32,10 +32,17 @@ def model_identity(source: ModelSource) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def plan_key(identity: str, slices: Sequence[Slice], dtype: str = "f32") -> str:
+def plan_key(
+    identity: str,
+    slices: Sequence[Slice],
+    dtype: str = "f32",
+    head_rows: Sequence[tuple[int, int]] | None = None,
+) -> str:
     parts: list = [identity, [s.to_dict() for s in slices]]
     if dtype != "f32":  # f32 keys stay as they were: existing caches remain valid
         parts.append(dtype)
+    if head_rows:
+        parts.append([list(r) for r in head_rows])
     text = json.dumps(parts)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -49,8 +56,11 @@ def split_model(
     store: ShardStore,
     progress: Progress | None = None,
     dtype: str = "f32",
+    head_rows: Sequence[tuple[int, int]] | None = None,
 ) -> Manifest:
     """Shards for every (node, layer) and the master's globals; reused when already split.
+    With `head_rows` (one vocabulary range per node), every node but the master also gets a
+    shard of its rows of the lm_head.
 
     `dtype` (one of `DTYPE_CHOICES`) is how the matrices and the embedding/lm_head are stored;
     norms and biases stay float32. Tensors are read a band of rows at a time and every node's
@@ -60,10 +70,11 @@ def split_model(
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"unknown shard dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
     identity = model_identity(source)
-    manifest_path = store.root / "manifests" / f"{plan_key(identity, slices, dtype)}.json"
+    key = plan_key(identity, slices, dtype, head_rows)
+    manifest_path = store.root / "manifests" / f"{key}.json"
     if manifest_path.is_file():
         manifest = Manifest.from_json(manifest_path.read_text())
-        refs = [r for node in manifest.nodes for r in node] + [manifest.globals]
+        refs = [r for node in manifest.nodes for r in node] + [manifest.globals, *manifest.heads]
         if all(store.path(r).is_file() and store.path(r).stat().st_size == r.size for r in refs):
             return manifest
 
@@ -86,6 +97,11 @@ def split_model(
         for n in source.global_names()
     }
     (globals_ref,) = _write(source, None, [whole], store)
+    heads: list[ShardRef] = []
+    if head_rows:  # the workers' rows of the lm_head (a tied model's embedding)
+        name = "embedding" if config.tied_embeddings else "lm_head"
+        rows = [_Fused("lm_head", (Part(name, r),), head) for r in head_rows[1:]]
+        heads = _write(source, None, [{"lm_head": f} for f in rows], store)
     if progress:
         progress(total, total)
     manifest = Manifest(
@@ -95,6 +111,8 @@ def split_model(
         slices=[s.to_dict() for s in slices],
         nodes=nodes,
         globals=globals_ref,
+        head_rows=[list(r) for r in head_rows or []],
+        heads=heads,
     )
     manifest.extra["dtype"] = dtype
     freq = source.rope_freq_factors()

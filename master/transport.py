@@ -202,6 +202,41 @@ class Transport:
 
         `local_compute` is how long the master spent on its own partial meanwhile.
         """
+        partials, figures = self._collect(names, block, layer, handle, local_compute)
+        if not partials:
+            return None, figures
+        # A fixed order: the same sum whichever partial came first. The partials are read-only
+        # views of the messages; the sum is a new array.
+        first, *rest = partials
+        total = first.copy()
+        for p in rest:
+            total += p
+        return total, figures
+
+    def gather_rows(
+        self,
+        names: Mapping[bytes, str],
+        widths: Mapping[bytes, int],
+        layer: int,
+        handle: Handler,
+        local_compute: float = 0.0,
+    ) -> list[np.ndarray]:
+        """The workers' logits for the HEAD just sent, in the order of `names`: each (R, its
+        `widths` rows of the lm_head)."""
+        partials, _ = self._collect(names, P.HEAD, layer, handle, local_compute, widths)
+        return partials
+
+    def _collect(
+        self,
+        names: Mapping[bytes, str],
+        block: str,
+        layer: int,
+        handle: Handler,
+        local_compute: float,
+        widths: Mapping[bytes, int] | None = None,
+    ) -> tuple[list[np.ndarray], dict[bytes, dict[str, Any]]]:
+        """Every worker's partial for the block just sent, in the order of `names`, and the
+        step figures any of them reported."""
         waiting = dict(names)
         slowest = local_compute
         partials: dict[bytes, np.ndarray] = {}
@@ -217,22 +252,17 @@ class Transport:
                     raise ClusterError(f"no partials within {STEP_TIMEOUT:.0f} s")
                 continue
             identity, header, tensors = msg
-            partial = self._arrived(identity, header, tensors, names, waiting, block, layer, handle)
+            partial = self._arrived(
+                identity, header, tensors, names, waiting, block, layer, handle, widths
+            )
             if partial is not None:
                 partials[identity], compute = partial
                 if isinstance(header.get("figures"), dict):
                     figures[identity] = header["figures"]
                 slowest = max(slowest, compute)
-        if not names:
-            return None, figures
-        self.allreduce_seconds.append(time.perf_counter() - self._sent_at - slowest)
-        # A fixed order: the same sum whichever partial came first. The partials are read-only
-        # views of the messages; the sum is a new array.
-        first, *rest = (partials[identity] for identity in names)
-        total = first.copy()
-        for p in rest:
-            total += p
-        return total, figures
+        if names and widths is None:  # a sum's (the head's logits are not summed)
+            self.allreduce_seconds.append(time.perf_counter() - self._sent_at - slowest)
+        return [partials[identity] for identity in names], figures
 
     def _arrived(
         self,
@@ -244,16 +274,21 @@ class Transport:
         block: str,
         layer: int,
         handle: Handler,
+        widths: Mapping[bytes, int] | None = None,
     ) -> tuple[np.ndarray, float] | None:
         """A message that came while partials were due: a partial for this block from a node
         still `waiting` (taken off it) with its compute time; None for anything else, which is
-        handled (or raised: a node that failed or sent nonsense)."""
+        handled (or raised: a node that failed or sent nonsense). A partial has the shape of
+        what was sent, or (rows sent, the node's `widths`) for a HEAD."""
         op = header["op"]
         if op == P.PARTIAL:
             key = (header.get("step"), header.get("layer"), header.get("block"))
             if key != (self._step, layer, block) or identity not in waiting:
                 return None  # left over from a failed step
-            if len(tensors) != 1 or tensors[0].shape != self._sent_shape:
+            shape = self._sent_shape
+            if widths is not None:
+                shape = (*shape[:-1], widths[identity])
+            if len(tensors) != 1 or tensors[0].shape != shape:
                 got = [t.shape for t in tensors]
                 raise NodeDown(
                     identity, f"node {waiting[identity]} sent a malformed partial ({got})"

@@ -280,7 +280,8 @@ class Manifest:
     """What a split produced: the model, the plan, and every shard with its hash.
 
     `nodes[k][i]` is node k's shard of layer i; `globals` holds the embedding, final norm and
-    lm_head, which stay on the master.
+    lm_head, which stay on the master. With workers, node k multiplies rows `head_rows[k]` of
+    the lm_head: the master from its globals, worker k from its shard `heads[k - 1]`.
     """
 
     model: str
@@ -290,6 +291,12 @@ class Manifest:
     nodes: list[list[ShardRef]]
     globals: ShardRef
     extra: dict[str, Any] = field(default_factory=dict)
+    head_rows: list[list[int]] = field(default_factory=list)  # empty: the master's, all of it
+    heads: list[ShardRef] = field(default_factory=list)
+
+    def head_size(self, node: int) -> int:
+        """Bytes of worker `node`'s rows of the lm_head (0 where the head is not split)."""
+        return self.heads[node - 1].size if self.heads else 0
 
     def to_json(self) -> str:
         return json.dumps(
@@ -301,6 +308,8 @@ class Manifest:
                 "nodes": [[vars(r) for r in node] for node in self.nodes],
                 "globals": vars(self.globals),
                 "extra": self.extra,
+                "head_rows": self.head_rows,
+                "heads": [vars(r) for r in self.heads],
             },
             indent=1,
         )
@@ -316,4 +325,6 @@ class Manifest:
             nodes=[[ShardRef(**r) for r in node] for node in d["nodes"]],
             globals=ShardRef(**d["globals"]),
             extra=d.get("extra", {}),
+            head_rows=d.get("head_rows", []),
+            heads=[ShardRef(**r) for r in d.get("heads", [])],
         )

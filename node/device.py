@@ -454,12 +454,19 @@ def matrix_shapes(
     return shapes
 
 
-def plan_shapes(source: ModelSource, slices: Sequence[Slice], dtype: str) -> list[Shape]:
-    """Every matrix a plan's nodes multiply, the master's lm_head included, stored as the split
-    stores them for `dtype`: cut from shape-only tensors by the one function that cuts layers."""
+def plan_shapes(
+    source: ModelSource,
+    slices: Sequence[Slice],
+    dtype: str,
+    head_rows: Sequence[tuple[int, int]] = (),
+) -> list[Shape]:
+    """Every matrix a plan's nodes multiply, the lm_head (whole, or each node's `head_rows`)
+    included, stored as the split stores them for `dtype`: cut from shape-only tensors by the
+    one function that cuts layers."""
     config = source.config
     full = {n: torch.empty(s, device="meta") for n, s in full_layer_shapes(config).items()}
-    shapes = [(source.head_dtype(dtype), config.vocab_size, config.hidden)]
+    heads = [b - a for a, b in head_rows if b > a] or [config.vocab_size]
+    shapes = [(source.head_dtype(dtype), rows, config.hidden) for rows in heads]
     layer_dtypes = {tuple(source.matrix_dtypes(i, dtype).items()) for i in range(config.n_layers)}
     for s in slices:
         cut = slice_layer(config, full, s)

@@ -11,7 +11,7 @@ import torch
 from memory.window import LayerWindow, ResidentLayers
 from models import rows_native
 from models.config import ModelConfig
-from models.kernels import leave_a_core_to_the_loader
+from models.kernels import SCALE_SUFFIX, leave_a_core_to_the_loader, linear_rows
 from models.layers import (
     MATRICES,
     Rope,
@@ -22,6 +22,7 @@ from models.layers import (
     ffn_partial,
     ffn_rows,
 )
+from models.quant import matrix_size
 from node.device import Shape, matrix_shapes
 from node.kvcache import KVCache
 
@@ -62,6 +63,27 @@ class SliceExecutor:
         # A decode step's blocks in one C call each, where this device admitted them.
         self.native: rows_native.NativeBlocks | None = None
         self.native_step = False  # the current step runs on them
+        # This node's rows of the lm_head, where the plan splits it (master.plan.head_rows).
+        self.lm_head: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def hold_head(self, tensors: dict[str, torch.Tensor], rows: tuple[int, int]) -> None:
+        """Take this node's `rows` of the lm_head, as its head shard holds them."""
+        w = tensors["lm_head"]
+        if matrix_size(w) != (rows[1] - rows[0], self.config.hidden):
+            raise ValueError(f"a head shard of {tuple(w.shape)} for lm_head rows {rows}")
+        self.lm_head = w, tensors.get("lm_head" + SCALE_SUFFIX)
+
+    def logits(self, rows: np.ndarray) -> np.ndarray:
+        """Final-normed rows (R, D) times this node's rows of the lm_head: (R, its rows)."""
+        if self.lm_head is None:
+            raise ValueError("this node was given no rows of the lm_head")
+        w, scale = self.lm_head
+        if not w.shape[0]:  # a vocabulary smaller than a run of rows per node
+            return np.zeros((rows.shape[0], 0), np.float32)
+        started = time.perf_counter()
+        out = linear_rows(rows, w, scale=scale)
+        self.weights.figures.compute_s += time.perf_counter() - started
+        return out
 
     def admit_native(self) -> None:
         """Run decode steps on native blocks if the slice is resident float32 and this
@@ -75,7 +97,11 @@ class SliceExecutor:
 
     def matrix_shapes(self) -> list[Shape]:
         """The (dtype, out, in) of the matrices this slice multiplies: what needs a kernel."""
-        return matrix_shapes(self.weights.specs(), MATRICES)
+        shapes = matrix_shapes(self.weights.specs(), MATRICES)
+        if self.lm_head is not None:
+            w = self.lm_head[0]
+            shapes += matrix_shapes({"lm_head": (w.dtype, tuple(w.shape))}, ["lm_head"])
+        return shapes
 
     def begin_step(self, batch: StepBatch) -> None:
         """Positions are the same for every layer of a step: look up RoPE tables once."""

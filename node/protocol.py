@@ -22,7 +22,7 @@ import zmq
 if TYPE_CHECKING:  # the CLI imports this module: no torch at start-up
     import torch
 
-PROTOCOL_VERSION = 2  # 2: a decode step's hidden state travels as rows (B, D)
+PROTOCOL_VERSION = 3  # 2: a decode step's hidden state travels as rows (B, D); 3: HEAD
 DEFAULT_PORT = 7470
 
 # node -> master
@@ -37,12 +37,15 @@ WELCOME = "welcome"  # {node, config, slice, shards, rope, context, slots}; agai
 REFUSE = "refuse"  # {reason}
 ACCEPTED = "accepted"  # {heartbeat_port}: joined; WELCOME follows once the master has planned
 CHUNK = "chunk"  # {sha256, offset, eof} + one bytes frame
-STEP = "step"  # {step, layer, block, batch?} + hidden state: decode (B, D), else (B, T, D)
+STEP = "step"  # {step, layer, block, batch?} + hidden state: decode (B, D), else (B, T, D);
+# block HEAD (layer n_layers): the final-normed rows (R, D), answered with the node's logits
+# (R, its rows of the lm_head) as the PARTIAL
 BYE = "bye"  # the master is shutting down or dropping this node
 # both ways
 HEARTBEAT = "heartbeat"
 
 ATTENTION, FFN = "attn", "ffn"  # the two blocks (two sums) of a layer
+HEAD = "head"  # the lm_head's rows, after the last layer
 
 HEARTBEAT_INTERVAL = 0.25  # seconds between heartbeats, each way
 HEARTBEAT_LIVENESS = 8  # missed heartbeats before a peer is taken for dead (2 s)

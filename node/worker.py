@@ -265,15 +265,19 @@ class Worker:
     def _load(self, welcome: Welcome) -> SliceExecutor:
         config, s, refs = welcome.config, welcome.slice, welcome.shards
         self.refs = refs
-        held = list(zip(refs, [self.store.checksum(r) for r in refs], strict=True))
+        head = [welcome.head[1]] if welcome.head else []
+        held = list(zip(refs + head, [self.store.checksum(r) for r in refs + head], strict=True))
         self._fetch_total = sum(r.size for r, checksum in held if checksum is None)
         verified = [self._fetch(r) if checksum is None else checksum for r, checksum in held]
+        verified = verified[: len(refs)]
         factors = welcome.rope_freq_factors
         freq = torch.tensor(factors) if factors else None
         paths = [self.store.path(r) for r in refs]
         weights = LayerWindow(paths, welcome.window or config.n_layers, self.drop_cache, verified)
         executor = make_executor(config, s, weights, welcome.context, welcome.slots, freq)
         try:
+            if welcome.head:
+                executor.hold_head(self.store.load(welcome.head[1]), welcome.head[0])
             prepare(executor.matrix_shapes())  # with the threads the executor settled on
         except Exception:
             executor.close()
@@ -373,7 +377,10 @@ class Worker:
                             hop.begin_step(batch.size if executor.native_step else 0)
                     started = time.perf_counter()
                     try:
-                        partial = self._partial(executor, block, layer, h)
+                        if block == P.HEAD:
+                            partial = executor.logits(h)
+                        else:
+                            partial = self._partial(executor, block, layer, h)
                     except ShardChanged as changed:  # nothing computed yet: fetch it, go on
                         self._fetch_again(changed)
                         executor.weights.retry(layer)
@@ -468,6 +475,7 @@ class Welcome:
     slots: int
     window: int | None
     rope_freq_factors: list[float] | None
+    head: tuple[tuple[int, int], ShardRef] | None = None  # its rows of the lm_head, their shard
 
 
 def read_welcome(header: dict[str, Any]) -> Welcome:
@@ -483,6 +491,7 @@ def read_welcome(header: dict[str, Any]) -> Welcome:
             int(header["slots"]),
             None if header.get("window") is None else int(header["window"]),
             header.get("rope_freq_factors"),
+            _head(header.get("head")),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise P.ProtocolError(f"a WELCOME without a usable plan ({exc!r})") from exc
@@ -492,6 +501,16 @@ def read_welcome(header: dict[str, Any]) -> Welcome:
             f"{welcome.context}, {welcome.slots} slots"
         )
     return welcome
+
+
+def _head(head: dict[str, Any] | None) -> tuple[tuple[int, int], ShardRef] | None:
+    """A WELCOME's rows of the lm_head and their shard, where the plan splits the head."""
+    if head is None:
+        return None
+    a, b = (int(v) for v in head["rows"])
+    if not 0 <= a <= b:
+        raise ValueError(f"lm_head rows {head['rows']!r}")
+    return (a, b), ShardRef(str(head["sha256"]), int(head["size"]))
 
 
 @dataclass(frozen=True)
@@ -540,9 +559,10 @@ def read_step(
         raise P.ProtocolError(f"a STEP without a usable header ({exc!r})") from exc
     if batch is None:
         raise P.ProtocolError("a STEP before any batch was given")
-    if not (isinstance(layer, int) and 0 <= layer < config.n_layers) or block not in (
-        P.ATTENTION,
-        P.FFN,
+    head = block == P.HEAD and layer == config.n_layers
+    if not head and (
+        not (isinstance(layer, int) and 0 <= layer < config.n_layers)
+        or block not in (P.ATTENTION, P.FFN)
     ):
         raise P.ProtocolError(f"a STEP for layer {layer!r}, block {block!r}")
     if not (
@@ -553,6 +573,9 @@ def read_step(
     ):  # fmt: skip
         raise P.ProtocolError(f"a STEP batch this node cannot hold: {batch}")
     shape = (batch.size, config.hidden) if batch.rows else (batch.size, batch.width, config.hidden)
+    if head:  # the final-normed rows the master takes logits of: one per sequence, or per token
+        rows = tensors[0].shape[0] if len(tensors) == 1 and tensors[0].ndim == 2 else 0
+        shape = (rows if 0 < rows <= batch.size * batch.width else -1, config.hidden)
     if len(tensors) != 1 or tensors[0].shape != shape or tensors[0].dtype != np.float32:
         got = [(t.dtype.name, t.shape) for t in tensors]
         raise P.ProtocolError(f"a STEP's hidden state is {got}, not one float32 {shape}")

@@ -86,6 +86,9 @@ def test_n_nodes_equal_one_node(smollm2, smollm2_tokenizer, single, shared_state
     ref_logits, ref_tokens = single
     with local_cluster(smollm2, capacities, shared_state) as (engine, hub, _):
         assert len(hub.members) == len(capacities) - 1
+        # every node multiplies its own rows of the lm_head, the master's the first ones
+        assert engine.head_split and all(m.head_rows > 0 for m in hub.members)
+        assert engine.lm_head.shape[0] + sum(m.head_rows for m in hub.members) == 49152
         logits = two_steps_logits(engine, smollm2_tokenizer)
         tokens = greedy_batch(engine, smollm2_tokenizer)
     if len(capacities) == 4:

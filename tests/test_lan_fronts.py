@@ -134,9 +134,9 @@ async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp
         assert sorted(n["name"] for n in figures["nodes"]) == ["dev-1", "dev-2", "master"]
         states = [(n["name"], n["ready"], n["share"]) for n in figures["nodes"]]
         # Every node ready, both devices planned in, the layers all placed. The master may take
-        # none of them: its speed is measured as the devices', and its lm_head counted against
-        # it (master.plan.with_master_head); three processes on two busy cores measure unevenly
-        # (seen: master 0.0, dev-2 0.5694, dev-1 0.4306).
+        # few of them: its speed is measured as the devices', and three processes on two busy
+        # cores measure unevenly (seen, when its lm_head was counted against it: master 0.0,
+        # dev-2 0.5694, dev-1 0.4306).
         assert all(ready for _, ready, _ in states), states
         shares = {name: share or 0 for name, _, share in states}
         assert shares["dev-1"] > 0 and shares["dev-2"] > 0, states

@@ -94,7 +94,7 @@ def _bad_step(rng: random.Random, n_layers: int, hidden: int, slots: int, contex
         [0, 0, 1],
         None,
     ]
-    faults = rng.sample(["layer", "block", "step", "batch", "hidden"], rng.randrange(1, 4))
+    faults = rng.sample(["layer", "block", "step", "batch", "hidden", "head"], rng.randrange(1, 4))
     for fault in faults:
         if fault == "layer":
             header["layer"] = rng.choice([-1, n_layers, 2**40, "0", None, 1.5, []])
@@ -104,6 +104,10 @@ def _bad_step(rng: random.Random, n_layers: int, hidden: int, slots: int, contex
             header["step"] = rng.choice([None, "x", [], {}])
         elif fault == "batch":
             header["batch"] = rng.choice(bad_batches)
+        elif fault == "head":  # the lm_head's rows: never more rows than the step has tokens
+            header["block"] = P.HEAD
+            header["layer"] = rng.choice([n_layers, n_layers, 0, n_layers - 1, n_layers + 1])
+            h = np.zeros(rng.choice([(2, hidden), (0, hidden), (1, hidden - 1)]), np.float32)
         else:
             h = rng.choice(
                 [
@@ -117,7 +121,7 @@ def _bad_step(rng: random.Random, n_layers: int, hidden: int, slots: int, contex
     if h is None:
         return [msgpack.packb(header, use_bin_type=True)]
     frames = _step_frames(header, h)
-    if rng.random() < 0.2:  # the frame does not hold what the header says
+    if rng.random() < 0.2 and frames[1]:  # the frame does not hold what the header says
         frames[1] = frames[1][: rng.randrange(len(frames[1]))]
     return frames
 
