@@ -80,10 +80,7 @@ class SliceExecutor:
         w, scale = self.lm_head
         if not w.shape[0]:  # a vocabulary smaller than a run of rows per node
             return np.zeros((rows.shape[0], 0), np.float32)
-        started = time.perf_counter()
-        out = linear_rows(rows, w, scale=scale)
-        self.weights.figures.compute_s += time.perf_counter() - started
-        return out
+        return linear_rows(rows, w, scale=scale)
 
     def admit_native(self) -> None:
         """Run decode steps on native blocks if the slice is resident float32 and this

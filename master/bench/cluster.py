@@ -298,7 +298,8 @@ def _where_time_goes(
     speculation: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """A decoded token's time, ms: in the layers' blocks (the slowest node's compute, and the
-    hops the allreduce adds beyond it: `decode_sums`), in the master's lm_head, in a draft
+    hops the allreduce adds beyond it: `decode_sums`), in the final norm and lm_head (with
+    workers, every node's rows of it and their round trip), in a draft
     model's forwards, and the master's other serial work (embedding, sampling, the generation
     loop). `decoded` tokens came of the decode steps (more than the steps, with speculation)."""
     master = per_node[0]
@@ -331,7 +332,7 @@ def _print_time(run: dict[str, Any]) -> None:
     drafting = f" + its draft model {t['drafting_ms']}" if t.get("drafting_ms") else ""
     print(
         f"  where a token's {t['ms_per_token']} ms go: layers {t['compute_ms']} (the slowest "
-        f"node's compute, block by block) + hops {t['hops_ms']} + the master's lm_head "
+        f"node's compute, block by block) + hops {t['hops_ms']} + the lm_head "
         f"{t['lm_head_ms']}{drafting} + its other serial work {t['other_master_ms']} "
         f"(embedding, sampling, the loop); each node's own layer compute: {nodes}"
     )
