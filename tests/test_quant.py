@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from master.plan import plan_slices
+from master.plan import head_rows, plan_slices
 from master.splitter import split_model
 from memory.shards import ShardStore
 from models import native
@@ -65,10 +65,11 @@ def test_a_width_that_is_not_whole_blocks_is_refused():
 def test_a_split_carries_the_file_s_blocks_without_a_float_round_trip(smollm2, tmp_path):
     """`auto` on SmolLM2's Q4_1 file: every node's matrices are the file's q4_1 blocks, cut by
     rows and whole blocks (the split reads bands; this cuts whole tensors), and the embedding
-    is the file's Q8_0 blocks."""
+    is the file's Q8_0 blocks, as is each worker's shard of its rows of the (tied) lm_head."""
     slices = plan_slices(smollm2.config, [1.0, 1.3, 0.7])
+    heads = head_rows(smollm2.config, slices, [1.0, 1.3, 0.7])
     store = ShardStore(tmp_path)
-    manifest = split_model(smollm2, slices, store, dtype="auto")
+    manifest = split_model(smollm2, slices, store, dtype="auto", head_rows=heads)
     for i in (0, smollm2.config.n_layers - 1):
         stored = smollm2.layer(i, blocks=True)
         assert {dtype_name(stored[n]) for n in ("q", "k", "v", "o", "gate", "up", "down")} == {
@@ -84,6 +85,11 @@ def test_a_split_carries_the_file_s_blocks_without_a_float_round_trip(smollm2, t
     assert np.array_equal(
         store.load(manifest.globals)["embedding"].numpy().reshape(embedding.shape), embedding
     )
+    assert manifest.head_rows == [list(r) for r in heads] and len(manifest.heads) == 2
+    for (a, b), ref in zip(heads[1:], manifest.heads, strict=True):
+        rows = store.load(ref)["lm_head"]
+        assert dtype_name(rows) == "q8_0" and b - a > 0
+        assert np.array_equal(rows.numpy().reshape(b - a, -1), embedding[a:b].reshape(b - a, -1))
 
 
 def _copy_gguf(path, metadata, tensors):
