@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -13,9 +16,13 @@ from master.plan import (
     proportional_counts,
     with_disk_reads,
 )
-from master.session import keep_last_plan
+from master.session import WorkerTooSmall, keep_last_plan, memory_plans
+from master.splitter import split_model
+from memory.budget import MemoryOptions
 from memory.files import measure_disk_read
+from memory.shards import ShardStore
 from models.config import ModelConfig
+from node.kvcache import KVCache
 
 SMOLLM2 = ModelConfig(
     architecture="llama",
@@ -166,3 +173,23 @@ def test_the_disk_probe_leaves_nothing_and_says_none_where_it_cannot_write(tmp_p
     assert list((tmp_path / "state").iterdir()) == []
     (tmp_path / "file").write_text("not a folder")
     assert measure_disk_read(tmp_path / "file" / "state") is None
+
+
+def test_a_worker_s_memory_plan_counts_its_rows_of_the_lm_head(smollm2, tmp_path):
+    """A worker's budget holds its rows of the lm_head besides its window and KV cache: one
+    that would hold two layers and the cache, but not the rows too, is refused, naming them."""
+    caps = [1.0, 1.0]
+    slices = plan_slices(smollm2.config, caps)
+    heads = head_rows(smollm2.config, slices, caps)
+    manifest = split_model(smollm2, slices, ShardStore(tmp_path), head_rows=heads)
+    assert manifest.head_size(1) > (heads[1][1] - heads[1][0]) * 576 * 4  # f32 rows
+    worker = SimpleNamespace(name="w", capacity=SimpleNamespace(memory_budget=0, window=None))
+    hub = SimpleNamespace(members=[worker])
+    two_layers = 2 * max(r.size for r in manifest.nodes[1])
+    cache = 64 * KVCache.bytes_per_token(smollm2.config, slices[1], torch.float32)
+    worker.capacity.memory_budget = two_layers + cache
+    with pytest.raises(WorkerTooSmall, match="its rows of the lm_head"):
+        memory_plans(manifest, hub, 256, 1, MemoryOptions())
+    worker.capacity.memory_budget = two_layers + cache + manifest.head_size(1)
+    _, plan = memory_plans(manifest, hub, 256, 1, MemoryOptions())
+    assert (plan.window, plan.context) == (2, 64)
