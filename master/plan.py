@@ -85,8 +85,6 @@ def head_rows(
     total = sum(per_node) / config.hidden / HEAD_ALIGN + units  # in units of head rows
     wanted = [max(total * c / sum(capacities) - w / config.hidden / HEAD_ALIGN, 0.0)
               for c, w in zip(capacities, per_node, strict=True)]  # fmt: skip
-    if not any(wanted):  # the layers alone are already out of balance: split by capacity
-        wanted = list(capacities)
     # Every node at least one run where there are enough: a node with no rows would still be
     # asked for its (empty) logits, and one run is within the balance anyway.
     least = 1 if units >= len(slices) else 0

@@ -491,7 +491,7 @@ def read_welcome(header: dict[str, Any]) -> Welcome:
             int(header["slots"]),
             None if header.get("window") is None else int(header["window"]),
             header.get("rope_freq_factors"),
-            _head(header.get("head")),
+            _read_head(header.get("head")),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise P.ProtocolError(f"a WELCOME without a usable plan ({exc!r})") from exc
@@ -503,7 +503,7 @@ def read_welcome(header: dict[str, Any]) -> Welcome:
     return welcome
 
 
-def _head(head: dict[str, Any] | None) -> tuple[tuple[int, int], ShardRef] | None:
+def _read_head(head: dict[str, Any] | None) -> tuple[tuple[int, int], ShardRef] | None:
     """A WELCOME's rows of the lm_head and their shard, where the plan splits the head."""
     if head is None:
         return None
