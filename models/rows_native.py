@@ -36,6 +36,12 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-lm")
 MAX_ROWS = 8  # a decode batch: one sgemv a row, as the admitted "numpy-gemv" kernel does
 SGEMV_SYMBOLS = ("scipy_cblas_sgemv64_", "cblas_sgemv64_")  # 64-bit integer arguments
 TIMING_ROUNDS, TIMING_CALLS = 3, 10  # the admission's timing: a few ms for SmolLM2
+# Native blocks are turned away only when clearly slower. The timing runs one layer warm in a
+# loop, where NumPy's ~35 calls a block cost little and the two tie (SmolLM2, one row: 467-484
+# CPU us a layer each); in a decode step those calls run cold between messages, and there the
+# NumPy blocks cost a node ~8 ms of CPU a token more (docs/decisions.md). A tie is no reason to
+# turn them away, and which of two tied timings wins is chance.
+SLOWER = 1.25
 TOLERANCE = 1e-4  # of the largest partial value: sgemv's own rounding, summed in another order
 
 c_float_p = ctypes.POINTER(ctypes.c_float)
@@ -262,7 +268,7 @@ class NativeBlocks:
                     if not worst <= limit:
                         return f"{name} at position {pos} differs by {worst:.3g} (> {limit:.3g})"
             native, numpy = self._time(s, h, keys, values, rope)
-            if native > numpy:
+            if native > SLOWER * numpy:
                 return f"slower than NumPy here ({native:.0f} against {numpy:.0f} us a layer)"
         finally:
             keys[0][0], values[0][0] = saved
@@ -271,7 +277,11 @@ class NativeBlocks:
     def _time(
         self, s: Slice, h: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray], rope: Any
     ) -> tuple[float, float]:
-        """us a layer (both blocks) natively and on NumPy, the best of alternating rounds."""
+        """CPU us a layer (both blocks) natively and on NumPy, the best of alternating rounds.
+
+        CPU time, not wall time: on a device under a CPU quota a round's wall time includes
+        the periods it was throttled, and which of two close rounds lands in one is chance
+        (measured at cpu=0.5: 1066 against 492 us, the native blocks turned away)."""
         config, w = self.config, self.layers[0]
         batch = StepBatch((0,), (2,), (1,))
         cos_sin = rope.rows(batch.starts)
@@ -279,15 +289,15 @@ class NativeBlocks:
         window = config.sliding_window if config.is_local(0) else None
         best = [math.inf, math.inf]
         for _ in range(TIMING_ROUNDS):
-            started = time.perf_counter()
+            started = time.process_time()
             for _ in range(TIMING_CALLS):
                 self.ffn(0, self.attention(0, h))
-            best[0] = min(best[0], time.perf_counter() - started)
-            started = time.perf_counter()
+            best[0] = min(best[0], time.process_time() - started)
+            started = time.process_time()
             for _ in range(TIMING_CALLS):
                 a = attention_rows(h, w, s, config, cos_sin, keys[0], values[0], batch, window)
                 ffn_rows(a, w, config)
-            best[1] = min(best[1], time.perf_counter() - started)
+            best[1] = min(best[1], time.process_time() - started)
         return best[0] / TIMING_CALLS * 1e6, best[1] / TIMING_CALLS * 1e6
 
 
