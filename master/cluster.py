@@ -184,6 +184,7 @@ class Hub:
             float(c["speed"]),
             None if window is None else int(window),
             None if c.get("disk") is None else float(c["disk"]),
+            float(c.get("message_s", 0.0)),
         )
         address = header.get("peer_address", "")
         member = Member(identity, name, capacity, header.get("model"), address)

@@ -103,6 +103,30 @@ def _layer_weights(config: ModelConfig, s: Slice) -> int:
     )
 
 
+def with_messages(
+    speeds: Sequence[float], message_s: Sequence[float], model_gb: float, sums: int
+) -> list[float]:
+    """Speeds for the split when each node's share of the sums takes its time too: per sum the
+    master sends the hidden state to every worker and receives every partial, 2 (n - 1)
+    messages, where a worker receives one and sends one. `message_s` is each node's time a
+    message (node.worker.measure_message_cost), `model_gb` the float32 weights the nodes share
+    (layers and lm_head, as `speeds` are GB/s of float32 weights), `sums` a token's sums.
+
+    With node i's share w_i, its token takes w_i / speed_i + o_i (o_i: its messages). Shares
+    that make every node take the same T sum to the model: T = (W + sum speed_i o_i) /
+    sum speed_i, w_i = speed_i (T - o_i). Returned as the speeds that split the model that way,
+    speed_i (1 - o_i / T): their sum is W / T, so 1 / sum is still a token's time.
+    """
+    n = len(speeds)
+    if n < 2:
+        return list(speeds)
+    messages = [2 * (n - 1) * sums] + [2 * sums] * (n - 1)
+    overhead = [m * s for m, s in zip(messages, message_s, strict=True)]
+    token = (model_gb + sum(v * o for v, o in zip(speeds, overhead, strict=True))) / sum(speeds)
+    # A node whose messages alone take a token still holds a little (every node gets a slice).
+    return [max(v * (1 - o / token), 1e-3 * v) for v, o in zip(speeds, overhead, strict=True)]
+
+
 def with_disk_reads(
     speeds: Sequence[float],
     disks: Sequence[float | None],

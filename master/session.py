@@ -13,7 +13,7 @@ import torch
 
 from master.cluster import Hub, Member
 from master.engine import Engine, context_size
-from master.plan import BYTES_PER_WEIGHT, head_rows, plan_slices, with_disk_reads
+from master.plan import BYTES_PER_WEIGHT, head_rows, plan_slices, with_disk_reads, with_messages
 from master.splitter import model_identity, split_model
 from master.transport import ClusterError
 from memory.budget import (
@@ -89,6 +89,9 @@ def chat_tokens(
 # token this much faster: re-splitting a 70B model costs far more than a node a fifth off its
 # share.
 REPLAN_GAIN = 0.5
+# What the kept plans' records are named by: changed with the rules that turn measured figures
+# into capacities (3: the lm_head split by vocabulary, the sums' messages counted).
+PLAN_RULES = "rules3"
 
 
 def layers_size(source: ModelSource, dtype: str) -> tuple[int, int]:
@@ -354,10 +357,14 @@ class Session:
                 [c.window is not None and c.window < self.config.n_layers for c in devices],
                 *layers_size(self.source, self.memory.dtype),
             )
-        # (named apart from the plans kept while the master multiplied the whole lm_head, whose
-        # smaller master shares would otherwise be kept)
-        record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}-head-split.json"
-        return keep_last_plan(self.state_dir / "plans" / record, speeds)
+        config = self.config
+        weights = layers_size(self.source, self.memory.dtype)[1] + config.vocab_size * config.hidden
+        speeds = with_messages(
+            speeds, [c.message_s for c in devices], weights * 4 / 1e9, 2 * config.n_layers + 1
+        )
+        # Named by PLAN_RULES, so a plan kept under other rules is not kept under these.
+        record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}-{PLAN_RULES}"
+        return keep_last_plan(self.state_dir / "plans" / f"{record}.json", speeds)
 
     def close(self, reason: str = "master shutting down") -> None:
         """Let go of the engine and say BYE to the workers; safe to call twice."""

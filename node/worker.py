@@ -53,6 +53,7 @@ class Capacity:
     speed: float  # measured matrix-vector throughput, GB/s of weights
     window: int | None = None  # layers to keep in memory, when forced with --window
     disk: float | None = None  # GB/s read from its disk, measured where it may stream
+    message_s: float = 0.0  # its time to send or to receive one message (measure_message_cost)
 
     def score(self) -> float:
         """What the plan divides work by."""
@@ -115,7 +116,53 @@ def measure_capacity(
         memory_budget = limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     disk = measure_disk_read(disk_dir) if limited and disk_dir is not None else None
     disk = None if disk is None else round(disk, 3)
-    return Capacity(int(memory_budget), threads, round(speed, 2), window, disk)
+    message_s = round(measure_message_cost(), 7)
+    return Capacity(int(memory_budget), threads, round(speed, 2), window, disk, message_s)
+
+
+PROBE_PAYLOAD = 4096  # bytes a probe message carries: a hidden state of 1024 floats
+PROBE_ROUND_TRIPS = 300
+
+
+def measure_message_cost() -> float:
+    """This device's time to send or to receive one message of a sum: the CPU a ZeroMQ
+    message costs its two threads (the caller's and the I/O thread's), over CURVE as the
+    cluster's links are, over its cores' share under a CPU quota.
+
+    A round trip between a ROUTER and a DEALER of one context, over TCP on the loopback, is
+    four such messages (two sends, two receives), all on this device. On emulated cpu=0.5
+    devices this is what a node's share of the sums costs it, next to its weights: the master
+    handles every worker's messages of every sum, a worker one exchange (master.plan
+    `with_messages`). Taken in CPU seconds: wall time would count the link and the quota's
+    throttled periods. Free, it counts both threads as if on one core: a bound, where the I/O
+    thread has a core of its own. Python's calls around each message count too (a few us of
+    the ~40 measured here; a decode step's messages go through C)."""
+    context = zmq.Context()  # its own I/O thread, as a node has
+    try:
+        server, client = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+        public, secret = zmq.curve_keypair()
+        server.curve_server, server.curve_publickey, server.curve_secretkey = True, public, secret
+        client.curve_serverkey = public
+        client.curve_publickey, client.curve_secretkey = zmq.curve_keypair()
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        client.connect(f"tcp://127.0.0.1:{port}")
+        payload = bytes(PROBE_PAYLOAD)
+
+        def round_trip() -> None:
+            client.send_multipart([b"probe", payload])
+            server.send_multipart(server.recv_multipart())
+            client.recv_multipart()
+
+        for _ in range(20):  # the CURVE handshake and the first buffers
+            round_trip()
+        start = time.process_time()
+        for _ in range(PROBE_ROUND_TRIPS):
+            round_trip()
+        cpu = time.process_time() - start
+    finally:
+        context.destroy(linger=0)
+    quota = cpu_quota_cores()
+    return cpu / PROBE_ROUND_TRIPS / 4 / (min(quota, 1.0) if quota is not None else 1.0)
 
 
 class Worker:
