@@ -108,6 +108,9 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
             cpu_used = [b - a for a, b in zip(cpu_before, devices.cpu_seconds(), strict=True)]
             assert engine.remote is not None
             sums = list(engine.remote.allreduce_seconds)
+            # The worker's HELLO carried what a message costs it, for the plan to count.
+            (worker,) = engine.remote.members
+            assert 0 < worker.capacity.message_s < 0.01, worker.capacity
             engine.close()
         figures = devices.figures()
     assert split == alone
