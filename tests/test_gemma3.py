@@ -60,17 +60,18 @@ def test_logits_equal_transformers_past_the_local_window(gemma3_path, reference)
     continuation = generated[len(prompt) :]
     source = open_model(gemma3_path)
     assert source.config.local_layers and source.config.sliding_window == window
-    for n in (1, 3):  # one KV head: three nodes split its four query heads
-        engine = Engine.local(source, (1.0,) * n, max_context=len(generated))
-        logits = [engine.forward([prompt], StepBatch((0,), (0,), (len(prompt),)), True)[0]]
-        for i, token in enumerate(continuation):
-            logits.append(engine.forward([[token]], StepBatch((0,), (len(prompt) + i,), (1,))))
-        ours = torch.cat(logits)
-        worst = float((ours - expected).abs().max())
-        bound = 1e-3 * float(expected.abs().max())
-        positions = len(generated)
-        print(f"\n{n} node(s), {positions} positions: max|diff| {worst:.2e}, bound {bound:.2e}")
-        assert worst <= bound, (n, worst, bound)
+    # One node: the split of this layout (one KV head, four query heads on three nodes, local
+    # and global layers) is held to transformers on every node count by tests/test_families.py;
+    # an engine for this file takes ~20 s to build here, its prefill 6 s.
+    engine = Engine.local(source, max_context=len(generated))
+    logits = [engine.forward([prompt], StepBatch((0,), (0,), (len(prompt),)), True)[0]]
+    for i, token in enumerate(continuation):
+        logits.append(engine.forward([[token]], StepBatch((0,), (len(prompt) + i,), (1,))))
+    ours = torch.cat(logits)
+    worst = float((ours - expected).abs().max())
+    bound = 1e-3 * float(expected.abs().max())
+    print(f"\n{len(generated)} positions: max|diff| {worst:.2e}, bound {bound:.2e}")
+    assert worst <= bound, (worst, bound)
 
 
 @torch.inference_mode()

@@ -56,7 +56,7 @@ def state_dir(tmp_path_factory):
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def greedy(engine, tokenizer, n=64):
+def greedy(engine, tokenizer, n=32):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     seqs = start(engine, prompts, [SamplingParams(max_tokens=n, ignore_eos=True)] * 3)
     for _ in stream(engine, tokenizer, seqs):
@@ -81,7 +81,7 @@ def test_window_of_two_gives_the_all_resident_tokens_on_three_nodes(
         members = list(engine.remote.members)
         engine.close()
     assert streamed == resident
-    assert [len(t) for t in streamed] == [64] * 3
+    assert [len(t) for t in streamed] == [32] * 3
     # Each node really streamed: two layers in memory, and a decode step re-reads its whole
     # slice (give or take the layers the loader has read ahead when the step ends).
     manifest = _manifest(state_dir, nodes=3)
