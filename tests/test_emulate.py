@@ -111,12 +111,18 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
             # The worker's HELLO carried what a message costs it, for the plan to count.
             (worker,) = engine.remote.members
             assert 0 < worker.capacity.message_s < 0.01, worker.capacity
+            # The master's own block, computed while the sum's messages are in flight.
+            blocks = 2 * smollm2.config.n_layers
+            own_block = max(s["compute_s"] for s in list(engine.history)[1:]) / blocks
             engine.close()
         figures = devices.figures()
     assert split == alone
     median = statistics.median(sums)
-    print(f"\nrtt {rtt * 1e3} ms: allreduce median {median * 1e3:.2f} ms over {len(sums)} sums")
-    assert rtt <= median < rtt + 0.004, median
+    print(f"\nrtt {rtt * 1e3} ms: allreduce median {median * 1e3:.2f} ms over {len(sums)} sums, "
+          f"the master's own block {own_block * 1e3:.2f} ms")  # fmt: skip
+    # A sum's figure is its time beyond the slowest block of it: where that is the master's own
+    # (computed during the round trip), the figure is the rtt less the master's lead.
+    assert rtt - own_block <= median < rtt + 0.004, (median, own_block)
     assert figures[1]["throttled_periods"] > 0 and figures[1]["device"]["cpu"] == 0.5
     # Half a core is a core of its own (its cpuset), the free master's all of them.
     assert len(figures[1]["cores"]) == 1 and set(figures[1]["cores"]) <= set(figures[0]["cores"])
