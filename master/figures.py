@@ -68,6 +68,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
                     "cores": m.capacity.cores,
                     "speed_gb_s": m.capacity.speed,
                     "disk_gb_s": m.capacity.disk,
+                    "message_us": round(m.capacity.message_s * 1e6, 1),
                     "heartbeat_silence_s": round(silence, 3) if silence != float("inf") else None,
                     "address": m.address or None,
                     "restarts": hub.restarts.get(m.name, 0),

@@ -366,6 +366,13 @@ class Session:
         record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}-{PLAN_RULES}"
         return keep_last_plan(self.state_dir / "plans" / f"{record}.json", speeds)
 
+    def measured(self) -> list[Capacity]:
+        """What each node measured of itself, the master first: empty where the plan measured
+        nothing (equal or given shares)."""
+        if self._master_capacity is None:
+            return []
+        return [self._master_capacity, *(m.capacity for m in self.hub.members if self.hub)]
+
     def close(self, reason: str = "master shutting down") -> None:
         """Let go of the engine and say BYE to the workers; safe to call twice."""
         self._close_engine()

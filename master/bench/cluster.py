@@ -173,6 +173,17 @@ def _specs(devices: list[DeviceSpec] | None, nodes: int) -> tuple[DeviceSpec, ..
 
 
 def _print_devices(run: dict[str, Any]) -> None:
+    plan = run["plan"]
+    if plan["measured"]:  # what the plan split by, and what each device measured of itself
+        print(
+            "  plan: capacities "
+            + " | ".join(f"{c:g}" for c in plan["capacities"])
+            + " from each device's probe: "
+            + " | ".join(
+                f"{m['speed_gb_s']:g} GB/s, {m['message_us']:g} us a message"
+                for m in plan["measured"]
+            )
+        )
     for d in run["devices"]:
         # Devices on one core share its caches and wake each other up: a real device would not.
         sharing = [
@@ -252,6 +263,13 @@ def _cluster_run(
     ):
         engine = session.engine
         assert engine is not None
+        plan = {
+            "capacities": [round(c, 3) for c in session.capacities()],
+            "measured": [
+                {"speed_gb_s": c.speed, "message_us": round(c.message_s * 1e6, 1)}
+                for c in session.measured()
+            ],
+        }
         time_greedy(engine, tokenizer, prompt, 4)  # warm-up
         members = _clear_figures(engine)
         speculator = open_speculator(config.draft, config.draft_dtype, session, tokenizer)
@@ -287,6 +305,7 @@ def _cluster_run(
             ms, per_node, sums[2 * source.config.n_layers :], n_tokens - 1, figures
         ),
         "speculation": figures,
+        "plan": plan,
     }
 
 
