@@ -178,13 +178,16 @@ class Hub:
             return
         c = header["capacity"]
         window = c.get("window")
+        message_s = float(c.get("message_s", 0.0))  # 0: a node that did not measure it
+        if not 0.0 <= message_s < 1.0:  # a NaN or a negative would skew every share
+            raise ValueError(f"a capacity whose message_s is {message_s!r}")
         capacity = Capacity(
             int(c["memory_budget"]),
             int(c["cores"]),
             float(c["speed"]),
             None if window is None else int(window),
             None if c.get("disk") is None else float(c["disk"]),
-            float(c.get("message_s", 0.0)),
+            message_s,
         )
         address = header.get("peer_address", "")
         member = Member(identity, name, capacity, header.get("model"), address)

@@ -262,6 +262,7 @@ class Session:
         self.engine: Engine | None = None
         self.max_context = context_size(source.config, context)  # the plan's, once planned
         self._master_capacity: Capacity | None = None
+        self.planned_capacities = [1.0]  # what the current plan split by, the master first
 
     def __enter__(self) -> Session:
         return self
@@ -348,19 +349,21 @@ class Session:
                 blas_threads(), own.budget, own.window, self.state_dir
             )
         devices = [self._master_capacity, *(m.capacity for m in members)]
+        config = self.config
+        size, weights = layers_size(self.source, self.memory.dtype)
         speeds = [c.score() for c in devices]
         if any(c.disk for c in devices):  # some may stream their slice: their disks count
             speeds = with_disk_reads(
                 speeds,
                 [c.disk for c in devices],
                 [c.memory_budget for c in devices],
-                [c.window is not None and c.window < self.config.n_layers for c in devices],
-                *layers_size(self.source, self.memory.dtype),
+                [c.window is not None and c.window < config.n_layers for c in devices],
+                size,
+                weights,
             )
-        config = self.config
-        weights = layers_size(self.source, self.memory.dtype)[1] + config.vocab_size * config.hidden
+        model_gb = (weights + config.vocab_size * config.hidden) * 4 / 1e9  # float32, as speeds
         speeds = with_messages(
-            speeds, [c.message_s for c in devices], weights * 4 / 1e9, 2 * config.n_layers + 1
+            speeds, [c.message_s for c in devices], model_gb, 2 * config.n_layers + 1
         )
         # Named by PLAN_RULES, so a plan kept under other rules is not kept under these.
         record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}-{PLAN_RULES}"
@@ -369,9 +372,9 @@ class Session:
     def measured(self) -> list[Capacity]:
         """What each node measured of itself, the master first: empty where the plan measured
         nothing (equal or given shares)."""
-        if self._master_capacity is None:
+        if self._master_capacity is None or self.hub is None:
             return []
-        return [self._master_capacity, *(m.capacity for m in self.hub.members if self.hub)]
+        return [self._master_capacity, *(m.capacity for m in self.hub.members)]
 
     def close(self, reason: str = "master shutting down") -> None:
         """Let go of the engine and say BYE to the workers; safe to call twice."""
@@ -384,10 +387,11 @@ class Session:
             # Alone with every weight resident: read straight from the model, no shards.
             engine = Engine.local(self.source, max_context=self.context, slots=self.slots)
         else:
+            self.planned_capacities = self.capacities()
             engine = _cluster_engine(
                 self.source,
                 self.hub,
-                self.capacities(),
+                self.planned_capacities,
                 self.state_dir,
                 self.context,
                 self.slots,

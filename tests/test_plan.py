@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -195,6 +196,18 @@ def test_the_message_probe_measures_a_cost_per_message_and_leaves_nothing():
     cost = measure_message_cost()
     assert 1e-6 < cost < 5e-3
     assert {t.name for t in tasks.iterdir()} <= before  # its context's I/O threads are gone
+
+
+def test_a_message_probe_that_gets_nothing_through_gives_no_figure(monkeypatch, caplog):
+    """A receive that times out (zmq.Again, as its RCVTIMEO makes it) gives 0: the plan then
+    counts no messages for the device, which still joins; the start says why."""
+
+    def times_out(self, *args, **kwargs):
+        raise zmq.Again()
+
+    monkeypatch.setattr(zmq.Socket, "recv_multipart", times_out)
+    assert measure_message_cost() == 0.0
+    assert "could not measure what a message costs" in caplog.text
 
 
 def test_the_disk_probe_leaves_nothing_and_says_none_where_it_cannot_write(tmp_path):

@@ -72,6 +72,14 @@ def test_an_authenticated_peer_sending_garbage_cannot_stop_the_master(caplog):
         secure_client(good, hub.token)
         good.connect(f"tcp://127.0.0.1:{hub.port}")
         capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
+        # A message cost that would skew every share (NaN, negative) is refused, not planned.
+        for cost in (float("nan"), -1.0):
+            liar = {"op": P.HELLO, "version": P.PROTOCOL_VERSION, "name": "liar",
+                    "capacity": capacity | {"message_s": cost}}  # fmt: skip
+            good.send_multipart(P.encode(liar))
+            for _ in range(10):
+                hub.membership_changed(0.05)
+            assert "liar" not in [m.name for m in [*hub.members, *hub.pending]], cost
         hello = {"op": P.HELLO, "version": P.PROTOCOL_VERSION, "name": "ok", "capacity": capacity}
         good.send_multipart(P.encode(hello))
         deadline = time.monotonic() + 5

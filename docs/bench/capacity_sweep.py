@@ -44,7 +44,7 @@ def _run(
     ):
         engine = session.engine
         assert engine is not None
-        planned = session.capacities()
+        planned = session.planned_capacities
         time_greedy(engine, tokenizer, prompt, 4)
         _, ms, tokens = time_greedy(engine, tokenizer, prompt, TOKENS)
         engine.close()

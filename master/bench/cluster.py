@@ -264,7 +264,7 @@ def _cluster_run(
         engine = session.engine
         assert engine is not None
         plan = {
-            "capacities": [round(c, 3) for c in session.capacities()],
+            "capacities": [round(c, 3) for c in session.planned_capacities],
             "measured": [
                 {"speed_gb_s": c.speed, "message_us": round(c.message_s * 1e6, 1)}
                 for c in session.measured()
