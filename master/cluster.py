@@ -8,10 +8,11 @@ in them: workers join (HELLO), are planned in and sent their slice (WELCOME), fe
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from node.worker import Capacity
 log = logging.getLogger(__name__)
 
 FIRST_BEAT = 10.0  # s a worker has, after WELCOME, to send its first heartbeat
+MEASURE_TIMEOUT = 10.0  # s the workers have to answer MEASURE (a probe takes ~0.1 s)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Hub:
         self.store: ShardStore | None = None
         self.shipped_bytes = 0
         self.planned = False  # an engine runs on the members: a node joining waits for a re-plan
+        self._measured: set[bytes] = set()  # members that answered the last MEASURE
 
     def _send(self, identity: bytes, header: dict[str, Any]) -> None:
         try:
@@ -135,6 +138,14 @@ class Hub:
             self._hello(identity, header)
         elif op == P.FETCH:
             self._serve_chunk(identity, header)
+        elif op == P.MEASURED:
+            member = self._member(identity)
+            speed = float(header["speed"])
+            if not 0.0 < speed < math.inf:  # a NaN, a zero or a negative would skew every share
+                raise ValueError(f"a measured speed of {speed!r}")
+            if member:
+                member.capacity = replace(member.capacity, speed=speed)
+                self._measured.add(identity)
         elif op == P.READY:
             member = self._member(identity)
             if member:
@@ -273,6 +284,33 @@ class Hub:
         self.pending = []
         for m in self.members:
             m.ready = False
+
+    def measure_speeds(self, own: Callable[[], float], timeout: float = MEASURE_TIMEOUT) -> float:
+        """Every member measures its speed again while the master runs `own` (its own probe),
+        all at one moment: on one host (emulated devices) a probe reads what the host's memory
+        gives at that moment, and probes taken at each node's start, one while another loads,
+        differed by 10-20% between identical devices. Each answer replaces the member's
+        figure; a member that does not answer within `timeout` keeps the one it joined with.
+        Returns what `own` measured."""
+        asked = [m for m in self.members if m.alive]
+        self._measured = set()
+        for member in asked:
+            try:
+                self._send(member.identity, {"op": P.MEASURE})
+            except NodeDown:
+                log.warning("node %s went away before measuring", member.name)
+        speed = own()
+        deadline = time.monotonic() + timeout
+        waiting = [m for m in asked if m.alive and m.identity not in self._measured]
+        while waiting and time.monotonic() < deadline:
+            self._next(100)
+            waiting = [m for m in asked if m.alive and m.identity not in self._measured]
+        for member in waiting:
+            log.warning(
+                "node %s did not measure its speed again within %.0f s; its figure from "
+                "joining (%s GB/s) stands", member.name, timeout, member.capacity.speed
+            )  # fmt: skip
+        return speed
 
     def ship(
         self,

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from models.layers import MATRICES, Slice, full_layer_shapes, slice_parts
 from models.source import ModelSource, open_model
 from models.tokenizer import Tokenizer
 from node.kvcache import KVCache
-from node.worker import Capacity, measure_capacity
+from node.worker import Capacity, measure_capacity, measure_speed
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,9 @@ def chat_tokens(
 # share.
 REPLAN_GAIN = 0.5
 # What the kept plans' records are named by: changed with the rules that turn measured figures
-# into capacities (3: the lm_head split by vocabulary, the sums' messages counted).
-PLAN_RULES = "rules3"
+# into capacities (3: the lm_head split by vocabulary, the sums' messages counted; 4: every
+# node's speed measured at one moment before a plan).
+PLAN_RULES = "rules4"
 
 
 def layers_size(source: ModelSource, dtype: str) -> tuple[int, int]:
@@ -348,7 +350,10 @@ class Session:
             self._master_capacity = measure_capacity(
                 blas_threads(), own.budget, own.window, self.state_dir
             )
-        devices = [self._master_capacity, *(m.capacity for m in members)]
+        # Every node's speed again, at one moment (Hub.measure_speeds says why).
+        speed = self.hub.measure_speeds(lambda: measure_speed(blas_threads()))
+        self._master_capacity = replace(self._master_capacity, speed=speed)
+        devices = [self._master_capacity, *(m.capacity for m in self.hub.members)]
         config = self.config
         size, weights = layers_size(self.source, self.memory.dtype)
         speeds = [c.score() for c in devices]

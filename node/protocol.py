@@ -22,7 +22,8 @@ import zmq
 if TYPE_CHECKING:  # the CLI imports this module: no torch at start-up
     import torch
 
-PROTOCOL_VERSION = 3  # 2: a decode step's hidden state travels as rows (B, D); 3: HEAD
+PROTOCOL_VERSION = 4  # 2: a decode step's hidden state travels as rows (B, D); 3: HEAD;
+# 4: MEASURE
 DEFAULT_PORT = 7470
 
 # node -> master
@@ -31,6 +32,7 @@ FETCH = "fetch"  # {sha256, offset, size}: a chunk of a shard file
 READY = "ready"  # shards verified and loaded
 LEAVE = "leave"  # the node is shutting down; re-plan without it
 PARTIAL = "partial"  # {step, layer, block} + one tensor
+MEASURED = "measured"  # {speed}: the answer to MEASURE, GB/s of weights
 ERROR = "error"  # {message}
 # master -> node
 WELCOME = "welcome"  # {node, config, slice, shards, rope, context, slots}; again on re-plan
@@ -41,6 +43,8 @@ STEP = "step"  # {step, layer, block, batch?} + hidden state: decode (B, D), els
 # block HEAD (layer n_layers): the final-normed rows (R, D), answered with the node's logits
 # (R, its rows of the lm_head) as the PARTIAL
 BYE = "bye"  # the master is shutting down or dropping this node
+# before a plan: measure your speed now, as every node does at this moment (answer MEASURED)
+MEASURE = "measure"
 # both ways
 HEARTBEAT = "heartbeat"
 

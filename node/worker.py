@@ -88,15 +88,33 @@ def measure_capacity(
     window: int | None = None,
     disk_dir: Path | None = None,
 ) -> Capacity:
+    """What this device can do: its speed (`measure_speed`), its memory budget, what a message
+    costs it, and, when a window or a memory limit may make it stream its slice from
+    `disk_dir`, how fast it reads that disk."""
+    speed = measure_speed(threads)
+    limited = memory_budget is not None or window is not None
+    if memory_budget is None:
+        limit = device_memory_budget()
+        limited = limited or limit is not None
+        memory_budget = limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    disk = measure_disk_read(disk_dir) if limited and disk_dir is not None else None
+    disk = None if disk is None else round(disk, 3)
+    message_s = round(measure_message_cost(), 7)
+    return Capacity(int(memory_budget), threads, speed, window, disk, message_s)
+
+
+def measure_speed(threads: int) -> float:
     """A quick (~0.1 s) measurement of how fast this device streams weights through a matmul,
-    and, when a window or a memory limit may make it stream its slice from `disk_dir`, how fast
-    it reads that disk.
+    GB/s.
 
     The matrix is twice the largest CPU cache: a decode step streams its weights from memory,
     and a matrix that fits in a cache shared with other cores measures what they do with it (a
     16 MB one moved 2x between starts on a 2-core VM). Under a CPU quota the loop is timed in
     CPU seconds and scaled by the quota: wall time there measures where in the quota's period
-    the loop ran and who else ran on the core, not the device.
+    the loop ran and who else ran on the core, not the device. What it reads still moves with
+    its host's memory traffic (two processes probing at once on a 2-core VM: 11-17 GB/s over
+    eight probes, yet within 10% of each other at each): the master has every node measure
+    again at the same moment before it plans (MEASURE).
     """
     rows = _probe_bytes() // (4 * PROBE_WIDTH)
     # In the pages weights live in (memory.pages): the probe reads memory as a decode step does.
@@ -116,15 +134,7 @@ def measure_capacity(
     speed = n * w.numel() * 4 / (clock() - start) / 1e9
     if quota is not None:
         speed *= min(quota, threads)
-    limited = memory_budget is not None or window is not None
-    if memory_budget is None:
-        limit = device_memory_budget()
-        limited = limited or limit is not None
-        memory_budget = limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    disk = measure_disk_read(disk_dir) if limited and disk_dir is not None else None
-    disk = None if disk is None else round(disk, 3)
-    message_s = round(measure_message_cost(), 7)
-    return Capacity(int(memory_budget), threads, round(speed, 2), window, disk, message_s)
+    return round(speed, 2)
 
 
 PROBE_PAYLOAD = 4096  # bytes a probe message carries: a hidden state of 1024 floats
@@ -312,6 +322,9 @@ class Worker:
         # The master plans (and may split a big model) before it says which slice is ours;
         # however long that takes, its heartbeat says it is alive.
         header, _ = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
+        while header["op"] == P.MEASURE:
+            self._measure()
+            header, _ = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
         if header["op"] == P.BYE:
             if "rejoin" in header:  # dropped, not shutting down
                 raise NodeError(f"the master said: {header.get('reason')}")
@@ -321,6 +334,10 @@ class Worker:
         if header["op"] != P.WELCOME:
             raise NodeError(f"unexpected message before WELCOME: {header['op']!r}")
         return header
+
+    def _measure(self) -> None:
+        """Answer MEASURE: this device's speed now, while every other node measures its own."""
+        self._send({"op": P.MEASURED, "speed": measure_speed(self.capacity.cores)})
 
     def _load(self, welcome: Welcome) -> SliceExecutor:
         config, s, refs = welcome.config, welcome.slice, welcome.shards
@@ -415,6 +432,9 @@ class Worker:
                     log.warning("ignored a malformed message from the master: %s", exc)
                     if _waits_for_answer(frames):
                         self._send({"op": P.ERROR, "message": f"malformed message: {exc}"})
+                    continue
+                if isinstance(work, Measure):  # a re-plan comes
+                    self._measure()
                     continue
                 if work is None:  # BYE
                     if header.get("rejoin") is False:  # dropped for good: say why, as an error
@@ -583,18 +603,25 @@ class Step:
     hidden: np.ndarray  # decode (B, D), else (B, T, D)
 
 
+@dataclass(frozen=True)
+class Measure:
+    """What a MEASURE asks: this device's speed, now (a plan follows)."""
+
+
 def read_message(
     frames: list[Any], config: ModelConfig, cache: KVCache, batch: StepBatch | None
-) -> tuple[dict[str, Any], Step | Welcome | None]:
+) -> tuple[dict[str, Any], Step | Welcome | Measure | None]:
     """What a serving node is told: a `Step` (checked against what it holds: `config`,
-    `cache`, the step's `batch` so far), a `Welcome` (a re-plan) or None (BYE), with the header.
-    ProtocolError for anything else."""
+    `cache`, the step's `batch` so far), a `Welcome` (a re-plan), a `Measure` or None (BYE),
+    with the header. ProtocolError for anything else."""
     header, tensors = P.decode(frames)
     op = header["op"]
     if op == P.STEP:
         return header, read_step(header, tensors, config, cache, batch)
     if op == P.WELCOME:
         return header, read_welcome(header)
+    if op == P.MEASURE:
+        return header, Measure()
     if op == P.BYE:
         return header, None
     raise P.ProtocolError(f"unexpected {op!r} while serving steps")

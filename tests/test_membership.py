@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 
@@ -28,7 +29,7 @@ def answer(session: Session, tokenizer) -> list[int]:
 
 
 @master_threads(3)
-def test_join_and_leave_between_requests(smollm2, smollm2_tokenizer, tmp_path):
+def test_join_and_leave_between_requests(smollm2, smollm2_tokenizer, tmp_path, caplog):
     hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
     session = Session(smollm2, hub, tmp_path / "master", 128, 1, equal_shares=True)
     # Each worker has a state folder of its own, so what ships to it is counted.
@@ -39,6 +40,12 @@ def test_join_and_leave_between_requests(smollm2, smollm2_tokenizer, tmp_path):
         shipped_first = hub.shipped_bytes
         one = answer(session, smollm2_tokenizer)
         assert not session.replan_if_changed()
+        # A serving worker measures its speed when asked (before a re-plan), and goes on.
+        joined_speed = hub.members[0].capacity.speed
+        with caplog.at_level(logging.WARNING):
+            hub.measure_speeds(lambda: 1.0)
+        assert not [r for r in caplog.records if "did not measure" in r.getMessage()]
+        print(f"local-1 measured {joined_speed} GB/s joining, {hub.members[0].capacity.speed} now")
 
         second = LocalWorkers(1, hub.port, 1, tmp_path / "w2", False, hub.token, first=2)
         assert session.replan_if_changed(wait=60)

@@ -92,6 +92,54 @@ def test_an_authenticated_peer_sending_garbage_cannot_stop_the_master(caplog):
         hub.close()
 
 
+def test_measure_answers_replace_the_join_figures_and_a_silent_node_keeps_its_own(caplog):
+    """Before a plan every member measures its speed again while the master measures its own
+    (`Hub.measure_speeds`). Three joined peers speaking the wire: one answers, and its figure
+    replaces the one it joined with; one answers a NaN and is dropped, as any malformed
+    message's sender; one stays silent and keeps its figure, logged, once the wait is over."""
+    hub = Hub("127.0.0.1", 0)
+    ctx = zmq.Context.instance()
+    peers = {}
+    try:
+        for name in ("answers", "nan", "silent"):
+            peer = ctx.socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.setsockopt(zmq.RCVTIMEO, 5000)
+            secure_client(peer, hub.token)
+            peer.connect(f"tcp://127.0.0.1:{hub.port}")
+            capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
+            hello = {"op": P.HELLO, "version": P.PROTOCOL_VERSION, "name": name,
+                     "capacity": capacity}  # fmt: skip
+            peer.send_multipart(P.encode(hello))
+            peers[name] = peer
+        hub.wait_for_workers(3, timeout=10)
+        for peer in peers.values():
+            assert P.decode(peer.recv_multipart())[0]["op"] == P.ACCEPTED
+
+        def own() -> float:  # the peers measure while the master does
+            for name, speed in (("answers", 3.5), ("nan", float("nan"))):
+                assert P.decode(peers[name].recv_multipart())[0]["op"] == P.MEASURE
+                peers[name].send_multipart(P.encode({"op": P.MEASURED, "speed": speed}))
+            assert P.decode(peers["silent"].recv_multipart())[0]["op"] == P.MEASURE
+            return 2.0
+
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            assert hub.measure_speeds(own, timeout=1.0) == 2.0
+        waited = time.monotonic() - started
+    finally:
+        for peer in peers.values():
+            peer.close()
+        hub.close()
+    members = {m.name: m for m in hub.members}
+    assert members["answers"].capacity.speed == 3.5 and members["answers"].alive
+    assert not members["nan"].alive and "malformed" in members["nan"].failure
+    assert members["silent"].capacity.speed == 1.0 and members["silent"].alive
+    assert 1.0 <= waited < 5.0, waited
+    said = [r.getMessage() for r in caplog.records]
+    assert any("silent did not measure its speed again" in line for line in said), said
+
+
 def _greedy(session: Session, tokenizer, n: int = 16) -> list[int]:
     ids = tokenizer.encode("The capital of France is")
     (g,) = start(session.engine, [ids], [SamplingParams(max_tokens=n, ignore_eos=True)])

@@ -25,7 +25,9 @@ def to_master(rng: random.Random) -> list[bytes]:
         whole = msgpack.packb({"op": P.HELLO, "capacity": capacity, "name": "cut"})
         return [whole[: rng.randrange(len(whole))]]
     if kind == 2:  # an op the master knows, its fields replaced by the wrong things
-        op = rng.choice([P.HELLO, P.FETCH, P.READY, P.LEAVE, P.PARTIAL, P.HEARTBEAT, "nope", 7])
+        op = rng.choice(
+            [P.HELLO, P.FETCH, P.READY, P.LEAVE, P.PARTIAL, P.MEASURED, P.HEARTBEAT, "nope", 7]
+        )
         header = {"op": op, "version": P.PROTOCOL_VERSION, "name": "g", "capacity": capacity,
                   "sha256": "0" * 64, "offset": 0, "size": 1, "step": 1, "layer": 0}  # fmt: skip
         for key in rng.sample(sorted(header, key=str), rng.randrange(1, 4)):
