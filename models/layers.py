@@ -162,8 +162,18 @@ def slice_layer(
         pieces = [cut(full[p.source], p) for p in parts]
         if len({(p.dtype, p.shape[2:]) for p in pieces}) > 1:
             pieces = [dequantize(p) for p in pieces]
-        out[name] = torch.cat(pieces).contiguous() if len(pieces) > 1 else pieces[0].clone()
+        out[name] = _cat(pieces) if len(pieces) > 1 else pieces[0].clone()
     return out
+
+
+def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces one after another, as one contiguous tensor. Shape-only (meta) pieces, as a
+    plan's shapes are cut (node.device.plan_shapes), give a meta tensor of the joined shape
+    without torch.cat: its first meta call imports torch._dynamo, 1.1-1.6 s a process."""
+    if pieces[0].is_meta:
+        rows = sum(p.shape[0] for p in pieces)
+        return torch.empty((rows, *pieces[0].shape[1:]), dtype=pieces[0].dtype, device="meta")
+    return torch.cat(pieces).contiguous()
 
 
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # stored in the shard dtype; the rest float32
