@@ -199,3 +199,19 @@ def test_decode_rows_equal_the_torch_partials(
     config = _config(n_kv, group, head_dim, ffn, bias)
     full = _random_layer(config, torch.Generator().manual_seed(seed))
     _check_rows_match_torch(config, full, capacities, lengths, seed, dtype)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("nodes", [2, 3, 5])
+def test_shape_only_cuts_have_the_shapes_and_dtypes_of_real_ones(nodes, bias):
+    """A plan's kernels are checked on shapes cut from meta tensors (node.device.plan_shapes):
+    each must be what cutting the real tensors gives."""
+    config = _config(n_kv=2, group=3, head_dim=8, ffn=96, bias=bias)
+    real = _random_layer(config, torch.Generator().manual_seed(0))
+    meta = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in real.items()}
+    for s in plan_slices(config, [1.0] * nodes):
+        cut_real, cut_meta = slice_layer(config, real, s), slice_layer(config, meta, s)
+        assert cut_meta.keys() == cut_real.keys()
+        for name, t in cut_real.items():
+            assert cut_meta[name].is_meta and cut_meta[name].shape == t.shape, (s, name)
+            assert cut_meta[name].dtype == t.dtype, (s, name)
