@@ -197,8 +197,10 @@ class Engine:
         g = store.load(manifest.globals)
         head = "lm_head" if "lm_head" in g else "embedding"  # tied: the embedding is the head
         lm_head, lm_head_scale = g[head], g.get(head + SCALE_SUFFIX)
-        if manifest.head_rows:  # its own rows (views: the globals' buffer is read whole)
-            a, b = manifest.head_rows[0]
+        # Its own rows: the globals hold just those of an untied head (master.splitter), all of
+        # a tied one (the embedding), of which it takes a view.
+        a, b = manifest.head_rows[0] if manifest.head_rows else (0, lm_head.shape[0])
+        if lm_head.shape[0] != b - a:
             lm_head = lm_head[a:b]
             lm_head_scale = None if lm_head_scale is None else lm_head_scale[a:b]
         return cls(

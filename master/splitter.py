@@ -41,8 +41,8 @@ def plan_key(
     parts: list = [identity, [s.to_dict() for s in slices]]
     if dtype != "f32":  # f32 keys stay as they were: existing caches remain valid
         parts.append(dtype)
-    if head_rows:
-        parts.append([list(r) for r in head_rows])
+    if head_rows:  # "own": the master's globals hold its rows of an untied head, not all of it
+        parts.append([list(r) for r in head_rows] + ["own"])
     text = json.dumps(parts)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -60,7 +60,7 @@ def split_model(
 ) -> Manifest:
     """Shards for every (node, layer) and the master's globals; reused when already split.
     With `head_rows` (one vocabulary range per node), every node but the master also gets a
-    shard of its rows of the lm_head.
+    shard of its rows of the lm_head, and the master's globals hold only its own rows of it.
 
     `dtype` (one of `DTYPE_CHOICES`) is how the matrices and the embedding/lm_head are stored;
     norms and biases stay float32. Tensors are read a band of rows at a time and every node's
@@ -96,6 +96,10 @@ def split_model(
         n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), kept.get(n, head))
         for n in source.global_names()
     }
+    if head_rows and "lm_head" in whole and head_rows[0][1] > head_rows[0][0]:
+        # Split by vocabulary, the master multiplies only its rows: it holds only those (a
+        # 70B head is 0.5 GB in f16). A tied head is the embedding, which it needs whole.
+        whole["lm_head"] = _Fused("lm_head", (Part("lm_head", tuple(head_rows[0])),), head)
     (globals_ref,) = _write(source, None, [whole], store)
     heads: list[ShardRef] = []
     if head_rows:  # the workers' rows of the lm_head (a tied model's embedding)

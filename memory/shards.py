@@ -281,7 +281,8 @@ class Manifest:
 
     `nodes[k][i]` is node k's shard of layer i; `globals` holds the embedding, final norm and
     lm_head, which stay on the master. With workers, node k multiplies rows `head_rows[k]` of
-    the lm_head: the master from its globals, worker k from its shard `heads[k - 1]`.
+    the lm_head: the master from its globals (which hold only those rows of an untied head),
+    worker k from its shard `heads[k - 1]`.
     """
 
     model: str

@@ -21,7 +21,10 @@ from master.bench.synth import (
 from master.engine import Engine
 from master.generate import start, stream
 from master.params import SamplingParams
+from master.plan import head_rows, plan_slices
 from master.session import prompt_tokens
+from master.splitter import split_model
+from memory.shards import ShardStore
 from models.config import ModelConfig
 from models.errors import ModelError
 from models.layers import StepBatch
@@ -137,6 +140,24 @@ def test_engine_runs_it(source):
         pass
     assert len(seqs[0].tokens) == 4
     assert all(0 <= t < source.config.vocab_size for t in seqs[0].tokens)
+
+
+def test_split_by_vocabulary_the_master_holds_only_its_rows_of_the_head(source, tmp_path):
+    """An untied head split by vocabulary over three nodes: the master's globals hold its own
+    rows of it (the same values), not the whole head (131 MB here, 0.5 GB at 70B in f16)."""
+    config = source.config
+    slices = plan_slices(config, [1.0, 1.0, 1.0])
+    rows = head_rows(config, slices, [1.0, 1.0, 1.0])
+    store = ShardStore(tmp_path / "shards")
+    manifest = split_model(source, slices, store, dtype="f16", head_rows=rows)
+    held = store.load(manifest.globals)
+    (a, b), whole = rows[0], source.lm_head()
+    assert 0 < b - a < config.vocab_size
+    assert held["lm_head"].shape == (b - a, config.hidden)
+    assert torch.equal(held["lm_head"], whole[a:b].to(torch.float16))
+    assert held["embedding"].shape == (config.vocab_size, config.hidden)  # it embeds every id
+    for (a, b), ref in zip(rows[1:], manifest.heads, strict=True):  # the workers' rows
+        assert torch.equal(store.load(ref)["lm_head"], whole[a:b].to(torch.float16))
 
 
 def test_same_seed_same_bytes_other_seed_differs(tmp_path):
