@@ -31,6 +31,18 @@ log = logging.getLogger(__name__)
 
 FIRST_BEAT = 10.0  # s a worker has, after WELCOME, to send its first heartbeat
 MEASURE_TIMEOUT = 10.0  # s the workers have to answer MEASURE (a probe takes ~0.1 s)
+LINK_PROBE_BYTES = 1 << 18  # the large ECHO: 21 ms each way at 100 Mbit/s
+LINK_PROBE_ROUNDS = 3  # round trips of each size, for their medians
+
+
+@dataclass(frozen=True)
+class Link:
+    """A worker's link to the master, as the master timed it with ECHOs: the round trip of a
+    message with nothing to carry, and the bytes a second a large one added (inf: too fast to
+    tell apart from the round trip's noise)."""
+
+    rtt_s: float
+    bytes_per_s: float
 
 
 @dataclass
@@ -48,6 +60,7 @@ class Member:
     window: int | None = None  # layers of its slice in memory, as planned
     slice: dict[str, list[int]] | None = None  # its share of every layer, as planned
     head_rows: int = 0  # its rows of the lm_head, as planned
+    link: Link | None = None  # as last timed (Hub.measure_links); None: not timed
     # Its latest step's figures (loader, memory), and every step's since the last clear.
     figures: dict[str, Any] = field(default_factory=dict)
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=FIGURES_KEPT))
@@ -85,9 +98,9 @@ class Hub:
         self.planned = False  # an engine runs on the members: a node joining waits for a re-plan
         self._measured: set[bytes] = set()  # members that answered the last MEASURE
 
-    def _send(self, identity: bytes, header: dict[str, Any]) -> None:
+    def _send(self, identity: bytes, header: dict[str, Any], tensors: tuple = ()) -> None:
         try:
-            self.transport.send(identity, header)
+            self.transport.send(identity, header, tensors)
         except NodeDown as lost:
             self._lose(lost)
             raise
@@ -311,6 +324,43 @@ class Hub:
                 "joining (%s GB/s) stands", member.name, timeout, member.capacity.speed
             )  # fmt: skip
         return speed
+
+    def measure_links(self, timeout: float = MEASURE_TIMEOUT) -> None:
+        """Time each member's link: LINK_PROBE_ROUNDS round trips of an ECHO carrying nothing
+        and of one carrying LINK_PROBE_BYTES, one member at a time (so that no member's
+        transfer waits on another's). A member that does not answer within `timeout` keeps
+        no figure, logged."""
+        payloads = (np.zeros(1, np.float32), np.zeros(LINK_PROBE_BYTES // 4, np.float32))
+        for member in [m for m in self.members if m.alive]:
+            times: tuple[list[float], list[float]] = ([], [])
+            deadline = time.monotonic() + timeout
+            try:
+                for _ in range(LINK_PROBE_ROUNDS):
+                    for taken, payload in zip(times, payloads, strict=True):
+                        taken.append(self._echo(member, payload, deadline))
+            except (NodeDown, TimeoutError) as exc:
+                member.link = None
+                log.warning("could not time the link to node %s (%s)", member.name, exc)
+                continue
+            rtt = float(np.median(times[0]))
+            extra = float(np.median(times[1])) - rtt
+            rate = 2 * payloads[1].nbytes / extra if extra > 0 else math.inf
+            member.link = Link(rtt, rate)
+
+    def _echo(self, member: Member, payload: np.ndarray, deadline: float) -> float:
+        """Seconds for one ECHO of `payload` to `member` and back; other messages that come
+        meanwhile are handled as they would be."""
+        started = time.perf_counter()
+        self._send(member.identity, {"op": P.ECHO}, (payload,))
+        while True:
+            msg = self.transport.recv(100)
+            if msg is None:
+                if time.monotonic() > deadline or not member.alive:
+                    raise TimeoutError("no answer to ECHO")
+                continue
+            if msg[0] == member.identity and msg[1].get("op") == P.ECHOED:
+                return time.perf_counter() - started
+            self._handle_control(msg[0], msg[1])
 
     def ship(
         self,

@@ -71,26 +71,49 @@ def plan_slices(config: ModelConfig, capacities: Sequence[float]) -> list[Slice]
 
 
 def head_rows(
-    config: ModelConfig, slices: Sequence[Slice], capacities: Sequence[float]
+    config: ModelConfig,
+    slices: Sequence[Slice],
+    capacities: Sequence[float],
+    row_costs: Sequence[float] | None = None,
 ) -> list[tuple[int, int]]:
     """Each node's rows of the lm_head (its vocabulary range), in the order of `slices`.
 
     Whole heads split the layers only so finely (SmolLM2's 3 KV-head groups go 2:1 on two
     devices), so the head's rows even out the rest: each node gets rows such that its weights,
     layers and head together, follow its capacity, where the layers' uneven split allows. Rows
-    go in multiples of HEAD_ALIGN.
+    go in multiples of HEAD_ALIGN. `row_costs[k]` is what a head row costs node k against
+    multiplying it alone (`head_row_cost`: a worker's logits also cross its link); 1 for all
+    by default.
     """
-    per_node = [config.n_layers * _layer_weights(config, s) for s in slices]
+    costs = list(row_costs) if row_costs is not None else [1.0] * len(slices)
+    # In head-row units: node k's layers take w_k, its r_k rows r_k * cost_k, over capacity
+    # c_k; the same time T on every node, and the rows adding up to the head's, give
+    # T = (units + sum w_k / cost_k) / sum(c_k / cost_k) and r_k = (T c_k - w_k) / cost_k.
+    per_node = [config.n_layers * _layer_weights(config, s) / config.hidden / HEAD_ALIGN
+                for s in slices]  # fmt: skip
     units = -(-config.vocab_size // HEAD_ALIGN)
-    total = sum(per_node) / config.hidden / HEAD_ALIGN + units  # in units of head rows
-    wanted = [max(total * c / sum(capacities) - w / config.hidden / HEAD_ALIGN, 0.0)
-              for c, w in zip(capacities, per_node, strict=True)]  # fmt: skip
+    spans = zip(capacities, per_node, costs, strict=True)
+    t = (units + sum(w / m for w, m in zip(per_node, costs, strict=True))) / sum(
+        c / m for c, m in zip(capacities, costs, strict=True)
+    )
+    wanted = [max((t * c - w) / m, 0.0) for c, w, m in spans]
     # Every node at least one run where there are enough: a node with no rows would still be
     # asked for its (empty) logits, and one run is within the balance anyway.
     least = 1 if units >= len(slices) else 0
     counts = proportional_counts(units - least * len(slices), [w or 1e-12 for w in wanted])
     counts = [c + least for c in counts]
     return [(a, min(b, config.vocab_size)) for a, b in _ranges(counts, HEAD_ALIGN)]
+
+
+def head_row_cost(config: ModelConfig, speed_gb_s: float, bytes_per_s: float, dtype: str) -> float:
+    """What one row of the lm_head costs a worker, against multiplying it where its logit is
+    wanted: its weights (`hidden` of them, `dtype`) at `speed_gb_s`, and its logit (4 bytes a
+    sequence) sent on a link of `bytes_per_s`. 1 + 0.56 for SmolLM2 in f32 on a 4 GB/s device
+    at 100 Mbit/s; 1.06 at 1 Gbit/s."""
+    if not bytes_per_s > 0 or math.isinf(bytes_per_s):
+        return 1.0
+    compute_s = config.hidden * BYTES_PER_WEIGHT[dtype] / (speed_gb_s * 1e9)
+    return 1.0 + 4 / bytes_per_s / compute_s
 
 
 def _layer_weights(config: ModelConfig, s: Slice) -> int:

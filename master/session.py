@@ -14,7 +14,14 @@ import torch
 
 from master.cluster import Hub, Member
 from master.engine import Engine, context_size
-from master.plan import BYTES_PER_WEIGHT, head_rows, plan_slices, with_disk_reads, with_messages
+from master.plan import (
+    BYTES_PER_WEIGHT,
+    head_row_cost,
+    head_rows,
+    plan_slices,
+    with_disk_reads,
+    with_messages,
+)
 from master.splitter import model_identity, split_model
 from master.transport import ClusterError
 from memory.budget import (
@@ -92,8 +99,8 @@ def chat_tokens(
 REPLAN_GAIN = 0.5
 # What the kept plans' records are named by: changed with the rules that turn measured figures
 # into capacities (3: the lm_head split by vocabulary, the sums' messages counted; 4: every
-# node's speed measured at one moment before a plan).
-PLAN_RULES = "rules4"
+# node's speed measured at one moment before a plan; 5: head rows by each link, kept with it).
+PLAN_RULES = "rules5"
 
 
 def layers_size(source: ModelSource, dtype: str) -> tuple[int, int]:
@@ -110,21 +117,32 @@ def layers_size(source: ModelSource, dtype: str) -> tuple[int, int]:
     return int(size), config.n_layers * sum(weights.values())
 
 
-def keep_last_plan(record: Path, capacities: Sequence[float]) -> list[float]:
-    """`capacities`, or the last ones recorded at `record` while a plan made from `capacities`
-    would not be REPLAN_GAIN faster. A plan's token takes its slowest node's share over that
-    node's capacity; the plan made from `capacities` takes 1 / sum(capacities) on every node.
-    What is returned is recorded for the next start."""
+def keep_last_plan(
+    record: Path, capacities: Sequence[float], head_costs: Sequence[float] | None = None
+) -> tuple[list[float], list[float]]:
+    """`capacities` and `head_costs` (what a head row costs each node, `head_row_cost`; 1 for
+    all by default), or the last ones recorded at `record` while a plan made from
+    `capacities` would not be REPLAN_GAIN faster and no head cost moved by REPLAN_GAIN. A
+    plan's token takes its slowest node's share over that node's capacity; the plan made from
+    `capacities` takes 1 / sum(capacities) on every node. What is returned is recorded for the
+    next start."""
+    costs = list(head_costs) if head_costs is not None else [1.0] * len(capacities)
     try:
-        last = [float(c) for c in json.loads(record.read_text())]
-    except (OSError, ValueError, TypeError):
-        last = []
-    if len(last) == len(capacities) and all(c > 0 for c in last):
+        kept = json.loads(record.read_text())
+        last = [float(c) for c in kept["capacities"]]
+        last_costs = [float(c) for c in kept["head_costs"]]
+    except (OSError, ValueError, TypeError, KeyError):
+        last, last_costs = [], []
+    if len(last) == len(capacities) == len(last_costs) and all(c > 0 for c in last + last_costs):
         slowest = max(c / sum(last) / now for c, now in zip(last, capacities, strict=True))
-        if slowest <= (1 + REPLAN_GAIN) / sum(capacities):
-            return last
-    atomic_write(record, json.dumps(list(capacities)).encode())
-    return list(capacities)
+        steady = all(
+            max(a, b) / min(a, b) <= 1 + REPLAN_GAIN for a, b in zip(last_costs, costs, strict=True)
+        )
+        if slowest <= (1 + REPLAN_GAIN) / sum(capacities) and steady:
+            return last, last_costs
+    text = json.dumps({"capacities": list(capacities), "head_costs": costs})
+    atomic_write(record, text.encode())
+    return list(capacities), costs
 
 
 def _cluster_engine(
@@ -136,6 +154,7 @@ def _cluster_engine(
     slots: int = 1,
     progress: Callable[[str, int, int], None] | None = None,
     memory: MemoryOptions = ALL_RESIDENT,
+    head_costs: Sequence[float] | None = None,
 ) -> Engine:
     """Plan for the master and the joined workers, split, ship, and build the master's engine.
 
@@ -145,7 +164,9 @@ def _cluster_engine(
     context = context_size(source.config, max_context)
     slices = plan_slices(source.config, capacities)
     # With workers, each node multiplies its rows of the lm_head: not the master alone, serially
-    heads = head_rows(source.config, slices, capacities) if hub and hub.members else None
+    heads = (
+        head_rows(source.config, slices, capacities, head_costs) if hub and hub.members else None
+    )
     store = ShardStore(state_dir / "shards")
     split_progress = (lambda d, t: progress("splitting", d, t)) if progress else None
     manifest = split_model(source, slices, store, split_progress, memory.dtype, heads)
@@ -265,6 +286,7 @@ class Session:
         self.max_context = context_size(source.config, context)  # the plan's, once planned
         self._master_capacity: Capacity | None = None
         self.planned_capacities = [1.0]  # what the current plan split by, the master first
+        self.planned_head_costs: list[float] | None = None  # and its head rows by, if measured
 
     def __enter__(self) -> Session:
         return self
@@ -338,21 +360,24 @@ class Session:
                 log.error("re-planning failed: %s; re-planning again without it", exc)
         raise AssertionError("unreachable: the last try raises")
 
-    def capacities(self) -> list[float]:
-        """Each node's weight in the split, the master first."""
+    def shares(self) -> tuple[list[float], list[float] | None]:
+        """Each node's weight in the split, the master first, and, where the devices were
+        measured, what a row of the lm_head costs each (`head_row_cost`: a worker's logits
+        cross its link)."""
         members = self.hub.members if self.hub else []
         if self.given_capacities and len(self.given_capacities) == 1 + len(members):
-            return list(self.given_capacities)
+            return list(self.given_capacities), None
         if self.equal_shares or not members:
-            return [1.0] * (1 + len(members))
+            return [1.0] * (1 + len(members)), None
         if self._master_capacity is None:
             own = self.memory
             self._master_capacity = measure_capacity(
                 blas_threads(), own.budget, own.window, self.state_dir
             )
-        # Every node's speed again, at one moment (Hub.measure_speeds says why).
+        # Every node's speed again, at one moment (Hub.measure_speeds says why), and its link.
         speed = self.hub.measure_speeds(lambda: measure_speed(blas_threads()))
         self._master_capacity = replace(self._master_capacity, speed=speed)
+        self.hub.measure_links()
         devices = [self._master_capacity, *(m.capacity for m in self.hub.members)]
         config = self.config
         size, weights = layers_size(self.source, self.memory.dtype)
@@ -370,9 +395,16 @@ class Session:
         speeds = with_messages(
             speeds, [c.message_s for c in devices], model_gb, 2 * config.n_layers + 1
         )
+        head_dtype = self.source.head_dtype(self.memory.dtype)
+        head_costs = [1.0] + [
+            head_row_cost(config, m.capacity.speed, m.link.bytes_per_s, head_dtype)
+            if m.link is not None
+            else 1.0
+            for m in self.hub.members
+        ]
         # Named by PLAN_RULES, so a plan kept under other rules is not kept under these.
         record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}-{PLAN_RULES}"
-        return keep_last_plan(self.state_dir / "plans" / f"{record}.json", speeds)
+        return keep_last_plan(self.state_dir / "plans" / f"{record}.json", speeds, head_costs)
 
     def measured(self) -> list[Capacity]:
         """What each node measured of itself, the master first: empty where the plan measured
@@ -392,7 +424,7 @@ class Session:
             # Alone with every weight resident: read straight from the model, no shards.
             engine = Engine.local(self.source, max_context=self.context, slots=self.slots)
         else:
-            self.planned_capacities = self.capacities()
+            self.planned_capacities, self.planned_head_costs = self.shares()
             engine = _cluster_engine(
                 self.source,
                 self.hub,
@@ -402,6 +434,7 @@ class Session:
                 self.slots,
                 self.progress,
                 self.memory,
+                self.planned_head_costs,
             )
         if self.hub is not None:
             self.hub.planned = True  # from now on a node that joins waits for a re-plan

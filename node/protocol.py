@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the CLI imports this module: no torch at start-up
     import torch
 
 PROTOCOL_VERSION = 4  # 2: a decode step's hidden state travels as rows (B, D); 3: HEAD;
-# 4: MEASURE
+# 4: MEASURE, ECHO
 DEFAULT_PORT = 7470
 
 # node -> master
@@ -33,6 +33,7 @@ READY = "ready"  # shards verified and loaded
 LEAVE = "leave"  # the node is shutting down; re-plan without it
 PARTIAL = "partial"  # {step, layer, block} + one tensor
 MEASURED = "measured"  # {speed}: the answer to MEASURE, GB/s of weights
+ECHOED = "echoed"  # the answer to ECHO, at once: its tensor back
 ERROR = "error"  # {message}
 # master -> node
 WELCOME = "welcome"  # {node, config, slice, shards, rope, context, slots}; again on re-plan
@@ -45,6 +46,7 @@ STEP = "step"  # {step, layer, block, batch?} + hidden state: decode (B, D), els
 BYE = "bye"  # the master is shutting down or dropping this node
 # before a plan: measure your speed now, as every node does at this moment (answer MEASURED)
 MEASURE = "measure"
+ECHO = "echo"  # + one tensor: send it back (ECHOED) at once; the master times its link to you
 # both ways
 HEARTBEAT = "heartbeat"
 

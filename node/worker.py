@@ -321,10 +321,13 @@ class Worker:
         )
         # The master plans (and may split a big model) before it says which slice is ours;
         # however long that takes, its heartbeat says it is alive.
-        header, _ = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
-        while header["op"] == P.MEASURE:
-            self._measure()
-            header, _ = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
+        header, tensors = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
+        while header["op"] in (P.MEASURE, P.ECHO):
+            if header["op"] == P.MEASURE:
+                self._measure()
+            else:
+                self._send({"op": P.ECHOED}, tuple(tensors))
+            header, tensors = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
         if header["op"] == P.BYE:
             if "rejoin" in header:  # dropped, not shutting down
                 raise NodeError(f"the master said: {header.get('reason')}")
@@ -435,6 +438,9 @@ class Worker:
                     continue
                 if isinstance(work, Measure):  # a re-plan comes
                     self._measure()
+                    continue
+                if isinstance(work, Echo):
+                    self._send({"op": P.ECHOED}, (work.payload,))
                     continue
                 if work is None:  # BYE
                     if header.get("rejoin") is False:  # dropped for good: say why, as an error
@@ -608,12 +614,19 @@ class Measure:
     """What a MEASURE asks: this device's speed, now (a plan follows)."""
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What an ECHO asks: its tensor back, at once."""
+
+    payload: np.ndarray
+
+
 def read_message(
     frames: list[Any], config: ModelConfig, cache: KVCache, batch: StepBatch | None
-) -> tuple[dict[str, Any], Step | Welcome | Measure | None]:
+) -> tuple[dict[str, Any], Step | Welcome | Measure | Echo | None]:
     """What a serving node is told: a `Step` (checked against what it holds: `config`,
-    `cache`, the step's `batch` so far), a `Welcome` (a re-plan), a `Measure` or None (BYE),
-    with the header. ProtocolError for anything else."""
+    `cache`, the step's `batch` so far), a `Welcome` (a re-plan), a `Measure`, an `Echo` or
+    None (BYE), with the header. ProtocolError for anything else."""
     header, tensors = P.decode(frames)
     op = header["op"]
     if op == P.STEP:
@@ -622,6 +635,10 @@ def read_message(
         return header, read_welcome(header)
     if op == P.MEASURE:
         return header, Measure()
+    if op == P.ECHO:
+        if len(tensors) != 1:
+            raise P.ProtocolError(f"an ECHO with {len(tensors)} tensors, not one")
+        return header, Echo(tensors[0])
     if op == P.BYE:
         return header, None
     raise P.ProtocolError(f"unexpected {op!r} while serving steps")

@@ -111,6 +111,8 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
             # The worker's HELLO carried what a message costs it, for the plan to count.
             (worker,) = engine.remote.members
             assert 0 < worker.capacity.message_s < 0.01, worker.capacity
+            # The master timed the worker's link before it planned: the rtt is in it.
+            assert worker.link is not None and rtt <= worker.link.rtt_s < rtt + 0.004, worker
             # The master's own block, computed while the sum's messages are in flight.
             blocks = 2 * smollm2.config.n_layers
             own_block = max(s["compute_s"] for s in list(engine.history)[1:]) / blocks

@@ -44,7 +44,9 @@ def test_join_and_leave_between_requests(smollm2, smollm2_tokenizer, tmp_path, c
         joined_speed = hub.members[0].capacity.speed
         with caplog.at_level(logging.WARNING):
             hub.measure_speeds(lambda: 1.0)
+            hub.measure_links()  # and sends the master's ECHOs back
         assert not [r for r in caplog.records if "did not measure" in r.getMessage()]
+        assert hub.members[0].link is not None, caplog.text
         print(f"local-1 measured {joined_speed} GB/s joining, {hub.members[0].capacity.speed} now")
 
         second = LocalWorkers(1, hub.port, 1, tmp_path / "w2", False, hub.token, first=2)

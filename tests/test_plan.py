@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from master.plan import (
     HEAD_ALIGN,
+    head_row_cost,
     head_rows,
     plan_slices,
     proportional_counts,
@@ -125,6 +126,46 @@ def test_head_rows_even_out_what_whole_heads_cannot(caps):
             assert w / c >= min(balanced) - 576 * HEAD_ALIGN / c
 
 
+@given(
+    caps=st.lists(st.floats(0.5, 2), min_size=2, max_size=3),
+    costs=st.lists(st.floats(1.0, 3.0), min_size=2, max_size=2),
+)
+def test_head_rows_count_what_a_row_costs_each_node(caps, costs):
+    """A head row that costs a worker more (its logit crosses a slow link) counts that much
+    more on it: each node's layers plus its rows times their cost, over its capacity, are the
+    same for every node (within a run); costs of 1 give the plan of no costs."""
+    costs = [1.0, *costs][: len(caps)]
+    slices = plan_slices(SMOLLM2, caps)
+    assert head_rows(SMOLLM2, slices, caps, [1.0] * len(caps)) == head_rows(SMOLLM2, slices, caps)
+    rows = head_rows(SMOLLM2, slices, caps, costs)
+    times = [
+        (30 * layer_weights(s) + (b - a) * 576 * m) / c
+        for s, (a, b), m, c in zip(slices, rows, costs, caps, strict=True)
+        if b - a > HEAD_ALIGN
+    ]
+    assert len(times) >= 1
+    assert max(times) - min(times) <= 576 * (HEAD_ALIGN + 90) * max(costs) / min(caps)
+
+
+def test_a_slow_link_moves_head_rows_to_the_master():
+    """SmolLM2 in f32 on two equal 4 GB/s devices: at 100 Mbit/s a worker's head row costs it
+    1.56 rows (its logit's 4 bytes take 0.32 us against 0.58 to multiply it); at 1 Gbit/s 1.06;
+    a link too fast to time costs nothing. The worker's rows shrink with its link."""
+    assert head_row_cost(SMOLLM2, 4.0, 12.5e6, "f32") == pytest.approx(1.556, abs=1e-3)
+    assert head_row_cost(SMOLLM2, 4.0, 125e6, "f32") == pytest.approx(1.0556, abs=1e-3)
+    assert head_row_cost(SMOLLM2, 4.0, float("inf"), "f32") == 1.0
+    slices = plan_slices(SMOLLM2, [1.0, 1.0])
+    worker_rows = [
+        b - a
+        for _, (a, b) in (
+            head_rows(SMOLLM2, slices, [1.0, 1.0], [1.0, head_row_cost(SMOLLM2, 4.0, rate, "f32")])
+            for rate in (float("inf"), 125e6, 12.5e6, 1.25e6)
+        )
+    ]
+    assert worker_rows == sorted(worker_rows, reverse=True) and worker_rows[0] > worker_rows[-1]
+    print(f"the worker's head rows at no link cost, 1 Gbit/s, 100 and 10 Mbit/s: {worker_rows}")
+
+
 def test_two_equal_devices_even_out_the_attention_split_with_the_head():
     """3 KV-head groups go 2:1; the head's rows go the other way, so both hold as much."""
     master, worker = plan_slices(SMOLLM2, [1.0, 1.0])
@@ -139,13 +180,21 @@ def test_a_measured_plan_is_kept_until_a_new_one_would_be_much_faster(tmp_path):
     """Speeds measured at each start jitter: the plan, and so the split, stays until a plan from
     this start's figures would make a token REPLAN_GAIN faster."""
     record = tmp_path / "plans" / "model-f32-2.json"
-    assert keep_last_plan(record, [1.0, 1.0]) == [1.0, 1.0]
-    assert keep_last_plan(record, [1.0, 1.4]) == [1.0, 1.0]  # 0.5 / 1.0 against 1 / 2.4
-    assert keep_last_plan(record, [2.0, 2.0]) == [1.0, 1.0]  # faster alike: the same plan
-    assert keep_last_plan(record, [4.0, 0.6]) == [4.0, 0.6]  # 0.5 / 0.6 against 1.5 / 4.6
-    assert keep_last_plan(record, [3.0, 1.0]) == [4.0, 0.6]
+
+    def kept(caps: list[float], costs: list[float] | None = None) -> list[float]:
+        return keep_last_plan(record, caps, costs)[0]
+
+    assert kept([1.0, 1.0]) == [1.0, 1.0]
+    assert kept([1.0, 1.4]) == [1.0, 1.0]  # 0.5 / 1.0 against 1 / 2.4
+    assert kept([2.0, 2.0]) == [1.0, 1.0]  # faster alike: the same plan
+    assert kept([4.0, 0.6]) == [4.0, 0.6]  # 0.5 / 0.6 against 1.5 / 4.6
+    assert kept([3.0, 1.0]) == [4.0, 0.6]
     record.write_text("not json")
-    assert keep_last_plan(record, [3.0, 1.0]) == [3.0, 1.0]
+    assert kept([3.0, 1.0]) == [3.0, 1.0]
+    # What a head row costs each node (its link) is kept with it, until one moves by half.
+    assert keep_last_plan(record, [3.0, 1.0], [1.0, 1.2]) == ([3.0, 1.0], [1.0, 1.0])
+    assert keep_last_plan(record, [3.0, 1.0], [1.0, 1.6]) == ([3.0, 1.0], [1.0, 1.6])
+    assert keep_last_plan(record, [3.1, 1.0], [1.0, 1.5]) == ([3.0, 1.0], [1.0, 1.6])
 
 
 def test_a_node_that_streams_its_slice_goes_no_faster_than_its_disk():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 
 import pytest
@@ -12,7 +13,7 @@ import zmq
 from cluster_threads import master_threads
 from wire_garbage import to_master, to_node
 
-from master.cluster import Hub
+from master.cluster import LINK_PROBE_BYTES, LINK_PROBE_ROUNDS, Hub
 from master.generate import start, stream
 from master.local import LocalWorkers
 from master.params import SamplingParams
@@ -138,6 +139,55 @@ def test_measure_answers_replace_the_join_figures_and_a_silent_node_keeps_its_ow
     assert 1.0 <= waited < 5.0, waited
     said = [r.getMessage() for r in caplog.records]
     assert any("silent did not measure its speed again" in line for line in said), said
+
+
+def test_a_link_is_timed_by_echoes_and_a_silent_node_gets_no_figure(caplog):
+    """Before a plan the master times each member's link (`Hub.measure_links`): a peer that
+    sends every ECHO's tensor back gets a round trip and a rate; one that stays silent gets no
+    figure, logged, once the wait is over."""
+    hub = Hub("127.0.0.1", 0)
+    ctx = zmq.Context.instance()
+    peers = {}
+    echoed: list[int] = []
+
+    def echo(peer: zmq.Socket) -> None:
+        for _ in range(2 * LINK_PROBE_ROUNDS):
+            header, tensors = P.decode(peer.recv_multipart())
+            assert header["op"] == P.ECHO
+            echoed.append(tensors[0].nbytes)
+            peer.send_multipart(P.encode({"op": P.ECHOED}, tuple(tensors)))
+
+    try:
+        for name in ("echoes", "silent"):
+            peer = ctx.socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.setsockopt(zmq.RCVTIMEO, 5000)
+            secure_client(peer, hub.token)
+            peer.connect(f"tcp://127.0.0.1:{hub.port}")
+            capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
+            hello = {"op": P.HELLO, "version": P.PROTOCOL_VERSION, "name": name,
+                     "capacity": capacity}  # fmt: skip
+            peer.send_multipart(P.encode(hello))
+            peers[name] = peer
+        hub.wait_for_workers(2, timeout=10)
+        for peer in peers.values():
+            assert P.decode(peer.recv_multipart())[0]["op"] == P.ACCEPTED
+        answering = threading.Thread(target=echo, args=(peers["echoes"],))
+        answering.start()  # the socket is this thread's alone from here
+        with caplog.at_level(logging.WARNING):
+            hub.measure_links(timeout=1.0)
+        answering.join(10)
+    finally:
+        for peer in peers.values():
+            peer.close()
+        hub.close()
+    members = {m.name: m for m in hub.members}
+    link = members["echoes"].link
+    assert link is not None and 0 < link.rtt_s < 1 and link.bytes_per_s > 0, link
+    assert sorted(set(echoed)) == [4, LINK_PROBE_BYTES]
+    assert members["silent"].link is None and members["silent"].alive
+    said = [r.getMessage() for r in caplog.records]
+    assert any("could not time the link to node silent" in line for line in said), said
 
 
 def _greedy(session: Session, tokenizer, n: int = 16) -> list[int]:

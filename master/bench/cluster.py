@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 
 from master.bench.greedy import PROMPT, time_greedy
 from master.bench.round_trips import raw_round_trips, raw_tcp_round_trips
+from master.cluster import Link
 from master.emulate.devices import emulated
 from master.emulate.spec import DeviceSpec, device_specs
 from master.figures import percentile
@@ -172,6 +174,23 @@ def _specs(devices: list[DeviceSpec] | None, nodes: int) -> tuple[DeviceSpec, ..
     return tuple(device_specs(devices if len(devices) == 1 else devices[:nodes], nodes))
 
 
+def _probe_text(m: dict[str, Any]) -> str:
+    """What a device measured of itself (and of its link, a worker), as the bench prints it."""
+    text = f"{m['speed_gb_s']:g} GB/s, {m['message_us']:g} us a message"
+    if "link_rtt_us" in m:
+        rate = f"{m['link_mbit_s']:g} Mbit/s" if m["link_mbit_s"] else "too fast to time"
+        text += f", link {m['link_rtt_us']:g} us a round trip, {rate}"
+    return text
+
+
+def _link_figures(link: Link | None) -> dict[str, float | None]:
+    """A worker's link as the master timed it, for the record (none for the master)."""
+    if link is None:
+        return {}
+    rate = None if math.isinf(link.bytes_per_s) else round(link.bytes_per_s * 8 / 1e6, 1)
+    return {"link_rtt_us": round(link.rtt_s * 1e6, 1), "link_mbit_s": rate}
+
+
 def _print_devices(run: dict[str, Any]) -> None:
     plan = run["plan"]
     if plan["measured"]:  # what the plan split by, and what each device measured of itself
@@ -179,10 +198,7 @@ def _print_devices(run: dict[str, Any]) -> None:
             "  plan: capacities "
             + " | ".join(f"{c:g}" for c in plan["capacities"])
             + " from each device's probe: "
-            + " | ".join(
-                f"{m['speed_gb_s']:g} GB/s, {m['message_us']:g} us a message"
-                for m in plan["measured"]
-            )
+            + " | ".join(_probe_text(m) for m in plan["measured"])
         )
     for d in run["devices"]:
         # Devices on one core share its caches and wake each other up: a real device would not.
@@ -263,11 +279,15 @@ def _cluster_run(
     ):
         engine = session.engine
         assert engine is not None
+        links = [None, *(m.link for m in session.hub.members)] if session.hub else []
         plan = {
             "capacities": [round(c, 3) for c in session.planned_capacities],
+            "head_costs": session.planned_head_costs
+            and [round(c, 3) for c in session.planned_head_costs],
             "measured": [
                 {"speed_gb_s": c.speed, "message_us": round(c.message_s * 1e6, 1)}
-                for c in session.measured()
+                | _link_figures(link)
+                for c, link in zip(session.measured(), links, strict=False)
             ],
         }
         time_greedy(engine, tokenizer, prompt, 4)  # warm-up
