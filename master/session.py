@@ -145,6 +145,13 @@ def keep_last_plan(
     return list(capacities), costs
 
 
+def _master_globals(config: ModelConfig, manifest: Manifest) -> str:
+    """What the master's globals hold besides the norms, as its memory plan names them."""
+    if config.tied_embeddings:
+        return "the embedding (its lm_head too)"
+    return "the embedding and " + ("its rows of the lm_head" if manifest.head_rows else "lm_head")
+
+
 def _cluster_engine(
     source: ModelSource,
     hub: Hub | None,
@@ -222,7 +229,7 @@ def memory_plans(
             window=windows[k],
             who=names[k],
             fixed_what=" and ".join(
-                (["the embedding and lm_head"] if k == 0 else [])
+                ([_master_globals(config, manifest)] if k == 0 else [])
                 + (["its rows of the lm_head"] if k and manifest.head_size(k) else [])
                 + (["the local layers' KV rings"] if rings else [])
             ),
