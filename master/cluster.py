@@ -38,7 +38,7 @@ LINK_PROBE_ROUNDS = 3  # round trips of each size, for their medians
 @dataclass(frozen=True)
 class Link:
     """A worker's link to the master, as the master timed it with ECHOs: the round trip of a
-    message with nothing to carry, and the bytes a second a large one added (inf: too fast to
+    message carrying 4 bytes, and the bytes a second a large one added (inf: too fast to
     tell apart from the round trip's noise)."""
 
     rtt_s: float
@@ -326,7 +326,7 @@ class Hub:
         return speed
 
     def measure_links(self, timeout: float = MEASURE_TIMEOUT) -> None:
-        """Time each member's link: LINK_PROBE_ROUNDS round trips of an ECHO carrying nothing
+        """Time each member's link: LINK_PROBE_ROUNDS round trips of an ECHO carrying 4 bytes
         and of one carrying LINK_PROBE_BYTES, one member at a time (so that no member's
         transfer waits on another's). A member that does not answer within `timeout` keeps
         no figure, logged."""
@@ -352,15 +352,14 @@ class Hub:
         meanwhile are handled as they would be."""
         started = time.perf_counter()
         self._send(member.identity, {"op": P.ECHO}, (payload,))
-        while True:
+        while time.monotonic() < deadline and member.alive:
             msg = self.transport.recv(100)
             if msg is None:
-                if time.monotonic() > deadline or not member.alive:
-                    raise TimeoutError("no answer to ECHO")
                 continue
             if msg[0] == member.identity and msg[1].get("op") == P.ECHOED:
                 return time.perf_counter() - started
             self._handle_control(msg[0], msg[1])
+        raise TimeoutError("no answer to ECHO")
 
     def ship(
         self,

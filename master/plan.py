@@ -92,11 +92,9 @@ def head_rows(
     per_node = [config.n_layers * _layer_weights(config, s) / config.hidden / HEAD_ALIGN
                 for s in slices]  # fmt: skip
     units = -(-config.vocab_size // HEAD_ALIGN)
-    spans = zip(capacities, per_node, costs, strict=True)
-    t = (units + sum(w / m for w, m in zip(per_node, costs, strict=True))) / sum(
-        c / m for c, m in zip(capacities, costs, strict=True)
-    )
-    wanted = [max((t * c - w) / m, 0.0) for c, w, m in spans]
+    nodes = list(zip(capacities, per_node, costs, strict=True))
+    t = (units + sum(w / m for _, w, m in nodes)) / sum(c / m for c, _, m in nodes)
+    wanted = [max((t * c - w) / m, 0.0) for c, w, m in nodes]
     # Every node at least one run where there are enough: a node with no rows would still be
     # asked for its (empty) logits, and one run is within the balance anyway.
     least = 1 if units >= len(slices) else 0

@@ -376,15 +376,15 @@ class Session:
             return list(self.given_capacities), None
         if self.equal_shares or not members:
             return [1.0] * (1 + len(members)), None
+        # Every node's speed again, at one moment (Hub.measure_speeds says why), and its link.
+        speed = self.hub.measure_speeds(lambda: measure_speed(blas_threads()))
+        self.hub.measure_links()
         if self._master_capacity is None:
             own = self.memory
             self._master_capacity = measure_capacity(
-                blas_threads(), own.budget, own.window, self.state_dir
+                blas_threads(), own.budget, own.window, self.state_dir, speed
             )
-        # Every node's speed again, at one moment (Hub.measure_speeds says why), and its link.
-        speed = self.hub.measure_speeds(lambda: measure_speed(blas_threads()))
         self._master_capacity = replace(self._master_capacity, speed=speed)
-        self.hub.measure_links()
         devices = [self._master_capacity, *(m.capacity for m in self.hub.members)]
         config = self.config
         size, weights = layers_size(self.source, self.memory.dtype)

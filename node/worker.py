@@ -87,11 +87,12 @@ def measure_capacity(
     memory_budget: int | None = None,
     window: int | None = None,
     disk_dir: Path | None = None,
+    speed: float | None = None,
 ) -> Capacity:
-    """What this device can do: its speed (`measure_speed`), its memory budget, what a message
-    costs it, and, when a window or a memory limit may make it stream its slice from
-    `disk_dir`, how fast it reads that disk."""
-    speed = measure_speed(threads)
+    """What this device can do: its speed (`measure_speed`, unless given), its memory budget,
+    what a message costs it, and, when a window or a memory limit may make it stream its slice
+    from `disk_dir`, how fast it reads that disk."""
+    speed = measure_speed(threads) if speed is None else speed
     limited = memory_budget is not None or window is not None
     if memory_budget is None:
         limit = device_memory_budget()

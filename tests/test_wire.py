@@ -93,29 +93,33 @@ def test_an_authenticated_peer_sending_garbage_cannot_stop_the_master(caplog):
         hub.close()
 
 
+def _join(hub: Hub, peers: dict[str, zmq.Socket], names: tuple[str, ...]) -> None:
+    """Peers speaking the wire, one per name, joined to `hub` as members (into `peers`, which
+    the caller closes)."""
+    for name in names:
+        peer = zmq.Context.instance().socket(zmq.DEALER)
+        peers[name] = peer
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.setsockopt(zmq.RCVTIMEO, 5000)
+        secure_client(peer, hub.token)
+        peer.connect(f"tcp://127.0.0.1:{hub.port}")
+        capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
+        hello = {"op": P.HELLO, "version": P.PROTOCOL_VERSION, "name": name, "capacity": capacity}
+        peer.send_multipart(P.encode(hello))
+    hub.wait_for_workers(len(names), timeout=10)
+    for peer in peers.values():
+        assert P.decode(peer.recv_multipart())[0]["op"] == P.ACCEPTED
+
+
 def test_measure_answers_replace_the_join_figures_and_a_silent_node_keeps_its_own(caplog):
     """Before a plan every member measures its speed again while the master measures its own
     (`Hub.measure_speeds`). Three joined peers speaking the wire: one answers, and its figure
     replaces the one it joined with; one answers a NaN and is dropped, as any malformed
     message's sender; one stays silent and keeps its figure, logged, once the wait is over."""
     hub = Hub("127.0.0.1", 0)
-    ctx = zmq.Context.instance()
-    peers = {}
+    peers: dict[str, zmq.Socket] = {}
     try:
-        for name in ("answers", "nan", "silent"):
-            peer = ctx.socket(zmq.DEALER)
-            peer.setsockopt(zmq.LINGER, 0)
-            peer.setsockopt(zmq.RCVTIMEO, 5000)
-            secure_client(peer, hub.token)
-            peer.connect(f"tcp://127.0.0.1:{hub.port}")
-            capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
-            hello = {"op": P.HELLO, "version": P.PROTOCOL_VERSION, "name": name,
-                     "capacity": capacity}  # fmt: skip
-            peer.send_multipart(P.encode(hello))
-            peers[name] = peer
-        hub.wait_for_workers(3, timeout=10)
-        for peer in peers.values():
-            assert P.decode(peer.recv_multipart())[0]["op"] == P.ACCEPTED
+        _join(hub, peers, ("answers", "nan", "silent"))
 
         def own() -> float:  # the peers measure while the master does
             for name, speed in (("answers", 3.5), ("nan", float("nan"))):
@@ -146,8 +150,7 @@ def test_a_link_is_timed_by_echoes_and_a_silent_node_gets_no_figure(caplog):
     sends every ECHO's tensor back gets a round trip and a rate; one that stays silent gets no
     figure, logged, once the wait is over."""
     hub = Hub("127.0.0.1", 0)
-    ctx = zmq.Context.instance()
-    peers = {}
+    peers: dict[str, zmq.Socket] = {}
     echoed: list[int] = []
 
     def echo(peer: zmq.Socket) -> None:
@@ -158,20 +161,7 @@ def test_a_link_is_timed_by_echoes_and_a_silent_node_gets_no_figure(caplog):
             peer.send_multipart(P.encode({"op": P.ECHOED}, tuple(tensors)))
 
     try:
-        for name in ("echoes", "silent"):
-            peer = ctx.socket(zmq.DEALER)
-            peer.setsockopt(zmq.LINGER, 0)
-            peer.setsockopt(zmq.RCVTIMEO, 5000)
-            secure_client(peer, hub.token)
-            peer.connect(f"tcp://127.0.0.1:{hub.port}")
-            capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
-            hello = {"op": P.HELLO, "version": P.PROTOCOL_VERSION, "name": name,
-                     "capacity": capacity}  # fmt: skip
-            peer.send_multipart(P.encode(hello))
-            peers[name] = peer
-        hub.wait_for_workers(2, timeout=10)
-        for peer in peers.values():
-            assert P.decode(peer.recv_multipart())[0]["op"] == P.ACCEPTED
+        _join(hub, peers, ("echoes", "silent"))
         answering = threading.Thread(target=echo, args=(peers["echoes"],))
         answering.start()  # the socket is this thread's alone from here
         with caplog.at_level(logging.WARNING):
