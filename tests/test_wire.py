@@ -132,10 +132,10 @@ def test_measure_answers_replace_the_join_figures_and_a_silent_node_keeps_its_ow
         with caplog.at_level(logging.WARNING):
             assert hub.measure_speeds(own, timeout=1.0) == 2.0
         waited = time.monotonic() - started
-    finally:
+    finally:  # the hub first: its BYE to a closed peer would mark that member lost
+        hub.close()
         for peer in peers.values():
             peer.close()
-        hub.close()
     members = {m.name: m for m in hub.members}
     assert members["answers"].capacity.speed == 3.5 and members["answers"].alive
     assert not members["nan"].alive and "malformed" in members["nan"].failure
@@ -167,10 +167,10 @@ def test_a_link_is_timed_by_echoes_and_a_silent_node_gets_no_figure(caplog):
         with caplog.at_level(logging.WARNING):
             hub.measure_links(timeout=1.0)
         answering.join(10)
-    finally:
+    finally:  # the hub first: its BYE to a closed peer would mark that member lost
+        hub.close()
         for peer in peers.values():
             peer.close()
-        hub.close()
     members = {m.name: m for m in hub.members}
     link = members["echoes"].link
     assert link is not None and 0 < link.rtt_s < 1 and link.bytes_per_s > 0, link
