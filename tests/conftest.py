@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_copy import without_vocabulary_arrays
 
 from models.kernels import CORES_ENV, set_threads
 from models.source import DEFAULT_MODEL, GGUFSource, ModelSource, open_model
@@ -79,12 +80,15 @@ def smollm2_tokenizer(smollm2):
 
 
 @pytest.fixture(scope="session")
-def reference_model(smollm2):
-    """The transformers implementation of the same GGUF, fp32: the independent reference."""
+def reference_model(smollm2, tmp_path_factory):
+    """The transformers implementation of the same GGUF's weights, fp32: the independent
+    reference (loaded from a copy without the vocabulary, which the model does not read)."""
     from transformers import AutoModelForCausalLM
 
     assert isinstance(smollm2, GGUFSource)
+    folder = tmp_path_factory.mktemp("smollm2-reference")
+    weights = without_vocabulary_arrays(smollm2.path, folder / smollm2.path.name)
     model = AutoModelForCausalLM.from_pretrained(
-        smollm2.path.parent, gguf_file=smollm2.path.name, dtype=torch.float32
+        folder, gguf_file=weights.name, dtype=torch.float32
     )
     return model.eval()

@@ -4,16 +4,14 @@ loading the same file: logits at every position of a prompt longer than the loca
 
 from __future__ import annotations
 
-import mmap
-import struct
 from pathlib import Path
 
 import pytest
 import torch
+from gguf_copy import without_vocabulary_arrays
 from test_cli import run
 
 from master.engine import Engine
-from models.gguf_file import DEFAULT_ALIGNMENT, GGUF_MAGIC, _Cursor
 from models.layers import StepBatch
 from models.source import BUNDLED_MODELS, open_model
 
@@ -34,52 +32,6 @@ def gemma3_path() -> Path:
     return BUNDLED_MODELS["gemma3-270m"]()
 
 
-VOCABULARY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
-_U32 = 4  # GGUF's value type of a uint32
-
-
-def _without_vocabulary_arrays(path: Path, out: Path) -> Path:
-    """A copy of the GGUF file at `path` without its vocabulary's arrays, its vocabulary size
-    stated as a key instead: every other key and every tensor byte for byte. transformers'
-    GGUF reader takes each of the 262,144 tokens through numpy views, twice (40-50 s of the
-    suite's time), for a model this test gives token ids; the tokenizer is held to
-    transformers' own on this file by tests/test_tokenizer.py."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        cur = _Cursor(buf)
-        cur.pos = len(GGUF_MAGIC)
-        version, n_tensors, n_keys = cur.scalar("<I"), cur.scalar("<Q"), cur.scalar("<Q")
-        kept, vocabulary, alignment, architecture = [], 0, DEFAULT_ALIGNMENT, ""
-        for _ in range(n_keys):
-            start = cur.pos
-            key = cur.string()
-            value = cur.value(cur.scalar("<I"))
-            if key == "general.alignment":
-                alignment = value
-            if key == "general.architecture":
-                architecture = value
-            if key == VOCABULARY_ARRAYS[0]:
-                vocabulary = len(value)
-            if key not in VOCABULARY_ARRAYS:
-                kept.append(buf[start : cur.pos])
-        tensors_start = cur.pos
-        for _ in range(n_tensors):
-            cur.string()
-            dims = cur.scalar("<I")
-            cur.pos += 8 * dims + 4 + 8  # the dims, the type, the offset
-        tensor_table = buf[tensors_start : cur.pos]
-        data_start = -(-cur.pos // alignment) * alignment
-        key = f"{architecture}.vocab_size".encode()
-        stated = struct.pack("<Q", len(key)) + key + struct.pack("<II", _U32, vocabulary)
-        header = b"".join(
-            [GGUF_MAGIC, struct.pack("<IQQ", version, n_tensors, len(kept) + 1), *kept, stated,
-             tensor_table]
-        )  # fmt: skip
-        with open(out, "wb") as f:
-            f.write(header + bytes(-len(header) % alignment))
-            f.write(buf[data_start:])
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(gemma3_path, tmp_path_factory):
     """transformers' model from the same weights, dequantized to float32, and our tokenizer
@@ -88,7 +40,7 @@ def reference(gemma3_path, tmp_path_factory):
     import transformers
 
     folder = tmp_path_factory.mktemp("gemma3-reference")
-    weights = _without_vocabulary_arrays(gemma3_path, folder / gemma3_path.name)
+    weights = without_vocabulary_arrays(gemma3_path, folder / gemma3_path.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder,
         gguf_file=weights.name,
