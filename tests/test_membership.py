@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,6 +18,7 @@ from master.local import LocalWorkers
 from master.params import SamplingParams
 from master.session import Session
 from memory.budget import MemoryOptions
+from node.security import TOKEN_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -111,3 +115,31 @@ def test_a_device_too_small_for_its_share_is_refused_and_the_cluster_goes_on(
         first.stop()
         if small:
             small.stop()
+
+
+def test_a_worker_started_with_sigint_ignored_still_leaves_on_sigint(tmp_path):
+    """A node is told to leave with SIGINT (Ctrl-C). A process inherits an ignored SIGINT from
+    its parent (here a script's `trap '' INT`; also a shell's background job, or a parent inside
+    glibc's system(), as the suite's own processes were once); it must leave all the same,
+    not serve on unnoticed."""
+    ignoring = ["sh", "-c", "trap '' INT; exec \"$@\"", "sh"]
+    status = subprocess.run([*ignoring, "cat", "/proc/self/status"], capture_output=True, text=True)
+    ignored = next(line for line in status.stdout.splitlines() if line.startswith("SigIgn"))
+    assert int(ignored.split()[1], 16) & 1 << (signal.SIGINT - 1), ignored  # the trap holds
+    hub = Hub("127.0.0.1", 0)
+    join = [sys.executable, "-m", "tui.cli", "join", f"127.0.0.1:{hub.port}", "--name", "ignoring",
+            "--state-dir", str(tmp_path)]  # fmt: skip
+    env = os.environ | {TOKEN_ENV: str(hub.token)}
+    worker = subprocess.Popen([*ignoring, *join], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        hub.wait_for_workers(1, timeout=60)
+        worker.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 15
+        while not hub.membership_changed(wait=0.5):
+            assert time.monotonic() < deadline, "the worker did not leave"
+        assert hub.members[0].failure == "it left", hub.members[0]
+        assert worker.wait(timeout=15) == 0, worker.stderr.read() if worker.stderr else ""
+    finally:
+        worker.kill()
+        worker.wait()
+        hub.close()

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -203,7 +204,6 @@ def _typed_lines(session: Session) -> Iterator[str]:
 
 def _until_stopped(session: Session) -> None:
     """Keep the cluster up, taking in devices that join or leave, until SIGTERM."""
-    import signal
     import threading
 
     stop = threading.Event()
@@ -409,6 +409,11 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGINT is how a node is told to leave (it says LEAVE) and a server to stop. A process
+    # inherits an ignored SIGINT from its parent (a script's `trap '' INT`, a shell's background
+    # job, a parent inside glibc's system()), and Python keeps it ignored: such a node would
+    # serve on, unnoticed, where its owner asked it to leave.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
