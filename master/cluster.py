@@ -38,8 +38,8 @@ LINK_PROBE_ROUNDS = 3  # round trips of each size, for their medians
 @dataclass(frozen=True)
 class Link:
     """A worker's link to the master, as the master timed it with ECHOs: the round trip of a
-    message carrying 4 bytes, and the bytes a second a large one added (inf: too fast to
-    tell apart from the round trip's noise)."""
+    message the size of a sum's (Hub.measure_links), and the bytes a second a large one added
+    (inf: too fast to tell apart from the round trip's noise)."""
 
     rtt_s: float
     bytes_per_s: float
@@ -325,12 +325,15 @@ class Hub:
             )  # fmt: skip
         return speed
 
-    def measure_links(self, timeout: float = MEASURE_TIMEOUT) -> None:
-        """Time each member's link: LINK_PROBE_ROUNDS round trips of an ECHO carrying 4 bytes
-        and of one carrying LINK_PROBE_BYTES, one member at a time (so that no member's
-        transfer waits on another's). A member that does not answer within `timeout` keeps
-        no figure, logged."""
-        payloads = (np.zeros(1, np.float32), np.zeros(LINK_PROBE_BYTES // 4, np.float32))
+    def measure_links(self, message_bytes: int = 4, timeout: float = MEASURE_TIMEOUT) -> None:
+        """Time each member's link: LINK_PROBE_ROUNDS round trips of an ECHO carrying
+        `message_bytes` (a sum's hidden state, where the plan asks) and of one carrying
+        LINK_PROBE_BYTES, one member at a time (so that no member's transfer waits on
+        another's). A member that does not answer within `timeout` keeps no figure, logged."""
+        payloads = (
+            np.zeros(max(message_bytes // 4, 1), np.float32),
+            np.zeros(LINK_PROBE_BYTES // 4, np.float32),
+        )
         for member in [m for m in self.members if m.alive]:
             times: tuple[list[float], list[float]] = ([], [])
             deadline = time.monotonic() + timeout
@@ -344,7 +347,7 @@ class Hub:
                 continue
             rtt = float(np.median(times[0]))
             extra = float(np.median(times[1])) - rtt
-            rate = 2 * payloads[1].nbytes / extra if extra > 0 else math.inf
+            rate = 2 * (payloads[1].nbytes - payloads[0].nbytes) / extra if extra > 0 else math.inf
             member.link = Link(rtt, rate)
 
     def _echo(self, member: Member, payload: np.ndarray, deadline: float) -> float:

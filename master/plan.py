@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from models.config import ModelConfig
 from models.layers import Slice, full_layer_shapes, kv_heads_for, slice_parts
@@ -179,3 +180,32 @@ def with_disk_reads(
             for c, d, s in zip(speeds, disks, streams, strict=True)
         ]
     return result
+
+
+@dataclass(frozen=True)
+class SplitEstimate:
+    """A token's time as the devices' probes put it, in seconds: on the master alone, and split
+    (its compute, every node busy for the same time, and its sums)."""
+
+    alone_s: float
+    compute_s: float
+    sums_s: float
+
+    @property
+    def split_s(self) -> float:
+        return self.compute_s + self.sums_s
+
+
+def split_estimate(
+    speeds: Sequence[float], model_gb: float, sums: int, round_trips: Sequence[float]
+) -> SplitEstimate:
+    """What splitting a token's `model_gb` of float32 weights over devices of `speeds` (GB/s of
+    float32 weights, the master first) saves, against what its `sums` cost: each waits for the
+    slowest worker's round trip of a hidden state (`round_trips`, s). On a LAN the sums are a
+    few ms a token; at 2 ms a round trip (SmolLM2's 61 sums: 122 ms) they cost more than a small
+    model's whole token on one device."""
+    return SplitEstimate(
+        alone_s=model_gb / speeds[0],
+        compute_s=model_gb / sum(speeds),
+        sums_s=sums * max(round_trips, default=0.0),
+    )

@@ -16,9 +16,11 @@ from master.cluster import Hub, Member
 from master.engine import Engine, context_size
 from master.plan import (
     BYTES_PER_WEIGHT,
+    SplitEstimate,
     head_row_cost,
     head_rows,
     plan_slices,
+    split_estimate,
     with_disk_reads,
     with_messages,
 )
@@ -294,6 +296,7 @@ class Session:
         self._master_capacity: Capacity | None = None
         self.planned_capacities = [1.0]  # what the current plan split by, the master first
         self.planned_head_costs: list[float] | None = None  # and its head rows by, if measured
+        self.split_estimate: SplitEstimate | None = None  # what the probes said of the split
 
     def __enter__(self) -> Session:
         return self
@@ -378,7 +381,7 @@ class Session:
             return [1.0] * (1 + len(members)), None
         # Every node's speed again, at one moment (Hub.measure_speeds says why), and its link.
         speed = self.hub.measure_speeds(lambda: measure_speed(blas_threads()))
-        self.hub.measure_links()
+        self.hub.measure_links(self.config.hidden * 4)  # a sum's message, one sequence
         if self._master_capacity is None:
             own = self.memory
             self._master_capacity = measure_capacity(
@@ -399,9 +402,19 @@ class Session:
                 weights,
             )
         model_gb = (weights + config.vocab_size * config.hidden) * 4 / 1e9  # float32, as speeds
-        speeds = with_messages(
-            speeds, [c.message_s for c in devices], model_gb, 2 * config.n_layers + 1
-        )
+        sums = 2 * config.n_layers + 1
+        timed = [m.link.rtt_s for m in self.hub.members if m.link is not None]
+        self.split_estimate = split_estimate(speeds, model_gb, sums, timed) if timed else None
+        if self.split_estimate and self.split_estimate.split_s > self.split_estimate.alone_s:
+            e = self.split_estimate
+            log.warning(
+                "the sums cost ~%.0f ms a token (%d at the slowest worker's round trip, %.0f us), "
+                "more than the split saves (~%.0f ms of compute a token on the master alone, "
+                "~%.0f split): tokens will likely come slower than on the master alone; nearer "
+                "or faster links, or fewer devices, would help",
+                e.sums_s * 1e3, sums, max(timed) * 1e6, e.alone_s * 1e3, e.compute_s * 1e3,
+            )  # fmt: skip
+        speeds = with_messages(speeds, [c.message_s for c in devices], model_gb, sums)
         head_dtype = self.source.head_dtype(self.memory.dtype)
         head_costs = [1.0] + [
             head_row_cost(config, m.capacity.speed, m.link.bytes_per_s, head_dtype)

@@ -17,6 +17,7 @@ from master.plan import (
     head_rows,
     plan_slices,
     proportional_counts,
+    split_estimate,
     with_disk_reads,
     with_messages,
 )
@@ -287,3 +288,14 @@ def test_a_worker_s_memory_plan_counts_its_rows_of_the_lm_head(smollm2, tmp_path
     worker.capacity.memory_budget = two_layers + cache + manifest.head_size(1)
     _, plan = memory_plans(manifest, hub, 256, 1, MemoryOptions())
     assert (plan.window, plan.context) == (2, 64)
+
+
+def test_the_split_estimate_weighs_the_sums_against_the_compute_saved():
+    """Two devices of 5 GB/s share 0.5 GB of weights: 100 ms a token alone, 50 ms of compute
+    split. 61 sums at the slowest worker's 2 ms round trip add 122 ms: slower than alone (the
+    master warns); at 0.3 ms, 18.3 ms: faster."""
+    far = split_estimate([5.0, 5.0], 0.5, 61, [0.002])
+    assert far.alone_s == pytest.approx(0.1) and far.compute_s == pytest.approx(0.05)
+    assert far.sums_s == pytest.approx(0.122) and far.split_s > far.alone_s
+    near = split_estimate([5.0, 5.0], 0.5, 61, [0.0001, 0.0003])
+    assert near.sums_s == pytest.approx(61 * 0.0003) and near.split_s < near.alone_s

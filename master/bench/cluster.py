@@ -29,6 +29,7 @@ from master.emulate.devices import emulated
 from master.emulate.spec import DeviceSpec, device_specs
 from master.figures import percentile
 from master.local import local_engine, local_session
+from master.plan import SplitEstimate
 from master.session import open_with_tokenizer, prompt_tokens
 from master.speculate import open_speculator
 from memory.budget import ALL_RESIDENT, MemoryOptions, format_size
@@ -191,6 +192,18 @@ def _link_figures(link: Link | None) -> dict[str, float | None]:
     return {"link_rtt_us": round(link.rtt_s * 1e6, 1), "link_mbit_s": rate}
 
 
+def _estimate_figures(estimate: SplitEstimate | None) -> dict[str, float] | None:
+    """The probes' estimate of a token (`master.plan.split_estimate`), in ms, for the record."""
+    if estimate is None:
+        return None
+    return {
+        "alone_ms": round(estimate.alone_s * 1e3, 1),
+        "split_ms": round(estimate.split_s * 1e3, 1),
+        "compute_ms": round(estimate.compute_s * 1e3, 1),
+        "sums_ms": round(estimate.sums_s * 1e3, 1),
+    }
+
+
 def _print_devices(run: dict[str, Any]) -> None:
     plan = run["plan"]
     if plan["measured"]:  # what the plan split by, and what each device measured of itself
@@ -199,6 +212,12 @@ def _print_devices(run: dict[str, Any]) -> None:
             + " | ".join(f"{c:g}" for c in plan["capacities"])
             + " from each device's probe: "
             + " | ".join(_probe_text(m) for m in plan["measured"])
+        )
+    if plan.get("estimate"):  # what those probes say a token takes, against what it took
+        e = plan["estimate"]
+        print(
+            f"  the probes' estimate: {e['alone_ms']:g} ms a token on the master alone, "
+            f"{e['split_ms']:g} split ({e['compute_ms']:g} of compute, {e['sums_ms']:g} of sums)"
         )
     for d in run["devices"]:
         # Devices on one core share its caches and wake each other up: a real device would not.
@@ -289,6 +308,7 @@ def _cluster_run(
                 | _link_figures(link)
                 for c, link in zip(session.measured(), links, strict=False)
             ],
+            "estimate": _estimate_figures(session.split_estimate),
         }
         time_greedy(engine, tokenizer, prompt, 4)  # warm-up
         members = _clear_figures(engine)
