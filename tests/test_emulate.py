@@ -4,6 +4,7 @@ behind."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import statistics
@@ -78,7 +79,7 @@ def _ours() -> list[str]:
 
 @pytest.mark.slow
 def test_two_devices_hold_their_limits_and_leave_nothing_behind(
-    smollm2, smollm2_tokenizer, tmp_path
+    smollm2, smollm2_tokenizer, tmp_path, caplog
 ):
     """Real processes, cgroups, a namespace and a relay. This machine kind runs tests as root
     with cgroups v1: anything less fails here, with the line the command would print."""
@@ -100,7 +101,10 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
     rtt = 0.006
     with emulated([DeviceSpec(), DeviceSpec(cpu=0.5, rtt=rtt)], 2, tmp_path) as devices:
         assert devices is not None and _ours() != []
-        with local_engine(smollm2, 2, state_dir=tmp_path, context=64, devices=devices) as engine:
+        with (
+            caplog.at_level(logging.WARNING, "master.session"),
+            local_engine(smollm2, 2, state_dir=tmp_path, context=64, devices=devices) as engine,
+        ):
             cpu_before = devices.cpu_seconds()
             started = time.perf_counter()
             _, _, split = time_greedy(engine, smollm2_tokenizer, prompt, 6)
@@ -113,6 +117,9 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
             assert 0 < worker.capacity.message_s < 0.01, worker.capacity
             # The master timed the worker's link before it planned: the rtt is in it.
             assert worker.link is not None and rtt <= worker.link.rtt_s < rtt + 0.004, worker
+            # 61 sums at 6 ms cost more than splitting this small model saves: the master says so.
+            said = [r.getMessage() for r in caplog.records if "the sums cost" in r.getMessage()]
+            assert len(said) == 1 and "slower than on the master alone" in said[0], caplog.text
             # The master's own block, computed while the sum's messages are in flight.
             blocks = 2 * smollm2.config.n_layers
             own_block = max(s["compute_s"] for s in list(engine.history)[1:]) / blocks
