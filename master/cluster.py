@@ -32,7 +32,11 @@ log = logging.getLogger(__name__)
 FIRST_BEAT = 10.0  # s a worker has, after WELCOME, to send its first heartbeat
 MEASURE_TIMEOUT = 10.0  # s the workers have to answer MEASURE (a probe takes ~0.1 s)
 LINK_PROBE_BYTES = 1 << 18  # the large ECHO: 21 ms each way at 100 Mbit/s
-LINK_PROBE_ROUNDS = 3  # round trips of each size, for their medians
+LINK_PROBE_ROUNDS = 5  # round trips of each size, for their medians
+# Round trips of each size timed first and not counted: a node's first ECHOs run its cold
+# Python path (938, 548, 342 us, then ~310, at cpu=0.5), and a median of three of them put a
+# 2-device split's sums above the compute it saves when its tokens came 0.66x of one device's.
+LINK_PROBE_WARMUP = 1
 
 
 @dataclass(frozen=True)
@@ -328,8 +332,9 @@ class Hub:
     def measure_links(self, message_bytes: int = 4, timeout: float = MEASURE_TIMEOUT) -> None:
         """Time each member's link: LINK_PROBE_ROUNDS round trips of an ECHO carrying
         `message_bytes` (a sum's hidden state, where the plan asks) and of one carrying
-        LINK_PROBE_BYTES, one member at a time (so that no member's transfer waits on
-        another's). A member that does not answer within `timeout` keeps no figure, logged."""
+        LINK_PROBE_BYTES, after LINK_PROBE_WARMUP of each not counted, one member at a time (so
+        that no member's transfer waits on another's). A member that does not answer within
+        `timeout` keeps no figure, logged."""
         payloads = (
             np.zeros(max(message_bytes // 4, 1), np.float32),
             np.zeros(LINK_PROBE_BYTES // 4, np.float32),
@@ -338,15 +343,15 @@ class Hub:
             times: tuple[list[float], list[float]] = ([], [])
             deadline = time.monotonic() + timeout
             try:
-                for _ in range(LINK_PROBE_ROUNDS):
+                for _ in range(LINK_PROBE_WARMUP + LINK_PROBE_ROUNDS):
                     for taken, payload in zip(times, payloads, strict=True):
                         taken.append(self._echo(member, payload, deadline))
             except (NodeDown, TimeoutError) as exc:
                 member.link = None
                 log.warning("could not time the link to node %s (%s)", member.name, exc)
                 continue
-            rtt = float(np.median(times[0]))
-            extra = float(np.median(times[1])) - rtt
+            rtt = float(np.median(times[0][LINK_PROBE_WARMUP:]))
+            extra = float(np.median(times[1][LINK_PROBE_WARMUP:])) - rtt
             rate = 2 * (payloads[1].nbytes - payloads[0].nbytes) / extra if extra > 0 else math.inf
             member.link = Link(rtt, rate)
 
