@@ -32,11 +32,14 @@ log = logging.getLogger(__name__)
 FIRST_BEAT = 10.0  # s a worker has, after WELCOME, to send its first heartbeat
 MEASURE_TIMEOUT = 10.0  # s the workers have to answer MEASURE (a probe takes ~0.1 s)
 LINK_PROBE_BYTES = 1 << 18  # the large ECHO: 21 ms each way at 100 Mbit/s
-LINK_PROBE_ROUNDS = 5  # round trips of each size, for their medians
-# Round trips of each size timed first and not counted: a node's first ECHOs run its cold
-# Python path (938, 548, 342 us, then ~310, at cpu=0.5), and a median of three of them put a
-# 2-device split's sums above the compute it saves when its tokens came 0.66x of one device's.
+LINK_PROBE_ROUNDS = 5  # round trips of a sum's message, for their median
+# Round trips of it timed first and not counted: a node's first ECHOs run its cold Python path
+# (938, 548, 342 us, then ~310, at cpu=0.5), and a median of three of them put a 2-device
+# split's sums above the compute it saves when its tokens came 0.66x of one device's.
 LINK_PROBE_WARMUP = 1
+# Round trips of the large ECHO, for their median: each takes ~0.4 s at 10 Mbit/s, and all of
+# a member's must fit MEASURE_TIMEOUT (three: links down to ~1.3 Mbit/s are timed).
+LINK_RATE_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -331,8 +334,8 @@ class Hub:
 
     def measure_links(self, message_bytes: int = 4, timeout: float = MEASURE_TIMEOUT) -> None:
         """Time each member's link: LINK_PROBE_ROUNDS round trips of an ECHO carrying
-        `message_bytes` (a sum's hidden state, where the plan asks) and of one carrying
-        LINK_PROBE_BYTES, after LINK_PROBE_WARMUP of each not counted, one member at a time (so
+        `message_bytes` (a sum's hidden state, where the plan asks), after LINK_PROBE_WARMUP not
+        counted, and LINK_RATE_ROUNDS of one carrying LINK_PROBE_BYTES, one member at a time (so
         that no member's transfer waits on another's). A member that does not answer within
         `timeout` keeps no figure, logged."""
         payloads = (
@@ -343,15 +346,16 @@ class Hub:
             times: tuple[list[float], list[float]] = ([], [])
             deadline = time.monotonic() + timeout
             try:
-                for _ in range(LINK_PROBE_WARMUP + LINK_PROBE_ROUNDS):
-                    for taken, payload in zip(times, payloads, strict=True):
-                        taken.append(self._echo(member, payload, deadline))
+                for k in range(LINK_PROBE_WARMUP + LINK_PROBE_ROUNDS):
+                    times[0].append(self._echo(member, payloads[0], deadline))
+                    if k < LINK_RATE_ROUNDS:
+                        times[1].append(self._echo(member, payloads[1], deadline))
             except (NodeDown, TimeoutError) as exc:
                 member.link = None
                 log.warning("could not time the link to node %s (%s)", member.name, exc)
                 continue
             rtt = float(np.median(times[0][LINK_PROBE_WARMUP:]))
-            extra = float(np.median(times[1][LINK_PROBE_WARMUP:])) - rtt
+            extra = float(np.median(times[1])) - rtt
             rate = 2 * (payloads[1].nbytes - payloads[0].nbytes) / extra if extra > 0 else math.inf
             member.link = Link(rtt, rate)
 

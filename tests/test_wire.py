@@ -14,7 +14,13 @@ import zmq
 from cluster_threads import master_threads
 from wire_garbage import to_master, to_node
 
-from master.cluster import LINK_PROBE_BYTES, LINK_PROBE_ROUNDS, LINK_PROBE_WARMUP, Hub
+from master.cluster import (
+    LINK_PROBE_BYTES,
+    LINK_PROBE_ROUNDS,
+    LINK_PROBE_WARMUP,
+    LINK_RATE_ROUNDS,
+    Hub,
+)
 from master.generate import start, stream
 from master.local import LocalWorkers
 from master.params import SamplingParams
@@ -157,7 +163,7 @@ def test_a_link_is_timed_by_echoes_and_a_silent_node_gets_no_figure(caplog):
     step = 0.025  # the peer holds its k-th small ECHO k steps: the uncounted ones are quickest
 
     def echo(peer: zmq.Socket) -> None:
-        for _ in range(2 * (LINK_PROBE_WARMUP + LINK_PROBE_ROUNDS)):
+        for _ in range(LINK_PROBE_WARMUP + LINK_PROBE_ROUNDS + LINK_RATE_ROUNDS):
             header, tensors = P.decode(peer.recv_multipart())
             assert header["op"] == P.ECHO
             if tensors[0].nbytes == 4:
@@ -180,6 +186,7 @@ def test_a_link_is_timed_by_echoes_and_a_silent_node_gets_no_figure(caplog):
     link = members["echoes"].link
     assert link is not None and link.bytes_per_s > 0, link
     assert sorted(set(echoed)) == [4, LINK_PROBE_BYTES]
+    assert echoed.count(LINK_PROBE_BYTES) == LINK_RATE_ROUNDS
     assert LINK_PROBE_WARMUP >= 1  # a node's first ECHO runs its cold path: never counted
     counted = step * np.arange(LINK_PROBE_WARMUP, LINK_PROBE_WARMUP + LINK_PROBE_ROUNDS)
     # The median of the counted holds; scheduling may only add to it, never half a step.
