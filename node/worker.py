@@ -322,13 +322,15 @@ class Worker:
         )
         # The master plans (and may split a big model) before it says which slice is ours;
         # however long that takes, its heartbeat says it is alive.
-        header, tensors = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
-        while header["op"] in (P.MEASURE, P.ECHO):
-            if header["op"] == P.MEASURE:
-                self._measure()
-            else:
-                self._send({"op": P.ECHOED}, tuple(tensors))
+        while True:
             header, tensors = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
+            try:
+                probe = read_probe(header, tensors)
+            except P.ProtocolError as exc:
+                raise NodeError(f"the master sent a malformed message: {exc}") from exc
+            if probe is None:
+                break
+            self._answer(probe)
         if header["op"] == P.BYE:
             if "rejoin" in header:  # dropped, not shutting down
                 raise NodeError(f"the master said: {header.get('reason')}")
@@ -339,9 +341,14 @@ class Worker:
             raise NodeError(f"unexpected message before WELCOME: {header['op']!r}")
         return header
 
-    def _measure(self) -> None:
-        """Answer MEASURE: this device's speed now, while every other node measures its own."""
-        self._send({"op": P.MEASURED, "speed": measure_speed(self.capacity.cores)})
+    def _answer(self, probe: Measure | Echo) -> None:
+        """Answer what the master asks before it plans, joining or serving: MEASURE with this
+        device's speed now (every other node measures its own at the same moment), ECHO with
+        its tensor back at once."""
+        if isinstance(probe, Measure):
+            self._send({"op": P.MEASURED, "speed": measure_speed(self.capacity.cores)})
+        else:
+            self._send({"op": P.ECHOED}, (probe.payload,))
 
     def _load(self, welcome: Welcome) -> SliceExecutor:
         config, s, refs = welcome.config, welcome.slice, welcome.shards
@@ -437,11 +444,8 @@ class Worker:
                     if _waits_for_answer(frames):
                         self._send({"op": P.ERROR, "message": f"malformed message: {exc}"})
                     continue
-                if isinstance(work, Measure):  # a re-plan comes
-                    self._measure()
-                    continue
-                if isinstance(work, Echo):
-                    self._send({"op": P.ECHOED}, (work.payload,))
+                if isinstance(work, (Measure, Echo)):  # a re-plan comes
+                    self._answer(work)
                     continue
                 if work is None:  # BYE
                     if header.get("rejoin") is False:  # dropped for good: say why, as an error
@@ -622,6 +626,18 @@ class Echo:
     payload: np.ndarray
 
 
+def read_probe(header: dict[str, Any], tensors: list[np.ndarray]) -> Measure | Echo | None:
+    """A MEASURE or an ECHO, which come whenever the master is about to plan; None for any
+    other message. ProtocolError for an ECHO without exactly one tensor."""
+    if header["op"] == P.MEASURE:
+        return Measure()
+    if header["op"] == P.ECHO:
+        if len(tensors) != 1:
+            raise P.ProtocolError(f"an ECHO with {len(tensors)} tensors, not one")
+        return Echo(tensors[0])
+    return None
+
+
 def read_message(
     frames: list[Any], config: ModelConfig, cache: KVCache, batch: StepBatch | None
 ) -> tuple[dict[str, Any], Step | Welcome | Measure | Echo | None]:
@@ -634,12 +650,8 @@ def read_message(
         return header, read_step(header, tensors, config, cache, batch)
     if op == P.WELCOME:
         return header, read_welcome(header)
-    if op == P.MEASURE:
-        return header, Measure()
-    if op == P.ECHO:
-        if len(tensors) != 1:
-            raise P.ProtocolError(f"an ECHO with {len(tensors)} tensors, not one")
-        return header, Echo(tensors[0])
+    if (probe := read_probe(header, tensors)) is not None:
+        return header, probe
     if op == P.BYE:
         return header, None
     raise P.ProtocolError(f"unexpected {op!r} while serving steps")
