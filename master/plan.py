@@ -86,21 +86,34 @@ def head_rows(
     multiplying it alone (`head_row_cost`: a worker's logits also cross its link); 1 for all
     by default.
     """
-    costs = list(row_costs) if row_costs is not None else [1.0] * len(slices)
+    n = len(slices)
+    costs = list(row_costs) if row_costs is not None else [1.0] * n
     # In head-row units: node k's layers take w_k, its r_k rows r_k * cost_k, over capacity
     # c_k; the same time T on every node, and the rows adding up to the head's, give
     # T = (units + sum w_k / cost_k) / sum(c_k / cost_k) and r_k = (T c_k - w_k) / cost_k.
-    per_node = [config.n_layers * _layer_weights(config, s) / config.hidden / HEAD_ALIGN
-                for s in slices]  # fmt: skip
+    w = [config.n_layers * _layer_weights(config, s) / config.hidden / HEAD_ALIGN for s in slices]
+    c, m = list(capacities), costs
     units = -(-config.vocab_size // HEAD_ALIGN)
-    nodes = list(zip(capacities, per_node, costs, strict=True))
-    t = (units + sum(w / m for _, w, m in nodes)) / sum(c / m for c, _, m in nodes)
-    wanted = [max((t * c - w) / m, 0.0) for c, w, m in nodes]
     # Every node at least one run where there are enough: a node with no rows would still be
-    # asked for its (empty) logits, and one run is within the balance anyway.
-    least = 1 if units >= len(slices) else 0
-    counts = proportional_counts(units - least * len(slices), [w or 1e-12 for w in wanted])
-    counts = [c + least for c in counts]
+    # asked for its (empty) logits. A node whose layers alone pass T gets just that, and T is
+    # found again for the others over the runs left, until every other node wants more.
+    least = 1 if units >= n else 0
+    fixed: set[int] = set()
+    while True:
+        free = [k for k in range(n) if k not in fixed]
+        left = units - least * len(fixed)
+        t = (left + sum(w[k] / m[k] for k in free)) / sum(c[k] / m[k] for k in free)
+        wanted = {k: (t * c[k] - w[k]) / m[k] for k in free}
+        short = {k for k in free if wanted[k] < least}
+        if not short:  # never every node: the free ones want `left`, at least `least` each
+            break
+        fixed |= short
+    extra = proportional_counts(
+        left - least * len(free), [max(wanted[k] - least, 1e-12) for k in free]
+    )
+    counts = [least] * n
+    for k, more in zip(free, extra, strict=True):
+        counts[k] += more
     return [(a, min(b, config.vocab_size)) for a, b in _ranges(counts, HEAD_ALIGN)]
 
 
