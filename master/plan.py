@@ -93,6 +93,8 @@ def head_rows(
     # T = (units + sum w_k / cost_k) / sum(c_k / cost_k) and r_k = (T c_k - w_k) / cost_k.
     w = [config.n_layers * _layer_weights(config, s) / config.hidden / HEAD_ALIGN for s in slices]
     c, m = list(capacities), costs
+    if not len(c) == len(m) == n:
+        raise ValueError(f"{n} slices, {len(c)} capacities and {len(m)} row costs")
     units = -(-config.vocab_size // HEAD_ALIGN)
     # Every node at least one run where there are enough: a node with no rows would still be
     # asked for its (empty) logits. A node whose layers alone pass T gets just that, and T is

@@ -189,7 +189,7 @@ def test_a_link_is_timed_by_echoes_and_a_silent_node_gets_no_figure(caplog):
     assert echoed.count(LINK_PROBE_BYTES) == LINK_RATE_ROUNDS
     assert LINK_PROBE_WARMUP >= 1  # a node's first ECHO runs its cold path: never counted
     counted = step * np.arange(LINK_PROBE_WARMUP, LINK_PROBE_WARMUP + LINK_PROBE_ROUNDS)
-    # The median of the counted holds; scheduling may only add to it, never half a step.
+    # The median of the counted holds; scheduling may only add to it, less than a step.
     assert np.median(counted) < link.rtt_s < np.median(counted) + step, (link, counted)
     assert members["silent"].link is None and members["silent"].alive
     said = [r.getMessage() for r in caplog.records]
