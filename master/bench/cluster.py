@@ -95,10 +95,23 @@ def run_cluster_bench(
                 )
             )
     rows = []
+    # Each round is also taken against the same round's run of the reference (the first device
+    # run, or the first node count): rounds are minutes apart, and one plan's token moved 44-69
+    # ms within an hour here, more than a ratio of medians can tell from the split's effect.
+    reference = configs[1] if baseline else configs[0]
     for kept in runs.values():
         ordered = sorted(kept, key=lambda r: r["ms_per_token"])
         median = ordered[len(ordered) // 2]
         median["rounds_ms_per_token"] = [r["ms_per_token"] for r in kept]
+        ratios = [
+            r["ms_per_token"] / ref["ms_per_token"]
+            for r, ref in zip(kept, runs[reference], strict=True)
+        ]
+        median["rounds_ratio"] = [round(x, 3) for x in ratios]
+        median["ratio_median"] = round(statistics.median(ratios), 3)
+        median["rounds_cpu_ms_per_token"] = [
+            [d["cpu_ms_per_token"] for d in r["devices"]] for r in kept
+        ]
         rows.append(median)
     print(f"model {source.path}  prompt {len(prompt)} tokens  {n_tokens} greedy tokens")
     print(f"memory: {_describe(memory)}; medians of {rounds} alternating rounds")
@@ -117,6 +130,15 @@ def run_cluster_bench(
             f"{r['nodes']:>5}{r['ms_per_token']:>9}"
             f"{r['ms_per_token'] / base:>9.2f}{r['ttft_ms']:>9}{ar:>33}  {r['label']}"
         )
+    if rounds > 1:
+        print(f"each round against that round's {reference.nodes}-node run ({reference.label}):")
+        for r in rows:
+            ms = ", ".join(f"{x:g}" for x in r["rounds_ms_per_token"])
+            ratios = ", ".join(f"{x:.3f}" for x in r["rounds_ratio"])
+            print(
+                f"  {r['nodes']} node(s) {r['label']}: ms/token {ms}; ratios {ratios}, "
+                f"median {r['ratio_median']:.3f}"
+            )
     for r in rows:
         _print_nodes(r)
         _print_time(r)
