@@ -37,8 +37,9 @@ LINK_PROBE_ROUNDS = 5  # round trips of a sum's message, for their median
 # (938, 548, 342 us, then ~310, at cpu=0.5), and a median of three of them put a 2-device
 # split's sums above the compute it saves when its tokens came 0.66x of one device's.
 LINK_PROBE_WARMUP = 1
-# Round trips of the large ECHO, for their median: each takes ~0.4 s at 10 Mbit/s, and all of
-# a member's must fit MEASURE_TIMEOUT (three: links down to ~1.3 Mbit/s are timed).
+# Round trips of the large ECHO, for their median: each takes ~0.4 s at 10 Mbit/s. They have
+# MEASURE_TIMEOUT of their own, and a link too slow for all of them in it is timed by those that
+# fit (its transfer dwarfs any noise): down to ~0.4 Mbit/s, one round in 10 s.
 LINK_RATE_ROUNDS = 3
 
 
@@ -335,27 +336,34 @@ class Hub:
     def measure_links(self, message_bytes: int = 4, timeout: float = MEASURE_TIMEOUT) -> None:
         """Time each member's link: LINK_PROBE_ROUNDS round trips of an ECHO carrying
         `message_bytes` (a sum's hidden state, where the plan asks), after LINK_PROBE_WARMUP not
-        counted, and LINK_RATE_ROUNDS of one carrying LINK_PROBE_BYTES, one member at a time (so
-        that no member's transfer waits on another's). A member that does not answer within
-        `timeout` keeps no figure, logged."""
+        counted, and LINK_RATE_ROUNDS of one carrying LINK_PROBE_BYTES, or as many as fit;
+        each kind within `timeout` of its own round trips, one member at a time (so that no
+        member's transfer waits on another's). A member that does not answer within `timeout`
+        keeps no figure, logged."""
         payloads = (
             np.zeros(max(message_bytes // 4, 1), np.float32),
             np.zeros(LINK_PROBE_BYTES // 4, np.float32),
         )
         for member in [m for m in self.members if m.alive]:
-            times: tuple[list[float], list[float]] = ([], [])
-            deadline = time.monotonic() + timeout
-            try:
+            small: list[float] = []
+            large: list[float] = []
+            slow = False  # the large rounds left would not fit their time
+            try:  # each kind within `timeout` of its own round trips
                 for k in range(LINK_PROBE_WARMUP + LINK_PROBE_ROUNDS):
-                    times[0].append(self._echo(member, payloads[0], deadline))
-                    if k < LINK_RATE_ROUNDS:
-                        times[1].append(self._echo(member, payloads[1], deadline))
+                    deadline = time.monotonic() + timeout - sum(small)
+                    small.append(self._echo(member, payloads[0], deadline))
+                    if k >= LINK_RATE_ROUNDS or slow:
+                        continue
+                    deadline = time.monotonic() + timeout - sum(large)
+                    large.append(self._echo(member, payloads[1], deadline))
+                    left = LINK_RATE_ROUNDS - len(large)
+                    slow = sum(large) + 1.2 * left * large[-1] > timeout
             except (NodeDown, TimeoutError) as exc:
                 member.link = None
                 log.warning("could not time the link to node %s (%s)", member.name, exc)
                 continue
-            rtt = float(np.median(times[0][LINK_PROBE_WARMUP:]))
-            extra = float(np.median(times[1])) - rtt
+            rtt = float(np.median(small[LINK_PROBE_WARMUP:]))
+            extra = float(np.median(large)) - rtt
             rate = 2 * (payloads[1].nbytes - payloads[0].nbytes) / extra if extra > 0 else math.inf
             member.link = Link(rtt, rate)
 

@@ -196,6 +196,43 @@ def test_a_link_is_timed_by_echoes_and_a_silent_node_gets_no_figure(caplog):
     assert any("could not time the link to node silent" in line for line in said), said
 
 
+def test_a_link_too_slow_for_every_large_echo_is_timed_by_those_that_fit():
+    """A link whose large ECHO takes over a third of the time a member has for them (~0.4-1.3
+    Mbit/s in MEASURE_TIMEOUT's 10 s) is timed by the rounds that fit, not left without a
+    figure: a peer that holds each large ECHO `hold` s, within a 1 s wait."""
+    hub = Hub("127.0.0.1", 0)
+    peers: dict[str, zmq.Socket] = {}
+    echoed: list[int] = []
+    hold = 0.45
+
+    def echo(peer: zmq.Socket) -> None:
+        while len(echoed) < LINK_PROBE_WARMUP + LINK_PROBE_ROUNDS + LINK_RATE_ROUNDS:
+            if not peer.poll(3000):
+                return  # the master asked for no more
+            header, tensors = P.decode(peer.recv_multipart())
+            assert header["op"] == P.ECHO
+            if tensors[0].nbytes == LINK_PROBE_BYTES:
+                time.sleep(hold)
+            echoed.append(tensors[0].nbytes)
+            peer.send_multipart(P.encode({"op": P.ECHOED}, tuple(tensors)))
+
+    try:
+        _join(hub, peers, ("slow",))
+        answering = threading.Thread(target=echo, args=(peers["slow"],))
+        answering.start()
+        hub.measure_links(timeout=1.0)
+        answering.join(10)
+    finally:
+        hub.close()
+        for peer in peers.values():
+            peer.close()
+    link = hub.members[0].link
+    assert link is not None, "a slow link was left without a figure"
+    assert echoed.count(LINK_PROBE_BYTES) == 1, echoed  # a second and third would pass 1 s
+    held = 2 * (LINK_PROBE_BYTES - 4) / hold  # bytes a second, were the hold all it took
+    assert 0.8 * held < link.bytes_per_s < 1.01 * held, (link, held)
+
+
 def _greedy(session: Session, tokenizer, n: int = 16) -> list[int]:
     ids = tokenizer.encode("The capital of France is")
     (g,) = start(session.engine, [ids], [SamplingParams(max_tokens=n, ignore_eos=True)])
