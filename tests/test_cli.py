@@ -163,3 +163,22 @@ def test_the_parser_and_the_chat_app_start_without_torch():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_bench_hands_threads_to_every_node_count(monkeypatch):
+    """`edgetp bench --local-nodes ... --threads N` runs every node with N BLAS threads (it was
+    once dropped on the way, and each node took its share of the cores)."""
+    import master.bench.cluster as cluster
+    from tui.cli import main
+
+    taken: dict[str, object] = {}
+    monkeypatch.setattr(cluster, "run_cluster_bench", lambda *a: taken.update(args=a))
+    main(["bench", "--local-nodes", "1,2", "--threads", "1", "--tokens", "4"])
+    _model, node_counts, *_, threads = taken["args"]
+    configs = cluster.bench_configs(node_counts, threads=threads)
+    assert [(c.nodes, c.threads, c.label) for c in configs] == [
+        (1, 1, "none, 1 thread(s)"),
+        (2, 1, "none, 1 thread(s)"),
+    ]
+    without = cluster.bench_configs(node_counts)
+    assert [c.threads for c in without] == [None, None]

@@ -305,6 +305,7 @@ def _bench(args: argparse.Namespace) -> None:
             args.draft or ["off"],
             args.prompt,
             args.draft_dtype,
+            args.threads,
         )
     else:
         run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)

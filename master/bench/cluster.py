@@ -55,9 +55,11 @@ def run_cluster_bench(
     drafts: list[str] | None = None,
     prompt_text: str | None = None,
     draft_dtype: str = AUTO,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """ms/token, TTFT, allreduce latency and every node's loader and memory figures, for each
-    node count, with a raw ZeroMQ floor.
+    node count, with a raw ZeroMQ floor. `threads`: each node's BLAS threads (default: its
+    share of the cores, or its device's).
 
     Where nodes stream, each node count also gets its overlap: ms/token against the slowest
     node's reads and its compute (waits excluded) per token, both measured in the same run.
@@ -69,14 +71,7 @@ def run_cluster_bench(
     if baseline and not devices:
         raise ValueError("--baseline compares emulated devices with one free node: give --device")
     state_dir = state_dir or default_state_dir()
-    configs = [
-        _Config(n, _specs(devices, n), draft=d, draft_dtype=draft_dtype)
-        for n in node_counts
-        for d in drafts or ["off"]
-    ]
-    if baseline:
-        assert devices is not None
-        configs.insert(0, _Config(1, None, threads=devices[0].threads))
+    configs = bench_configs(node_counts, devices, baseline, drafts, draft_dtype, threads)
     source, tokenizer = open_with_tokenizer(model)
     prompt = prompt_tokens(tokenizer, prompt_text or PROMPT, raw=False)
     hidden = source.config.hidden
@@ -130,7 +125,7 @@ def run_cluster_bench(
             f"{r['nodes']:>5}{r['ms_per_token']:>9}"
             f"{r['ms_per_token'] / base:>9.2f}{r['ttft_ms']:>9}{ar:>33}  {r['label']}"
         )
-    if rounds > 1:
+    if rounds > 1 and len(configs) > 1:
         print(f"each round against that round's {reference.nodes}-node run ({reference.label}):")
         for r in rows:
             ms = ", ".join(f"{x:g}" for x in r["rounds_ms_per_token"])
@@ -187,7 +182,28 @@ class _Config:
             label = f"none, {self.threads} thread(s)" if self.threads else "none"
         else:
             label = " | ".join(s.describe() for s in self.specs)
+            label += f", {self.threads} thread(s)" if self.threads else ""
         return label if self.draft == "off" else f"{label}; draft {self.draft}"
+
+
+def bench_configs(
+    node_counts: list[int],
+    devices: list[DeviceSpec] | None = None,
+    baseline: bool = False,
+    drafts: list[str] | None = None,
+    draft_dtype: str = AUTO,
+    threads: int | None = None,
+) -> list[_Config]:
+    """The clusters a bench times, in the order each round runs them."""
+    configs = [
+        _Config(n, _specs(devices, n), threads, d, draft_dtype)
+        for n in node_counts
+        for d in drafts or ["off"]
+    ]
+    if baseline:
+        assert devices is not None
+        configs.insert(0, _Config(1, None, threads or devices[0].threads))
+    return configs
 
 
 def _specs(devices: list[DeviceSpec] | None, nodes: int) -> tuple[DeviceSpec, ...] | None:
