@@ -182,3 +182,5 @@ def test_bench_hands_threads_to_every_node_count(monkeypatch):
     ]
     without = cluster.bench_configs(node_counts)
     assert [c.threads for c in without] == [None, None]
+    # A node count given twice is timed once a round: each round's ratio pairs one run with one.
+    assert [c.nodes for c in cluster.bench_configs([1, 2, 1])] == [1, 2]

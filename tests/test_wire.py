@@ -197,7 +197,7 @@ def test_a_link_is_timed_by_echoes_and_a_silent_node_gets_no_figure(caplog):
 
 
 def test_a_link_too_slow_for_every_large_echo_is_timed_by_those_that_fit():
-    """A link whose large ECHO takes over a third of the time a member has for them (~0.4-1.3
+    """A link whose large ECHO takes about a third of the time a member has for them (~0.4-1.3
     Mbit/s in MEASURE_TIMEOUT's 10 s) is timed by the rounds that fit, not left without a
     figure: a peer that holds each large ECHO `hold` s, within a 1 s wait."""
     hub = Hub("127.0.0.1", 0)

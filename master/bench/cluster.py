@@ -194,15 +194,16 @@ def bench_configs(
     draft_dtype: str = AUTO,
     threads: int | None = None,
 ) -> list[_Config]:
-    """The clusters a bench times, in the order each round runs them."""
+    """The clusters a bench times, in the order each round runs them; one of each (a node count
+    given twice would put two runs a round under one key, and its rounds out of step)."""
     configs = [
-        _Config(n, _specs(devices, n), threads, d, draft_dtype)
-        for n in node_counts
-        for d in drafts or ["off"]
+        _Config(n, _specs(devices, n), threads=threads, draft=d, draft_dtype=draft_dtype)
+        for n in dict.fromkeys(node_counts)
+        for d in dict.fromkeys(drafts or ["off"])
     ]
     if baseline:
         assert devices is not None
-        configs.insert(0, _Config(1, None, threads or devices[0].threads))
+        configs.insert(0, _Config(1, None, threads=threads or devices[0].threads))
     return configs
 
 
