@@ -224,3 +224,51 @@ def split_estimate(
         compute_s=model_gb / sum(speeds),
         sums_s=sums * max(round_trips, default=0.0),
     )
+
+
+# How much faster the probes must put a token on fewer devices before the plan leaves the
+# others on standby. Their estimates run under what the devices then take, the master alone's
+# more than a split's: at 2 x cpu=0.5, 64.0 ms alone and 52.8 split, where one device took 99.1
+# and two 64.2 (docs/bench/bars-cpu0.5-s42.json). The margin covers that and the probes' noise.
+STANDBY_GAIN = 1.5
+
+
+def workers_to_plan(
+    speeds: Sequence[float],
+    round_trips: Sequence[float],
+    budgets: Sequence[int],
+    weights_bytes: int,
+    model_gb: float,
+    sums: int,
+) -> list[int]:
+    """The workers (indices into `round_trips`) a plan takes: every one, unless the master with
+    only those of the fastest links would make a token STANDBY_GAIN faster by `split_estimate`
+    (the master alone: its speed alone). `speeds` and `budgets` (bytes) are the master's then
+    each worker's; fewer devices are a choice only where their budgets together hold
+    `weights_bytes`, so that leaving a device out never makes the others stream from disk.
+
+    Each sum waits for the slowest round trip, so the sets worth trying are the k fastest links.
+    A link that costs more a token than its device's compute saves (the master and a device two
+    ms away: SmolLM2's 61 sums take 122 ms, its whole token 60-100 ms on one device) slows every
+    token; on standby the device waits, joined, for a plan that needs it.
+    """
+    order = sorted(range(len(round_trips)), key=lambda k: round_trips[k])
+
+    def token_s(kept: list[int]) -> float:
+        estimate = split_estimate(
+            [speeds[0], *(speeds[1 + k] for k in kept)],
+            model_gb,
+            sums,
+            [round_trips[k] for k in kept],
+        )
+        return estimate.split_s if kept else estimate.alone_s
+
+    everyone = token_s(order)
+    best, best_s = order, everyone
+    for n in range(len(order) - 1, -1, -1):  # more devices first: they win a tie
+        kept = order[:n]
+        if budgets[0] + sum(budgets[1 + k] for k in kept) < weights_bytes:
+            break  # fewer hold less
+        if token_s(kept) < best_s:
+            best, best_s = kept, token_s(kept)
+    return sorted(best) if best_s * STANDBY_GAIN < everyone else list(range(len(round_trips)))

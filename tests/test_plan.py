@@ -20,6 +20,7 @@ from master.plan import (
     split_estimate,
     with_disk_reads,
     with_messages,
+    workers_to_plan,
 )
 from master.session import WorkerTooSmall, keep_last_plan, memory_plans
 from master.splitter import split_model
@@ -300,3 +301,27 @@ def test_the_split_estimate_weighs_the_sums_against_the_compute_saved():
     assert far.sums_s == pytest.approx(0.122) and far.split_s > far.alone_s
     near = split_estimate([5.0, 5.0], 0.5, 61, [0.0001, 0.0003])
     assert near.sums_s == pytest.approx(61 * 0.0003) and near.split_s < near.alone_s
+
+
+def test_a_device_whose_link_slows_every_token_is_left_on_standby():
+    """Three devices of 5 GB/s and 0.5 GB of weights: 100 ms a token alone, 33 ms of compute
+    split. Near links (0.3 ms) keep everyone; one 2 ms away would make 61 sums wait 122 ms, so
+    the plan takes the master and the near worker (50 + 18 ms); all of them 2 ms away: the
+    master alone. Where the estimates are near (within STANDBY_GAIN), everyone stays."""
+    gb = 10**9
+    speeds, budgets = [5.0, 5.0, 5.0], [gb, gb, gb]
+    assert workers_to_plan(speeds, [0.0003, 0.0003], budgets, gb // 2, 0.5, 61) == [0, 1]
+    assert workers_to_plan(speeds, [0.002, 0.0003], budgets, gb // 2, 0.5, 61) == [1]
+    assert workers_to_plan(speeds, [0.002, 0.002], budgets, gb // 2, 0.5, 61) == []
+    # 1 ms: 33 + 61 ms split against 100 alone (the master's own budget holds the model).
+    assert workers_to_plan(speeds, [0.001, 0.001], budgets, gb // 2, 0.5, 61) == [0, 1]
+
+
+def test_standby_never_leaves_the_rest_too_small_to_hold_the_weights():
+    """The master alone would be faster, but 0.8 GB of weights need two of these budgets: the
+    plan keeps the worker of the nearer link, not none."""
+    gb = 10**9
+    budgets = [gb // 2, gb // 2, gb // 2]
+    kept = workers_to_plan([5.0, 5.0, 5.0], [0.004, 0.002], budgets, 8 * gb // 10, 0.5, 61)
+    assert kept == [1]
+    assert workers_to_plan([5.0, 5.0], [0.004], [gb // 2, gb // 2], 8 * gb // 10, 0.5, 61) == [0]
