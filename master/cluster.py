@@ -78,8 +78,10 @@ class Hub:
     """The workers' membership and their shards, over the master's `Transport`.
 
     Members are planned in; a worker that joins while an engine runs (`planned`) waits in
-    `pending` for the next re-plan. As the engine's `Remote`, it runs the allreduce on the
-    members and marks one lost when the transport says so.
+    `pending` for the next re-plan, and one the plan left out (its link would slow every
+    token: `master.plan.workers_to_plan`) waits in `standby`, joined and beating, until a
+    re-plan weighs it again. As the engine's `Remote`, it runs the allreduce on the members and
+    marks one lost when the transport says so.
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class Hub:
         self.ship_rate = ship_rate  # bytes/s cap on shard shipping, for shared links
         self.members: list[Member] = []
         self.pending: list[Member] = []  # joined while serving; planned in at the next re-plan
+        self.standby: list[Member] = []  # left out of the plan; weighed again at the next one
         self.restarts: dict[str, int] = {}  # node name -> times its process was restarted here
         self.store: ShardStore | None = None
         self.shipped_bytes = 0
@@ -126,7 +129,7 @@ class Hub:
         return msg is not None
 
     def _member(self, identity: bytes) -> Member | None:
-        return next((m for m in self.members if m.identity == identity), None)
+        return next((m for m in [*self.members, *self.standby] if m.identity == identity), None)
 
     # -- joining and shipping ---------------------------------------------------------------
     def _handle_control(self, identity: bytes, header: dict[str, Any]) -> None:
@@ -228,6 +231,7 @@ class Hub:
         self._send(identity, {"op": P.ACCEPTED, "heartbeat_port": self.heartbeat.port})
         # The same identity again (a restarted worker, a peer dropped before): one entry each.
         self.pending = [m for m in self.pending if m.identity != identity]
+        self.standby = [m for m in self.standby if m.identity != identity]
         for old in [m for m in self.members if m.identity == identity]:
             old.alive = False  # planned or not, the new process holds none of its slice
             if not self.planned:
@@ -280,31 +284,48 @@ class Hub:
         while True:
             if self._next(0 if time.monotonic() >= deadline else 50):
                 continue
-            for m in self.members:
+            for m in [*self.members, *self.standby]:
                 if m.alive and self.heartbeat.silence(m.name) > DEAD_AFTER:
                     m.alive = False
                     log.warning("node %s stopped answering; dropping it", m.name)
+            for m in [m for m in self.standby if not m.alive]:  # the plan goes on without it
+                self.standby.remove(m)
+                self.heartbeat.forget(m.name)
+                # One that was only paused joins again when it wakes, as in take_in_changes.
+                why = f"dropped from standby ({m.failure or 'it stopped answering'})"
+                self._send_quietly(m.identity, {"op": P.BYE, "reason": why, "rejoin": m.rejoin})
             if self.pending or any(not m.alive for m in self.members):
                 return True
             if time.monotonic() >= deadline:
                 return False
 
     def take_in_changes(self) -> None:
-        """Drop the members that left and admit the pending ones, before a re-plan. A dropped
+        """Drop the members that left, admit the pending ones and those on standby (the plan
+        weighs them again), before a re-plan. A dropped
         node that may still be there (it went silent for a while, or failed) is told so: it
         joins again, rather than wait for steps that no longer come to it."""
-        staying = {m.identity for m in self.members if m.alive} | {m.identity for m in self.pending}
-        for m in self.members:
+        weighed = self.members + self.standby
+        staying = {m.identity for m in weighed if m.alive} | {m.identity for m in self.pending}
+        for m in weighed:
             if not m.alive:
                 self.heartbeat.forget(m.name)
                 if m.identity not in staying:  # not a restarted process of the same name
                     why = f"dropped from the plan ({m.failure or 'it stopped answering'})"
                     bye = {"op": P.BYE, "reason": why, "rejoin": m.rejoin}
                     self._send_quietly(m.identity, bye)
-        self.members = [m for m in self.members if m.alive] + self.pending
-        self.pending = []
+        self.members = [m for m in weighed if m.alive] + self.pending
+        self.pending, self.standby = [], []
         for m in self.members:
             m.ready = False
+
+    def leave_out(self, members: list[Member], reason: str) -> None:
+        """Put `members` on standby for this plan, and tell them why (they wait for the next)."""
+        for m in members:
+            self.members.remove(m)
+            self.standby.append(m)
+            m.slice, m.head_rows, m.window, m.ready, m.figures = None, 0, None, False, {}
+            log.warning("node %s is on standby: %s", m.name, reason)
+            self._send_quietly(m.identity, {"op": P.STANDBY, "reason": reason})
 
     def measure_speeds(self, own: Callable[[], float], timeout: float = MEASURE_TIMEOUT) -> float:
         """Every member measures its speed again while the master runs `own` (its own probe),
@@ -504,7 +525,7 @@ class Hub:
         """Say BYE (and why) to every live worker and close; safe to call twice."""
         if self.transport.sock.closed:
             return
-        for m in self.members:
+        for m in [*self.members, *self.standby]:
             if m.alive:
                 try:
                     self._send(m.identity, {"op": P.BYE, "reason": reason})

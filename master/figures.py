@@ -54,7 +54,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
     ]
     allreduce = None
     if hub is not None:
-        for m in [*hub.members, *hub.pending]:
+        for m in [*hub.members, *hub.pending, *hub.standby]:
             silence = hub.heartbeat.silence(m.name)
             nodes.append(
                 {
@@ -62,6 +62,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
                     "role": "worker",
                     "alive": m.alive,
                     "ready": m.ready,
+                    "standby": any(m is s for s in hub.standby),
                     "slices": [m.slice] if m.slice else [],
                     "share": _share(Slice.from_dict(m.slice), config) if m.slice else None,
                     "memory_budget_bytes": m.capacity.memory_budget,

@@ -197,12 +197,14 @@ def local_session(
     verbose: bool = False,
     memory: MemoryOptions = ALL_RESIDENT,
     devices: EmulatedDevices | None = None,
+    standby: bool = True,
 ) -> Iterator[Session]:
     """A started session over `nodes` processes on this machine (1: this process alone).
 
     Every node gets the same memory options (budget, window, page-cache dropping). After a
     node fails, the session re-plans on the nodes left, with equal shares. With `devices`
-    (entered, one spec per node), each node runs as its device: this process too.
+    (entered, one spec per node), each node runs as its device: this process too, and one
+    whose link would slow every token is left on standby (unless not `standby`).
     """
     if nodes < 1:
         raise ValueError(f"--local-nodes must be at least 1, got {nodes}")
@@ -234,7 +236,15 @@ def local_session(
     # Processes sharing this machine's cores get equal shares (their measurements would only
     # see each other starting); emulated devices are planned by what each measured.
     session = Session(
-        source, hub, state_dir, context, slots, memory, capacities, equal_shares=devices is None
+        source,
+        hub,
+        state_dir,
+        context,
+        slots,
+        memory,
+        capacities,
+        equal_shares=devices is None,
+        standby=standby,
     )
     with (
         session,

@@ -23,6 +23,7 @@ from master.plan import (
     split_estimate,
     with_disk_reads,
     with_messages,
+    workers_to_plan,
 )
 from master.splitter import model_identity, split_model
 from master.transport import ClusterError
@@ -278,9 +279,12 @@ class Session:
         capacities: Sequence[float] | None = None,
         equal_shares: bool = False,
         progress: Callable[[str, int, int], None] | None = None,
+        standby: bool = True,
     ) -> None:
         """`capacities` (the master first) hold while the node count matches them; otherwise
-        the shares are equal (`equal_shares`: processes of one machine) or measured per device.
+        the shares are equal (`equal_shares`: processes of one machine) or measured per device,
+        and then a device whose link would slow every token is left on standby (unless not
+        `standby`: a benchmark of node counts times the split it asked for).
         """
         self.source = source
         self.hub = hub
@@ -291,6 +295,7 @@ class Session:
         self.given_capacities = list(capacities) if capacities else None
         self.equal_shares = equal_shares
         self.progress = progress
+        self.standby = standby
         self.engine: Engine | None = None
         self.max_context = context_size(source.config, context)  # the plan's, once planned
         self._master_capacity: Capacity | None = None
@@ -405,7 +410,14 @@ class Session:
         sums = 2 * config.n_layers + 1
         timed = [m.link.rtt_s for m in self.hub.members if m.link is not None]
         self.split_estimate = split_estimate(speeds, model_gb, sums, timed) if timed else None
-        if self.split_estimate and self.split_estimate.split_s > self.split_estimate.alone_s:
+        budgets = [c.memory_budget for c in devices]
+        kept = self._leave_out_slow_links(speeds, budgets, size, model_gb, sums)
+        if len(kept) < len(devices) - 1:
+            if not kept:
+                return [1.0], None
+            devices = [devices[0], *(devices[1 + k] for k in kept)]
+            speeds = [speeds[0], *(speeds[1 + k] for k in kept)]
+        elif self.split_estimate and self.split_estimate.split_s > self.split_estimate.alone_s:
             e = self.split_estimate
             log.warning(
                 "the sums cost ~%.0f ms a token (%d at the slowest worker's round trip, %.0f us), "
@@ -426,6 +438,38 @@ class Session:
         record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}-{PLAN_RULES}"
         return keep_last_plan(self.state_dir / "plans" / f"{record}.json", speeds, head_costs)
 
+    def _leave_out_slow_links(
+        self, speeds: list[float], budgets: list[int], layers_bytes: int, model_gb: float, sums: int
+    ) -> list[int]:
+        """The members (indices) this plan takes, after putting on standby those whose links
+        would slow every token (`workers_to_plan`). Only where the plan may choose: every link
+        timed, and no node streaming by a window it was given (whose speed the probes do not
+        tell)."""
+        members = list(self.hub.members) if self.hub else []
+        everyone = list(range(len(members)))
+        forced = self.memory.window is not None or any(m.capacity.window for m in members)
+        if not self.standby or forced or any(m.link is None for m in members):
+            return everyone
+        config = self.config
+        weights_bytes = layers_bytes + 2 * config.vocab_size * config.hidden * 4  # embedding, head
+        rtts = [m.link.rtt_s for m in members if m.link is not None]
+        kept = workers_to_plan(speeds, rtts, budgets, weights_bytes, model_gb, sums)
+        if len(kept) == len(members):
+            return everyone
+        estimate = split_estimate([speeds[0], *(speeds[1 + k] for k in kept)], model_gb, sums,
+                                  [rtts[k] for k in kept])  # fmt: skip
+        without = estimate.split_s if kept else estimate.alone_s
+        assert self.split_estimate is not None  # every link was timed
+        for k in sorted(set(everyone) - set(kept)):
+            reason = (
+                f"its link ({rtts[k] * 1e6:.0f} us a round trip, {sums} of them a token) would "
+                f"slow every token: the probes put one at ~{self.split_estimate.split_s * 1e3:.0f}"
+                f" ms with it and ~{without * 1e3:.0f} ms without; a nearer or faster link "
+                "would bring it in at the next re-plan"
+            )
+            self.hub.leave_out([members[k]], reason)
+        return kept
+
     def measured(self) -> list[Capacity]:
         """What each node measured of itself, the master first: empty where the plan measured
         nothing (equal or given shares)."""
@@ -440,11 +484,14 @@ class Session:
             self.hub.close(reason)
 
     def _plan(self) -> Engine:
+        self.planned_capacities, self.planned_head_costs = [1.0], None
+        if self.nodes > 1 or self.memory.streaming:
+            # (the shares may leave every worker on standby: the master then runs alone)
+            self.planned_capacities, self.planned_head_costs = self.shares()
         if self.nodes == 1 and not self.memory.streaming:
             # Alone with every weight resident: read straight from the model, no shards.
             engine = Engine.local(self.source, max_context=self.context, slots=self.slots)
         else:
-            self.planned_capacities, self.planned_head_costs = self.shares()
             engine = _cluster_engine(
                 self.source,
                 self.hub,

@@ -22,8 +22,8 @@ import zmq
 if TYPE_CHECKING:  # the CLI imports this module: no torch at start-up
     import torch
 
-PROTOCOL_VERSION = 4  # 2: a decode step's hidden state travels as rows (B, D); 3: HEAD;
-# 4: MEASURE, ECHO
+PROTOCOL_VERSION = 5  # 2: a decode step's hidden state travels as rows (B, D); 3: HEAD;
+# 4: MEASURE, ECHO; 5: STANDBY
 DEFAULT_PORT = 7470
 
 # node -> master
@@ -44,6 +44,9 @@ STEP = "step"  # {step, layer, block, batch?} + hidden state: decode (B, D), els
 # block HEAD (layer n_layers): the final-normed rows (R, D), answered with the node's logits
 # (R, its rows of the lm_head) as the PARTIAL
 BYE = "bye"  # the master is shutting down or dropping this node
+# {reason}: this plan leaves the node out (it would slow every token); it frees its slice and
+# waits, joined, for a WELCOME from a later plan
+STANDBY = "standby"
 # before a plan: measure your speed now, as every node does at this moment (answer MEASURED)
 MEASURE = "measure"
 ECHO = "echo"  # + one tensor: send it back (ECHOED) at once; the master times its link to you

@@ -23,7 +23,13 @@ from memory.budget import device_memory_budget
 from memory.files import default_state_dir, measure_disk_read
 from memory.pages import weight_buffer
 from memory.shards import ShardRef, ShardStore, file_digests
-from memory.window import LayerWindow, ShardChanged, StreamFigures, step_figures
+from memory.window import (
+    LayerWindow,
+    ShardChanged,
+    StreamFigures,
+    return_freed_memory,
+    step_figures,
+)
 from models.config import ModelConfig
 from models.kernels import cpu_quota_cores, kernel_set, linear
 from models.layers import Slice, StepBatch
@@ -276,6 +282,9 @@ class Worker:
         self.sock.connect(self.endpoint)
         try:
             welcome = self._handshake()
+            if welcome["op"] == P.BYE:  # on standby until the master stopped
+                log.info("master said bye: %s", welcome.get("reason", ""))
+                return bool(welcome.get("rejoin"))
             try:
                 executor = self._load(read_welcome(welcome))
             except Exception as exc:  # tell the master, which is waiting for READY
@@ -298,6 +307,7 @@ class Worker:
             self.context.term()
 
     def _handshake(self) -> dict[str, Any]:
+        """Join: the master's WELCOME, or its BYE to a node it left on standby."""
         self._send(
             {
                 "op": P.HELLO,
@@ -320,18 +330,10 @@ class Worker:
         self.heartbeat = HeartbeatClient(
             self.context, f"tcp://{self.host}:{header['heartbeat_port']}", self.name, self.token
         )
-        # The master plans (and may split a big model) before it says which slice is ours;
-        # however long that takes, its heartbeat says it is alive.
-        while True:
-            header, tensors = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
-            try:
-                probe = read_probe(header, tensors)
-            except P.ProtocolError as exc:
-                raise NodeError(f"the master sent a malformed message: {exc}") from exc
-            if probe is None:
-                break
-            self._answer(probe)
+        header, on_standby = self._await_plan()
         if header["op"] == P.BYE:
+            if on_standby:  # the master stopped (or dropped it) while it waited: no failure
+                return header
             if "rejoin" in header:  # dropped, not shutting down
                 raise NodeError(f"the master said: {header.get('reason')}")
             raise NodeError(
@@ -340,6 +342,27 @@ class Worker:
         if header["op"] != P.WELCOME:
             raise NodeError(f"unexpected message before WELCOME: {header['op']!r}")
         return header
+
+    def _await_plan(self) -> tuple[dict[str, Any], bool]:
+        """The master's next message past its probes (answered meanwhile) and STANDBY (said
+        in the log): a WELCOME, or anything else for the caller to refuse; and whether a
+        STANDBY came. The master plans (and may split a big model) before it says which slice
+        is ours; however long that takes, or this node stays on standby, its heartbeat says it
+        is alive."""
+        on_standby = False
+        while True:
+            header, tensors = P.decode(self._recv(float("inf"), "waiting for the master's plan"))
+            if header["op"] == P.STANDBY:
+                log.warning("node %s is on standby: %s", self.name, header.get("reason"))
+                on_standby = True
+                continue
+            try:
+                probe = read_probe(header, tensors)
+            except P.ProtocolError as exc:
+                raise NodeError(f"the master sent a malformed message: {exc}") from exc
+            if probe is None:
+                return header, on_standby
+            self._answer(probe)
 
     def _answer(self, probe: Measure | Echo) -> None:
         """Answer what the master asks before it plans, joining or serving: MEASURE with this
@@ -447,6 +470,23 @@ class Worker:
                 if isinstance(work, (Measure, Echo)):  # a re-plan comes
                     self._answer(work)
                     continue
+                if isinstance(work, Standby):  # a re-plan left this node out: free its slice
+                    if hop is not None:
+                        hop.close()
+                        hop = None
+                    executor.close()
+                    del executor  # its weights and KV cache go while it waits
+                    return_freed_memory()
+                    log.warning("node %s is on standby: %s", self.name, work.reason)
+                    header, _ = self._await_plan()
+                    if header["op"] == P.WELCOME:
+                        executor = self._reload(read_welcome(header))
+                        hop = _native_loop(self.sock, executor)
+                        reported, batch = StreamFigures(), None
+                        continue
+                    if header["op"] != P.BYE:
+                        raise NodeError(f"unexpected message on standby: {header['op']!r}")
+                    work = None
                 if work is None:  # BYE
                     if header.get("rejoin") is False:  # dropped for good: say why, as an error
                         raise NodeError(f"the master said: {header.get('reason')}")
@@ -626,6 +666,13 @@ class Echo:
     payload: np.ndarray
 
 
+@dataclass(frozen=True)
+class Standby:
+    """A STANDBY: a re-plan leaves this node out, for `reason`."""
+
+    reason: str
+
+
 def read_probe(header: dict[str, Any], tensors: list[np.ndarray]) -> Measure | Echo | None:
     """A MEASURE or an ECHO, which come whenever the master is about to plan; None for any
     other message. ProtocolError for an ECHO without exactly one tensor."""
@@ -640,10 +687,11 @@ def read_probe(header: dict[str, Any], tensors: list[np.ndarray]) -> Measure | E
 
 def read_message(
     frames: list[Any], config: ModelConfig, cache: KVCache, batch: StepBatch | None
-) -> tuple[dict[str, Any], Step | Welcome | Measure | Echo | None]:
+) -> tuple[dict[str, Any], Step | Welcome | Standby | Measure | Echo | None]:
     """What a serving node is told: a `Step` (checked against what it holds: `config`,
-    `cache`, the step's `batch` so far), a `Welcome` (a re-plan), a `Measure`, an `Echo` or
-    None (BYE), with the header. ProtocolError for anything else."""
+    `cache`, the step's `batch` so far), a `Welcome` (a re-plan), a `Standby` (a re-plan
+    without it), a `Measure`, an `Echo` or None (BYE), with the header. ProtocolError for
+    anything else."""
     header, tensors = P.decode(frames)
     op = header["op"]
     if op == P.STEP:
@@ -654,6 +702,8 @@ def read_message(
         return header, probe
     if op == P.BYE:
         return header, None
+    if op == P.STANDBY:
+        return header, Standby(str(header.get("reason", "")))
     raise P.ProtocolError(f"unexpected {op!r} while serving steps")
 
 

@@ -4,8 +4,10 @@ behind."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -14,14 +16,19 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from master.batcher import BatcherStats
 from master.bench.greedy import time_greedy
 from master.bench.round_trips import raw_tcp_round_trips
+from master.bridge.schema import ClusterFigures
 from master.emulate import devices as emulate
 from master.emulate.devices import EmulatedDevices, emulated, remove_leftovers
 from master.emulate.spec import DeviceSpec, device_specs, parse_device
-from master.local import local_engine
+from master.figures import cluster_figures
+from master.local import local_engine, local_session
 from master.transport import ClusterError
+from tui.chat.widgets import node_block
 from tui.cli import main
 
 PROMPT = "The capital of France is"
@@ -95,16 +102,21 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
         assert devices.oom_kills(1) >= 1
     assert _ours() == []
 
-    # The rtt shows in every sum, the CPU quota throttles, and the answer is one node's.
+    # The rtt shows in every sum, the CPU quota throttles, and the answer is one node's (the
+    # split as asked: left to choose, the plan would leave such a worker on standby, below).
     with local_engine(smollm2, 1, state_dir=tmp_path, context=64) as engine:
         _, _, alone = time_greedy(engine, smollm2_tokenizer, prompt, 6)
-    rtt = 0.006
+    rtt = 0.012  # its 61 sums a token cost 0.73 s: far more than this small model's whole token
     with emulated([DeviceSpec(), DeviceSpec(cpu=0.5, rtt=rtt)], 2, tmp_path) as devices:
         assert devices is not None and _ours() != []
         with (
             caplog.at_level(logging.WARNING, "master.session"),
-            local_engine(smollm2, 2, state_dir=tmp_path, context=64, devices=devices) as engine,
+            local_session(
+                smollm2, 2, state_dir=tmp_path, context=64, devices=devices, standby=False
+            ) as session,
         ):
+            engine = session.engine
+            assert engine is not None
             cpu_before = devices.cpu_seconds()
             started = time.perf_counter()
             _, _, split = time_greedy(engine, smollm2_tokenizer, prompt, 6)
@@ -117,15 +129,53 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
             assert 0 < worker.capacity.message_s < 0.01, worker.capacity
             # The master timed the worker's link before it planned: the rtt is in it.
             assert worker.link is not None and rtt <= worker.link.rtt_s < rtt + 0.004, worker
-            # 61 sums at 6 ms cost more than splitting this small model saves: the master says so.
+            # 61 sums at 12 ms cost more than splitting this small model saves: the master says so.
             said = [r.getMessage() for r in caplog.records if "the sums cost" in r.getMessage()]
             assert len(said) == 1 and "slower than on the master alone" in said[0], caplog.text
             # The master's own block, computed while the sum's messages are in flight.
             blocks = 2 * smollm2.config.n_layers
             own_block = max(s["compute_s"] for s in list(engine.history)[1:]) / blocks
-            engine.close()
-        figures = devices.figures()
-    assert split == alone
+            figures = devices.figures()
+
+            # Left to choose, a re-plan puts the worker on standby: joined and beating, its
+            # slice freed, the answers the master's alone; the next plan that wants it takes
+            # it back from there.
+            session.standby = True
+            engine = session.replan()
+            hub = session.hub
+            assert hub is not None and engine.remote is None, (session.split_estimate, hub.members)
+            assert hub.members == [], (session.split_estimate, session.measured(), hub.members)
+            assert [m.name for m in hub.standby] == ["local-1"]
+            said = [r.getMessage() for r in caplog.records if "on standby" in r.getMessage()]
+            assert len(said) == 1 and "would slow every token" in said[0], caplog.text
+            _, _, on_standby = time_greedy(engine, smollm2_tokenizer, prompt, 6)
+            assert hub.heartbeat.silence("local-1") < 1.0  # it still beats
+            # The cluster view (the bridge's /v1/cluster, the chat's panel) says so.
+            stats = BatcherStats(1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+            view = ClusterFigures.model_validate(cluster_figures(session, "smollm2", stats))
+            worker_view = view.nodes[1]
+            assert worker_view.standby and worker_view.alive and worker_view.share is None
+            assert "◌ standby" in _rendered(node_block(worker_view))
+            # Its device freezes: the standby is dropped without a re-plan (the plan does not
+            # hold it) and told BYE, so that, only paused, it joins again when it wakes; the
+            # next plan that wants it (here, not free to choose) takes it in from there.
+            frozen = (devices.cgroups[1]["cpu"] / "cgroup.procs").read_text().split()
+            for pid in frozen:
+                os.kill(int(pid), signal.SIGSTOP)
+            try:
+                assert not session.replan_if_changed(wait=3.0)
+                assert hub.standby == [] and hub.pending == []
+            finally:
+                for pid in frozen:
+                    os.kill(int(pid), signal.SIGCONT)
+            session.standby = False
+            assert session.replan_if_changed(wait=60)
+            assert [m.name for m in hub.members] == ["local-1"] and hub.standby == []
+            assert hub.restarts.get("local-1", 0) == 0  # it joined again itself, not restarted
+            engine = session.engine
+            assert engine is not None and engine.remote is not None
+            _, _, back = time_greedy(engine, smollm2_tokenizer, prompt, 3)
+    assert split == alone and on_standby == alone and back == alone[:3]
     median = statistics.median(sums)
     print(f"\nrtt {rtt * 1e3} ms: allreduce median {median * 1e3:.2f} ms over {len(sums)} sums, "
           f"the master's own block {own_block * 1e3:.2f} ms")  # fmt: skip
@@ -228,3 +278,9 @@ def test_a_disk_limit_for_a_state_folder_yet_to_be_made_takes_its_parent_s_disk(
 
     assert disk(later) == disk(tmp_path)
     assert not later.exists()
+
+
+def _rendered(renderable: object) -> str:
+    console = Console(width=100, record=True, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()

@@ -333,6 +333,7 @@ def _cluster_run(
             memory=memory,
             threads=config.threads,
             devices=devices,
+            standby=False,  # it times the node counts it is given, the split's cost with them
         ) as session,
     ):
         engine = session.engine

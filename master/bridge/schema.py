@@ -330,6 +330,9 @@ class NodeFigures(BaseModel):
     role: Literal["master", "worker"]
     alive: bool
     ready: bool
+    standby: bool = Field(
+        False, description="joined, but left out of the plan: its link would slow every token"
+    )
     slices: list[SliceFigures] = Field(description="the node's share of every layer, if known")
     memory_budget_bytes: int | None = None
     cores: int | None = None

@@ -106,6 +106,8 @@ def summary(figures: ClusterFigures) -> RenderableType:
 def node_block(node: NodeFigures) -> RenderableType:
     if not node.alive:
         state = Text("✕ down", style="bold red")
+    elif node.standby:
+        state = Text("◌ standby", style="yellow")
     elif not node.ready:
         state = Text("○ joining" if node.role == "worker" else "○ planning", style="yellow")
     else:
