@@ -302,6 +302,9 @@ class Session:
         self.planned_capacities = [1.0]  # what the current plan split by, the master first
         self.planned_head_costs: list[float] | None = None  # and its head rows by, if measured
         self.split_estimate: SplitEstimate | None = None  # what the probes said of the split
+        # The workers the last measured plan left on standby, or (not free to: `standby`
+        # False) would have: names, for the record.
+        self.standby_choice: list[str] = []
 
     def __enter__(self) -> Session:
         return self
@@ -448,13 +451,14 @@ class Session:
         members = list(self.hub.members) if self.hub else []
         everyone = list(range(len(members)))
         forced = self.memory.window is not None or any(m.capacity.window for m in members)
-        if not self.standby or forced or any(m.link is None for m in members):
+        if forced or any(m.link is None for m in members):
             return everyone
         config = self.config
         weights_bytes = layers_bytes + 2 * config.vocab_size * config.hidden * 4  # embedding, head
         rtts = [m.link.rtt_s for m in members if m.link is not None]
         kept = workers_to_plan(speeds, rtts, budgets, weights_bytes, model_gb, sums)
-        if len(kept) == len(members):
+        self.standby_choice = [m.name for k, m in enumerate(members) if k not in kept]
+        if len(kept) == len(members) or not self.standby:
             return everyone
         estimate = split_estimate([speeds[0], *(speeds[1 + k] for k in kept)], model_gb, sums,
                                   [rtts[k] for k in kept])  # fmt: skip
@@ -485,6 +489,7 @@ class Session:
 
     def _plan(self) -> Engine:
         self.planned_capacities, self.planned_head_costs = [1.0], None
+        self.standby_choice = []
         if self.nodes > 1 or self.memory.streaming:
             # (the shares may leave every worker on standby: the master then runs alone)
             self.planned_capacities, self.planned_head_costs = self.shares()

@@ -132,6 +132,7 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
             # 61 sums at 12 ms cost more than splitting this small model saves: the master says so.
             said = [r.getMessage() for r in caplog.records if "the sums cost" in r.getMessage()]
             assert len(said) == 1 and "slower than on the master alone" in said[0], caplog.text
+            assert session.standby_choice == ["local-1"]  # what the bench records it would do
             # The master's own block, computed while the sum's messages are in flight.
             blocks = 2 * smollm2.config.n_layers
             own_block = max(s["compute_s"] for s in list(engine.history)[1:]) / blocks

@@ -258,6 +258,11 @@ def _print_devices(run: dict[str, Any]) -> None:
             f"  the probes' estimate: {e['alone_ms']:g} ms a token on the master alone, "
             f"{e['split_ms']:g} split ({e['compute_ms']:g} of compute, {e['sums_ms']:g} of sums)"
         )
+    if plan.get("standby"):
+        print(
+            f"  left to choose (run, serve), the plan would keep {', '.join(plan['standby'])} "
+            "on standby: the split is timed here as asked"
+        )
     for d in run["devices"]:
         # Devices on one core share its caches and wake each other up: a real device would not.
         sharing = [
@@ -349,6 +354,8 @@ def _cluster_run(
                 for c, link in zip(session.measured(), links, strict=False)
             ],
             "estimate": _estimate_figures(session.split_estimate),
+            # Left to choose (run, serve), the plan would have left these on standby.
+            "standby": session.standby_choice,
         }
         time_greedy(engine, tokenizer, prompt, 4)  # warm-up
         members = _clear_figures(engine)
