@@ -480,7 +480,12 @@ class Worker:
                     log.warning("node %s is on standby: %s", self.name, work.reason)
                     header, _ = self._await_plan()
                     if header["op"] == P.WELCOME:
-                        executor = self._reload(read_welcome(header))
+                        try:
+                            welcome = read_welcome(header)
+                        except P.ProtocolError as exc:  # the master waits for READY: say why
+                            self._send({"op": P.ERROR, "message": f"malformed message: {exc}"})
+                            raise NodeError(f"the master sent a malformed WELCOME: {exc}") from exc
+                        executor = self._reload(welcome)
                         hop = _native_loop(self.sock, executor)
                         reported, batch = StreamFigures(), None
                         continue
