@@ -3,6 +3,12 @@
 The master runs a `HeartbeatServer` (a ROUTER on its own port); every node runs a
 `HeartbeatClient` that sends a beat each `HEARTBEAT_INTERVAL` and expects one back. A peer
 silent for `HEARTBEAT_LIVENESS` intervals is taken for dead by whoever is waiting on it.
+
+Silence counts only the time this process was awake to hear beats: a process stopped (SIGSTOP,
+a suspended laptop) or starved past `PAUSED_AFTER` heard nothing because it did not run, not
+because its peer went away. Without that, a node woken from a 3 s pause took its master for
+dead before its heartbeat thread had run once, and exited, where the master only waited for it
+(or had dropped it and told it to join again).
 """
 
 from __future__ import annotations
@@ -16,6 +22,31 @@ from node.protocol import HEARTBEAT, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, dec
 from node.security import JoinToken, Keypair, secure_client, secure_server
 
 DEAD_AFTER = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
+# A heartbeat thread wakes at least every HEARTBEAT_INTERVAL: one that has not run for this long
+# was paused with its process (or starved), and that time is nobody's silence.
+PAUSED_AFTER = 4 * HEARTBEAT_INTERVAL
+
+
+class _AwakeClock:
+    """When this process last heard from its heartbeat thread, and what it slept through."""
+
+    def __init__(self) -> None:
+        self.tick = time.monotonic()
+
+    def paused(self) -> float:
+        """Seconds the heartbeat thread did not run before this pass, if it was paused; else 0.
+        Its caller moves the times it last heard a peer on by them, then calls `ran`."""
+        gap = time.monotonic() - self.tick
+        return gap if gap > PAUSED_AFTER else 0.0
+
+    def ran(self) -> None:
+        self.tick = time.monotonic()
+
+    def now(self) -> float:
+        """The present, or, where the heartbeat thread has not run since a pause, its last pass:
+        until it runs again, what it did not hear is not known to be silence."""
+        tick, now = self.tick, time.monotonic()
+        return tick if now - tick > PAUSED_AFTER else now
 
 
 class HeartbeatServer:
@@ -28,6 +59,7 @@ class HeartbeatServer:
         self.port = self._socket.bind_to_random_port(f"tcp://{host}")
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._awake = _AwakeClock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat-server", daemon=True)
         self._thread.start()
@@ -36,6 +68,11 @@ class HeartbeatServer:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stop.is_set():
+            paused = self._awake.paused()
+            if paused:  # the nodes' silence restarts where this process woke up
+                with self._lock:
+                    self._last = {name: last + paused for name, last in self._last.items()}
+            self._awake.ran()
             if not poller.poll(100):
                 continue
             identity, *frames = self._socket.recv_multipart(copy=False)
@@ -53,7 +90,7 @@ class HeartbeatServer:
         """Seconds since `name` last beat (infinite if it never did)."""
         with self._lock:
             last = self._last.get(name)
-        return float("inf") if last is None else time.monotonic() - last
+        return float("inf") if last is None else self._awake.now() - last
 
     def forget(self, name: str) -> None:
         with self._lock:
@@ -77,6 +114,7 @@ class HeartbeatClient:
         self._socket.connect(endpoint)
         self._name = name
         self._last_reply = time.monotonic()
+        self._awake = _AwakeClock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat-client", daemon=True)
         self._thread.start()
@@ -86,6 +124,8 @@ class HeartbeatClient:
         poller.register(self._socket, zmq.POLLIN)
         next_beat = 0.0
         while not self._stop.is_set():
+            self._last_reply += self._awake.paused()  # a pause of this process is not silence
+            self._awake.ran()
             now = time.monotonic()
             if now >= next_beat:
                 self._socket.send_multipart(encode({"op": HEARTBEAT, "name": self._name}))
@@ -96,7 +136,8 @@ class HeartbeatClient:
         self._socket.close(0)
 
     def master_silence(self) -> float:
-        return time.monotonic() - self._last_reply
+        """Seconds the master has not answered while this process was awake to hear it."""
+        return self._awake.now() - self._last_reply
 
     def close(self) -> None:
         self._stop.set()
