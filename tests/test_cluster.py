@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -268,13 +269,18 @@ def test_handshake_refuses_another_version_and_another_model(smollm2, tmp_path, 
         hub.close()
 
 
-def _pump(hub: Hub, seconds: float) -> None:
+def _pump(hub: Hub, seconds: float, until_exited: subprocess.Popen | None = None) -> None:
+    """Answer what comes to `hub` for `seconds`, or until `until_exited` has exited."""
+
+    def exited() -> None:
+        if until_exited is not None and until_exited.poll() is not None:
+            raise ClusterError("it exited")
+
     with contextlib.suppress(ClusterError):
-        hub.wait_for_workers(1, timeout=seconds)
+        hub.wait_for_workers(1, timeout=seconds, check=exited)
 
 
 def test_join_with_another_model_exits_with_a_clear_error(smollm2, tmp_path):
-    import subprocess
     import sys
 
     hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
@@ -287,7 +293,7 @@ def test_join_with_another_model_exits_with_a_clear_error(smollm2, tmp_path):
         env=os.environ | {TOKEN_ENV: str(hub.token)},
     )
     try:
-        _pump(hub, 15)
+        _pump(hub, 30, until_exited=proc)
         _, err = proc.communicate(timeout=30)
     finally:
         hub.close()

@@ -61,9 +61,15 @@ def _join(port: int, state, token: str | None) -> subprocess.Popen[str]:
     )
 
 
-def _pump(hub: Hub, seconds: float) -> None:
+def _pump(hub: Hub, seconds: float, until_exited: tuple[subprocess.Popen, ...] = ()) -> None:
+    """Answer what comes to `hub` for `seconds`, or until every one of `until_exited` has."""
+
+    def exited() -> None:
+        if until_exited and all(p.poll() is not None for p in until_exited):
+            raise ClusterError("they exited")
+
     try:
-        hub.wait_for_workers(1, timeout=seconds)
+        hub.wait_for_workers(1, timeout=seconds, check=exited)
     except ClusterError:
         pass
 
@@ -82,7 +88,7 @@ def test_wrong_missing_and_rotated_tokens_are_refused(tmp_path, caplog):
     try:
         with caplog.at_level(logging.WARNING):
             procs = {k: _join(hub.port, tmp_path / k, t) for k, (t, _) in cases.items()}
-            _pump(hub, 10)
+            _pump(hub, 60, until_exited=tuple(procs.values()))
             outputs = {k: p.communicate(timeout=60) for k, p in procs.items()}
         assert hub.members == []  # nobody got in
     finally:
