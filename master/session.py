@@ -381,7 +381,8 @@ class Session:
     def shares(self) -> tuple[list[float], list[float] | None]:
         """Each node's weight in the split, the master first, and, where the devices were
         measured, what a row of the lm_head costs each (`head_row_cost`: a worker's logits
-        cross its link)."""
+        cross its link). Measured, the members whose links would slow every token go on
+        standby first (`_leave_out_slow_links`): the weights are then the others'."""
         members = self.hub.members if self.hub else []
         if self.given_capacities and len(self.given_capacities) == 1 + len(members):
             return list(self.given_capacities), None
@@ -454,7 +455,8 @@ class Session:
         if forced or any(m.link is None for m in members):
             return everyone
         config = self.config
-        weights_bytes = layers_bytes + 2 * config.vocab_size * config.hidden * 4  # embedding, head
+        # The layers, and the embedding and the lm_head as float32 at most (tied or not).
+        weights_bytes = layers_bytes + 2 * config.vocab_size * config.hidden * 4
         rtts = [m.link.rtt_s for m in members if m.link is not None]
         kept = workers_to_plan(speeds, rtts, budgets, weights_bytes, model_gb, sums)
         self.standby_choice = [m.name for k, m in enumerate(members) if k not in kept]
