@@ -269,6 +269,6 @@ def workers_to_plan(
         kept = order[:n]
         if budgets[0] + sum(budgets[1 + k] for k in kept) < weights_bytes:
             break  # fewer hold less
-        if token_s(kept) < best_s:
-            best, best_s = kept, token_s(kept)
+        if (kept_s := token_s(kept)) < best_s:
+            best, best_s = kept, kept_s
     return sorted(best) if best_s * STANDBY_GAIN < everyone else list(range(len(round_trips)))
