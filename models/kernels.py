@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,6 +241,20 @@ def cpu_quota_cores() -> float | None:
         return None
     share, period = (int(x) for x in quota.split("/"))
     return share / period
+
+
+def compute_clock(threads: int) -> Callable[[], float]:
+    """The clock to time this process's compute by, with `threads` BLAS threads.
+
+    Under a CPU quota, CPU seconds: wall time there measures where in the quota's period a
+    loop ran and who else ran on the core, not the code (at cpu=0.5 a worker's lm_head rows
+    went to torch's product by a throttled period's chance, ~35% slower than NumPy's free).
+    One BLAS thread: its own thread's time, not its process's other threads' (a master
+    serving). Without a quota, wall time: a BLAS pool's CPU seconds would count its spinning.
+    """
+    if cpu_quota_cores() is None:
+        return time.perf_counter
+    return time.thread_time if threads == 1 else time.process_time
 
 
 def cgroup_cpu_quota() -> str:

@@ -8,7 +8,8 @@ it will use has been, on this device:
 1. checked against a float64 product of the same stored weights, in a child process, so that a
    kernel that crashes is a rejected kernel and not a dead node (a kernel that crashes once is
    never used on this device again; one that disagrees is rejected for that shape and rows);
-2. timed, if it passed, with the BLAS threads the node computes with;
+2. timed, if it passed, with the BLAS threads the node computes with (in CPU seconds under a CPU
+   quota, `models.kernels.compute_clock`);
 
 and installs the fastest that passed (`models.kernels.install`). The results are cached in the
 state folder under a key of the CPU (model, flags and cgroup quota), Python, torch, NumPy and
@@ -30,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -383,8 +384,11 @@ class _Probe:
             self.cases[rows] = (x, (x64 @ self.wd.T)[:, self.tile], bound + 1e-6)
         return self.cases[rows]
 
-    def check(self, kernel: kernels.Kernel, bucket: int) -> tuple[str | None, float | None]:
-        """(error or None, median microseconds per call at the bucket's largest check rows)."""
+    def check(
+        self, kernel: kernels.Kernel, bucket: int, clock: Callable[[], float]
+    ) -> tuple[str | None, float | None]:
+        """(error or None, median microseconds per call at the bucket's largest check rows, by
+        `clock`: `kernels.compute_clock`'s)."""
         w, scale = self.stored[""], self.stored.get(kernels.SCALE_SUFFIX)
         for rows in CHECK_ROWS[bucket]:  # the last one is also the warm-up for the timing
             x, want, bound = self.case(rows)
@@ -398,9 +402,9 @@ class _Probe:
         times: list[float] = []
         began = time.perf_counter()
         while len(times) < 2 or (time.perf_counter() - began < 0.01 and len(times) < 20):
-            t = time.perf_counter()
+            t = clock()
             kernel(x, w, scale)
-            times.append(time.perf_counter() - t)
+            times.append(clock() - t)
             if times[0] > 3 * self.best.get(bucket, float("inf")):
                 break  # far behind the fastest: one call says enough
         median = float(np.median(times))
@@ -411,6 +415,7 @@ class _Probe:
 def _child() -> None:
     job = json.loads(sys.stdin.read())
     kernels.limit_blas(job["threads"])
+    clock = kernels.compute_clock(job["threads"])
     gen = np.random.default_rng(0)
     probe: _Probe | None = None
     loaded: dict[str, kernels.Kernel] = {}
@@ -423,7 +428,7 @@ def _child() -> None:
             loaded[item["candidate"]] = Candidate(item["candidate"], item["target"]).load()
         print(MARK + json.dumps({"begin": item["id"]}), flush=True)
         try:
-            error, us = probe.check(loaded[item["candidate"]], item["bucket"])
+            error, us = probe.check(loaded[item["candidate"]], item["bucket"], clock)
         except Exception as exc:  # a kernel that raises is a rejected kernel
             error, us = f"raised {type(exc).__name__}: {exc}"[:300], None
         result = {

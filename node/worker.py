@@ -31,7 +31,7 @@ from memory.window import (
     step_figures,
 )
 from models.config import ModelConfig
-from models.kernels import cpu_quota_cores, kernel_set, linear
+from models.kernels import compute_clock, cpu_quota_cores, kernel_set, linear
 from models.layers import Slice, StepBatch
 from node import protocol as P
 from node.device import prepare
@@ -130,10 +130,7 @@ def measure_speed(threads: int) -> float:
     x = torch.randn(1, PROBE_WIDTH)
     linear(x, w)
     quota = cpu_quota_cores()
-    # One BLAS thread: its own CPU time, not its process's other threads' (a master serving).
-    # Without a quota, wall time: a BLAS pool's CPU seconds would count its threads' spinning.
-    cpu_clock = time.thread_time if threads == 1 else time.process_time
-    clock = time.perf_counter if quota is None else cpu_clock
+    clock = compute_clock(threads)
     wall_start, start, n = time.perf_counter(), clock(), 0
     while time.perf_counter() - wall_start < 0.1:
         linear(x, w)
