@@ -24,7 +24,13 @@ from models.layers import Slice, full_layer_shapes, kv_heads_for, slice_parts
 from models.quant import BLOCK, FORMATS
 
 FFN_ALIGN = BLOCK
-HEAD_ALIGN = 64  # lm_head rows go to nodes in runs of this many
+HEAD_ALIGN = 64  # a run of lm_head rows is a multiple of this many
+# The vocabulary goes to nodes in at most this many runs (`head_run`): each node's rows are a
+# matrix shape its device checks and times its kernels for once (~6 s at cpu=0.5, most of it
+# starting the check's process), and runs of 64 rows made nearly every plan's split a new shape
+# (200 of them in one device's table). A run of 768 of SmolLM2's rows, ~0.3% of a 2-device
+# share, is finer than the speed probes can tell two devices apart.
+HEAD_RUNS = 64
 # Bytes a weight takes in a shard, by shard dtype (int8's per-row scales: a rounding error).
 BYTES_PER_WEIGHT = {
     "f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0,
@@ -82,7 +88,7 @@ def head_rows(
     Whole heads split the layers only so finely (SmolLM2's 3 KV-head groups go 2:1 on two
     devices), so the head's rows even out the rest: each node gets rows such that its weights,
     layers and head together, follow its capacity, where the layers' uneven split allows. Rows
-    go in multiples of HEAD_ALIGN. `row_costs[k]` is what a head row costs node k against
+    go in runs of `head_run(config)`. `row_costs[k]` is what a head row costs node k against
     multiplying it alone (`head_row_cost`: a worker's logits also cross its link); 1 for all
     by default.
     """
@@ -91,11 +97,12 @@ def head_rows(
     # In head-row units: node k's layers take w_k, its r_k rows r_k * cost_k, over capacity
     # c_k; the same time T on every node, and the rows adding up to the head's, give
     # T = (units + sum w_k / cost_k) / sum(c_k / cost_k) and r_k = (T c_k - w_k) / cost_k.
-    w = [config.n_layers * _layer_weights(config, s) / config.hidden / HEAD_ALIGN for s in slices]
+    run = head_run(config)
+    w = [config.n_layers * _layer_weights(config, s) / config.hidden / run for s in slices]
     c, m = list(capacities), costs
     if not len(c) == len(m) == n:
         raise ValueError(f"{n} slices, {len(c)} capacities and {len(m)} row costs")
-    units = -(-config.vocab_size // HEAD_ALIGN)
+    units = -(-config.vocab_size // run)
     # Every node at least one run where there are enough: a node with no rows would still be
     # asked for its (empty) logits. A node whose layers alone pass T gets just that, and T is
     # found again for the others over the runs left, until every other node wants more.
@@ -116,7 +123,13 @@ def head_rows(
     counts = [least] * n
     for k, more in zip(free, extra, strict=True):
         counts[k] += more
-    return [(a, min(b, config.vocab_size)) for a, b in _ranges(counts, HEAD_ALIGN)]
+    return [(a, min(b, config.vocab_size)) for a, b in _ranges(counts, run)]
+
+
+def head_run(config: ModelConfig) -> int:
+    """Rows of the lm_head in one run (`head_rows` deals whole runs): the vocabulary in at most
+    HEAD_RUNS of them, each a multiple of HEAD_ALIGN rows (768 for SmolLM2's 49152)."""
+    return HEAD_ALIGN * max(1, -(-config.vocab_size // (HEAD_RUNS * HEAD_ALIGN)))
 
 
 def head_row_cost(config: ModelConfig, speed_gb_s: float, bytes_per_s: float, dtype: str) -> float:

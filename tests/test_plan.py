@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,9 +13,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from master.plan import (
-    HEAD_ALIGN,
     head_row_cost,
     head_rows,
+    head_run,
     plan_slices,
     proportional_counts,
     split_estimate,
@@ -44,6 +45,7 @@ SMOLLM2 = ModelConfig(
     norm_eps=1e-5,
     rope_theta=1e5,
 )
+RUN = head_run(SMOLLM2)  # lm_head rows in one run: 768
 
 
 def test_one_node_gets_everything():
@@ -112,21 +114,19 @@ def layer_weights(s):
 @example(caps=[1.875, 0.5, 0.5])  # one node at the least run, one with no heads: found by CI
 def test_head_rows_even_out_what_whole_heads_cannot(caps):
     """Each node's weights, its layers' and its head rows', over its capacity, are the same for
-    every node (within a run of HEAD_ALIGN rows and the norms), except a node whose layers alone
+    every node (within a run of RUN rows and the norms), except a node whose layers alone
     pass its share: it gets one run, the least, and the others share the rest evenly."""
     slices = plan_slices(SMOLLM2, caps)
     rows = head_rows(SMOLLM2, slices, caps)
     weights = [
         30 * layer_weights(s) + (b - a) * 576 for s, (a, b) in zip(slices, rows, strict=True)
     ]
-    balanced = [
-        w / c for w, c, (a, b) in zip(weights, caps, rows, strict=True) if b - a > HEAD_ALIGN
-    ]
+    balanced = [w / c for w, c, (a, b) in zip(weights, caps, rows, strict=True) if b - a > RUN]
     assert len(balanced) >= 1
-    assert max(balanced) - min(balanced) <= 576 * (HEAD_ALIGN + 90) / min(caps)
+    assert max(balanced) - min(balanced) <= 576 * (RUN + 90) / min(caps)
     for w, c, (a, b) in zip(weights, caps, rows, strict=True):
-        if b - a == HEAD_ALIGN:
-            assert w / c >= min(balanced) - 576 * HEAD_ALIGN / c
+        if b - a == RUN:
+            assert w / c >= min(balanced) - 576 * RUN / c
 
 
 @given(
@@ -144,10 +144,10 @@ def test_head_rows_count_what_a_row_costs_each_node(caps, costs):
     times = [
         (30 * layer_weights(s) + (b - a) * 576 * m) / c
         for s, (a, b), m, c in zip(slices, rows, costs, caps, strict=True)
-        if b - a > HEAD_ALIGN
+        if b - a > RUN
     ]
     assert len(times) >= 1
-    assert max(times) - min(times) <= 576 * (HEAD_ALIGN + 90) * max(costs) / min(caps)
+    assert max(times) - min(times) <= 576 * (RUN + 90) * max(costs) / min(caps)
 
 
 def test_a_slow_link_moves_head_rows_to_the_master():
@@ -169,6 +169,21 @@ def test_a_slow_link_moves_head_rows_to_the_master():
     print(f"the worker's head rows at no link cost, 1 Gbit/s, 100 and 10 Mbit/s: {worker_rows}")
 
 
+def test_plans_of_jittering_speeds_split_the_head_into_few_shapes():
+    """Probes of two equal devices jitter by ~10%: their plans' head rows recur, so each node's
+    head shape is one its kernel table knows (a new one is a ~6 s check at cpu=0.5). 500 plans
+    of speeds within 10% of each other: 18 splits in runs of 768 rows, 151 in runs of 64."""
+    assert RUN == 768
+    rng = random.Random(0)
+    splits = set()
+    for _ in range(500):
+        caps = [rng.uniform(0.9, 1.1), rng.uniform(0.9, 1.1)]
+        rows = head_rows(SMOLLM2, plan_slices(SMOLLM2, caps), caps)
+        assert all((b - a) % RUN == 0 for a, b in rows[:-1])
+        splits.add(tuple(rows))
+    assert len(splits) <= 20, sorted(splits)
+
+
 def test_two_equal_devices_even_out_the_attention_split_with_the_head():
     """3 KV-head groups go 2:1; the head's rows go the other way, so both hold as much."""
     master, worker = plan_slices(SMOLLM2, [1.0, 1.0])
@@ -176,7 +191,7 @@ def test_two_equal_devices_even_out_the_attention_split_with_the_head():
     (a0, b0), (a1, b1) = head_rows(SMOLLM2, [master, worker], [1.0, 1.0])
     assert b0 - a0 < b1 - a1
     assert abs(30 * layer_weights(master) + (b0 - a0) * 576
-               - 30 * layer_weights(worker) - (b1 - a1) * 576) <= 576 * HEAD_ALIGN  # fmt: skip
+               - 30 * layer_weights(worker) - (b1 - a1) * 576) <= 576 * RUN  # fmt: skip
 
 
 def test_a_measured_plan_is_kept_until_a_new_one_would_be_much_faster(tmp_path):
