@@ -198,30 +198,34 @@ def test_a_process_pinned_to_one_core_uses_one_thread():
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 
 
-@pytest.mark.skipif(not os.access(CGROUP_CPU, os.W_OK), reason="needs a writable cgroup v1 cpu")
-@pytest.mark.parametrize(("quota", "cores"), [(100_000, 1), (50_000, 1), (-1, os.cpu_count())])
-def test_a_process_in_a_cpu_quota_uses_the_cores_of_its_quota(quota, cores):
-    """A node run in a cgroup of one CPU (a container, an emulated small device) starts one
-    BLAS thread, not one per core of the host."""
+def _in_cpu_quota(quota: int, code: str) -> list[str]:
+    """What `code` prints, run in a fresh process in a cgroup of `quota` us of CPU a 100 ms
+    period (-1: none), without EDGETP_CORES."""
     group = CGROUP_CPU / f"edgetp-test-{os.getpid()}-{quota}"
     group.mkdir()
     try:
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text(str(quota))
-        probe = (
-            "import os, sys\n"
-            f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
-            "from models.kernels import device_cores, set_threads\n"
-            "print(device_cores(), set_threads())"
-        )
+        probe = f"import os\nopen('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n{code}"
         env = {k: v for k, v in os.environ.items() if k != "EDGETP_CORES"}
         result = subprocess.run(
             [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60
         )
         assert result.returncode == 0, result.stderr
-        assert result.stdout.split() == [str(cores), str(cores)]
+        return result.stdout.split()
     finally:
         group.rmdir()
+
+
+@pytest.mark.skipif(not os.access(CGROUP_CPU, os.W_OK), reason="needs a writable cgroup v1 cpu")
+@pytest.mark.parametrize(("quota", "cores"), [(100_000, 1), (50_000, 1), (-1, os.cpu_count())])
+def test_a_process_in_a_cpu_quota_uses_the_cores_of_its_quota(quota, cores):
+    """A node run in a cgroup of one CPU (a container, an emulated small device) starts one
+    BLAS thread, not one per core of the host."""
+    code = (
+        "from models.kernels import device_cores, set_threads\nprint(device_cores(), set_threads())"
+    )
+    assert _in_cpu_quota(quota, code) == [str(cores), str(cores)]
 
 
 @pytest.mark.skipif(not os.access(CGROUP_CPU, os.W_OK), reason="needs a writable cgroup v1 cpu")
@@ -233,21 +237,5 @@ def test_kernels_under_a_cpu_quota_are_timed_in_cpu_seconds(quota, clocks):
     """A kernel check in a cgroup of half a core times in CPU seconds: by the wall clock, where
     a call lands in the quota's period picked torch's product for an lm_head 2 times in 6, ~30%
     slower than NumPy's in CPU (docs/bench/kernel-clock-cpu0.5.txt). Free, the wall clock."""
-    group = CGROUP_CPU / f"edgetp-test-clock-{os.getpid()}-{quota}"
-    group.mkdir()
-    try:
-        (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text(str(quota))
-        probe = (
-            "import os\n"
-            f"open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
-            "from models.kernels import compute_clock\n"
-            "print(compute_clock(1).__name__, compute_clock(2).__name__)"
-        )
-        result = subprocess.run(
-            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60
-        )
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.split() == clocks
-    finally:
-        group.rmdir()
+    code = "from models.kernels import compute_clock as c\nprint(c(1).__name__, c(2).__name__)"
+    assert _in_cpu_quota(quota, code) == clocks
