@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import socket
+import statistics
 import time
 import uuid
 from collections import deque
@@ -110,9 +111,15 @@ def measure_capacity(
     return Capacity(int(memory_budget), threads, speed, window, disk, message_s)
 
 
-def measure_speed(threads: int) -> float:
-    """A quick (~0.1 s) measurement of how fast this device streams weights through a matmul,
-    GB/s.
+PROBE_ROUNDS = 5  # a speed probe's runs, of PROBE_SECONDS each: it gives their median
+PROBE_SECONDS = 0.05
+
+
+def measure_speed(
+    threads: int, rounds: int = PROBE_ROUNDS, seconds: float = PROBE_SECONDS
+) -> float:
+    """A quick (~0.25 s) measurement of how fast this device streams weights through a matmul,
+    GB/s: the median of `rounds` runs of `seconds`.
 
     The matrix is twice the largest CPU cache: a decode step streams its weights from memory,
     and a matrix that fits in a cache shared with other cores measures what they do with it (a
@@ -121,7 +128,11 @@ def measure_speed(threads: int) -> float:
     the loop ran and who else ran on the core, not the device. What it reads still moves with
     its host's memory traffic (two processes probing at once on a 2-core VM: 11-17 GB/s over
     eight probes, yet within 10% of each other at each): the master has every node measure
-    again at the same moment before it plans (MEASURE).
+    again at the same moment before it plans (MEASURE). Even so, two identical cpu=0.5 devices
+    measured up to 1.35x apart in one 0.1 s run (a spread of 0.09-0.11 over 40 pairs), and a
+    plan made on such a pair is kept for as long as no other would be 1.5x faster: the median
+    of five runs of 0.05 s came 0.05-0.07 apart, 1.16x at the furthest
+    (`docs/bench/probe_pairs.py`, docs/bench/probe-pairs-cpu0.5.txt).
     """
     rows = _probe_bytes() // (4 * PROBE_WIDTH)
     # In the pages weights live in (memory.pages): the probe reads memory as a decode step does.
@@ -131,11 +142,14 @@ def measure_speed(threads: int) -> float:
     linear(x, w)
     quota = cpu_quota_cores()
     clock = compute_clock(threads)
-    wall_start, start, n = time.perf_counter(), clock(), 0
-    while time.perf_counter() - wall_start < 0.1:
-        linear(x, w)
-        n += 1
-    speed = n * w.numel() * 4 / (clock() - start) / 1e9
+    speeds = []
+    for _ in range(rounds):
+        wall_start, start, n = time.perf_counter(), clock(), 0
+        while time.perf_counter() - wall_start < seconds:
+            linear(x, w)
+            n += 1
+        speeds.append(n * w.numel() * 4 / (clock() - start) / 1e9)
+    speed = statistics.median(speeds)
     if quota is not None:
         speed *= min(quota, threads)
     return round(speed, 2)
