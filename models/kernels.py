@@ -248,7 +248,7 @@ def compute_clock(threads: int) -> Callable[[], float]:
 
     Under a CPU quota, CPU seconds: wall time there measures where in the quota's period a
     loop ran and who else ran on the core, not the code (at cpu=0.5 a worker's lm_head rows
-    went to torch's product by a throttled period's chance, ~35% slower than NumPy's free).
+    went to torch's product by a throttled period's chance, ~30% slower than NumPy's in CPU).
     One BLAS thread: its own thread's time, not its process's other threads' (a master
     serving). Without a quota, wall time: a BLAS pool's CPU seconds would count its spinning.
     """

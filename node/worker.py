@@ -129,9 +129,9 @@ def measure_speed(
     its host's memory traffic (two processes probing at once on a 2-core VM: 11-17 GB/s over
     eight probes, yet within 10% of each other at each): the master has every node measure
     again at the same moment before it plans (MEASURE). Even so, two identical cpu=0.5 devices
-    measured up to 1.35x apart in one 0.1 s run (a spread of 0.09-0.11 over 40 pairs), and a
-    plan made on such a pair is kept for as long as no other would be 1.5x faster: the median
-    of five runs of 0.05 s came 0.05-0.07 apart, 1.16x at the furthest
+    measured up to 1.35x apart in one 0.1 s run (their ratio's standard deviation 0.09-0.11
+    over 40 pairs), and a plan made on such a pair is kept for as long as no other would be
+    1.5x faster: the median of five runs of 0.05 s, 0.05-0.07 and 1.16x at the furthest
     (`docs/bench/probe_pairs.py`, docs/bench/probe-pairs-cpu0.5.txt).
     """
     rows = _probe_bytes() // (4 * PROBE_WIDTH)
