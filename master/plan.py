@@ -268,13 +268,7 @@ def workers_to_plan(
     order = sorted(range(len(round_trips)), key=lambda k: round_trips[k])
 
     def token_s(kept: list[int]) -> float:
-        estimate = split_estimate(
-            [speeds[0], *(speeds[1 + k] for k in kept)],
-            model_gb,
-            sums,
-            [round_trips[k] for k in kept],
-        )
-        return estimate.split_s if kept else estimate.alone_s
+        return kept_token_s(speeds, round_trips, kept, model_gb, sums)
 
     everyone = token_s(order)
     best, best_s = order, everyone
@@ -285,3 +279,18 @@ def workers_to_plan(
         if (kept_s := token_s(kept)) < best_s:
             best, best_s = kept, kept_s
     return sorted(best) if best_s * STANDBY_GAIN < everyone else list(range(len(round_trips)))
+
+
+def kept_token_s(
+    speeds: Sequence[float],
+    round_trips: Sequence[float],
+    kept: Sequence[int],
+    model_gb: float,
+    sums: int,
+) -> float:
+    """`split_estimate`'s seconds a token with the master and only the workers `kept` (indices
+    into `round_trips`; `speeds` the master's then each worker's); none kept: the master alone."""
+    estimate = split_estimate(
+        [speeds[0], *(speeds[1 + k] for k in kept)], model_gb, sums, [round_trips[k] for k in kept]
+    )
+    return estimate.split_s if kept else estimate.alone_s

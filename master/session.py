@@ -19,6 +19,7 @@ from master.plan import (
     SplitEstimate,
     head_row_cost,
     head_rows,
+    kept_token_s,
     plan_slices,
     split_estimate,
     with_disk_reads,
@@ -462,9 +463,7 @@ class Session:
         self.standby_choice = [m.name for k, m in enumerate(members) if k not in kept]
         if len(kept) == len(members) or not self.standby:
             return everyone
-        estimate = split_estimate([speeds[0], *(speeds[1 + k] for k in kept)], model_gb, sums,
-                                  [rtts[k] for k in kept])  # fmt: skip
-        without = estimate.split_s if kept else estimate.alone_s
+        without = kept_token_s(speeds, rtts, kept, model_gb, sums)
         assert self.split_estimate is not None  # every link was timed
         for k in sorted(set(everyone) - set(kept)):
             reason = (
