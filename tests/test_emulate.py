@@ -20,6 +20,7 @@ from rich.console import Console
 
 from master.batcher import BatcherStats
 from master.bench.greedy import time_greedy
+from master.bench.memory_bus import stream_rates
 from master.bench.round_trips import raw_tcp_round_trips
 from master.bridge.schema import ClusterFigures
 from master.emulate import devices as emulate
@@ -192,6 +193,16 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
     assert all(used > 0 for used in cpu_used), cpu_used
     assert cpu_used[1] <= 0.5 * wall + 0.005, (cpu_used, wall)
     assert _ours() == []
+
+
+def test_the_memory_the_cores_share_is_timed_alone_and_all_at_once():
+    """What emulated devices cannot have of their own: `stream_rates` gives one core's stream
+    alone and one per core at once, each a rate from a real stream of memory (no stream of 256 MB
+    a CPU second reads under 0.5 GB/s or above 1000 on any machine this runs on)."""
+    alone, together = stream_rates([0, 1], pairs=1, seconds=0.1)
+    print(f"\nalone {alone:.1f} GB/s, together {together}")
+    assert 0.5 < alone < 1000
+    assert len(together) == 2 and all(0.5 < x < 1000 for x in together), together
 
 
 def test_the_link_relay_holds_every_byte_its_delay_and_no_longer_than_it_must():

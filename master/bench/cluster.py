@@ -2,7 +2,9 @@
 
 Each node count gets ms/token, time to first token, the allreduce latency per sum next to a raw
 ZeroMQ and a plain TCP round trip of the same payload, and every node's loader and memory
-figures. Node counts alternate over rounds and medians are kept, as in every benchmark here.
+figures; with more than one node, how fast this machine's cores stream memory alone and all at
+once (master/bench/memory_bus.py), which local nodes share and real devices would not. Node
+counts alternate over rounds and medians are kept, as in every benchmark here.
 
 With `--device`, every node runs as an emulated device (master/emulate/) and each run also
 reports each device's peak memory (its cgroup's, page cache included), the kernel's memory kills,
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from master.bench.greedy import PROMPT, time_greedy
+from master.bench.memory_bus import stream_rates
 from master.bench.round_trips import raw_round_trips, raw_tcp_round_trips
 from master.cluster import Link
 from master.emulate.devices import emulated
@@ -78,6 +82,10 @@ def run_cluster_bench(
     raw = raw_round_trips((1, 1, hidden), 2000)
     raw_med, raw_p99 = statistics.median(raw) * 1e6, percentile(raw, 0.99) * 1e6
     tcp_med = statistics.median(raw_tcp_round_trips(hidden * 4, 2000)) * 1e6
+    # As many streams as the largest run has nodes, up to the cores: what N devices' products
+    # share here that N real devices would not.
+    cores = sorted(os.sched_getaffinity(0))[: max(node_counts)]
+    alone, together = stream_rates(cores) if len(cores) > 1 else (None, [])
     # Node counts alternate for `rounds` rounds and each keeps its median run: these shared
     # machines drift by 20% between minutes, and a ratio of runs taken minutes apart would
     # measure the drift.
@@ -112,6 +120,13 @@ def run_cluster_bench(
     print(f"memory: {_describe(memory)}; medians of {rounds} alternating rounds")
     print(f"raw ZeroMQ round trip, {hidden * 4} B payload: median {raw_med:.0f} us, ", end="")
     print(f"p99 {raw_p99:.0f} us; plain TCP, no ZeroMQ: median {tcp_med:.0f} us")
+    if together:
+        each = ", ".join(f"{x:.1f}" for x in together)
+        print(
+            f"memory, shared by this machine's cores: one core streams {alone:.1f} GB/s alone, "
+            f"{len(together)} at once {each} GB/s each "
+            f"({statistics.mean(together) / alone:.2f} of alone; separate devices: 1.00)"
+        )
     base = rows[0]["ms_per_token"]
     title = "allreduce us (med/p99 per sum)"
     print(f"{'nodes':>5}{'ms/token':>9}{'vs first':>9}{'TTFT ms':>9}{title:>33}  devices")
@@ -157,6 +172,11 @@ def run_cluster_bench(
         "raw_round_trip_us_median": round(raw_med, 1),
         "raw_round_trip_us_p99": round(raw_p99, 1),
         "raw_tcp_round_trip_us_median": round(tcp_med, 1),
+        "memory_stream_gb_s": {
+            "cores": cores,
+            "alone": round(alone, 2) if alone else None,
+            "together": [round(x, 2) for x in together],
+        },
         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
         "greedy_tokens_identical": same,
         "rss_runs": long_runs,
