@@ -203,6 +203,10 @@ def test_the_memory_the_cores_share_is_timed_alone_and_all_at_once():
     print(f"\nalone {alone:.1f} GB/s, together {together}")
     assert 0.5 < alone < 1000
     assert len(together) == 2 and all(0.5 < x < 1000 for x in together), together
+    started = time.monotonic()  # a stream that cannot run (no such core) fails it at once
+    with pytest.raises(RuntimeError, match="memory stream on core 4096 failed"):
+        stream_rates([0, 4096], pairs=1, seconds=0.1)
+    assert time.monotonic() - started < 30
 
 
 def test_the_link_relay_holds_every_byte_its_delay_and_no_longer_than_it_must():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import statistics
 import time
 from typing import Any
@@ -59,7 +60,11 @@ def stream_rates(
     for p in procs:
         p.start()
     try:
-        got = [results.get(timeout=60 + seconds) for _ in range(pairs * (1 + len(cores)))]
+        got = _results(procs, cores, results, pairs * (1 + len(cores)), 60 + rounds * seconds)
+    except BaseException:
+        for p in procs:  # the others wait for the one that failed at the next round
+            p.kill()
+        raise
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -70,3 +75,26 @@ def stream_rates(
         statistics.median(rate for r, k, rate in got if r % 2 and k == i) for i in range(len(cores))
     ]
     return alone, together
+
+
+def _results(
+    procs: list[Any], cores: list[int], results: Any, count: int, within_s: float
+) -> list[tuple[int, int, float]]:
+    """`count` results off `results`; RuntimeError at once if a stream process dies first, or
+    if they are not all in within `within_s` seconds."""
+    got: list[tuple[int, int, float]] = []
+    deadline = time.monotonic() + within_s
+    while len(got) < count:
+        try:
+            got.append(results.get(timeout=0.5))
+        except queue.Empty:
+            for core, p in zip(cores, procs, strict=True):
+                if p.exitcode not in (None, 0):
+                    raise RuntimeError(
+                        f"the memory stream on core {core} failed (exit code {p.exitcode})"
+                    ) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the memory streams gave {len(got)} of {count} figures in {within_s:.0f} s"
+                ) from None
+    return got
