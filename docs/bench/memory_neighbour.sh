@@ -13,7 +13,7 @@ SP=
 STATE=$(mktemp -d)
 trap 'kill $SP 2>/dev/null || true; wait 2>/dev/null || true; rmdir $CG; rm -rf "$STATE"' EXIT
 for pair in $(seq "${PAIRS:-3}"); do
-  for mode in alone neighbour; do
+  for mode in ${MODES:-alone neighbour}; do
     SP=
     if [ $mode = neighbour ]; then
       .venv/bin/python -c "
@@ -28,11 +28,13 @@ while True:
       echo $SP > $CG/tasks
       sleep 2
     fi
-    .venv/bin/edgetp bench --local-nodes 1 --device cpu=0.5 --dtype f32 --tokens 32 --rounds 1 \
+    nodes=1
+    [ $mode = split ] && nodes=2
+    .venv/bin/edgetp bench --local-nodes $nodes --device cpu=0.5 --dtype f32 --tokens 32 --rounds 1 \
       --state-dir "$STATE" --json "$STATE/run.json" > /dev/null 2>&1
     [ -n "$SP" ] && kill $SP && wait $SP 2>/dev/null || true
     python3 -c "
 import json; r = json.load(open('$STATE/run.json'))['runs'][0]
-print('pair $pair, $mode:', r['ms_per_token'], 'ms a token,', r['rounds_cpu_ms_per_token'][0][0], 'ms of CPU')"
+print('pair $pair, $mode:', r['ms_per_token'], 'ms a token,', ' + '.join(map(str, r['rounds_cpu_ms_per_token'][0])), 'ms of CPU')"
   done
 done
