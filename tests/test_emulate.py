@@ -158,6 +158,16 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
             worker_view = view.nodes[1]
             assert worker_view.standby and worker_view.alive and worker_view.share is None
             assert "◌ standby" in _rendered(node_block(worker_view))
+            # A plan that wants it again (here, not free to choose) sends it a WELCOME where it
+            # waits: it loads its slice again and the answer is still one node's; the next plan
+            # free to choose puts it back on standby.
+            session.standby = False
+            engine = session.replan()
+            assert [m.name for m in hub.members] == ["local-1"] and hub.standby == []
+            _, _, welcomed_back = time_greedy(engine, smollm2_tokenizer, prompt, 6)
+            session.standby = True
+            engine = session.replan()
+            assert hub.members == [] and [m.name for m in hub.standby] == ["local-1"]
             # Its device freezes: the standby is dropped without a re-plan (the plan does not
             # hold it) and told BYE, so that, only paused, it joins again when it wakes; the
             # next plan that wants it (here, not free to choose) takes it in from there.
@@ -177,7 +187,8 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
             engine = session.engine
             assert engine is not None and engine.remote is not None
             _, _, back = time_greedy(engine, smollm2_tokenizer, prompt, 3)
-    assert split == alone and on_standby == alone and back == alone[:3]
+    assert split == alone and on_standby == alone and welcomed_back == alone
+    assert back == alone[:3]
     median = statistics.median(sums)
     print(f"\nrtt {rtt * 1e3} ms: allreduce median {median * 1e3:.2f} ms over {len(sums)} sums, "
           f"the master's own block {own_block * 1e3:.2f} ms")  # fmt: skip
