@@ -448,7 +448,8 @@ class Worker:
         os.replace(part, self.store.path(ref))
         return checksum
 
-    def _reload(self, welcome: Welcome) -> SliceExecutor:
+    def _reload(self, welcome: Welcome) -> tuple[SliceExecutor, WorkerHop | None]:
+        """A re-plan's slice loaded (READY said), and the native loop over it."""
         before = self.fetched_bytes
         try:
             executor = self._load(welcome)
@@ -457,7 +458,7 @@ class Worker:
             raise
         self._send({"op": P.READY, "fetched": self.fetched_bytes - before})
         log.info("node %s re-planned: slice %s", self.name, executor.slice)
-        return executor
+        return executor, _native_loop(self.sock, executor)
 
     def _serve(self, executor: SliceExecutor) -> bool:
         """Compute partials until the master says BYE; True when it asks this node to join
@@ -496,8 +497,7 @@ class Worker:
                         except P.ProtocolError as exc:  # the master waits for READY: say why
                             self._send({"op": P.ERROR, "message": f"malformed message: {exc}"})
                             raise NodeError(f"the master sent a malformed WELCOME: {exc}") from exc
-                        executor = self._reload(welcome)
-                        hop = _native_loop(self.sock, executor)
+                        executor, hop = self._reload(welcome)
                         reported, batch = StreamFigures(), None
                         continue
                     if header["op"] != P.BYE:
@@ -512,8 +512,7 @@ class Worker:
                     if hop is not None:
                         hop.close()
                     executor.close()
-                    executor = self._reload(work)
-                    hop = _native_loop(self.sock, executor)
+                    executor, hop = self._reload(work)
                     reported, batch = StreamFigures(), None
                     continue
                 batch, layer, block, h = work.batch, work.layer, work.block, work.hidden
