@@ -139,14 +139,13 @@ void rows_ffn(const rows_ffn_args *a, const rows_step *st, const float *h, float
     for (int64_t b = 0; b < st->B; b++) {
         rms_norm(h + b * D, a->norm, D, a->eps, x);
         gemv(a->w_gate_up, 2 * n, D, x, gu);
+        // 0.5 (1 + tanh(z)) = 1 / (1 + exp(-2z)): glibc's expf takes ~4 ns where tanhf takes
+        // ~13, and a token runs this for every FFN column of every layer. exp overflowing to
+        // inf for a very negative gate gives g / inf = 0, the function's limit.
         for (int64_t i = 0; i < n; i++) {
             float g = gu[i], u = gu[n + i];
-            if (a->gelu) {
-                float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-                gu[i] = 0.5f * g * (1.0f + tanhf(inner)) * u;
-            } else {
-                gu[i] = g * (0.5f + 0.5f * tanhf(0.5f * g)) * u;
-            }
+            float z = a->gelu ? 0.7978845608028654f * (g + 0.044715f * g * g * g) : 0.5f * g;
+            gu[i] = g / (1.0f + expf(-2.0f * z)) * u;
         }
         gemv(a->w_down, D, n, gu, out + b * D);
     }
