@@ -19,6 +19,7 @@ import pytest
 from rich.console import Console
 
 from master.batcher import BatcherStats
+from master.bench.cluster import cpu_floor_ms
 from master.bench.greedy import time_greedy
 from master.bench.memory_bus import stream_rates
 from master.bench.round_trips import raw_tcp_round_trips
@@ -55,6 +56,17 @@ def test_device_specs_read_as_people_write_them():
     assert device_specs([spec], 3) == [spec, spec, spec]
     with pytest.raises(ValueError, match="one for all, or one per node"):
         device_specs([spec, spec], 3)
+
+
+def test_a_token_s_cpu_floor_is_the_busiest_device_s_cpu_over_its_quota():
+    """What `edgetp bench` sets a token's time against under quotas: no token is faster than
+    any device's CPU a token over its share of a core; without a quota on every device, none."""
+    half = {"device": {"cpu": 0.5}, "cpu_ms_per_token": 30.0}
+    quarter = {"device": {"cpu": 0.25}, "cpu_ms_per_token": 20.0}
+    free = {"device": {"cpu": None}, "cpu_ms_per_token": 20.0}
+    assert cpu_floor_ms([half]) == 60.0
+    assert cpu_floor_ms([half, quarter]) == 80.0
+    assert cpu_floor_ms([half, free]) is None and cpu_floor_ms([]) is None
 
 
 def test_a_machine_that_cannot_emulate_says_what_is_missing_in_one_line(

@@ -263,6 +263,17 @@ def _estimate_figures(estimate: SplitEstimate | None) -> dict[str, float] | None
     }
 
 
+def cpu_floor_ms(devices: list[dict[str, Any]]) -> float | None:
+    """The least a token can take under the devices' CPU quotas, in ms: the busiest device's CPU
+    a token over its share of a core. None unless every device has a quota. A token's ms beyond
+    it are the devices waiting on each other (messages, an uneven split, the quotas' periods):
+    under a quota the hops of `_where_time_goes` also count the periods a device was held, which a
+    faster link would not shorten."""
+    if not devices or not all(d["device"]["cpu"] for d in devices):
+        return None
+    return round(max(d["cpu_ms_per_token"] / d["device"]["cpu"] for d in devices), 2)
+
+
 def _print_devices(run: dict[str, Any]) -> None:
     plan = run["plan"]
     if plan["measured"]:  # what the plan split by, and what each device measured of itself
@@ -301,6 +312,13 @@ def _print_devices(run: dict[str, Any]) -> None:
                 f"    its CPU per decoded token: {d['cpu_ms_per_token']} ms, all its threads; "
                 f"at cpu={cores:g}, no token can take under {d['cpu_ms_per_token'] / cores:.1f} ms"
             )
+    if run.get("cpu_floor_ms"):
+        floor, ms = run["cpu_floor_ms"], run["ms_per_token"]
+        print(
+            f"  a token took {ms} ms where the busiest device's CPU allows {floor:.1f}: "
+            f"{ms - floor:.1f} ms ({(ms - floor) / ms:.0%}) of the devices waiting on each other "
+            "(messages, an uneven split, the quotas' periods)"
+        )
 
 
 def _describe(memory: MemoryOptions) -> str:
@@ -402,6 +420,7 @@ def _cluster_run(
         "label": config.label,
         "devices": device_rows,
         "ms_per_token": round(ms, 2),
+        "cpu_floor_ms": cpu_floor_ms(device_rows),
         "ttft_ms": round(ttft * 1000, 1),
         "tokens": tokens,
         "allreduce_us_median": round(statistics.median(sums) * 1e6, 1) if sums else None,
