@@ -132,6 +132,8 @@ class Engine:
         prepare(
             [*matrix_shapes(head, ["lm_head"]), *(s for e in executors for s in e.matrix_shapes())]
         )
+        for executor in self.executors:
+            executor.admit_native()
 
     @classmethod
     def local(

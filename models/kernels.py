@@ -196,6 +196,12 @@ def kernel_set() -> str:
     return _kernel_set
 
 
+def chosen_kernel(dtype: str, rows: int, out: int, inp: int) -> str | None:
+    """The name of the admitted kernel this process multiplies such a matrix with, or None."""
+    found = _chosen.get((dtype, row_bucket(rows), out, inp))
+    return None if found is None else found[0]
+
+
 def _kernel(dtype: str, rows: int, out: int, inp: int) -> Kernel:
     found = _chosen.get((dtype, row_bucket(rows), out, inp))
     if found is not None:

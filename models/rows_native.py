@@ -1,15 +1,15 @@
 """A decode step's blocks in one C call each (models/csrc/rows.c), for a slice whose weights are
-float32 and resident.
+resident, float32 or in a GGUF block format whose C product this device admitted.
 
 `attention_rows` and `ffn_rows` are ~35 NumPy calls a block; between two messages each runs cold
 and costs more than its arithmetic. `NativeBlocks` computes the same partials in one call a block,
-its matrix products on the BLAS routine NumPy uses (OpenBLAS's sgemv, handed to the C code as a
-pointer), and keeps a table of every layer's arguments that node/csrc/hop.c walks without Python
-between messages.
+its matrix products on the routines the NumPy path would call (OpenBLAS's sgemv, or the block
+formats' C products of models/native.py, handed to the C code as pointers), and keeps a table
+of every layer's arguments that node/csrc/hop.c walks without Python between messages.
 
 It is used on a device only after `admit` has compared its partials with the NumPy ones there
-(`NativeBlocks.check`); anything it does not cover (another dtype, a window that streams, more
-rows than a decode batch) runs the NumPy path.
+(`NativeBlocks.check`); anything it does not cover (f16, bf16 or int8 weights, a block format on
+another kernel, a window that streams, more rows than a decode batch) runs the NumPy path.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from models import native
 from models.cbuild import built
 from models.config import ModelConfig
+from models.kernels import blas_threads, chosen_kernel, dtype_name
 from models.layers import MATRICES, Rope, Slice, StepBatch, attention_rows, ffn_rows
-from models.quant import block_format
+from models.quant import block_format, matrix_size
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,12 @@ TIMING_ROUNDS, TIMING_CALLS = 3, 10  # the admission's timing: a few ms for Smol
 # turn them away, and which of two tied timings wins is chance.
 SLOWER = 1.25
 TOLERANCE = 1e-4  # of the largest partial value: sgemv's own rounding, summed in another order
+
+# The block formats as models/csrc/blocks.c numbers them; F32 is float32 weights on sgemv.
+F32 = -1
+BLOCK_KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
+# The admitted block-product kernels the C blocks can call, and the build each one is.
+BLOCK_BUILDS = {"c-f32": "avx2", "c-portable": "portable"}
 
 c_float_p = ctypes.POINTER(ctypes.c_float)
 c_int64_p = ctypes.POINTER(ctypes.c_int64)
@@ -73,9 +81,11 @@ class AttentionArgs(ctypes.Structure):
         ("k_norm", c_float_p),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
-        ("wqkv", c_float_p),
+        ("wqkv", ctypes.c_void_p),
         ("bqkv", c_float_p),
-        ("wo", c_float_p),
+        ("wo", ctypes.c_void_p),
+        ("wqkv_kind", ctypes.c_int),
+        ("wo_kind", ctypes.c_int),
         ("cache_k", c_float_p),
         ("cache_v", c_float_p),
         ("W", ctypes.c_int64),
@@ -92,8 +102,10 @@ class FfnArgs(ctypes.Structure):
         ("norm", c_float_p),
         ("eps", ctypes.c_float),
         ("gelu", ctypes.c_int),
-        ("w_gate_up", c_float_p),
-        ("w_down", c_float_p),
+        ("w_gate_up", ctypes.c_void_p),
+        ("w_down", ctypes.c_void_p),
+        ("gate_up_kind", ctypes.c_int),
+        ("down_kind", ctypes.c_int),
         ("scratch", c_float_p),
     ]
 
@@ -109,6 +121,8 @@ def load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(built(SOURCE, FLAGS, ".so")))
         lib.rows_set_sgemv.argtypes = [ctypes.c_void_p]
         lib.rows_set_sgemv(sgemv)
+        lib.rows_set_block_product.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        lib.rows_set_threads.argtypes = [ctypes.c_int]
         for name in ("rows_attention", "rows_ffn"):
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -136,9 +150,38 @@ def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | 
     """Why a slice with these (one layer's) weights cannot run natively, or None."""
     for name in MATRICES:
         w = weights[name]
-        if block_format(w) is not None or w.dtype != torch.float32:
-            return f"{name} is stored as {w.dtype}, not float32"
+        if block_format(w) is None and w.dtype != torch.float32:
+            return f"{name} is stored as {w.dtype}, not float32 or a block format"
+        try:
+            _block_product(w)
+        except RuntimeError as exc:
+            return f"{name}: {exc}"
     return None
+
+
+def _block_product(w: torch.Tensor) -> tuple[int, int]:
+    """(kind, address of its C product) for a matrix the C blocks multiply: (F32, 0) for float32
+    weights; for a block format, the product this process admitted for it at every decode row
+    count, where that is one of the C builds (RuntimeError naming the kernel otherwise)."""
+    fmt = block_format(w)
+    if fmt is None:
+        return F32, 0
+    dtype, (out, inp) = dtype_name(w), matrix_size(w)
+    names = {chosen_kernel(dtype, rows, out, inp) for rows in range(1, MAX_ROWS + 1)}
+    if len(names) != 1 or (name := names.pop()) not in BLOCK_BUILDS:
+        raise RuntimeError(f"{dtype} {out}x{inp} runs on {sorted(map(str, names))}, not a C build")
+    fn = getattr(native.load(BLOCK_BUILDS[name]), f"{fmt.name}_f32")
+    return BLOCK_KINDS[fmt.name], ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+def _matrix(lib: ctypes.CDLL, w: torch.Tensor) -> tuple[int, int]:
+    """(address, kind) of a weight matrix for the C blocks, its block product handed over."""
+    kind, product = _block_product(w)
+    if kind == F32:
+        return _ptr(w), F32  # type: ignore[return-value]
+    assert w.is_contiguous()
+    lib.rows_set_block_product(kind, product)
+    return w.data_ptr(), kind
 
 
 def _ptr(t: torch.Tensor | np.ndarray | None) -> c_float_p | None:
@@ -173,6 +216,8 @@ class NativeBlocks:
         self.attention_args: list[AttentionArgs] = []
         self.ffn_args: list[FfnArgs] = []
         for i, w in enumerate(layers):
+            wqkv, wo = _matrix(self.lib, w["wqkv"]), _matrix(self.lib, w["wo"])
+            gate_up, down = _matrix(self.lib, w["w_gate_up"]), _matrix(self.lib, w["w_down"])
             W = keys[i].shape[2]
             room = np.zeros((nq + 2 * nkv) * hd + nq * hd + W + config.hidden, np.float32)
             self.scratch.append(room)
@@ -182,21 +227,23 @@ class NativeBlocks:
                     config.hidden, hd, nq, nkv, config.rope_dims // 2,
                     self.kv_of_q.ctypes.data_as(c_int64_p),
                     _ptr(w["attn_norm"]), _ptr(w.get("q_norm")), _ptr(w.get("k_norm")),
-                    config.norm_eps, scale, _ptr(w["wqkv"]), _ptr(w.get("bqkv")), _ptr(w["wo"]),
+                    config.norm_eps, scale, ctypes.cast(wqkv[0], ctypes.c_void_p),
+                    _ptr(w.get("bqkv")), ctypes.cast(wo[0], ctypes.c_void_p), wqkv[1], wo[1],
                     _ptr(keys[i]), _ptr(values[i]), W,
                     int(local and config.sliding_window is not None),
                     int(local and config.local_rope_theta is not None),
                     _ptr(room),
                 )
             )  # fmt: skip
-            n = w["w_down"].shape[1]
+            n = matrix_size(w["w_down"])[1]
             room = np.zeros(config.hidden + 2 * n, np.float32)
             self.scratch.append(room)
             self.ffn_args.append(
                 FfnArgs(
                     config.hidden, n, _ptr(w["ffn_norm"]), config.norm_eps,
-                    int(config.activation == "gelu_tanh"), _ptr(w["w_gate_up"]),
-                    _ptr(w["w_down"]), _ptr(room),
+                    int(config.activation == "gelu_tanh"),
+                    ctypes.cast(gate_up[0], ctypes.c_void_p), ctypes.cast(down[0], ctypes.c_void_p),
+                    gate_up[1], down[1], _ptr(room),
                 )
             )  # fmt: skip
         self.step = Step()
@@ -218,6 +265,7 @@ class NativeBlocks:
             else (np.ascontiguousarray(t, np.float32) for t in local_cos_sin)
         )
         self._held = (slots, starts, cos, sin, lcos, lsin)  # the struct points into them
+        self.lib.rows_set_threads(blas_threads())  # the block products' threads, as NumPy's
         st = self.step
         st.B = batch.size
         st.slots, st.starts = slots.ctypes.data_as(c_int64_p), starts.ctypes.data_as(c_int64_p)

@@ -83,8 +83,9 @@ class SliceExecutor:
         return linear_rows(rows, w, scale=scale)
 
     def admit_native(self) -> None:
-        """Run decode steps on native blocks if the slice is resident float32 and this
-        device's build of them agrees with the NumPy path (models/rows_native.py)."""
+        """Run decode steps on native blocks if the slice is resident, its products have the
+        kernels the blocks can call, and this device's build of them agrees with the NumPy path
+        (models/rows_native.py). After `node.device.prepare`: the kernels are its choice."""
         if not self.weights.resident:
             return
         layers = [self.weights.get(i) for i in range(self.config.n_layers)]
@@ -200,6 +201,4 @@ def make_executor(
         local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
         local_rope = Rope(local, max_context)
     cache = KVCache(config, s, slots, max_context)
-    executor = SliceExecutor(config, s, weights, rope, cache, local_rope)
-    executor.admit_native()
-    return executor
+    return SliceExecutor(config, s, weights, rope, cache, local_rope)

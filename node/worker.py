@@ -401,6 +401,7 @@ class Worker:
             if welcome.head:
                 executor.hold_head(self.store.load(welcome.head[1]), welcome.head[0])
             prepare(executor.matrix_shapes())  # with the threads the executor settled on
+            executor.admit_native()
         except Exception:
             executor.close()
             raise

@@ -12,10 +12,21 @@ import pytest
 import torch
 import zmq
 
+from models import kernels
 from models.config import ModelConfig
-from models.layers import Rope, Slice, StepBatch, attention_rows, ffn_rows, full_layer_shapes
+from models.dtypes import BLOCK_DTYPES
+from models.layers import (
+    MATRICES,
+    Rope,
+    Slice,
+    StepBatch,
+    attention_rows,
+    ffn_rows,
+    full_layer_shapes,
+)
 from models.layers import slice_layer as cut_layer
-from models.rows_native import NativeBlocks, admit
+from models.quant import matrix_size
+from models.rows_native import MAX_ROWS, NativeBlocks, admit
 from node import protocol as P
 from node.hop import FOREIGN, TIMEOUT, WorkerHop
 from node.kvcache import KVCache
@@ -86,6 +97,63 @@ def test_native_blocks_equal_the_numpy_blocks(family, part):
     for i in range(config.n_layers):
         np.testing.assert_allclose(ours.key_arrays[i], theirs.key_arrays[i], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(ours.value_arrays[i], theirs.value_arrays[i], atol=1e-6)
+
+
+def _in_blocks(layers: list[dict[str, torch.Tensor]], dtype: str, kernel: str, monkeypatch):
+    """The slice's matrices stored in block format `dtype`, and `kernel` installed for them at
+    every decode row count (for this test only), as `node.device.prepare` would."""
+    stored = [{k: kernels.quantize(v, dtype)[""] if k in MATRICES else v for k, v in w.items()}
+              for w in layers]  # fmt: skip
+    candidate = next(c for c in kernels.CANDIDATES[dtype] if c.name == kernel)
+    for name in MATRICES:
+        out, inp = matrix_size(stored[0][name])
+        for rows in range(1, MAX_ROWS + 1):
+            key = (dtype, kernels.row_bucket(rows), out, inp)
+            monkeypatch.setitem(kernels._chosen, key, (candidate.name, candidate.load()))
+    return stored
+
+
+C_BUILD = "c-f32" if kernels.has_avx2() else "c-portable"  # the one this CPU's check times
+
+
+@pytest.mark.parametrize("dtype", BLOCK_DTYPES)
+@pytest.mark.parametrize("family", ["llama", "qwen2-bias", "gemma-gelu-ring"])
+def test_native_blocks_on_block_formats_equal_the_numpy_blocks(family, dtype, monkeypatch):
+    """Weights in GGUF's block formats (the bundled model's own): the C blocks call the block
+    product the device admitted, and give the NumPy path's partials through it."""
+    config, s = FAMILIES[family], Slice((2, 4), (1, 2), (32, 96))  # 32-column blocks
+    layers = _in_blocks(_slice(config, s, 6), dtype, C_BUILD, monkeypatch)
+    ours, theirs = KVCache(config, s, 2, 16), KVCache(config, s, 2, 16)
+    blocks = admit(config, s, layers, ours.key_arrays, ours.value_arrays)
+    assert blocks is not None
+    rope = Rope(config, 16)
+    local = Rope(replace(config, rope_theta=config.local_rope_theta or 0.0), 16)
+    rng = np.random.default_rng(7)
+    for pos in range(6):
+        batch = StepBatch((1, 0), (pos, pos + 1), (1, 1))
+        cos_sin = rope.rows(batch.starts)
+        local_cos_sin = local.rows(batch.starts) if config.local_rope_theta else None
+        blocks.begin_step(batch, cos_sin, local_cos_sin)
+        h = rng.standard_normal((2, config.hidden), dtype=np.float32)
+        for i in range(config.n_layers):
+            own = local_cos_sin if config.is_local(i) and local_cos_sin else cos_sin
+            window = config.sliding_window if config.is_local(i) else None
+            want = attention_rows(
+                h, layers[i], s, config, own, theirs.key_arrays[i], theirs.value_arrays[i],
+                batch, window,
+            )  # fmt: skip
+            np.testing.assert_allclose(blocks.attention(i, h), want, rtol=1e-4, atol=1e-5)
+            want = ffn_rows(h, layers[i], config)
+            np.testing.assert_allclose(blocks.ffn(i, h), want, rtol=1e-4, atol=1e-5)
+
+
+def test_block_formats_on_another_kernel_run_on_numpy(monkeypatch):
+    """A block format the device multiplies by expanding it to float32 (its C builds rejected
+    here): the C blocks have no product to call, and the NumPy path runs it."""
+    s = Slice((0, 4), (0, 2), (0, 96))
+    layers = _in_blocks(_slice(BASE, s, 8), "q4_1", "dequant-f32", monkeypatch)
+    cache = KVCache(BASE, s, 1, 8)
+    assert admit(BASE, s, layers, cache.key_arrays, cache.value_arrays) is None
 
 
 def test_a_slice_in_another_dtype_runs_on_numpy():

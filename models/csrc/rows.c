@@ -3,8 +3,9 @@
 //
 // Why C: between two messages a block is ~35 NumPy calls run cold, each a few microseconds of
 // interpreter and dispatch before any arithmetic (stop notes in docs/decisions.md). Here a block
-// is one call; the matrix products stay on the BLAS routine the device admitted for them
-// (OpenBLAS's sgemv, handed over as a pointer: no second BLAS in the process).
+// is one call; the matrix products stay on the routines the device admitted for them, handed
+// over as pointers: OpenBLAS's sgemv for float32 weights (no second BLAS in the process), the
+// block products of models/csrc/blocks.c for GGUF's block formats.
 //
 // Layout, as in Python: weights row-major (out, in); the KV cache (slots, n_kv, positions, hd);
 // cos/sin (B, half) for each sequence's position. Built and checked on the device
@@ -22,6 +23,20 @@ static sgemv_fn sgemv;
 
 void rows_set_sgemv(void *fn) { sgemv = (sgemv_fn)fn; }
 
+// A block format's product (models/csrc/blocks.c): y (R, N) = x (R, K) @ W^T for W (N, K) as raw
+// blocks, on nth threads. Indexed by the format as blocks.c numbers them (Q4_0, Q4_1, Q8_0).
+typedef void (*blocks_fn)(const float *, int, int, const uint8_t *, int, float *, int);
+enum { F32 = -1, N_FORMATS = 3 };
+static blocks_fn block_products[N_FORMATS];
+static int block_threads = 1;
+// Below this many multiply-adds a product runs on one thread, as models/native.py's do.
+static const int64_t SMALL = 1 << 17;
+
+void rows_set_block_product(int kind, void *fn) {
+    if (kind >= 0 && kind < N_FORMATS) block_products[kind] = (blocks_fn)fn;
+}
+void rows_set_threads(int n) { block_threads = n > 0 ? n : 1; }
+
 // One step's sequences: shared by every layer's blocks.
 typedef struct {
     int64_t B;
@@ -37,8 +52,10 @@ typedef struct {
     const float *norm;            // (D)
     const float *q_norm, *k_norm; // (hd) each, or NULL
     float eps, scale;
-    const float *wqkv, *bqkv;     // ((nq + 2 nkv) hd, D), bias or NULL
-    const float *wo;              // (D, nq hd)
+    const void *wqkv;             // ((nq + 2 nkv) hd, D)
+    const float *bqkv;            // bias or NULL
+    const void *wo;               // (D, nq hd)
+    int wqkv_kind, wo_kind;       // F32, or the block format each is stored in
     float *cache_k, *cache_v;     // (slots, nkv, W, hd)
     int64_t W;                    // positions the cache holds
     int ring;                     // a local layer: position p at p % W, the last W positions
@@ -51,13 +68,21 @@ typedef struct {
     const float *norm;      // (D)
     float eps;
     int gelu;               // gelu_tanh, else silu
-    const float *w_gate_up; // (2 n, D)
-    const float *w_down;    // (D, n)
+    const void *w_gate_up;  // (2 n, D)
+    const void *w_down;     // (D, n)
+    int gate_up_kind, down_kind;
     float *scratch;         // D + 2 n floats
 } rows_ffn_args;
 
-static void gemv(const float *w, int64_t out, int64_t in, const float *x, float *y) {
-    sgemv(101 /* row-major */, 111 /* no transpose */, out, in, 1.0f, w, in, x, 1, 0.0f, y, 1);
+// y (out) = W x for one row x (in): W float32 (kind F32) or raw blocks of format `kind`.
+static void gemv(int kind, const void *w, int64_t out, int64_t in, const float *x, float *y) {
+    if (kind == F32) {
+        sgemv(101 /* row-major */, 111 /* no transpose */, out, in, 1.0f, (const float *)w, in,
+              x, 1, 0.0f, y, 1);
+        return;
+    }
+    int nth = out * in < SMALL ? 1 : block_threads;
+    block_products[kind](x, 1, (int)in, (const uint8_t *)w, (int)out, y, nth);
 }
 
 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
@@ -88,7 +113,7 @@ void rows_attention(const rows_attention_args *a, const rows_step *st, const flo
         const float *cos = (a->local_rope ? st->local_cos : st->cos) + b * a->half;
         const float *sin = (a->local_rope ? st->local_sin : st->sin) + b * a->half;
         rms_norm(h + b * D, a->norm, D, a->eps, x);
-        gemv(a->wqkv, width, D, x, qkv);
+        gemv(a->wqkv_kind, a->wqkv, width, D, x, qkv);
         if (a->bqkv)
             for (int64_t i = 0; i < width; i++) qkv[i] += a->bqkv[i];
         for (int64_t i = 0; i < nq + nkv; i++) {
@@ -124,7 +149,7 @@ void rows_attention(const rows_attention_args *a, const rows_step *st, const flo
                 for (int64_t d = 0; d < hd; d++) o[d] += w * values[t * hd + d];
             }
         }
-        gemv(a->wo, D, nq * hd, att, out + b * D);
+        gemv(a->wo_kind, a->wo, D, nq * hd, att, out + b * D);
     }
 }
 
@@ -138,7 +163,7 @@ void rows_ffn(const rows_ffn_args *a, const rows_step *st, const float *h, float
     }
     for (int64_t b = 0; b < st->B; b++) {
         rms_norm(h + b * D, a->norm, D, a->eps, x);
-        gemv(a->w_gate_up, 2 * n, D, x, gu);
+        gemv(a->gate_up_kind, a->w_gate_up, 2 * n, D, x, gu);
         // 0.5 (1 + tanh(z)) = 1 / (1 + exp(-2z)): glibc's expf takes ~4 ns where tanhf takes
         // ~13, and a token runs this for every FFN column of every layer. exp overflowing to
         // inf for a very negative gate gives g / inf = 0, the function's limit.
@@ -147,7 +172,7 @@ void rows_ffn(const rows_ffn_args *a, const rows_step *st, const float *h, float
             float z = a->gelu ? 0.7978845608028654f * (g + 0.044715f * g * g * g) : 0.5f * g;
             gu[i] = g / (1.0f + expf(-2.0f * z)) * u;
         }
-        gemv(a->w_down, D, n, gu, out + b * D);
+        gemv(a->down_kind, a->w_down, D, n, gu, out + b * D);
     }
 }
 
