@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from test_cli import assert_clear_error, run
@@ -28,3 +31,21 @@ def test_a_taken_port_is_a_clear_error():
 )
 def test_bad_options_are_clear_errors(args, needle):
     assert_clear_error(run("serve", *args), needle)
+
+
+def test_option_errors_come_before_the_weights_code_is_imported():
+    """The checks run before torch and the model code are imported (seconds on a small CPU),
+    so a mistyped option is answered at once."""
+    code = (
+        "import sys\n"
+        "from tui.cli import main\n"
+        "assert main(['serve', '--port', '70000']) == 1\n"
+        "assert main(['serve', '--api-key', ' ']) == 1\n"
+        "print(sorted({'torch', 'master.session', 'uvicorn'} & set(sys.modules)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result
+    assert result.stderr.count("edgetp: error: ") == 2, result.stderr

@@ -312,22 +312,30 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from master.bridge.server import serve
-    from master.session import open_with_tokenizer
-    from master.speculate import draft_source
+    from master.bridge.listen import bind, check_api_key
 
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
-    source, tokenizer = open_with_tokenizer(args.model)
-    draft_source(args.draft, tokenizer)  # before the slow load
+    api_key = args.api_key or os.environ.get("EDGETP_API_KEY")
+    check_api_key(args.api_key)
+    sock = bind(args.host, args.port)  # before the slow imports and load: a taken port fails now
+    try:
+        from master.bridge.server import serve
+        from master.session import open_with_tokenizer
+        from master.speculate import draft_source
+
+        source, tokenizer = open_with_tokenizer(args.model)
+        draft_source(args.draft, tokenizer)  # before the slow load
+    except BaseException:
+        sock.close()
+        raise
     serve(
         _session(args, source, args.max_batch, "edgetp serve", _local_nodes(args)),
         source,
         tokenizer,
+        sock,
         args.model,
-        args.host,
-        args.port,
-        args.api_key or os.environ.get("EDGETP_API_KEY"),
+        api_key,
         args.verbose,
         (args.draft, args.draft_dtype),
     )
@@ -408,6 +416,25 @@ COMMANDS = {
 }
 
 
+# The errors whose message says what went wrong and what to do: printed as one line. Looked up
+# where this run imported them, not imported: a class from a module the command never imported
+# cannot be what it raised, and importing those modules (torch under them) would make every
+# early error, a bad option, wait seconds for its line.
+CLEAR_ERRORS = (
+    ("master.transport", "ClusterError"),
+    ("node.worker", "NodeError"),
+    ("master.emulate.devices", "DeviceError"),
+)
+
+
+def _said_clearly(exc: Exception) -> bool:
+    kinds = [ModelError, ValueError]
+    for module, name in CLEAR_ERRORS:
+        if module in sys.modules:
+            kinds.append(getattr(sys.modules[module], name))
+    return isinstance(exc, tuple(kinds))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # SIGINT is how a node is told to leave (it says LEAVE) and a server to stop. A process
@@ -419,22 +446,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from master.emulate.devices import DeviceError
-    from master.transport import ClusterError
-    from node.worker import NodeError
-
     try:
         COMMANDS[args.command](args)
-    except (ModelError, ValueError, ClusterError, NodeError, DeviceError) as exc:
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        print("edgetp: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if not _said_clearly(exc):
+            raise
         if args.verbose:
             logging.exception("details")
         print(f"edgetp: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("edgetp: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return 0
     return 0
 
 

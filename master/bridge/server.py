@@ -32,46 +32,22 @@ log = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 2  # for responses still being written after Ctrl-C
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: any free port)."""
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {port}")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as exc:
-        raise ValueError(f"--host {host!r} does not resolve: {exc}") from exc
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise ValueError(
-            f"cannot listen on {host}:{port} ({exc.strerror}): pick another --port"
-        ) from exc
-    sock.listen(128)
-    return sock
-
-
 def serve(
     sessions: contextlib.AbstractContextManager[Session],
     source: ModelSource,
     tokenizer: Tokenizer,
+    sock: socket.socket,
     model: str | None = None,
-    host: str = "127.0.0.1",
-    port: int = 8000,
     api_key: str | None = None,
     verbose: bool = False,
     draft: tuple[str, str] = ("off", AUTO),
 ) -> None:
-    """Enter `sessions` (a started session of `source`) and serve it until interrupted.
+    """Enter `sessions` (a started session of `source`) and serve it on `sock` (from
+    `master.bridge.listen.bind`, closed here) until interrupted.
 
     `model` is the name the model was asked for, accepted in requests besides its own;
     `draft` is `--draft` and `--draft-dtype` (master/speculate.py).
     """
-    if api_key is not None and not api_key.strip():
-        raise ValueError("--api-key is empty: give a key, or leave the option out")
-    sock = bind(host, port)  # before the slow load: a taken port fails at once
     try:
         aliases = tuple({model or DEFAULT_MODEL, source.path.stem} - {source.name})
         created = int(source.path.stat().st_mtime)
