@@ -184,6 +184,7 @@ class SliceExecutor:
 
     def close(self) -> None:
         self.weights.close()
+        self.native = None  # its blocks hold the weights too
 
 
 def make_executor(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -220,7 +221,9 @@ class HubHop:
 
     def __init__(self, sock: zmq.Socket, blocks: NativeBlocks, identities: list[bytes]) -> None:
         self.lib = load()
-        self.blocks = blocks
+        # Not a reference: a re-planned engine's blocks (and the weights they point into) go
+        # with it, while the transport keeps this loop until its next native step.
+        self._blocks = weakref.ref(blocks)
         self.table = _table(blocks)
         config = blocks.config
         n = len(identities)
@@ -248,6 +251,11 @@ class HubHop:
             received=self.received.ctypes.data,
             allreduce=self.allreduce.ctypes.data,
         )
+
+    @property
+    def blocks(self) -> NativeBlocks | None:
+        """The blocks this loop was made for, or None once they are gone (never run it then)."""
+        return self._blocks()
 
     def begin(self, step_no: int, h: np.ndarray, first_header: bytes | None) -> None:
         """A decode step: its number, its hidden state (B, D) (summed into in place: `self.h`),
