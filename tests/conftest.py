@@ -12,8 +12,9 @@ import torch
 from gguf_copy import without_vocabulary_arrays
 from hypothesis import settings
 
+from models.config import DEFAULT_MODEL
 from models.kernels import CORES_ENV, set_threads
-from models.source import DEFAULT_MODEL, GGUFSource, ModelSource, open_model
+from models.source import GGUFSource, ModelSource, open_model
 
 set_threads()
 

@@ -35,12 +35,14 @@ def test_bad_options_are_clear_errors(args, needle):
 
 def test_option_errors_come_before_the_weights_code_is_imported():
     """The checks run before torch and the model code are imported (seconds on a small CPU),
-    so a mistyped option is answered at once."""
+    so a mistyped option or model path is answered at once."""
     code = (
         "import sys\n"
         "from tui.cli import main\n"
         "assert main(['serve', '--port', '70000']) == 1\n"
         "assert main(['serve', '--api-key', ' ']) == 1\n"
+        "assert main(['serve', '--model', '/nonexistent.gguf']) == 1\n"
+        "assert main(['run', '--model', '/nonexistent.gguf', 'hi']) == 1\n"
         "print(sorted({'torch', 'master.session', 'uvicorn'} & set(sys.modules)))\n"
     )
     result = subprocess.run(
@@ -48,4 +50,5 @@ def test_option_errors_come_before_the_weights_code_is_imported():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result
-    assert result.stderr.count("edgetp: error: ") == 2, result.stderr
+    assert result.stderr.count("edgetp: error: ") == 4, result.stderr
+    assert result.stderr.count("model not found: /nonexistent.gguf") == 2, result.stderr

@@ -12,8 +12,9 @@ from gguf_copy import without_vocabulary_arrays
 from test_cli import run
 
 from master.engine import Engine
+from models.bundled import BUNDLED_MODELS
 from models.layers import StepBatch
-from models.source import BUNDLED_MODELS, open_model
+from models.source import open_model
 
 pytestmark = pytest.mark.slow
 

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 
 def _run(args: argparse.Namespace) -> None:
+    from models.bundled import model_path
+
+    model_path(args.model)  # a wrong path is said before the slow imports
     from master.engine import context_size
     from master.generate import check_prompt, start, stream
     from master.params import SamplingParams
@@ -320,6 +323,9 @@ def _serve(args: argparse.Namespace) -> None:
     check_api_key(args.api_key)
     sock = bind(args.host, args.port)  # before the slow imports and load: a taken port fails now
     try:
+        from models.bundled import model_path
+
+        model_path(args.model)
         from master.bridge.server import serve
         from master.session import open_with_tokenizer
         from master.speculate import draft_source
