@@ -48,7 +48,7 @@ BUILDS = {
 # 2-core EPYC (AVX2), one row, q4_1: 192x576 takes 4.8 us on one thread and 4.5 on two, 384x576
 # 13.8 and 8.0, 576x576 18.8 and 11.4; and in a decode step, where the weights stream from
 # memory, two threads gain more still.
-SMALL = 1 << 17
+SMALL = 1 << 17  # multiply-adds below which a product runs on one thread
 
 _libs: dict[str, ctypes.CDLL] = {}
 

@@ -122,7 +122,7 @@ def load() -> ctypes.CDLL:
         lib.rows_set_sgemv.argtypes = [ctypes.c_void_p]
         lib.rows_set_sgemv(sgemv)
         lib.rows_set_block_product.argtypes = [ctypes.c_int, ctypes.c_void_p]
-        lib.rows_set_threads.argtypes = [ctypes.c_int]
+        lib.rows_set_threads.argtypes = [ctypes.c_int, ctypes.c_int64]
         for name in ("rows_attention", "rows_ffn"):
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -265,7 +265,7 @@ class NativeBlocks:
             else (np.ascontiguousarray(t, np.float32) for t in local_cos_sin)
         )
         self._held = (slots, starts, cos, sin, lcos, lsin)  # the struct points into them
-        self.lib.rows_set_threads(blas_threads())  # the block products' threads, as NumPy's
+        self.lib.rows_set_threads(blas_threads(), native.SMALL)  # as the NumPy path's
         st = self.step
         st.B = batch.size
         st.slots, st.starts = slots.ctypes.data_as(c_int64_p), starts.ctypes.data_as(c_int64_p)

@@ -65,20 +65,19 @@ def _slice(config: ModelConfig, s: Slice, seed: int) -> list[dict[str, torch.Ten
     return layers
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("part", SLICES)
-def test_native_blocks_equal_the_numpy_blocks(family, part):
-    """Three sequences decoding side by side, past a local layer's window: every partial of
-    both blocks as NumPy computes it, and the same keys and values in the cache."""
-    config, s = FAMILIES[family], SLICES[part]
-    layers = _slice(config, s, 1)
+def _assert_decodes_as_numpy(
+    config: ModelConfig, s: Slice, layers: list[dict[str, torch.Tensor]], steps: int, seed: int
+) -> None:
+    """Three sequences decoding side by side for `steps` steps (past a local layer's window if
+    there is one): every partial of both blocks as NumPy computes it, and the same keys and
+    values in the cache."""
     ours, theirs = KVCache(config, s, 3, 16), KVCache(config, s, 3, 16)
     blocks = admit(config, s, layers, ours.key_arrays, ours.value_arrays)
     assert blocks is not None
     rope = Rope(config, 16)
     local = Rope(replace(config, rope_theta=config.local_rope_theta or 0.0), 16)
-    rng = np.random.default_rng(2)
-    for pos in range(7):
+    rng = np.random.default_rng(seed)
+    for pos in range(steps):
         batch = StepBatch((0, 2, 1), (pos, pos + 2, pos + 1), (1, 1, 1))
         cos_sin = rope.rows(batch.starts)
         local_cos_sin = local.rows(batch.starts) if config.local_rope_theta else None
@@ -97,6 +96,13 @@ def test_native_blocks_equal_the_numpy_blocks(family, part):
     for i in range(config.n_layers):
         np.testing.assert_allclose(ours.key_arrays[i], theirs.key_arrays[i], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(ours.value_arrays[i], theirs.value_arrays[i], atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("part", SLICES)
+def test_native_blocks_equal_the_numpy_blocks(family, part):
+    config, s = FAMILIES[family], SLICES[part]
+    _assert_decodes_as_numpy(config, s, _slice(config, s, 1), steps=7, seed=2)
 
 
 def _in_blocks(layers: list[dict[str, torch.Tensor]], dtype: str, kernel: str, monkeypatch):
@@ -123,28 +129,7 @@ def test_native_blocks_on_block_formats_equal_the_numpy_blocks(family, dtype, mo
     product the device admitted, and give the NumPy path's partials through it."""
     config, s = FAMILIES[family], Slice((2, 4), (1, 2), (32, 96))  # 32-column blocks
     layers = _in_blocks(_slice(config, s, 6), dtype, C_BUILD, monkeypatch)
-    ours, theirs = KVCache(config, s, 2, 16), KVCache(config, s, 2, 16)
-    blocks = admit(config, s, layers, ours.key_arrays, ours.value_arrays)
-    assert blocks is not None
-    rope = Rope(config, 16)
-    local = Rope(replace(config, rope_theta=config.local_rope_theta or 0.0), 16)
-    rng = np.random.default_rng(7)
-    for pos in range(6):
-        batch = StepBatch((1, 0), (pos, pos + 1), (1, 1))
-        cos_sin = rope.rows(batch.starts)
-        local_cos_sin = local.rows(batch.starts) if config.local_rope_theta else None
-        blocks.begin_step(batch, cos_sin, local_cos_sin)
-        h = rng.standard_normal((2, config.hidden), dtype=np.float32)
-        for i in range(config.n_layers):
-            own = local_cos_sin if config.is_local(i) and local_cos_sin else cos_sin
-            window = config.sliding_window if config.is_local(i) else None
-            want = attention_rows(
-                h, layers[i], s, config, own, theirs.key_arrays[i], theirs.value_arrays[i],
-                batch, window,
-            )  # fmt: skip
-            np.testing.assert_allclose(blocks.attention(i, h), want, rtol=1e-4, atol=1e-5)
-            want = ffn_rows(h, layers[i], config)
-            np.testing.assert_allclose(blocks.ffn(i, h), want, rtol=1e-4, atol=1e-5)
+    _assert_decodes_as_numpy(config, s, layers, steps=6, seed=7)
 
 
 def test_block_formats_on_another_kernel_run_on_numpy(monkeypatch):

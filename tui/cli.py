@@ -320,9 +320,9 @@ def _serve(args: argparse.Namespace) -> None:
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
     api_key = args.api_key or os.environ.get("EDGETP_API_KEY")
-    check_api_key(args.api_key)
+    check_api_key(api_key)
     sock = bind(args.host, args.port)  # before the slow imports and load: a taken port fails now
-    try:
+    try:  # until serve owns the socket
         from models.bundled import model_path
 
         model_path(args.model)
@@ -332,11 +332,12 @@ def _serve(args: argparse.Namespace) -> None:
 
         source, tokenizer = open_with_tokenizer(args.model)
         draft_source(args.draft, tokenizer)  # before the slow load
+        sessions = _session(args, source, args.max_batch, "edgetp serve", _local_nodes(args))
     except BaseException:
         sock.close()
         raise
     serve(
-        _session(args, source, args.max_batch, "edgetp serve", _local_nodes(args)),
+        sessions,
         source,
         tokenizer,
         sock,

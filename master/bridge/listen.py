@@ -7,6 +7,7 @@ import socket
 
 
 def check_api_key(api_key: str | None) -> None:
+    """An API key, from --api-key or EDGETP_API_KEY, that is empty or blank is a mistake."""
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the option out")
 

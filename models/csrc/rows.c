@@ -28,14 +28,18 @@ void rows_set_sgemv(void *fn) { sgemv = (sgemv_fn)fn; }
 typedef void (*blocks_fn)(const float *, int, int, const uint8_t *, int, float *, int);
 enum { F32 = -1, N_FORMATS = 3 };
 static blocks_fn block_products[N_FORMATS];
+// The threads a block product runs on, and below how many multiply-adds it runs on one: the
+// rule of models/native.py's products, set from there (rows_set_threads).
 static int block_threads = 1;
-// Below this many multiply-adds a product runs on one thread, as models/native.py's do.
-static const int64_t SMALL = 1 << 17;
+static int64_t block_small = 0;
 
 void rows_set_block_product(int kind, void *fn) {
     if (kind >= 0 && kind < N_FORMATS) block_products[kind] = (blocks_fn)fn;
 }
-void rows_set_threads(int n) { block_threads = n > 0 ? n : 1; }
+void rows_set_threads(int n, int64_t small) {
+    block_threads = n > 0 ? n : 1;
+    block_small = small;
+}
 
 // One step's sequences: shared by every layer's blocks.
 typedef struct {
@@ -81,7 +85,7 @@ static void gemv(int kind, const void *w, int64_t out, int64_t in, const float *
               x, 1, 0.0f, y, 1);
         return;
     }
-    int nth = out * in < SMALL ? 1 : block_threads;
+    int nth = out * in < block_small ? 1 : block_threads;
     block_products[kind](x, 1, (int)in, (const uint8_t *)w, (int)out, y, nth);
 }
 
