@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import runpy
 import subprocess
 import sys
 import threading
@@ -28,6 +29,8 @@ from memory.budget import ALL_RESIDENT, MemoryOptions
 from memory.files import default_state_dir
 from models.kernels import device_cores, set_threads
 from models.source import ModelSource
+from node import children
+from node.children import Child
 from node.device import plan_shapes, prepare
 from node.security import TOKEN_ENV, JoinToken
 
@@ -68,7 +71,7 @@ class LocalWorkers:
         # The token goes by environment, not argv, where any local user could read it.
         self.env = os.environ | {TOKEN_ENV: str(token)}
         self.cmds: list[list[str]] = []
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes] | Child] = []
         self.logs: list[Path] = []
         self.devices = devices
         self.first = first
@@ -90,8 +93,11 @@ class LocalWorkers:
             self.logs.append(log_dir / f"local-{node}.log")
             self.procs.append(self._spawn(len(self.procs)))
 
-    def _spawn(self, i: int) -> subprocess.Popen[bytes]:
-        with open(self.logs[i], "ab") as log_file:
+    def _spawn(self, i: int) -> subprocess.Popen[bytes] | Child:
+        if self.devices is None:  # `python -m tui.cli join ...`, forked: see node/children.py
+            args = (self.cmds[i][3:], str(self.logs[i]))
+            return children.start(_run_worker, args, f"edgetp-local-{self.first + i}", self.env)
+        with open(self.logs[i], "ab") as log_file:  # an emulated device's: started in its cgroups
             return subprocess.Popen(
                 self.cmds[i], stdout=subprocess.DEVNULL, stderr=log_file, env=self.env
             )
@@ -175,6 +181,13 @@ class LocalWorkers:
             if exc[0] is not None and p.poll() is None:
                 p.terminate()
         self.stop()
+
+
+def _run_worker(argv: list[str], log: str) -> None:
+    """A local worker in a forked child: what `python -m tui.cli *argv` runs, logging to `log`."""
+    children.redirect_output(None, log)
+    sys.argv = ["tui.cli", *argv]
+    runpy.run_module("tui.cli", run_name="__main__", alter_sys=True)
 
 
 def _last_line(path: Path) -> str:

@@ -30,6 +30,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from models.errors import ModelError
 from models.kernels import CANDIDATES, ROW_BUCKETS, Candidate, dequantize, quantize
 from models.layers import Slice, full_layer_shapes, slice_layer
 from models.quant import stored_format, stored_size
+from node import children
 
 if TYPE_CHECKING:
     from models.source import ModelSource
@@ -285,20 +287,7 @@ def _run_checks(todo: list[dict[str, Any]], threads: int, table: Table) -> None:
         )
     pending = [t for t in todo if t["candidate"] not in table.crashed]
     while pending:
-        job = json.dumps({"threads": threads, "items": pending})
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "node.device"],
-                input=job,
-                capture_output=True,
-                text=True,
-                timeout=CHILD_TIMEOUT,
-                env=os.environ | {"PYTHONUNBUFFERED": "1"},
-            )
-            stdout, code, stderr = done.stdout, done.returncode, done.stderr
-        except subprocess.TimeoutExpired as exc:
-            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-            code, stderr = None, f"no answer within {CHILD_TIMEOUT:.0f} s"
+        stdout, code, stderr = _check_in_child({"threads": threads, "items": pending})
         begun = None
         for line in stdout.splitlines():
             if not line.startswith(MARK):
@@ -336,6 +325,22 @@ def _run_checks(todo: list[dict[str, Any]], threads: int, table: Table) -> None:
         pending = [
             t for t in pending if t["id"] not in finished and t["candidate"] not in table.crashed
         ]
+
+
+def _check_in_child(job: dict[str, Any]) -> tuple[str, int | None, str]:
+    """`job` checked in a child process: what it printed, its exit code (None: killed for
+    taking longer than CHILD_TIMEOUT) and its error output."""
+    with tempfile.TemporaryDirectory(prefix="edgetp-kernel-check-") as folder:
+        out, err = Path(folder) / "out", Path(folder) / "err"
+        child = children.start(_child, (job, str(out), str(err)), "edgetp-kernels")
+        try:
+            code: int | None = child.wait(CHILD_TIMEOUT)
+            stderr = err.read_text(errors="replace") if err.exists() else ""
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            code, stderr = None, f"no answer within {CHILD_TIMEOUT:.0f} s"
+        return (out.read_text(errors="replace") if out.exists() else ""), code, stderr
 
 
 def _death(code: int | None, stderr: str) -> str:
@@ -412,8 +417,10 @@ class _Probe:
         return None, median * 1e6
 
 
-def _child() -> None:
-    job = json.loads(sys.stdin.read())
+def _child(job: dict[str, Any], out: str, err: str) -> None:
+    """Check `job`'s items one by one, printing a line as each begins and ends to `out`: the
+    parent tells a crash, and the kernel it was in, from the last one."""
+    children.redirect_output(out, err)
     kernels.limit_blas(job["threads"])
     clock = kernels.compute_clock(job["threads"])
     gen = np.random.default_rng(0)
@@ -516,7 +523,3 @@ def describe(prepared: Prepared, shapes: Iterable[Shape], threads: int) -> str:
         lines.append(f"rejected on this device: {name}: {what}")
     lines.append("'-': not a candidate at those rows")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    _child()

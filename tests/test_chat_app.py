@@ -21,11 +21,12 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 import pytest
+from local_processes import local_workers
 from rich.console import Console
 from textual.pilot import Pilot
 from textual.widgets import Static
 
-from master.bridge.client import ServerProcess, start_server
+from master.bridge.client import start_server
 from master.plan import plan_slices
 from master.splitter import split_model
 from memory.shards import ShardStore
@@ -254,17 +255,6 @@ async def test_system_prompt_and_sampling_are_set_in_the_app(bridge, tmp_path):
     assert answer == expected
 
 
-def workers_of(server: ServerProcess) -> dict[str, int]:
-    """A local server's workers (its `edgetp join` children): name -> pid."""
-    pid = server.proc.pid
-    workers = {}
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
-        if "join" in argv:
-            workers[argv[argv.index("--name") + 1]] = int(child)
-    return workers
-
-
 def ask_greedy(client: openai.OpenAI, max_tokens: int = 16) -> str:
     reply = client.chat.completions.create(
         model="smollm2-135m-instruct",
@@ -340,7 +330,7 @@ async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(
     )
     try:
         client = openai.OpenAI(base_url=f"{local.base}/v1", api_key="unused", max_retries=0)
-        workers = workers_of(local)
+        workers = local_workers(local.proc.pid)
         assert sorted(workers) == ["local-1", "local-2"], workers
 
         def pause_at_chunk_30(n: int) -> None:

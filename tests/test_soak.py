@@ -16,13 +16,13 @@ import signal
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx2 as httpx
 import openai
 import pytest
+from local_processes import local_workers
 
-from master.bridge.client import ServerProcess, start_server
+from master.bridge.client import start_server
 
 pytestmark = pytest.mark.slow
 
@@ -33,22 +33,6 @@ CLIENTS = 4
 MAX_TOKENS = 40
 PROMPTS = ["Why is the sky blue?", "Name three rivers.", "What is a prime number?"]
 REQUEST_TIMEOUT = 120.0  # s: a request that takes longer has hung
-
-
-def workers(server: ServerProcess) -> dict[str, int]:
-    """The server's live `edgetp join` children, name -> pid (restarted ones are children of
-    another thread than the main one)."""
-    out = {}
-    for children in Path(f"/proc/{server.proc.pid}/task").glob("*/children"):
-        for child in children.read_text().split():
-            try:
-                argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
-                state = Path(f"/proc/{child}/stat").read_text().split()[2]
-            except OSError:
-                continue
-            if "join" in argv and state != "Z":
-                out[argv[argv.index("--name") + 1]] = int(child)
-    return out
 
 
 def cluster(base: str) -> dict:
@@ -128,7 +112,7 @@ def test_requests_survive_killed_and_paused_workers(shared_state):
         kills = pauses = 0
         while any(t.is_alive() for t in threads):
             time.sleep(rng.uniform(1.0, 3.0))
-            live = workers(server)
+            live = local_workers(server.proc.pid)
             planned = {n["name"] for n in cluster(server.base)["nodes"] if n["slices"]}
             targets = sorted(set(live) & planned)
             if not targets:

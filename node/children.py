@@ -1,0 +1,132 @@
+"""Processes a node starts to run its own code: forked from a server that imported it once.
+
+A kernel check runs in a child process (a kernel that crashes must not take the node with it),
+and a local cluster's workers are processes of their own. Each started as a new interpreter
+spends seconds of CPU importing torch before doing anything: 2.5-3.3 s on a Zen 3 core
+(`/usr/bin/time python -c "import torch"`), paid again by every check and every local worker.
+Here they are forked from multiprocessing's fork server instead: one interpreter per process
+that starts children, started at the first child, which imports the node's code (`PRELOAD`)
+and forks each child from that state. The server is single-threaded; forking the caller
+itself, with ZeroMQ's and BLAS's threads running, would not be safe.
+
+A child runs as its caller: with the caller's environment as it is at the start (not the one
+the server started with), and in the caller's cgroups. The server only ever runs in the
+cgroups this process started in: a caller that has moved to others since (the master of
+emulated devices enters its device's, and leaves it on exit, ending what is left in it)
+starts a new interpreter for the child instead, as it would have before (and not
+multiprocessing's "spawn", whose resource tracker would start in those cgroups and be ended
+with them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+PRELOAD = ["node.worker"]  # torch, NumPy, ZeroMQ and the node's modules, the kernel check's too
+_PR_SET_NAME = 15  # prctl(2): the name `ps` and `top` show (15 bytes)
+
+
+def _cgroups() -> str:
+    try:
+        return Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return ""
+
+
+_HOME_CGROUPS = _cgroups()  # read at import, before anything in this process moves it
+
+
+def start(
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    name: str,
+    env: dict[str, str] | None = None,
+) -> Child | subprocess.Popen[bytes]:
+    """`target(*args)` in a child process named `name` (`ps` shows it), with `env` (this
+    process's environment unless given); its exit code is target's SystemExit code, 0 on
+    return, 1 on an exception, -N when killed by signal N."""
+    call = (target, args, dict(env or os.environ), name)
+    if _cgroups() != _HOME_CGROUPS:
+        started = subprocess.Popen(
+            [sys.executable, "-c", "from node.children import _main; _main()"],
+            stdin=subprocess.PIPE,
+            env=call[2],
+        )
+        assert started.stdin is not None
+        with started.stdin:
+            started.stdin.write(pickle.dumps(call))
+        return started
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when the server starts, at the first child
+    process = context.Process(target=_enter, args=call)
+    process.start()
+    return Child(process)
+
+
+def _main() -> None:
+    """A child started as a new interpreter: the call `start` pickled to its standard input."""
+    target, args, env, name = pickle.loads(sys.stdin.buffer.read())
+    _enter(target, args, env, name)
+
+
+def _enter(
+    target: Callable[..., Any], args: tuple[Any, ...], env: dict[str, str], name: str
+) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the name is only for people reading `ps`
+    target(*args)
+
+
+def redirect_output(stdout: str | None, stderr: str) -> None:
+    """This process's file descriptors 1 and 2 to these files (appended; 1 to /dev/null when
+    `stdout` is None): what C code prints lands there too, not in the caller's terminal."""
+    for fd, path in ((1, stdout or os.devnull), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+
+
+class Child:
+    """A started child, with the part of subprocess.Popen's interface its callers use."""
+
+    def __init__(self, process: BaseProcess) -> None:
+        self.process = process
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        code = self.process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.process.name, timeout or 0.0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

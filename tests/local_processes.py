@@ -1,0 +1,30 @@
+"""Finding a local cluster's worker processes from outside its master."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PREFIX = "edgetp-"  # node/children.py names a local worker `edgetp-local-N`
+
+
+def local_workers(pid: int) -> dict[str, int]:
+    """The live local workers under process `pid` (its descendants: they are forked by its fork
+    server, not by it), name -> pid."""
+    found, todo = {}, [pid]
+    while todo:
+        parent = todo.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in children.read_text().split()]
+            except OSError:
+                continue  # the thread or process ended meanwhile
+            for kid in kids:
+                todo.append(kid)
+                try:
+                    name = Path(f"/proc/{kid}/comm").read_text().strip()
+                    state = Path(f"/proc/{kid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    continue
+                if name.startswith(PREFIX + "local-") and state != "Z":
+                    found[name.removeprefix(PREFIX)] = kid
+    return found
