@@ -43,6 +43,8 @@ def test_option_errors_come_before_the_weights_code_is_imported():
         "assert main(['serve', '--api-key', ' ']) == 1\n"
         "assert main(['serve', '--model', '/nonexistent.gguf']) == 1\n"
         "assert main(['run', '--model', '/nonexistent.gguf', 'hi']) == 1\n"
+        "assert main(['run', ' ']) == 1\n"
+        "assert main(['run', '--top-p', '0', 'hi']) == 1\n"
         "import os; os.environ['EDGETP_API_KEY'] = ' '\n"
         "assert main(['serve']) == 1\n"
         "print(sorted({'torch', 'master.session', 'uvicorn'} & set(sys.modules)))\n"
@@ -52,6 +54,7 @@ def test_option_errors_come_before_the_weights_code_is_imported():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result
-    assert result.stderr.count("edgetp: error: ") == 5, result.stderr
+    assert result.stderr.count("edgetp: error: ") == 7, result.stderr
+    assert "the prompt is empty" in result.stderr and "top_p must be in" in result.stderr
     assert result.stderr.count("--api-key is empty") == 2, result.stderr
     assert result.stderr.count("model not found: /nonexistent.gguf") == 2, result.stderr

@@ -29,15 +29,13 @@ if TYPE_CHECKING:
 
 
 def _run(args: argparse.Namespace) -> None:
+    from master.params import SamplingParams
     from models.bundled import model_path
 
-    model_path(args.model)  # a wrong path is said before the slow imports
-    from master.engine import context_size
-    from master.generate import check_prompt, start, stream
-    from master.params import SamplingParams
-    from master.session import open_with_tokenizer, prompt_tokens
-    from master.speculate import draft_source, open_speculator
-
+    # A wrong path, an empty prompt, a sampling value out of range: said before the slow imports.
+    model_path(args.model)
+    if not args.prompt.strip():
+        raise ModelError("the prompt is empty: give some text")
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -47,8 +45,11 @@ def _run(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
     )
-    if not args.prompt.strip():
-        raise ModelError("the prompt is empty: give some text")
+    from master.engine import context_size
+    from master.generate import check_prompt, start, stream
+    from master.session import open_with_tokenizer, prompt_tokens
+    from master.speculate import draft_source, open_speculator
+
     source, tokenizer = open_with_tokenizer(args.model)
     tokens = prompt_tokens(tokenizer, args.prompt, args.raw, args.system, args.enable_thinking)
     check_prompt(tokens, context_size(source.config, args.context))  # before the slow load
