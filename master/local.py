@@ -79,6 +79,8 @@ class LocalWorkers:
         self._supervisor: threading.Thread | None = None
         log_dir = state_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
+        if devices is None:
+            children.start_server()  # each worker forked from it, see node/children.py
         for k in range(first - 1, first - 1 + count):
             node = k + 1  # the master is node 0
             host = devices.worker_host(node) if devices else "127.0.0.1"
@@ -239,6 +241,7 @@ def local_session(
     set_threads(threads)  # workers of a device with a CPU quota take that device's threads
     # One device: every node's kernels are checked in one child now (each node would check its
     # own, one after another, each importing torch again); the workers then read the table.
+    children.start_server()  # this check and the workers forked from it (node/children.py)
     shares = capacities or [1.0] * nodes
     plan = plan_slices(source.config, shares)
     heads = head_rows(source.config, plan, shares)

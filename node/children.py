@@ -1,21 +1,23 @@
-"""Processes a node starts to run its own code: forked from a server that imported it once.
+"""Processes a node starts to run its own code, forked from a server that imported it once.
 
 A kernel check runs in a child process (a kernel that crashes must not take the node with it),
 and a local cluster's workers are processes of their own. Each started as a new interpreter
 spends seconds of CPU importing torch before doing anything: 2.5-3.3 s on a Zen 3 core
-(`/usr/bin/time python -c "import torch"`), paid again by every check and every local worker.
-Here they are forked from multiprocessing's fork server instead: one interpreter per process
-that starts children, started at the first child, which imports the node's code (`PRELOAD`)
-and forks each child from that state. The server is single-threaded; forking the caller
-itself, with ZeroMQ's and BLAS's threads running, would not be safe.
+(`/usr/bin/time python -c "import torch"`), paid again by every check and every worker. A
+process that starts many (the master of a local cluster) runs multiprocessing's fork server
+instead (`start_server`): an interpreter that imports the node's code once (`PRELOAD`) and
+forks each child from that state, whose pages the children share until they write them. The
+server is single-threaded; forking the caller itself, with ZeroMQ's and BLAS's threads
+running, would not be safe. The server holds ~150 MB of its own (the imports' heap), so a
+process that starts a child now and then (a device's `edgetp join`, one kernel check per plan)
+runs none and starts a new interpreter for each child, as it always did.
 
 A child runs as its caller: with the caller's environment as it is at the start (not the one
 the server started with), and in the caller's cgroups. The server only ever runs in the
 cgroups this process started in: a caller that has moved to others since (the master of
 emulated devices enters its device's, and leaves it on exit, ending what is left in it)
-starts a new interpreter for the child instead, as it would have before (and not
-multiprocessing's "spawn", whose resource tracker would start in those cgroups and be ended
-with them).
+starts a new interpreter for the child too (and not multiprocessing's "spawn", whose resource
+tracker would start in those cgroups and be ended with them).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from multiprocessing import forkserver
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,17 @@ def _cgroups() -> str:
 
 
 _HOME_CGROUPS = _cgroups()  # read at import, before anything in this process moves it
+_serving = False  # this process runs a fork server
+
+
+def start_server() -> None:
+    """From now on, fork this process's children from a server (started here, unless it runs
+    already, or this process is not in the cgroups it started in)."""
+    global _serving
+    if not _serving and _cgroups() == _HOME_CGROUPS:
+        forkserver.set_forkserver_preload(PRELOAD)
+        forkserver.ensure_running()
+        _serving = True
 
 
 def start(
@@ -56,7 +70,7 @@ def start(
     process's environment unless given); its exit code is target's SystemExit code, 0 on
     return, 1 on an exception, -N when killed by signal N."""
     call = (target, args, dict(env or os.environ), name)
-    if _cgroups() != _HOME_CGROUPS:
+    if not _serving or _cgroups() != _HOME_CGROUPS:
         started = subprocess.Popen(
             [sys.executable, "-c", "from node.children import _main; _main()"],
             stdin=subprocess.PIPE,
@@ -66,9 +80,7 @@ def start(
         with started.stdin:
             started.stdin.write(pickle.dumps(call))
         return started
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)  # read when the server starts, at the first child
-    process = context.Process(target=_enter, args=call)
+    process = multiprocessing.get_context("forkserver").Process(target=_enter, args=call)
     process.start()
     return Child(process)
 

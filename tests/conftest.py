@@ -15,6 +15,7 @@ from hypothesis import settings
 from models.config import DEFAULT_MODEL
 from models.kernels import CORES_ENV, set_threads
 from models.source import GGUFSource, ModelSource, open_model
+from node import children
 
 set_threads()
 
@@ -93,6 +94,13 @@ def pytest_unconfigure(config):
     home = getattr(config, "_edgetp_home", None)
     if home:
         shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server() -> None:
+    """A test process starts kernel checks and local workers by the dozen, as a local cluster's
+    master does: it forks them from a server that imported the node's code once."""
+    children.start_server()
 
 
 @pytest.fixture(scope="session")
