@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from master.cluster import Hub
 from master.engine import Engine
-from master.plan import head_rows, plan_slices
 from master.session import Session
 from master.transport import ClusterError
 from memory.budget import ALL_RESIDENT, MemoryOptions
@@ -31,7 +30,6 @@ from models.kernels import device_cores, set_threads
 from models.source import ModelSource
 from node import children
 from node.children import Child
-from node.device import plan_shapes, prepare
 from node.security import TOKEN_ENV, JoinToken
 
 if TYPE_CHECKING:
@@ -229,7 +227,7 @@ def local_session(
     if devices:
         if len(devices.specs) != nodes:
             raise ValueError(f"{len(devices.specs)} devices given for {nodes} nodes")
-        devices.enter_master()  # before the kernel check below, which runs as this device
+        devices.enter_master()  # before its kernel checks, which run as this device
         threads = threads or devices.threads(0)
     if nodes == 1:
         set_threads(threads)
@@ -239,13 +237,6 @@ def local_session(
         return
     threads = threads or thread_share(nodes)
     set_threads(threads)  # workers of a device with a CPU quota take that device's threads
-    # One device: every node's kernels are checked in one child now (each node would check its
-    # own, one after another, each importing torch again); the workers then read the table.
-    children.start_server()  # this check and the workers forked from it (node/children.py)
-    shares = capacities or [1.0] * nodes
-    plan = plan_slices(source.config, shares)
-    heads = head_rows(source.config, plan, shares)
-    prepare(plan_shapes(source, plan, memory.dtype, heads), install=False)
     hub = Hub(devices.master_host if devices else "127.0.0.1", 0, model_names=(source.name,))
     if devices:
         devices.start_links([hub.port, hub.heartbeat.port])
@@ -261,6 +252,7 @@ def local_session(
         capacities,
         equal_shares=devices is None,
         standby=standby,
+        one_kernel_table=devices is None,  # an emulated device checks its own, as itself
     )
     with (
         session,

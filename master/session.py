@@ -46,6 +46,7 @@ from models.kernels import blas_threads
 from models.layers import MATRICES, Slice, full_layer_shapes, slice_parts
 from models.source import ModelSource, open_model
 from models.tokenizer import Tokenizer
+from node.device import plan_shapes, prepare
 from node.kvcache import KVCache
 from node.worker import Capacity, measure_capacity, measure_speed
 
@@ -166,11 +167,15 @@ def _cluster_engine(
     progress: Callable[[str, int, int], None] | None = None,
     memory: MemoryOptions = ALL_RESIDENT,
     head_costs: Sequence[float] | None = None,
+    check_workers_kernels: bool = False,
 ) -> Engine:
     """Plan for the master and the joined workers, split, ship, and build the master's engine.
 
     `capacities` has one entry per node, the master first. Without a hub, the master alone
     runs the whole model from its shards (streamed through a window if the memory says so).
+    `check_workers_kernels`: the workers share this process's kernel table (processes of this
+    machine, as this device), so every node's kernels are checked here, in one child, before
+    they are shipped; each worker would otherwise check its own, one after another.
     """
     context = context_size(source.config, max_context)
     slices = plan_slices(source.config, capacities)
@@ -178,6 +183,8 @@ def _cluster_engine(
     heads = (
         head_rows(source.config, slices, capacities, head_costs) if hub and hub.members else None
     )
+    if check_workers_kernels and heads is not None:
+        prepare(plan_shapes(source, slices, memory.dtype, heads), install=False)
     store = ShardStore(state_dir / "shards")
     split_progress = (lambda d, t: progress("splitting", d, t)) if progress else None
     manifest = split_model(source, slices, store, split_progress, memory.dtype, heads)
@@ -281,11 +288,14 @@ class Session:
         equal_shares: bool = False,
         progress: Callable[[str, int, int], None] | None = None,
         standby: bool = True,
+        one_kernel_table: bool = False,
     ) -> None:
         """`capacities` (the master first) hold while the node count matches them; otherwise
         the shares are equal (`equal_shares`: processes of one machine) or measured per device,
         and then a device whose link would slow every token is left on standby (unless not
-        `standby`: a benchmark of node counts times the split it asked for).
+        `standby`: a benchmark of node counts times the split it asked for). With
+        `one_kernel_table` (workers that are processes of this machine as this device) each
+        plan checks every node's kernels in the master.
         """
         self.source = source
         self.hub = hub
@@ -297,6 +307,7 @@ class Session:
         self.equal_shares = equal_shares
         self.progress = progress
         self.standby = standby
+        self.one_kernel_table = one_kernel_table
         self.engine: Engine | None = None
         self.max_context = context_size(source.config, context)  # the plan's, once planned
         self._master_capacity: Capacity | None = None
@@ -508,6 +519,7 @@ class Session:
                 self.progress,
                 self.memory,
                 self.planned_head_costs,
+                self.one_kernel_table,
             )
         if self.hub is not None:
             self.hub.planned = True  # from now on a node that joins waits for a re-plan
