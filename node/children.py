@@ -29,6 +29,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from multiprocessing import forkserver
 from multiprocessing.process import BaseProcess
@@ -113,7 +114,12 @@ def redirect_output(stdout: str | None, stderr: str) -> None:
 
 
 class Child:
-    """A started child, with the part of subprocess.Popen's interface its callers use."""
+    """A started child, with the part of subprocess.Popen's interface its callers use.
+
+    The fork server reports a child's exit; if the server itself is killed (the kernel's OOM
+    killer, a user), its children run on, adopted by init, and the report reads as an exit
+    with code 255. So a child whose pid is still running is running, whatever was reported.
+    """
 
     def __init__(self, process: BaseProcess) -> None:
         self.process = process
@@ -121,20 +127,30 @@ class Child:
 
     @property
     def returncode(self) -> int | None:
-        return self.process.exitcode
+        return self.poll()
 
     def poll(self) -> int | None:
-        return self.process.exitcode
+        code = self.process.exitcode
+        return None if code is not None and self._still_running() else code
+
+    def _still_running(self) -> bool:
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return False  # gone: the server reaped it, or init did after the server died
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
     def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
         self.process.join(timeout)
-        code = self.process.exitcode
-        if code is None:
-            raise subprocess.TimeoutExpired(self.process.name, timeout or 0.0)
+        while (code := self.poll()) is None:  # not exited, or outlived its server
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.05)
         return code
 
     def send_signal(self, sig: int) -> None:
-        if self.process.exitcode is None:
+        if self.poll() is None:
             os.kill(self.pid, sig)
 
     def terminate(self) -> None:
