@@ -88,6 +88,18 @@ def test_a_block_dtype_without_a_working_kernel_is_refused_unless_the_fallback_i
     assert kernels.kernel_set() == f"q4_1: {fallback.name}"
 
 
+def test_the_fallback_is_checked_only_where_no_other_kernel_passed(tmp_path, fresh_table):
+    """Expanding the weights at every product is slow to check too (most of a q4_1 lm_head's
+    check): where a native kernel passed it is never used, so it is not checked."""
+    shape = ("q4_1", 48, 64)
+    table = prepare([shape], cache_dir=tmp_path).table
+    fallback = next(c.name for c in kernels.CANDIDATES["q4_1"] if c.fallback)
+    for bucket in range(len(kernels.ROW_BUCKETS)):
+        results = table.results[entry_key(shape, bucket, kernels.blas_threads())]
+        native_passed = any(r["ok"] for name, r in results.items() if name != fallback)
+        assert native_passed == (fallback not in results), results
+
+
 def test_a_fallback_timed_fastest_by_a_fluke_is_not_chosen_over_a_native_kernel():
     """Under load a native kernel can time slower than the float expansion once; the
     expansion is the last resort all the same."""
