@@ -2,8 +2,9 @@
 
 The header (metadata and tensor table) is parsed here with `struct`, following the GGUF spec:
 the `gguf` package's reader builds a numpy view per value, which for a 49k-token vocabulary costs
-seconds at every process start. Quantized tensors are dequantized by the `gguf` package, a band of
-rows at a time, so a caller that asks for one layer's tensors never holds the whole model.
+seconds at every process start. Quantized tensors are dequantized by the `gguf` package's
+arithmetic (`models.quant.dequantize_rows`), so a caller that asks for one layer's tensors never
+holds the whole model.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import numpy as np
 import torch
 
 from models.errors import ModelError
+from models.quant import dequantize_rows
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
-DEQUANT_ROWS = 2048
 
 # Metadata value types, numbered as in the GGUF spec: scalars by struct format; 8 is a string and
 # 9 an array.
@@ -117,13 +118,8 @@ class GGUFFile:
         """Rows [start, stop) of the named tensor (its first dimension), dequantized to float32."""
         t = self.info(name)
         rows = self._stored_rows(t)[start:stop] if len(t.shape) > 1 else self._stored_rows(t)
-        out = np.empty((rows.shape[0], t.shape[-1]), np.float32)
-        # Dequantize a band of rows at a time: the gguf package's temporaries are several times
-        # the output, and for a big embedding that would dwarf the tensor itself.
         try:
-            for r in range(0, rows.shape[0], DEQUANT_ROWS):
-                band = gguf.quants.dequantize(rows[r : r + DEQUANT_ROWS], t.tensor_type)
-                out[r : r + DEQUANT_ROWS] = band.reshape(out[r : r + DEQUANT_ROWS].shape)
+            out = dequantize_rows(rows, t.tensor_type)
         except NotImplementedError as exc:
             raise ModelError(
                 f"{self.path}: tensor {name} uses quantization {t.tensor_type.name}, "

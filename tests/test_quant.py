@@ -12,7 +12,8 @@ import torch
 from master.plan import head_rows, plan_slices
 from master.splitter import split_model
 from memory.shards import ShardStore
-from models import native
+from models import native, quant
+from models.bundled import BUNDLED_MODELS
 from models.errors import ModelError
 from models.gguf_file import GGUFFile
 from models.kernels import dequantize, dtype_name, embed, linear_rows, quantize
@@ -39,6 +40,23 @@ def test_the_file_s_blocks_survive_the_split_byte_for_byte(smollm2):
         seen[fmt] += 1
     assert seen == {"q4_1": 210, "q8_0": 1}, seen
 
+
+@pytest.mark.parametrize("model", sorted(BUNDLED_MODELS))
+def test_rows_expand_to_the_gguf_package_s_own_values_in_bands(model, monkeypatch):
+    """Each tensor type of the bundled files, expanded in bands of whole rows handed to the gguf
+    package as one row (bands of a few rows here, the last one short), gives exactly the values
+    the package gives row by row."""
+    monkeypatch.setattr(quant, "DEQUANT_BYTES", 5000)
+    f = GGUFFile(BUNDLED_MODELS[model]())
+    types = {}
+    for name in f.tensor_names():
+        types.setdefault(f.info(name).tensor_type, name)
+    for kind, name in types.items():
+        rows = f._stored_rows(f.info(name))[:37]
+        want = gguf.quants.dequantize(rows, kind).reshape(len(rows), -1)
+        got = quant.dequantize_rows(rows, kind)
+        assert got.dtype == np.float32 and np.array_equal(got, want), (kind, name)
+    assert len(types) >= 2, types
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_a_block_matrix_multiplies_and_embeds_as_its_float_values(fmt):
