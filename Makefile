@@ -27,13 +27,13 @@ demo: setup
 # replaced. The slowest tests are listed at the end: the suite's time is a budget.
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=12
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --durations=12
 
 # The tests that start no cluster, load no reference implementation and run no model end to
 # end: under two minutes, for the edit-test loop. `make test` is what must pass.
 test-fast: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 -m "not slow"
 
 # The soak in full: 300 streamed requests against `edgetp serve --local-nodes 3` while its
 # workers are killed (10 times) and paused; `make test` runs a short form of it.

@@ -48,18 +48,28 @@ def pytest_configure(config):
 
 
 # The files that take longest (a whole run at 2 x 2 processes on a Zen 3 core pair, 2026-11-27:
-# 90-140 s each), run first: the two test processes take files in this order, and a long file
-# taken last leaves one of them working alone at the end (~50 s of a 13-minute run).
+# 35-130 s each), run first: the two test processes take files in this order (the Makefile turns
+# off xdist's reordering by test count, which put the files of one or two long tests last), and
+# a long file taken last leaves one of them working alone at the end (62 s of a 13-minute run).
 LONGEST_FIRST = (
-    "test_cluster.py",
     "test_chat_app.py",
-    "test_gemma3.py",
+    "test_cluster.py",
     "test_window.py",
     "test_speculate.py",
     "test_lan_fronts.py",
+    "test_gemma3.py",
     "test_cli.py",
-    "test_reference.py",
     "test_emulate.py",
+    "test_reference.py",
+    "test_bridge_batcher.py",
+    "test_bridge_fuzz.py",
+    "test_soak.py",
+    "test_families.py",
+    "test_kernels.py",
+    "test_membership.py",
+    "test_tokenizer.py",
+    "test_bridge_server.py",
+    "test_hf_source.py",
 )
 
 
