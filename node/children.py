@@ -51,6 +51,18 @@ _HOME_CGROUPS = _cgroups()  # read at import, before anything in this process mo
 _serving = False  # this process runs a fork server
 
 
+def alive(pid: int) -> bool:
+    """Whether a process `pid` exists (a zombie included): what a process that was killed
+    outright left behind is found by its name's pid."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def start_server() -> None:
     """From now on, fork this process's children from a server (started here, unless it runs
     already, or this process is not in the cgroups it started in)."""

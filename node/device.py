@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 CHILD_TIMEOUT = 300.0  # s for one child's whole job: a kernel that hangs is a rejected kernel
 PERIOD = 1021  # rows of random weights a tall probe matrix repeats
 TIMING_BUDGET = 0.01  # s of calls a timing takes, unless one call takes longer
+CHECK_FOLDER = "edgetp-kernel-check-"  # + the caller's pid: a temporary folder for a check's output
 MARK = "edgetp-kernel "  # the child's result lines start with this; anything else is noise
 
 # Rows each bucket is checked at (both ends); it is timed at the last.
@@ -357,7 +359,11 @@ def _run_checks(todo: list[dict[str, Any]], threads: int, table: Table) -> None:
 def _check_in_child(job: dict[str, Any]) -> tuple[str, int | None, str]:
     """`job` checked in a child process: what it printed, its exit code (None: killed for
     taking longer than CHILD_TIMEOUT) and its error output."""
-    with tempfile.TemporaryDirectory(prefix="edgetp-kernel-check-") as folder:
+    for stale in Path(tempfile.gettempdir()).glob(f"{CHECK_FOLDER}*-*"):
+        pid = stale.name[len(CHECK_FOLDER) :].split("-", 1)[0]
+        if pid.isdigit() and not children.alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)  # its caller was killed mid-check
+    with tempfile.TemporaryDirectory(prefix=f"{CHECK_FOLDER}{os.getpid()}-") as folder:
         out, err = Path(folder) / "out", Path(folder) / "err"
         child = children.start(_child, (job, str(out), str(err)), "edgetp-kernels")
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from master.params import SamplingParams
 from models import kernels
 from models.dtypes import BLOCK_DTYPES, SHARD_DTYPES
 from models.kernels import SCALE_SUFFIX, Candidate, linear, quantize
-from node.device import TOLERANCE, KernelError, entry_key, prepare
+from node.device import CHECK_FOLDER, TOLERANCE, KernelError, entry_key, prepare
 
 TESTS = Path(__file__).parent
 FAKES = (
@@ -98,6 +99,24 @@ def test_the_fallback_is_checked_only_where_no_other_kernel_passed(tmp_path, fre
         results = table.results[entry_key(shape, bucket, kernels.blas_threads())]
         native_passed = any(r["ok"] for name, r in results.items() if name != fallback)
         assert native_passed == (fallback not in results), results
+
+
+def test_a_check_s_folder_left_by_a_killed_caller_is_removed_by_the_next_check(
+    tmp_path, monkeypatch, fresh_table
+):
+    """A check writes its child's output to a temporary folder named with its caller's pid; a
+    caller killed outright cannot remove it, so the next check does, and leaves a live one's."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    left = tmp_path / f"{CHECK_FOLDER}{gone.pid}-abc"
+    live = tmp_path / f"{CHECK_FOLDER}{os.getpid()}-def"
+    for folder in (left, live):
+        folder.mkdir()
+        (folder / "out").write_text("edgetp-kernel {}")
+    prepare([("f32", 16, 8)], cache_dir=tmp_path / "kernels")
+    assert not left.exists() and live.exists()
+    assert sorted(p.name for p in tmp_path.glob(f"{CHECK_FOLDER}*")) == [live.name]
 
 
 def test_a_fallback_timed_fastest_by_a_fluke_is_not_chosen_over_a_native_kernel():

@@ -58,6 +58,7 @@ def test_rows_expand_to_the_gguf_package_s_own_values_in_bands(model, monkeypatc
         assert got.dtype == np.float32 and np.array_equal(got, want), (kind, name)
     assert len(types) >= 2, types
 
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_a_block_matrix_multiplies_and_embeds_as_its_float_values(fmt):
     gen = torch.Generator().manual_seed(0)

@@ -37,6 +37,7 @@ from typing import Any
 
 from master.emulate.spec import DeviceSpec, device_specs
 from models.cbuild import built
+from node.children import alive
 
 log = logging.getLogger(__name__)
 
@@ -132,16 +133,6 @@ def stop_relay(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _run(*cmd: str, check: bool = True) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if check and done.returncode != 0:
@@ -173,14 +164,14 @@ def remove_leftovers() -> list[str]:
         parent = own_cgroup(controller)
         for folder in parent.glob("edgetp-*-*"):
             match = _OURS.fullmatch(folder.name)
-            if match and not _alive(int(match.group(1))):
+            if match and not alive(int(match.group(1))):
                 _remove_cgroup(folder)
                 removed.append(str(folder))
     if shutil.which("ip"):
         for line in _run("ip", "netns", "list", check=False).splitlines():
             name = line.split()[0] if line.split() else ""
             match = _OURS.fullmatch(name)
-            if match and not _alive(int(match.group(1))):
+            if match and not alive(int(match.group(1))):
                 for pid in _run("ip", "netns", "pids", name, check=False).split():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(int(pid), signal.SIGKILL)
@@ -189,7 +180,7 @@ def remove_leftovers() -> list[str]:
         for line in _run("ip", "-o", "link", "show", check=False).splitlines():
             name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
             match = _OUR_LINK.fullmatch(name)
-            if match and not _alive(int(match.group(1))):
+            if match and not alive(int(match.group(1))):
                 _run("ip", "link", "del", name, check=False)
                 removed.append(name)
     return removed
