@@ -442,15 +442,15 @@ class _Probe:
         # The warm-up ran at the rows timed. A call longer than the timing's budget is timed by
         # it (a tall lm_head: 10-400 ms a call, at every bucket and candidate: two calls more
         # were a quarter of a check's time), and so is one far behind the fastest.
-        slow = took >= TIMING_BUDGET or took > 3 * self.best.get(bucket, float("inf"))
-        times: list[float] = [took] if slow else []
-        began = time.perf_counter()
-        while not times or (time.perf_counter() - began < TIMING_BUDGET and len(times) < 20):
-            t = clock()
-            kernel(x, w, scale)
-            times.append(clock() - t)
-            if times[0] > 3 * self.best.get(bucket, float("inf")):
-                break  # far behind the fastest: one call says enough
+        times = [took]
+        if took < TIMING_BUDGET and took <= 3 * self.best.get(bucket, float("inf")):
+            times, began = [], time.perf_counter()
+            while not times or (time.perf_counter() - began < TIMING_BUDGET and len(times) < 20):
+                t = clock()
+                kernel(x, w, scale)
+                times.append(clock() - t)
+                if times[0] > 3 * self.best.get(bucket, float("inf")):
+                    break  # far behind the fastest: one call says enough
         median = float(np.median(times))
         self.best[bucket] = min(median, self.best.get(bucket, float("inf")))
         return None, median * 1e6
