@@ -441,9 +441,9 @@ class _Probe:
                 return f"wrong: |error| up to {worst:.3g} at {rows} rows", None
         # The warm-up ran at the rows timed. A call longer than the timing's budget is timed by
         # it (a tall lm_head: 10-400 ms a call, at every bucket and candidate: two calls more
-        # were a quarter of a check's time), and so is one far behind the fastest.
+        # were a quarter of a check's time); a shorter one may have been a cold first call.
         times = [took]
-        if took < TIMING_BUDGET and took <= 3 * self.best.get(bucket, float("inf")):
+        if took < TIMING_BUDGET:
             times, began = [], time.perf_counter()
             while not times or (time.perf_counter() - began < TIMING_BUDGET and len(times) < 20):
                 t = clock()
