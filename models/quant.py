@@ -24,8 +24,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from models.dtypes import BLOCK_DTYPES
 
 BLOCK = 32  # weights per block, along a matrix's input dimension
-DEQUANT_BYTES = 1 << 20  # stored bytes the gguf package expands a call: its temporaries are a few
-# times what it returns
+# Stored bytes the gguf package expands in a call: its temporaries are a few times what it returns.
+DEQUANT_BYTES = 1 << 20
 
 
 def dequantize_rows(rows: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:

@@ -21,6 +21,7 @@ plans, caches and installs and the child that probes: they share one job format 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -236,9 +237,9 @@ def _unchecked(
     passed) or of the others."""
     todo = []
     for s in wanted:
+        others = [c.name for c in candidates[s[0]] if not c.fallback]
         for b in range(len(ROW_BUCKETS)):
             key = entry_key(s, b, threads)
-            others = [c.name for c in candidates[s[0]] if not c.fallback]
             if fallbacks and table.chosen(key, others):
                 continue
             todo += [
@@ -359,10 +360,15 @@ def _run_checks(todo: list[dict[str, Any]], threads: int, table: Table) -> None:
 def _check_in_child(job: dict[str, Any]) -> tuple[str, int | None, str]:
     """`job` checked in a child process: what it printed, its exit code (None: killed for
     taking longer than CHILD_TIMEOUT) and its error output."""
+    # A caller killed mid-check leaves its folder: removed once its pid is gone and it is older
+    # than any check lasts (a /tmp shared with another pid namespace names pids this one cannot
+    # see).
     for stale in Path(tempfile.gettempdir()).glob(f"{CHECK_FOLDER}*-*"):
         pid = stale.name[len(CHECK_FOLDER) :].split("-", 1)[0]
-        if pid.isdigit() and not children.alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)  # its caller was killed mid-check
+        with contextlib.suppress(OSError):
+            old = time.time() - stale.stat().st_mtime > 2 * CHILD_TIMEOUT
+            if old and pid.isdigit() and not children.alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=f"{CHECK_FOLDER}{os.getpid()}-") as folder:
         out, err = Path(folder) / "out", Path(folder) / "err"
         child = children.start(_child, (job, str(out), str(err)), "edgetp-kernels")

@@ -7,12 +7,23 @@ from pathlib import Path
 PREFIX = "edgetp-"  # node/children.py names a local worker `edgetp-local-N`
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (state, parent pid, ...); [] when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
 def process_state(pid: int) -> str:
     """A process's state letter ("Z": exited, not yet reaped), "" when it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return ""
+    return (_stat(pid) or [""])[0]
+
+
+def parent_pid(pid: int) -> int:
+    """The process's parent (0 when it is gone)."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields else 0
 
 
 def local_workers(pid: int) -> dict[str, int]:

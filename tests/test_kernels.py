@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from master.params import SamplingParams
 from models import kernels
 from models.dtypes import BLOCK_DTYPES, SHARD_DTYPES
 from models.kernels import SCALE_SUFFIX, Candidate, linear, quantize
-from node.device import CHECK_FOLDER, TOLERANCE, KernelError, entry_key, prepare
+from node.device import CHECK_FOLDER, CHILD_TIMEOUT, TOLERANCE, KernelError, entry_key, prepare
 
 TESTS = Path(__file__).parent
 FAKES = (
@@ -105,15 +106,18 @@ def test_a_check_s_folder_left_by_a_killed_caller_is_removed_by_the_next_check(
     tmp_path, monkeypatch, fresh_table
 ):
     """A check writes its child's output to a temporary folder named with its caller's pid; a
-    caller killed outright cannot remove it, so the next check does, and leaves a live one's."""
+    caller killed outright cannot remove it, so the next check does (once it is older than any
+    check lasts), and leaves a live caller's."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     left = tmp_path / f"{CHECK_FOLDER}{gone.pid}-abc"
     live = tmp_path / f"{CHECK_FOLDER}{os.getpid()}-def"
+    long_ago = time.time() - 3 * CHILD_TIMEOUT  # older than any check lasts
     for folder in (left, live):
         folder.mkdir()
         (folder / "out").write_text("edgetp-kernel {}")
+        os.utime(folder, (long_ago, long_ago))
     prepare([("f32", 16, 8)], cache_dir=tmp_path / "kernels")
     assert not left.exists() and live.exists()
     assert sorted(p.name for p in tmp_path.glob(f"{CHECK_FOLDER}*")) == [live.name]
