@@ -8,8 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
-from gguf_copy import without_vocabulary_arrays
+from gguf_copy import transformers_model
 from hypothesis import settings
 
 from models.config import DEFAULT_MODEL
@@ -134,12 +133,5 @@ def smollm2_tokenizer(smollm2):
 def reference_model(smollm2, tmp_path_factory):
     """The transformers implementation of the same GGUF's weights, fp32: the independent
     reference (loaded from a copy without the vocabulary, which the model does not read)."""
-    from transformers import AutoModelForCausalLM
-
     assert isinstance(smollm2, GGUFSource)
-    folder = tmp_path_factory.mktemp("smollm2-reference")
-    weights = without_vocabulary_arrays(smollm2.path, folder / smollm2.path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=weights.name, dtype=torch.float32
-    )
-    return model.eval()
+    return transformers_model(smollm2.path, tmp_path_factory.mktemp("smollm2-reference"))

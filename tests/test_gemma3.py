@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_copy import without_vocabulary_arrays
+from gguf_copy import transformers_model
 from test_cli import run
 
 from master.engine import Engine
@@ -38,17 +38,9 @@ def reference(gemma3_path, tmp_path_factory):
     """transformers' model from the same weights, dequantized to float32, and our tokenizer
     (held to transformers' own on this file by tests/test_tokenizer.py; building theirs takes
     15 s)."""
-    import transformers
-
     folder = tmp_path_factory.mktemp("gemma3-reference")
-    weights = without_vocabulary_arrays(gemma3_path, folder / gemma3_path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder,
-        gguf_file=weights.name,
-        dtype=torch.float32,
-        attn_implementation="eager",
-    )
-    return model.eval(), open_model(gemma3_path).tokenizer()
+    model = transformers_model(gemma3_path, folder, attn_implementation="eager")
+    return model, open_model(gemma3_path).tokenizer()
 
 
 @torch.inference_mode()
