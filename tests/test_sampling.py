@@ -11,7 +11,7 @@ import torch
 from master.engine import Engine
 from master.generate import start, stream
 from master.params import GREEDY_BELOW, TEMPERATURE_MAX, SamplingParams
-from master.sampling import Sampler
+from master.sampling import TOP_P_CANDIDATES, Sampler
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, 0.5])
 
@@ -44,6 +44,50 @@ def test_top_p_keeps_the_smallest_covering_prefix():
 
 def test_tiny_top_p_keeps_the_best_token():
     assert set(draws(SamplingParams(temperature=1.0, top_p=5e-324, seed=0), 20)) == {1}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, seed=5),
+        SamplingParams(temperature=1.2, top_k=4, top_p=0.9, repetition_penalty=1.3, seed=6),
+    ],
+    ids=["temperature", "top-k-top-p-penalty"],
+)
+def test_draws_follow_the_distribution(params):
+    """A chi-square test over 10,000 seeded draws of a 6-token vocabulary: the sampled token is
+    distributed as `distribution` says (its false alarm rate is 0.1%), and never outside it."""
+    logits, history, n = torch.tensor([2.0, 1.5, 0.3, -0.5, 0.9, -2.0]), [1, 4], 10_000
+    sampler = Sampler(params)
+    p = sampler.distribution(logits, history)
+    counts = torch.zeros(6)
+    for _ in range(n):
+        counts[sampler(logits, history)] += 1
+    support = p > 0
+    assert counts[~support].sum() == 0, counts
+    expected = p[support] * n
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    critical = {5: 20.52, 4: 18.47, 3: 16.27, 2: 13.82, 1: 10.83}[int(support.sum()) - 1]
+    assert chi2 < critical, (chi2, counts, p)
+
+
+@pytest.mark.parametrize("spread", [8.0, 0.5], ids=["peaked", "flat"])
+@pytest.mark.parametrize("top_p", [0.5, 0.95])
+def test_top_p_over_a_large_vocabulary_equals_sorting_it_all(spread, top_p):
+    """On a vocabulary of SmolLM2's size, with the prefix among the likeliest TOP_P_CANDIDATES
+    (peaked) or longer (flat): the tokens kept and their probabilities are those of sorting
+    all the probabilities and keeping the smallest prefix that reaches top_p."""
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(2)) * spread
+    got = Sampler(SamplingParams(temperature=1.0, top_p=top_p)).distribution(logits, [])
+    probs = torch.softmax(logits.double(), dim=-1)
+    values, order = torch.sort(probs, descending=True)
+    before = values.cumsum(dim=0) - values
+    kept = order[before < top_p]
+    want = torch.zeros_like(probs)
+    want[kept] = probs[kept] / probs[kept].sum()
+    assert (len(kept) <= TOP_P_CANDIDATES) == (spread > 1), len(kept)  # both ways are taken
+    assert torch.equal(got > 0, want > 0)
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-9)
 
 
 def test_repetition_penalty_demotes_seen_tokens():
