@@ -8,9 +8,9 @@ import torch
 
 from master.params import GREEDY_BELOW, SamplingParams
 
-# Top-p looks for its prefix among this many of the likeliest tokens first, and sorts the whole
-# vocabulary only when they hold less than top_p: sorting SmolLM2's 49,152 logits took 4.5 ms
-# a token, the 256 largest 0.15 ms (Zen 3, one thread).
+# Top-k and top-p look among this many of the likeliest tokens (or top-k's k) first; top-p
+# sorts the whole vocabulary only when they hold less than top_p: sorting SmolLM2's 49,152
+# logits took 4.5 ms a token, the 256 largest 0.15 ms (Zen 3, one thread).
 TOP_P_CANDIDATES = 256
 
 
@@ -56,14 +56,14 @@ class Sampler:
         p = self.params
         if p.temperature < GREEDY_BELOW:
             return None
-        logits = self._penalized(logits, history) / p.temperature
-        if p.top_k > 0 and p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            kept = _top_p_prefix(torch.softmax(logits, dim=-1), p.top_p)
-            logits = torch.full_like(logits, float("-inf")).index_copy(0, kept, logits[kept])
-        return torch.softmax(logits, dim=-1)
+        probs = torch.softmax(self._penalized(logits, history) / p.temperature, dim=-1)
+        top_k = p.top_k if 0 < p.top_k < len(probs) else 0
+        if not top_k and p.top_p >= 1.0:
+            return probs
+        kept = _kept(probs, top_k, p.top_p)
+        out = torch.zeros_like(probs)
+        out[kept] = probs[kept] / probs[kept].sum()
+        return out
 
     def _draw(self, weights: torch.Tensor) -> int:
         """A token drawn with probability proportional to `weights` (V,), by inverting their
@@ -89,13 +89,20 @@ class Sampler:
         return logits
 
 
-def _top_p_prefix(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The tokens of the smallest prefix, likeliest first, whose mass reaches `top_p` (always at
-    least one): among the TOP_P_CANDIDATES likeliest when they hold that much, which decides
-    the prefix exactly; else in the whole vocabulary sorted."""
-    values, order = torch.topk(probs, min(TOP_P_CANDIDATES, len(probs)))
+def _kept(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The tokens top-k (0: none) and then top-p keep. Top-k keeps the k likeliest and any tied
+    with the k-th; top-p, of what is left, the smallest prefix, likeliest first, whose mass
+    reaches `top_p` (always at least one). Both look among the max(k, TOP_P_CANDIDATES)
+    likeliest; top-p alone sorts the whole vocabulary when those hold less than `top_p`."""
+    values, order = torch.topk(probs, min(max(top_k, TOP_P_CANDIDATES), len(probs)))
+    if top_k:
+        tied = values >= values[top_k - 1]
+        values, order = values[tied], order[tied]
+        values = values / values.sum()  # what top-p cuts is top-k's distribution
+    if top_p >= 1.0:
+        return order
     cumulative = values.cumsum(dim=0)
-    if float(cumulative[-1]) < top_p:
+    if not top_k and float(cumulative[-1]) < top_p:
         values, order = torch.sort(probs, descending=True)
         cumulative = values.cumsum(dim=0)
     # A token is kept while the mass before it is under top_p; a top_p that rounds to 0 in

@@ -71,21 +71,28 @@ def test_draws_follow_the_distribution(params):
     assert chi2 < critical, (chi2, counts, p)
 
 
+@pytest.mark.parametrize("top_k", [0, 40, 300])
 @pytest.mark.parametrize("spread", [8.0, 0.5], ids=["peaked", "flat"])
-@pytest.mark.parametrize("top_p", [0.5, 0.95])
-def test_top_p_over_a_large_vocabulary_equals_sorting_it_all(spread, top_p):
-    """On a vocabulary of SmolLM2's size, with the prefix among the likeliest TOP_P_CANDIDATES
-    (peaked) or longer (flat): the tokens kept and their probabilities are those of sorting
-    all the probabilities and keeping the smallest prefix that reaches top_p."""
+@pytest.mark.parametrize("top_p", [0.5, 0.95, 1.0])
+def test_top_k_and_top_p_over_a_large_vocabulary_equal_sorting_it_all(spread, top_p, top_k):
+    """On a vocabulary of SmolLM2's size, with top-p's prefix among the likeliest
+    TOP_P_CANDIDATES (peaked) or longer (flat), and top-k under or over them: the tokens kept
+    and their probabilities are those of sorting all the probabilities, keeping the k likeliest
+    (and ties), then the smallest prefix of what is left that reaches top_p."""
     logits = torch.randn(49152, generator=torch.Generator().manual_seed(2)) * spread
-    got = Sampler(SamplingParams(temperature=1.0, top_p=top_p)).distribution(logits, [])
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+    got = Sampler(params).distribution(logits, [])
     probs = torch.softmax(logits.double(), dim=-1)
     values, order = torch.sort(probs, descending=True)
+    if top_k:
+        values, order = values[values >= values[top_k - 1]], order[values >= values[top_k - 1]]
+    values = values / values.sum()
     before = values.cumsum(dim=0) - values
     kept = order[before < top_p]
     want = torch.zeros_like(probs)
     want[kept] = probs[kept] / probs[kept].sum()
-    assert (len(kept) <= TOP_P_CANDIDATES) == (spread > 1), len(kept)  # both ways are taken
+    if not top_k and top_p < 1.0:  # both ways through top-p are taken
+        assert (len(kept) <= TOP_P_CANDIDATES) == (spread > 1), len(kept)
     assert torch.equal(got > 0, want > 0)
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-9)
 
