@@ -247,10 +247,14 @@ class Engine:
         if self.remote:
             self.remote.begin_step(batch.to_dict())
         blocks = self._native_layers()
-        if blocks is not None and self.remote is not None:
+        if blocks is not None:
             assert isinstance(h, np.ndarray)
             started = time.perf_counter()
-            h, compute = self.remote.decode_layers(blocks, h)
+            if self.remote is not None:
+                h, compute = self.remote.decode_layers(blocks, h)
+            else:
+                h = blocks.run_layers(h)
+                compute = time.perf_counter() - started
             self.executors[0].weights.figures.compute_s += compute
             self._blocks_s += time.perf_counter() - started
         else:
@@ -264,12 +268,12 @@ class Engine:
         return logits
 
     def _native_layers(self) -> NativeBlocks | None:
-        """This step's layers run as one native loop with the workers (node/hop.py) when it is
-        a decode step this process's one slice runs natively, with no post-block norms, on a
-        device that builds the loop."""
-        if self.remote is None or len(self.executors) != 1 or self.post_norms is not None:
+        """This step's layers run as one native loop (with the workers, node/hop.py, if any)
+        when it is a decode step this process's one slice runs natively, with no post-block
+        norms, on a device that builds the loop."""
+        if len(self.executors) != 1 or self.post_norms is not None:
             return None
-        if not hop.available():
+        if self.remote is not None and not hop.available():
             return None
         ex = self.executors[0]
         return ex.native if ex.native_step else None

@@ -166,21 +166,13 @@ def _held(lib: ctypes.CDLL, msg: Held) -> tuple[list[bytes], str]:
     return frames, peer.value.decode(errors="replace")
 
 
-def _table(blocks: NativeBlocks) -> ctypes.Array:
-    """(2 L) pointers: layer i's attention arguments at 2 i, its FFN's at 2 i + 1."""
-    table = (ctypes.c_void_p * (2 * len(blocks.attention_args)))()
-    for i, (a, f) in enumerate(zip(blocks.attention_args, blocks.ffn_args, strict=True)):
-        table[2 * i], table[2 * i + 1] = ctypes.addressof(a), ctypes.addressof(f)
-    return table
-
-
 class WorkerHop:
     """A worker's native loop over its DEALER socket and its slice's native blocks."""
 
     def __init__(self, sock: zmq.Socket, blocks: NativeBlocks) -> None:
         self.lib = load()
         self.blocks = blocks
-        self.table = _table(blocks)
+        self.table = blocks.table
         config = blocks.config
         self.inp = np.zeros((MAX_ROWS, config.hidden), np.float32)
         self.out = np.zeros_like(self.inp)
@@ -224,7 +216,7 @@ class HubHop:
         # Not a reference: a re-planned engine's blocks (and the weights they point into) go
         # with it, while the transport keeps this loop until its next native step.
         self._blocks = weakref.ref(blocks)
-        self.table = _table(blocks)
+        self.table = blocks.table
         config = blocks.config
         n = len(identities)
         self.identities = identities

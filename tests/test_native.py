@@ -105,6 +105,37 @@ def test_native_blocks_equal_the_numpy_blocks(family, part):
     _assert_decodes_as_numpy(config, s, _slice(config, s, 1), steps=7, seed=2)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma-gelu-ring"])
+def test_one_call_over_every_layer_equals_the_blocks_one_by_one(family):
+    """`run_layers` (a node holding the whole model: one native call a decode step) gives the
+    numbers of summing each block's output into h in Python, exactly, and the same caches."""
+    config, s = FAMILIES[family], SLICES["whole"]
+    config = replace(config, n_layers=3, local_layers=(1,) if config.local_layers else ())
+    layers = _slice(config, s, 3)
+    caches = KVCache(config, s, 3, 16), KVCache(config, s, 3, 16)
+    one_call, by_block = (admit(config, s, layers, c.key_arrays, c.value_arrays) for c in caches)
+    assert one_call is not None and by_block is not None
+    rope = Rope(config, 16)
+    local = Rope(replace(config, rope_theta=config.local_rope_theta or 0.0), 16)
+    rng = np.random.default_rng(4)
+    for pos in range(7):  # past the local layer's window of 4
+        batch = StepBatch((0, 2, 1), (pos, pos + 2, pos + 1), (1, 1, 1))
+        local_cos_sin = local.rows(batch.starts) if config.local_rope_theta else None
+        for blocks in (one_call, by_block):
+            blocks.begin_step(batch, rope.rows(batch.starts), local_cos_sin)
+        h = rng.standard_normal((3, config.hidden), dtype=np.float32)
+        want = h
+        for i in range(config.n_layers):
+            want = want + by_block.attention(i, want)
+            want = want + by_block.ffn(i, want)
+        given = h.copy()
+        got = one_call.run_layers(h)
+        assert np.array_equal(got, want)
+        assert np.array_equal(h, given)  # a copy was summed into, not the caller's array
+    for ours, theirs in zip(*(c.key_arrays + c.value_arrays for c in caches), strict=True):
+        assert np.array_equal(ours, theirs)
+
+
 def _in_blocks(layers: list[dict[str, torch.Tensor]], dtype: str, kernel: str, monkeypatch):
     """The slice's matrices stored in block format `dtype`, and `kernel` installed for them at
     every decode row count (for this test only), as `node.device.prepare` would."""

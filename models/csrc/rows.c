@@ -187,3 +187,15 @@ void rows_block(const void *args, int ffn, const rows_step *st, const float *h, 
     else
         rows_attention((const rows_attention_args *)args, st, h, out);
 }
+
+// A decode step's layers on h (B, D), for a node that holds every layer whole: h += each block's
+// output, in order (table[2 i]: layer i's attention arguments, table[2 i + 1]: its FFN's); out is
+// (B, D) of room. The same sums, in the same float32 order, as the engine's loop over the blocks.
+void rows_layers(const void *const *table, int64_t layers, const rows_step *st, float *h,
+                 float *out) {
+    const int64_t n = st->B * ((const rows_ffn_args *)table[1])->D;
+    for (int64_t i = 0; i < 2 * layers; i++) {
+        rows_block(table[i], (int)(i & 1), st, h, out);
+        for (int64_t j = 0; j < n; j++) h[j] += out[j];
+    }
+}
