@@ -22,7 +22,7 @@ demo: setup
 	$(BIN)/edgetp run "What is tensor parallelism? Answer in two sentences."
 
 # Two test processes, a file each at a time (module fixtures stay shared): most tests wait on
-# real processes, so two share the two cores (11 min on a Zen 4 EPYC, 12.5-13.5 on a Zen 3). A test
+# real processes, so two share the two cores (11 min on a Zen 4 EPYC, 12-13 on a Zen 3). A test
 # process that dies (a native crash) fails the run at once, naming its test, instead of being
 # replaced. The slowest tests are listed at the end: the suite's time is a budget.
 test: setup
