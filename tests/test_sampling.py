@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -46,6 +47,27 @@ def test_tiny_top_p_keeps_the_best_token():
     assert set(draws(SamplingParams(temperature=1.0, top_p=5e-324, seed=0), 20)) == {1}
 
 
+# A 6-token vocabulary and a history, on which every token is likely enough to be counted.
+SIX_LOGITS, SIX_HISTORY = torch.tensor([2.0, 1.5, 0.3, -0.5, 0.9, -2.0]), [1, 4]
+# Chi-square's critical values at a 0.1% false alarm rate, by degrees of freedom.
+CRITICAL = {5: 20.52, 4: 18.47, 3: 16.27, 2: 13.82, 1: 10.83}
+
+
+def assert_distributed_as(draw: Callable[[], int], p: torch.Tensor, n: int = 10_000) -> None:
+    """`n` tokens from `draw` follow the distribution `p` (a chi-square test, false alarm rate
+    0.1%), and none falls outside its support."""
+    counts = torch.zeros(len(p))
+    for _ in range(n):
+        counts[draw()] += 1
+    support = p > 0
+    assert counts[~support].sum() == 0, counts  # never a token it cannot sample
+    expected = p[support] * n
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    critical = CRITICAL[int(support.sum()) - 1]
+    print(f"chi2 {chi2:.2f} (0.1% critical value {critical})")
+    assert chi2 < critical, (chi2, counts, p)
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -55,20 +77,10 @@ def test_tiny_top_p_keeps_the_best_token():
     ids=["temperature", "top-k-top-p-penalty"],
 )
 def test_draws_follow_the_distribution(params):
-    """A chi-square test over 10,000 seeded draws of a 6-token vocabulary: the sampled token is
-    distributed as `distribution` says (its false alarm rate is 0.1%), and never outside it."""
-    logits, history, n = torch.tensor([2.0, 1.5, 0.3, -0.5, 0.9, -2.0]), [1, 4], 10_000
+    """The sampled token is distributed as `distribution` says, and never outside it."""
     sampler = Sampler(params)
-    p = sampler.distribution(logits, history)
-    counts = torch.zeros(6)
-    for _ in range(n):
-        counts[sampler(logits, history)] += 1
-    support = p > 0
-    assert counts[~support].sum() == 0, counts
-    expected = p[support] * n
-    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
-    critical = {5: 20.52, 4: 18.47, 3: 16.27, 2: 13.82, 1: 10.83}[int(support.sum()) - 1]
-    assert chi2 < critical, (chi2, counts, p)
+    p = sampler.distribution(SIX_LOGITS, SIX_HISTORY)
+    assert_distributed_as(lambda: sampler(SIX_LOGITS, SIX_HISTORY), p)
 
 
 @pytest.mark.parametrize("top_k", [0, 40, 300])
