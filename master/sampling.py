@@ -11,27 +11,33 @@ from master.params import GREEDY_BELOW, SamplingParams
 
 # Top-k and top-p look among this many of the likeliest tokens (or top-k's k) first; top-p
 # sorts the whole vocabulary only when they hold less than top_p: sorting SmolLM2's 49,152
-# logits took 4.5 ms a token, the 256 largest 0.15 ms (Zen 3, one thread).
+# probabilities took 1.5 ms, finding the 256 largest 0.11 (Zen 3, one thread).
 TOP_P_CANDIDATES = 256
+# A draw inverts the cumulative sum of the weights a block at a time: a float64 cumulative sum
+# over 49,152 weights took 225 us, their blocks' sums 38.
+DRAW_BLOCK = 256
+_BELOW_ONE = float(np.nextafter(1.0, 0.0))
 
 
 class Sampler:
-    """One sequence's sampler; its own generator makes a seeded run repeatable in any batch."""
+    """One sequence's sampler; its own generator makes a seeded run repeatable in any batch.
+
+    NumPy throughout but for the softmax (torch's took 68 us over SmolLM2's vocabulary, NumPy's
+    115): a sampled token is a few dozen small operations, each of which cost torch 5-40 us of
+    dispatch where NumPy takes ~1.
+    """
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
+        self.generator = np.random.default_rng(params.seed)  # no seed: fresh from the OS
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         """The next token for logits (V,) given the tokens so far (prompt and output)."""
-        probs = self.distribution(logits, history)
-        if probs is None:
+        support = self._support(logits, history)
+        if support is None:
             return _argmax(self._penalized(logits, history))
-        return self._draw(probs)
+        tokens, weights = support
+        return _token(tokens, _inverse_cdf(weights, self.generator.random()))
 
     def verify(self, logits: torch.Tensor, history: Sequence[int], draft: int) -> int:
         """The next token, given a drafted one that proposes it: `draft` itself when accepted,
@@ -39,81 +45,127 @@ class Sampler:
         lookup), accepting it with probability p(draft) and otherwise drawing from p without it
         gives every token exactly its probability p: speculation never changes what is sampled.
         Greedy accepts the draft when it is the argmax."""
-        probs = self.distribution(logits, history)
-        if probs is None:
+        support = self._support(logits, history)
+        if support is None:
             return _argmax(self._penalized(logits, history))
-        u = float(torch.rand((), generator=self.generator))
-        if u < float(probs[draft]):
-            return draft
-        rest = probs.clone()
-        rest[draft] = 0.0
-        if float(rest.sum()) <= 0.0:  # p(draft) was 1 and u hit its rounding: nothing else
-            return draft
-        return self._draw(rest)
+        tokens, weights = support
+        at = draft if tokens is None else _place(tokens, draft)
+        u = self.generator.random()
+        if at is not None:
+            if u < weights[at]:
+                return draft
+            weights = weights.copy()
+            weights[at] = 0.0
+            if weights.sum() <= 0.0:  # p(draft) was 1 and u hit its rounding: nothing else
+                return draft
+        return _token(tokens, _inverse_cdf(weights, self.generator.random()))
 
-    def distribution(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor | None:
-        """What the next token is drawn from, (V,), after penalty, temperature, top-k and
+    def distribution(self, logits: torch.Tensor, history: Sequence[int]) -> np.ndarray | None:
+        """What the next token is drawn from, (V,) float32, after penalty, temperature, top-k and
         top-p; None when sampling is greedy."""
+        support = self._support(logits, history)
+        if support is None:
+            return None
+        tokens, weights = support
+        if tokens is None:
+            return weights
+        out = np.zeros(len(logits), dtype=np.float32)
+        out[tokens] = weights
+        return out
+
+    def _support(
+        self, logits: torch.Tensor, history: Sequence[int]
+    ) -> tuple[np.ndarray | None, np.ndarray] | None:
+        """The tokens that can be drawn (None: all of them) and their probabilities, summing to
+        1; None when sampling is greedy."""
         p = self.params
         if p.temperature < GREEDY_BELOW:
             return None
-        probs = torch.softmax(self._penalized(logits, history) / p.temperature, dim=-1)
+        scaled = self._penalized(logits, history) / np.float32(p.temperature)
+        probs = torch.softmax(torch.from_numpy(scaled), dim=-1).numpy()
         top_k = p.top_k if 0 < p.top_k < len(probs) else 0
         if not top_k and p.top_p >= 1.0:
-            return probs
-        kept = _kept(probs, top_k, p.top_p)
-        out = torch.zeros_like(probs)
-        out[kept] = probs[kept] / probs[kept].sum()
-        return out
+            return None, probs
+        tokens = _kept(probs, top_k, p.top_p)
+        kept = probs[tokens]
+        return tokens, kept / kept.sum()
 
-    def _draw(self, weights: torch.Tensor) -> int:
-        """A token drawn with probability proportional to `weights` (V,), by inverting their
-        cumulative sum at a uniform number: torch.multinomial took 1.45 ms a token over SmolLM2's
-        vocabulary, this 0.1 ms. A token of weight 0 is never drawn."""
-        cumulative = weights.double().cumsum(dim=0)
-        u = torch.rand((), generator=self.generator, dtype=torch.float64) * cumulative[-1]
-        token = int(torch.searchsorted(cumulative, u, right=True))
-        if token >= len(weights):  # u rounded up to the total: the last token that can be drawn
-            token = int(weights.nonzero()[-1])
-        return token
-
-    def _penalized(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+    def _penalized(self, logits: torch.Tensor, history: Sequence[int]) -> np.ndarray:
         p = self.params
-        logits = logits.float()
+        values = logits.float().numpy()
         if p.repetition_penalty != 1.0 and history:
-            seen = torch.tensor(sorted(set(history)), dtype=torch.long)
-            picked = logits[seen]
-            logits = logits.clone()
-            logits[seen] = torch.where(
+            seen = np.fromiter(set(history), dtype=np.int64)
+            picked = values[seen]
+            values = values.copy()
+            values[seen] = np.where(
                 picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
             )
-        return logits
+        return values
 
 
-def _argmax(logits: torch.Tensor) -> int:
-    """The first of the largest logits (V,): NumPy's argmax, which took 14 us over SmolLM2's
-    49,152 logits where torch's took 135 (one thread, Zen 3), at every greedy token."""
-    return int(np.argmax(logits.numpy()))
+def _argmax(logits: np.ndarray) -> int:
+    """The first of the largest logits (V,): NumPy's argmax took 14 us over SmolLM2's 49,152
+    logits where torch's took 135 (one thread, Zen 3), at every greedy token."""
+    return int(np.argmax(logits))
 
 
-def _kept(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """The tokens top-k (0: none) and then top-p keep. Top-k keeps the k likeliest and any tied
-    with the k-th; top-p, of what is left, the smallest prefix, likeliest first, whose mass
+def _token(tokens: np.ndarray | None, index: int) -> int:
+    return index if tokens is None else int(tokens[index])
+
+
+def _place(tokens: np.ndarray, token: int) -> int | None:
+    """Where `token` is among `tokens`, or None."""
+    found = np.flatnonzero(tokens == token)
+    return int(found[0]) if len(found) else None
+
+
+def _largest(probs: np.ndarray, n: int) -> np.ndarray:
+    """The indices of the n largest of probs, largest first (ties by index)."""
+    if n < len(probs):
+        some = np.argpartition(probs, len(probs) - n)[len(probs) - n :]
+        return some[np.argsort(-probs[some], kind="stable")]
+    return np.argsort(-probs, kind="stable")
+
+
+def _kept(probs: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """The tokens top-k (0: none) and then top-p keep, likeliest first. Top-k keeps the k
+    likeliest and any tied with the k-th; top-p, of what is left, the smallest prefix whose mass
     reaches `top_p` (always at least one). Both look among the max(k, TOP_P_CANDIDATES)
     likeliest; top-p alone sorts the whole vocabulary when those hold less than `top_p`."""
-    values, order = torch.topk(probs, min(max(top_k, TOP_P_CANDIDATES), len(probs)))
+    order = _largest(probs, min(max(top_k, TOP_P_CANDIDATES), len(probs)))
+    values = probs[order]
     if top_k:
-        tied = values >= values[top_k - 1]
-        values, order = values[tied], order[tied]
+        tied = int(np.count_nonzero(values >= values[top_k - 1]))  # sorted: a prefix
+        order, values = order[:tied], values[:tied]
         values = values / values.sum()  # what top-p cuts is top-k's distribution
     if top_p >= 1.0:
         return order
-    cumulative = values.cumsum(dim=0)
-    if not top_k and float(cumulative[-1]) < top_p:
-        values, order = torch.sort(probs, descending=True)
-        cumulative = values.cumsum(dim=0)
+    cumulative = np.cumsum(values, dtype=np.float64)
+    if not top_k and cumulative[-1] < top_p:
+        order = _largest(probs, len(probs))
+        values = probs[order]
+        cumulative = np.cumsum(values, dtype=np.float64)
     # A token is kept while the mass before it is under top_p; a top_p that rounds to 0 in
     # float32 still keeps the first.
-    keep = cumulative - values < top_p
-    keep[0] = True
-    return order[keep]
+    reached = np.flatnonzero(cumulative - values >= top_p)
+    return order[: max(1, int(reached[0]))] if len(reached) else order
+
+
+def _inverse_cdf(weights: np.ndarray, u: float) -> int:
+    """The index at which the cumulative sum of `weights` first exceeds u (in [0, 1)) times
+    their total: index i with probability weights[i] / total, never one of weight 0. A long
+    vector is inverted a block at a time: the blocks' sums first, then within the block."""
+    if len(weights) <= DRAW_BLOCK:
+        cumulative = np.cumsum(weights, dtype=np.float64)
+        i = int(np.searchsorted(cumulative, u * cumulative[-1], side="right"))
+        # u * total rounded up to the total: the last index that can be drawn
+        return i if i < len(weights) else int(np.flatnonzero(weights)[-1])
+    sums = np.add.reduceat(weights, np.arange(0, len(weights), DRAW_BLOCK), dtype=np.float64)
+    block = _inverse_cdf(sums, u)
+    cumulative = np.cumsum(sums)
+    before = float(cumulative[block - 1]) if block else 0.0
+    within = (u * float(cumulative[-1]) - before) / float(sums[block])
+    start = block * DRAW_BLOCK
+    return start + _inverse_cdf(
+        weights[start : start + DRAW_BLOCK], min(max(within, 0.0), _BELOW_ONE)
+    )

@@ -6,13 +6,14 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
 from master.engine import Engine
 from master.generate import start, stream
 from master.params import GREEDY_BELOW, TEMPERATURE_MAX, SamplingParams
-from master.sampling import TOP_P_CANDIDATES, Sampler
+from master.sampling import DRAW_BLOCK, TOP_P_CANDIDATES, Sampler
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, 0.5])
 
@@ -53,15 +54,13 @@ SIX_LOGITS, SIX_HISTORY = torch.tensor([2.0, 1.5, 0.3, -0.5, 0.9, -2.0]), [1, 4]
 CRITICAL = {5: 20.52, 4: 18.47, 3: 16.27, 2: 13.82, 1: 10.83}
 
 
-def assert_distributed_as(draw: Callable[[], int], p: torch.Tensor, n: int = 10_000) -> None:
+def assert_distributed_as(draw: Callable[[], int], p: np.ndarray, n: int = 10_000) -> None:
     """`n` tokens from `draw` follow the distribution `p` (a chi-square test, false alarm rate
     0.1%), and none falls outside its support."""
-    counts = torch.zeros(len(p))
-    for _ in range(n):
-        counts[draw()] += 1
+    counts = np.bincount([draw() for _ in range(n)], minlength=len(p))
     support = p > 0
     assert counts[~support].sum() == 0, counts  # never a token it cannot sample
-    expected = p[support] * n
+    expected = p[support].astype(np.float64) * n
     chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
     critical = CRITICAL[int(support.sum()) - 1]
     print(f"chi2 {chi2:.2f} (0.1% critical value {critical})")
@@ -76,11 +75,20 @@ def assert_distributed_as(draw: Callable[[], int], p: torch.Tensor, n: int = 10_
     ],
     ids=["temperature", "top-k-top-p-penalty"],
 )
-def test_draws_follow_the_distribution(params):
-    """The sampled token is distributed as `distribution` says, and never outside it."""
+@pytest.mark.parametrize("vocabulary", [6, 1000], ids=["six", "spread-over-1000"])
+def test_draws_follow_the_distribution(params, vocabulary):
+    """The sampled token is distributed as `distribution` says, and never outside it; also
+    with the six tokens spread over blocks of a longer vocabulary (a draw longer than
+    DRAW_BLOCK finds the block first, the last one short), the rest impossible."""
+    places = torch.tensor([3, 255, 256, 511, 700, 999]) if vocabulary > 6 else torch.arange(6)
+    assert vocabulary == 6 or (vocabulary > DRAW_BLOCK and vocabulary % DRAW_BLOCK)
+    logits = torch.full((vocabulary,), -torch.inf)
+    logits[places] = SIX_LOGITS
+    history = places[SIX_HISTORY].tolist()
     sampler = Sampler(params)
-    p = sampler.distribution(SIX_LOGITS, SIX_HISTORY)
-    assert_distributed_as(lambda: sampler(SIX_LOGITS, SIX_HISTORY), p)
+    p = sampler.distribution(logits, history)
+    assert np.count_nonzero(p) >= 3
+    assert_distributed_as(lambda: sampler(logits, history), p)
 
 
 @pytest.mark.parametrize("top_k", [0, 40, 300])
@@ -93,7 +101,7 @@ def test_top_k_and_top_p_over_a_large_vocabulary_equal_sorting_it_all(spread, to
     (and ties), then the smallest prefix of what is left that reaches top_p."""
     logits = torch.randn(49152, generator=torch.Generator().manual_seed(2)) * spread
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
-    got = Sampler(params).distribution(logits, [])
+    got = torch.from_numpy(Sampler(params).distribution(logits, []))
     probs = torch.softmax(logits.double(), dim=-1)
     values, order = torch.sort(probs, descending=True)
     if top_k:
