@@ -29,7 +29,10 @@ class Sampler:
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self.generator = np.random.default_rng(params.seed)  # no seed: fresh from the OS
+        # NumPy takes seeds >= 0: a negative one (the bridge takes any within +-2**53, as
+        # torch did) is taken modulo 2**64, which keeps them all apart. No seed: fresh entropy.
+        seed = None if params.seed is None else params.seed % 2**64
+        self.generator = np.random.default_rng(seed)
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         """The next token for logits (V,) given the tokens so far (prompt and output)."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from master.bridge.schema import SEED_LIMIT
 from master.engine import Engine
 from master.generate import start, stream
 from master.params import GREEDY_BELOW, TEMPERATURE_MAX, SamplingParams
@@ -31,6 +32,10 @@ def test_seed_makes_sampling_repeatable():
     p = SamplingParams(temperature=1.0, seed=7)
     assert draws(p) == draws(p)
     assert draws(p) != draws(SamplingParams(temperature=1.0, seed=8))
+    # Any seed the bridge takes, negative too, and each its own.
+    negative = SamplingParams(temperature=1.0, seed=-SEED_LIMIT)
+    assert draws(negative) == draws(negative) != draws(SamplingParams(temperature=1.0, seed=-7))
+    assert draws(SamplingParams(temperature=1.0, seed=-7)) != draws(p)
 
 
 def test_top_k_keeps_only_the_k_best():
