@@ -1,7 +1,7 @@
 """Where a model named on the command line is: a file or folder path, or a bundled model's name.
 
-Apart from models/source.py, which reads the weights, so that a wrong path is said before
-torch and the model code are imported (seconds on a small CPU).
+Apart from models/source.py, which reads the weights, so that a wrong path, or one that is no
+model at all, is said before torch and the model code are imported (seconds on a small CPU).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def _gemma3_270m_path() -> Path:
 
 
 BUNDLED_MODELS = {DEFAULT_MODEL: _smollm2_path, "gemma3-270m": _gemma3_270m_path}
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
 
 
 def model_path(spec: str | Path | None = None) -> Path:
@@ -63,4 +64,21 @@ def model_path(spec: str | Path | None = None) -> Path:
             f"model not found: {spec} (give a .gguf file, an HF folder with config.json, "
             f"or one of: {', '.join(BUNDLED_MODELS)})"
         )
+    check_kind(path)
     return path
+
+
+def check_kind(path: Path) -> None:
+    """A model folder holds config.json (an HF folder); a model file starts with GGUF's magic.
+    What lies past that is read, and checked, with the weights."""
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is a folder but has no config.json (not an HF model folder)")
+        return
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ModelError(f"{path} cannot be read: {exc.strerror}") from exc
+    if magic != GGUF_MAGIC:
+        raise ModelError(f"{path} is not a GGUF file (it starts with {magic!r}, expected b'GGUF')")

@@ -19,10 +19,10 @@ import gguf
 import numpy as np
 import torch
 
+from models.bundled import GGUF_MAGIC, check_kind
 from models.errors import ModelError
 from models.quant import dequantize_rows
 
-GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
@@ -63,12 +63,8 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelError(f"model file not found: {self.path}")
+        check_kind(self.path)
         with open(self.path, "rb") as f:
-            magic = f.read(4)
-            if magic != GGUF_MAGIC:
-                raise ModelError(
-                    f"{self.path} is not a GGUF file (it starts with {magic!r}, expected b'GGUF')"
-                )
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             self.metadata, self._tensors = _read_header(self._map)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from models import native
-from models.bundled import model_path
+from models.bundled import check_kind, model_path
 from models.config import HF_ARCHITECTURES, ModelConfig
 from models.dtypes import AUTO, SOURCE_TYPES, embedding_dtype, matrix_dtype
 from models.errors import ModelError
@@ -328,9 +328,8 @@ class HFSource(ModelSource):
         from safetensors import safe_open
 
         self.path = path
+        check_kind(path)
         config_path = path / "config.json"
-        if not config_path.is_file():
-            raise ModelError(f"{path} is a folder but has no config.json (not an HF model folder)")
         try:
             raw = json.loads(config_path.read_text())
         except json.JSONDecodeError as exc:

@@ -94,6 +94,26 @@ def test_not_a_gguf_file(tmp_path):
     assert_clear_error(run("run", "--model", str(path), "hi"), "is not a GGUF file")
 
 
+def test_a_path_that_is_no_model_is_said_before_torch_loads(tmp_path):
+    """What `edgetp run` checks before its slow imports (seconds on a small CPU): a file that is
+    not a GGUF file, a folder without config.json."""
+    (tmp_path / "notes.txt").write_text("hello")
+    code = (
+        "import sys\n"
+        "from models.bundled import model_path\n"
+        "from models.errors import ModelError\n"
+        "for path, said in ((sys.argv[1], 'not a GGUF file'), (sys.argv[2], 'no config.json')):\n"
+        "    try:\n"
+        "        model_path(path)\n"
+        "        raise SystemExit(f'{path}: no error')\n"
+        "    except ModelError as e:\n"
+        "        assert said in str(e), e\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    args = [sys.executable, "-c", code, str(tmp_path / "notes.txt"), str(tmp_path)]
+    subprocess.run(args, check=True, timeout=60)
+
+
 @pytest.mark.parametrize("size", [3000, 40_000_000])
 def test_truncated_gguf(smollm2, tmp_path, size):
     path = tmp_path / "cut.gguf"
