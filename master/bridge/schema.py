@@ -136,7 +136,10 @@ class SamplingFields(_Strict):
 class ChatTemplateKwargs(_Strict):
     enable_thinking: bool | None = Field(
         None,
-        description="false: the chat template's thinking block off (Qwen3's switch)",
+        description=(
+            "false: the chat template's thinking block off (Qwen3's switch); a model whose "
+            "template has none refuses it (400)"
+        ),
     )
 
 
