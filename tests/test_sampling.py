@@ -96,6 +96,19 @@ def test_draws_follow_the_distribution(params, vocabulary):
     assert_distributed_as(lambda: sampler(logits, history), p)
 
 
+def test_draws_over_a_vocabulary_of_blocks_of_blocks_follow_the_distribution():
+    """Past DRAW_BLOCK**2 tokens (Gemma 3 has 262,144) the blocks' sums are themselves inverted
+    a block at a time: the six tokens spread over the first and the last blocks of blocks."""
+    vocabulary = DRAW_BLOCK**2 + 1000
+    places = torch.tensor([0, 12_345, DRAW_BLOCK**2 - 1, DRAW_BLOCK**2, vocabulary - 2, 40_000])
+    logits = torch.full((vocabulary,), -torch.inf)
+    logits[places] = SIX_LOGITS
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=9))
+    p = sampler.distribution(logits, [])
+    assert np.count_nonzero(p) == 6
+    assert_distributed_as(lambda: sampler(logits, []), p)
+
+
 @pytest.mark.parametrize("top_k", [0, 40, 300])
 @pytest.mark.parametrize("spread", [8.0, 0.5], ids=["peaked", "flat"])
 @pytest.mark.parametrize("top_p", [0.5, 0.95, 1.0])
