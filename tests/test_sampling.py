@@ -72,41 +72,45 @@ def assert_distributed_as(draw: Callable[[], int], p: np.ndarray, n: int = 10_00
     assert chi2 < critical, (chi2, counts, p)
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(temperature=0.8, seed=5),
-        SamplingParams(temperature=1.2, top_k=4, top_p=0.9, repetition_penalty=1.3, seed=6),
-    ],
-    ids=["temperature", "top-k-top-p-penalty"],
+TEMPERATURE = SamplingParams(temperature=0.8, seed=5)
+TOP_K_TOP_P_PENALTY = SamplingParams(
+    temperature=1.2, top_k=4, top_p=0.9, repetition_penalty=1.3, seed=6
 )
-@pytest.mark.parametrize("vocabulary", [6, 1000], ids=["six", "spread-over-1000"])
+# Where the six tokens sit in a longer vocabulary, the rest impossible: over blocks of
+# DRAW_BLOCK, the last one short (1000), and over blocks of blocks (past DRAW_BLOCK**2: Gemma 3
+# has 262,144 tokens), where the blocks' sums are themselves inverted a block at a time.
+BLOCKS_OF_BLOCKS = DRAW_BLOCK**2 + 1000
+SPREAD = {
+    6: list(range(6)),
+    1000: [3, 255, 256, 511, 700, 999],
+    BLOCKS_OF_BLOCKS: [0, 12_345, DRAW_BLOCK**2 - 1, DRAW_BLOCK**2, BLOCKS_OF_BLOCKS - 2, 40_000],
+}
+
+
+@pytest.mark.parametrize(
+    ("params", "vocabulary"),
+    [
+        (TEMPERATURE, 6),
+        (TOP_K_TOP_P_PENALTY, 6),
+        (TEMPERATURE, 1000),
+        (TOP_K_TOP_P_PENALTY, 1000),
+        (TEMPERATURE, BLOCKS_OF_BLOCKS),  # top-k's few tokens would not take the blocks
+    ],
+    ids=["six-temperature", "six-top-k-top-p-penalty", "spread-over-1000-temperature",
+         "spread-over-1000-top-k-top-p-penalty", "blocks-of-blocks-temperature"],
+)  # fmt: skip
 def test_draws_follow_the_distribution(params, vocabulary):
-    """The sampled token is distributed as `distribution` says, and never outside it; also
-    with the six tokens spread over blocks of a longer vocabulary (a draw longer than
-    DRAW_BLOCK finds the block first, the last one short), the rest impossible."""
-    places = torch.tensor([3, 255, 256, 511, 700, 999]) if vocabulary > 6 else torch.arange(6)
+    """The sampled token is distributed as `distribution` says, and never outside it, also with
+    the six tokens spread over a longer vocabulary (SPREAD)."""
+    places = torch.tensor(SPREAD[vocabulary])
     assert vocabulary == 6 or (vocabulary > DRAW_BLOCK and vocabulary % DRAW_BLOCK)
     logits = torch.full((vocabulary,), -torch.inf)
     logits[places] = SIX_LOGITS
     history = places[SIX_HISTORY].tolist()
     sampler = Sampler(params)
     p = sampler.distribution(logits, history)
-    assert np.count_nonzero(p) >= 3
+    assert np.count_nonzero(p) == 6 if params is TEMPERATURE else np.count_nonzero(p) >= 3
     assert_distributed_as(lambda: sampler(logits, history), p)
-
-
-def test_draws_over_a_vocabulary_of_blocks_of_blocks_follow_the_distribution():
-    """Past DRAW_BLOCK**2 tokens (Gemma 3 has 262,144) the blocks' sums are themselves inverted
-    a block at a time: the six tokens spread over the first and the last blocks of blocks."""
-    vocabulary = DRAW_BLOCK**2 + 1000
-    places = torch.tensor([0, 12_345, DRAW_BLOCK**2 - 1, DRAW_BLOCK**2, vocabulary - 2, 40_000])
-    logits = torch.full((vocabulary,), -torch.inf)
-    logits[places] = SIX_LOGITS
-    sampler = Sampler(SamplingParams(temperature=1.0, seed=9))
-    p = sampler.distribution(logits, [])
-    assert np.count_nonzero(p) == 6
-    assert_distributed_as(lambda: sampler(logits, []), p)
 
 
 @pytest.mark.parametrize("top_k", [0, 40, 300])
