@@ -39,7 +39,7 @@ from memory.budget import (
 from memory.files import atomic_write, default_state_dir
 from memory.shards import Manifest, ShardStore
 from memory.window import return_freed_memory
-from models.chat_template import render_chat
+from models.chat_template import NoChatTemplate, render_chat
 from models.config import ModelConfig
 from models.errors import ModelError
 from models.kernels import blas_threads
@@ -74,7 +74,10 @@ def prompt_tokens(
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": text}
     ]
-    return chat_tokens(tokenizer, messages, enable_thinking)
+    try:
+        return chat_tokens(tokenizer, messages, enable_thinking)
+    except NoChatTemplate as exc:
+        raise NoChatTemplate(f"{exc}: use --raw to give the prompt as it is") from exc
 
 
 def chat_tokens(
@@ -82,8 +85,6 @@ def chat_tokens(
 ) -> list[int]:
     """Tokens for a conversation under the model's chat template, ending where the reply
     begins; `enable_thinking` as `models.chat_template.render_chat` takes it."""
-    if not tokenizer.chat_template:
-        raise ModelError("this model has no chat template: use --raw to give the prompt as is")
     rendered = render_chat(
         tokenizer.chat_template,
         messages,

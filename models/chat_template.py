@@ -19,6 +19,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from models.errors import ModelError
 
 
+class NoChatTemplate(ModelError):
+    """The model brings no chat template: its prompts can only be given as text."""
+
+
+class NoThinkingSwitch(ModelError):
+    """A thinking switch was given for a template that never reads one."""
+
+
 def render_chat(
     template: str | None,
     messages: list[dict[str, str]],
@@ -35,12 +43,13 @@ def render_chat(
     given, as transformers passes it: templates test whether it is defined.
     """
     if not template:
-        raise ModelError(
+        # What to do instead depends on the front (a flag, an endpoint): each adds its own way.
+        raise NoChatTemplate(
             "this model has no chat template (no tokenizer.chat_template in the GGUF, none in "
-            "tokenizer_config.json); use raw mode to send the prompt text as it is"
+            "tokenizer_config.json)"
         )
     if enable_thinking is not None and "enable_thinking" not in template:
-        raise ModelError(
+        raise NoThinkingSwitch(
             "this model's chat template has no thinking block to turn on or off "
             "(it never reads enable_thinking)"
         )

@@ -6,17 +6,22 @@ handlers would, and their events come back from the loop's thread.
 
 from __future__ import annotations
 
+import copy
 import gc
 import queue
+import socket
 import threading
 import time
 import weakref
 
 import numpy as np
+import openai
 import pytest
+import uvicorn
 from test_speculate import EDIT, SlowLinkSpeculator
 
 from master.batcher import Batcher, Delta, Event, Failed, Finished
+from master.bridge.app import Served, create_app
 from master.cluster import Hub
 from master.engine import Engine
 from master.params import SamplingParams
@@ -253,3 +258,35 @@ def test_drafted_requests_in_one_batch_give_each_its_own_greedy_text(
     busy = sum(stats.step_ms_recent) / 1000  # every step of both is among the recent ones
     assert len(stats.step_ms_recent) == stats.steps
     assert abs(stats.tokens_per_s * busy - 96) < 1  # tokens made, not sequences stepped
+
+
+def test_a_model_without_a_chat_template_is_told_to_use_completions(batcher, smollm2_tokenizer):
+    """The bridge over a model that brings no chat template: a chat request is refused with the
+    endpoint that takes text as it is, and that endpoint answers (uvicorn on a real port)."""
+    no_template = copy.copy(smollm2_tokenizer)
+    no_template.chat_template = None
+    app = create_app(Served(batcher, no_template, model_id="smollm2"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        port = sock.getsockname()[1]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", timeout=TIMEOUT)
+        message = {"role": "user", "content": "Why is the sky blue?"}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="smollm2", messages=[message])
+        error = refused.value.body
+        assert isinstance(error, dict) and error["param"] == "messages", error
+        assert "no chat template" in error["message"] and "/v1/completions" in error["message"]
+        text = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=4)
+        assert text.usage is not None and text.usage.completion_tokens == 4
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+        sock.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import re
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from models.chat_template import render_chat
+from master.session import prompt_tokens
+from models.chat_template import NoChatTemplate, render_chat
 from models.errors import ModelError
 from models.gguf_file import GGUFFile
 
@@ -141,9 +143,17 @@ def test_sandbox_blocks_python_internals():
 
 
 @pytest.mark.parametrize("template", [None, ""])
-def test_no_template_says_use_raw_mode(template):
-    with pytest.raises(ModelError, match="no chat template.*raw mode"):
+def test_no_template_is_its_own_error(template):
+    with pytest.raises(NoChatTemplate, match="no chat template"):
         render_chat(template, [{"role": "user", "content": "hi"}], bos_token=None, eos_token=None)
+
+
+def test_edgetp_run_says_raw_for_a_model_without_a_template(smollm2_tokenizer):
+    no_template = copy.copy(smollm2_tokenizer)
+    no_template.chat_template = None
+    with pytest.raises(NoChatTemplate, match="no chat template.*: use --raw"):
+        prompt_tokens(no_template, "hi", raw=False)
+    assert prompt_tokens(no_template, "hi", raw=True) == smollm2_tokenizer.encode("hi")
 
 
 # A template of Qwen3's form (ChatML; earlier turns' reasoning dropped; its generation prompt

@@ -52,6 +52,7 @@ from master.figures import cluster_figures, generation_figures
 from master.params import SamplingParams
 from master.session import chat_tokens
 from master.transport import ClusterError
+from models.chat_template import NoChatTemplate, NoThinkingSwitch
 from models.errors import ModelError
 from models.tokenizer import Tokenizer
 
@@ -165,9 +166,13 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
             prompt = await run_in_threadpool(
                 chat_tokens, served.tokenizer, messages, switches.enable_thinking
             )
-        except ModelError as exc:
-            param = "messages" if switches.enable_thinking is None else "chat_template_kwargs"
-            raise APIError(400, str(exc), param=param) from exc
+        except NoChatTemplate as exc:
+            message = f"{exc}: send the text to /v1/completions, which takes it as it is"
+            raise APIError(400, message, param="messages") from exc
+        except NoThinkingSwitch as exc:
+            raise APIError(400, str(exc), param="chat_template_kwargs") from exc
+        except ModelError as exc:  # the template's own verdict on the messages
+            raise APIError(400, str(exc), param="messages") from exc
         limit = body.max_completion_tokens or body.max_tokens
         return await _generate(served, request, "chat", body, prompt, limit, "messages", "")
 
