@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from gguf_copy import transformers_tokenizer
 
 from master.session import prompt_tokens
 from models.chat_template import NoChatTemplate, render_chat
@@ -53,10 +54,7 @@ def smollm2_template(smollm2_path) -> str:
 
 @pytest.fixture(scope="module")
 def smollm2_ref(smollm2_path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name
-    )
+    return transformers_tokenizer(smollm2_path)
 
 
 @pytest.mark.slow

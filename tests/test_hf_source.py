@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_copy import transformers_tokenizer
 from safetensors.torch import save_file
 
 from master.engine import Engine
@@ -64,12 +65,8 @@ def gguf_engine(smollm2):
 def test_safetensors_logits_equal_gguf_logits(
     smollm2, smollm2_tokenizer, gguf_engine, tmp_path, shards
 ):
-    from transformers import AutoTokenizer
-
     write_hf_folder(smollm2, tmp_path, shards)
-    AutoTokenizer.from_pretrained(smollm2.path.parent, gguf_file=smollm2.path.name).save_pretrained(
-        tmp_path
-    )
+    transformers_tokenizer(smollm2.path).save_pretrained(tmp_path)
     hf = open_model(str(tmp_path))
     assert isinstance(hf, HFSource)
     assert hf.config.tied_embeddings

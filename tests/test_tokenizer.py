@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 import pytest
+from gguf_copy import transformers_tokenizer
 
 from models.errors import ModelError
 from models.gguf_file import GGUFFile
@@ -145,11 +146,6 @@ def _gemma3_gguf() -> Path:
     return Path(gemma.assemble())
 
 
-def _reference(path: Path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-
 @pytest.fixture(scope="module")
 def smollm2_path() -> Path:
     return _smollm2_gguf()
@@ -162,7 +158,7 @@ def smollm2(smollm2_path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def smollm2_ref(smollm2_path):
-    return _reference(smollm2_path)
+    return transformers_tokenizer(smollm2_path)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +178,7 @@ def gemma3(gemma3_path, gemma3_metadata) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def gemma3_ref(gemma3_path):
-    return _reference(gemma3_path)
+    return transformers_tokenizer(gemma3_path)
 
 
 # ------------------------------------------------------------------------- checks
