@@ -378,6 +378,7 @@ class Session:
         for tries_left in range(self.nodes + len(self.hub.pending) - 1, -1, -1):
             self.hub.take_in_changes()
             self._close_engine()  # before the new one loads: a device cannot hold both
+            return_freed_memory()
             try:
                 return self._plan()
             except WorkerTooSmall as exc:  # told so, and not asked to join again
@@ -532,4 +533,3 @@ class Session:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-            return_freed_memory()

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from models.dtypes import SHARD_DTYPES
 from models.errors import ModelError
@@ -471,5 +471,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def run() -> NoReturn:
+    """The `edgetp` program: `main`, and out without the interpreter's teardown
+    (node.children.exit_now says why)."""
+    code = main()
+    from node.children import exit_now
+
+    exit_now(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
