@@ -284,7 +284,13 @@ def test_a_model_without_a_chat_template_is_told_to_use_completions(batcher, smo
         error = refused.value.body
         assert isinstance(error, dict) and error["param"] == "messages", error
         assert "no chat template" in error["message"] and "/v1/completions" in error["message"]
-        text = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=4)
+        text = client.completions.create(
+            model="smollm2",
+            prompt="The sky is",
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert text.usage is not None and text.usage.completion_tokens == 4
     finally:
         server.should_exit = True
