@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from master.params import GREEDY_BELOW, SamplingParams
+from models.errors import ModelError
 
 # Top-k and top-p look among this many of the likeliest tokens (or top-k's k) first; top-p
 # sorts the whole vocabulary only when they hold less than top_p: sorting SmolLM2's 49,152
@@ -17,6 +18,10 @@ TOP_P_CANDIDATES = 256
 # over 49,152 weights took 225 us, their blocks' sums 38.
 DRAW_BLOCK = 256
 _BELOW_ONE = float(np.nextafter(1.0, 0.0))
+NOT_A_NUMBER = (
+    "the model's output is not a number (NaN among its logits): its weights or this device's "
+    "kernels are broken; check the model file against its source, and see `edgetp kernels`"
+)
 
 
 class Sampler:
@@ -96,6 +101,10 @@ class Sampler:
     def _penalized(self, logits: torch.Tensor, history: Sequence[int]) -> np.ndarray:
         p = self.params
         values = logits.float().numpy()
+        # NaN has no order: the argmax would take the first one, a draw some token, and the
+        # answer would go on as text of no meaning. 10 us over SmolLM2's 49,152 logits.
+        if np.isnan(values).any():
+            raise ModelError(NOT_A_NUMBER)
         if p.repetition_penalty != 1.0 and history:
             seen = np.fromiter(set(history), dtype=np.int64)
             picked = values[seen]

@@ -15,6 +15,7 @@ from master.engine import Engine
 from master.generate import start, stream
 from master.params import GREEDY_BELOW, TEMPERATURE_MAX, SamplingParams
 from master.sampling import DRAW_BLOCK, TOP_P_CANDIDATES, Sampler
+from models.errors import ModelError
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, 0.5])
 
@@ -137,6 +138,21 @@ def test_top_k_and_top_p_over_a_large_vocabulary_equal_sorting_it_all(spread, to
         assert (len(kept) <= TOP_P_CANDIDATES) == (spread > 1), len(kept)
     assert torch.equal(got > 0, want > 0)
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.2)],
+    ids=["greedy", "sampled"],
+)
+def test_logits_that_are_not_numbers_are_an_error_not_a_token(params):
+    logits = torch.tensor([0.5, float("nan"), 2.0, -1.0])
+    sampler = Sampler(params)
+    with pytest.raises(ModelError, match="not a number"):
+        sampler(logits, [0])
+    with pytest.raises(ModelError, match="not a number"):
+        sampler.verify(logits, [0], draft=2)
+    assert sampler(torch.tensor([0.5, -float("inf"), 2.0, -1.0]), [0]) in (0, 2, 3)  # a mask
 
 
 def test_repetition_penalty_demotes_seen_tokens():
