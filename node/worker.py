@@ -447,6 +447,7 @@ class Worker:
             part.unlink()
             raise NodeError(f"shard {ref.filename} arrived corrupt (sha256 mismatch); run again")
         os.replace(part, self.store.path(ref))
+        self.store.record(ref, checksum)
         return checksum
 
     def _reload(self, welcome: Welcome) -> tuple[SliceExecutor, WorkerHop | None]:
