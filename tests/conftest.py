@@ -46,7 +46,7 @@ def pytest_configure(config):
         os.environ[CORES_ENV] = str(max(1, (os.cpu_count() or 1) // processes))
 
 
-# The files that take longest (30-160 s each in a whole run at 2 x 2 processes on a Zen 3 core
+# The files that take longest (18-146 s each in a whole run at 2 x 2 processes on a Zen 3 core
 # pair, 2026-11-27), longest first: the two test processes take files in this order (the
 # Makefile turns off xdist's reordering by test count, which put the files of one or two long
 # tests last), and a long file taken last leaves one of them working alone at the end (62 s of
@@ -56,20 +56,24 @@ LONGEST_FIRST = (
     "test_chat_app.py",
     "test_window.py",
     "test_speculate.py",
+    "test_emulate.py",
     "test_lan_fronts.py",
     "test_gemma3.py",
-    "test_emulate.py",
     "test_soak.py",
-    "test_bridge_fuzz.py",
-    "test_bridge_batcher.py",
-    "test_reference.py",
-    "test_membership.py",
     "test_cli.py",
+    "test_bridge_fuzz.py",
+    "test_reference.py",
+    "test_bridge_batcher.py",
+    "test_membership.py",
     "test_kernels.py",
     "test_bridge_server.py",
     "test_families.py",
-    "test_wire.py",
     "test_tokenizer.py",
+    "test_synth.py",
+    "test_sampling.py",
+    "test_wire.py",
+    "test_hf_source.py",
+    "test_discovery.py",
 )
 
 
