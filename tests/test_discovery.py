@@ -79,3 +79,18 @@ def test_join_says_so_when_no_master_answers(tmp_path):
     last = err.strip().splitlines()[-1]
     assert "no master named 'no-such-cluster' answered" in last
     assert "edgetp join HOST:PORT --token TOKEN" in last
+
+
+def test_join_says_at_once_when_the_master_s_host_or_port_cannot_be(tmp_path):
+    """A name that does not resolve (ZeroMQ would retry it until the join timed out, 30 s on,
+    saying only that no master answered) and a port that cannot be: said before anything
+    loads."""
+    for address, said in [
+        ("no-such-host.invalid", "cannot find the master's host 'no-such-host.invalid'"),
+        ("localhost:http", "the master's port must be in 1..65535, got 'http'"),
+        ("localhost:70000", "the master's port must be in 1..65535, got '70000'"),
+    ]:
+        proc = _join(address, token=None, state=tmp_path)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 1, err
+        assert said in err.strip().splitlines()[-1], err

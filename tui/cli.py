@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NoReturn
@@ -218,6 +219,7 @@ def _until_stopped(session: Session) -> None:
 
 
 def _join(args: argparse.Namespace) -> None:
+    given = None if args.master is None else master_address(args.master)  # before torch loads
     from memory.budget import parse_size
     from memory.files import default_state_dir
     from models.kernels import set_threads
@@ -230,10 +232,7 @@ def _join(args: argparse.Namespace) -> None:
     state_dir = args.state_dir or default_state_dir()
     text = args.token or os.environ.get(TOKEN_ENV)
     token = JoinToken.parse(text) if text else load_node_token(state_dir)
-    if args.master is None:
-        address = _find_master(args.cluster, args.interface, token)
-    else:
-        address = args.master if ":" in args.master else f"{args.master}:{DEFAULT_PORT}"
+    address = given or _find_master(args.cluster, args.interface, token)
     capacity = measure_capacity(threads, budget, args.window, state_dir)
     rejoin = True
     while rejoin:  # a master that dropped this node from its plan asks it to join again
@@ -251,6 +250,23 @@ def _join(args: argparse.Namespace) -> None:
             rejoin = worker.run()
         if rejoin:
             print("edgetp join: dropped from the master's plan; joining again", file=sys.stderr)
+
+
+def master_address(text: str) -> str:
+    """HOST:PORT from `edgetp join HOST[:PORT]`, the host looked up now: ZeroMQ retries a name
+    that does not resolve until the join gives up, 30 s later, saying only that no master
+    answered."""
+    host, _, port = text.rpartition(":") if ":" in text else (text, ":", str(DEFAULT_PORT))
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"the master's port must be in 1..65535, got {port!r} in {text!r}")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(
+            f"cannot find the master's host {host!r} ({exc.strerror}): check the name, or give "
+            "its IP address (the master prints the command to run on a device)"
+        ) from None
+    return f"{host}:{port}"
 
 
 BROWSE_SECONDS = 3.0
