@@ -173,6 +173,21 @@ def test_a_bad_core_count_is_a_clear_error(monkeypatch):
     assert_clear_error(run("run", "hi"), "EDGETP_CORES='two' is not a whole number")
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["master", "--port", "70000"], ["master", "--port", "-3"], ["serve", "--cluster-port", "x"]],
+)
+def test_a_port_devices_cannot_join_on_is_refused_by_the_parser(args, capsys):
+    """ZeroMQ and the LAN announcement took such a port only to fail with a traceback."""
+    from tui.arguments import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(args)
+    assert exit_.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"'{args[-1]}' is not a port: give 1..65535, or 0 for any" in said, said
+
+
 def test_the_parser_and_the_chat_app_start_without_torch():
     """`edgetp --help` and the chat app (a bridge client) load in a fraction of torch's time."""
     probe = (

@@ -72,7 +72,7 @@ def _add_lan_args(p: argparse.ArgumentParser, flag: str, workers: int) -> None:
     p.add_argument(
         f"--{flag}port",
         dest="lan_port",
-        type=int,
+        type=_port,
         default=DEFAULT_PORT,
         help=f"port devices join on (default {DEFAULT_PORT}; 0 picks a free one)",
     )
@@ -138,6 +138,14 @@ def _add_draft_arg(p: argparse.ArgumentParser, bench: bool = False) -> None:
         default=AUTO,
         help="how the draft model's shards store its weights (default auto: as its file does)",
     )
+
+
+def _port(text: str) -> int:
+    """A TCP port to listen on, 0 for any free one: checked here, since ZeroMQ and the LAN
+    announcement take a wrong one only to fail with a traceback."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give 1..65535, or 0 for any")
+    return int(text)
 
 
 def _positive(text: str) -> int:
