@@ -26,6 +26,9 @@ def parse_size(text: str) -> int:
 UNLIMITED = 1 << 62  # a cgroup v1 memory limit at or above this is none
 
 
+RESERVE_BYTES = 64 * 2**20  # the least a limited device keeps for its work beside weights
+
+
 def device_memory_budget() -> int | None:
     """What this process may still fill with weights and KV cache when a cgroup limits its
     memory (a container, an emulated device): the limit, less what the process holds now and a
@@ -38,7 +41,7 @@ def device_memory_budget() -> int | None:
         return None
     with open("/proc/self/statm") as f:
         resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return max(0, limit - resident - max(64 * 2**20, limit // 10))
+    return max(0, limit - resident - max(RESERVE_BYTES, limit // 10))
 
 
 def _cgroup_memory_limit() -> int | None:

@@ -47,6 +47,8 @@ def test_device_specs_read_as_people_write_them():
         ("disk=200MB", "rate"),
         ("link=fast", "bit rate"),
         ("rtt=2", "time"),
+        ("mem=1", "leaves a node no room"),
+        ("mem=64MiB", "leaves a node no room"),
         ("gpu=1", "not a device property"),
         ("cpu=1,cpu=2", "twice"),
         ("", "says nothing"),

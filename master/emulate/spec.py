@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from memory.budget import format_size, parse_size
+from memory.budget import RESERVE_BYTES, format_size, parse_size
 
 _BITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _SECONDS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -79,7 +79,13 @@ def _parse_value(key: str, value: str) -> Any:
             raise ValueError(f"cpu={value} is not a number of cores of at least 0.01")
         return cores
     if key == "mem":
-        return _positive(parse_size(value), f"mem={value}")
+        mem = parse_size(value)
+        if mem <= RESERVE_BYTES:  # the kernel killed such a master on its next page, unsaid
+            raise ValueError(
+                f"mem={value} leaves a node no room: it keeps {format_size(RESERVE_BYTES)} for "
+                "its work beside the weights; write e.g. mem=1GB"
+            )
+        return mem
     if key == "disk":
         if not value.lower().endswith("/s"):
             raise ValueError(f"disk={value} is not a rate: write e.g. disk=200MB/s")
