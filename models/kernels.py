@@ -292,6 +292,8 @@ def set_threads(threads: int | None = None) -> int:
     threads (measured: 260 ms/token instead of 14 on SmolLM2 with both at 2).
     """
     global _share
+    if threads is not None and threads < 1:  # the kernel check would blame the kernels for it
+        raise ValueError(f"threads must be at least 1, got {threads}")
     _share = threads or device_cores()
     return limit_blas(_share)
 

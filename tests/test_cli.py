@@ -188,6 +188,26 @@ def test_a_port_devices_cannot_join_on_is_refused_by_the_parser(args, capsys):
     assert f"'{args[-1]}' is not a port: give 1..65535, or 0 for any" in said, said
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["run", "--threads", "-1", "hi"], ["join", "--threads", "0"], ["serve", "--threads", "-2"]],
+)
+def test_a_thread_count_under_one_is_refused_before_any_kernel_is_checked(args, capsys):
+    """`--threads -1` once reached the kernel check, whose child crashed on it (libgomp asked
+    for 928 GB); the crash was kept against the kernel, and every later run on that device
+    was refused for want of a working kernel."""
+    from models.kernels import set_threads
+    from tui.arguments import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(args)
+    assert exit_.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --threads:" in said and "is not a whole number of at least 1" in said, said
+    with pytest.raises(ValueError, match="threads must be at least 1, got -1"):
+        set_threads(-1)
+
+
 def test_the_parser_and_the_chat_app_start_without_torch():
     """`edgetp --help` and the chat app (a bridge client) load in a fraction of torch's time."""
     probe = (

@@ -26,7 +26,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--context", type=int, default=None, help="tokens of context to allocate (default 2048)"
     )
-    p.add_argument("--threads", type=int, default=None, help="BLAS threads (default: all cores)")
+    p.add_argument(
+        "--threads", type=_positive, default=None, help="BLAS threads (default: all cores)"
+    )
 
 
 def _add_cluster_args(p: argparse.ArgumentParser, lan: bool = False) -> None:
@@ -246,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         join.add_argument("--cluster", default=None, help="with several masters: which one")
         join.add_argument("--interface", default=None, help="IPv4 address to browse mDNS on")
-        join.add_argument("--threads", type=int, default=None)
+        join.add_argument("--threads", type=_positive, default=None)
         join.add_argument(
             "--memory-budget",
             default=None,
@@ -346,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--local-nodes", type=int, default=1, help="nodes the model is split across")
     kern.add_argument(
         "--threads",
-        type=int,
+        type=_positive,
         default=None,
         help="BLAS threads (default: each local node's share of the cores, as run and serve give)",
     )
