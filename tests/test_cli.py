@@ -208,6 +208,17 @@ def test_a_thread_count_under_one_is_refused_before_any_kernel_is_checked(args, 
         set_threads(-1)
 
 
+def test_no_local_nodes_is_refused_by_the_parser(capsys):
+    """`run --local-nodes 0` ran on one node without a word (`serve` refused it)."""
+    from tui.arguments import build_parser
+
+    for command in (["run", "hi"], ["serve"], ["kernels"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command[0], "--local-nodes", "0", *command[1:]])
+        said = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "argument --local-nodes: '0' is not a whole number of at least 1" in said, said
+
+
 def test_the_parser_and_the_chat_app_start_without_torch():
     """`edgetp --help` and the chat app (a bridge client) load in a fraction of torch's time."""
     probe = (

@@ -34,7 +34,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_cluster_args(p: argparse.ArgumentParser, lan: bool = False) -> None:
     p.add_argument(
         "--local-nodes",
-        type=int,
+        type=_positive,
         default=None if lan else 1,
         help="nodes on this machine, the master included: K-1 worker processes join it"
         + (" (instead of devices joining over the LAN)" if lan else ""),
@@ -345,7 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="shard dtypes to show (repeatable; default: all)",
     )
-    kern.add_argument("--local-nodes", type=int, default=1, help="nodes the model is split across")
+    kern.add_argument(
+        "--local-nodes", type=_positive, default=1, help="nodes the model is split across"
+    )
     kern.add_argument(
         "--threads",
         type=_positive,

@@ -412,8 +412,6 @@ def _kernels(args: argparse.Namespace) -> None:
     from models.source import open_model
     from node.device import describe, plan_shapes, prepare
 
-    if args.local_nodes < 1:
-        raise ModelError("--local-nodes must be at least 1")
     source = open_model(args.model)
     threads = set_threads(args.threads or thread_share(args.local_nodes))
     slices = plan_slices(source.config, [1.0] * args.local_nodes)
