@@ -270,13 +270,23 @@ def _unservable(
         for n in names
         if n in table.crashed or (n in results and not results[n]["ok"])
     )
+    # A crash bans its kernel for good; one that was not the kernel's doing can be undone.
+    recheck = (
+        "; a crashed check counts for good: if something else ended it (the process killed, "
+        "memory full), run edgetp kernels --recheck"
+        if any(n in table.crashed for n in names)
+        else ""
+    )
     if fallback is None:
-        return f"no kernel computes {key} right on this device ({verdicts}); try another --dtype"
+        return (
+            f"no kernel computes {key} right on this device ({verdicts}); try another --dtype"
+            + recheck
+        )
     return (
         f"--dtype {dtype} has no working kernel on this device ({verdicts}); choose another "
         f"--dtype (f32, f16, bf16 or int8), or set {kernels.ALLOW_FALLBACK_ENV}=1 to run it "
         f"on {fallback.name}, which expands the weights to float32 at every product (tens of "
-        "times slower)"
+        "times slower)" + recheck
     )
 
 

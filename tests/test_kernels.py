@@ -84,6 +84,7 @@ def test_a_block_dtype_without_a_working_kernel_is_refused_unless_the_fallback_i
     message = str(refused.value)
     assert "--dtype q4_1 has no working kernel" in message, message
     assert "fast-but-wrong: wrong" in message and "crasher: " in message, message
+    assert message.endswith("run edgetp kernels --recheck"), message  # a crash is kept
     assert kernels.ALLOW_FALLBACK_ENV in message and kernels.kernel_set() == ""
     monkeypatch.setenv(kernels.ALLOW_FALLBACK_ENV, "1")
     prepare(shapes, cache_dir=tmp_path, candidates=candidates)
