@@ -186,20 +186,21 @@ def read_into(f: Any, view: memoryview) -> int:
 def file_digests(path: Path) -> tuple[str, int]:
     """The file's sha256 (its name in a store) and xxh3 (what a streaming window checks each
     read against, at a thirtieth of the cost), in one pass."""
-    digest, checksum = hashlib.sha256(), xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while block := f.read(HASH_CHUNK):
-            digest.update(block)
-            checksum.update(block)
+    digest, checksum = _hash_file(path, hashlib.sha256(), xxhash.xxh3_64())
     return digest.hexdigest(), checksum.intdigest()
 
 
 def file_xxh3(path: Path) -> int:
-    checksum = xxhash.xxh3_64()
+    (checksum,) = _hash_file(path, xxhash.xxh3_64())
+    return checksum.intdigest()
+
+
+def _hash_file(path: Path, *hashes: Any) -> tuple[Any, ...]:
     with open(path, "rb") as f:
         while block := f.read(HASH_CHUNK):
-            checksum.update(block)
-    return checksum.intdigest()
+            for h in hashes:
+                h.update(block)
+    return hashes
 
 
 @dataclass(frozen=True)

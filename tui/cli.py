@@ -219,7 +219,7 @@ def _until_stopped(session: Session) -> None:
 
 
 def _join(args: argparse.Namespace) -> None:
-    given = None if args.master is None else master_address(args.master)  # before torch loads
+    given = None if args.master is None else _master_address(args.master)  # before torch loads
     from memory.budget import parse_size
     from memory.files import default_state_dir
     from models.kernels import set_threads
@@ -252,7 +252,7 @@ def _join(args: argparse.Namespace) -> None:
             print("edgetp join: dropped from the master's plan; joining again", file=sys.stderr)
 
 
-def master_address(text: str) -> str:
+def _master_address(text: str) -> str:
     """HOST:PORT from `edgetp join HOST[:PORT]`, the host looked up now: ZeroMQ retries a name
     that does not resolve until the join gives up, 30 s later, saying only that no master
     answered."""
@@ -260,7 +260,7 @@ def master_address(text: str) -> str:
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"the master's port must be in 1..65535, got {port!r} in {text!r}")
     try:
-        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)  # [IPv6]
     except socket.gaierror as exc:
         raise ValueError(
             f"cannot find the master's host {host!r} ({exc.strerror}): check the name, or give "
