@@ -19,7 +19,7 @@ import torch
 
 from master.plan import plan_slices
 from memory.pages import pack
-from memory.shards import Manifest, ShardStore
+from memory.shards import Manifest, ShardStore, tensor_specs
 from memory.window import (
     FIGURES_KEPT,
     LayerWindow,
@@ -42,7 +42,7 @@ from models.rows_native import NativeBlocks
 from models.source import ModelSource
 from node import hop
 from node.device import Shape, matrix_shapes, prepare
-from node.executor import Hidden, make_executor
+from node.executor import Hidden, check_kernels_before_loading, make_executor
 from node.kvcache import KVCache
 from node.protocol import ATTENTION, FFN, HEAD
 
@@ -192,17 +192,20 @@ class Engine:
         config = ModelConfig.from_dict(manifest.config)
         s = Slice.from_dict(manifest.slices[0])
         paths = [store.path(ref) for ref in manifest.nodes[0]]
+        globals_path = store.path(manifest.globals)
+        # Tied: the embedding is the head. The globals hold just the master's rows of an untied
+        # head (master.splitter), all of a tied one, of which it takes its rows.
+        specs = tensor_specs(globals_path)
+        head = "lm_head" if "lm_head" in specs else "embedding"
+        a, b = manifest.head_rows[0] if manifest.head_rows else (0, specs[head][1][0])
+        check_kernels_before_loading(paths, window or config.n_layers, (globals_path, head, b - a))
         layers = LayerWindow(paths, window or config.n_layers, drop_cache)
         factors = manifest.extra.get("rope_freq_factors")
         freq = torch.tensor(factors) if factors else None
         executor = make_executor(config, s, layers, max_context, slots, freq)
         g = store.load(manifest.globals)
-        head = "lm_head" if "lm_head" in g else "embedding"  # tied: the embedding is the head
         lm_head, lm_head_scale = g[head], g.get(head + SCALE_SUFFIX)
-        # Its own rows: the globals hold just those of an untied head (master.splitter), all of
-        # a tied one (the embedding), of which it takes a view.
-        a, b = manifest.head_rows[0] if manifest.head_rows else (0, lm_head.shape[0])
-        if lm_head.shape[0] != b - a:
+        if lm_head.shape[0] != b - a:  # a view of its rows
             lm_head = lm_head[a:b]
             lm_head_scale = None if lm_head_scale is None else lm_head_scale[a:b]
         return cls(

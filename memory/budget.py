@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,38 +30,51 @@ RESERVE_BYTES = 64 * 2**20  # the least a limited device keeps for its work besi
 
 def device_memory_budget() -> int | None:
     """What this process may still fill with weights and KV cache when a cgroup limits its
-    memory (a container, an emulated device): the limit, less what the process holds now and a
-    tenth of the limit (at least 64 MB) for the rest of its work; None without a limit.
+    memory (a container, an emulated device): the limit, less what the cgroup holds that the
+    kernel cannot give back (its anonymous and shared memory) and a tenth of the limit (at
+    least RESERVE_BYTES) for the rest of the work; None without a limit.
 
-    The limit counts the page cache too, which the kernel gives back before it kills.
+    What the cgroup holds, not what this process holds: the limit binds the cgroup, other
+    processes in it included, and a process that entered it after it started (an emulated
+    master) left what it held then charged outside it, where the limit does not bind. The page
+    cache counts toward the limit too, but the kernel gives it back before it kills.
     """
-    limit = _cgroup_memory_limit()
-    if limit is None:
+    found = _memory_cgroup()
+    if found is None:
         return None
-    with open("/proc/self/statm") as f:
-        resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return max(0, limit - resident - max(RESERVE_BYTES, limit // 10))
+    limit, held = found
+    return max(0, limit - held - max(RESERVE_BYTES, limit // 10))
 
 
-def _cgroup_memory_limit() -> int | None:
+# Per cgroup version: its memory controller's root, its limit's file, and the memory.stat
+# keys of what the kernel cannot reclaim (anonymous and shared memory), the cgroup's subtree in.
+_CGROUP_V1 = (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", ("total_rss", "total_shmem"))
+_CGROUP_V2 = (Path("/sys/fs/cgroup"), "memory.max", ("anon", "shmem"))
+
+
+def _memory_cgroup() -> tuple[int, int] | None:
+    """This process's memory cgroup limit and what the cgroup holds that cannot be reclaimed,
+    bytes; None if no cgroup limits it."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):  # cgroup v1
-            limit = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes"
-        elif controllers == "":  # cgroup v2
-            limit = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"
+        if "memory" in controllers.split(","):
+            root, limit_file, held_keys = _CGROUP_V1
+        elif controllers == "":
+            root, limit_file, held_keys = _CGROUP_V2
         else:
             continue
+        folder = root / path.lstrip("/")
         try:
-            text = limit.read_text().strip()
-        except OSError:
+            limit = (folder / limit_file).read_text().strip()
+            stat = dict(row.split() for row in (folder / "memory.stat").read_text().splitlines())
+        except (OSError, ValueError):
             continue
-        if text.isdigit() and int(text) < UNLIMITED:
-            return int(text)
+        if limit.isdigit() and int(limit) < UNLIMITED:
+            return int(limit), sum(int(stat.get(key, 0)) for key in held_keys)
     return None
 
 
@@ -124,7 +136,8 @@ def plan_memory(
             f"{who}: a memory budget of {format_size(budget)} cannot hold {w} layers of its "
             f"slice ({format_size(layer_bytes)} each){globals_} and a KV cache of "
             f"{MIN_CONTEXT} tokens ({format_size(kv_bytes_per_token)} per token): "
-            f"give --memory-budget {format_size(need)} or more"
+            f"give --memory-budget {format_size(need)} or more (under a memory limit, a "
+            "container's or --device mem=, a limit that leaves that much beside the process)"
         )
     return MemoryPlan(w, min(context, int(fits)))
 

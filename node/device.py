@@ -197,16 +197,19 @@ def prepare(
         fcntl.flock(lock, fcntl.LOCK_EX)
         table = _read(path, device)
         todo = _unchecked(table, wanted, candidates, threads, fallbacks=False)
+        try:
+            if todo:
+                _run_checks(todo, threads, table)
+            # A fallback expands the weights at every product (a q4_1 lm_head's took 6.7 of its
+            # 7.6 s of checks): it is checked only where every other kernel failed.
+            last_resort = _unchecked(table, wanted, candidates, threads, fallbacks=True)
+            todo += last_resort
+            if last_resort:
+                _run_checks(last_resort, threads, table)
+        finally:  # what was checked is kept, also where a check was killed from outside
+            if todo:
+                atomic_write(path, json.dumps(vars(table), indent=1).encode())
         if todo:
-            _run_checks(todo, threads, table)
-        # A fallback expands the weights at every product (a q4_1 lm_head's took 6.7 of its 7.6
-        # s of checks): it is checked only where every other kernel failed.
-        last_resort = _unchecked(table, wanted, candidates, threads, fallbacks=True)
-        if last_resort:
-            _run_checks(last_resort, threads, table)
-        todo += last_resort
-        if todo:
-            atomic_write(path, json.dumps(vars(table), indent=1).encode())
             _log_disagreements(todo, table)
     choices = {}
     allow_fallback = os.environ.get(kernels.ALLOW_FALLBACK_ENV) == "1"
@@ -353,8 +356,16 @@ def _run_checks(todo: list[dict[str, Any]], threads: int, table: Table) -> None:
         crashed = next((t for t in pending if t["id"] == begun), None)
         if crashed is None:  # died before any check: the child itself is broken
             raise KernelError(f"the kernel check could not run on this device: {stderr.strip()}")
+        key = crashed["id"].split("|", 1)[1]
+        if code == -signal.SIGKILL:  # no kernel dies so: the OOM killer or a user did it
+            raise KernelError(
+                f"the check of kernel {crashed['candidate']} on {key} was killed from outside "
+                "(SIGKILL), most likely by the out-of-memory killer: the check needs a few "
+                "hundred MB of its own. Nothing was held against the kernel: start again with "
+                "more memory free, and the start checks what is left"
+            )
         how = _death(code, stderr)
-        what = f"{how} on {crashed['id'].split('|', 1)[1]}"
+        what = f"{how} on {key}"
         log.warning("kernel %s rejected on this device: %s", crashed["candidate"], what)
         table.crashed[crashed["candidate"]] = what
         table.results.setdefault(crashed["id"].split("|", 1)[1], {})[crashed["candidate"]] = {

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from memory.shards import tensor_specs
 from memory.window import LayerWindow, ResidentLayers
 from models import rows_native
 from models.config import ModelConfig
@@ -23,7 +26,7 @@ from models.layers import (
     ffn_rows,
 )
 from models.quant import matrix_size
-from node.device import Shape, matrix_shapes
+from node.device import Shape, matrix_shapes, prepare
 from node.kvcache import KVCache
 
 Hidden = np.ndarray | torch.Tensor  # a decode step's rows (B, D), or any step's (B, T, D)
@@ -203,3 +206,24 @@ def make_executor(
         local_rope = Rope(local, max_context)
     cache = KVCache(config, s, slots, max_context)
     return SliceExecutor(config, s, weights, rope, cache, local_rope)
+
+
+def check_kernels_before_loading(
+    layer_files: Sequence[Path], window: int, head: tuple[Path, str, int] | None = None
+) -> list[Shape]:
+    """Check and install the kernels for the slice in `layer_files` (one file per layer) and
+    `head` (a shard, the name of its lm_head tensor, this node's rows of it), from the files'
+    headers, before any of it is read: a check runs in a child process with a few hundred MB of
+    its own (a new interpreter and its test matrices: 350 MB for SmolLM2's), which beside a
+    slice that fills a device's memory budget got the node killed by the out-of-memory killer.
+    The BLAS threads are set first, as the executor for a window of `window` layers sets them,
+    for the check to time the products as they will run. Returns the shapes checked: those
+    `SliceExecutor.matrix_shapes` gives once the slice is loaded."""
+    leave_a_core_to_the_loader(min(window, len(layer_files)) < len(layer_files))
+    shapes = matrix_shapes(tensor_specs(layer_files[0]), MATRICES)
+    if head is not None:
+        path, name, rows = head
+        dtype, shape = tensor_specs(path)[name]
+        shapes += matrix_shapes({"lm_head": (dtype, (rows, *shape[1:]))}, ["lm_head"])
+    prepare(shapes)
+    return shapes

@@ -35,8 +35,7 @@ from models.config import ModelConfig
 from models.kernels import compute_clock, cpu_quota_cores, kernel_set, linear
 from models.layers import Slice, StepBatch
 from node import protocol as P
-from node.device import prepare
-from node.executor import Hidden, SliceExecutor, make_executor
+from node.executor import Hidden, SliceExecutor, check_kernels_before_loading, make_executor
 from node.heartbeat import DEAD_AFTER, HeartbeatClient
 from node.hop import ERROR, FOREIGN, WorkerHop
 from node.hop import available as hop_available
@@ -102,9 +101,11 @@ def measure_capacity(
     speed = measure_speed(threads) if speed is None else speed
     limited = memory_budget is not None or window is not None
     if memory_budget is None:
-        limit = device_memory_budget()
+        limit = device_memory_budget()  # 0 where the limit leaves nothing: the plan says so
         limited = limited or limit is not None
-        memory_budget = limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if limit is None:
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory_budget = limit
     disk = measure_disk_read(disk_dir) if limited and disk_dir is not None else None
     disk = None if disk is None else round(disk, 3)
     message_s = round(measure_message_cost(), 7)
@@ -395,12 +396,15 @@ class Worker:
         factors = welcome.rope_freq_factors
         freq = torch.tensor(factors) if factors else None
         paths = [self.store.path(r) for r in refs]
-        weights = LayerWindow(paths, welcome.window or config.n_layers, self.drop_cache, verified)
+        window = welcome.window or config.n_layers
+        rows = welcome.head[0][1] - welcome.head[0][0] if welcome.head else 0
+        head = (self.store.path(welcome.head[1]), "lm_head", rows) if welcome.head else None
+        check_kernels_before_loading(paths, window, head)
+        weights = LayerWindow(paths, window, self.drop_cache, verified)
         executor = make_executor(config, s, weights, welcome.context, welcome.slots, freq)
         try:
             if welcome.head:
                 executor.hold_head(self.store.load(welcome.head[1]), welcome.head[0])
-            prepare(executor.matrix_shapes())  # with the threads the executor settled on
             executor.admit_native()
         except Exception:
             executor.close()

@@ -11,6 +11,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from master.emulate.spec import DeviceSpec, device_specs, parse_device
 from master.figures import cluster_figures
 from master.local import local_engine, local_session
 from master.transport import ClusterError
+from memory.budget import RESERVE_BYTES
 from tui.chat.widgets import node_block
 from tui.cli import main
 
@@ -58,6 +60,39 @@ def test_device_specs_read_as_people_write_them():
     assert device_specs([spec], 3) == [spec, spec, spec]
     with pytest.raises(ValueError, match="one for all, or one per node"):
         device_specs([spec, spec], 3)
+
+
+_BUDGET_PROBE = """
+import os, sys
+from pathlib import Path
+from node.worker import measure_capacity  # torch and all: charged where this process started
+from memory.budget import RESERVE_BYTES, device_memory_budget
+Path(sys.argv[1], "cgroup.procs").write_text(str(os.getpid()))  # as an emulated master enters
+entered = device_memory_budget()
+held = bytearray(int(sys.argv[2]))  # charged in the cgroup, page by page
+held[::4096] = b"x" * len(held[::4096])
+print(entered, device_memory_budget(), measure_capacity(1, speed=1.0).memory_budget)
+"""
+
+
+def test_a_memory_budget_under_a_limit_counts_what_the_limit_holds(tmp_path):
+    """Under a memory cgroup, a node's budget is the limit less what the cgroup holds and its
+    reserve: what the process held before it entered (an emulated master's imports) is charged
+    outside, where the limit does not bind, and once the cgroup holds the limit's all, the
+    budget is 0, not the machine's memory (a worker then planned as unlimited was killed)."""
+    emulate.check_host([DeviceSpec(mem=300 * 10**6)])
+    mb, limit = 10**6, 300 * 10**6
+    with EmulatedDevices([DeviceSpec(mem=limit)], tmp_path) as devices:
+        folder = devices.cgroups[0]["memory"]
+        probe = [sys.executable, "-c", _BUDGET_PROBE, str(folder), str(250 * mb)]
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    entered, filled, worker = (int(x) for x in done.stdout.split())
+    reserve = max(RESERVE_BYTES, limit // 10)
+    print(f"\nbudget {entered / mb:.1f} MB on entering, {filled / mb:.1f} MB with 250 MB held")
+    assert limit - reserve - 10 * mb < entered <= limit - reserve  # the imports are outside
+    assert filled == 0 and worker == 0
+    assert _ours() == []
 
 
 def test_a_token_s_cpu_floor_is_the_busiest_device_s_cpu_over_its_quota():

@@ -7,6 +7,7 @@ and row counts that broke torch's int8 kernel on one CPU or another.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -67,6 +68,23 @@ def test_a_wrong_and_a_crashing_kernel_are_rejected_and_the_product_stays_right(
         for rows in (1, 3, 8, 40):
             x = torch.randn(rows, inp, generator=gen)
             torch.testing.assert_close(linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_check_killed_from_outside_is_not_held_against_its_kernel(
+    tmp_path, fakes_importable, fresh_table
+):
+    """The out-of-memory killer ends a check's child with SIGKILL, as it ends any process of a
+    device whose memory is full: that says nothing of the kernel, and a crash is kept for good.
+    The start fails saying so, and the next one checks the kernel again."""
+    shapes = [("f32", 48, 40)]
+    candidates = {"f32": (Candidate("killed", "kernel_fakes:killed"), *kernels.CANDIDATES["f32"])}
+    for _ in range(2):  # the second start checks it again: nothing was kept
+        with pytest.raises(KernelError) as refused:
+            prepare(shapes, cache_dir=tmp_path, candidates=candidates)
+        message = str(refused.value)
+        assert "check of kernel killed on f32 48x40 rows 1 threads" in message, message
+        assert "killed from outside (SIGKILL)" in message, message
+        assert "out-of-memory killer" in message and "more memory free" in message, message
 
 
 def test_a_block_dtype_without_a_working_kernel_is_refused_unless_the_fallback_is_asked_for(
@@ -195,6 +213,39 @@ def test_a_node_whose_fastest_candidates_are_broken_still_answers_right(
     admitted = greedy()
     kernels.uninstall()  # every product on the plain reference
     assert admitted == greedy() and len(admitted) == 16
+
+
+def test_a_node_checks_its_kernels_before_its_slice_loads(smollm2, tmp_path, caplog):
+    """A check's child needs a few hundred MB of its own: a node checks from its shards'
+    headers before it loads anything, and those are the shapes the loaded slice multiplies, so
+    the engine's own check afterwards finds every one of them in the table."""
+    from master.engine import Engine
+    from master.plan import head_rows, plan_slices
+    from master.splitter import split_model
+    from memory.shards import ShardStore
+    from memory.window import LayerWindow
+    from node.executor import check_kernels_before_loading, make_executor
+
+    config = smollm2.config
+    slices = plan_slices(config, [1.0, 1.0])
+    heads = head_rows(config, slices, [1.0, 1.0])
+    store = ShardStore(tmp_path)
+    manifest = split_model(smollm2, slices, store, dtype="auto", head_rows=heads)
+    paths = [store.path(r) for r in manifest.nodes[1]]
+    (a, b), head = heads[1], store.path(manifest.heads[0])
+    checked = check_kernels_before_loading(paths, config.n_layers, (head, "lm_head", b - a))
+    worker = make_executor(config, slices[1], LayerWindow(paths, config.n_layers), 64, 1)
+    worker.hold_head(store.load(manifest.heads[0]), heads[1])
+    assert {s[0] for s in checked} == {"q4_1", "q8_0"}, checked  # the layers' and the head's
+    assert sorted(checked) == sorted(worker.matrix_shapes())
+    worker.close()
+
+    alone = split_model(smollm2, plan_slices(config, [1.0]), store, dtype="auto")
+    with caplog.at_level(logging.INFO, "node.device"):
+        engine = Engine.from_manifest(alone, store, 64, 1)  # the whole head: the embedding's
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels for")]
+    assert len(said) == 2 and "read from the cache" in said[1], said
+    engine.close()
 
 
 def test_the_kernels_command_shows_every_candidate_and_one_choice_per_row():
