@@ -368,7 +368,7 @@ def _run_checks(todo: list[dict[str, Any]], threads: int, table: Table) -> None:
         what = f"{how} on {key}"
         log.warning("kernel %s rejected on this device: %s", crashed["candidate"], what)
         table.crashed[crashed["candidate"]] = what
-        table.results.setdefault(crashed["id"].split("|", 1)[1], {})[crashed["candidate"]] = {
+        table.results.setdefault(key, {})[crashed["candidate"]] = {
             "ok": False,
             "error": how,
             "us": None,

@@ -101,11 +101,10 @@ def measure_capacity(
     speed = measure_speed(threads) if speed is None else speed
     limited = memory_budget is not None or window is not None
     if memory_budget is None:
-        limit = device_memory_budget()  # 0 where the limit leaves nothing: the plan says so
-        limited = limited or limit is not None
-        if limit is None:
-            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        memory_budget = limit
+        under_limit = device_memory_budget()  # 0 where the limit leaves nothing: refused
+        limited = limited or under_limit is not None
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory_budget = physical if under_limit is None else under_limit
     disk = measure_disk_read(disk_dir) if limited and disk_dir is not None else None
     disk = None if disk is None else round(disk, 3)
     message_s = round(measure_message_cost(), 7)
