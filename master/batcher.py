@@ -456,7 +456,12 @@ class Batcher:
         text = g.take_text()
         if text:
             _emit(job, Delta(text))
-        if g.finished:
+        if g.failure is not None:  # this request alone: the others in its steps go on
+            log.error("request %s failed: %s", job.id, g.failure)
+            self._drop(job)
+            self._failed += 1
+            _emit(job, Failed(g.failure))
+        elif g.finished:
             self._drop(job)
             self._completed += 1
             sampled = _sampled(g)

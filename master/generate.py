@@ -11,6 +11,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from master.engine import Engine
 from master.params import SamplingParams
 from master.sampling import Sampler
@@ -31,7 +33,8 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # decoded output, stop strings removed
     emitted: int = 0  # characters of `text` already handed out
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "error" (see `failure`)
+    failure: ModelError | None = None  # why it ended without its answer (NaN logits)
     position: int = 0  # tokens already in the KV cache
     drafts: DraftState = field(default_factory=DraftState)  # speculation's figures for it
 
@@ -112,27 +115,40 @@ def step(
         speculator.record_step(seconds, batch.width, all(decoding))
     for b, g in enumerate(active):
         g.position += len(feeds[b])
-        if not any(drafts):
-            _accept(g, g.sampler(logits[b], g.prompt + g.tokens), tokenizer, engine.max_context)
-            if speculator is not None and decoding[b]:
-                speculator.record_draft(g.drafts, 0, 0, 1)
+        try:
+            made, accepted = _sample(g, logits[b], len(feeds[b]), drafts[b], tokenizer, engine)
+        except ModelError as exc:  # NaN among this sequence's logits: the others' go on
+            g.failure, g.finish_reason = exc, "error"
             continue
-        rows = logits[b, len(feeds[b]) - 1 : len(fed[b])]  # the next token's, at each place
-        made = accepted = 0
-        for row, draft in zip(rows, [*drafts[b], None], strict=True):
-            history = g.prompt + g.tokens
-            if draft is None:
-                token = g.sampler(row, history)
-            else:
-                token = g.sampler.verify(row, history, draft)
-            _accept(g, token, tokenizer, engine.max_context)
-            made += 1
-            if token != draft or g.finished:
-                break
-            accepted += 1
-            g.position += 1  # the draft's keys and values, written by this step, now count
         if speculator is not None and decoding[b]:
             speculator.record_draft(g.drafts, len(drafts[b]), accepted, made)
+
+
+def _sample(
+    g: Generation,
+    logits: torch.Tensor,
+    fed: int,
+    drafts: list[int],
+    tokenizer: Tokenizer,
+    engine: Engine,
+) -> tuple[int, int]:
+    """Take `g`'s next token from its `logits` (V,), or with drafts in the step (T, V), each
+    draft the logits confirm after the `fed` tokens and the one they choose next: (tokens
+    taken, drafts accepted)."""
+    if logits.dim() == 1:
+        _accept(g, g.sampler(logits, g.prompt + g.tokens), tokenizer, engine.max_context)
+        return 1, 0
+    made = accepted = 0
+    for row, draft in zip(logits[fed - 1 : fed + len(drafts)], [*drafts, None], strict=True):
+        history = g.prompt + g.tokens
+        token = g.sampler(row, history) if draft is None else g.sampler.verify(row, history, draft)
+        _accept(g, token, tokenizer, engine.max_context)
+        made += 1
+        if token != draft or g.finished:
+            break
+        accepted += 1
+        g.position += 1  # the draft's keys and values, written by this step, now count
+    return made, accepted
 
 
 def _room(g: Generation, max_context: int) -> int:
@@ -186,3 +202,6 @@ def stream(
             text = g.take_text()
             if text:
                 yield i, text
+        failed = next((g.failure for g in seqs if g.failure is not None), None)
+        if failed is not None:
+            raise failed

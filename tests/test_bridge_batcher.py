@@ -141,6 +141,39 @@ def test_requests_wait_for_a_free_slot_and_then_join(batcher, prompts, solo):
     assert clients[2].steps_seen[0] > min(clients[0].steps_seen[-1], clients[1].steps_seen[-1])
 
 
+def test_a_request_whose_logits_are_not_a_number_fails_alone(batcher, prompts, solo, monkeypatch):
+    """NaN among one sequence's logits (its weights or this device's kernels broken) ends that
+    request with what to check; the other in its step answers as it would have alone. The
+    engine's output is where NaN would come from: it is set there, in one row of one step."""
+    engine = batcher.engine
+    forward = engine.forward
+    poisoned: list[int] = []
+
+    def nan_in_one_row(tokens, batch, all_logits=False):
+        logits = forward(tokens, batch, all_logits)
+        if not poisoned and len(batch.slots) == 2 and min(batch.starts) > 0:  # both decoding
+            poisoned.append(batch.slots[1])
+            logits = logits.clone()  # the engine's is an inference tensor
+            logits[1] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine, "forward", nan_in_one_row)
+    clients = [Client(batcher, prompts[i], greedy(24)) for i in (0, 1)]
+    outcomes = []
+    for c in clients:
+        try:
+            outcomes.append(c.finish())
+        except Exception as exc:  # noqa: BLE001 - the failed one's error, checked below
+            outcomes.append(exc)
+    assert len(poisoned) == 1
+    failed = [i for i, o in enumerate(outcomes) if not isinstance(o, Finished)]
+    assert len(failed) == 1, outcomes
+    assert "not a number (NaN among its logits)" in str(outcomes[failed[0]])
+    (ok,) = {0, 1} - set(failed)
+    assert outcomes[ok].completion_tokens == 24 and clients[ok].text == solo[ok]
+    assert batcher.stats().active == 0  # the failed one's slot is free again
+
+
 def test_the_waiting_line_is_bounded(batcher, prompts):
     from master.batcher import BusyError
 
