@@ -95,6 +95,31 @@ def test_a_memory_budget_under_a_limit_counts_what_the_limit_holds(tmp_path):
     assert _ours() == []
 
 
+_DISK_PROBE = """
+import os, sys
+from pathlib import Path
+from memory.files import measure_disk_read
+Path(sys.argv[1], "cgroup.procs").write_text(str(os.getpid()))
+print(*(measure_disk_read(Path(sys.argv[2])) for _ in range(3)))
+"""
+
+
+def test_a_disk_limit_is_read_as_its_rate_not_its_first_burst(tmp_path):
+    """blkio lets a first burst through, then hands the rate out in clumps (~10 MB every 100
+    ms at 100 MB/s): a probe timed from its first read said 120-322 MB/s there, and a plan
+    gave that node twice its share to read. The rate is the steady one, at every probe."""
+    limit = 100 * 10**6
+    emulate.check_host([DeviceSpec(disk=limit)])
+    with EmulatedDevices([DeviceSpec(disk=limit)], tmp_path) as devices:
+        probe = [sys.executable, "-c", _DISK_PROBE, str(devices.cgroups[0]["blkio"]), str(tmp_path)]
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    rates = [float(x) * 1e9 for x in done.stdout.split()]
+    print(f"\nMB/s under a {limit / 1e6:.0f} MB/s limit: {[round(r / 1e6, 1) for r in rates]}")
+    assert len(rates) == 3 and all(0.7 * limit < r < 1.1 * limit for r in rates), rates
+    assert _ours() == []
+
+
 def test_a_token_s_cpu_floor_is_the_busiest_device_s_cpu_over_its_quota():
     """What `edgetp bench` sets a token's time against under quotas: no token is faster than
     any device's CPU a token over its share of a core; without a quota on every device, none."""
