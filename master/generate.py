@@ -127,19 +127,20 @@ def step(
 def _sample(
     g: Generation,
     logits: torch.Tensor,
-    fed: int,
+    fed_tokens: int,
     drafts: list[int],
     tokenizer: Tokenizer,
     engine: Engine,
 ) -> tuple[int, int]:
     """Take `g`'s next token from its `logits` (V,), or with drafts in the step (T, V), each
-    draft the logits confirm after the `fed` tokens and the one they choose next: (tokens
+    draft the logits confirm after its `fed_tokens` and the one they choose next: (tokens
     taken, drafts accepted)."""
     if logits.dim() == 1:
         _accept(g, g.sampler(logits, g.prompt + g.tokens), tokenizer, engine.max_context)
         return 1, 0
     made = accepted = 0
-    for row, draft in zip(logits[fed - 1 : fed + len(drafts)], [*drafts, None], strict=True):
+    rows = logits[fed_tokens - 1 : fed_tokens + len(drafts)]  # the next token's, at each place
+    for row, draft in zip(rows, [*drafts, None], strict=True):
         history = g.prompt + g.tokens
         token = g.sampler(row, history) if draft is None else g.sampler.verify(row, history, draft)
         _accept(g, token, tokenizer, engine.max_context)
