@@ -116,7 +116,9 @@ def step(
     for b, g in enumerate(active):
         g.position += len(feeds[b])
         try:
-            made, accepted = _sample(g, logits[b], len(feeds[b]), drafts[b], tokenizer, engine)
+            made, accepted = _sample(
+                g, logits[b], len(feeds[b]), drafts[b], tokenizer, engine.max_context
+            )
         except ModelError as exc:  # NaN among this sequence's logits: the others' go on
             g.failure, g.finish_reason = exc, "error"
             continue
@@ -130,20 +132,20 @@ def _sample(
     fed_tokens: int,
     drafts: list[int],
     tokenizer: Tokenizer,
-    engine: Engine,
+    max_context: int,
 ) -> tuple[int, int]:
     """Take `g`'s next token from its `logits` (V,), or with drafts in the step (T, V), each
     draft the logits confirm after its `fed_tokens` and the one they choose next: (tokens
     taken, drafts accepted)."""
     if logits.dim() == 1:
-        _accept(g, g.sampler(logits, g.prompt + g.tokens), tokenizer, engine.max_context)
+        _accept(g, g.sampler(logits, g.prompt + g.tokens), tokenizer, max_context)
         return 1, 0
     made = accepted = 0
     rows = logits[fed_tokens - 1 : fed_tokens + len(drafts)]  # the next token's, at each place
     for row, draft in zip(rows, [*drafts, None], strict=True):
         history = g.prompt + g.tokens
         token = g.sampler(row, history) if draft is None else g.sampler.verify(row, history, draft)
-        _accept(g, token, tokenizer, engine.max_context)
+        _accept(g, token, tokenizer, max_context)
         made += 1
         if token != draft or g.finished:
             break

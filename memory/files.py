@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -75,16 +76,10 @@ def measure_disk_read(folder: Path, size: int = DISK_PROBE_BYTES) -> float | Non
     finally:
         with contextlib.suppress(OSError):  # a probe that was never written, or a read-only disk
             probe.unlink()
-    return _rate(reads) / 1e9 if len(reads) > 1 else None
-
-
-def _rate(reads: list[tuple[float, int]]) -> float:
-    """Bytes a second: the least-squares slope of bytes read against time. A throttle hands out
-    its rate in clumps (blkio: ~10 MB at once every 100 ms at 100 MB/s), so the bytes between a
-    first and a last read counted one clump more or less as it fell: 98-141 MB/s at 100."""
-    n = len(reads)
-    mean_t = sum(t for t, _ in reads) / n
-    mean_b = sum(b for _, b in reads) / n
-    covariance = sum((t - mean_t) * (b - mean_b) for t, b in reads)
-    variance = sum((t - mean_t) ** 2 for t, _ in reads)
-    return covariance / variance if variance > 0 else 0.0
+    # The slope of bytes against time: a throttle hands its rate out in clumps (blkio: ~10 MB
+    # at once every 100 ms at 100 MB/s), and the bytes between a first and a last read counted
+    # one clump more or less as it fell (98-141 MB/s at 100).
+    if len(reads) < 2:
+        return None
+    rate = statistics.linear_regression(*zip(*reads, strict=True)).slope
+    return rate / 1e9 if rate > 0 else None

@@ -275,8 +275,8 @@ def _unservable(
     )
     # A crash bans its kernel for good; one that was not the kernel's doing can be undone.
     recheck = (
-        "; a crashed check counts for good: if something else ended it (the process killed, "
-        "memory full), run edgetp kernels --recheck"
+        "; a crashed check counts for good: if something else ended it (memory full, a signal "
+        "sent to it), run edgetp kernels --recheck"
         if any(n in table.crashed for n in names)
         else ""
     )
