@@ -80,14 +80,16 @@ def start(
     args: tuple[Any, ...],
     name: str,
     env: dict[str, str] | None = None,
+    expendable: bool = False,
 ) -> Child | subprocess.Popen[bytes]:
     """`target(*args)` in a child process named `name` (`ps` shows it), with `env` (this
     process's environment unless given); its exit code is target's SystemExit code, 0 on
-    return, 1 on an exception, -N when killed by signal N."""
-    call = (target, args, dict(env or os.environ), name)
+    return, 1 on an exception, -N when killed by signal N. An `expendable` child is the one
+    the out-of-memory killer takes first in its cgroup, before its caller (`_expend`)."""
+    call = (target, args, dict(env or os.environ), name, expendable)
     if not _serving or _cgroups() != _HOME_CGROUPS:
         started = subprocess.Popen(
-            [sys.executable, "-c", "from node.children import _main; _main()"],
+            [sys.executable, "-c", "from node.children import _main; _main()", str(expendable)],
             stdin=subprocess.PIPE,
             env=call[2],
         )
@@ -128,14 +130,32 @@ def end_process(code: int) -> NoReturn:
 
 def _main() -> NoReturn:
     """A child started as a new interpreter: the call `start` pickled to its standard input."""
-    target, args, env, name = pickle.loads(sys.stdin.buffer.read())
-    _enter(target, args, env, name)
+    if sys.argv[1:] == ["True"]:
+        _expend()  # before the call's imports: they are most of what it holds at first
+    target, args, env, name, expendable = pickle.loads(sys.stdin.buffer.read())
+    _enter(target, args, env, name, expendable)
     exit_now(0)
 
 
+def _expend() -> None:
+    """Have the out-of-memory killer take this process before any other: where a child does
+    not fit beside its caller, it took the larger, the caller (a node of 196 MB beside its
+    kernel check at `--device mem=220MB`), which died with no word said."""
+    try:
+        Path("/proc/self/oom_score_adj").write_text("1000")  # raising one's own: no privilege
+    except OSError:
+        pass  # not Linux: no OOM killer to steer
+
+
 def _enter(
-    target: Callable[..., Any], args: tuple[Any, ...], env: dict[str, str], name: str
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    name: str,
+    expendable: bool,
 ) -> None:
+    if expendable:
+        _expend()
     os.environ.clear()
     os.environ.update(env)
     # Ctrl-C ends a child as it ends its caller, whatever the server that forked it ignores.

@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import shutil
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 
 CHILD_TIMEOUT = 300.0  # s for one child's whole job: a kernel that hangs is a rejected kernel
 PERIOD = 1021  # rows of random weights a tall probe matrix repeats
+COMPARE_COLUMNS = 4096  # outputs a check compares at a time (float64: 2 MB a block at 64 rows)
 TIMING_BUDGET = 0.01  # s of calls a timing takes, unless one call takes longer
 CHECK_FOLDER = "edgetp-kernel-check-"  # + the caller's pid: a temporary folder for a check's output
 MARK = "edgetp-kernel "  # the child's result lines start with this; anything else is noise
@@ -354,16 +356,20 @@ def _run_checks(todo: list[dict[str, Any]], threads: int, table: Table) -> None:
         if code == 0 and len(finished) == len(pending):
             return
         crashed = next((t for t in pending if t["id"] == begun), None)
+        if code == -signal.SIGKILL:  # no kernel dies so: the OOM killer or a user did it
+            where = "the kernel check"
+            if crashed is not None:
+                candidate, key = crashed["id"].split("|", 1)
+                where = f"the check of kernel {candidate} on {key}"
+            raise KernelError(
+                f"{where} was killed from outside (SIGKILL), most likely by the out-of-memory "
+                "killer: the check needs 200-300 MB of its own (a new interpreter, its test "
+                "matrices). Nothing was held against any kernel: start again with that much more "
+                "memory free (or a memory limit that leaves it), and the start checks what is left"
+            )
         if crashed is None:  # died before any check: the child itself is broken
             raise KernelError(f"the kernel check could not run on this device: {stderr.strip()}")
         key = crashed["id"].split("|", 1)[1]
-        if code == -signal.SIGKILL:  # no kernel dies so: the OOM killer or a user did it
-            raise KernelError(
-                f"the check of kernel {crashed['candidate']} on {key} was killed from outside "
-                "(SIGKILL), most likely by the out-of-memory killer: the check needs a few "
-                "hundred MB of its own. Nothing was held against the kernel: start again with "
-                "more memory free, and the start checks what is left"
-            )
         how = _death(code, stderr)
         what = f"{how} on {key}"
         log.warning("kernel %s rejected on this device: %s", crashed["candidate"], what)
@@ -392,7 +398,9 @@ def _check_in_child(job: dict[str, Any]) -> tuple[str, int | None, str]:
                 shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=f"{CHECK_FOLDER}{os.getpid()}-") as folder:
         out, err = Path(folder) / "out", Path(folder) / "err"
-        child = children.start(_child, (job, str(out), str(err)), "edgetp-kernels")
+        # Expendable: where the check does not fit beside its node, it is the one killed, and
+        # the node says so (`_run_checks`).
+        child = children.start(_child, (job, str(out), str(err)), "edgetp-kernels", expendable=True)
         try:
             code: int | None = child.wait(CHILD_TIMEOUT)
             stderr = err.read_text(errors="replace") if err.exists() else ""
@@ -419,8 +427,8 @@ def _death(code: int | None, stderr: str) -> str:
 
 
 class _Probe:
-    """One stored matrix of random weights, with its float64 products per row count: each is
-    computed once and held against every candidate."""
+    """One stored matrix of random weights, with the float64 products of its distinct rows per
+    row count: each is computed once and held against every candidate."""
 
     def __init__(self, dtype: str, out: int, inp: int, gen: np.random.Generator) -> None:
         # A tall matrix (an lm_head) repeats a block of PERIOD random rows: drawing, rounding
@@ -429,25 +437,46 @@ class _Probe:
         block = gen.standard_normal((period, inp), dtype=np.float32) / np.float32(
             max(inp, 1) ** 0.5
         )
-        self.dtype, self.out, self.period = dtype, out, period
+        self.dtype, self.out, self.inp = dtype, out, inp
         stored = quantize(torch.from_numpy(block), dtype)
         self.wd = dequantize(stored[""], stored.get(kernels.SCALE_SUFFIX)).double().numpy()
         self.tile = np.arange(out) % period
         self.stored = {k: v[self.tile].contiguous() for k, v in stored.items()}
-        self.norms = np.linalg.norm(self.wd, axis=1)[self.tile]
+        self.norms = np.linalg.norm(self.wd, axis=1)  # of the period's rows
         self.gen = gen
         self.cases: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.best: dict[int, float] = {}  # bucket -> fastest time so far (s)
 
     def case(self, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Input rows, the float64 product, and the largest error allowed per element:
-        TOLERANCE of |x| |w| (by Cauchy-Schwarz, norms bound the sum of |x_i w_i|)."""
+        """Input rows, their float64 products with the period's rows, and their norms."""
         if rows not in self.cases:
-            x = self.gen.standard_normal((rows, self.wd.shape[1]), dtype=np.float32)
+            x = self.gen.standard_normal((rows, self.inp), dtype=np.float32)
             x64 = x.astype(np.float64)
-            bound = TOLERANCE[self.dtype] * np.outer(np.linalg.norm(x64, axis=1), self.norms)
-            self.cases[rows] = (x, (x64 @ self.wd.T)[:, self.tile], bound + 1e-6)
+            self.cases[rows] = (x, x64 @ self.wd.T, np.linalg.norm(x64, axis=1))
         return self.cases[rows]
+
+    def error(self, got: np.ndarray, rows: int) -> str | None:
+        """Why `got` is not the product of the case of `rows` with this matrix, or None. An
+        element may be off by TOLERANCE of |x| |w| (by Cauchy-Schwarz, norms bound the sum of
+        |x_i w_i|). Compared COMPARE_COLUMNS outputs at a time: a tall matrix's product, its
+        bound and its error in float64 at once held more than the stored matrix (the check of
+        SmolLM2's q8_0 lm_head peaked at 305 MB, 153 of them beyond the interpreter's)."""
+        if got.shape != (rows, self.out):
+            return f"wrong shape {got.shape} at {rows} rows"
+        _, products, x_norms = self.case(rows)
+        wrong, worst = False, math.nan  # the largest error that is a number, as nanmax
+        for first in range(0, self.out, COMPARE_COLUMNS):
+            period_rows = self.tile[first : first + COMPARE_COLUMNS]
+            want = products[:, period_rows]
+            bound = TOLERANCE[self.dtype] * np.outer(x_norms, self.norms[period_rows]) + 1e-6
+            error = np.abs(got[:, first : first + COMPARE_COLUMNS].astype(np.float64) - want)
+            if not np.all(error <= bound):  # also false for nan
+                wrong = True
+                if not np.isnan(error).all():
+                    worst = np.fmax(worst, float(np.nanmax(error)))
+        if not wrong:
+            return None
+        return f"wrong: |error| up to {worst:.3g} at {rows} rows"
 
     def check(
         self, kernel: kernels.Kernel, bucket: int, clock: Callable[[], float]
@@ -456,16 +485,12 @@ class _Probe:
         `clock`: `kernels.compute_clock`'s)."""
         w, scale = self.stored[""], self.stored.get(kernels.SCALE_SUFFIX)
         for rows in CHECK_ROWS[bucket]:  # the last one is also the warm-up for the timing
-            x, want, bound = self.case(rows)
+            x = self.case(rows)[0]
             started = clock()
             got = np.asarray(kernel(x, w, scale))
             took = clock() - started
-            if got.shape != want.shape:
-                return f"wrong shape {got.shape} at {rows} rows", None
-            error = np.abs(got.astype(np.float64) - want)
-            if not np.all(error <= bound):  # also false for nan
-                worst = float(np.nanmax(error)) if np.isfinite(error).any() else float("nan")
-                return f"wrong: |error| up to {worst:.3g} at {rows} rows", None
+            if (error := self.error(got, rows)) is not None:
+                return error, None
         # The warm-up ran at the rows timed. A call longer than the timing's budget is timed by
         # it (a tall lm_head: 10-400 ms a call, at every bucket and candidate: two calls more
         # were a quarter of a check's time); a shorter one may have been a cold first call.
@@ -494,7 +519,7 @@ def _child(job: dict[str, Any], out: str, err: str) -> None:
     loaded: dict[str, kernels.Kernel] = {}
     for item in job["items"]:
         dtype, out, inp = item["shape"]
-        if probe is None or (probe.dtype, probe.out, probe.wd.shape[1]) != (dtype, out, inp):
+        if probe is None or (probe.dtype, probe.out, probe.inp) != (dtype, out, inp):
             probe = None  # one shape's weights at a time
             probe = _Probe(dtype, out, inp, gen)
         if item["candidate"] not in loaded:

@@ -214,7 +214,7 @@ def check_kernels_before_loading(
     """Check and install the kernels for the slice in `layer_files` (one file per layer) and
     `head` (a shard, the name of its lm_head tensor, this node's rows of it), from the files'
     headers, before any of it is read: a check runs in a child process with a few hundred MB of
-    its own (a new interpreter and its test matrices: 350 MB for SmolLM2's), which beside a
+    its own (a new interpreter and its test matrices: 213 MB for SmolLM2's), which beside a
     slice that fills a device's memory budget got the node killed by the out-of-memory killer.
     The BLAS threads are set first, as the executor for a window of `window` layers sets them,
     for the check to time the products as they will run. Returns the shapes checked: those

@@ -95,6 +95,22 @@ def test_a_memory_budget_under_a_limit_counts_what_the_limit_holds(tmp_path):
     assert _ours() == []
 
 
+def test_a_kernel_check_that_does_not_fit_beside_its_node_is_the_one_killed(tmp_path):
+    """The kernel check's child runs in its node's cgroup. Where the two do not fit, the
+    out-of-memory killer took the larger process, the node, and `edgetp run --device
+    mem=150MB` ended with the shell's "Killed" (rc 137) and no word of why. The check is
+    killed first now, and the node says so, its devices removed."""
+    emulate.check_host([DeviceSpec(mem=150 * 10**6)])
+    run = [sys.executable, "-m", "tui.cli", "run", "--device", "mem=150MB", "--max-tokens", "2"]
+    env = dict(os.environ, EDGETP_HOME=str(tmp_path / "home"))  # no kernel table yet
+    with subprocess.Popen([*run, PROMPT], stderr=subprocess.PIPE, text=True, env=env) as node:
+        _, err = node.communicate(timeout=120)
+    assert node.returncode == 1, (node.returncode, err[-2000:])
+    assert "the kernel check was killed from outside (SIGKILL)" in err, err
+    assert [f for c in emulate.CONTROLLERS for f in emulate.own_cgroup(c).glob(
+        f"edgetp-{node.pid}-*")] == []  # fmt: skip
+
+
 _DISK_PROBE = """
 import os, sys
 from pathlib import Path

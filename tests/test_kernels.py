@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +24,15 @@ from master.params import SamplingParams
 from models import kernels
 from models.dtypes import BLOCK_DTYPES, SHARD_DTYPES
 from models.kernels import SCALE_SUFFIX, Candidate, linear, quantize
-from node.device import CHECK_FOLDER, CHILD_TIMEOUT, TOLERANCE, KernelError, entry_key, prepare
+from node.device import (
+    CHECK_FOLDER,
+    CHILD_TIMEOUT,
+    TOLERANCE,
+    KernelError,
+    _Probe,
+    entry_key,
+    prepare,
+)
 
 TESTS = Path(__file__).parent
 FAKES = (
@@ -68,6 +77,23 @@ def test_a_wrong_and_a_crashing_kernel_are_rejected_and_the_product_stays_right(
         for rows in (1, 3, 8, 40):
             x = torch.randn(rows, inp, generator=gen)
             torch.testing.assert_close(linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tall_matrix_s_check_finds_one_wrong_output_anywhere_in_it():
+    """The check compares a tall matrix's product a block of outputs at a time (its float64
+    copies at once were most of the check's memory): one output off, or not a number, in the
+    last block of an lm_head's 49152 is still found, and the right product still passes."""
+    probe = _Probe("q8_0", 49152, 64, np.random.default_rng(0))
+    x, products, _ = probe.case(3)
+    right = products[:, probe.tile].astype(np.float32)
+    assert probe.error(right, 3) is None
+    assert probe.error(right[:, :-1], 3).startswith("wrong shape (3, 49151)")
+    off = right.copy()
+    off[2, 49151] += 0.5
+    assert probe.error(off, 3) == "wrong: |error| up to 0.5 at 3 rows"
+    off[2, 49151] = np.nan
+    assert probe.error(off, 3).startswith("wrong: |error| up to ")  # the others' rounding
+    assert probe.error(np.full_like(right, np.nan), 3) == "wrong: |error| up to nan at 3 rows"
 
 
 def test_a_check_killed_from_outside_is_not_held_against_its_kernel(
