@@ -24,7 +24,7 @@ from master.cluster import Hub
 from master.engine import Engine
 from master.session import Session
 from master.transport import ClusterError
-from memory.budget import ALL_RESIDENT, MemoryOptions
+from memory.budget import ALL_RESIDENT, MemoryOptions, oom_kills
 from memory.files import default_state_dir
 from models.kernels import device_cores, set_threads
 from models.source import ModelSource
@@ -75,6 +75,7 @@ class LocalWorkers:
         self.first = first
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self._oom_kills = oom_kills()  # in this process's memory cgroup, before the workers
         log_dir = state_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         if devices is None:
@@ -96,7 +97,9 @@ class LocalWorkers:
     def _spawn(self, i: int) -> subprocess.Popen[bytes] | Child:
         if self.devices is None:  # `python -m tui.cli join ...`, forked: see node/children.py
             args = (self.cmds[i][3:], str(self.logs[i]))
-            return children.start(_run_worker, args, f"edgetp-local-{self.first + i}", self.env)
+            name = f"edgetp-local-{self.first + i}"
+            oom = children.OOM_WORKER  # taken before the master, which says what happened
+            return children.start(_run_worker, args, name, self.env, oom_score_adj=oom)
         with open(self.logs[i], "ab") as log_file:  # an emulated device's: started in its cgroups
             return subprocess.Popen(
                 self.cmds[i], stdout=subprocess.DEVNULL, stderr=log_file, env=self.env
@@ -150,6 +153,15 @@ class LocalWorkers:
         if self.devices and self.devices.oom_kills(node):
             spec = self.devices.specs[node].describe()
             why = f"was killed by the kernel: over its device's memory limit ({spec})"
+        elif not self.devices and (oom_kills() or 0) > (self._oom_kills or 0):
+            # The code says little: a worker forked by a server that was killed too reads 255,
+            # and its log's last line is whatever it printed before.
+            why = (
+                f"{why}, and the kernel's out-of-memory killer has ended processes here: this "
+                "machine's memory (or its container's limit) cannot hold the master and "
+                f"{len(self.procs)} worker(s): run fewer --local-nodes, or give more memory"
+            )
+            return f"local worker local-{node} {why} (log: {self.logs[i]})"
         last = _last_line(self.logs[i])
         return (
             f"local worker local-{node} {why}"
@@ -252,7 +264,7 @@ def local_session(
         capacities,
         equal_shares=devices is None,
         standby=standby,
-        one_kernel_table=devices is None,  # an emulated device checks its own, as itself
+        one_device=devices is None,  # an emulated device checks its own kernels, as itself
     )
     with (
         session,

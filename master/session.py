@@ -168,15 +168,16 @@ def _cluster_engine(
     progress: Callable[[str, int, int], None] | None = None,
     memory: MemoryOptions = ALL_RESIDENT,
     head_costs: Sequence[float] | None = None,
-    check_workers_kernels: bool = False,
+    one_device: bool = False,
 ) -> Engine:
     """Plan for the master and the joined workers, split, ship, and build the master's engine.
 
     `capacities` has one entry per node, the master first. Without a hub, the master alone
     runs the whole model from its shards (streamed through a window if the memory says so).
-    `check_workers_kernels`: the workers share this process's kernel table (processes of this
-    machine, as this device), so every node's kernels are checked here, in one child, before
-    they are shipped; each worker would otherwise check its own, one after another.
+    `one_device`: the workers are processes of this machine, as this device: they share its
+    kernel table, so every node's kernels are checked here, in one child, before they are
+    shipped (each worker would otherwise check its own, one after another), and its memory
+    (`memory_plans`).
     """
     context = context_size(source.config, max_context)
     slices = plan_slices(source.config, capacities)
@@ -184,13 +185,13 @@ def _cluster_engine(
     heads = (
         head_rows(source.config, slices, capacities, head_costs) if hub and hub.members else None
     )
-    if check_workers_kernels and heads is not None:
+    if one_device and heads is not None:
         prepare(plan_shapes(source, slices, memory.dtype, heads), install=False)
     store = ShardStore(state_dir / "shards")
     split_progress = (lambda d, t: progress("splitting", d, t)) if progress else None
     manifest = split_model(source, slices, store, split_progress, memory.dtype, heads)
     try:
-        plans = memory_plans(manifest, hub, context, slots, memory)
+        plans = memory_plans(manifest, hub, context, slots, memory, one_device)
     except ModelError as exc:  # tell the workers why, or they only see the master go
         if hub is not None and not (isinstance(exc, WorkerTooSmall) and hub.planned):
             hub.close(reason=f"the master cannot run this plan: {exc}")
@@ -205,10 +206,21 @@ def _cluster_engine(
 
 
 def memory_plans(
-    manifest: Manifest, hub: Hub | None, context: int, slots: int, memory: MemoryOptions
+    manifest: Manifest,
+    hub: Hub | None,
+    context: int,
+    slots: int,
+    memory: MemoryOptions,
+    one_device: bool = False,
 ) -> list[MemoryPlan]:
     """Each node's window and context under its budget (the master's from `memory`, the
     workers' from their HELLO), all with the smallest context any of them can hold.
+
+    `one_device`: the workers are processes of this machine, in its memory cgroup. Without a
+    budget given, each read the limit less what the cgroup held as its own, and all of them
+    planned to fill the same memory: `edgetp run --local-nodes 2` in a 500 MB cgroup planned
+    the master 2 layers and its worker all 30, and the kernel killed the master, with no word
+    said. There, what the limit leaves when the master plans is split evenly between the nodes.
 
     Decided here, on the master, because only the master knows every node's slice size; a
     budget too small for some node is an error naming it.
@@ -218,6 +230,8 @@ def memory_plans(
     names = ["the master", *(f"node {m.name}" for m in members)]
     own = memory.budget if memory.budget is not None else device_memory_budget()
     budgets = [own, *(m.capacity.memory_budget for m in members)]
+    if one_device and memory.budget is None and own is not None:  # one limit for them all
+        budgets = [own // len(budgets)] * len(budgets)
     windows = [memory.window, *(m.capacity.window for m in members)]
 
     def plan(k: int, ctx: int) -> MemoryPlan:
@@ -289,14 +303,14 @@ class Session:
         equal_shares: bool = False,
         progress: Callable[[str, int, int], None] | None = None,
         standby: bool = True,
-        one_kernel_table: bool = False,
+        one_device: bool = False,
     ) -> None:
         """`capacities` (the master first) hold while the node count matches them; otherwise
         the shares are equal (`equal_shares`: processes of one machine) or measured per device,
         and then a device whose link would slow every token is left on standby (unless not
         `standby`: a benchmark of node counts times the split it asked for). With
-        `one_kernel_table` (workers that are processes of this machine as this device) each
-        plan checks every node's kernels in the master.
+        `one_device` (workers that are processes of this machine as this device) each plan
+        checks every node's kernels in the master and splits the device's memory limit.
         """
         self.source = source
         self.hub = hub
@@ -308,7 +322,7 @@ class Session:
         self.equal_shares = equal_shares
         self.progress = progress
         self.standby = standby
-        self.one_kernel_table = one_kernel_table
+        self.one_device = one_device
         self.engine: Engine | None = None
         self.max_context = context_size(source.config, context)  # the plan's, once planned
         self._master_capacity: Capacity | None = None
@@ -521,7 +535,7 @@ class Session:
                 self.progress,
                 self.memory,
                 self.planned_head_costs,
-                self.one_kernel_table,
+                self.one_device,
             )
         if self.hub is not None:
             self.hub.planned = True  # from now on a node that joins waits for a re-plan

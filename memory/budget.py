@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,28 +47,39 @@ def device_memory_budget() -> int | None:
     return max(0, limit - held - max(RESERVE_BYTES, limit // 10))
 
 
-# Per cgroup version: its memory controller's root, its limit's file, and the memory.stat
-# keys of what the kernel cannot reclaim (anonymous and shared memory), the cgroup's subtree in.
-_CGROUP_V1 = (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", ("total_rss", "total_shmem"))
-_CGROUP_V2 = (Path("/sys/fs/cgroup"), "memory.max", ("anon", "shmem"))
+# Per cgroup version: its memory controller's root, its limit's file, the memory.stat keys of
+# what the kernel cannot reclaim (anonymous and shared memory, the cgroup's subtree in), and the
+# file that counts its out-of-memory kills.
+_CGROUP_V1 = (
+    Path("/sys/fs/cgroup/memory"),
+    "memory.limit_in_bytes",
+    ("total_rss", "total_shmem"),
+    "memory.oom_control",
+)
+_CGROUP_V2 = (Path("/sys/fs/cgroup"), "memory.max", ("anon", "shmem"), "memory.events")
+
+
+def _memory_cgroups() -> Iterator[tuple[Path, tuple[Path, str, tuple[str, ...], str]]]:
+    """This process's memory cgroup folder, with its version's files (`_CGROUP_V1`, `_V2`)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            version = _CGROUP_V1
+        elif controllers == "":
+            version = _CGROUP_V2
+        else:
+            continue
+        yield version[0] / path.lstrip("/"), version
 
 
 def _memory_cgroup() -> tuple[int, int] | None:
     """This process's memory cgroup limit and what the cgroup holds that cannot be reclaimed,
     bytes; None if no cgroup limits it."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            root, limit_file, held_keys = _CGROUP_V1
-        elif controllers == "":
-            root, limit_file, held_keys = _CGROUP_V2
-        else:
-            continue
-        folder = root / path.lstrip("/")
+    for folder, (_, limit_file, held_keys, _) in _memory_cgroups():
         try:
             limit = (folder / limit_file).read_text().strip()
             stat = dict(row.split() for row in (folder / "memory.stat").read_text().splitlines())
@@ -75,6 +87,18 @@ def _memory_cgroup() -> tuple[int, int] | None:
             continue
         if limit.isdigit() and int(limit) < UNLIMITED:
             return int(limit), sum(int(stat.get(key, 0)) for key in held_keys)
+    return None
+
+
+def oom_kills() -> int | None:
+    """How many processes the out-of-memory killer has ended in this process's memory cgroup
+    (a container, the machine's session), or None where that is not counted."""
+    for folder, (*_, events_file) in _memory_cgroups():
+        try:
+            events = dict(row.split() for row in (folder / events_file).read_text().splitlines())
+            return int(events["oom_kill"])
+        except (OSError, ValueError, KeyError):
+            continue
     return None
 
 

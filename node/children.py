@@ -40,6 +40,10 @@ from typing import Any, NoReturn
 # torch, NumPy, ZeroMQ and the node's modules, the kernel check's too; node.fork_server first
 PRELOAD = ["node.fork_server", "node.worker"]
 _PR_SET_NAME = 15  # prctl(2): the name `ps` and `top` show (15 bytes)
+# Who the out-of-memory killer takes first (oom_score_adj): a kernel check before the node it
+# checks for, a local worker and the fork server before the master, which speaks for them all.
+OOM_CHECK = 1000
+OOM_WORKER = 500
 
 
 def _cgroups() -> str:
@@ -80,26 +84,30 @@ def start(
     args: tuple[Any, ...],
     name: str,
     env: dict[str, str] | None = None,
-    expendable: bool = False,
+    oom_score_adj: int = 0,
 ) -> Child | subprocess.Popen[bytes]:
     """`target(*args)` in a child process named `name` (`ps` shows it), with `env` (this
     process's environment unless given); its exit code is target's SystemExit code, 0 on
-    return, 1 on an exception, -N when killed by signal N. An `expendable` child is the one
-    the out-of-memory killer takes first in its cgroup, before its caller (`_expend`)."""
-    call = (target, args, dict(env or os.environ), name, expendable)
-    if not _serving or _cgroups() != _HOME_CGROUPS:
-        started = subprocess.Popen(
-            [sys.executable, "-c", "from node.children import _main; _main()", str(expendable)],
-            stdin=subprocess.PIPE,
-            env=call[2],
-        )
-        assert started.stdin is not None
-        with started.stdin:
-            started.stdin.write(pickle.dumps(call))
-        return started
-    process = multiprocessing.get_context("forkserver").Process(target=_enter, args=call)
-    process.start()
-    return Child(process)
+    return, 1 on an exception, -N when killed by signal N. `oom_score_adj` (OOM_WORKER,
+    OOM_CHECK) has the out-of-memory killer take the child before its caller (`_set_oom`)."""
+    global _serving
+    call = (target, args, dict(env or os.environ), name, oom_score_adj)
+    if _serving and _cgroups() == _HOME_CGROUPS:
+        process = multiprocessing.get_context("forkserver").Process(target=_enter, args=call)
+        try:
+            process.start()
+            return Child(process)
+        except (EOFError, ConnectionError):  # the server is gone: the OOM killer, a user
+            _serving = False  # a new interpreter for this child and the next
+    started = subprocess.Popen(
+        [sys.executable, "-c", "from node.children import _main; _main()", str(oom_score_adj)],
+        stdin=subprocess.PIPE,
+        env=call[2],
+    )
+    assert started.stdin is not None
+    with started.stdin:
+        started.stdin.write(pickle.dumps(call))
+    return started
 
 
 def exit_now(code: int) -> NoReturn:
@@ -130,21 +138,22 @@ def end_process(code: int) -> NoReturn:
 
 def _main() -> NoReturn:
     """A child started as a new interpreter: the call `start` pickled to its standard input."""
-    if sys.argv[1:] == ["True"]:
-        _expend()  # before the call's imports: they are most of what it holds at first
-    target, args, env, name, expendable = pickle.loads(sys.stdin.buffer.read())
-    _enter(target, args, env, name, expendable)
+    _set_oom(int(sys.argv[1]))  # before the call's imports: they are most of what it holds
+    target, args, env, name, oom_score_adj = pickle.loads(sys.stdin.buffer.read())
+    _enter(target, args, env, name, oom_score_adj)
     exit_now(0)
 
 
-def _expend() -> None:
-    """Have the out-of-memory killer take this process before any other: where a child does
-    not fit beside its caller, it took the larger, the caller (a node of 196 MB beside its
-    kernel check at `--device mem=220MB`), which died with no word said."""
-    try:
-        Path("/proc/self/oom_score_adj").write_text("1000")  # raising one's own: no privilege
-    except OSError:
-        pass  # not Linux: no OOM killer to steer
+def _set_oom(score_adj: int) -> None:
+    """Have the out-of-memory killer take this process before those with a lower score:
+    where processes do not fit together, it takes the largest, which was the one that speaks
+    for them (a node of 196 MB beside its kernel check at `--device mem=220MB`, a master
+    beside its fork server and worker in a 400 MB container), and it died with no word said."""
+    if score_adj:
+        try:
+            Path("/proc/self/oom_score_adj").write_text(str(score_adj))  # raising: no privilege
+        except OSError:
+            pass  # not Linux: no OOM killer to steer
 
 
 def _enter(
@@ -152,10 +161,9 @@ def _enter(
     args: tuple[Any, ...],
     env: dict[str, str],
     name: str,
-    expendable: bool,
+    oom_score_adj: int,
 ) -> None:
-    if expendable:
-        _expend()
+    _set_oom(oom_score_adj)
     os.environ.clear()
     os.environ.update(env)
     # Ctrl-C ends a child as it ends its caller, whatever the server that forked it ignores.

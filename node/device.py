@@ -398,9 +398,10 @@ def _check_in_child(job: dict[str, Any]) -> tuple[str, int | None, str]:
                 shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=f"{CHECK_FOLDER}{os.getpid()}-") as folder:
         out, err = Path(folder) / "out", Path(folder) / "err"
-        # Expendable: where the check does not fit beside its node, it is the one killed, and
-        # the node says so (`_run_checks`).
-        child = children.start(_child, (job, str(out), str(err)), "edgetp-kernels", expendable=True)
+        # Where the check does not fit beside its node, it is the one killed, and the node
+        # says so (`_run_checks`).
+        job_args = (job, str(out), str(err))
+        child = children.start(_child, job_args, "edgetp-kernels", oom_score_adj=children.OOM_CHECK)
         try:
             code: int | None = child.wait(CHILD_TIMEOUT)
             stderr = err.read_text(errors="replace") if err.exists() else ""

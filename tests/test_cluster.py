@@ -39,9 +39,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three reasons to le
 @contextlib.contextmanager
 def local_cluster(source, capacities, state_dir: Path, worker_dir: Path | None = None, slots=3):
     hub = Hub("127.0.0.1", 0, model_names=(source.name,))
-    session = Session(
-        source, hub, state_dir, 256, slots, capacities=capacities, one_kernel_table=True
-    )
+    session = Session(source, hub, state_dir, 256, slots, capacities=capacities, one_device=True)
     workers = LocalWorkers(
         len(capacities) - 1, hub.port, 1, worker_dir or state_dir, False, hub.token
     )

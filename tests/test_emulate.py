@@ -4,6 +4,7 @@ behind."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -109,6 +110,35 @@ def test_a_kernel_check_that_does_not_fit_beside_its_node_is_the_one_killed(tmp_
     assert "the kernel check was killed from outside (SIGKILL)" in err, err
     assert [f for c in emulate.CONTROLLERS for f in emulate.own_cgroup(c).glob(
         f"edgetp-{node.pid}-*")] == []  # fmt: skip
+
+
+def test_local_nodes_that_do_not_fit_in_their_container_say_so(tmp_path):
+    """`edgetp run --local-nodes 2` in a memory cgroup (a container) too small for the master,
+    its fork server and a worker: the out-of-memory killer took the largest, the master, and the
+    run ended with the shell's "Killed" (rc 137) and no word of why, or with a traceback of the
+    fork server's EOFError. The workers go first now, and the master says what happened."""
+    emulate.check_host([DeviceSpec(mem=350 * 2**20)])
+    folder = emulate.own_cgroup("memory") / f"edgetp-{os.getpid()}-container"
+    folder.mkdir()
+    try:
+        (folder / "memory.limit_in_bytes").write_text(str(350 * 2**20))
+        enter = f'echo $$ > {folder}/cgroup.procs && exec "$@"'
+        run = [sys.executable, "-m", "tui.cli", "run", "--local-nodes", "2", "--max-tokens", "2"]
+        env = dict(os.environ, EDGETP_HOME=str(tmp_path / "home"))
+        done = subprocess.run(["sh", "-c", enter, "sh", *run, PROMPT], capture_output=True,
+                              text=True, env=env, timeout=180)  # fmt: skip
+    finally:  # anything the run left in it (none should be) ends with it
+        for _ in range(50):
+            with contextlib.suppress(OSError):
+                for pid in (folder / "cgroup.procs").read_text().split():
+                    os.kill(int(pid), signal.SIGKILL)
+                folder.rmdir()
+            if not folder.exists():
+                break
+            time.sleep(0.1)
+    assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
+    assert "out-of-memory killer has ended processes here" in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 _DISK_PROBE = """

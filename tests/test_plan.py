@@ -307,6 +307,34 @@ def test_a_worker_s_memory_plan_counts_its_rows_of_the_lm_head(smollm2, tmp_path
     assert (plan.window, plan.context) == (2, 64)
 
 
+def test_local_workers_in_the_master_s_memory_cgroup_split_what_its_limit_leaves(
+    smollm2, tmp_path, monkeypatch
+):
+    """Local workers are processes in the master's cgroup: each read the limit less what the
+    cgroup held as its own budget, so two nodes planned to fill the same memory, and the kernel
+    killed the master (`edgetp run --local-nodes 2` in a 500 MB cgroup). What the limit leaves
+    when the master plans is split evenly between them; a budget given, or devices of their
+    own, is each node's as before."""
+    caps = [1.0, 1.0]
+    slices = plan_slices(smollm2.config, caps)
+    manifest = split_model(smollm2, slices, ShardStore(tmp_path), head_rows=head_rows(
+        smollm2.config, slices, caps))  # fmt: skip
+    layer = max(r.size for r in manifest.nodes[1])
+    limit_leaves = manifest.globals.size + manifest.head_size(1) + 26 * layer  # 20 layers each
+    monkeypatch.setattr("master.session.device_memory_budget", lambda: limit_leaves)
+    worker = SimpleNamespace(name="w", capacity=SimpleNamespace(memory_budget=limit_leaves,
+                                                                window=None))  # fmt: skip
+    hub = SimpleNamespace(members=[worker])
+    apart = memory_plans(manifest, hub, 64, 1, MemoryOptions())
+    shared = memory_plans(manifest, hub, 64, 1, MemoryOptions(), one_device=True)
+    print(f"\nwindows: {[p.window for p in apart]} apart, {[p.window for p in shared]} shared")
+    assert [p.window for p in apart] == [30, 30]  # each counted the whole of what is left
+    total = sum(p.window for p in shared) * layer + manifest.globals.size + manifest.head_size(1)
+    assert all(p.window < 30 for p in shared) and total <= limit_leaves
+    given = memory_plans(manifest, hub, 64, 1, MemoryOptions(budget=limit_leaves), True)
+    assert [p.window for p in given] == [30, 30]
+
+
 def test_the_split_estimate_weighs_the_sums_against_the_compute_saved():
     """Two devices of 5 GB/s share 0.5 GB of weights: 100 ms a token alone, 50 ms of compute
     split. 61 sums at the slowest worker's 2 ms round trip add 122 ms: slower than alone (the
