@@ -89,7 +89,7 @@ def start(
     """`target(*args)` in a child process named `name` (`ps` shows it), with `env` (this
     process's environment unless given); its exit code is target's SystemExit code, 0 on
     return, 1 on an exception, -N when killed by signal N. `oom_score_adj` (OOM_WORKER,
-    OOM_CHECK) has the out-of-memory killer take the child before its caller (`_set_oom`)."""
+    OOM_CHECK) has the out-of-memory killer take the child before its caller."""
     global _serving
     call = (target, args, dict(env or os.environ), name, oom_score_adj)
     if _serving and _cgroups() == _HOME_CGROUPS:
@@ -138,13 +138,13 @@ def end_process(code: int) -> NoReturn:
 
 def _main() -> NoReturn:
     """A child started as a new interpreter: the call `start` pickled to its standard input."""
-    _set_oom(int(sys.argv[1]))  # before the call's imports: they are most of what it holds
+    set_oom_score_adj(int(sys.argv[1]))  # before the call's imports: most of what it holds
     target, args, env, name, oom_score_adj = pickle.loads(sys.stdin.buffer.read())
     _enter(target, args, env, name, oom_score_adj)
     exit_now(0)
 
 
-def _set_oom(score_adj: int) -> None:
+def set_oom_score_adj(score_adj: int) -> None:
     """Have the out-of-memory killer take this process before those with a lower score:
     where processes do not fit together, it takes the largest, which was the one that speaks
     for them (a node of 196 MB beside its kernel check at `--device mem=220MB`, a master
@@ -163,7 +163,7 @@ def _enter(
     name: str,
     oom_score_adj: int,
 ) -> None:
-    _set_oom(oom_score_adj)
+    set_oom_score_adj(oom_score_adj)
     os.environ.clear()
     os.environ.update(env)
     # Ctrl-C ends a child as it ends its caller, whatever the server that forked it ignores.

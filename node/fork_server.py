@@ -12,11 +12,11 @@ from __future__ import annotations
 import atexit
 import signal
 
-from node.children import OOM_WORKER, _set_oom, end_process
+from node.children import OOM_WORKER, end_process, set_oom_score_adj
 
 # The server starts workers; where they do not fit beside the master, the out-of-memory killer
 # takes it before the master, which then says what happened. Set before its imports of torch.
-_set_oom(OOM_WORKER)
+set_oom_score_adj(OOM_WORKER)
 
 # Registered before the imports that follow it in the server, so their atexit functions run
 # first (atexit runs the last registered first); the server writes no files and starts its
