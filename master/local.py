@@ -150,19 +150,19 @@ class LocalWorkers:
         why = f"exited with code {p.returncode}"
         if p.returncode is not None and p.returncode < 0:
             why = f"was killed by signal {-p.returncode}"
+        last = _last_line(self.logs[i])
         if self.devices and self.devices.oom_kills(node):
             spec = self.devices.specs[node].describe()
             why = f"was killed by the kernel: over its device's memory limit ({spec})"
         elif not self.devices and (oom_kills() or 0) > (self._oom_kills or 0):
-            # The code says little: a worker forked by a server that was killed too reads 255,
-            # and its log's last line is whatever it printed before.
+            # The code says little (a worker forked by a server that was killed too reads 255),
+            # and its log's last line is whatever it printed before: not the reason.
             why = (
                 f"{why}, and the kernel's out-of-memory killer has ended processes here: this "
                 "machine's memory (or its container's limit) cannot hold the master and "
                 f"{len(self.procs)} worker(s): run fewer --local-nodes, or give more memory"
             )
-            return f"local worker local-{node} {why} (log: {self.logs[i]})"
-        last = _last_line(self.logs[i])
+            last = ""
         return (
             f"local worker local-{node} {why}"
             + (f": {last}" if last else "")

@@ -89,7 +89,8 @@ def start(
     """`target(*args)` in a child process named `name` (`ps` shows it), with `env` (this
     process's environment unless given); its exit code is target's SystemExit code, 0 on
     return, 1 on an exception, -N when killed by signal N. `oom_score_adj` (OOM_WORKER,
-    OOM_CHECK) has the out-of-memory killer take the child before its caller."""
+    OOM_CHECK) has the out-of-memory killer take the child before its caller; 0 leaves it as
+    the process it comes from (the fork server's is OOM_WORKER)."""
     global _serving
     call = (target, args, dict(env or os.environ), name, oom_score_adj)
     if _serving and _cgroups() == _HOME_CGROUPS:
