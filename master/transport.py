@@ -188,6 +188,9 @@ class Transport:
         frames = P.encode(header, (h,))
         for identity in identities:
             self.send_frames(identity, frames)
+        # The I/O thread these sends woke must write them before this process computes its own
+        # part; on a core it shares, the scheduler could leave it waiting through that compute.
+        os.sched_yield()
 
     def gather(
         self,

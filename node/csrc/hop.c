@@ -10,6 +10,7 @@
 // Python (HOP_FOREIGN), which decodes it as it always has; so is a receive that times out
 // (HOP_TIMEOUT: Python checks heartbeats and deadlines, then calls again).
 #include <errno.h>
+#include <sched.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -376,6 +377,10 @@ int hop_run(hop_hub *hb, long timeout_ms) {
                 }
                 hb->received[i] = 0;
             }
+            // ZeroMQ's I/O thread, woken by these sends, writes the STEPs out; on a core it shares
+            // with this thread the scheduler may leave it waiting through the whole block below,
+            // and a worker's STEP then leaves late by the master's compute. The core is its first.
+            sched_yield();
             double start = now();
             hb->block(hb->args[2 * hb->layer + hb->ffn], (int)hb->ffn, hb->step, hb->h, hb->own);
             hb->slowest = now() - start;
