@@ -121,6 +121,7 @@ class Transport:
         # (bounded: a server runs 60 sums a token for days)
         self.allreduce_seconds: deque[float] = deque(maxlen=ALLREDUCE_KEPT)
         self.spin = P.spin_seconds()
+        self.one_core = P.on_one_core()
         self._hop: HubHop | None = None  # the native loop, for the members it was made for
 
     def _watch_handshakes(self) -> None:
@@ -188,9 +189,8 @@ class Transport:
         frames = P.encode(header, (h,))
         for identity in identities:
             self.send_frames(identity, frames)
-        # The I/O thread these sends woke must write them before this process computes its own
-        # part; on a core it shares, the scheduler could leave it waiting through that compute.
-        os.sched_yield()
+        if self.one_core:  # the I/O thread these sends woke writes them first (`on_one_core`)
+            os.sched_yield()
 
     def gather(
         self,
@@ -320,7 +320,7 @@ class Transport:
         if hop is None or hop.identities != identities or hop.blocks is not blocks:
             if hop is not None:
                 self._hop.close()
-            hop = self._hop = HubHop(self.sock, blocks, identities)
+            hop = self._hop = HubHop(self.sock, blocks, identities, self.one_core)
         first = None
         if self._batch is not None:
             header = {"op": P.STEP, "step": self._step, "layer": 0, "block": P.ATTENTION}

@@ -92,6 +92,7 @@ class Hub(ctypes.Structure):
         ("slowest", ctypes.c_double),
         ("own_compute_s", ctypes.c_double),
         ("failed", ctypes.c_int64),
+        ("one_core", ctypes.c_int64),
         ("msg", Held),
     ]
 
@@ -209,9 +210,12 @@ class WorkerHop:
 
 class HubHop:
     """The master's native loop: a decode step's blocks over its ROUTER socket, its own slice's
-    native blocks, and the workers `identities` (in the plan's order)."""
+    native blocks, and the workers `identities` (in the plan's order); `one_core`: it yields
+    the core after each block's sends (node/protocol.py's `on_one_core`)."""
 
-    def __init__(self, sock: zmq.Socket, blocks: NativeBlocks, identities: list[bytes]) -> None:
+    def __init__(
+        self, sock: zmq.Socket, blocks: NativeBlocks, identities: list[bytes], one_core: bool
+    ) -> None:
         self.lib = load()
         # Not a reference: a re-planned engine's blocks (and the weights they point into) go
         # with it, while the transport keeps this loop until its next native step.
@@ -242,6 +246,7 @@ class HubHop:
             own=self.own.ctypes.data,
             received=self.received.ctypes.data,
             allreduce=self.allreduce.ctypes.data,
+            one_core=int(one_core),
         )
 
     @property

@@ -124,6 +124,14 @@ def spin_seconds() -> float:
     return SPIN_SECONDS if cgroup_cpu_quota() == "none" else 0.0
 
 
+def on_one_core() -> bool:
+    """Whether this process may run on one core only (an emulated device's cpuset, a one-core
+    machine), where ZeroMQ's I/O thread takes turns with the thread that hands it messages. Such
+    a sender yields the core after a block's sends, or the STEPs could wait out its own compute.
+    Read when a socket's owner starts, as `spin_seconds` is."""
+    return len(os.sched_getaffinity(0)) == 1
+
+
 def wait_readable(sock: zmq.Socket, timeout_ms: int, spin: float) -> bool:
     """True when `sock` has a message within `timeout_ms`; check in a loop for `spin` seconds
     first (`spin_seconds()`, or 0 for none)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import msgpack
 import numpy as np
 import pytest
@@ -45,3 +47,13 @@ def _step(tensors: object, *frames: bytes) -> list[bytes]:
 def test_a_malformed_message_is_a_protocol_error(frames):
     with pytest.raises(P.ProtocolError):
         P.decode(frames)
+
+
+def test_only_a_process_held_to_one_core_yields_it_after_its_sends():
+    cores = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(cores)})
+        assert P.on_one_core()
+    finally:
+        os.sched_setaffinity(0, cores)
+    assert P.on_one_core() == (len(cores) == 1)

@@ -349,6 +349,7 @@ typedef struct {
     int64_t layer, ffn, gathering;
     double sent_at, slowest, own_compute_s;
     int64_t failed;            // the worker a send failed to
+    int64_t one_core;          // this process runs on one core (node/protocol.py's on_one_core)
     held msg;
 } hop_hub;
 
@@ -380,7 +381,7 @@ int hop_run(hop_hub *hb, long timeout_ms) {
             // ZeroMQ's I/O thread, woken by these sends, writes the STEPs out; on a core it shares
             // with this thread the scheduler may leave it waiting through the whole block below,
             // and a worker's STEP then leaves late by the master's compute. The core is its first.
-            sched_yield();
+            if (hb->one_core) sched_yield();
             double start = now();
             hb->block(hb->args[2 * hb->layer + hb->ffn], (int)hb->ffn, hb->step, hb->h, hb->own);
             hb->slowest = now() - start;
