@@ -301,6 +301,22 @@ def back_to_three(base: str, restarts: dict[str, int], timeout: float = 90) -> d
         time.sleep(0.5)
 
 
+def hold_until_back(base: str, name: str, paused_pid: int, timeout: float = 60) -> None:
+    """Hold the running answers, by pausing the worker `paused_pid` 0.3 s at a time (less than
+    the 2 s that mark a node dead), until the restarted worker `name` has joined: so that it
+    joins while they run, however fast this machine decodes; fails after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = httpx.get(f"{base}/v1/cluster", timeout=10).json()["nodes"]
+        if any(n["name"] == name and n["alive"] and n["restarts"] == 1 for n in nodes):
+            return
+        assert time.monotonic() < deadline, nodes
+        os.kill(paused_pid, signal.SIGSTOP)
+        time.sleep(0.3)
+        os.kill(paused_pid, signal.SIGCONT)
+        time.sleep(0.1)
+
+
 def split_for_two_nodes(smollm2, state_dir: Path) -> None:
     """The plan a loss of one of three nodes re-plans to, split and its kernels checked
     beforehand: a pause then measures noticing, re-planning and replaying, not a first split,
@@ -318,8 +334,9 @@ async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(
     the 2 s that mark a node dead) costs a pause and nothing else: no re-plan. A worker killed
     in the middle of a streamed 120-token answer: the stream pauses, the master re-plans on the
     two nodes left, replays the answer so far, and the stream completes with the uninterrupted
-    run's text; the worker is started again and planned back in at a step boundary while
-    answers stream, not after them. The other killed mid-answer in the app: the answer
+    run's text; the worker is started again and planned back in at a step boundary of that
+    same answer (held by short pauses of the other worker until it has joined), not after it.
+    The other killed mid-answer in the app: the answer
     completes, the cluster panel says a node was lost, the next prompt is answered, and that
     worker comes back too."""
     await asyncio.to_thread(split_for_two_nodes, smollm2, shared_state)
@@ -348,6 +365,8 @@ async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(
         def kill_at_the_60th_chunk(n: int) -> None:
             if n == 60:
                 os.kill(workers["local-1"], signal.SIGKILL)
+            if n == 61:  # the answer goes on: it is still running when local-1 joins again
+                hold_until_back(local.base, "local-1", workers["local-2"])
 
         after, pause = await asyncio.to_thread(stream_greedy, client, 120, kill_at_the_60th_chunk)
         print(f"the stream paused {pause:.2f} s for the loss and the re-plan")
@@ -360,13 +379,12 @@ async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(
         assert cluster["generation"]["recovered"] == 1, cluster["generation"]
         assert "node local-1 " in cluster["generation"]["last_loss"], cluster["generation"]
         assert cluster["generation"]["failed"] == 0
-        # The killed worker is started again, and planned back in at a step boundary while one
-        # of these answers streams (a few seconds after the kill; a longer one, to be sure to
-        # be streaming then): each replays and goes on.
+        # The restarted worker joined while that answer ran, and was planned back in at one of
+        # its step boundaries: the answer replayed on three nodes and came out the same.
+        assert cluster["generation"]["replans_mid_answer"] == 1, cluster["generation"]
+        cluster = await asyncio.to_thread(back_to_three, local.base, {"local-1": 1, "local-2": 0})
         again, _ = await asyncio.to_thread(stream_greedy, client, 200, lambda n: None)
         assert again.startswith(before) and len(again) > len(before)
-        cluster = await asyncio.to_thread(back_to_three, local.base, {"local-1": 1, "local-2": 0})
-        assert cluster["generation"]["replans_mid_answer"] >= 1, cluster["generation"]
 
         app = make_app(
             local.base,
