@@ -122,13 +122,15 @@ async def test_a_prompt_streams_its_answer_token_by_token(bridge, tmp_path):
             if view.source and (not seen or seen[-1][1] != view.source):
                 seen.append((time.monotonic() - t0, view.source))
             await pilot.pause(0.01)
+        done = time.monotonic() - t0
         final = app.conversation.messages[-1]
         assert final.role == "assistant" and not final.stopped
         assert view.source == final.content
-        # It arrived piece by piece, each a continuation of the last, over the answer's time.
+        # It arrived piece by piece, each a continuation of the last, over the answer's time
+        # (most of it from the first piece on: a fast CPU streams 48 tokens in 0.4 s).
         assert len(seen) >= 10, seen
         assert all(b.startswith(a) for (_, a), (_, b) in zip(seen, seen[1:], strict=False))
-        assert seen[-1][0] - seen[0][0] > 0.5
+        assert seen[-1][0] - seen[0][0] > 0.5 * (done - seen[0][0]), (seen, done)
         expected = await asyncio.to_thread(
             chat_once, bridge.base, [{"role": "user", "content": prompt}], sampling
         )
@@ -312,8 +314,10 @@ def hold_until_back(base: str, name: str, paused_pid: int, timeout: float = 60) 
             return
         assert time.monotonic() < deadline, nodes
         os.kill(paused_pid, signal.SIGSTOP)
-        time.sleep(0.3)
-        os.kill(paused_pid, signal.SIGCONT)
+        try:
+            time.sleep(0.3)
+        finally:
+            os.kill(paused_pid, signal.SIGCONT)
         time.sleep(0.1)
 
 
