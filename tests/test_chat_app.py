@@ -342,9 +342,8 @@ async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(
     two nodes left, replays the answer so far, and the stream completes with the uninterrupted
     run's text; the worker is started again and planned back in at a step boundary of that
     same answer (held by short pauses of the other worker until it has joined), not after it.
-    The other killed mid-answer in the app: the answer
-    completes, the cluster panel says a node was lost, the next prompt is answered, and that
-    worker comes back too."""
+    The other killed mid-answer in the app: the answer completes, the cluster panel says a node
+    was lost, the next prompt is answered, and that worker comes back too."""
     await asyncio.to_thread(split_for_two_nodes, smollm2, shared_state)
     local = await asyncio.to_thread(
         start_server,
