@@ -11,6 +11,11 @@ Three measured parts, each devices' placement as the emulator makes it (node k o
   (which no code of ours can avoid: libzmq hands every message to one) apart from the main one.
 - a round trip through the emulator's link relay at rtt=2ms: what a sum costs beyond the rtt.
 
+Twice over: as the emulator places the devices, and without two things of this host that a
+cluster of separate devices does not have: one memory bus that all cores stream from (each slice
+is then timed alone), and a peer's wake-up on another core of a VM (the peers then run on the
+hub's core, so a message wakes its reader where it is, as a device's own interrupt does).
+
 A token's floor at N devices is the sum of the devices' CPU per token (compute plus 60 sums of
 ZeroMQ I/O-thread time) over N q: no plan can keep devices busier than all the time. A second
 floor adds the main threads' ZeroMQ calls as the echo makes them (pyzmq, nothing else per
@@ -78,19 +83,22 @@ def _compute(
     out.put((k, layer_cpu / layers * 1e6, head_cpu / heads * 1e6 if heads else 0.0))
 
 
-def compute_costs(n: int) -> dict[int, tuple[float, float]]:
+def compute_costs(n: int, alone: bool = False) -> dict[int, tuple[float, float]]:
     """Slice k of the equal n-way plan: (us per layer, us per lm_head) with its neighbour core
-    busy streaming another slice (for n = 1: alone)."""
+    busy streaming another slice (for n = 1, or `alone`: with no neighbour)."""
     ctx = multiprocessing.get_context("spawn")
     capacities = (1.0,) * n
     results: dict[int, tuple[float, float]] = {}
     # (slice on core 0, slice on core 1) run at once; node 2 of three shares core 0 with node 0
     pairs = {1: [(0,)], 2: [(0, 1)], 3: [(0, 1), (2, 1)]}[n]
+    if alone:
+        pairs = [(k,) if k % 2 == 0 else (None, k) for k in range(n)]
     for pair in pairs:
-        start, out = ctx.Barrier(len(pair)), ctx.Queue()
+        start, out = ctx.Barrier(sum(k is not None for k in pair)), ctx.Queue()
         procs = [
             ctx.Process(target=_compute, args=(capacities, k, core, k == 0, start, out))
             for core, k in enumerate(pair)
+            if k is not None
         ]
         for p in procs:
             p.start()
@@ -120,8 +128,11 @@ def _peer(core: int, endpoint: str) -> None:
     zmq_echo(endpoint)
 
 
-def zmq_costs(n: int, hidden: int, relay_half_us: int | None = None) -> dict[str, float]:
-    """Per sum, us: each process's main and I/O-thread CPU, and the sum's median wall time."""
+def zmq_costs(
+    n: int, hidden: int, relay_half_us: int | None = None, same_core: bool = False
+) -> dict[str, float]:
+    """Per sum, us: each process's main and I/O-thread CPU, and the sum's median wall time;
+    peer k on core k mod 2 (`same_core`: on the hub's)."""
     os.sched_setaffinity(0, {0})
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -134,7 +145,9 @@ def zmq_costs(n: int, hidden: int, relay_half_us: int | None = None) -> dict[str
         relay = start_relay(relay_half_us, host, "127.0.0.1", [port])
     mp = multiprocessing.get_context("spawn")
     peers = [
-        mp.Process(target=_peer, args=(k % 2, f"tcp://{host}:{port}"), daemon=True)
+        mp.Process(
+            target=_peer, args=(0 if same_core else k % 2, f"tcp://{host}:{port}"), daemon=True
+        )
         for k in range(1, n)
     ]
     for p in peers:
@@ -174,6 +187,40 @@ def zmq_costs(n: int, hidden: int, relay_half_us: int | None = None) -> dict[str
     return costs
 
 
+def _floor(
+    n: int,
+    q: float,
+    compute: dict[int, tuple[float, float]],
+    hops: dict[str, float],
+    one_device_ms: float,
+    bar: float,
+    n_layers: int,
+    sums: int,
+) -> None:
+    head_us = compute[0][1]
+    cpu_ms, io_ms, main_ms = [], [], []
+    for k in range(n):
+        layer_us = compute[k][0]
+        io_us, main_us = hops[f"node{k}_io_us"], hops[f"node{k}_main_us"]
+        cpu_ms.append((n_layers * layer_us + (head_us if k == 0 else 0.0) + sums * io_us) / 1e3)
+        io_ms.append(sums * io_us / 1e3)
+        main_ms.append(sums * main_us / 1e3)
+        print(
+            f"  {n} devices, node {k}: {layer_us:.0f} us a layer"
+            + (f" + lm_head {head_us:.0f}" if k == 0 else "")
+            + f"; ZeroMQ a sum: main thread {main_us:.0f} us, I/O thread {io_us:.0f} us"
+        )
+    floor_ms = sum(cpu_ms) / (n * q)
+    with_calls_ms = (sum(cpu_ms) + sum(main_ms)) / (n * q)
+    print(
+        f"  {n} devices: CPU a token {' + '.join(f'{c:.2f}' for c in cpu_ms)} ms "
+        f"(ZeroMQ I/O threads {sum(io_ms):.2f}); round trip {hops['sum_median_us']:.0f} us "
+        f"median\n  floor {floor_ms:.2f} ms/token = {floor_ms / one_device_ms:.2f}x of one "
+        f"device; with the send and receive calls ({sum(main_ms):.2f} ms) "
+        f"{with_calls_ms:.2f} = {with_calls_ms / one_device_ms:.2f}x (bar {bar}x)"
+    )
+
+
 def main() -> None:
     one_device_ms = float(sys.argv[1])
     q = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
@@ -187,30 +234,16 @@ def main() -> None:
         f"{(n_layers * whole[0] + whole[1]) / 1e3:.2f} ms of CPU a token"
     )
     for n in (2, 3):
-        compute = compute_costs(n)
-        hops = zmq_costs(n, config.hidden)
-        head_us = compute[0][1]
-        cpu_ms, io_ms, main_ms = [], [], []
-        for k in range(n):
-            layer_us = compute[k][0]
-            io_us, main_us = hops[f"node{k}_io_us"], hops[f"node{k}_main_us"]
-            cpu_ms.append((n_layers * layer_us + (head_us if k == 0 else 0.0) + sums * io_us) / 1e3)
-            io_ms.append(sums * io_us / 1e3)
-            main_ms.append(sums * main_us / 1e3)
+        for placed in (True, False):
+            compute = compute_costs(n, alone=not placed)
+            hops = zmq_costs(n, config.hidden, same_core=not placed)
             print(
-                f"{n} devices, node {k}: {layer_us:.0f} us a layer"
-                + (f" + lm_head {head_us:.0f}" if k == 0 else "")
-                + f"; ZeroMQ a sum: main thread {main_us:.0f} us, I/O thread {io_us:.0f} us"
+                "as the emulator places them:"
+                if placed
+                else "without the shared memory bus "
+                "and the wake-ups across cores (each slice alone, the peers on one core):"
             )
-        floor_ms = sum(cpu_ms) / (n * q)
-        with_calls_ms = (sum(cpu_ms) + sum(main_ms)) / (n * q)
-        print(
-            f"{n} devices: CPU a token {' + '.join(f'{c:.2f}' for c in cpu_ms)} ms "
-            f"(ZeroMQ I/O threads {sum(io_ms):.2f}); round trip {hops['sum_median_us']:.0f} us "
-            f"median\n  floor {floor_ms:.2f} ms/token = {floor_ms / one_device_ms:.2f}x of one "
-            f"device; with the send and receive calls ({sum(main_ms):.2f} ms) "
-            f"{with_calls_ms:.2f} = {with_calls_ms / one_device_ms:.2f}x (bar {bars[n]}x)"
-        )
+            _floor(n, q, compute, hops, one_device_ms, bars[n], n_layers, sums)
     relayed = zmq_costs(2, config.hidden, relay_half_us=1000)
     print(
         f"rtt=2ms through the relay: a round trip {relayed['sum_median_us']:.0f} us median, "
