@@ -30,6 +30,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing import forkserver
@@ -75,8 +76,30 @@ def start_server() -> None:
     global _serving
     if not _serving and _cgroups() == _HOME_CGROUPS:
         forkserver.set_forkserver_preload(PRELOAD)
-        forkserver.ensure_running()
+        if threading.current_thread() is not threading.main_thread():
+            forkserver.ensure_running()  # no Ctrl-C comes to a thread (the chat app reads it)
+        else:
+            # The server starts with Ctrl-C ignored (an ignored signal stays so across exec):
+            # one in the moment before its first import (node.fork_server) printed its
+            # traceback under edgetp's own line. This process ignores it for that moment too.
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                forkserver.ensure_running()
+            finally:
+                signal.signal(signal.SIGINT, previous)
         _serving = True
+
+
+def _end_server() -> None:
+    """Kill this process's fork server at once, before it forks a child asked for."""
+    global _serving
+    pid = forkserver._forkserver._forkserver_pid  # multiprocessing keeps it there
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _serving = False
 
 
 def start(
@@ -100,6 +123,12 @@ def start(
             return Child(process)
         except (EOFError, ConnectionError):  # the server is gone: the OOM killer, a user
             _serving = False  # a new interpreter for this child and the next
+        except (KeyboardInterrupt, SystemExit):
+            # A Ctrl-C (or a SIGTERM's exit) while the server was still importing, its first
+            # seconds: the request is in, and the server would fork the child once done, with
+            # no caller left to end it (a local worker ran on 10-40 s, until its link gave up).
+            _end_server()
+            raise
     started = subprocess.Popen(
         [sys.executable, "-c", "from node.children import _main; _main()", str(oom_score_adj)],
         stdin=subprocess.PIPE,

@@ -26,4 +26,6 @@ atexit.register(end_process, 0)
 # multiprocessing has the server ignore Ctrl-C once its imports are done; a Ctrl-C at the
 # terminal reaches every process of the group, and one in the seconds it imports torch
 # printed the server's traceback under edgetp's own line. Its caller is told, and ends it.
+# `node.children.start_server` starts the server with Ctrl-C ignored already; this is for one
+# that multiprocessing starts again by itself (the first was killed: the OOM killer, a user).
 signal.signal(signal.SIGINT, signal.SIG_IGN)

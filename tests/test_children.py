@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,3 +40,77 @@ def test_a_child_ends_with_its_code_and_its_output(tmp_path, monkeypatch, forked
     # A process of its own runs its atexit functions; one forked by the server runs none
     # (multiprocessing ends its children so): the server's own are not the child's to run.
     assert Path(out + ".left").exists() == forked
+
+
+INTERRUPTED = """
+import os, signal, sys, threading, time
+from pathlib import Path
+
+from node import children
+
+
+def child(marker: str) -> None:
+    Path(marker).write_text(str(os.getpid()))
+    time.sleep(60)
+
+
+if __name__ == "__main__":
+    children.PRELOAD = [*children.PRELOAD, "slow_import"]  # the server's imports, longer
+    children.start_server()
+    print(children.forkserver._forkserver._forkserver_pid, flush=True)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        children.start(child, (sys.argv[1],), "edgetp-test")
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        raise SystemExit(130)
+"""
+
+
+def test_a_child_asked_for_in_the_server_s_first_seconds_is_not_forked_after_a_ctrl_c(tmp_path):
+    """A Ctrl-C while the fork server still imports ends its caller; the server, which ignores
+    it, would fork the child it was asked for once done, and nobody would end that child."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(3)\n")
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    marker = tmp_path / "forked"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script), str(marker)], capture_output=True, text=True, env=env,
+        timeout=120,
+    )  # fmt: skip
+    try:
+        server, said = done.stdout.split()
+        assert (done.returncode, said) == (130, "interrupted"), done.stderr
+        deadline = time.monotonic() + 30  # the server's imports take 3 s more at least
+        while Path(f"/proc/{server}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{server}").exists()
+        assert not marker.exists()
+    finally:
+        if marker.exists():
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+
+
+SERVER_SIGNALS = """
+from pathlib import Path
+
+from node import children
+
+children.start_server()
+pid = children.forkserver._forkserver._forkserver_pid
+print(Path(f"/proc/{pid}/status").read_text())
+"""
+
+
+def test_the_fork_server_ignores_ctrl_c_from_its_first_moment(tmp_path):
+    """Its caller is told of a Ctrl-C, and ends it; the server itself must not print a traceback
+    for one, also before its first import has set it to ignore them."""
+    script = tmp_path / "server.py"
+    script.write_text(SERVER_SIGNALS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    status = dict(line.split(":\t", 1) for line in done.stdout.splitlines() if ":\t" in line)
+    assert int(status["SigIgn"], 16) & (1 << (signal.SIGINT - 1)), done.stdout + done.stderr
