@@ -97,7 +97,8 @@ def _end_server() -> None:
     if pid:
         try:
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            os.waitpid(pid, 0)  # this process's child: no zombie left for init to reap
+        except (ProcessLookupError, ChildProcessError):
             pass
     _serving = False
 
