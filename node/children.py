@@ -76,13 +76,14 @@ def start_server() -> None:
     global _serving
     if not _serving and _cgroups() == _HOME_CGROUPS:
         forkserver.set_forkserver_preload(PRELOAD)
-        if threading.current_thread() is not threading.main_thread():
+        previous = signal.getsignal(signal.SIGINT)  # None: set outside Python, not ours to move
+        if previous is None or threading.current_thread() is not threading.main_thread():
             forkserver.ensure_running()  # no Ctrl-C comes to a thread (the chat app reads it)
         else:
             # The server starts with Ctrl-C ignored (an ignored signal stays so across exec):
             # one in the moment before its first import (node.fork_server) printed its
             # traceback under edgetp's own line. This process ignores it for that moment too.
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             try:
                 forkserver.ensure_running()
             finally:
