@@ -132,6 +132,7 @@ async def test_a_prompt_streams_its_answer_token_by_token(bridge, tmp_path):
         # (most of it from the first piece on).
         assert len(seen) >= 10, seen
         assert all(b.startswith(a) for (_, a), (_, b) in zip(seen, seen[1:], strict=False))
+        assert seen[-1][0] - seen[0][0] > 0.5, (seen, done)
         assert seen[-1][0] - seen[0][0] > 0.5 * (done - seen[0][0]), (seen, done)
         expected = await asyncio.to_thread(
             chat_once, bridge.base, [{"role": "user", "content": prompt}], sampling
