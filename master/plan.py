@@ -7,8 +7,8 @@ sockets. Shares follow capacity (largest remainder), not forced equal:
   so no KV head is computed twice;
 - nodes > KV heads: query heads are split instead, and a slice holds a copy of each KV head its
   query heads read (the KV heads are replicated);
-- FFN intermediate columns are split in multiples of `FFN_ALIGN` where the size allows: a
-  block of quantized weights (models/quant.py) is 32 columns of the FFN's down projection;
+- FFN intermediate columns are split in multiples of a block of the down projection's
+  quantized weights (models/quant.py: 32 columns, 256 for the K-quants) where the size allows;
 - the lm_head is split by vocabulary rows, so that each node's weights, its layers' and its
   head rows', follow its capacity (`head_rows`).
 """
@@ -34,7 +34,7 @@ HEAD_RUNS = 64
 # Bytes a weight takes in a shard, by shard dtype (int8's per-row scales: a rounding error).
 BYTES_PER_WEIGHT = {
     "f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0,
-    **{name: f.block_bytes / BLOCK for name, f in FORMATS.items()},
+    **{name: f.block_bytes / f.block_values for name, f in FORMATS.items()},
 }  # fmt: skip
 
 
@@ -60,8 +60,11 @@ def _ranges(counts: list[int], unit: int = 1) -> list[tuple[int, int]]:
     return out
 
 
-def plan_slices(config: ModelConfig, capacities: Sequence[float]) -> list[Slice]:
-    """One slice per device, in the order of `capacities`."""
+def plan_slices(
+    config: ModelConfig, capacities: Sequence[float], ffn_align: int = FFN_ALIGN
+) -> list[Slice]:
+    """One slice per device, in the order of `capacities`, the FFN cut in multiples of
+    `ffn_align` columns (`ModelSource.ffn_align`: the down projection's block) where it can be."""
     n = len(capacities)
     group = config.group_size
     if n <= config.n_kv_heads:
@@ -70,7 +73,7 @@ def plan_slices(config: ModelConfig, capacities: Sequence[float]) -> list[Slice]
     else:
         q_ranges = _ranges(proportional_counts(config.n_heads, capacities))
 
-    align = FFN_ALIGN if config.ffn_hidden % FFN_ALIGN == 0 else 1
+    align = next((a for a in (ffn_align, FFN_ALIGN) if config.ffn_hidden % a == 0), 1)
     units = config.ffn_hidden // align
     ffn_ranges = _ranges(proportional_counts(units, capacities), align)
 

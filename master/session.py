@@ -180,7 +180,7 @@ def _cluster_engine(
     (`memory_plans`).
     """
     context = context_size(source.config, max_context)
-    slices = plan_slices(source.config, capacities)
+    slices = plan_slices(source.config, capacities, source.ffn_align(memory.dtype))
     # With workers, each node multiplies its rows of the lm_head: not the master alone, serially
     heads = (
         head_rows(source.config, slices, capacities, head_costs) if hub and hub.members else None

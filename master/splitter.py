@@ -16,9 +16,10 @@ import torch
 
 from memory.files import atomic_write
 from memory.shards import Manifest, ShardRef, ShardStore, ShardWriter, Spec
-from models.dtypes import DTYPE_CHOICES
-from models.kernels import quantize
-from models.layers import POST_NORMS, Part, Slice, cast_matrix, cut, slice_parts
+from models.dtypes import DTYPE_CHOICES, EXACT_WIDENING
+from models.kernels import dequantize, dtype_name, quantize
+from models.layers import POST_NORMS, Part, Slice, cast_matrix, cut, slice_dtypes, slice_parts
+from models.quant import columns_fit
 from models.source import ModelSource
 
 Progress = Callable[[int, int], None]
@@ -84,7 +85,10 @@ def split_model(
     cuts = [slice_parts(config, s) for s in slices]
     for i in range(config.n_layers):
         dtypes = source.matrix_dtypes(i, dtype)
-        shards = [{n: _Fused(n, parts, dtypes.get(n)) for n, parts in c.items()} for c in cuts]
+        shards = []
+        for c in cuts:
+            kept = slice_dtypes(c, dtypes)
+            shards.append({n: _Fused(n, parts, kept.get(n)) for n, parts in c.items()})
         for refs, ref in zip(nodes, _write(source, i, shards, store), strict=True):
             refs.append(ref)
         if progress:
@@ -160,19 +164,26 @@ def _write(
     writers = [ShardWriter(store, spec) for spec in specs]
     try:
         for name in {p.source for f in shards[0].values() for p in f.parts}:
-            dtype = next(
-                f.dtype for f in shards[0].values() if any(p.source == name for p in f.parts)
+            stored = source.stored_type(layer, name).lower()
+            carry = any(
+                f.dtype is not None and (stored == f.dtype or (stored, f.dtype) in EXACT_WIDENING)
+                for shard in shards
+                for f in shard.values()
+                if any(p.source == name for p in f.parts)
             )
-            carry = dtype is not None and source.stored_type(layer, name).lower() == dtype
             for first, band in _bands(source, layer, name, carry):
                 rows = (first, first + band.shape[0])
+                values: torch.Tensor | None = None  # as floats, for a slice cut within blocks
                 for writer, shard in zip(writers, shards, strict=True):
                     for f in shard.values():
                         offset = 0
                         for p in f.parts:
                             a, b = max(p.rows[0], rows[0]), min(p.rows[1], rows[1])
                             if p.source == name and a < b:
-                                piece = cut(band, p, rows)
+                                whole = p.cols is None or columns_fit(dtype_name(band), *p.cols)
+                                if not whole and values is None:
+                                    values = dequantize(band)
+                                piece = cut(band if whole else values, p, rows)
                                 at = offset + a - p.rows[0]
                                 if f.dtype is None:
                                     writer.write_rows(f.name, at, piece.float())

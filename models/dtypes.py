@@ -2,29 +2,36 @@
 
 Plain dtypes are stored as torch tensors of that dtype (int8 with per-channel scales); block
 dtypes are GGUF's quantized blocks (models/quant.py). `auto` keeps each matrix as the source
-stores it: a block format the engine multiplies is carried over byte for byte, any other is
-stored in the nearest shard dtype (`nearest_dtype`).
+stores it, byte for byte, so a split of a file answers as the file's own model does.
 """
 
 PLAIN_DTYPES = ("f32", "f16", "bf16", "int8")
-BLOCK_DTYPES = ("q8_0", "q4_1", "q4_0")
+# GGUF's block types (models/quant.py), widest first. The blocks of 32 can be made from float
+# weights; the K-quants and IQ4_XS (blocks of 256) only come from a file that stores them.
+QUANTIZABLE_BLOCK_DTYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "mxfp4")
+BLOCK_DTYPES = (
+    "q8_0", "q6_k", "q5_1", "q5_0", "q5_k", "q4_1", "q4_k", "iq4_xs", "q4_0", "mxfp4", "q3_k",
+    "q2_k",
+)  # fmt: skip
 SHARD_DTYPES = (*PLAIN_DTYPES, *BLOCK_DTYPES)
 AUTO = "auto"
-DTYPE_CHOICES = (AUTO, *SHARD_DTYPES)
+# What `--dtype` offers: `auto`, and every dtype any source's weights can be stored in.
+DTYPE_CHOICES = (AUTO, *PLAIN_DTYPES, *QUANTIZABLE_BLOCK_DTYPES)
 
 # What a source's stored type (GGUF's type names; safetensors' F32, F16, BF16) becomes under
-# `auto`: itself where the engine multiplies it, else the nearest format that loses nothing more
-# than the source did (llama.cpp's K-quants carry a scale and a minimum per 32 weights in 4.5 to
-# 6.6 bits: 2-4 bits become q4_1, 5 and 6 bits q8_0).
+# `auto`: itself, byte for byte.
 _NEAREST = {
     "F32": "f32", "F16": "f16", "BF16": "bf16",
-    "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",
-    "Q5_0": "q8_0", "Q5_1": "q8_0", "Q6_K": "q8_0", "Q5_K": "q8_0",
-    "Q4_K": "q4_1", "Q3_K": "q4_1", "Q2_K": "q4_1",
+    **{name.upper(): name for name in BLOCK_DTYPES},
 }  # fmt: skip
 SOURCE_TYPES = tuple(_NEAREST)
-# Widest first: a fused matrix (q, k and v; gate and up) takes the widest of its parts' dtypes.
-_WIDEST_FIRST = ("f32", "bf16", "f16", "q8_0", "int8", "q4_1", "q4_0")
+# Widest first: a fused matrix (q, k and v; gate and up) whose parts are stored in several
+# dtypes takes one that holds each part's values exactly, else f32.
+_WIDEST_FIRST = ("f32", "bf16", "f16", "int8", *BLOCK_DTYPES)
+# Block formats one converts into another exactly (models.quant.widen): the same scale, the
+# integers widened (q4_0's w = d (q - 8) and q5_0's w = d (q - 16) are q8_0's w = d q'). Gemma
+# 3's files store q and k in Q5_0 and some layers' v in Q8_0: their fused matrix keeps all three.
+EXACT_WIDENING = {("q4_0", "q8_0"), ("q5_0", "q8_0")}
 
 
 def nearest_dtype(stored_type: str) -> str:
@@ -40,17 +47,25 @@ def matrix_dtype(requested: str, stored_types: list[str]) -> str:
     """The shard dtype of a matrix fused from source tensors of these stored types."""
     if requested != AUTO:
         return requested
-    found = {nearest_dtype(t) for t in stored_types}
-    if {"f16", "bf16"} <= found:  # neither holds the other: keep both exactly
-        return "f32"
-    return min(found, key=_WIDEST_FIRST.index)
+    return common_dtype({nearest_dtype(t) for t in stored_types})
+
+
+def common_dtype(dtypes: set[str]) -> str:
+    """The one shard dtype that holds matrices of all these dtypes exactly: theirs when they
+    agree, the widest where the others widen into it exactly, else f32."""
+    if len(dtypes) == 1:
+        return next(iter(dtypes))
+    widest = min(dtypes, key=_WIDEST_FIRST.index)
+    if all(d == widest or (d, widest) in EXACT_WIDENING for d in dtypes):
+        return widest
+    return "f32"
 
 
 def embedding_dtype(dtype: str, stored_type: str = "F32") -> str:
-    """How the embedding and lm_head are stored when the layers are `dtype`: a 4-bit model keeps
-    them at 8 bits, as llama.cpp's files do (SmolLM2's Q4_1 file has a Q8_0 embedding). The
+    """How the embedding and lm_head are stored when the layers are `dtype`: a 4- or 5-bit model
+    keeps them at 8 bits, as llama.cpp's files do (SmolLM2's Q4_1 file has a Q8_0 embedding). The
     lm_head's rounding moves the top token more than any layer's does. Under `auto`, as the
     source stores it."""
     if dtype == AUTO:
         return nearest_dtype(stored_type)
-    return "q8_0" if dtype in ("q4_0", "q4_1") else dtype
+    return "q8_0" if dtype in ("q4_0", "q4_1", "q5_0", "q5_1", "mxfp4") else dtype

@@ -105,6 +105,7 @@ class Candidate:
     target: str
     max_rows: int | None = None
     fallback: bool = False  # expands the weights to float32 at every product: used only if asked
+    min_rows: int = 1  # a band expanded for BLAS pays off only over many rows
 
     def load(self) -> Kernel:
         import importlib
@@ -132,6 +133,12 @@ def has_avx2() -> bool:
 # timing it would lengthen every first start for nothing).
 _PORTABLE = () if has_avx2() else (Candidate("c-portable", "models.native:portable_activations"),)
 
+BUILDS_BY_HAND = ("q4_0", "q4_1", "q8_0")  # models/csrc/blocks.c and blocks_portable.c
+
+# Row counts group into buckets: a step's rows are its sequences (decode) or its tokens
+# (prefill); a kernel's speed, and for some its correctness, changes with them.
+ROW_BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 1 << 62))
+
 # Per dtype, what a user of any CPU would expect to be considered; the plain route (`reference`,
 # NumPy's BLAS on float32) comes last, so the check can cut short timing it where it is slow.
 CANDIDATES: dict[str, tuple[Candidate, ...]] = {
@@ -145,20 +152,21 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
     "int8": (_own("torch-int8pack", "torch_int8pack"), _own("dequant-f32", "reference")),
     # Expanding blocks to float32 at every product costs ~30x a q4_1 token: a device whose
     # native kernels were rejected refuses the dtype unless `ALLOW_FALLBACK_ENV` asks for it.
+    # q4_0, q4_1 and q8_0 have hand-tuned AVX2 products; every format has the compiler-vectorised
+    # ones of models/csrc/expand.c, and for a prefill's rows a band expanded for BLAS.
     **{
         name: (
-            Candidate("c-f32", "models.native:f32_activations"),
-            *_PORTABLE,
+            *(
+                (Candidate("c-f32", "models.native:f32_activations"), *_PORTABLE)
+                if name in BUILDS_BY_HAND
+                else (Candidate("c-expand", "models.native:expand_activations"),)
+            ),
+            Candidate("c-expand-blas", "models.native:expand_blas", min_rows=ROW_BUCKETS[-1][0]),
             _own("dequant-f32", "reference", fallback=True),
         )
         for name in FORMATS
     },
 }
-
-# Row counts group into buckets: a step's rows are its sequences (decode) or its tokens
-# (prefill); a kernel's speed, and for some its correctness, changes with them.
-ROW_BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 1 << 62))
-
 
 def row_bucket(rows: int) -> int:
     return 0 if rows <= 1 else 1 if rows == 2 else 2 if rows <= 4 else 3 if rows <= 8 else 4

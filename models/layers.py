@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from models.config import ModelConfig
+from models.dtypes import EXACT_WIDENING, common_dtype
 from models.kernels import SCALE_SUFFIX, dequantize, dtype_name, linear, linear_rows, quantize
-from models.quant import matrix_size, take_columns
+from models.quant import columns_fit, matrix_size, take_columns, widen
 
 # Canonical per-layer tensor names, full (unsplit) and in PyTorch (out, in) order.
 LAYER_TENSORS = ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")
@@ -156,12 +157,14 @@ def slice_layer(
 ) -> dict[str, torch.Tensor]:
     """Cut one layer's full tensors to a slice, fused for compute (`slice_parts`); all
     contiguous copies, so the full tensors can be freed. A fused matrix whose parts are stored
-    differently (blocks of two formats, or blocks and floats) is fused in float32."""
+    differently is fused in the one format that holds them all exactly (q4_0 and q5_0 widen to
+    q8_0), else in float32."""
     out = {}
     for name, parts in slice_parts(config, s).items():
         pieces = [cut(full[p.source], p) for p in parts]
-        if len({(p.dtype, p.shape[2:]) for p in pieces}) > 1:
-            pieces = [dequantize(p) for p in pieces]
+        names = {dtype_name(p) for p in pieces}
+        if len(names) > 1:
+            pieces = [cast_matrix(p, common_dtype(names))[""] for p in pieces]
         out[name] = _cat(pieces) if len(pieces) > 1 else pieces[0].clone()
     return out
 
@@ -181,10 +184,24 @@ MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # stored in the shard dtype; t
 
 def cast_matrix(w: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
     """A sliced matrix stored as shard dtype `dtype` ({"": weight} plus {"_scale": scales} for
-    int8): kept as it is when it already is, else through float32."""
-    if dtype_name(w) == dtype and dtype != "int8":
+    int8): kept as it is when it already is, widened where that is exact, else through float32."""
+    stored = dtype_name(w)
+    if stored == dtype and dtype != "int8":
         return {"": w}
+    if (stored, dtype) in EXACT_WIDENING:
+        return {"": widen(w, dtype)}
     return quantize(dequantize(w), dtype)
+
+
+def slice_dtypes(parts: dict[str, tuple[Part, ...]], dtypes: dict[str, str]) -> dict[str, str]:
+    """The shard dtype of each of a slice's matrices (`parts` as `slice_parts` gives them) when
+    the layer's are `dtypes`: a slice whose columns cut through its format's blocks (256 for
+    the K-quants: an output projection split by heads of 64) is stored as f32, its values
+    exactly, the one dtype that holds any part of any block."""
+    return {
+        m: d if all(p.cols is None or columns_fit(d, *p.cols) for p in parts[m]) else "f32"
+        for m, d in dtypes.items()
+    }
 
 
 def cast_layer(

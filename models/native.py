@@ -2,12 +2,15 @@
 
 NumPy and torch have no product for GGUF's blocks; expanding a matrix to float32 for every
 product costs 30 times a float32 token. So the C sources ship with the package and the system's
-C compiler builds them at first use (models/cbuild.py). Two builds, two candidates:
+C compiler builds them at first use (models/cbuild.py). Three builds, four candidates:
 
 - "c-f32" (models/csrc/blocks.c): x86 with AVX2, FMA and F16C, tuned by hand;
 - "c-portable" (models/csrc/blocks_portable.c): plain C the compiler vectorises for this CPU
   (-march=native), for ARM boards and x86 without AVX2 (a candidate only there: 14x slower than
-  "c-f32" where both run, 4x faster than expanding to float32).
+  "c-f32" where both run, 4x faster than expanding to float32);
+- "c-expand" (models/csrc/expand.c): every block format, the K-quants included, in plain C
+  with the compiler's vector types (-march=native: AVX-512, AVX2 or NEON); and "c-expand-blas",
+  bands of rows expanded there and multiplied by NumPy's BLAS, for a prefill's many rows.
 
 No compiler, or a CPU the build is not for: `load` raises, and the on-device check rejects that
 candidate with the message; a build that runs but is wrong on this CPU is rejected by the same
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from models.cbuild import built
+from models.dtypes import BLOCK_DTYPES
 from models.kernels import blas_threads, has_avx2
 from models.quant import block_format
 
@@ -38,11 +42,14 @@ class Build:
     source: Path
     flags: tuple[str, ...]
     x86_only: bool
+    formats: tuple[str, ...] = ("q4_0", "q4_1", "q8_0")
+    expands: bool = False  # has `<format>_expand`, whole rows to float32
 
 
 BUILDS = {
     "avx2": Build(CSRC / "blocks.c", ("-mavx2", "-mfma", "-mf16c", *COMMON), x86_only=True),
     "portable": Build(CSRC / "blocks_portable.c", ("-march=native", *COMMON), x86_only=False),
+    "expand": Build(CSRC / "expand.c", ("-march=native", *COMMON), False, BLOCK_DTYPES, True),
 }
 # Multiply-adds (rows x out x in) below which one thread beats waking a second. Measured on a
 # 2-core EPYC (AVX2), one row, q4_1: 192x576 takes 4.8 us on one thread and 4.5 on two, 384x576
@@ -65,11 +72,17 @@ def load(build: str = "avx2") -> ctypes.CDLL:
         if spec.x86_only and os.uname().machine not in ("x86_64", "AMD64"):
             raise RuntimeError(f"{spec.source.name} is for x86, this is {os.uname().machine}")
         lib = ctypes.CDLL(str(built(spec.source, spec.flags, ".so")))
-        for name in ("q4_0_f32", "q4_1_f32", "q8_0_f32"):
-            fn = getattr(lib, name)
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-            fn.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        pointer, number = ctypes.c_void_p, ctypes.c_int
+        for fmt in spec.formats:
+            fn = getattr(lib, f"{fmt}_f32")
+            fn.argtypes = [pointer, number, number, pointer, number, pointer, number]
             fn.restype = None
+            if spec.expands:
+                fn = getattr(lib, f"{fmt}_gemm")
+                fn.argtypes = [pointer, number, number, pointer, number, pointer, number]
+                fn.restype = None
+        if spec.expands:
+            lib.expand_set_blas.argtypes = [pointer, pointer, pointer]
         _libs[build] = lib
     return _libs[build]
 
@@ -90,6 +103,60 @@ def portable_activations(
 ) -> np.ndarray:
     """The candidate "c-portable": the same product on the portable build."""
     return _product("portable", x, w)
+
+
+def expand_activations(
+    x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None
+) -> np.ndarray:
+    """The candidate "c-expand": the product on models/csrc/expand.c, which covers every block
+    format (a chunk of weights expanded into a buffer once for a tile of rows)."""
+    return _product("expand", x, w)
+
+
+def expand_blas(x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None) -> np.ndarray:
+    """The candidate "c-expand-blas", for many rows (a prefill): bands of weight rows expanded
+    to float32 in C, each multiplied with every row of x by BLAS's sgemm, so each expanded
+    weight serves every row at BLAS's speed rather than a block kernel's (a block kernel at 9 or
+    more rows took 25x its time at 8)."""
+    fmt = block_format(w)
+    assert fmt is not None, "c-expand-blas needs a block matrix"
+    fn = _gemms.get(fmt.name)
+    if fn is None:
+        lib = load("expand")
+        lib.expand_set_blas(*(numpy_blas(names) for names in BLAS_SYMBOLS))
+        fn = _gemms[fmt.name] = getattr(lib, f"{fmt.name}_gemm")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    blocks = w if w.is_contiguous() else w.contiguous()
+    (rows, inp), out = x.shape, blocks.shape[0]
+    y = np.empty((rows, out), dtype=np.float32)
+    x_at, y_at = x.__array_interface__["data"][0], y.__array_interface__["data"][0]
+    fn(x_at, rows, inp, blocks.data_ptr(), out, y_at, blas_threads())
+    return y
+
+
+_gemms: dict[str, Callable[..., None]] = {}
+# NumPy's OpenBLAS as its wheels name it (64-bit integers), or as a system build does
+BLAS_SYMBOLS = (
+    ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
+    ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_"),
+    ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_"),
+)
+
+
+def numpy_blas(symbols: tuple[str, ...]) -> int:
+    """The address of the first of `symbols` in the BLAS NumPy runs on (threadpoolctl finds
+    its file); RuntimeError where it has none of them (another BLAS than OpenBLAS)."""
+    from threadpoolctl import threadpool_info
+
+    for info in threadpool_info():
+        if info.get("user_api") != "blas":
+            continue
+        lib = ctypes.CDLL(info["filepath"])
+        for symbol in symbols:
+            fn = getattr(lib, symbol, None)
+            if fn is not None:
+                return ctypes.cast(fn, ctypes.c_void_p).value or 0
+    raise RuntimeError(f"NumPy's BLAS has none of {', '.join(symbols)} to call from C")
 
 
 def _product(build: str, x: np.ndarray, w: torch.Tensor) -> np.ndarray:

@@ -1,16 +1,21 @@
-"""Block-quantized matrices, kept as GGUF stores them: 32 weights a block, each with its scale.
+"""Block-quantized matrices, kept as GGUF stores them: blocks of 32 or 256 weights, each with its
+scales.
 
-A matrix (out, in) in one of these formats is a uint8 tensor (out, in / 32, block bytes): each
-row its blocks, byte for byte as in a GGUF file, so a GGUF tensor of the same format is carried
-into the shards without a round trip through float, and a row range is a slice of rows.
+A matrix (out, in) in one of these formats is a uint8 tensor (out, in / block, block bytes):
+each row its blocks, byte for byte as in a GGUF file, so a GGUF tensor of the same type is
+carried into the shards without a round trip through float, and a row range is a slice of rows.
 
-- q4_0: an f16 scale d and 32 4-bit values q: w = d * (q - 8)            (18 bytes, 4.5 bits)
-- q4_1: an f16 scale d, an f16 minimum m, 32 4-bit values: w = d * q + m  (20 bytes, 5 bits)
-- q8_0: an f16 scale d and 32 int8 values: w = d * q                      (34 bytes, 8.5 bits)
+- blocks of 32: q4_0, q4_1, q5_0, q5_1, q8_0 (an f16 scale, for _1 an f16 minimum, and 4, 5
+  or 8 bits a weight), mxfp4 (a power-of-two scale and 4-bit floats: gpt-oss's experts);
+- blocks of 256 (llama.cpp's K-quants): q2_k, q3_k, q4_k, q5_k, q6_k (a scale, for some a
+  minimum, per 16 or 32 weights, themselves quantized against the block's f16 scales), iq4_xs
+  (4-bit indices into a fixed non-linear table, a 6-bit scale per 32).
 
-The block size in bytes tells the formats apart, so a tensor's shape says what it holds. The
-arithmetic (quantize, dequantize) is the `gguf` package's, the reference llama.cpp's files are
-written with.
+Every format's block size in bytes differs (GGML_QUANT_SIZES), so a tensor's shape says what
+it holds. IQ4_NL (18 bytes a 32, as q4_0) would not be told apart, and is not read.
+The arithmetic (dequantize, and quantize where the package has it) is the `gguf` package's,
+the reference llama.cpp's files are written with; the C products (models/csrc) expand blocks as
+it does.
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from models.dtypes import BLOCK_DTYPES
+from models.dtypes import BLOCK_DTYPES, EXACT_WIDENING
 
-BLOCK = 32  # weights per block, along a matrix's input dimension
+BLOCK = 32  # the smallest block, along a matrix's input dimension
 # Stored bytes the gguf package expands in a call: its temporaries are a few times what it returns.
 DEQUANT_BYTES = 1 << 20
 
@@ -54,41 +59,57 @@ def dequantize_rows(rows: np.ndarray, ggml_type: GGMLQuantizationType) -> np.nda
 class BlockFormat:
     name: str
     ggml_type: GGMLQuantizationType
-    block_bytes: int
+
+    @property
+    def block_values(self) -> int:
+        """Weights a block holds: 32, or 256 for the K-quants and IQ4_XS."""
+        return GGML_QUANT_SIZES[self.ggml_type][0]
+
+    @property
+    def block_bytes(self) -> int:
+        return GGML_QUANT_SIZES[self.ggml_type][1]
+
+    @property
+    def can_quantize(self) -> bool:
+        """Whether a float matrix can be stored in this format here (the gguf package has no
+        quantizer for the 256-weight formats: those come only from a file that stores them)."""
+        return self.block_values == BLOCK
 
     def quantize(self, w: torch.Tensor) -> torch.Tensor:
-        """A float matrix (out, in), in a multiple of 32, as blocks (out, in / 32, bytes)."""
+        """A float matrix (out, in), in a multiple of the block, as blocks (out, in / block,
+        bytes)."""
         out, inp = w.shape
-        if inp % BLOCK:
+        v = self.block_values
+        if inp % v:
             raise ValueError(
-                f"{self.name} needs rows of a multiple of {BLOCK}, got {inp}: "
+                f"{self.name} needs rows of a multiple of {v}, got {inp}: "
                 "this model (or this split of it) needs another --dtype"
             )
         if w.numel() == 0 or w.is_meta:  # a node's empty share; a shape only
-            shape = (out, inp // BLOCK, self.block_bytes)
+            shape = (out, inp // v, self.block_bytes)
             return torch.empty(shape, dtype=torch.uint8, device=w.device)
+        if not self.can_quantize:
+            raise ValueError(
+                f"edgetp has no quantizer for {self.name}: it keeps {self.name} weights only "
+                "as a file stores them; choose a block format of 32 (q4_0, q4_1, q5_0, q5_1, "
+                "q8_0) for float weights"
+            )
         blocks = quants.quantize(w.float().numpy(), self.ggml_type)
-        return torch.from_numpy(np.ascontiguousarray(blocks)).view(out, inp // BLOCK, -1)
+        return torch.from_numpy(np.ascontiguousarray(blocks)).view(out, inp // v, -1)
 
     def dequantize(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Blocks (rows, in / 32, bytes) as a float32 matrix (rows, in)."""
+        """Blocks (rows, in / block, bytes) as a float32 matrix (rows, in)."""
         rows, n, _ = blocks.shape
         if blocks.numel() == 0:
-            return torch.zeros((rows, n * BLOCK))
+            return torch.zeros((rows, n * self.block_values))
         flat = blocks.numpy().reshape(rows, n * self.block_bytes)
-        return torch.from_numpy(dequantize_rows(flat, self.ggml_type)).view(rows, n * BLOCK)
+        values = dequantize_rows(flat, self.ggml_type)
+        return torch.from_numpy(values).view(rows, n * self.block_values)
 
 
-FORMATS = {
-    f.name: f
-    for f in (
-        BlockFormat("q8_0", GGMLQuantizationType.Q8_0, 34),
-        BlockFormat("q4_1", GGMLQuantizationType.Q4_1, 20),
-        BlockFormat("q4_0", GGMLQuantizationType.Q4_0, 18),
-    )
-}
-assert tuple(FORMATS) == BLOCK_DTYPES, "models/dtypes.py names the same formats"
+FORMATS = {name: BlockFormat(name, GGMLQuantizationType[name.upper()]) for name in BLOCK_DTYPES}
 _BY_BLOCK_BYTES = {f.block_bytes: f for f in FORMATS.values()}
+assert len(_BY_BLOCK_BYTES) == len(FORMATS), "a block's size in bytes names its format"
 
 
 def block_format(w: torch.Tensor) -> BlockFormat | None:
@@ -112,19 +133,77 @@ def matrix_size(w: torch.Tensor) -> tuple[int, int]:
 
 
 def stored_size(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:
-    if stored_format(dtype, shape) is not None:
-        return shape[0], shape[1] * BLOCK
+    found = stored_format(dtype, shape)
+    if found is not None:
+        return shape[0], shape[1] * found.block_values
     return shape[0], shape[1]
+
+
+def columns_fit(dtype: str, start: int, stop: int) -> bool:
+    """Whether columns [start, stop) of a matrix in shard dtype `dtype` are whole blocks."""
+    found = FORMATS.get(dtype)
+    return found is None or (start % found.block_values == 0 and stop % found.block_values == 0)
 
 
 def take_columns(w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Columns [start, stop) of a stored matrix (a view), plain or in blocks: blocks are cut
     between blocks only."""
-    if block_format(w) is None:
+    found = block_format(w)
+    if found is None:
         return w[:, start:stop]
-    if start % BLOCK or stop % BLOCK:
+    v = found.block_values
+    if start % v or stop % v:
         raise ValueError(
-            f"columns {start}:{stop} cut through blocks of {BLOCK}: "
+            f"columns {start}:{stop} cut through {found.name}'s blocks of {v}: "
             "this split of the model needs a plain --dtype (f32, f16, bf16, int8)"
         )
-    return w[:, start // BLOCK : stop // BLOCK]
+    return w[:, start // v : stop // v]
+
+
+def widen(blocks: torch.Tensor, to: str) -> torch.Tensor:
+    """Blocks of q4_0 or q5_0 as q8_0 blocks of the same values, exactly (EXACT_WIDENING)."""
+    found = block_format(blocks)
+    assert found is not None and (found.name, to) in EXACT_WIDENING, (found, to)
+    rows, n, size = blocks.shape
+    b = blocks.numpy().reshape(-1, size)
+    qs = b[:, size - 16 :]  # both end in 16 bytes of nibbles: elements j (low) and j + 16 (high)
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.int16)
+    if found.name == "q5_0":  # bit j of qh (bytes 2-5, little-endian) is element j's fifth bit
+        qh = b[:, 2:6].copy().view("<u4")
+        q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int16)
+        q -= 16
+    else:
+        q -= 8
+    out = np.empty((len(b), 34), np.uint8)
+    out[:, :2] = b[:, :2]  # the f16 scale d
+    out[:, 2:] = q.astype(np.int8).view(np.uint8)
+    return torch.from_numpy(out).view(rows, n, 34)
+
+
+# Where each format keeps its f16 scales (and minimums) in a block, as ggml-common.h lays them
+# out, and the largest integer a scale multiplies (a quantized weight times its sub-block's
+# scale). MXFP4's scale is its first byte, a power of two (E8M0).
+_F16_FIELDS = {
+    "q4_0": ((0,), 8), "q4_1": ((0, 2), 15), "q5_0": ((0,), 16), "q5_1": ((0, 2), 31),
+    "q8_0": ((0,), 127), "q2_k": ((80, 82), 45), "q3_k": ((108,), 128),
+    "q4_k": ((0, 2), 945), "q5_k": ((0, 2), 1953), "q6_k": ((208,), 4064),
+    "iq4_xs": ((0,), 4064), "mxfp4": ((), 12),
+}  # fmt: skip
+
+
+def random_blocks(fmt: BlockFormat, out: int, inp: int, gen: np.random.Generator) -> torch.Tensor:
+    """A matrix (out, inp) of random blocks of `fmt`: random integers and sub-block scales,
+    and block scales that keep the weights under about 1 / sqrt(inp), as a layer's are (random
+    bytes there could be inf or nan). What the on-device check multiplies for a format it
+    cannot quantize floats into."""
+    n = inp // fmt.block_values
+    raw = gen.integers(0, 256, size=(out, n, fmt.block_bytes), dtype=np.uint8)
+    fields, largest = _F16_FIELDS[fmt.name]
+    size = 1 / (largest * max(inp, 1) ** 0.5)
+    for at in fields:
+        scales = gen.uniform(0.5, 1.5, size=(out, n)) * size
+        raw[:, :, at : at + 2] = scales.astype(np.float16).view(np.uint8).reshape(out, n, 2)
+    if fmt.name == "mxfp4":  # 2^(e - 128) near `size`
+        e = 128 + int(np.floor(np.log2(size)))
+        raw[:, :, 0] = gen.integers(e - 1, e + 2, size=(out, n))
+    return torch.from_numpy(raw)

@@ -27,6 +27,7 @@ import torch
 from models import native
 from models.cbuild import built
 from models.config import ModelConfig
+from models.dtypes import BLOCK_DTYPES
 from models.kernels import blas_threads, chosen_kernel, dtype_name
 from models.layers import MATRICES, Rope, Slice, StepBatch, attention_rows, ffn_rows
 from models.quant import block_format, matrix_size
@@ -46,11 +47,12 @@ TIMING_ROUNDS, TIMING_CALLS = 3, 10  # the admission's timing: a few ms for Smol
 SLOWER = 1.25
 TOLERANCE = 1e-4  # of the largest partial value: sgemv's own rounding, summed in another order
 
-# The block formats as models/csrc/blocks.c numbers them; F32 is float32 weights on sgemv.
+# The block formats as models/csrc/rows.c numbers them; F32 is float32 weights on sgemv.
 F32 = -1
-BLOCK_KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
+BLOCK_KINDS = {name: i for i, name in enumerate(BLOCK_DTYPES)}
+assert len(BLOCK_KINDS) <= 16, "rows.c has room for 16 formats (N_FORMATS)"
 # The admitted block-product kernels the C blocks can call, and the build each one is.
-BLOCK_BUILDS = {"c-f32": "avx2", "c-portable": "portable"}
+BLOCK_BUILDS = {"c-f32": "avx2", "c-portable": "portable", "c-expand": "expand"}
 
 c_float_p = ctypes.POINTER(ctypes.c_float)
 c_int64_p = ctypes.POINTER(ctypes.c_int64)
@@ -117,7 +119,7 @@ def load() -> ctypes.CDLL:
     """The built library with NumPy's sgemv handed to it; RuntimeError saying why not."""
     global _lib
     if _lib is None:
-        sgemv = _numpy_sgemv()
+        sgemv = native.numpy_blas(SGEMV_SYMBOLS)
         lib = ctypes.CDLL(str(built(SOURCE, FLAGS, ".so")))
         lib.rows_set_sgemv.argtypes = [ctypes.c_void_p]
         lib.rows_set_sgemv(sgemv)
@@ -132,21 +134,6 @@ def load() -> ctypes.CDLL:
         lib.rows_layers.restype = None
         _lib = lib
     return _lib
-
-
-def _numpy_sgemv() -> int:
-    """The address of the sgemv of the BLAS NumPy runs on (threadpoolctl finds its file)."""
-    from threadpoolctl import threadpool_info
-
-    for info in threadpool_info():
-        if info.get("user_api") != "blas":
-            continue
-        lib = ctypes.CDLL(info["filepath"])
-        for symbol in SGEMV_SYMBOLS:
-            fn = getattr(lib, symbol, None)
-            if fn is not None:
-                return ctypes.cast(fn, ctypes.c_void_p).value or 0
-    raise RuntimeError("NumPy's BLAS has no 64-bit-integer cblas_sgemv to call from C")
 
 
 def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | None:

@@ -30,7 +30,7 @@ from models.layers import (
     full_layer_shapes,
     slice_parts,
 )
-from models.quant import FORMATS
+from models.quant import BLOCK, FORMATS
 from models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,16 @@ class ModelSource(ABC):
             m: matrix_dtype(dtype, [self.stored_type(layer, p.source) for p in parts[m]])
             for m in MATRICES
         }
+
+    def ffn_align(self, dtype: str) -> int:
+        """The columns a plan cuts the FFN in multiples of, for a split at `dtype`: the widest
+        block of any layer's down projection (256 for a K-quant file's), so that every node's
+        slice of it is whole blocks of the file's own."""
+        return max(
+            FORMATS[d].block_values if d in FORMATS else BLOCK
+            for layer in range(self.config.n_layers)
+            for d in [self.matrix_dtypes(layer, dtype)["w_down"]]
+        )
 
     def head_dtype(self, dtype: str) -> str:
         """The shard dtype of the embedding and lm_head when the split asks for `dtype`."""

@@ -42,14 +42,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from threadpoolctl import threadpool_limits
 
 from memory.files import atomic_write, default_state_dir
 from models import kernels, quant
 from models.dtypes import BLOCK_DTYPES, SHARD_DTYPES
 from models.errors import ModelError
 from models.kernels import CANDIDATES, ROW_BUCKETS, Candidate, dequantize, quantize
-from models.layers import Slice, full_layer_shapes, slice_layer
-from models.quant import stored_format, stored_size
+from models.layers import Slice, full_layer_shapes, slice_dtypes, slice_layer, slice_parts
+from models.quant import FORMATS, random_blocks, stored_format, stored_size
 from node import children
 
 if TYPE_CHECKING:
@@ -253,6 +254,7 @@ def _unchecked(
                 if c.fallback == fallbacks
                 and c.name not in table.crashed
                 and (c.max_rows is None or ROW_BUCKETS[b][0] <= c.max_rows)
+                and ROW_BUCKETS[b][1] >= c.min_rows
                 and c.name not in table.results.get(key, {})
             ]
     return todo
@@ -439,7 +441,11 @@ class _Probe:
             max(inp, 1) ** 0.5
         )
         self.dtype, self.out, self.inp = dtype, out, inp
-        stored = quantize(torch.from_numpy(block), dtype)
+        fmt = FORMATS.get(dtype)
+        if fmt is not None and not fmt.can_quantize:  # a K-quant: random blocks of its own
+            stored = {"": random_blocks(fmt, period, inp, gen)}
+        else:
+            stored = quantize(torch.from_numpy(block), dtype)
         self.wd = dequantize(stored[""], stored.get(kernels.SCALE_SUFFIX)).double().numpy()
         self.tile = np.arange(out) % period
         self.stored = {k: v[self.tile].contiguous() for k, v in stored.items()}
@@ -453,7 +459,11 @@ class _Probe:
         if rows not in self.cases:
             x = self.gen.standard_normal((rows, self.inp), dtype=np.float32)
             x64 = x.astype(np.float64)
-            self.cases[rows] = (x, x64 @ self.wd.T, np.linalg.norm(x64, axis=1))
+            # On one BLAS thread: BLAS's threads spin for ~0.1 s after a product, and the
+            # OpenMP kernels timed next (the block formats') then waited ~4 ms a call for a core.
+            with threadpool_limits(1, user_api="blas"):
+                products = x64 @ self.wd.T
+            self.cases[rows] = (x, products, np.linalg.norm(x64, axis=1))
         return self.cases[rows]
 
     def error(self, got: np.ndarray, rows: int) -> str | None:
@@ -573,9 +583,10 @@ def plan_shapes(
     shapes = [(source.head_dtype(dtype), rows, config.hidden) for rows in heads]
     layer_dtypes = {tuple(source.matrix_dtypes(i, dtype).items()) for i in range(config.n_layers)}
     for s in slices:
-        cut = slice_layer(config, full, s)
+        cut, parts = slice_layer(config, full, s), slice_parts(config, s)
         for dtypes in layer_dtypes:
-            shapes += [(d, *cut[n].shape) for n, d in dtypes if all(cut[n].shape)]
+            kept = slice_dtypes(parts, dict(dtypes))
+            shapes += [(d, *cut[n].shape) for n, d in kept.items() if all(cut[n].shape)]
     return sorted(set(shapes))
 
 

@@ -22,8 +22,9 @@ import torch
 from master.generate import start, stream
 from master.params import SamplingParams
 from models import kernels
-from models.dtypes import BLOCK_DTYPES, SHARD_DTYPES
+from models.dtypes import SHARD_DTYPES
 from models.kernels import SCALE_SUFFIX, Candidate, linear, quantize
+from models.quant import FORMATS, random_blocks
 from node.device import (
     CHECK_FOLDER,
     CHILD_TIMEOUT,
@@ -200,11 +201,15 @@ def test_admitted_kernels_are_right_at_any_width_and_row_count(tmp_path, dtype, 
     (garbage for one row, a crash for several) and was wrong at width 40 with 3 rows on
     another: whatever the check admits here must be right at those shapes (block formats:
     at widths of whole blocks)."""
-    widths = [32, 96, 576] if dtype in BLOCK_DTYPES else [5, 13, 40, 100, 576]
+    fmt = FORMATS.get(dtype)
+    widths = [5, 13, 40, 100, 576] if fmt is None else [fmt.block_values * n for n in (1, 3, 9)]
     prepare([(dtype, 48, w) for w in widths], cache_dir=tmp_path)
     gen = torch.Generator().manual_seed(1)
     for width in widths:
-        stored = quantize(torch.randn(48, width, generator=gen), dtype)
+        if fmt is None or fmt.can_quantize:
+            stored = quantize(torch.randn(48, width, generator=gen), dtype)
+        else:  # no quantizer for the K-quants: random blocks of their own
+            stored = {"": random_blocks(fmt, 48, width, np.random.default_rng(width))}
         w, scale = stored[""], stored.get(SCALE_SUFFIX)
         exact = kernels.dequantize(w, scale).double()
         for rows in (1, 2, 3, 4, 5, 8, 9, 33):

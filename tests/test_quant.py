@@ -1,6 +1,6 @@
 """GGUF's block formats as shard dtypes: the file's own blocks survive a split byte for byte,
-K-quants become the nearest format, and a block matrix multiplies and embeds as the float values
-it stands for."""
+K-quants included, and a block matrix multiplies and embeds as the float values it stands
+for."""
 
 from __future__ import annotations
 
@@ -59,21 +59,40 @@ def test_rows_expand_to_the_gguf_package_s_own_values_in_bands(model, monkeypatc
     assert len(types) >= 2, types
 
 
+def _blocks(fmt: str, out: int, inp: int, seed: int) -> torch.Tensor:
+    """A matrix in `fmt`: random floats quantized, or for a format without a quantizer (the
+    K-quants, IQ4_XS) random blocks."""
+    if FORMATS[fmt].can_quantize:
+        w = torch.randn(out, inp, generator=torch.Generator().manual_seed(seed))
+        return quantize(w, fmt)[""]
+    return quant.random_blocks(FORMATS[fmt], out, inp, np.random.default_rng(seed))
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_a_block_matrix_multiplies_and_embeds_as_its_float_values(fmt):
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(96, 128, generator=gen)
-    stored = quantize(w, fmt)[""]
+    stored = _blocks(fmt, 96, 512, 0)
     assert stored.dtype == torch.uint8 and block_format(stored).name == dtype_name(stored) == fmt
-    assert matrix_size(stored) == (96, 128)
+    assert matrix_size(stored) == (96, 512)
     values = FORMATS[fmt].dequantize(stored)
-    # The format's own rounding: at most half a step of a block's range.
-    assert (values - w).abs().max() <= (w.abs().max() / (7 if fmt != "q8_0" else 127)).item()
-    x = torch.randn(3, 128, generator=gen).numpy()
+    if FORMATS[fmt].can_quantize:  # the format's own rounding: half a step of a block's range
+        w = torch.randn(96, 512, generator=torch.Generator().manual_seed(0))
+        bits = {"q8_0": 127, "q5_0": 15, "q5_1": 15, "mxfp4": 3}.get(fmt, 7)
+        assert (values - w).abs().max() <= (w.abs().max() / bits).item()
+    x = torch.randn(3, 512, generator=gen).numpy()
     want = x.astype(np.float64) @ values.double().numpy().T
-    np.testing.assert_allclose(linear_rows(x, stored), want, rtol=1e-4, atol=1e-4)
+    scale = np.abs(x) @ values.abs().double().numpy().T
+    assert (np.abs(linear_rows(x, stored) - want) <= 1e-5 * scale + 1e-7).all()
     ids = torch.tensor([[5, 0, 95]])
     assert torch.equal(embed(ids, stored), values[ids])
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_0"])
+def test_a_narrower_block_widens_to_q8_0_with_the_same_values(fmt):
+    stored = _blocks(fmt, 7, 96, 3)
+    wide = quant.widen(stored, "q8_0")
+    assert dtype_name(wide) == "q8_0"
+    assert torch.equal(FORMATS["q8_0"].dequantize(wide), FORMATS[fmt].dequantize(stored))
 
 
 def test_a_width_that_is_not_whole_blocks_is_refused():
@@ -160,27 +179,35 @@ def k_quant_model(tmp_path_factory):
     return GGUFSource(path)
 
 
-def test_k_quants_become_the_nearest_block_format(k_quant_model, tmp_path):
-    """Q4_K is 4-bit with a scale and a minimum per 32 weights, so `auto` stores it as q4_1;
-    Q5_0 and Q6_K hold more than 4 bits, so q8_0. A fused matrix takes its widest part's
-    format. Each stored matrix stands for the file's values to within its format's rounding."""
+def test_k_quants_are_kept_as_the_file_stores_them(k_quant_model, tmp_path):
+    """`auto` keeps each matrix in its file's type: Q4_K and Q6_K, Q5_0 byte for byte; a fused
+    qkv whose v is Q8_0 (and q, k Q5_0) as q8_0, which holds Q5_0's values exactly. The plan
+    cuts the FFN at 256 columns, whole blocks of the K-quant down projection, so each node's
+    stored matrices stand for exactly the file's values. A split forced to cut within those
+    blocks stores the cut matrix as f32, still exactly the file's values."""
     source = k_quant_model
-    assert source.matrix_dtypes(0, "auto") == {
-        "wqkv": "q8_0", "wo": "q4_1", "w_gate_up": "q8_0", "w_down": "q8_0"
-    }  # fmt: skip
-    assert source.matrix_dtypes(1, "auto")["w_down"] == "q4_1"
-    slices = plan_slices(source.config, [1.0, 1.0])
-    store = ShardStore(tmp_path)
-    manifest = split_model(source, slices, store, dtype="auto")
     for i in range(2):
-        full = slice_layer(source.config, source.layer(i), slices[1])  # the file's values
-        got = store.load(manifest.nodes[1][i])
-        for name, dtype in source.matrix_dtypes(i, "auto").items():
-            assert dtype_name(got[name]) == dtype
-            error = (dequantize(got[name]) - full[name]).pow(2).mean().sqrt()
-            rms = full[name].pow(2).mean().sqrt()
-            # measured: q8_0 0.45-0.56 %, q4_1 4.3-4.5 % of the matrix's RMS
-            assert error / rms < (0.01 if dtype == "q8_0" else 0.06), (i, name, error / rms)
+        v = source.stored_type(i, "v")
+        assert source.matrix_dtypes(i, "auto") == {
+            "wqkv": v.lower(), "wo": "q4_k", "w_gate_up": "q5_0",
+            "w_down": source.stored_type(i, "down").lower(),
+        }  # fmt: skip
+    assert {source.stored_type(i, "down") for i in range(2)} == {"Q6_K", "Q4_K"}
+    assert {source.stored_type(i, "v") for i in range(2)} == {"Q5_0", "Q8_0"}
+    assert source.ffn_align("auto") == 256 and source.ffn_align("q8_0") == 32
+    for align, want_down in ((256, None), (32, "f32")):
+        slices = plan_slices(source.config, [1.0, 1.3], align)
+        store = ShardStore(tmp_path / str(align))
+        manifest = split_model(source, slices, store, dtype="auto")
+        for i in range(2):
+            for node, s in enumerate(slices):
+                full = slice_layer(source.config, source.layer(i), s)  # the file's values
+                got = store.load(manifest.nodes[node][i])
+                for name, dtype in source.matrix_dtypes(i, "auto").items():
+                    if name == "w_down" and want_down:
+                        dtype = want_down
+                    assert dtype_name(got[name]) == dtype, (align, i, node, name)
+                    assert torch.equal(dequantize(got[name]), full[name]), (align, i, name)
 
 
 def test_an_unreadable_tensor_type_is_named_with_what_is_supported(tmp_path):
@@ -202,15 +229,28 @@ def test_an_unreadable_tensor_type_is_named_with_what_is_supported(tmp_path):
     assert "token_embd.weight" in message and "IQ2_XS" in message and "Q4_K" in message
 
 
-@pytest.mark.parametrize("product", [native.f32_activations, native.portable_activations])
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_both_c_builds_multiply_the_stored_weights_exactly(product, fmt):
-    """The AVX2 build and the portable one (the candidate on ARM boards, which this machine
-    cannot run: here it is built for x86 without the intrinsics) agree with float64 on the
-    dequantized weights to float32 rounding, at widths of one block and odd heights."""
+C_PRODUCTS = [
+    (product, fmt)
+    for product, formats in [
+        (native.f32_activations, native.BUILDS["avx2"].formats),
+        (native.portable_activations, native.BUILDS["portable"].formats),
+        (native.expand_activations, FORMATS),
+        (native.expand_blas, FORMATS),
+    ]
+    for fmt in formats
+]
+
+
+@pytest.mark.parametrize(("product", "fmt"), C_PRODUCTS)
+def test_the_c_builds_multiply_the_stored_weights_exactly(product, fmt):
+    """The AVX2 build, the portable one (the candidate on ARM boards, which this machine
+    cannot run: here it is built for x86 without the intrinsics), and expand.c's product and
+    its expansion for BLAS agree with float64 on the dequantized weights to float32 rounding,
+    at widths of one block and odd heights."""
     gen = torch.Generator().manual_seed(1)
-    for out, inp in [(1, 32), (7, 64), (577, 576), (96, 1536)]:
-        w = FORMATS[fmt].quantize(torch.randn(out, inp, generator=gen))
+    v = FORMATS[fmt].block_values
+    for i, (out, inp) in enumerate([(1, v), (7, 2 * v), (577, 576 * v // 32), (96, 1536)]):
+        w = _blocks(fmt, out, inp, i)
         exact_w = FORMATS[fmt].dequantize(w).double()
         for rows in (1, 3, 9):
             x = torch.randn(rows, inp, generator=gen)
@@ -218,3 +258,6 @@ def test_both_c_builds_multiply_the_stored_weights_exactly(product, fmt):
             bound = 1e-4 * torch.outer(x.double().norm(dim=1), exact_w.norm(dim=1)) + 1e-6
             got = torch.from_numpy(product(x.numpy(), w)).double()
             assert ((got - exact).abs() <= bound).all(), (out, inp, rows)
+            if product is native.expand_activations:  # a row's sums: the same beside any rows
+                alone = product(x[-1:].numpy(), w)
+                assert np.array_equal(alone[0], got[-1].float().numpy()), (out, inp, rows)

@@ -12,7 +12,7 @@ from pathlib import Path
 from master.emulate.spec import DeviceSpec, parse_device
 from memory.budget import MemoryOptions, parse_size
 from models.config import DEFAULT_MODEL
-from models.dtypes import AUTO, DTYPE_CHOICES, SHARD_DTYPES
+from models.dtypes import AUTO, DTYPE_CHOICES
 from node.protocol import DEFAULT_PORT
 from tui.chat.command import add_arguments as add_chat_arguments
 
@@ -340,10 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     kern.add_argument("--model", default=None, help=f"default: {DEFAULT_MODEL}")
     kern.add_argument(
         "--dtype",
-        choices=SHARD_DTYPES,
+        choices=DTYPE_CHOICES,
         action="append",
         default=None,
-        help="shard dtypes to show (repeatable; default: all)",
+        help="shard dtypes to show (repeatable; default: all, auto as the model stores them)",
     )
     kern.add_argument(
         "--local-nodes", type=_positive, default=1, help="nodes the model is split across"

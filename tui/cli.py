@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from models.dtypes import SHARD_DTYPES
+from models.dtypes import DTYPE_CHOICES
 from models.errors import ModelError
 from node.protocol import DEFAULT_PORT
 from tui.arguments import build_parser, memory_options
@@ -414,8 +414,10 @@ def _kernels(args: argparse.Namespace) -> None:
 
     source = open_model(args.model)
     threads = set_threads(args.threads or thread_share(args.local_nodes))
-    slices = plan_slices(source.config, [1.0] * args.local_nodes)
-    shapes = [s for d in args.dtype or SHARD_DTYPES for s in plan_shapes(source, slices, d)]
+    shapes = []
+    for d in args.dtype or DTYPE_CHOICES:
+        slices = plan_slices(source.config, [1.0] * args.local_nodes, source.ffn_align(d))
+        shapes += plan_shapes(source, slices, d)
     cache_dir = default_state_dir() / "kernels"
     if args.recheck:
         for old in cache_dir.glob("*.json"):

@@ -23,10 +23,11 @@ static sgemv_fn sgemv;
 
 void rows_set_sgemv(void *fn) { sgemv = (sgemv_fn)fn; }
 
-// A block format's product (models/csrc/blocks.c): y (R, N) = x (R, K) @ W^T for W (N, K) as raw
-// blocks, on nth threads. Indexed by the format as blocks.c numbers them (Q4_0, Q4_1, Q8_0).
+// A block format's product (models/csrc/blocks.c, expand.c): y (R, N) = x (R, K) @ W^T for W
+// (N, K) as raw blocks, on nth threads. Indexed by the format's place in models/dtypes.py's
+// BLOCK_DTYPES (models/rows_native.py: BLOCK_KINDS).
 typedef void (*blocks_fn)(const float *, int, int, const uint8_t *, int, float *, int);
-enum { F32 = -1, N_FORMATS = 3 };
+enum { F32 = -1, N_FORMATS = 16 };
 static blocks_fn block_products[N_FORMATS];
 // The threads a block product runs on, and below how many multiply-adds it runs on one: the
 // rule of models/native.py's products, set from there (rows_set_threads).
