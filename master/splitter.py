@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from models.kernels import dequantize, dtype_name, quantize
 from models.layers import POST_NORMS, Part, Slice, cast_matrix, cut, slice_dtypes, slice_parts
 from models.quant import columns_fit
 from models.source import ModelSource
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
 
@@ -83,11 +86,19 @@ def split_model(
     nodes: list[list[ShardRef]] = [[] for _ in slices]
     total = config.n_layers + 1
     cuts = [slice_parts(config, s) for s in slices]
+    told: set[str] = set()  # matrices whose cut through blocks was logged
     for i in range(config.n_layers):
         dtypes = source.matrix_dtypes(i, dtype)
         shards = []
-        for c in cuts:
+        for node, c in enumerate(cuts):
             kept = slice_dtypes(c, dtypes)
+            for m in kept.keys() - told:
+                if kept[m] != dtypes[m]:
+                    told.add(m)
+                    log.warning(
+                        "node %d's columns of %s cut through %s's blocks: its slices of %s are "
+                        "stored as f32 (the same values, in more bytes)", node, m, dtypes[m], m
+                    )
             shards.append({n: _Fused(n, parts, kept.get(n)) for n, parts in c.items()})
         for refs, ref in zip(nodes, _write(source, i, shards, store), strict=True):
             refs.append(ref)

@@ -128,10 +128,10 @@ class LayerWindow:
         return sum(b.numel() for b in self.buffers)
 
     # -- compute side -----------------------------------------------------------------------
-    def specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """Each tensor's dtype and shape, the same in every layer of a slice, without reading
-        any layer."""
-        return tensor_specs(self.paths[0])
+    def specs(self) -> list[dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
+        """Each layer's tensors' dtypes and shapes, without reading any layer: a file may store
+        some layers' matrices in other types (a Q4_K_M file's Q6_K down projections)."""
+        return [tensor_specs(p) for p in self.paths]
 
     def get(self, layer: int) -> dict[str, torch.Tensor]:
         """Layer `layer`'s tensors, waiting for the loader if it is not read yet."""
@@ -299,9 +299,9 @@ class ResidentLayers:
     def get(self, layer: int) -> dict[str, torch.Tensor]:
         return self.layers[layer]
 
-    def specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """Each tensor's dtype and shape, the same in every layer of a slice."""
-        return {name: (t.dtype, tuple(t.shape)) for name, t in self.layers[0].items()}
+    def specs(self) -> list[dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
+        """Each layer's tensors' dtypes and shapes."""
+        return [{name: (t.dtype, tuple(t.shape)) for name, t in w.items()} for w in self.layers]
 
     def release(self, layer: int) -> None:
         pass

@@ -98,7 +98,8 @@ class SliceExecutor:
 
     def matrix_shapes(self) -> list[Shape]:
         """The (dtype, out, in) of the matrices this slice multiplies: what needs a kernel."""
-        shapes = matrix_shapes(self.weights.specs(), MATRICES)
+        layers = self.weights.specs()
+        shapes = sorted({s for specs in layers for s in matrix_shapes(specs, MATRICES)})
         if self.lm_head is not None:
             w = self.lm_head[0]
             shapes += matrix_shapes({"lm_head": (w.dtype, tuple(w.shape))}, ["lm_head"])
@@ -220,7 +221,7 @@ def check_kernels_before_loading(
     for the check to time the products as they will run. Returns the shapes checked: those
     `SliceExecutor.matrix_shapes` gives once the slice is loaded."""
     leave_a_core_to_the_loader(min(window, len(layer_files)) < len(layer_files))
-    shapes = matrix_shapes(tensor_specs(layer_files[0]), MATRICES)
+    shapes = sorted({s for f in layer_files for s in matrix_shapes(tensor_specs(f), MATRICES)})
     if head is not None:
         path, name, rows = head
         dtype, shape = tensor_specs(path)[name]

@@ -12,6 +12,9 @@ from gguf_copy import transformers_model
 from test_cli import run
 
 from master.engine import Engine
+from master.plan import head_rows, plan_slices
+from master.splitter import split_model
+from memory.shards import ShardStore
 from models.bundled import BUNDLED_MODELS
 from models.layers import StepBatch
 from models.source import open_model
@@ -78,17 +81,59 @@ def test_logits_equal_transformers_past_the_local_window(gemma3_path, reference)
     assert worst <= bound, (worst, bound)
 
 
-@torch.inference_mode()
-def test_run_raw_greedy_equals_transformers_generate(gemma3_path, reference):
+# Raw text of several kinds (prose, code, a list, a date): at the default dtype the file's own
+# weights, Q4_K and Q6_K among them, must continue each exactly as transformers does.
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Ingredients for a simple bread: flour,",
+    "On 20 July 1969, the crew of Apollo 11",
+)
+
+
+@pytest.fixture(scope="module")
+def expected_continuations(reference) -> dict[str, str]:
     model, tokenizer = reference
-    prompt = "The capital of France is"
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
-    )
-    expected = tokenizer.decode(out[0, ids.shape[1] :].tolist())
-    assert expected.startswith(" the capital of the country of France.")  # as published
-    result = run("run", "--raw", "--max-tokens", "12", "--model", "gemma3-270m", prompt)
-    assert result.returncode == 0, result.stderr
-    print(f"\n{prompt!r} -> {result.stdout!r}")
-    assert result.stdout.rstrip("\n") == expected
+    out = {}
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = torch.tensor([tokenizer.encode(prompt)])
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+            )
+            out[prompt] = tokenizer.decode(gen[0, ids.shape[1] :].tolist())
+    assert out[PROMPTS[0]].startswith(" the capital of the country of France.")  # as published
+    return out
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_run_raw_greedy_equals_transformers_generate(expected_continuations, nodes):
+    """`edgetp run --raw` at its default dtype (auto: the file's types kept), on one process
+    and on three local nodes."""
+    for prompt, expected in expected_continuations.items():
+        result = run(
+            "run", "--raw", "--max-tokens", "12", "--model", "gemma3-270m",
+            "--local-nodes", str(nodes), prompt,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        print(f"\n{nodes} node(s): {prompt!r} -> {result.stdout!r}")
+        assert result.stdout == expected + "\n", prompt
+
+
+def test_a_split_keeps_the_file_s_size(gemma3_path, tmp_path):
+    """Split at the default dtype, on one node and across three, the shards (every node's
+    layers, the master's embedding and norms) total within 5% of the file: each weight stays in
+    the file's own type. Across three, each worker also holds its rows of the lm_head, which
+    this model ties to the embedding: copies of the embedding's rows, by the split's design."""
+    source = open_model(gemma3_path)
+    file = gemma3_path.stat().st_size
+    for n in (1, 3):
+        slices = plan_slices(source.config, [1.0] * n, source.ffn_align("auto"))
+        heads = head_rows(source.config, slices, [1.0] * n) if n > 1 else None
+        store = ShardStore(tmp_path / str(n))
+        manifest = split_model(source, slices, store, dtype="auto", head_rows=heads)
+        total = sum(r.size for node in manifest.nodes for r in node) + manifest.globals.size
+        copies = sum(r.size for r in manifest.heads)
+        print(f"\n{n} node(s): shards {total / 1e6:.1f} MB and the workers' lm_head rows "
+              f"{copies / 1e6:.1f} MB, file {file / 1e6:.1f} MB: {total / file:.3f}")
+        assert abs(total / file - 1) <= 0.05, (n, total, file)

@@ -100,9 +100,10 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
             "--dtype",
             choices=DTYPE_CHOICES,
             default=None,
-            help="how the shards store the weights (int8: per-channel scales; q8_0, q4_1, "
-            "q4_0: GGUF's blocks of 32; auto: as the model file stores each one; default: "
-            "auto for a .gguf file, f32 for an HF folder)",
+            help="how the shards store the weights (int8: per-channel scales; q8_0, q5_1, "
+            "q5_0, q4_1, q4_0, mxfp4: GGUF's blocks of 32; auto: as the model file stores each "
+            "one, K-quants and IQ4_XS included; default: auto for a .gguf file, f32 for an HF "
+            "folder)",
         )
         p.add_argument(
             "--memory-budget", default=None, help="memory for weights and KV cache, e.g. 2GB"

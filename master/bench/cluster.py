@@ -38,6 +38,7 @@ from master.session import open_with_tokenizer, prompt_tokens
 from master.speculate import open_speculator
 from memory.budget import ALL_RESIDENT, MemoryOptions, format_size
 from memory.files import default_state_dir
+from models.chat_template import NoChatTemplate
 from models.dtypes import AUTO
 from models.layers import Slice
 from models.source import ModelSource
@@ -77,7 +78,10 @@ def run_cluster_bench(
     state_dir = state_dir or default_state_dir()
     configs = bench_configs(node_counts, devices, baseline, drafts, draft_dtype, threads)
     source, tokenizer = open_with_tokenizer(model)
-    prompt = prompt_tokens(tokenizer, prompt_text or PROMPT, raw=False)
+    try:
+        prompt = prompt_tokens(tokenizer, prompt_text or PROMPT, raw=False)
+    except NoChatTemplate:  # a base model: the prompt as it is
+        prompt = prompt_tokens(tokenizer, prompt_text or PROMPT, raw=True)
     hidden = source.config.hidden
     raw = raw_round_trips((1, 1, hidden), 2000)
     raw_med, raw_p99 = statistics.median(raw) * 1e6, percentile(raw, 0.99) * 1e6
