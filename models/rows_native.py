@@ -35,7 +35,7 @@ from models.quant import block_format, matrix_size
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "rows.c"
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-lm")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm")
 MAX_ROWS = 8  # a decode batch: one sgemv a row, as the admitted "numpy-gemv" kernel does
 SGEMV_SYMBOLS = ("scipy_cblas_sgemv64_", "cblas_sgemv64_")  # 64-bit integer arguments
 TIMING_ROUNDS, TIMING_CALLS = 3, 10  # the admission's timing: a few ms for SmolLM2

@@ -12,6 +12,7 @@
 // (models/rows_native.py): a build whose blocks differ from the NumPy ones is never used.
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -105,6 +106,41 @@ static void rope(float *v, const float *c, const float *s, int64_t half) {
     }
 }
 
+// q . k over n floats in 8 lanes, then the lanes in order: the compiler vectorises the lanes (a
+// single running sum, in order, it may not reorder), and the result is the same on any thread
+static float dot(const float *q, const float *k, int64_t n) {
+    float lanes[8] = {0};
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8)
+        for (int j = 0; j < 8; j++) lanes[j] += q[d + j] * k[d + j];
+    float s = 0.0f;
+    for (int j = 0; j < 8; j++) s += lanes[j];
+    for (; d < n; d++) s += q[d] * k[d];
+    return s;
+}
+
+// One query head q (hd) against `seen` cached keys and values (seen, hd): o (hd) = the softmax
+// of its scaled scores over the values; p: room for the scores.
+static void head(const float *q, const float *keys, const float *values, int64_t seen, int64_t hd,
+                 float scale, float *p, float *o) {
+    float top = -INFINITY;
+    for (int64_t t = 0; t < seen; t++) {
+        p[t] = dot(q, keys + t * hd, hd) * scale;
+        if (p[t] > top) top = p[t];
+    }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < seen; t++) sum += p[t] = expf(p[t] - top);
+    memset(o, 0, sizeof(float) * hd);
+    for (int64_t t = 0; t < seen; t++) {
+        const float w = p[t] / sum, *v = values + t * hd;
+        for (int64_t d = 0; d < hd; d++) o[d] += w * v[d];
+    }
+}
+
+// Query heads split between the block products' threads once a step's scores and sums over the
+// cache are this many multiply-adds: ~2 us of work a thread for the fork and join to be worth it.
+#define HEADS_PARALLEL (1 << 14)
+
 // out (B, D) = this slice's attention partial for h (B, D); appends each sequence's key and value.
 void rows_attention(const rows_attention_args *a, const rows_step *st, const float *h, float *out) {
     const int64_t D = a->D, hd = a->hd, nq = a->nq, nkv = a->nkv, width = (nq + 2 * nkv) * hd;
@@ -134,24 +170,24 @@ void rows_attention(const rows_attention_args *a, const rows_step *st, const flo
             memcpy(a->cache_k + row, qkv + (nq + j) * hd, sizeof(float) * hd);
             memcpy(a->cache_v + row, qkv + (nq + nkv + j) * hd, sizeof(float) * hd);
         }
-        for (int64_t i = 0; i < nq; i++) {
-            const float *q = qkv + i * hd;
-            size_t base = ((size_t)slot * nkv + a->kv_of_q[i]) * a->W * hd;
-            const float *keys = a->cache_k + base, *values = a->cache_v + base;
-            float top = -INFINITY;
-            for (int64_t t = 0; t < seen; t++) {
-                float s = 0.0f;
-                for (int64_t d = 0; d < hd; d++) s += q[d] * keys[t * hd + d];
-                p[t] = s * a->scale;
-                if (p[t] > top) top = p[t];
+        const size_t slot_base = (size_t)slot * nkv * a->W * hd;
+        if (nq > 1 && block_threads > 1 && seen * nq * hd >= HEADS_PARALLEL) {
+#pragma omp parallel num_threads(block_threads)
+            {
+                float *own = malloc(sizeof(float) * seen);  // this thread's scores
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < nq; i++) {
+                    const size_t base = slot_base + (size_t)a->kv_of_q[i] * a->W * hd;
+                    head(qkv + i * hd, a->cache_k + base, a->cache_v + base, seen, hd, a->scale,
+                         own, att + i * hd);
+                }
+                free(own);
             }
-            float sum = 0.0f;
-            for (int64_t t = 0; t < seen; t++) sum += p[t] = expf(p[t] - top);
-            float *o = att + i * hd;
-            memset(o, 0, sizeof(float) * hd);
-            for (int64_t t = 0; t < seen; t++) {
-                float w = p[t] / sum;
-                for (int64_t d = 0; d < hd; d++) o[d] += w * values[t * hd + d];
+        } else {
+            for (int64_t i = 0; i < nq; i++) {
+                const size_t base = slot_base + (size_t)a->kv_of_q[i] * a->W * hd;
+                head(qkv + i * hd, a->cache_k + base, a->cache_v + base, seen, hd, a->scale, p,
+                     att + i * hd);
             }
         }
         gemv(a->wo_kind, a->wo, D, nq * hd, att, out + b * D);
