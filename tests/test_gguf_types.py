@@ -1,0 +1,91 @@
+"""Every GGUF type the engine keeps, held to its own exact float expansion: the same weights
+multiplied as the file's blocks (the default, `auto`) and expanded to float32 (`--dtype f32`)
+give the same top-1 token, teacher-forced, at no fewer than 999 of every 1,000 positions of the
+shard dtypes' 258-position check (tests/test_window.py). Gemma 3 270M's file brings Q4_K, Q6_K,
+Q5_0 and Q8_0; SmolLM2's Q4_1 and Q8_0; SmolLM2's layers stored again in each block format of
+32 that has a quantizer bring the rest. (Q2_K, Q3_K, Q5_K and IQ4_XS have no quantizer here, and
+no bundled file stores them: their products are held to float64 in tests/test_quant.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_window import POSITIONS_PER_TEXT, TEXTS
+
+from master.local import local_engine
+from memory.budget import MemoryOptions
+from models import kernels
+from models.bundled import BUNDLED_MODELS
+from models.config import DEFAULT_MODEL
+from models.layers import StepBatch
+from models.quant import FORMATS
+from models.source import GGUFSource, ModelSource, open_model
+
+pytestmark = pytest.mark.slow
+
+AGREEMENT = 0.999
+LAYER_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class StoredAs(GGUFSource):
+    """A GGUF file whose layers' matrices read as if the file stored them in block format
+    `fmt`: the file's values quantized to it, handed out as those blocks or their values."""
+
+    def __init__(self, path, fmt: str) -> None:
+        super().__init__(path)
+        self.fmt = FORMATS[fmt]
+
+    def _stored_type(self, layer, name):
+        if layer is not None and name in LAYER_MATRICES:
+            return self.fmt.ggml_type.name
+        return super()._stored_type(layer, name)
+
+    def _rows(self, layer, name, start, stop, blocks):
+        if layer is None or name not in LAYER_MATRICES:
+            return super()._rows(layer, name, start, stop, blocks)
+        stored = self.fmt.quantize(super()._rows(layer, name, start, stop, False))
+        return stored if blocks else self.fmt.dequantize(stored)
+
+
+def _top1(source: ModelSource, dtype: str, state_dir, formats: set[str]) -> torch.Tensor:
+    """Teacher-forced top-1 tokens, the engine's products on `formats` (their kernels used)."""
+    tokenizer = source.tokenizer()
+    memory = MemoryOptions(dtype=dtype)
+    tops = []
+    kernels.uninstall()  # the kernel table this process holds is only this engine's
+    with local_engine(source, 1, state_dir=state_dir, context=128, memory=memory) as engine:
+        used = {part.split(":")[0] for part in kernels.kernel_set().split("; ")}
+        assert used == formats, (dtype, used)
+        for text in TEXTS:
+            ids = tokenizer.encode(text)[:POSITIONS_PER_TEXT]
+            assert len(ids) == POSITIONS_PER_TEXT
+            logits = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)), all_logits=True)
+            tops.append(logits[0].argmax(-1))
+        engine.close()
+    return torch.cat(tops)
+
+
+def _agreement(source: ModelSource, tmp_path, formats: set[str]) -> float:
+    kept = _top1(source, "auto", tmp_path / "auto", formats)
+    exact = _top1(source, "f32", tmp_path / "f32", {"f32"})
+    assert kept.numel() >= 256
+    return (kept == exact).float().mean().item()
+
+
+@pytest.mark.parametrize(
+    ("model", "formats"),
+    [(DEFAULT_MODEL, {"q4_1", "q8_0"}), ("gemma3-270m", {"q4_k", "q6_k", "q5_0", "q8_0"})],
+)
+def test_a_bundled_file_s_types_agree_with_their_float_values(model, formats, tmp_path):
+    source = open_model(BUNDLED_MODELS[model]())
+    agreement = _agreement(source, tmp_path, formats)
+    print(f"\n{model}: top-1 agreement with its float expansion: {agreement:.4f}")
+    assert agreement >= AGREEMENT, (model, agreement)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_0", "q5_1", "q8_0", "mxfp4"])
+def test_each_block_format_agrees_with_its_float_values(fmt, tmp_path):
+    source = StoredAs(BUNDLED_MODELS[DEFAULT_MODEL](), fmt)
+    agreement = _agreement(source, tmp_path, {fmt, "q8_0"})  # the embedding: the file's Q8_0
+    print(f"\nSmolLM2's layers as {fmt}: top-1 agreement with their float values: {agreement:.4f}")
+    assert agreement >= AGREEMENT, (fmt, agreement)
