@@ -6,9 +6,11 @@ stores it, byte for byte, so a split of a file answers as the file's own model d
 """
 
 PLAIN_DTYPES = ("f32", "f16", "bf16", "int8")
-# GGUF's block types (models/quant.py), widest first. The blocks of 32 can be made from float
-# weights; the K-quants and IQ4_XS (blocks of 256) only come from a file that stores them.
-QUANTIZABLE_BLOCK_DTYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "mxfp4")
+# GGUF's block types (models/quant.py), widest first. These can be made from float weights;
+# Q2_K, Q3_K and IQ4_XS only come from a file that stores them.
+QUANTIZABLE_BLOCK_DTYPES = (
+    "q8_0", "q6_k", "q5_1", "q5_0", "q5_k", "q4_1", "q4_k", "q4_0", "mxfp4",
+)  # fmt: skip
 BLOCK_DTYPES = (
     "q8_0", "q6_k", "q5_1", "q5_0", "q5_k", "q4_1", "q4_k", "iq4_xs", "q4_0", "mxfp4", "q3_k",
     "q2_k",
@@ -63,9 +65,11 @@ def common_dtype(dtypes: set[str]) -> str:
 
 def embedding_dtype(dtype: str, stored_type: str = "F32") -> str:
     """How the embedding and lm_head are stored when the layers are `dtype`: a 4- or 5-bit model
-    keeps them at 8 bits, as llama.cpp's files do (SmolLM2's Q4_1 file has a Q8_0 embedding). The
+    keeps them at 8 bits (6 for the K-quants), as llama.cpp's files do (SmolLM2's Q4_1 file has a Q8_0 embedding). The
     lm_head's rounding moves the top token more than any layer's does. Under `auto`, as the
     source stores it."""
     if dtype == AUTO:
         return nearest_dtype(stored_type)
+    if dtype in ("q4_k", "q5_k"):  # as llama.cpp's Q4_K_M and Q5_K_M keep their output
+        return "q6_k"
     return "q8_0" if dtype in ("q4_0", "q4_1", "q5_0", "q5_1", "mxfp4") else dtype

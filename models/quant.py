@@ -9,12 +9,14 @@ carried into the shards without a round trip through float, and a row range is a
   or 8 bits a weight), mxfp4 (a power-of-two scale and 4-bit floats: gpt-oss's experts);
 - blocks of 256 (llama.cpp's K-quants): q2_k, q3_k, q4_k, q5_k, q6_k (a scale, for some a
   minimum, per 16 or 32 weights, themselves quantized against the block's f16 scales), iq4_xs
-  (4-bit indices into a fixed non-linear table, a 6-bit scale per 32).
+  (4-bit indices into a fixed non-linear table, a 6-bit scale per 32). Floats are quantized
+  to q4_k, q5_k and q6_k by models/kquants.py; the others come only from a file.
 
 Every format's block size in bytes differs (GGML_QUANT_SIZES), so a tensor's shape says what
 it holds. IQ4_NL (18 bytes a 32, as q4_0) would not be told apart, and is not read.
 The arithmetic (dequantize, and quantize where the package has it) is the `gguf` package's,
-the reference llama.cpp's files are written with; the C products (models/csrc) expand blocks as
+the reference llama.cpp's files are written with (models/kquants.py quantizes the K-quants it
+cannot); the C products (models/csrc) expand blocks as
 it does.
 """
 
@@ -26,7 +28,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from models.dtypes import BLOCK_DTYPES, EXACT_WIDENING
+from models.dtypes import BLOCK_DTYPES, EXACT_WIDENING, QUANTIZABLE_BLOCK_DTYPES
+from models.kquants import QUANTIZERS
 
 BLOCK = 32  # the smallest block, along a matrix's input dimension
 # Stored bytes the gguf package expands in a call: its temporaries are a few times what it returns.
@@ -71,9 +74,10 @@ class BlockFormat:
 
     @property
     def can_quantize(self) -> bool:
-        """Whether a float matrix can be stored in this format here (the gguf package has no
-        quantizer for the 256-weight formats: those come only from a file that stores them)."""
-        return self.block_values == BLOCK
+        """Whether a float matrix can be stored in this format here: the gguf package quantizes
+        the blocks of 32, models/kquants.py Q4_K, Q5_K and Q6_K; Q2_K, Q3_K and IQ4_XS come only
+        from a file that stores them."""
+        return self.block_values == BLOCK or self.name in QUANTIZERS
 
     def quantize(self, w: torch.Tensor) -> torch.Tensor:
         """A float matrix (out, in), in a multiple of the block, as blocks (out, in / block,
@@ -91,10 +95,14 @@ class BlockFormat:
         if not self.can_quantize:
             raise ValueError(
                 f"edgetp has no quantizer for {self.name}: it keeps {self.name} weights only "
-                "as a file stores them; choose a block format of 32 (q4_0, q4_1, q5_0, q5_1, "
-                "q8_0) for float weights"
+                f"as a file stores them; choose one of {', '.join(QUANTIZABLE_BLOCK_DTYPES)} "
+                "for float weights"
             )
-        blocks = quants.quantize(w.float().numpy(), self.ggml_type)
+        values = w.float().numpy()
+        if self.name in QUANTIZERS:
+            blocks = QUANTIZERS[self.name](values.reshape(-1, v))
+        else:
+            blocks = quants.quantize(values, self.ggml_type)
         return torch.from_numpy(np.ascontiguousarray(blocks)).view(out, inp // v, -1)
 
     def dequantize(self, blocks: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,10 @@
 multiplied as the file's blocks (the default, `auto`) and expanded to float32 (`--dtype f32`)
 give the same top-1 token, teacher-forced, at no fewer than 999 of every 1,000 positions of the
 shard dtypes' 258-position check (tests/test_window.py). Gemma 3 270M's file brings Q4_K, Q6_K,
-Q5_0 and Q8_0; SmolLM2's Q4_1 and Q8_0; SmolLM2's layers stored again in each block format of
-32 that has a quantizer bring the rest. (Q2_K, Q3_K, Q5_K and IQ4_XS have no quantizer here, and
-no bundled file stores them: their products are held to float64 in tests/test_quant.py.)"""
+Q5_0 and Q8_0; SmolLM2's Q4_1 and Q8_0; SmolLM2's layers stored again in each format that has a
+quantizer bring Q4_0, Q5_0, Q5_1, MXFP4 and Q5_K. (Q2_K, Q3_K and IQ4_XS have no quantizer
+here, and no bundled file stores them: their products are held to float64 in
+tests/test_quant.py.)"""
 
 from __future__ import annotations
 
@@ -29,19 +30,26 @@ LAYER_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 
 class StoredAs(GGUFSource):
     """A GGUF file whose layers' matrices read as if the file stored them in block format
-    `fmt`: the file's values quantized to it, handed out as those blocks or their values."""
+    `fmt`: the file's values quantized to it, handed out as those blocks or their values.
+    Matrices whose rows are not whole blocks of it (SmolLM2's 576-wide ones in a 256-weight
+    format) stay as the file stores them."""
 
     def __init__(self, path, fmt: str) -> None:
         super().__init__(path)
         self.fmt = FORMATS[fmt]
 
+    def _restored(self, layer, name) -> bool:
+        if layer is None or name not in LAYER_MATRICES:
+            return False
+        return self.shape(layer, name)[1] % self.fmt.block_values == 0
+
     def _stored_type(self, layer, name):
-        if layer is not None and name in LAYER_MATRICES:
+        if self._restored(layer, name):
             return self.fmt.ggml_type.name
         return super()._stored_type(layer, name)
 
     def _rows(self, layer, name, start, stop, blocks):
-        if layer is None or name not in LAYER_MATRICES:
+        if not self._restored(layer, name):
             return super()._rows(layer, name, start, stop, blocks)
         stored = self.fmt.quantize(super()._rows(layer, name, start, stop, False))
         return stored if blocks else self.fmt.dequantize(stored)
@@ -83,9 +91,14 @@ def test_a_bundled_file_s_types_agree_with_their_float_values(model, formats, tm
     assert agreement >= AGREEMENT, (model, agreement)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q5_0", "q5_1", "q8_0", "mxfp4"])
+@pytest.mark.parametrize(
+    "fmt", ["q4_0", "q5_0", "q5_1", "q8_0", "mxfp4", "q4_k", "q5_k", "q6_k"]
+)
 def test_each_block_format_agrees_with_its_float_values(fmt, tmp_path):
+    """SmolLM2's layers in `fmt`; a 256-weight format holds its down projections (1536 wide),
+    the other matrices (576 wide) stay the file's Q4_1."""
     source = StoredAs(BUNDLED_MODELS[DEFAULT_MODEL](), fmt)
-    agreement = _agreement(source, tmp_path, {fmt, "q8_0"})  # the embedding: the file's Q8_0
+    others = {"q4_1"} if FORMATS[fmt].block_values == 256 else set()
+    agreement = _agreement(source, tmp_path, {fmt, "q8_0", *others})  # embedding: the file's
     print(f"\nSmolLM2's layers as {fmt}: top-1 agreement with their float values: {agreement:.4f}")
     assert agreement >= AGREEMENT, (fmt, agreement)
