@@ -65,9 +65,9 @@ def common_dtype(dtypes: set[str]) -> str:
 
 def embedding_dtype(dtype: str, stored_type: str = "F32") -> str:
     """How the embedding and lm_head are stored when the layers are `dtype`: a 4- or 5-bit model
-    keeps them at 8 bits (6 for the K-quants), as llama.cpp's files do (SmolLM2's Q4_1 file has a Q8_0 embedding). The
-    lm_head's rounding moves the top token more than any layer's does. Under `auto`, as the
-    source stores it."""
+    keeps them at 8 bits (6 for the K-quants), as llama.cpp's files do (SmolLM2's Q4_1 file has
+    a Q8_0 embedding). The lm_head's rounding moves the top token more than any layer's does.
+    Under `auto`, as the source stores it."""
     if dtype == AUTO:
         return nearest_dtype(stored_type)
     if dtype in ("q4_k", "q5_k"):  # as llama.cpp's Q4_K_M and Q5_K_M keep their output
