@@ -34,8 +34,17 @@
 #define GROUPS (CHUNK / GROUP)
 #define TILE 8     // rows of x sharing one expansion
 
+// The products' vectors: 16 floats where the CPU has AVX-512, else 8. Either way an output sums
+// weight j's products in lane j mod 64, in the same order.
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+#define NACC (64 / VW)
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));  // an unaligned load
 typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));  // an unaligned load
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
@@ -93,8 +102,10 @@ AI void high_bits(const uint8_t *qh, u8x16 *lo, u8x16 *hi) {
                      qh[1], qh[1], qh[1], qh[1], qh[1], qh[1], qh[1], qh[1]};
     const u8x16 b = {qh[2], qh[2], qh[2], qh[2], qh[2], qh[2], qh[2], qh[2],
                      qh[3], qh[3], qh[3], qh[3], qh[3], qh[3], qh[3], qh[3]};
-    *lo = (u8x16)((a & bit) != 0) & 16;
-    *hi = (u8x16)((b & bit) != 0) & 16;
+    // (bit or 0) + 127 has its top bit set exactly when the bit is: byte adds and shifts, where
+    // a comparison became mask-register code with AVX-512, twice as slow
+    *lo = (((a & bit) + 127) >> 7) << 4;
+    *hi = (((b & bit) + 127) >> 7) << 4;
 }
 
 AI void put(int8_t *q, u8x16 v) { memcpy(q, &v, 16); }
@@ -285,28 +296,32 @@ AI void iq4_xs_decode(const uint8_t *restrict b, int8_t *restrict q, float *rest
 
 typedef void (*decode_fn)(const uint8_t *, int8_t *, float *, float *);
 
-AI v8 splat(float v) { return (v8){v, v, v, v, v, v, v, v}; }
-AI v8 load(const float *p) { return *(const v8u *)p; }
-// 8 integers as floats: GCC turns a vector conversion from int8 into scalar code, so where the
+AI vf splat(float v) { return (vf){0} + v; }
+AI vf load(const float *p) { return *(const vfu *)p; }
+// VW integers as floats: GCC turns a vector conversion from int8 into scalar code, so where the
 // CPU has one, its instruction for it
-#if defined(__AVX2__)
-AI v8 ints(const int8_t *p) {
-    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#if defined(__AVX512F__)
+AI vf ints(const int8_t *p) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__)
+AI vf ints(const int8_t *p) {
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 #elif defined(__ARM_NEON)
-AI v8 ints(const int8_t *p) {
+AI vf ints(const int8_t *p) {
     const int16x8_t h = vmovl_s8(vld1_s8(p));
     const float32x4_t lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
     const float32x4_t hi = vcvtq_f32_s32(vmovl_s16(vget_high_s16(h)));
-    v8 r;
+    vf r;
     memcpy(&r, &lo, 16);
     memcpy((char *)&r + 16, &hi, 16);
     return r;
 }
 #else
-AI v8 ints(const int8_t *p) {
-    v8 r;
-    for (int i = 0; i < 8; i++) r[i] = (float)p[i];
+AI vf ints(const int8_t *p) {
+    vf r;
+    for (int i = 0; i < VW; i++) r[i] = (float)p[i];
     return r;
 }
 #endif
@@ -319,35 +334,38 @@ AI void decode_chunk(decode_fn decode, int V, int BS, const uint8_t *wrow, int k
 
 // acc (64 lanes: weight j in lane j mod 64) += (scale q) . x over the chunk's n weights (a
 // multiple of 32); the accumulators named by constants, so that they stay in registers
-AI void dot_ints(const Chunk *c, int n, const float *x, v8 acc[8]) {
-    int g = 0;
-    for (; g + 4 <= n / GROUP; g += 4)
-        for (int k = 0; k < 8; k++) acc[k] += (ints(c->q + GROUP * g + 8 * k) * splat(c->scale[g + k / 2])) * load(x + GROUP * g + 8 * k);
-    if (g < n / GROUP)
-        for (int k = 0; k < 4; k++) acc[k] += (ints(c->q + GROUP * g + 8 * k) * splat(c->scale[g + k / 2])) * load(x + GROUP * g + 8 * k);
+AI void dot_ints(const Chunk *c, int n, const float *x, vf acc[NACC]) {
+    int j = 0;
+    for (; j + 64 <= n; j += 64)
+        for (int k = 0; k < NACC; k++)
+            acc[k] += (ints(c->q + j + VW * k) * splat(c->scale[(j + VW * k) / GROUP])) * load(x + j + VW * k);
+    if (j < n)
+        for (int k = 0; k < 32 / VW; k++)
+            acc[k] += (ints(c->q + j + VW * k) * splat(c->scale[(j + VW * k) / GROUP])) * load(x + j + VW * k);
 }
 
 // the same from the chunk expanded (w = scale q) into `w`: the same products in the same lanes
-AI void dot_floats(const float *w, int n, const float *x, v8 acc[8]) {
+AI void dot_floats(const float *w, int n, const float *x, vf acc[NACC]) {
     int j = 0;
     for (; j + 64 <= n; j += 64)
-        for (int k = 0; k < 8; k++) acc[k] += load(w + j + 8 * k) * load(x + j + 8 * k);
+        for (int k = 0; k < NACC; k++) acc[k] += load(w + j + VW * k) * load(x + j + VW * k);
     if (j < n)
-        for (int k = 0; k < 4; k++) acc[k] += load(w + j + 8 * k) * load(x + j + 8 * k);
+        for (int k = 0; k < 32 / VW; k++) acc[k] += load(w + j + VW * k) * load(x + j + VW * k);
 }
 
-AI float lanes_sum(const v8 acc[8]) {
-    v8 t = acc[0];
-    for (int k = 1; k < 8; k++) t += acc[k];
+AI float lanes_sum(const vf acc[NACC]) {
+    vf t = acc[0];
+    for (int k = 1; k < NACC; k++) t += acc[k];
     float s = 0;
-    for (int i = 0; i < 8; i++) s += t[i];
+    for (int i = 0; i < VW; i++) s += t[i];
     return s;
 }
 
 // weight row o against rows [r0, r0 + RT) of x (xs: their sums per 16, for a format with minimums)
 AI void row_tile(decode_fn decode, int V, int BS, int mins, const uint8_t *wrow, int K, const float *x,
                  const float *xs, int r0, int RT, float *y, int N, int o) {
-    v8 acc[TILE][8], corr[TILE][2];  // corr: the minimums' part, group g in lane g mod 16
+    vf acc[TILE][NACC];
+    v8 corr[TILE][2];  // the minimums' part, group g in lane g mod 16
     memset(acc, 0, sizeof acc);
     memset(corr, 0, sizeof corr);
     Chunk c;
@@ -358,11 +376,7 @@ AI void row_tile(decode_fn decode, int V, int BS, int mins, const uint8_t *wrow,
         if (RT == 1) {
             dot_ints(&c, n, x + (size_t)r0 * K + k0, acc[0]);
         } else {
-            for (int g = 0; g < n / GROUP; g++) {
-                const v8 s = splat(c.scale[g]);
-                *(v8u *)(w + GROUP * g) = ints(c.q + GROUP * g) * s;
-                *(v8u *)(w + GROUP * g + 8) = ints(c.q + GROUP * g + 8) * s;
-            }
+            for (int j = 0; j < n; j += VW) *(vfu *)(w + j) = ints(c.q + j) * splat(c.scale[j / GROUP]);
             for (int r = 0; r < RT; r++) dot_floats(w, n, x + (size_t)(r0 + r) * K + k0, acc[r]);
         }
         if (mins)  // n / GROUP groups: 16, or 2 to 14 in a shorter last chunk of 32-blocks
