@@ -35,7 +35,7 @@
 #define TILE 8     // rows of x sharing one expansion
 
 // The products' vectors: 16 floats where the CPU has AVX-512, else 8. Either way an output sums
-// weight j's products in lane j mod 64, in the same order.
+// weight j's products in lane j mod 64, in the same order, and the lanes as `lanes_sum` does.
 #if defined(__AVX512F__)
 #define VW 16
 #else
@@ -353,11 +353,18 @@ AI void dot_floats(const float *w, int n, const float *x, vf acc[NACC]) {
         for (int k = 0; k < 32 / VW; k++) acc[k] += load(w + j + VW * k) * load(x + j + VW * k);
 }
 
+// The 64 lanes folded 8 at a time in lane order, then those 8 in order: what an 8-float build
+// computes, so an output is the same float whatever the CPU's vector width.
 AI float lanes_sum(const vf acc[NACC]) {
-    vf t = acc[0];
-    for (int k = 1; k < NACC; k++) t += acc[k];
+    const float *lanes = (const float *)acc;
+    v8 t, part;
+    memcpy(&t, lanes, 32);
+    for (int k = 1; k < 8; k++) {
+        memcpy(&part, lanes + 8 * k, 32);
+        t += part;
+    }
     float s = 0;
-    for (int i = 0; i < VW; i++) s += t[i];
+    for (int i = 0; i < 8; i++) s += t[i];
     return s;
 }
 
