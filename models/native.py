@@ -4,7 +4,8 @@ NumPy and torch have no product for GGUF's blocks; expanding a matrix to float32
 product costs 30 times a float32 token. So the C sources ship with the package and the system's
 C compiler builds them at first use (models/cbuild.py). Three builds, four candidates:
 
-- "c-f32" (models/csrc/blocks.c): x86 with AVX2, FMA and F16C, tuned by hand;
+- "c-f32" (models/csrc/blocks.c): x86 with AVX2, FMA and F16C, tuned by hand (the blocks of 32
+  but MXFP4);
 - "c-portable" (models/csrc/blocks_portable.c): plain C the compiler vectorises for this CPU
   (-march=native), for ARM boards and x86 without AVX2 (a candidate only there: 14x slower than
   "c-f32" where both run, 4x faster than expanding to float32);
@@ -30,7 +31,7 @@ import torch
 
 from models.cbuild import built
 from models.dtypes import BLOCK_DTYPES
-from models.kernels import blas_threads, has_avx2
+from models.kernels import HAND_TUNED, PORTABLE, blas_threads, has_avx2
 from models.quant import block_format
 
 CSRC = Path(__file__).with_name("csrc")
@@ -42,13 +43,13 @@ class Build:
     source: Path
     flags: tuple[str, ...]
     x86_only: bool
-    formats: tuple[str, ...] = ("q4_0", "q4_1", "q8_0")
+    formats: tuple[str, ...]
     expands: bool = False  # has `<format>_expand`, whole rows to float32
 
 
 BUILDS = {
-    "avx2": Build(CSRC / "blocks.c", ("-mavx2", "-mfma", "-mf16c", *COMMON), x86_only=True),
-    "portable": Build(CSRC / "blocks_portable.c", ("-march=native", *COMMON), x86_only=False),
+    "avx2": Build(CSRC / "blocks.c", ("-mavx2", "-mfma", "-mf16c", *COMMON), True, HAND_TUNED),
+    "portable": Build(CSRC / "blocks_portable.c", ("-march=native", *COMMON), False, PORTABLE),
     "expand": Build(CSRC / "expand.c", ("-march=native", *COMMON), False, BLOCK_DTYPES, True),
 }
 # Multiply-adds (rows x out x in) below which one thread beats waking a second. Measured on a

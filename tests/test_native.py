@@ -164,9 +164,9 @@ BLOCKS_OF_32 = [d for d in BLOCK_DTYPES if FORMATS[d].block_values == 32]
 
 def c_build(dtype: str) -> str:
     """The C product this CPU's check times for a block format."""
-    if dtype not in kernels.BUILDS_BY_HAND:
-        return "c-expand"
-    return "c-f32" if kernels.has_avx2() else "c-portable"
+    if kernels.has_avx2():
+        return "c-f32" if dtype in kernels.HAND_TUNED else "c-expand"
+    return "c-portable" if dtype in kernels.PORTABLE else "c-expand"
 
 
 @pytest.mark.parametrize("dtype", [d for d in QUANTIZABLE_BLOCK_DTYPES if d in BLOCKS_OF_32])

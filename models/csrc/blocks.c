@@ -1,5 +1,6 @@
 // Products with matrices in GGUF's block formats (models/quant.py): y (R, N) = x (R, K) @ W^T,
-// W (N, K) as raw blocks, row o being K/32 consecutive blocks (Q4_0 18 bytes, Q4_1 20, Q8_0 34).
+// W (N, K) as raw blocks, row o being K/32 consecutive blocks (Q4_0 18 bytes, Q4_1 20, Q8_0 34,
+// Q5_0 22, Q5_1 24: Q4's with a fifth bit per weight in 4 bytes after the scales).
 // Built for x86 with AVX2, FMA and F16C by models/native.py; a CPU without them rejects the
 // kernels in the on-device check (node/device.py), never at a user's request.
 //
@@ -25,8 +26,11 @@ AI float hsum(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
-AI int bsize(int kind) { return kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : 34; }
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4 };
+AI int bsize(int kind) { return kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == Q5_0 ? 22 : 24; }
+AI int has_min(int kind) { return kind == Q4_1 || kind == Q5_1; }  // an f16 minimum after d
+AI int nibbles_at(int kind) { return kind == Q4_0 ? 2 : kind == Q4_1 ? 4 : kind == Q5_0 ? 6 : 8; }
+AI int offset(int kind) { return kind == Q4_0 ? 8 : kind == Q5_0 ? 16 : 0; }  // w = d (q - offset) (+ m)
 
 // A tile of G > 1 weight rows reads G short streams at once, too many for the hardware prefetcher
 // (measured: q8_0 49152x576 three times slower without this): fetch the next G rows, in step.
@@ -41,7 +45,7 @@ AI void prefetch_next(int G, const uint8_t *w, size_t rowbytes, int b, int bs) {
 AI __m256 heads(int kind, int G, const uint8_t *const blk[4]) {
     __m128i h[4];
     for (int g = 0; g < G; g++) { int32_t v; memcpy(&v, blk[g], 4); h[g] = _mm_cvtsi32_si128(v); }
-    if (kind == Q4_1) {  // words d m per block: gather [d0 m0 d1 m1 ..], then [d0 d1 .. | m0 m1 ..]
+    if (has_min(kind)) {  // words d m per block: gather [d0 m0 d1 m1 ..], then [d0 d1 .. | m0 m1 ..]
         __m128i dm = G == 1 ? h[0] : _mm_unpacklo_epi32(h[0], h[1]);
         if (G == 4) dm = _mm_unpacklo_epi64(dm, _mm_unpacklo_epi32(h[2], h[3]));
         dm = _mm_shuffle_epi8(dm, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
@@ -69,17 +73,24 @@ AI void block_f32(int kind, const uint8_t *blk, __m256 vd, __m256 vm, __m256 w[4
     // the 16 bytes in both halves; in-lane byte shuffles spread bytes 0-7 and 8-15 to dwords
     // (cheaper than vpmovzxbd, which crosses lanes): their low nibbles are elements 0-15, the
     // high ones 16-31
-    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + (kind == Q4_1 ? 4 : 2))));
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + nibbles_at(kind))));
     const __m256i lo = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
                                                                4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1));
     const __m256i hi = _mm256_shuffle_epi8(b, _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
                                                                12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1));
     const __m256i low4 = _mm256_set1_epi32(15);
-    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, low4));
-    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, low4));
-    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
-    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
-    for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(w[i], vd, vm);
+    __m256i q[4] = {_mm256_and_si256(lo, low4), _mm256_and_si256(hi, low4), _mm256_srli_epi32(lo, 4),
+                    _mm256_srli_epi32(hi, 4)};
+    if (kind == Q5_0 || kind == Q5_1) {  // bit i of qh (after the scales) is element i's fifth bit, as 16
+        int32_t qh;
+        memcpy(&qh, blk + (kind == Q5_0 ? 2 : 4), 4);
+        const __m256i bits = _mm256_set1_epi32(qh);
+        for (int i = 0; i < 4; i++) {
+            const __m256i at = _mm256_setr_epi32(8 * i, 8 * i + 1, 8 * i + 2, 8 * i + 3, 8 * i + 4, 8 * i + 5, 8 * i + 6, 8 * i + 7);
+            q[i] = _mm256_or_si256(q[i], _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(bits, at), _mm256_set1_epi32(1)), 4));
+        }
+    }
+    for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), vd, vm);
 }
 
 // G weight rows x RT rows of x: G*RT accumulators, each weight block expanded once for RT rows
@@ -97,7 +108,7 @@ AI void tile_f32(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int
         for (int g = 0; g < G; g++) blk[g] = w + g * rowbytes + (size_t)b * bs;
         const __m256 dm = heads(kind, G, blk);
         const __m256 dd = _mm256_insertf128_ps(dm, _mm256_castps256_ps128(dm), 1);  // d_g in lanes g and 4 + g
-        const __m256 mm = kind == Q4_1 ? _mm256_permute2f128_ps(dm, dm, 0x11) : _mm256_mul_ps(dd, _mm256_set1_ps(-8.0f));
+        const __m256 mm = has_min(kind) ? _mm256_permute2f128_ps(dm, dm, 0x11) : _mm256_mul_ps(dd, _mm256_set1_ps(-(float)offset(kind)));
         for (int g = 0; g < G; g++) {
             __m256 wv[4];
             block_f32(kind, blk[g], lane(dd, g), lane(mm, g), wv);
@@ -168,6 +179,12 @@ static void run(int kind, const Job *j, int nth) {
     } else if (kind == Q4_1) {
 #pragma omp parallel for schedule(static) num_threads(nth)
         for (int i = 0; i < ng; i++) group(Q4_1, j, i);
+    } else if (kind == Q5_0) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group(Q5_0, j, i);
+    } else if (kind == Q5_1) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group(Q5_1, j, i);
     } else {
 #pragma omp parallel for schedule(static) num_threads(nth)
         for (int i = 0; i < ng; i++) group(Q8_0, j, i);
@@ -182,3 +199,5 @@ static void gemm_f32(int kind, const float *x, int R, int K, const uint8_t *W, i
 void q4_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q4_0, x, R, K, W, N, y, nth); }
 void q4_1_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q4_1, x, R, K, W, N, y, nth); }
 void q8_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q8_0, x, R, K, W, N, y, nth); }
+void q5_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q5_0, x, R, K, W, N, y, nth); }
+void q5_1_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q5_1, x, R, K, W, N, y, nth); }

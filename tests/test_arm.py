@@ -1,0 +1,76 @@
+"""ARM boards are devices too: the block formats' C products, built for aarch64 as a board's
+compiler builds them (NEON, the portable C), run under qemu-user and held to the same reference
+as on this machine: the expansions to the gguf package's values exactly, the products to
+float64 on those values. (No aarch64 Python is needed: tests/csrc/arm_check.c drives them.)"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models.kernels import PORTABLE
+from models.native import CSRC
+from models.quant import FORMATS, random_blocks
+
+HARNESS = Path(__file__).with_name("csrc") / "arm_check.c"
+COMPILER, EMULATOR = "aarch64-linux-gnu-gcc", "qemu-aarch64"
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict[str, Path]:
+    """The harness linked with models/csrc/expand.c, and with blocks_portable.c, for aarch64."""
+    missing = [tool for tool in (COMPILER, EMULATOR) if shutil.which(tool) is None]
+    assert not missing, (
+        f"{' and '.join(missing)} not found: install Debian's gcc-aarch64-linux-gnu and "
+        "qemu-user (`make setup` does, as root)"
+    )
+    folder = tmp_path_factory.mktemp("arm")
+    out = {}
+    sources = (("expand", "expand.c", []), ("portable", "blocks_portable.c", ["-DPORTABLE"]))
+    for build, source, extra in sources:
+        out[build] = folder / f"arm_{build}"
+        subprocess.run(
+            [COMPILER, "-O3", "-march=armv8-a", "-fopenmp", "-static", *extra, str(HARNESS),
+             str(CSRC / source), "-o", str(out[build]), "-lm"],
+            check=True, capture_output=True, timeout=300,
+        )  # fmt: skip
+    return out
+
+
+def _run(binary: Path, fmt: str, w: np.ndarray, x: np.ndarray, expands: bool):
+    (rows, inp), out = x.shape, w.shape[0]
+    header = f"{fmt} {rows} {inp} {out} {w.nbytes}\n".encode()
+    done = subprocess.run(
+        [EMULATOR, str(binary)], input=header + w.tobytes() + x.tobytes(),
+        capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()
+    data = np.frombuffer(done.stdout, np.float32)
+    y = data[: rows * out].reshape(rows, out)
+    values = data[rows * out :].reshape(out, inp) if expands else None
+    return y, values
+
+
+@pytest.mark.parametrize(
+    ("build", "fmt"),
+    [("expand", f) for f in FORMATS] + [("portable", f) for f in PORTABLE],
+)
+def test_the_aarch64_builds_multiply_the_stored_weights_exactly(builds, build, fmt):
+    rng = np.random.default_rng(len(fmt))
+    v = FORMATS[fmt].block_values
+    for out, inp, rows in ((7, 2 * v, 1), (33, 1280 if v == 256 else 640, 3), (5, 5 * v, 9)):
+        w = random_blocks(FORMATS[fmt], out, inp, rng).numpy()
+        x = rng.standard_normal((rows, inp), dtype=np.float32)
+        y, values = _run(builds[build], fmt, w, x, expands=build == "expand")
+        exact = FORMATS[fmt].dequantize(torch.from_numpy(w)).double().numpy()
+        if values is not None:
+            assert np.array_equal(values, exact.astype(np.float32)), (fmt, out, inp)
+        want = x.astype(np.float64) @ exact.T
+        bound = 1e-4 * np.outer(np.linalg.norm(x, axis=1), np.linalg.norm(exact, axis=1)) + 1e-6
+        assert (np.abs(y - want) <= bound).all(), (fmt, out, inp, rows)
+
