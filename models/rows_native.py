@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "rows.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm")
-MAX_ROWS = 8  # a decode batch: one sgemv a row, as the admitted "numpy-gemv" kernel does
+MAX_ROWS = 8  # a decode batch (rows.c's scratch holds this many): sgemv a row, as "numpy-gemv"
 SGEMV_SYMBOLS = ("scipy_cblas_sgemv64_", "cblas_sgemv64_")  # 64-bit integer arguments
 TIMING_ROUNDS, TIMING_CALLS = 3, 10  # the admission's timing: a few ms for SmolLM2
 # Native blocks are turned away only when clearly slower. The timing runs one layer warm in a
@@ -209,7 +209,8 @@ class NativeBlocks:
             wqkv, wo = _matrix(self.lib, w["wqkv"]), _matrix(self.lib, w["wo"])
             gate_up, down = _matrix(self.lib, w["w_gate_up"]), _matrix(self.lib, w["w_down"])
             W = keys[i].shape[2]
-            room = np.zeros((nq + 2 * nkv) * hd + nq * hd + W + config.hidden, np.float32)
+            rows_room = (nq + 2 * nkv) * hd + nq * hd + config.hidden  # rows.c: ROWS times
+            room = np.zeros(MAX_ROWS * rows_room + W, np.float32)
             self.scratch.append(room)
             local = config.is_local(i)
             self.attention_args.append(
@@ -226,7 +227,7 @@ class NativeBlocks:
                 )
             )  # fmt: skip
             n = matrix_size(w["w_down"])[1]
-            room = np.zeros(config.hidden + 2 * n, np.float32)
+            room = np.zeros(MAX_ROWS * (config.hidden + 3 * n), np.float32)
             self.scratch.append(room)
             self.ffn_args.append(
                 FfnArgs(

@@ -66,7 +66,7 @@ typedef struct {
     int64_t W;                    // positions the cache holds
     int ring;                     // a local layer: position p at p % W, the last W positions
     int local_rope;               // a local layer with its own RoPE tables
-    float *scratch;               // (nq + 2 nkv) hd + nq hd + W + D floats
+    float *scratch;               // MAX_ROWS ((nq + 2 nkv) hd + nq hd + D) + W floats
 } rows_attention_args;
 
 typedef struct {
@@ -77,18 +77,22 @@ typedef struct {
     const void *w_gate_up;  // (2 n, D)
     const void *w_down;     // (D, n)
     int gate_up_kind, down_kind;
-    float *scratch;         // D + 2 n floats
+    float *scratch;         // MAX_ROWS (D + 3 n) floats (models/rows_native.py)
 } rows_ffn_args;
 
-// y (out) = W x for one row x (in): W float32 (kind F32) or raw blocks of format `kind`.
-static void gemv(int kind, const void *w, int64_t out, int64_t in, const float *x, float *y) {
+// y (B, out) = x (B, in) W^T: W float32 (kind F32: an sgemv a row) or raw blocks of format
+// `kind`, all B rows in one product, which reads (and for most formats decodes) each block once
+// for them all. A row's result is the same either way: the products sum each row alone.
+static void products(int kind, const void *w, int64_t out, int64_t in, const float *x, int64_t B,
+                     float *y) {
     if (kind == F32) {
-        sgemv(101 /* row-major */, 111 /* no transpose */, out, in, 1.0f, (const float *)w, in,
-              x, 1, 0.0f, y, 1);
+        for (int64_t b = 0; b < B; b++)
+            sgemv(101 /* row-major */, 111 /* no transpose */, out, in, 1.0f, (const float *)w, in,
+                  x + b * in, 1, 0.0f, y + b * out, 1);
         return;
     }
-    int nth = out * in < block_small ? 1 : block_threads;
-    block_products[kind](x, 1, (int)in, (const uint8_t *)w, (int)out, y, nth);
+    int nth = B * out * in < block_small ? 1 : block_threads;
+    block_products[kind](x, (int)B, (int)in, (const uint8_t *)w, (int)out, y, nth);
 }
 
 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
@@ -144,17 +148,18 @@ static void head(const float *q, const float *keys, const float *values, int64_t
 // out (B, D) = this slice's attention partial for h (B, D); appends each sequence's key and value.
 void rows_attention(const rows_attention_args *a, const rows_step *st, const float *h, float *out) {
     const int64_t D = a->D, hd = a->hd, nq = a->nq, nkv = a->nkv, width = (nq + 2 * nkv) * hd;
-    float *qkv = a->scratch, *att = qkv + width, *p = att + nq * hd;
-    float *x = p + a->W;
+    const int64_t B = st->B;
+    float *qkvs = a->scratch, *atts = qkvs + B * width, *x = atts + B * nq * hd, *p = x + B * D;
     if (nq == 0) {
-        memset(out, 0, sizeof(float) * st->B * D);
+        memset(out, 0, sizeof(float) * B * D);
         return;
     }
-    for (int64_t b = 0; b < st->B; b++) {
+    for (int64_t b = 0; b < B; b++) rms_norm(h + b * D, a->norm, D, a->eps, x + b * D);
+    products(a->wqkv_kind, a->wqkv, width, D, x, B, qkvs);
+    for (int64_t b = 0; b < B; b++) {
         const float *cos = (a->local_rope ? st->local_cos : st->cos) + b * a->half;
         const float *sin = (a->local_rope ? st->local_sin : st->sin) + b * a->half;
-        rms_norm(h + b * D, a->norm, D, a->eps, x);
-        gemv(a->wqkv_kind, a->wqkv, width, D, x, qkv);
+        float *qkv = qkvs + b * width, *att = atts + b * nq * hd;
         if (a->bqkv)
             for (int64_t i = 0; i < width; i++) qkv[i] += a->bqkv[i];
         for (int64_t i = 0; i < nq + nkv; i++) {
@@ -190,31 +195,33 @@ void rows_attention(const rows_attention_args *a, const rows_step *st, const flo
                      att + i * hd);
             }
         }
-        gemv(a->wo_kind, a->wo, D, nq * hd, att, out + b * D);
     }
+    products(a->wo_kind, a->wo, D, nq * hd, atts, B, out);
 }
 
 // out (B, D) = this slice's FFN partial for h (B, D).
 void rows_ffn(const rows_ffn_args *a, const rows_step *st, const float *h, float *out) {
-    const int64_t D = a->D, n = a->n;
-    float *x = a->scratch, *gu = x + D;
+    const int64_t D = a->D, n = a->n, B = st->B;
+    float *x = a->scratch, *gus = x + B * D, *acts = gus + B * 2 * n;
     if (n == 0) {
-        memset(out, 0, sizeof(float) * st->B * D);
+        memset(out, 0, sizeof(float) * B * D);
         return;
     }
-    for (int64_t b = 0; b < st->B; b++) {
-        rms_norm(h + b * D, a->norm, D, a->eps, x);
-        gemv(a->gate_up_kind, a->w_gate_up, 2 * n, D, x, gu);
+    for (int64_t b = 0; b < B; b++) rms_norm(h + b * D, a->norm, D, a->eps, x + b * D);
+    products(a->gate_up_kind, a->w_gate_up, 2 * n, D, x, B, gus);
+    for (int64_t b = 0; b < B; b++) {
+        const float *gu = gus + b * 2 * n;
+        float *act = acts + b * n;
         // 0.5 (1 + tanh(z)) = 1 / (1 + exp(-2z)): glibc's expf takes ~4 ns where tanhf takes
         // ~13, and a token runs this for every FFN column of every layer. exp overflowing to
         // inf for a very negative gate gives g / inf = 0, the function's limit.
         for (int64_t i = 0; i < n; i++) {
             float g = gu[i], u = gu[n + i];
             float z = a->gelu ? 0.7978845608028654f * (g + 0.044715f * g * g * g) : 0.5f * g;
-            gu[i] = g / (1.0f + expf(-2.0f * z)) * u;
+            act[i] = g / (1.0f + expf(-2.0f * z)) * u;
         }
-        gemv(a->down_kind, a->w_down, D, n, gu, out + b * D);
     }
+    products(a->down_kind, a->w_down, D, n, acts, B, out);
 }
 
 // The two blocks behind one signature, for a caller that keeps a table of them (node/csrc/hop.c).
