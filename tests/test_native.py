@@ -190,6 +190,21 @@ def test_native_blocks_on_k_quants_equal_the_numpy_blocks(dtype, monkeypatch):
     _assert_decodes_as_numpy(config, s, layers, steps=6, seed=7)
 
 
+def test_c_builds_that_differ_by_row_count_still_run_natively(monkeypatch):
+    """A table that chose the hand-tuned product (or its portable build) for one row and
+    expand.c's for the others (a timing can fall either way): the C blocks run, on the one-row
+    choice, and give the NumPy path's partials."""
+    config, s = FAMILIES["llama"], Slice((2, 4), (1, 2), (32, 96))
+    layers = _in_blocks(_slice(config, s, 6), "q4_1", c_build("q4_1"), monkeypatch)
+    expand = next(c for c in kernels.CANDIDATES["q4_1"] if c.name == "c-expand")
+    for name in MATRICES:
+        out, inp = matrix_size(layers[0][name])
+        for rows in range(2, MAX_ROWS + 1):
+            key = ("q4_1", kernels.row_bucket(rows), out, inp)
+            monkeypatch.setitem(kernels._chosen, key, (expand.name, expand.load()))
+    _assert_decodes_as_numpy(config, s, layers, steps=3, seed=7)
+
+
 def test_block_formats_on_another_kernel_run_on_numpy(monkeypatch):
     """A block format the device multiplies by expanding it to float32 (its C builds rejected
     here): the C blocks have no product to call, and the NumPy path runs it."""
