@@ -389,7 +389,17 @@ AI void row_tile(decode_fn decode, int V, int BS, int mins, const uint8_t *wrow,
         if (mins)  // n / GROUP groups: 16, or 2 to 14 in a shorter last chunk of 32-blocks
             for (int r = 0; r < RT; r++) {
                 const float *xr = xs + (size_t)(r0 + r) * (K / GROUP) + k0 / GROUP;
-                for (int g = 0; g < n / GROUP; g++) corr[r][g / 8][g % 8] += c.min[g] * xr[g];
+                if (n == CHUNK) {  // group g in lane g mod 16: two vectors, not 16 lane updates
+                    v8 m0, m1, x0, x1;
+                    memcpy(&m0, c.min, 32);
+                    memcpy(&m1, c.min + 8, 32);
+                    memcpy(&x0, xr, 32);
+                    memcpy(&x1, xr + 8, 32);
+                    corr[r][0] += m0 * x0;
+                    corr[r][1] += m1 * x1;
+                } else {
+                    for (int g = 0; g < n / GROUP; g++) corr[r][g / 8][g % 8] += c.min[g] * xr[g];
+                }
             }
     }
     for (int r = 0; r < RT; r++) {
