@@ -16,8 +16,7 @@ Every format's block size in bytes differs (GGML_QUANT_SIZES), so a tensor's sha
 it holds. IQ4_NL (18 bytes a 32, as q4_0) would not be told apart, and is not read.
 The arithmetic (dequantize, and quantize where the package has it) is the `gguf` package's,
 the reference llama.cpp's files are written with (models/kquants.py quantizes the K-quants it
-cannot); the C products (models/csrc) expand blocks as
-it does.
+cannot); the C products (models/csrc) expand blocks as it does.
 """
 
 from __future__ import annotations

@@ -442,7 +442,7 @@ class _Probe:
         )
         self.dtype, self.out, self.inp = dtype, out, inp
         fmt = FORMATS.get(dtype)
-        if fmt is not None and not fmt.can_quantize:  # a K-quant: random blocks of its own
+        if fmt is not None and not fmt.can_quantize:  # Q2_K, Q3_K, IQ4_XS: random blocks
             stored = {"": random_blocks(fmt, period, inp, gen)}
         else:
             stored = quantize(torch.from_numpy(block), dtype)
