@@ -1,8 +1,9 @@
 """The master's side of the cluster: who is a member, what each holds, and shipping its shards.
 
-The sockets and the star allreduce are master/transport.py's; the `Hub` decides who takes part
-in them: workers join (HELLO), are planned in and sent their slice (WELCOME), fetch their shards
-(FETCH/CHUNK), and leave or go silent.
+The sockets and the star allreduce are master/transport.py's; the rules of membership are
+master/membership.py's state machine. The `Hub` is the I/O around both: workers join (HELLO),
+are planned in and sent their slice (WELCOME), fetch their shards (FETCH/CHUNK), and leave or go
+silent; each of those is an event it applies, and it sends what the transition says.
 """
 
 from __future__ import annotations
@@ -11,21 +12,27 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
-import torch
 
-from master.transport import MALFORMED, ClusterError, NodeDown, Transport
+from master import membership as S
+from master.transport import ClusterError, Malformed, NodeDown, Received, Transport
 from memory.shards import Manifest, ShardStore
 from memory.window import FIGURES_KEPT
+from models.config import ModelConfig
+from models.layers import Slice, StepBatch
 from models.rows_native import NativeBlocks
+from node import messages as M
 from node import protocol as P
+from node.executor import Hidden
 from node.heartbeat import DEAD_AFTER
+from node.messages import Capacity
 from node.security import JoinToken, Keypair
-from node.worker import Capacity
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +62,16 @@ class Link:
 
 @dataclass
 class Member:
+    """A worker the hub knows: who it is, what it can do, its membership status and its part of
+    the plan."""
+
     identity: bytes
     name: str
     capacity: Capacity
     model: str | None
     address: str = ""
-    ready: bool = False
-    alive: bool = True
-    beat_seen: bool = False
-    failure: str = ""  # why it was dropped, when it said (an ERROR) or sent what it should not
-    rejoin: bool = True  # once dropped, whether to ask it to join again (not if it is too small)
+    status: S.Status = field(default_factory=S.Status)
+    beat_seen: bool = False  # its heartbeat came since it was told its slice
     window: int | None = None  # layers of its slice in memory, as planned
     slice: dict[str, list[int]] | None = None  # its share of every layer, as planned
     head_rows: int = 0  # its rows of the lm_head, as planned
@@ -73,15 +80,33 @@ class Member:
     figures: dict[str, Any] = field(default_factory=dict)
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=FIGURES_KEPT))
 
+    @property
+    def state(self) -> S.State:
+        return self.status.state
+
+    @property
+    def alive(self) -> bool:
+        return self.status.state in S.ALIVE
+
+    @property
+    def ready(self) -> bool:
+        return self.status.state is S.State.SERVING
+
+    @property
+    def failure(self) -> str:
+        """Why it was lost, when it was."""
+        return self.status.failure
+
 
 class Hub:
     """The workers' membership and their shards, over the master's `Transport`.
 
-    Members are planned in; a worker that joins while an engine runs (`planned`) waits in
-    `pending` for the next re-plan, and one the plan left out (its link would slow every
-    token: `master.plan.workers_to_plan`) waits in `standby`, joined and beating, until a
-    re-plan weighs it again. As the engine's `Remote`, it runs the allreduce on the members and
-    marks one lost when the transport says so.
+    Every worker the hub knows is in `nodes`, in the order they joined; its status says where
+    it stands (master/membership.py): `members` are the plan's (or the plan being made's),
+    `pending` joined since and wait for the next plan, `standby` were left out of this one
+    (their link would slow every token: `master.plan.workers_to_plan`) and are weighed again at
+    the next. As the engine's `Remote`, it runs the allreduce on the members and marks one lost
+    when the transport says so.
     """
 
     def __init__(
@@ -100,26 +125,64 @@ class Hub:
         self.allreduce_seconds = self.transport.allreduce_seconds
         self.model_names = model_names  # names a worker may ask for (None: any)
         self.ship_rate = ship_rate  # bytes/s cap on shard shipping, for shared links
-        self.members: list[Member] = []
-        self.pending: list[Member] = []  # joined while serving; planned in at the next re-plan
-        self.standby: list[Member] = []  # left out of the plan; weighed again at the next one
+        self.nodes: list[Member] = []  # every worker not dropped, in the order they joined
         self.restarts: dict[str, int] = {}  # node name -> times its process was restarted here
         self.store: ShardStore | None = None
         self.shipped_bytes = 0
-        self.planned = False  # an engine runs on the members: a node joining waits for a re-plan
         self._measured: set[bytes] = set()  # members that answered the last MEASURE
 
-    def _send(self, identity: bytes, header: dict[str, Any], tensors: tuple = ()) -> None:
+    @property
+    def members(self) -> list[Member]:
+        """The plan's workers (lost ones too, until the re-plan), in join order."""
+        return [m for m in self.nodes if m.state in S.IN_PLAN]
+
+    @property
+    def pending(self) -> list[Member]:
+        """Workers that joined since the plan was made: they take a share at the next."""
+        return [m for m in self.nodes if m.state is S.State.PENDING]
+
+    @property
+    def standby(self) -> list[Member]:
+        return [m for m in self.nodes if m.state is S.State.STANDBY]
+
+    # -- membership: events in, effects out ---------------------------------------------------
+    def apply(self, member: Member, event: S.Event) -> None:
+        """Apply `event` to `member` and carry out what the transition says."""
+        member.status, effects = S.apply(member.status, event)
+        for effect in effects:
+            if isinstance(effect, S.SendBye):
+                self._send_quietly(member.identity, M.Bye(effect.reason, effect.rejoin))
+            elif isinstance(effect, S.SendStandby):
+                self._send_quietly(member.identity, M.Standby(effect.reason))
+            else:
+                self.heartbeat.forget(member.name)
+        if member.state is S.State.GONE:
+            self.nodes = [m for m in self.nodes if m is not member]
+
+    @contextmanager
+    def _losing_nodes(self) -> Iterator[None]:
+        """A node the transport reports down (NodeDown) is marked lost; the error goes on."""
         try:
-            self.transport.send(identity, header, tensors)
+            yield
         except NodeDown as lost:
-            self._lose(lost)
+            member = self._member(lost.identity)
+            if member is not None:
+                self.apply(member, S.Failed(str(lost)))
             raise
 
-    def _lose(self, lost: NodeDown) -> None:
-        member = self._member(lost.identity)
-        if member is not None:
-            member.alive = False  # a re-plan leaves it out
+    def _member(self, identity: bytes) -> Member | None:
+        """The node of `identity`: the newest, where a process joined again with it."""
+        return next((m for m in reversed(self.nodes) if m.identity == identity), None)
+
+    def _send(self, identity: bytes, message: M.FromMaster, tensors: Sequence[Hidden] = ()) -> None:
+        with self._losing_nodes():
+            self.transport.send(identity, message, tensors)
+
+    def _send_quietly(self, identity: bytes, message: M.FromMaster) -> None:
+        try:
+            self.transport.send(identity, message)
+        except NodeDown:
+            pass
 
     def _next(self, timeout_ms: int) -> bool:
         """Handle the next message outside a step, if one comes within `timeout_ms`."""
@@ -128,204 +191,129 @@ class Hub:
             self._handle_control(msg[0], msg[1])
         return msg is not None
 
-    def _member(self, identity: bytes) -> Member | None:
-        return next((m for m in [*self.members, *self.standby] if m.identity == identity), None)
-
-    # -- joining and shipping ---------------------------------------------------------------
-    def _handle_control(self, identity: bytes, header: dict[str, Any]) -> None:
-        """Messages that may come at any time outside a step. One that does not hold what its
-        op needs is logged and its sender dropped (a node) or refused (a HELLO): a peer with
-        the token must not be able to stop the master."""
-        try:
-            self._control(identity, header)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            member = self._member(identity)
+    # -- messages outside a step ----------------------------------------------------------------
+    def _handle_control(self, identity: bytes, message: Received) -> None:
+        """Messages that may come at any time outside a step. One that did not decode drops its
+        sender (a node) or is refused (a stranger's HELLO), saying why: a peer with the token
+        must not be able to stop the master."""
+        member = self._member(identity)
+        if isinstance(message, Malformed):
             who = member.name if member else identity.decode(errors="replace")
-            log.warning("dropped node %s: a malformed %r message (%r)", who, header.get("op"), exc)
+            log.warning("dropped node %s: it sent a malformed message (%s)", who, message.why)
             if member is not None:
-                member.alive = False  # a re-plan leaves it out
-                member.failure = f"a malformed {header.get('op')!r} message"
-            else:
-                self._send_quietly(identity, {"op": P.REFUSE, "reason": "malformed message"})
+                self.apply(member, S.Failed(f"a malformed message ({message.why})"))
+            else:  # a HELLO of another protocol version says so
+                self._send_quietly(identity, M.Refuse(message.why))
+        elif isinstance(message, M.Hello):
+            self._hello(identity, message)
+        elif isinstance(message, M.Fetch):
+            self._serve_chunk(identity, message)
+        elif member is None:
+            log.warning("ignored %s from %s, not a member", message, identity.decode("replace"))
+        elif isinstance(message, M.Measured):
+            member.capacity = msgspec.structs.replace(member.capacity, speed=message.speed)
+            self._measured.add(identity)
+        elif isinstance(message, M.Ready):
+            self.apply(member, S.Ready())
+            log.info("node %s ready", member.name)
+        elif isinstance(message, M.Leave):
+            log.info("node %s left; its share goes to the others at the next re-plan", member.name)
+            self.apply(member, S.Failed("it left"))
+        elif isinstance(message, M.Error):  # mid-step the transport raises it; here it drops
+            if member.alive:  # once dropped, its other errors say no more
+                log.warning("node %s failed (%s); the next plan leaves it out", member.name,
+                            message.message)  # fmt: skip
+            self.apply(member, S.Failed(message.message))
+        # a PARTIAL or an ECHOED left over from a step or a probe that failed: nothing to do
 
-    def _send_quietly(self, identity: bytes, header: dict[str, Any]) -> None:
-        try:
-            self.transport.send(identity, header)
-        except NodeDown:
-            pass
-
-    def _control(self, identity: bytes, header: dict[str, Any]) -> None:
-        op = header["op"]
-        if op == MALFORMED:
-            raise ValueError(header["why"])
-        if op == P.HELLO:
-            self._hello(identity, header)
-        elif op == P.FETCH:
-            self._serve_chunk(identity, header)
-        elif op == P.MEASURED:
-            member = self._member(identity)
-            speed = float(header["speed"])
-            if not 0.0 < speed < math.inf:  # a NaN, a zero or a negative would skew every share
-                raise ValueError(f"a measured speed of {speed!r}")
-            if member:
-                member.capacity = replace(member.capacity, speed=speed)
-                self._measured.add(identity)
-        elif op == P.READY:
-            member = self._member(identity)
-            if member:
-                member.ready = True
-                log.info("node %s ready", member.name)
-        elif op == P.LEAVE:
-            member = self._member(identity)
-            if member:
-                member.alive, member.failure = False, "it left"
-                log.info(
-                    "node %s left; its share goes to the others at the next re-plan", member.name
+    def _hello(self, identity: bytes, hello: M.Hello) -> None:
+        reason = M.version_mismatch(hello.version)
+        if reason is None and hello.model and self.model_names:
+            if hello.model not in self.model_names:
+                reason = (
+                    f"this node asked for model {hello.model!r} but the master runs "
+                    f"{self.model_names[0]!r}"
                 )
-        elif op == P.ERROR:  # mid-step the transport raises it; here it drops the node
-            member = self._member(identity)
-            if member is None:
-                who = identity.decode(errors="replace")
-                log.warning("ignored an error from %s, not a member: %s", who, header["message"])
-                return
-            if not member.alive:  # dropped already: its other errors say no more
-                return
-            member.alive, member.failure = False, str(header["message"])
-            log.warning("node %s failed (%s); the next plan leaves it out", member.name,
-                        member.failure)  # fmt: skip
-
-    def _hello(self, identity: bytes, header: dict[str, Any]) -> None:
-        name = str(header.get("name", identity.decode(errors="replace")))
-        reason = None
-        if header.get("version") != P.PROTOCOL_VERSION:
-            reason = (
-                f"protocol version {header.get('version')} does not match the master's "
-                f"{P.PROTOCOL_VERSION}: run the same edgetp version on every device"
-            )
-        elif header.get("model") and self.model_names and header["model"] not in self.model_names:
-            reason = (
-                f"this node asked for model {header['model']!r} but the master runs "
-                f"{self.model_names[0]!r}"
-            )
         if reason:
-            log.warning("refused node %s: %s", name, reason)
-            self._send(identity, {"op": P.REFUSE, "reason": reason})
+            log.warning("refused node %s: %s", hello.name, reason)
+            self._send(identity, M.Refuse(reason))
             return
-        c = header["capacity"]
-        window = c.get("window")
-        message_s = float(c.get("message_s", 0.0))  # 0: a node that did not measure it
-        if not 0.0 <= message_s < 1.0:  # a NaN or a negative would skew every share
-            raise ValueError(f"a capacity whose message_s is {message_s!r}")
-        capacity = Capacity(
-            int(c["memory_budget"]),
-            int(c["cores"]),
-            float(c["speed"]),
-            None if window is None else int(window),
-            None if c.get("disk") is None else float(c["disk"]),
-            message_s,
-        )
-        address = header.get("peer_address", "")
-        member = Member(identity, name, capacity, header.get("model"), address)
         # Answer at once: planning and splitting a big model can take minutes before WELCOME,
         # and the node should know meanwhile that it is in, and watch the master's heartbeat.
-        self._send(identity, {"op": P.ACCEPTED, "heartbeat_port": self.heartbeat.port})
-        # The same identity again (a restarted worker, a peer dropped before): one entry each.
-        self.pending = [m for m in self.pending if m.identity != identity]
-        self.standby = [m for m in self.standby if m.identity != identity]
-        for old in [m for m in self.members if m.identity == identity]:
-            old.alive = False  # planned or not, the new process holds none of its slice
-            if not self.planned:
-                self.members.remove(old)
-        if self.planned:  # serving: it takes a share at the next re-plan, between requests
-            self.pending.append(member)
-            log.info("node %s joined; it gets a share at the next re-plan", name)
-        else:
-            self.members.append(member)
-            log.info("node %s joined (capacity %s)", name, capacity)
+        self._send(identity, M.Accepted(self.heartbeat.port))
+        # The same identity again (a restarted worker, a peer dropped before): the new process
+        # holds none of the old one's slice.
+        for old in [m for m in self.nodes if m.identity == identity]:
+            self.apply(old, S.Superseded())
+        self.nodes.append(
+            Member(identity, hello.name, hello.capacity, hello.model, hello.peer_address)
+        )
+        log.info("node %s joined (capacity %s); it gets a share at the next plan", hello.name,
+                 hello.capacity)  # fmt: skip
 
-    def _serve_chunk(self, identity: bytes, header: dict[str, Any]) -> None:
-        ref_sha = str(header.get("sha256", ""))
-        path = self.store.root / f"{ref_sha}.safetensors" if self.store else None
-        if path is None or not path.is_file() or len(ref_sha) != 64:
-            self._send(identity, {"op": P.ERROR, "message": f"no shard {ref_sha}"})
+    def _serve_chunk(self, identity: bytes, fetch: M.Fetch) -> None:
+        path = self.store.root / f"{fetch.sha256}.safetensors" if self.store else None
+        if path is None or not path.is_file() or len(fetch.sha256) != 64:
+            self._send(identity, M.Error(f"no shard {fetch.sha256}"))
             return
-        offset, size = int(header["offset"]), min(int(header["size"]), P.CHUNK_SIZE)
         with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read(size)
+            f.seek(fetch.offset)
+            data = f.read(min(fetch.size, P.CHUNK_SIZE))
         if self.ship_rate:
             time.sleep(len(data) / self.ship_rate)
         self.shipped_bytes += len(data)
-        reply = P.encode({"op": P.CHUNK, "sha256": ref_sha, "offset": offset})
+        reply = M.encode(M.Chunk(fetch.sha256, fetch.offset))
         try:
             self.transport.send_frames(identity, [*reply, data])
         except NodeDown:  # the node went away mid-transfer; its silence is noticed later
             log.warning("node %s left during a shard transfer", identity.decode(errors="replace"))
 
+    # -- between requests -------------------------------------------------------------------------
     def wait_for_workers(
         self, count: int, timeout: float, check: Callable[[], None] | None = None
     ) -> None:
-        """Until `count` workers are members; `check` raises if one can no longer come (a local
+        """Until `count` workers have joined; `check` raises if one can no longer come (a local
         worker that died)."""
         deadline = time.monotonic() + timeout
-        while len(self.members) < count:
+        while len([m for m in self.nodes if m.alive]) < count:
             if check is not None:
                 check()
             if time.monotonic() > deadline:
                 raise ClusterError(
-                    f"only {len(self.members)} of {count} workers joined within {timeout:.0f} s"
+                    f"only {len(self.nodes)} of {count} workers joined within {timeout:.0f} s"
                 )
             self._next(100)
 
-    def membership_changed(self, wait: float = 0.0) -> bool:
-        """Between requests: take in joins and leaves (waiting up to `wait` s); True when the
-        plan no longer matches the members."""
+    def watch_membership(self, wait: float = 0.0) -> bool:
+        """Between requests: handle joins, fetches and leaves, and drop the nodes gone silent
+        (waiting up to `wait` s); True, at once, when the plan no longer matches the nodes."""
         deadline = time.monotonic() + wait
         while True:
             if self._next(0 if time.monotonic() >= deadline else 50):
                 continue
-            for m in [*self.members, *self.standby]:
-                if m.alive and self.heartbeat.silence(m.name) > DEAD_AFTER:
-                    m.alive = False
+            for m in [m for m in self.nodes if m.alive and m.state is not S.State.PENDING]:
+                if self.heartbeat.silence(m.name) > DEAD_AFTER:
                     log.warning("node %s stopped answering; dropping it", m.name)
-            for m in [m for m in self.standby if not m.alive]:  # the plan goes on without it
-                self.standby.remove(m)
-                self.heartbeat.forget(m.name)
-                # One that was only paused joins again when it wakes, as in take_in_changes.
-                why = f"dropped from standby ({m.failure or 'it stopped answering'})"
-                self._send_quietly(m.identity, {"op": P.BYE, "reason": why, "rejoin": m.rejoin})
-            if self.pending or any(not m.alive for m in self.members):
+                    self.apply(m, S.Failed("it stopped answering"))
+            if any(m.state in (S.State.PENDING, S.State.LOST) for m in self.nodes):
                 return True
             if time.monotonic() >= deadline:
                 return False
 
-    def take_in_changes(self) -> None:
-        """Drop the members that left, admit the pending ones and those on standby (the plan
-        weighs them again), before a re-plan. A dropped
-        node that may still be there (it went silent for a while, or failed) is told so: it
-        joins again, rather than wait for steps that no longer come to it."""
-        weighed = self.members + self.standby
-        staying = {m.identity for m in weighed if m.alive} | {m.identity for m in self.pending}
-        for m in weighed:
-            if not m.alive:
-                self.heartbeat.forget(m.name)
-                if m.identity not in staying:  # not a restarted process of the same name
-                    why = f"dropped from the plan ({m.failure or 'it stopped answering'})"
-                    bye = {"op": P.BYE, "reason": why, "rejoin": m.rejoin}
-                    self._send_quietly(m.identity, bye)
-        self.members = [m for m in weighed if m.alive] + self.pending
-        self.pending, self.standby = [], []
-        for m in self.members:
-            m.ready = False
+    def take_in(self) -> None:
+        """Before a plan: every live node is weighed in it (pending, on standby or planned
+        before), and the lost ones are dropped, each told why: one that may still be there (it
+        went silent for a while, or failed) joins again, rather than wait for steps that no
+        longer come to it."""
+        for m in list(self.nodes):
+            self.apply(m, S.TakenIn())
 
     def leave_out(self, members: list[Member], reason: str) -> None:
         """Put `members` on standby for this plan, and tell them why (they wait for the next)."""
         for m in members:
-            self.members.remove(m)
-            self.standby.append(m)
-            m.slice, m.head_rows, m.window, m.ready, m.figures = None, 0, None, False, {}
+            m.slice, m.head_rows, m.window, m.figures = None, 0, None, {}
             log.warning("node %s is on standby: %s", m.name, reason)
-            self._send_quietly(m.identity, {"op": P.STANDBY, "reason": reason})
+            self.apply(m, S.LeftOut(reason))
 
     def measure_speeds(self, own: Callable[[], float], timeout: float = MEASURE_TIMEOUT) -> float:
         """Every member measures its speed again while the master runs `own` (its own probe),
@@ -338,7 +326,7 @@ class Hub:
         self._measured = set()
         for member in asked:
             try:
-                self._send(member.identity, {"op": P.MEASURE})
+                self._send(member.identity, M.Measure())
             except NodeDown:
                 log.warning("node %s went away before measuring", member.name)
         speed = own()
@@ -392,12 +380,12 @@ class Hub:
         """Seconds for one ECHO of `payload` to `member` and back; other messages that come
         meanwhile are handled as they would be."""
         started = time.perf_counter()
-        self._send(member.identity, {"op": P.ECHO}, (payload,))
+        self._send(member.identity, M.Echo(), (payload,))
         while time.monotonic() < deadline and member.alive:
             msg = self.transport.recv(100)
             if msg is None:
                 continue
-            if msg[0] == member.identity and msg[1].get("op") == P.ECHOED:
+            if msg[0] == member.identity and isinstance(msg[1], M.Echoed):
                 return time.perf_counter() - started
             self._handle_control(msg[0], msg[1])
         raise TimeoutError("no answer to ECHO")
@@ -417,27 +405,27 @@ class Hub:
         `windows[k]` is node k's window (index 0, the master, is not used here).
         """
         self.store = store
+        config = ModelConfig.from_dict(manifest.config)
         for k, member in enumerate(self.members, start=1):
             member.window = windows[k] if windows else None
             member.slice = manifest.slices[k]
-            member.head_rows = 0
+            member.head_rows, head = 0, None
             if manifest.heads:
                 a, b = manifest.head_rows[k]
-                member.head_rows = b - a
-            welcome = {
-                "op": P.WELCOME,
-                "node": k,
-                "config": manifest.config,
-                "slice": manifest.slices[k],
-                "shards": [vars(r) for r in manifest.nodes[k]],
-                "rope_freq_factors": manifest.extra.get("rope_freq_factors"),
-                "context": context,
-                "slots": slots,
-                "window": member.window,
-                "heartbeat_port": self.heartbeat.port,
-            }
-            if manifest.heads:
-                welcome["head"] = {"rows": manifest.head_rows[k], **vars(manifest.heads[k - 1])}
+                member.head_rows, head = b - a, M.HeadRows((a, b), manifest.heads[k - 1])
+            welcome = M.Welcome(
+                node=k,
+                config=config,
+                slice=Slice.from_dict(manifest.slices[k]),
+                shards=manifest.nodes[k],
+                context=context,
+                slots=slots,
+                heartbeat_port=self.heartbeat.port,
+                window=member.window,
+                rope_freq_factors=manifest.extra.get("rope_freq_factors"),
+                head=head,
+            )
+            self.apply(member, S.Welcomed())
             self._send(member.identity, welcome)
         welcomed = time.monotonic()
         deadline = welcomed + timeout
@@ -451,38 +439,38 @@ class Hub:
                     )
                 silent = min(self.heartbeat.silence(m.name), time.monotonic() - welcomed)
                 if silent > max(DEAD_AFTER, FIRST_BEAT if not m.beat_seen else 0.0):
-                    m.alive = False  # a re-plan leaves it out
-                    raise ClusterError(f"node {m.name} stopped answering while loading its shards")
+                    why = f"node {m.name} stopped answering while loading its shards"
+                    self.apply(m, S.Failed(why))  # a re-plan leaves it out
+                    raise ClusterError(why)
                 m.beat_seen = m.beat_seen or self.heartbeat.silence(m.name) != float("inf")
             if time.monotonic() > deadline:
                 raise ClusterError(f"workers did not load their shards within {timeout:.0f} s")
             self._next(100)
 
     # -- the engine's Remote: the star allreduce on the members ------------------------------
-    def begin_step(self, batch: dict[str, Any]) -> None:
+    def begin_step(self, batch: StepBatch) -> None:
         self.transport.begin_step(batch)
 
-    def send(self, block: str, layer: int, h: np.ndarray | torch.Tensor) -> None:
-        """Hand the hidden state to every member for one block of one layer."""
+    def _identities(self) -> dict[bytes, str]:
+        """The members' identities and names, for a step; ClusterError if one is lost."""
         dead = [m.name for m in self.members if not m.alive]
         if dead:
             raise ClusterError(f"node {', '.join(dead)} left the cluster")
-        try:
-            self.transport.send_step([m.identity for m in self.members], block, layer, h)
-        except NodeDown as lost:
-            self._lose(lost)
-            raise
+        return {m.identity: m.name for m in self.members}
 
-    def gather(self, block: str, layer: int, local_compute: float = 0.0) -> np.ndarray | None:
+    def send(self, block: P.Block, layer: int, h: Hidden) -> None:
+        """Hand the hidden state to every member for one block of one layer."""
+        identities = list(self._identities())
+        with self._losing_nodes():
+            self.transport.send_step(identities, block, layer, h)
+
+    def gather(self, block: P.Block, layer: int, local_compute: float = 0.0) -> np.ndarray | None:
         """The sum of every member's partial for the block just sent (None without workers)."""
         names = {m.identity: m.name for m in self.members}
-        try:
+        with self._losing_nodes():
             total, figures = self.transport.gather(
                 names, block, layer, self._handle_control, local_compute
             )
-        except NodeDown as lost:
-            self._lose(lost)
-            raise
         self._take_figures(figures)
         return total
 
@@ -490,28 +478,19 @@ class Hub:
         """Every member's logits for the HEAD just sent (as `layer`), in member order."""
         names = {m.identity: m.name for m in self.members}
         widths = {m.identity: m.head_rows for m in self.members}
-        try:
+        with self._losing_nodes():
             return self.transport.gather_rows(
                 names, widths, layer, self._handle_control, local_compute
             )
-        except NodeDown as lost:
-            self._lose(lost)
-            raise
 
     def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]:
         """Every layer of a decode step through the native loop (`Transport.decode_layers`):
         the new hidden state and this process's compute seconds."""
-        dead = [m.name for m in self.members if not m.alive]
-        if dead:
-            raise ClusterError(f"node {', '.join(dead)} left the cluster")
-        names = {m.identity: m.name for m in self.members}
-        try:
+        names = self._identities()
+        with self._losing_nodes():
             h, figures, compute = self.transport.decode_layers(
                 blocks, names, h, self._handle_control
             )
-        except NodeDown as lost:
-            self._lose(lost)
-            raise
         self._take_figures(figures)
         return h, compute
 
@@ -525,10 +504,6 @@ class Hub:
         """Say BYE (and why) to every live worker and close; safe to call twice."""
         if self.transport.sock.closed:
             return
-        for m in [*self.members, *self.standby]:
-            if m.alive:
-                try:
-                    self._send(m.identity, {"op": P.BYE, "reason": reason})
-                except ClusterError:
-                    pass
+        for m in list(self.nodes):
+            self.apply(m, S.Closed(reason))
         self.transport.close()

@@ -12,6 +12,7 @@ from typing import Any
 
 from master.batcher import BatcherStats
 from master.engine import Executor
+from master.membership import State
 from master.session import Session
 from memory.window import process_memory
 from models.config import ModelConfig
@@ -54,7 +55,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
     ]
     allreduce = None
     if hub is not None:
-        for m in [*hub.members, *hub.pending, *hub.standby]:
+        for m in hub.nodes:
             silence = hub.heartbeat.silence(m.name)
             nodes.append(
                 {
@@ -62,7 +63,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
                     "role": "worker",
                     "alive": m.alive,
                     "ready": m.ready,
-                    "standby": any(m is s for s in hub.standby),
+                    "standby": m.state is State.STANDBY,
                     "slices": [m.slice] if m.slice else [],
                     "share": _share(Slice.from_dict(m.slice), config) if m.slice else None,
                     "memory_budget_bytes": m.capacity.memory_budget,

@@ -14,6 +14,7 @@ import torch
 
 from master.cluster import Hub, Member
 from master.engine import Engine, context_size
+from master.membership import Failed
 from master.plan import (
     BYTES_PER_WEIGHT,
     SplitEstimate,
@@ -48,7 +49,8 @@ from models.source import ModelSource, open_model
 from models.tokenizer import Tokenizer
 from node.device import plan_shapes, prepare
 from node.kvcache import KVCache
-from node.worker import Capacity, measure_capacity, measure_speed
+from node.messages import Capacity
+from node.probes import measure_capacity, measure_speed
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +171,7 @@ def _cluster_engine(
     memory: MemoryOptions = ALL_RESIDENT,
     head_costs: Sequence[float] | None = None,
     one_device: bool = False,
+    first_plan: bool = True,
 ) -> Engine:
     """Plan for the master and the joined workers, split, ship, and build the master's engine.
 
@@ -177,7 +180,8 @@ def _cluster_engine(
     `one_device`: the workers are processes of this machine, as this device: they share its
     kernel table, so every node's kernels are checked here, in one child, before they are
     shipped (each worker would otherwise check its own, one after another), and its memory
-    (`memory_plans`).
+    (`memory_plans`). A worker too small for its share fails a `first_plan` and the workers are
+    told why; a re-plan goes on without it.
     """
     context = context_size(source.config, max_context)
     slices = plan_slices(source.config, capacities, source.ffn_align(memory.dtype))
@@ -193,7 +197,7 @@ def _cluster_engine(
     try:
         plans = memory_plans(manifest, hub, context, slots, memory, one_device)
     except ModelError as exc:  # tell the workers why, or they only see the master go
-        if hub is not None and not (isinstance(exc, WorkerTooSmall) and hub.planned):
+        if hub is not None and not (isinstance(exc, WorkerTooSmall) and not first_plan):
             hub.close(reason=f"the master cannot run this plan: {exc}")
         raise  # a re-plan goes on without a worker that cannot hold its share
     context = min(p.context for p in plans)
@@ -332,6 +336,7 @@ class Session:
         # The workers the last measured plan left on standby, or (not free to: `standby`
         # False) would have: names, for the record.
         self.standby_choice: list[str] = []
+        self._planned = False  # a plan was made: a worker too small for a later one is left out
 
     def __enter__(self) -> Session:
         return self
@@ -366,7 +371,7 @@ class Session:
     def replan_if_changed(self, wait: float = 0.0) -> bool:
         """Between requests: take in joins and leaves (waiting up to `wait` s) and re-plan if
         the members changed. True when the engine was rebuilt."""
-        if self.hub is None or not self.hub.membership_changed(wait):
+        if self.hub is None or not self.hub.watch_membership(wait):
             return False
         shipped = self.hub.shipped_bytes
         self.replan()
@@ -381,7 +386,7 @@ class Session:
         """While requests run: tell devices that say HELLO they are in (they give up on a
         master silent for 30 s). True when the plan no longer matches the members (a node
         joined, left or went silent): the caller re-plans at its next step boundary."""
-        return self.hub is not None and self.hub.membership_changed(0.0)
+        return self.hub is not None and self.hub.watch_membership(0.0)
 
     def replan(self) -> Engine:
         """Plan again for the nodes here now (after a failure, or joins and leaves). A node
@@ -390,7 +395,6 @@ class Session:
         if self.hub is None:
             raise ClusterError("this master runs alone: there are no nodes to re-plan for")
         for tries_left in range(self.nodes + len(self.hub.pending) - 1, -1, -1):
-            self.hub.take_in_changes()
             self._close_engine()  # before the new one loads: a device cannot hold both
             return_freed_memory()
             try:
@@ -398,7 +402,7 @@ class Session:
             except WorkerTooSmall as exc:  # told so, and not asked to join again
                 if not tries_left:
                     raise
-                exc.member.alive, exc.member.failure, exc.member.rejoin = False, str(exc), False
+                self.hub.apply(exc.member, Failed(str(exc), rejoin=False))
                 log.error("%s; re-planning without it", exc)
             except ClusterError as exc:
                 if not tries_left:
@@ -516,6 +520,8 @@ class Session:
             self.hub.close(reason)
 
     def _plan(self) -> Engine:
+        if self.hub is not None:
+            self.hub.take_in()  # the joined, those on standby, the plan's alive: all weighed
         self.planned_capacities, self.planned_head_costs = [1.0], None
         self.standby_choice = []
         if self.nodes > 1 or self.memory.streaming:
@@ -536,9 +542,9 @@ class Session:
                 self.memory,
                 self.planned_head_costs,
                 self.one_device,
+                first_plan=not self._planned,
             )
-        if self.hub is not None:
-            self.hub.planned = True  # from now on a node that joins waits for a re-plan
+        self._planned = True
         self.engine = engine
         self.max_context = engine.max_context
         return engine

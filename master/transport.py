@@ -13,18 +13,22 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
-import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
+from models.layers import StepBatch
 from models.rows_native import NativeBlocks
 from node import hop as hop_codes
+from node import messages as M
 from node import protocol as P
+from node.executor import Hidden
 from node.heartbeat import DEAD_AFTER, HeartbeatServer
 from node.hop import HubHop
 from node.security import JoinToken, Keypair, secure_server
@@ -34,15 +38,20 @@ log = logging.getLogger(__name__)
 STEP_TIMEOUT = 300.0  # s: a hard cap on one block's gather, beyond heartbeat liveness
 ALLREDUCE_KEPT = 20_000  # recent per-sum latencies kept for the figures
 
-Handler = Callable[[bytes, dict[str, Any]], None]  # a message that is not a partial
-
 
 class ClusterError(Exception):
     """A node or the cluster failed; the message names the node and what to do."""
 
 
-# The op a message that did not decode is handed on as: its sender is dropped.
-MALFORMED = "malformed"
+@dataclass(frozen=True)
+class Malformed:
+    """A message that did not decode, handed on as such: its sender is dropped."""
+
+    why: str
+
+
+Received = M.FromNode | Malformed
+Handler = Callable[[bytes, Received], None]  # a message that is not a partial
 
 
 class NodeDown(ClusterError):
@@ -113,7 +122,7 @@ class Transport:
         self.address = f"{bind}:{self.port}"  # where nodes join
         self.heartbeat = HeartbeatServer(self.context, bind, keys)
         self._step = 0
-        self._batch: dict[str, Any] | None = None  # rides on the step's first message
+        self._batch: StepBatch | None = None  # rides on the step's first message
         self._sent_at = 0.0
         self._sent_shape: tuple[int, ...] = ()
         # Per sum: time from handing out the hidden state to holding every partial, less the
@@ -151,8 +160,8 @@ class Transport:
         threading.Thread(target=watch, name="handshake-log", daemon=True).start()
 
     # -- messages ---------------------------------------------------------------------------
-    def send(self, identity: bytes, header: dict[str, Any], tensors: tuple = ()) -> None:
-        self.send_frames(identity, P.encode(header, tensors))
+    def send(self, identity: bytes, message: M.FromMaster, tensors: Sequence[Hidden] = ()) -> None:
+        self.send_frames(identity, M.encode(message, tensors))
 
     def send_frames(self, identity: bytes, frames: list[Any]) -> None:
         try:
@@ -161,10 +170,12 @@ class Transport:
             name = identity.decode(errors="replace")
             raise NodeDown(identity, f"node {name} is unreachable") from exc
 
-    def recv(self, timeout_ms: int, spin: float = 0.0) -> tuple[bytes, dict[str, Any], list] | None:
-        """The next message, or None after `timeout_ms`; one that does not decode comes as op
-        MALFORMED, so that its sender is dropped. A HELLO gets the address it came from as
-        "peer_address" (for the cluster view)."""
+    def recv(
+        self, timeout_ms: int, spin: float = 0.0
+    ) -> tuple[bytes, Received, list[np.ndarray]] | None:
+        """The next message, or None after `timeout_ms`; one that does not decode comes as
+        `Malformed`, so that its sender is dropped. A HELLO gets the address it came from as
+        its peer_address (for the cluster view)."""
         if not P.wait_readable(self.sock, timeout_ms, spin):
             return None
         identity, *frames = self.sock.recv_multipart(copy=False)
@@ -172,21 +183,18 @@ class Transport:
         return _decoded(identity.bytes, frames, peer)
 
     # -- the star allreduce -----------------------------------------------------------------
-    def begin_step(self, batch: dict[str, Any]) -> None:
+    def begin_step(self, batch: StepBatch) -> None:
         """A new step: its batch goes to the workers with the step's first block."""
         self._step += 1
         self._batch = batch
 
-    def send_step(
-        self, identities: list[bytes], block: str, layer: int, h: np.ndarray | torch.Tensor
-    ) -> None:
+    def send_step(self, identities: list[bytes], block: P.Block, layer: int, h: Hidden) -> None:
         """Hand the hidden state to every worker for one block of one layer."""
-        header: dict[str, Any] = {"op": P.STEP, "step": self._step, "layer": layer, "block": block}
-        if self._batch is not None:
-            header["batch"], self._batch = self._batch, None
+        step = M.Step(step=self._step, layer=layer, block=block, batch=self._batch)
+        self._batch = None
         self._sent_at = time.perf_counter()
         self._sent_shape = tuple(h.shape)  # what each partial must be
-        frames = P.encode(header, (h,))
+        frames = M.encode(step, (h,))
         for identity in identities:
             self.send_frames(identity, frames)
         if self.one_core:  # the I/O thread these sends woke writes them first (`on_one_core`)
@@ -195,7 +203,7 @@ class Transport:
     def gather(
         self,
         names: Mapping[bytes, str],
-        block: str,
+        block: P.Block,
         layer: int,
         handle: Handler,
         local_compute: float = 0.0,
@@ -232,7 +240,7 @@ class Transport:
     def _collect(
         self,
         names: Mapping[bytes, str],
-        block: str,
+        block: P.Block,
         layer: int,
         handle: Handler,
         local_compute: float,
@@ -254,15 +262,16 @@ class Transport:
                 if time.monotonic() > deadline:
                     raise ClusterError(f"no partials within {STEP_TIMEOUT:.0f} s")
                 continue
-            identity, header, tensors = msg
+            identity, message, tensors = msg
             partial = self._arrived(
-                identity, header, tensors, names, waiting, block, layer, handle, widths
+                identity, message, tensors, names, waiting, block, layer, handle, widths
             )
             if partial is not None:
-                partials[identity], compute = partial
-                if isinstance(header.get("figures"), dict):
-                    figures[identity] = header["figures"]
-                slowest = max(slowest, compute)
+                partials[identity] = partial
+                assert isinstance(message, M.Partial)
+                if message.figures is not None:
+                    figures[identity] = message.figures
+                slowest = max(slowest, message.compute)
         if names and widths is None:  # a sum's (the head's logits are not summed)
             self.allreduce_seconds.append(time.perf_counter() - self._sent_at - slowest)
         return [partials[identity] for identity in names], figures
@@ -270,22 +279,21 @@ class Transport:
     def _arrived(
         self,
         identity: bytes,
-        header: dict[str, Any],
+        message: Received,
         tensors: list[np.ndarray],
         names: Mapping[bytes, str],
         waiting: dict[bytes, str],
-        block: str,
+        block: P.Block,
         layer: int,
         handle: Handler,
         widths: Mapping[bytes, int] | None = None,
-    ) -> tuple[np.ndarray, float] | None:
+    ) -> np.ndarray | None:
         """A message that came while partials were due: a partial for this block from a node
-        still `waiting` (taken off it) with its compute time; None for anything else, which is
-        handled (or raised: a node that failed or sent nonsense). A partial has the shape of
-        what was sent, or (rows sent, the node's `widths`) for a HEAD."""
-        op = header["op"]
-        if op == P.PARTIAL:
-            key = (header.get("step"), header.get("layer"), header.get("block"))
+        still `waiting` (taken off it); None for anything else, which is handled (or raised: a
+        node that failed or sent nonsense). A partial has the shape of what was sent, or (rows
+        sent, the node's `widths`) for a HEAD."""
+        if isinstance(message, M.Partial):
+            key = (message.step, message.layer, message.block)
             if key != (self._step, layer, block) or identity not in waiting:
                 return None  # left over from a failed step
             shape = self._sent_shape
@@ -297,13 +305,12 @@ class Transport:
                     identity, f"node {waiting[identity]} sent a malformed partial ({got})"
                 )
             del waiting[identity]
-            compute = header.get("compute")
-            return tensors[0], float(compute) if isinstance(compute, int | float) else 0.0
-        if op == MALFORMED and identity in waiting:
-            raise NodeDown(identity, f"node {names[identity]} sent {header['why']}")
-        if op == P.ERROR and identity in names:
-            raise NodeDown(identity, f"node {names[identity]} failed: {header.get('message')}")
-        handle(identity, header)
+            return tensors[0]
+        if isinstance(message, Malformed) and identity in waiting:
+            raise NodeDown(identity, f"node {names[identity]} sent {message.why}")
+        if isinstance(message, M.Error) and identity in names:
+            raise NodeDown(identity, f"node {names[identity]} failed: {message.message}")
+        handle(identity, message)
         return None
 
     # -- the star allreduce of a whole decode step, natively (node/hop.py) ------------------
@@ -323,9 +330,9 @@ class Transport:
             hop = self._hop = HubHop(self.sock, blocks, identities, self.one_core)
         first = None
         if self._batch is not None:
-            header = {"op": P.STEP, "step": self._step, "layer": 0, "block": P.ATTENTION}
-            header["batch"], self._batch = self._batch, None
-            first = P.encode(header, (h,))[0]
+            step = M.Step(step=self._step, layer=0, block="attn", batch=self._batch)
+            self._batch = None
+            first = M.encode(step, (h,))[0]
         hop.begin(self._step, h, first)
         self._sent_shape = tuple(h.shape)
         figures: dict[bytes, dict[str, Any]] = {}
@@ -352,15 +359,18 @@ class Transport:
             frames, peer = hop.message()  # FOREIGN
             if not frames:
                 continue  # more frames than any message: nobody's partial
-            identity, header, tensors = _decoded(frames[0], frames[1:], peer)
-            partial = self._arrived(identity, header, tensors, names, waiting, block, layer, handle)
+            identity, message, tensors = _decoded(frames[0], frames[1:], peer)
+            partial = self._arrived(
+                identity, message, tensors, names, waiting, block, layer, handle
+            )
             if partial is not None:
+                assert isinstance(message, M.Partial)
                 k = identities.index(identity)
-                hop.partials[k] = partial[0]
+                hop.partials[k] = partial
                 hop.received[k] = 1
-                state.slowest = max(state.slowest, partial[1])
-                if isinstance(header.get("figures"), dict):
-                    figures[identity] = header["figures"]
+                state.slowest = max(state.slowest, message.compute)
+                if message.figures is not None:
+                    figures[identity] = message.figures
         self.allreduce_seconds.extend(hop.allreduce.tolist())
         return hop.h, figures, float(hop.state.own_compute_s)
 
@@ -387,16 +397,14 @@ class Transport:
         self.context.term()
 
 
-def _decoded(
-    identity: bytes, frames: list[Any], peer: str
-) -> tuple[bytes, dict[str, Any], list[np.ndarray]]:
-    """A received message as (identity, header, tensors); one that does not decode comes as op
-    MALFORMED, so that its sender is dropped. A HELLO gets the address it came from as
-    "peer_address" (for the cluster view)."""
+def _decoded(identity: bytes, frames: list[Any], peer: str) -> tuple[bytes, Received, list]:
+    """A received message as (identity, message, tensors); one that does not decode comes as
+    `Malformed`, so that its sender is dropped. A HELLO gets the address it came from as its
+    peer_address (for the cluster view)."""
     try:
-        header, tensors = P.decode(frames)
-    except P.ProtocolError as exc:
-        return identity, {"op": MALFORMED, "why": str(exc)}, []  # its reader logs it
-    if header["op"] == P.HELLO:
-        header["peer_address"] = peer
-    return identity, header, tensors
+        message, tensors = M.decode_from_node(frames)
+    except M.ProtocolError as exc:
+        return identity, Malformed(str(exc)), []  # its reader logs it
+    if isinstance(message, M.Hello):
+        message = msgspec.structs.replace(message, peer_address=peer)
+    return identity, message, tensors

@@ -18,7 +18,8 @@ import time
 
 import zmq
 
-from node.protocol import HEARTBEAT, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, decode, encode
+from node.messages import Heartbeat, ProtocolError, decode_heartbeat, encode
+from node.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
 from node.security import JoinToken, Keypair, secure_client, secure_server
 
 DEAD_AFTER = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
@@ -77,13 +78,12 @@ class HeartbeatServer:
                 continue
             identity, *frames = self._socket.recv_multipart(copy=False)
             try:
-                header, _ = decode(frames)
-            except Exception:
+                name = decode_heartbeat(frames[0]).name
+            except (ProtocolError, IndexError):
                 continue  # not ours: ignore rather than die
-            name = str(header.get("name", ""))
             with self._lock:
                 self._last[name] = time.monotonic()
-            self._socket.send_multipart([identity, *encode({"op": HEARTBEAT})])
+            self._socket.send_multipart([identity, *encode(Heartbeat())])
         self._socket.close(0)
 
     def silence(self, name: str) -> float:
@@ -128,7 +128,7 @@ class HeartbeatClient:
             self._awake.ran()
             now = time.monotonic()
             if now >= next_beat:
-                self._socket.send_multipart(encode({"op": HEARTBEAT, "name": self._name}))
+                self._socket.send_multipart(encode(Heartbeat(name=self._name)))
                 next_beat = now + HEARTBEAT_INTERVAL
             if poller.poll(max(1, int((next_beat - now) * 1000))):
                 self._socket.recv_multipart()

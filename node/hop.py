@@ -133,8 +133,44 @@ def load() -> ctypes.CDLL:
         lib.hop_release.argtypes = [ctypes.c_void_p]
         lib.hop_frame_peer.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p]
         lib.hop_frame_peer.argtypes += [ctypes.c_int64]
+        lib.hop_header.restype = ctypes.c_size_t
+        lib.hop_header.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p]
+        lib.hop_header.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        lib.hop_header.argtypes += [ctypes.POINTER(ctypes.c_double), ctypes.c_int64, ctypes.c_int64]
+        lib.hop_parse.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_int]
+        lib.hop_parse.argtypes += [ctypes.c_void_p]
         _lib = lib
     return _lib
+
+
+class Parsed(ctypes.Structure):
+    _fields_ = [
+        ("step", ctypes.c_int64),
+        ("layer", ctypes.c_int64),
+        ("B", ctypes.c_int64),
+        ("D", ctypes.c_int64),
+        ("ffn", ctypes.c_int),
+        ("compute", ctypes.c_double),
+    ]
+
+
+def header(
+    op: str, step: int, layer: int, ffn: bool, compute: float | None, rows: int, hidden: int
+) -> bytes:
+    """The header frame the native loop writes for a STEP (`compute` None) or a PARTIAL."""
+    buf = ctypes.create_string_buffer(256)
+    given = None if compute is None else ctypes.byref(ctypes.c_double(compute))
+    n = load().hop_header(buf, len(buf), op.encode(), step, layer, int(ffn), given, rows, hidden)
+    return buf.raw[:n]
+
+
+def parse(frame: bytes, op: str) -> Parsed | None:
+    """What the native loop reads from a STEP's or a PARTIAL's header frame; None for a header
+    it hands to Python instead."""
+    parsed = Parsed()
+    taken = load().hop_parse(frame, len(frame), op.encode(), int(op == "partial"),
+                             ctypes.byref(parsed))  # fmt: skip
+    return parsed if taken else None
 
 
 def _libzmq_path() -> str:

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 import zmq
@@ -28,6 +29,7 @@ from master.transport import ClusterError
 from memory.budget import MemoryOptions
 from memory.shards import Manifest, ShardStore
 from models.layers import StepBatch
+from node import messages as M
 from node import protocol as P
 from node.security import TOKEN_ENV, secure_client
 
@@ -180,6 +182,7 @@ def _ship_once(smollm2, manifest, master_store, worker_dir, kill_when_part_excee
 
     try:
         hub.wait_for_workers(1, timeout=60)
+        hub.take_in()  # into the plan the manifest was split for
         if kill_when_part_exceeds:
             threading.Thread(target=killer, daemon=True).start()
             with pytest.raises(ClusterError):
@@ -281,16 +284,16 @@ def test_handshake_refuses_another_version_and_another_model(smollm2, tmp_path, 
             sock.connect(f"tcp://127.0.0.1:{hub.port}")
             capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
             sock.send_multipart(
-                P.encode({"op": P.HELLO, "name": "x", "capacity": capacity} | hello)
+                [msgpack.packb({"op": "hello", "name": "x", "capacity": capacity} | hello)]
             )
             with caplog.at_level("WARNING"):
                 _pump(hub, 0.5)
             assert sock.poll(2000), "no answer to HELLO"
-            header, _ = P.decode(sock.recv_multipart())
-            assert header["op"] == P.REFUSE and reason in header["reason"]
+            refusal, _ = M.decode_from_master(sock.recv_multipart())
+            assert isinstance(refusal, M.Refuse) and reason in refusal.reason
             assert any(reason in r.getMessage() for r in caplog.records)  # logged on the master
             sock.close()
-        assert hub.members == []
+        assert hub.nodes == []
     finally:
         hub.close()
 

@@ -63,7 +63,7 @@ def test_join_without_an_address_finds_and_joins_the_master(tmp_path):
     proc = _join("--cluster", cluster, token=str(hub.token), state=tmp_path)
     try:
         hub.wait_for_workers(1, timeout=60)
-        assert len(hub.members) == 1
+        assert len(hub.nodes) == 1
     finally:
         announcer.close()
         hub.close()

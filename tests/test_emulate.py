@@ -66,7 +66,7 @@ def test_device_specs_read_as_people_write_them():
 _BUDGET_PROBE = """
 import os, sys
 from pathlib import Path
-from node.worker import measure_capacity  # torch and all: charged where this process started
+from node.probes import measure_capacity  # torch and all: charged where this process started
 from memory.budget import RESERVE_BYTES, device_memory_budget
 Path(sys.argv[1], "cgroup.procs").write_text(str(os.getpid()))  # as an emulated master enters
 entered = device_memory_budget()

@@ -27,6 +27,7 @@ from models.layers import (
 from models.layers import slice_layer as cut_layer
 from models.quant import FORMATS, matrix_size, random_blocks
 from models.rows_native import MAX_ROWS, NativeBlocks, admit
+from node import messages as M
 from node import protocol as P
 from node.hop import FOREIGN, TIMEOUT, WorkerHop
 from node.kvcache import KVCache
@@ -257,33 +258,27 @@ def test_the_worker_loop_answers_steps_and_hands_back_the_rest(link):
     h = np.random.default_rng(5).standard_normal((2, config.hidden), dtype=np.float32)
 
     assert hop.serve(20) == TIMEOUT  # nothing sent yet
-    router.send_multipart(
-        [b"w1", *P.encode({"op": P.STEP, "step": 7, "layer": 0, "block": P.FFN}, (h,))]
-    )
-    router.send_multipart(
-        [b"w1", *P.encode({"op": P.STEP, "step": 7, "layer": 1, "block": P.ATTENTION}, (h,))]
-    )
-    bye = [msgpack.packb({"op": P.BYE, "reason": "test"})]
+    router.send_multipart([b"w1", *M.encode(M.Step(step=7, layer=0, block=P.FFN), (h,))])
+    router.send_multipart([b"w1", *M.encode(M.Step(step=7, layer=1, block=P.ATTENTION), (h,))])
+    bye = [msgpack.packb({"op": "bye", "reason": "test"})]
     router.send_multipart([b"w1", *bye])
     assert hop.serve(2000) == FOREIGN  # two partials sent, the BYE held for Python
     assert hop.frames() == bye
     for block, want in ((P.FFN, reference.ffn(0, h)), (P.ATTENTION, reference.attention(1, h))):
         identity, *frames = router.recv_multipart()
-        header, (partial,) = P.decode(frames)
+        message, (partial,) = M.decode_from_node(frames)
         assert identity == b"w1"
-        assert {k: header[k] for k in ("op", "step", "block")} == {
-            "op": P.PARTIAL, "step": 7, "block": block,
-        }  # fmt: skip
-        assert isinstance(header["compute"], float) and header["compute"] > 0
+        assert isinstance(message, M.Partial) and (message.step, message.block) == (7, block)
+        assert message.compute > 0
         np.testing.assert_array_equal(partial, want)
     assert hop.state.blocks == 2
 
     # The last layer's FFN carries the step's figures: Python's, as is a step with its batch.
-    for header in (
-        {"op": P.STEP, "step": 7, "layer": config.n_layers - 1, "block": P.FFN},
-        {"op": P.STEP, "step": 8, "layer": 0, "block": P.ATTENTION, "batch": batch.to_dict()},
+    for step in (
+        M.Step(step=7, layer=config.n_layers - 1, block=P.FFN),
+        M.Step(step=8, layer=0, block=P.ATTENTION, batch=batch),
     ):
-        frames = P.encode(header, (h,))
+        frames = M.encode(step, (h,))
         router.send_multipart([b"w1", *frames])
         assert hop.serve(2000) == FOREIGN
         assert hop.frames() == [bytes(f) for f in frames]

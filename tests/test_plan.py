@@ -30,7 +30,7 @@ from memory.files import measure_disk_read
 from memory.shards import ShardStore
 from models.config import ModelConfig
 from node.kvcache import KVCache
-from node.worker import measure_message_cost
+from node.probes import measure_message_cost
 
 SMOLLM2 = ModelConfig(
     architecture="llama",

@@ -22,7 +22,9 @@ from master.local import LocalWorkers
 from master.params import SamplingParams
 from master.session import Session
 from master.transport import ClusterError
+from node import messages as M
 from node import protocol as P
+from node.messages import Capacity
 from node.security import (
     TOKEN_ENV,
     JoinToken,
@@ -90,7 +92,7 @@ def test_wrong_missing_and_rotated_tokens_are_refused(tmp_path, caplog):
             procs = {k: _join(hub.port, tmp_path / k, t) for k, (t, _) in cases.items()}
             _pump(hub, 60, until_exited=tuple(procs.values()))
             outputs = {k: p.communicate(timeout=60) for k, p in procs.items()}
-        assert hub.members == []  # nobody got in
+        assert hub.nodes == []  # nobody got in
     finally:
         hub.close()
     for name, (_, message) in cases.items():
@@ -114,22 +116,21 @@ def test_plain_socket_gets_nothing_and_breaks_nothing(tmp_path):
     # then waits for one (on CI, until the suite's timeout), so it waits a second at most.
     plain.setsockopt(zmq.SNDTIMEO, 1000)
     plain.connect(f"tcp://127.0.0.1:{hub.port}")
-    capacity = {"memory_budget": 1, "cores": 1, "speed": 1.0}
-    hello = {"op": P.HELLO, "version": P.PROTOCOL_VERSION, "name": "x", "capacity": capacity}
+    hello = M.Hello(P.PROTOCOL_VERSION, "x", Capacity(1, 1, 1.0))
     try:
         with contextlib.suppress(zmq.Again):
-            plain.send_multipart(P.encode(hello))
+            plain.send_multipart(M.encode(hello))
         _pump(hub, 1.0)
         assert not plain.poll(500)  # nothing comes back
-        assert hub.members == []
+        assert hub.nodes == []
         # The master still serves a node that holds the token.
         good = ctx.socket(zmq.DEALER)
         good.setsockopt(zmq.LINGER, 0)
         secure_client(good, hub.token)
         good.connect(f"tcp://127.0.0.1:{hub.port}")
-        good.send_multipart(P.encode(hello))
+        good.send_multipart(M.encode(hello))
         _pump(hub, 2.0)
-        assert [m.name for m in hub.members] == ["x"]
+        assert [m.name for m in hub.nodes] == ["x"]
         good.close()
     finally:
         plain.close()
@@ -189,7 +190,7 @@ def test_traffic_between_master_and_worker_is_encrypted(smollm2, smollm2_tokeniz
         port = a.bind_to_random_port("tcp://127.0.0.1")
         b.connect(f"tcp://127.0.0.1:{port}")
         h0 = torch.nn.functional.embedding(torch.tensor([ids]), engine.embedding)
-        b.send_multipart(P.encode({"op": P.STEP, "step": 1, "layer": 0, "block": "attn"}, (h0,)))
+        b.send_multipart(M.encode(M.Step(step=1, layer=0, block=P.ATTENTION), (h0,)))
         a.recv_multipart()
         time.sleep(0.2)
         clear = control.stop()

@@ -223,8 +223,9 @@ def _join(args: argparse.Namespace) -> None:
     from memory.budget import parse_size
     from memory.files import default_state_dir
     from models.kernels import set_threads
+    from node.probes import measure_capacity
     from node.security import TOKEN_ENV, JoinToken, load_node_token
-    from node.worker import Worker, measure_capacity
+    from node.worker import Worker
     from tui.progress import progress_bar
 
     threads = set_threads(args.threads)

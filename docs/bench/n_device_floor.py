@@ -43,6 +43,7 @@ from master.emulate.devices import start_relay, stop_relay
 from master.engine import Engine
 from models.layers import StepBatch
 from models.source import open_model
+from node import messages as M
 from node import protocol as P
 
 SECONDS = 4.0  # each timed compute loop
@@ -157,8 +158,8 @@ def zmq_costs(
         if not sock.poll(30_000):
             raise RuntimeError("an echo process did not start")
         identities.append(sock.recv_multipart()[0])
-    header = {"op": P.STEP, "step": 0, "layer": 0, "block": P.ATTENTION}
-    frames = P.encode(header, (np.zeros((1, hidden), dtype=np.float32),))
+    step = M.Step(step=0, layer=0, block=P.ATTENTION)
+    frames = M.encode(step, (np.zeros((1, hidden), dtype=np.float32),))
     pids = [os.getpid(), *(p.pid for p in peers)]
     times = []
     for r in range(SUMS + 200):

@@ -24,7 +24,7 @@ def child(core: int, group: str, start: float, pairs: int, shapes: list[str]) ->
     (CGROUPS / group / "tasks").write_text(str(os.getpid()))
     os.sched_setaffinity(0, {core})
     from models.kernels import limit_blas
-    from node.worker import measure_speed
+    from node.probes import measure_speed
 
     limit_blas(1)
     measure_speed(1)

@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from master.emulate.devices import start_relay, stop_relay
+from node import messages as M
 from node import protocol as P
 
 
@@ -48,11 +49,11 @@ def raw_round_trips(shape: tuple[int, ...], n: int) -> list[float]:
     if identity is None:
         raise RuntimeError("the echo process did not start")
     payload = torch.zeros(shape)
-    header = {"op": P.STEP, "step": 0, "layer": 0, "block": P.ATTENTION}
+    step = M.Step(step=0, layer=0, block=P.ATTENTION)
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        sock.send_multipart([identity, *P.encode(header, (payload,))], copy=False)
+        sock.send_multipart([identity, *M.encode(step, (payload,))], copy=False)
         sock.recv_multipart(copy=False)
         times.append(time.perf_counter() - t0)
     sock.send_multipart([identity, b"stop"])

@@ -88,17 +88,16 @@ static void put_str(writer *w, const char *s) {
     put_byte(w, 0xa0 | (uint8_t)n);
     put(w, s, n);
 }
+// The shortest form, as every msgpack encoder writes it (node/messages.py's among them).
 static void put_uint(writer *w, uint64_t v) {
     if (v < 128) {
         put_byte(w, (uint8_t)v);
-    } else if (v <= 0xffff) {
-        uint8_t b[3] = {0xcd, (uint8_t)(v >> 8), (uint8_t)v};
-        put(w, b, 3);
-    } else {
-        uint8_t b[9] = {0xcf};
-        for (int i = 0; i < 8; i++) b[1 + i] = (uint8_t)(v >> (56 - 8 * i));
-        put(w, b, 9);
+        return;
     }
+    int n = v <= 0xff ? 1 : v <= 0xffff ? 2 : v <= 0xffffffffu ? 4 : 8;
+    uint8_t b[9] = {n == 1 ? 0xcc : n == 2 ? 0xcd : n == 4 ? 0xce : 0xcf};
+    for (int i = 0; i < n; i++) b[1 + i] = (uint8_t)(v >> (8 * (n - 1 - i)));
+    put(w, b, (size_t)n + 1);
 }
 static void put_double(writer *w, double d) {
     uint64_t v;
@@ -107,8 +106,8 @@ static void put_double(writer *w, double d) {
     for (int i = 0; i < 8; i++) b[1 + i] = (uint8_t)(v >> (56 - 8 * i));
     put(w, b, 9);
 }
-// {op, step, layer, block[, compute], tensors: [["float32", [B, D]]]}, as node/protocol.py writes
-static size_t header(uint8_t *buf, size_t cap, const char *op, int64_t step, int64_t layer,
+// {op, step, layer, block[, compute], tensors: [["float32", [B, D]]]}, as node/messages.py writes
+size_t hop_header(uint8_t *buf, size_t cap, const char *op, int64_t step, int64_t layer,
                      int ffn, const double *compute, int64_t B, int64_t D) {
     writer w = {buf, buf + cap};
     put_byte(&w, 0x80 | (compute ? 6 : 5));
@@ -190,8 +189,8 @@ typedef struct {
     double compute;
 } parsed;
 
-// A header this path takes: exactly the keys `header` writes, op `op`. 1 if so.
-static int parse(const uint8_t *buf, size_t size, const char *op, int with_compute, parsed *out) {
+// A header this path takes: exactly the keys `hop_header` writes, op `op`. 1 if so.
+int hop_parse(const uint8_t *buf, size_t size, const char *op, int with_compute, parsed *out) {
     reader r = {buf, buf + size, 0};
     uint8_t m = take(&r);
     int keys = (m & 0xf0) == 0x80 ? m & 0x0f : -1;
@@ -311,7 +310,7 @@ int hop_serve(hop_worker *w, long timeout_ms) {
         held *m = &w->msg;
         size_t bytes = (size_t)(w->B * w->D) * sizeof(float);
         if (!(w->B > 0 && m->n == 2 && !m->dropped &&
-              parse(msg_data(&m->frames[0]), msg_size(&m->frames[0]), "step", 0, &p) &&
+              hop_parse(msg_data(&m->frames[0]), msg_size(&m->frames[0]), "step", 0, &p) &&
               p.B == w->B && p.D == w->D && p.layer >= 0 && p.layer < w->L &&
               !(p.ffn && p.layer == w->L - 1) && msg_size(&m->frames[1]) == bytes))
             return HOP_FOREIGN;
@@ -321,7 +320,8 @@ int hop_serve(hop_worker *w, long timeout_ms) {
         double compute = now() - start;
         w->compute_s += compute;
         w->blocks++;
-        size_t n = header(buf, sizeof buf, "partial", p.step, p.layer, p.ffn, &compute, w->B, w->D);
+        size_t n =
+            hop_header(buf, sizeof buf, "partial", p.step, p.layer, p.ffn, &compute, w->B, w->D);
         if (send_frame(w->sock, buf, n, ZMQ_SNDMORE) < 0 || send_frame(w->sock, w->out, bytes, 0) < 0)
             return HOP_ERROR;
         release(m);
@@ -365,7 +365,7 @@ int hop_run(hop_hub *hb, long timeout_ms) {
             if (hb->layer == 0 && hb->ffn == 0 && hb->first) {
                 head = hb->first, n = (size_t)hb->first_len;
             } else {
-                n = header(buf, sizeof buf, "step", hb->step_no, hb->layer, (int)hb->ffn, NULL,
+                n = hop_header(buf, sizeof buf, "step", hb->step_no, hb->layer, (int)hb->ffn, NULL,
                            hb->B, hb->D);
             }
             hb->sent_at = now();
@@ -403,7 +403,7 @@ int hop_run(hop_hub *hb, long timeout_ms) {
                         memcmp(msg_data(&m->frames[0]), hb->ids[i], (size_t)hb->id_lens[i]) == 0)
                         who = i;
             if (!(who >= 0 &&
-                  parse(msg_data(&m->frames[1]), msg_size(&m->frames[1]), "partial", 1, &p) &&
+                  hop_parse(msg_data(&m->frames[1]), msg_size(&m->frames[1]), "partial", 1, &p) &&
                   p.step == hb->step_no && p.layer == hb->layer && p.ffn == hb->ffn &&
                   p.B == hb->B && p.D == hb->D && msg_size(&m->frames[2]) == bytes))
                 return HOP_FOREIGN;

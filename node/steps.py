@@ -1,0 +1,99 @@
+"""A serving node's work on one STEP: checked against what the node holds, then computed.
+
+A STEP's types are checked as it decodes (node/messages.py); what is left to check needs the
+node's state: the layer against its model, the batch against its KV cache, the hidden state's
+shape against the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.config import ModelConfig
+from models.layers import StepBatch
+from node import messages as M
+from node import protocol as P
+from node.executor import Hidden, SliceExecutor
+from node.kvcache import KVCache
+from node.messages import ProtocolError, Step
+
+
+@dataclass(frozen=True)
+class Work:
+    """One block of one layer to compute, checked: the step's batch and the hidden state."""
+
+    step: int
+    layer: int
+    block: P.Block
+    batch: StepBatch  # the step's (sent with its first block)
+    hidden: np.ndarray  # decode (B, D), else (B, T, D); the HEAD's final-normed rows (R, D)
+    begins: bool  # the step's first block: its batch came with it
+
+
+# What a serving node acts on besides a STEP: a re-plan (WELCOME, or STANDBY without it), the
+# probes before a plan, BYE.
+SERVING = (M.Welcome, M.Standby, M.Measure, M.Echo, M.Bye)
+
+
+def read_serving(
+    frames: list[Any], config: ModelConfig, cache: KVCache, batch: StepBatch | None
+) -> tuple[M.FromMaster, list[np.ndarray], Work | None]:
+    """What a serving node is told, its tensors, and for a STEP the work checked against what
+    the node holds (`config`, `cache`, the step's `batch` so far); ProtocolError for anything
+    it cannot act on."""
+    message, tensors = M.decode_from_master(frames)
+    if isinstance(message, Step):
+        return message, tensors, check_step(message, tensors, config, cache, batch)
+    if not isinstance(message, SERVING):
+        raise ProtocolError(f"unexpected {message.__struct_config__.tag!r} while serving steps")
+    return message, tensors, None
+
+
+def check_step(
+    step: Step,
+    tensors: list[np.ndarray],
+    config: ModelConfig,
+    cache: KVCache,
+    batch: StepBatch | None,
+) -> Work:
+    """A STEP this node can compute with what it holds (`config`, `cache`, the step's `batch`
+    so far), or ProtocolError saying why not."""
+    begins = step.batch is not None
+    batch = step.batch if step.batch is not None else batch
+    if batch is None:
+        raise ProtocolError("a STEP before any batch was given")
+    layer, block = step.layer, step.block
+    head = block == P.HEAD
+    if (head and layer != config.n_layers) or (not head and layer >= config.n_layers):
+        raise ProtocolError(f"a STEP for layer {layer!r}, block {block!r}")
+    if not (
+        0 < batch.size == len(batch.starts) == len(batch.lengths)
+        and all(0 <= slot < cache.slots for slot in batch.slots)
+        and all(0 <= a and 0 < n and a + n <= cache.max_context
+                for a, n in zip(batch.starts, batch.lengths, strict=True))
+    ):  # fmt: skip
+        raise ProtocolError(f"a STEP batch this node cannot hold: {batch}")
+    shape = (batch.size, config.hidden) if batch.rows else (batch.size, batch.width, config.hidden)
+    if head:  # the final-normed rows the master takes logits of: one per sequence, or per token
+        rows = tensors[0].shape[0] if len(tensors) == 1 and tensors[0].ndim == 2 else 0
+        shape = (rows if 0 < rows <= batch.size * batch.width else -1, config.hidden)
+    if len(tensors) != 1 or tensors[0].shape != shape or tensors[0].dtype != np.float32:
+        got = [(t.dtype.name, t.shape) for t in tensors]
+        raise ProtocolError(f"a STEP's hidden state is {got}, not one float32 {shape}")
+    return Work(step.step, layer, block, batch, tensors[0], begins)
+
+
+def partial(executor: SliceExecutor, work: Work) -> Hidden:
+    """This node's partial of one block, or its logits for the HEAD: a decode step's rows
+    (B, D) stay arrays (`StepBatch.rows`); any other step goes to torch."""
+    if work.block == P.HEAD:
+        return executor.logits(work.hidden)
+    compute = executor.attention if work.block == P.ATTENTION else executor.ffn
+    if executor.rows:
+        return compute(work.layer, work.hidden)
+    with torch.inference_mode():  # the message's memory is read-only: torch gets a copy
+        return compute(work.layer, torch.from_numpy(work.hidden.copy()))
