@@ -241,18 +241,18 @@ class Engine:
         self._blocks_s = 0.0
         T = batch.width
         ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in tokens])  # (B, T) right-padded
-        h: Hidden = embed(ids, self.embedding, self.embedding_scale)  # (B, T, D)
+        embedded = embed(ids, self.embedding, self.embedding_scale)  # (B, T, D)
         if self.config.embedding_multiplier != 1.0:
-            h = h * self.config.embedding_multiplier
+            embedded = embedded * self.config.embedding_multiplier
+        h: Hidden = embedded.numpy()  # the one type of the hidden state (node.executor.Hidden)
         if batch.rows:
-            h = h.numpy().reshape(batch.size, -1)
+            h = h.reshape(batch.size, -1)
         for ex in self.executors:
             ex.begin_step(batch)
         if self.remote:
             self.remote.begin_step(batch)
         blocks = self._native_layers()
         if blocks is not None:
-            assert isinstance(h, np.ndarray)
             started = time.perf_counter()
             if self.remote is not None:
                 h, compute = self.remote.decode_layers(blocks, h)
@@ -287,20 +287,23 @@ class Engine:
         if self.post_norms is None:
             return out
         w, eps = self.post_norms[row], self.config.norm_eps
-        return rms_norm_rows(out, w, eps) if isinstance(out, np.ndarray) else rms_norm(out, w, eps)
+        if out.ndim == 2:  # a decode step's rows
+            return rms_norm_rows(out, w, eps)
+        return rms_norm(torch.from_numpy(out), w, eps).numpy()
 
     def _head(self, h: Hidden, batch: StepBatch, all_logits: bool) -> torch.Tensor:
         """Final norm and lm_head: the end of every step. Logits (B, V), or (B, T, V)."""
         eps = self.config.norm_eps
-        if isinstance(h, np.ndarray):  # batch.rows: (B, D)
+        if batch.rows:  # (B, D)
             x = torch.from_numpy(rms_norm_rows(h, self.final_norm, eps))
             if all_logits:
                 x = x.unsqueeze(1)
         else:
+            last = torch.from_numpy(h)
             if not all_logits:
-                last = torch.tensor(batch.lengths) - 1
-                h = h[torch.arange(batch.size), last]  # (B, D)
-            x = rms_norm(h, self.final_norm, eps)
+                lengths = torch.tensor(batch.lengths) - 1
+                last = last[torch.arange(batch.size), lengths]  # (B, D)
+            x = rms_norm(last, self.final_norm, eps)
         if not self.head_split:
             return linear(x, self.lm_head, scale=self.lm_head_scale)
         # Every node's rows of the vocabulary at once: the workers' as a block's partials.
@@ -347,8 +350,6 @@ class Engine:
         if self.remote:
             others = self.remote.gather(block, i, time.perf_counter() - started)
             if others is not None:
-                if isinstance(h, torch.Tensor):
-                    others = torch.from_numpy(others)
                 total = others if total is None else total + others
         assert total is not None, "an engine needs at least one slice"
         self._blocks_s += time.perf_counter() - sent

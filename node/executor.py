@@ -29,7 +29,16 @@ from models.quant import matrix_size
 from node.device import Shape, matrix_shapes, prepare
 from node.kvcache import KVCache
 
-Hidden = np.ndarray | torch.Tensor  # a decode step's rows (B, D), or any step's (B, T, D)
+# The hidden state, from the embedding to the final norm, on every node: float32 NumPy, rows
+# (B, D) in a decode step, (B, T, D) in any other. The prefill's layer math is torch's: it
+# converts at its edge (`_as_tensor`), without a copy where it may.
+Hidden = np.ndarray
+
+
+def _as_tensor(h: Hidden) -> torch.Tensor:
+    """A step's (B, T, D) for torch's layer math; a received message's read-only memory is
+    copied (torch may not share memory it must not write)."""
+    return torch.from_numpy(h if h.flags.writeable else h.copy())
 
 
 class SliceExecutor:
@@ -135,11 +144,11 @@ class SliceExecutor:
         window = self.config.sliding_window if local else None
         own_rope = local and self.local_rope is not None
         if self.native_step:
-            assert self.native is not None and isinstance(h, np.ndarray)
+            assert self.native is not None
             out = self.native.attention(index, h)
         elif self._batch.rows:
             cos_sin_rows = self._local_cos_sin_rows if own_rope else self._cos_sin_rows
-            assert isinstance(h, np.ndarray) and cos_sin_rows is not None
+            assert cos_sin_rows is not None
             out = attention_rows(
                 h,
                 weights,
@@ -152,20 +161,20 @@ class SliceExecutor:
                 window,
             )
         else:
-            assert isinstance(h, torch.Tensor)
             cos_sin = self._local_cos_sin if own_rope else self._cos_sin
             assert cos_sin is not None
-            out = attention_partial(
-                h,
-                weights,
-                self.slice,
-                self.config,
-                cos_sin,
-                self.cache.keys[index],
-                self.cache.values[index],
-                self._batch,
-                window,
-            )
+            with torch.inference_mode():
+                out = attention_partial(
+                    _as_tensor(h),
+                    weights,
+                    self.slice,
+                    self.config,
+                    cos_sin,
+                    self.cache.keys[index],
+                    self.cache.values[index],
+                    self._batch,
+                    window,
+                ).numpy()
         self.weights.figures.compute_s += time.perf_counter() - started
         return out
 
@@ -174,14 +183,13 @@ class SliceExecutor:
         started = time.perf_counter()
         weights = self.weights.get(index)
         if self.native_step:
-            assert self.native is not None and isinstance(h, np.ndarray)
+            assert self.native is not None
             out = self.native.ffn(index, h)
         elif self.rows:
-            assert isinstance(h, np.ndarray)
             out = ffn_rows(h, weights, self.config)
         else:
-            assert isinstance(h, torch.Tensor)
-            out = ffn_partial(h, weights, self.config)
+            with torch.inference_mode():
+                out = ffn_partial(_as_tensor(h), weights, self.config).numpy()
         self.weights.release(index)
         self.weights.figures.compute_s += time.perf_counter() - started
         return out

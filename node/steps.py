@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from models.config import ModelConfig
 from models.layers import StepBatch
@@ -88,12 +87,8 @@ def check_step(
 
 
 def partial(executor: SliceExecutor, work: Work) -> Hidden:
-    """This node's partial of one block, or its logits for the HEAD: a decode step's rows
-    (B, D) stay arrays (`StepBatch.rows`); any other step goes to torch."""
+    """This node's partial of one block, or its logits for the HEAD."""
     if work.block == P.HEAD:
         return executor.logits(work.hidden)
     compute = executor.attention if work.block == P.ATTENTION else executor.ffn
-    if executor.rows:
-        return compute(work.layer, work.hidden)
-    with torch.inference_mode():  # the message's memory is read-only: torch gets a copy
-        return compute(work.layer, torch.from_numpy(work.hidden.copy()))
+    return compute(work.layer, work.hidden)
