@@ -41,12 +41,16 @@ demo: setup
 # replaced. The slowest tests are listed at the end: the suite's time is a budget.
 test: setup cross
 	$(BIN)/ruff check .
+# Types of the runtime packages ([tool.mypy] in pyproject.toml); .mypy_cache keeps a rerun quick.
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --durations=12
 
 # The tests that start no cluster, load no reference implementation and run no model end to
 # end: under two minutes, for the edit-test loop. `make test` is what must pass.
 test-fast: setup cross
 	$(BIN)/ruff check .
+# Types of the runtime packages ([tool.mypy] in pyproject.toml); .mypy_cache keeps a rerun quick.
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 -m "not slow"
 
 # The soak in full: 300 streamed requests against `edgetp serve --local-nodes 3` while its

@@ -106,15 +106,16 @@ def split_model(
             progress(i + 1, total)
     head = source.head_dtype(dtype)
     # the norms stay float32; POST_NORMS is 2-D, hence "f32" rather than a vector's None
-    kept = {"final_norm": None, POST_NORMS: "f32"}
+    norm_dtypes: dict[str, str | None] = {"final_norm": None, POST_NORMS: "f32"}
     whole = {
-        n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), kept.get(n, head))
+        n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), norm_dtypes.get(n, head))
         for n in source.global_names()
     }
     if head_rows and "lm_head" in whole and head_rows[0][1] > head_rows[0][0]:
         # Split by vocabulary, the master multiplies only its rows: it holds only those (a
         # 70B head is 0.5 GB in f16). A tied head is the embedding, which it needs whole.
-        whole["lm_head"] = _Fused("lm_head", (Part("lm_head", tuple(head_rows[0])),), head)
+        start, end = head_rows[0]
+        whole["lm_head"] = _Fused("lm_head", (Part("lm_head", (start, end)),), head)
     (globals_ref,) = _write(source, None, [whole], store)
     heads: list[ShardRef] = []
     if head_rows:  # the workers' rows of the lm_head (a tied model's embedding)
@@ -192,9 +193,12 @@ def _write(
                             a, b = max(p.rows[0], rows[0]), min(p.rows[1], rows[1])
                             if p.source == name and a < b:
                                 whole = p.cols is None or columns_fit(dtype_name(band), *p.cols)
-                                if not whole and values is None:
-                                    values = dequantize(band)
-                                piece = cut(band if whole else values, p, rows)
+                                if whole:
+                                    piece = cut(band, p, rows)
+                                else:
+                                    if values is None:
+                                        values = dequantize(band)
+                                    piece = cut(values, p, rows)
                                 at = offset + a - p.rows[0]
                                 if f.dtype is None:
                                     writer.write_rows(f.name, at, piece.float())

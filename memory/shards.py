@@ -87,7 +87,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     with open(path, "wb") as f:
         f.write(header)
         for name in sorted(offsets, key=offsets.__getitem__):
-            f.write(memoryview(tensors[name].contiguous().view(torch.uint8).numpy()))
+            f.write(tensors[name].contiguous().view(torch.uint8).numpy().data)
 
 
 class ShardWriter:
@@ -115,7 +115,7 @@ class ShardWriter:
             raise ValueError(f"{name}: rows {rows.dtype} {tuple(rows.shape)} do not fit {shape}")
         row_bytes = math.prod(shape[1:]) * rows.element_size()
         self._file.seek(self._starts[name] + first_row * row_bytes)
-        self._file.write(memoryview(rows.contiguous().view(torch.uint8).numpy()))
+        self._file.write(rows.contiguous().view(torch.uint8).numpy().data)
 
     def finish(self) -> ShardRef:
         """Close the file and store it under its hash (see `ShardStore.put`)."""
@@ -297,7 +297,7 @@ class ShardStore:
             size = path.stat().st_size
             buffer = weight_buffer(size)
             with open(path, "rb", buffering=0) as f:
-                got = read_into(f, memoryview(buffer.numpy()))
+                got = read_into(f, buffer.numpy().data)
         except OSError as exc:
             raise ModelError(f"shard {path} cannot be read ({exc.strerror})") from exc
         if got != size:

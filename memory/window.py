@@ -108,7 +108,7 @@ class LayerWindow:
         # Allocated and touched now: the memory a node needs is taken before the first token.
         self.buffers = [weight_buffer(max(sizes)) for _ in range(self.window)]
         self._views: list[dict[str, torch.Tensor] | None] = [None] * self.window
-        self._checksums: list[int | None] = list(checksums or [None] * self.n_layers)
+        self._checksums: list[int | None] = list(checksums) if checksums else [None] * self.n_layers
         self._identities: list[tuple[int, ...] | None] = [None] * self.n_layers  # when checked
         self._seq_of_slot = [-1] * self.window  # which use (k) a buffer holds
         self._used = 0  # k of the layer compute is on (or will be on next)
@@ -150,7 +150,8 @@ class LayerWindow:
                     self._lock.wait()
                 self.figures.wait_s += time.perf_counter() - started
             if self._seq_of_slot[slot] != k:
-                raise self._error  # type: ignore[misc]
+                assert self._error is not None  # the wait ends on the slot or on an error
+                raise self._error
             views = self._views[slot]
             assert views is not None
             return views
@@ -230,7 +231,7 @@ class LayerWindow:
         path, size = self.paths[layer], self.sizes[layer]
         buffer = self.buffers[slot]
         started = time.perf_counter()
-        view = memoryview(buffer.numpy())[:size]
+        view = buffer.numpy().data[:size]
         try:
             with open(path, "rb", buffering=0) as f:
                 st = os.fstat(f.fileno())

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import torch
@@ -56,6 +56,8 @@ BLOCK_BUILDS = {"c-f32": "avx2", "c-portable": "portable", "c-expand": "expand"}
 
 c_float_p = ctypes.POINTER(ctypes.c_float)
 c_int64_p = ctypes.POINTER(ctypes.c_int64)
+if TYPE_CHECKING:  # a c_float_p; ctypes' pointer types cannot be subscripted at run time
+    FloatPointer: TypeAlias = ctypes._Pointer[ctypes.c_float]
 
 
 class Step(ctypes.Structure):
@@ -162,25 +164,28 @@ def _block_product(w: torch.Tensor) -> tuple[int, int]:
         return F32, 0
     dtype, (out, inp) = dtype_name(w), matrix_size(w)
     names = [chosen_kernel(dtype, rows, out, inp) for rows in range(1, MAX_ROWS + 1)]
-    if not all(name in BLOCK_BUILDS for name in names):
+    builds = [BLOCK_BUILDS[name] for name in names if name is not None and name in BLOCK_BUILDS]
+    if len(builds) < len(names):
         raise RuntimeError(f"{dtype} {out}x{inp} runs on {sorted(set(map(str, names)))}, not C")
-    fn = getattr(native.load(BLOCK_BUILDS[names[0]]), f"{fmt.name}_f32")
+    fn = getattr(native.load(builds[0]), f"{fmt.name}_f32")
     return BLOCK_KINDS[fmt.name], ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 
-def _matrix(lib: ctypes.CDLL, w: torch.Tensor) -> tuple[int, int]:
+def _matrix(lib: ctypes.CDLL, w: torch.Tensor) -> tuple[FloatPointer | int, int]:
     """(address, kind) of a weight matrix for the C blocks, its block product handed over."""
     kind, product = _block_product(w)
     if kind == F32:
-        return _ptr(w), F32  # type: ignore[return-value]
+        return _float_ptr(w), F32
     assert w.is_contiguous()
     lib.rows_set_block_product(kind, product)
     return w.data_ptr(), kind
 
 
-def _ptr(t: torch.Tensor | np.ndarray | None) -> c_float_p | None:
-    if t is None:
-        return None
+def _ptr(t: torch.Tensor | np.ndarray | None) -> FloatPointer | None:
+    return None if t is None else _float_ptr(t)
+
+
+def _float_ptr(t: torch.Tensor | np.ndarray) -> FloatPointer:
     a = t.numpy() if isinstance(t, torch.Tensor) else t
     assert a.dtype == np.float32 and a.flags.c_contiguous
     return a.ctypes.data_as(c_float_p)

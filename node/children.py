@@ -94,7 +94,8 @@ def start_server() -> None:
 def _end_server() -> None:
     """Kill this process's fork server at once, before it forks a child asked for."""
     global _serving
-    pid = forkserver._forkserver._forkserver_pid  # multiprocessing keeps it there
+    # multiprocessing keeps it there; typeshed leaves out the private attribute
+    pid = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
     if pid:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -225,8 +226,9 @@ class Child:
     """
 
     def __init__(self, process: BaseProcess) -> None:
+        assert process.pid is not None, "made of a started process"
         self.process = process
-        self.pid = process.pid
+        self.pid: int = process.pid
 
     @property
     def returncode(self) -> int | None:

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypedDict, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -40,6 +40,8 @@ from master.bridge.schema import (
     CompletionChunk,
     CompletionChunkChoice,
     CompletionRequest,
+    FinishReason,
+    GenerationFigures,
     Health,
     ModelCard,
     ModelList,
@@ -103,7 +105,8 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
         stats = served.batcher.stats()
         if stats.down:
             raise APIError(503, stats.down, type="server_error", code="cluster_down")
-        return Health(model=served.model_id, generation=generation_figures(stats))
+        generation = GenerationFigures.model_validate(generation_figures(stats))
+        return Health(model=served.model_id, generation=generation)
 
     @app.get(
         "/v1/models",
@@ -208,6 +211,8 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
         app.openapi_schema = schema
         return schema
 
+    # FastAPI's documented way to change its OpenAPI document is to replace this method,
+    # which mypy refuses for any method.
     app.openapi = openapi  # type: ignore[method-assign]
     return app
 
@@ -370,7 +375,8 @@ async def _next(queue: asyncio.Queue[Event], gone: asyncio.Future[None]) -> Even
     if not queue.empty():
         return queue.get_nowait()
     get = asyncio.ensure_future(queue.get())
-    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    either: set[asyncio.Future[Any]] = {get, gone}
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     if get.done():
         return get.result()
     get.cancel()
@@ -386,15 +392,33 @@ def _usage(done: Finished) -> Usage:
     )
 
 
+class _Head(TypedDict):
+    """The fields every response object of one request starts with."""
+
+    id: str
+    created: int
+    model: str
+
+
+def _head(served: Served, rid: str) -> _Head:
+    return {"id": rid, "created": int(time.time()), "model": served.model_id}
+
+
+def _finish_reason(done: Finished) -> FinishReason:
+    # The batcher's reason is a plain str that is always "stop" or "length"; the response
+    # models validate it all the same.
+    return cast(FinishReason, done.finish_reason)
+
+
 def _whole(
     served: Served, kind: str, rid: str, text: str, done: Finished
 ) -> ChatCompletion | Completion:
-    head = {"id": rid, "created": int(time.time()), "model": served.model_id}
+    head = _head(served, rid)
     if kind == "chat":
         message = AssistantMessage(content=text)
-        choice = ChatChoice(index=0, message=message, finish_reason=done.finish_reason)
+        choice = ChatChoice(index=0, message=message, finish_reason=_finish_reason(done))
         return ChatCompletion(**head, choices=[choice], usage=_usage(done))
-    text_choice = CompletionChoice(index=0, text=text, finish_reason=done.finish_reason)
+    text_choice = CompletionChoice(index=0, text=text, finish_reason=_finish_reason(done))
     return Completion(**head, choices=[text_choice], usage=_usage(done))
 
 
@@ -409,9 +433,13 @@ async def _sse(
     echo: str,
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk shapes; cancels the request if the stream stops."""
-    head = {"id": rid, "created": int(time.time()), "model": served.model_id}
+    head = _head(served, rid)
 
-    def chunk(text: str | None, finish: str | None = None, role: str | None = None) -> str:
+    def chunk(
+        text: str | None,
+        finish: FinishReason | None = None,
+        role: Literal["assistant"] | None = None,
+    ) -> str:
         if kind == "chat":
             delta = ChatDelta(role=role, content=text)
             choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish)
@@ -429,7 +457,7 @@ async def _sse(
             if isinstance(event, Delta):
                 yield chunk(event.text)
             elif isinstance(event, Finished):
-                yield chunk(None, event.finish_reason)
+                yield chunk(None, _finish_reason(event))
                 if include_usage:
                     last = ChatCompletionChunk if kind == "chat" else CompletionChunk
                     yield _event(last(**head, choices=[], usage=_usage(event)))
