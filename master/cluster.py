@@ -11,19 +11,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from master import membership as S
+from master.membership import Link, Member
 from master.transport import ClusterError, Malformed, NodeDown, Received, Transport
 from memory.shards import Manifest, ShardStore
-from memory.window import FIGURES_KEPT
 from models.config import ModelConfig
 from models.layers import Slice, StepBatch
 from models.rows_native import NativeBlocks
@@ -31,7 +29,6 @@ from node import messages as M
 from node import protocol as P
 from node.executor import Hidden
 from node.heartbeat import DEAD_AFTER
-from node.messages import Capacity
 from node.security import JoinToken, Keypair
 
 log = logging.getLogger(__name__)
@@ -48,54 +45,6 @@ LINK_PROBE_WARMUP = 1
 # MEASURE_TIMEOUT of their own, and a link too slow for all of them in it is timed by those that
 # fit (its transfer dwarfs any noise): down to ~0.4 Mbit/s, one round in 10 s.
 LINK_RATE_ROUNDS = 3
-
-
-@dataclass(frozen=True)
-class Link:
-    """A worker's link to the master, as the master timed it with ECHOs: the round trip of a
-    message the size of a sum's (Hub.measure_links), and the bytes a second a large one added
-    (inf: too fast to tell apart from the round trip's noise)."""
-
-    rtt_s: float
-    bytes_per_s: float
-
-
-@dataclass
-class Member:
-    """A worker the hub knows: who it is, what it can do, its membership status and its part of
-    the plan."""
-
-    identity: bytes
-    name: str
-    capacity: Capacity
-    model: str | None
-    address: str = ""
-    status: S.Status = field(default_factory=S.Status)
-    beat_seen: bool = False  # its heartbeat came since it was told its slice
-    window: int | None = None  # layers of its slice in memory, as planned
-    slice: dict[str, list[int]] | None = None  # its share of every layer, as planned
-    head_rows: int = 0  # its rows of the lm_head, as planned
-    link: Link | None = None  # as last timed (Hub.measure_links); None: not timed
-    # Its latest step's figures (loader, memory), and every step's since the last clear.
-    figures: dict[str, Any] = field(default_factory=dict)
-    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=FIGURES_KEPT))
-
-    @property
-    def state(self) -> S.State:
-        return self.status.state
-
-    @property
-    def alive(self) -> bool:
-        return self.status.state in S.ALIVE
-
-    @property
-    def ready(self) -> bool:
-        return self.status.state is S.State.SERVING
-
-    @property
-    def failure(self) -> str:
-        """Why it was lost, when it was."""
-        return self.status.failure
 
 
 class Hub:

@@ -337,7 +337,7 @@ class Engine:
             ex.close()
         self.executors = []
 
-    def _block(self, block: str, i: int, h: Hidden) -> Hidden:
+    def _block(self, block: Block, i: int, h: Hidden) -> Hidden:
         """The sum of every slice's partial for one block: the star allreduce."""
         sent = time.perf_counter()
         if self.remote:  # send first, so the workers compute while this process does

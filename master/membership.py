@@ -1,4 +1,5 @@
-"""A worker's membership of the cluster, as a pure state machine: `apply(status, event)`.
+"""A worker's membership of the cluster, as a pure state machine: `apply(status, event)`; and
+what the master knows of each worker (`Member`).
 
 The Hub (master/cluster.py) is the I/O around it: it turns messages, silences and plans into
 events, applies them, and carries out the effects (the BYE or STANDBY to send, the heartbeat to
@@ -14,8 +15,13 @@ tests/test_membership_states.py checks every (state, event) pair.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections import deque
+from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
+
+from memory.window import FIGURES_KEPT
+from node.messages import Capacity
 
 
 class State(Enum):
@@ -158,3 +164,51 @@ def _dropped(status: Status, why: str, rejoin: bool) -> tuple[Status, list[Effec
     if not status.superseded:
         effects.append(SendBye(why, rejoin))
     return replace(status, state=State.GONE), effects
+
+
+@dataclass(frozen=True)
+class Link:
+    """A worker's link to the master, as the master timed it with ECHOs: the round trip of a
+    message the size of a sum's (Hub.measure_links), and the bytes a second a large one added
+    (inf: too fast to tell apart from the round trip's noise)."""
+
+    rtt_s: float
+    bytes_per_s: float
+
+
+@dataclass
+class Member:
+    """A worker the hub knows: who it is, what it can do, its membership status and its part of
+    the plan."""
+
+    identity: bytes
+    name: str
+    capacity: Capacity
+    model: str | None
+    address: str = ""
+    status: Status = field(default_factory=Status)
+    beat_seen: bool = False  # its heartbeat came since it was told its slice
+    window: int | None = None  # layers of its slice in memory, as planned
+    slice: dict[str, list[int]] | None = None  # its share of every layer, as planned
+    head_rows: int = 0  # its rows of the lm_head, as planned
+    link: Link | None = None  # as last timed (Hub.measure_links); None: not timed
+    # Its latest step's figures (loader, memory), and every step's since the last clear.
+    figures: dict[str, Any] = field(default_factory=dict)
+    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=FIGURES_KEPT))
+
+    @property
+    def state(self) -> State:
+        return self.status.state
+
+    @property
+    def alive(self) -> bool:
+        return self.status.state in ALIVE
+
+    @property
+    def ready(self) -> bool:
+        return self.status.state is State.SERVING
+
+    @property
+    def failure(self) -> str:
+        """Why it was lost, when it was."""
+        return self.status.failure

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from models.config import ModelConfig
-from models.layers import Slice, full_layer_shapes, kv_heads_for, slice_parts
+from models.layers import MATRICES, Slice, full_layer_shapes, kv_heads_for, slice_parts
 from models.quant import BLOCK, FORMATS
+from models.source import ModelSource
 
 FFN_ALIGN = BLOCK
 HEAD_ALIGN = 64  # a run of lm_head rows is a multiple of this many
@@ -297,3 +298,17 @@ def kept_token_s(
         [speeds[0], *(speeds[1 + k] for k in kept)], model_gb, sums, [round_trips[k] for k in kept]
     )
     return estimate.split_s if kept else estimate.alone_s
+
+
+def layers_size(source: ModelSource, dtype: str) -> tuple[int, int]:
+    """The bytes the layers' matrices take in shards of `dtype`, and their weights."""
+    config = source.config
+    shapes = full_layer_shapes(config)
+    parts = slice_parts(config, Slice.whole(config))
+    weights = {m: sum(math.prod(shapes[p.source]) for p in parts[m]) for m in MATRICES}
+    size = sum(
+        weights[m] * BYTES_PER_WEIGHT[d]
+        for layer in range(config.n_layers)
+        for m, d in source.matrix_dtypes(layer, dtype).items()
+    )
+    return int(size), config.n_layers * sum(weights.values())

@@ -1,26 +1,24 @@
-"""A master's cluster for its whole life (`Session`), the planning and loading it does, and
-turning what a person typed into prompt tokens."""
+"""A master's cluster for its whole life (`Session`), and the planning and loading it does."""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import torch
 
-from master.cluster import Hub, Member
+from master.cluster import Hub
 from master.engine import Engine, context_size
-from master.membership import Failed
+from master.membership import Failed, Member
 from master.plan import (
-    BYTES_PER_WEIGHT,
     SplitEstimate,
     head_row_cost,
     head_rows,
     kept_token_s,
+    layers_size,
     plan_slices,
     split_estimate,
     with_disk_reads,
@@ -40,62 +38,17 @@ from memory.budget import (
 from memory.files import atomic_write, default_state_dir
 from memory.shards import Manifest, ShardStore
 from memory.window import return_freed_memory
-from models.chat_template import NoChatTemplate, render_chat
 from models.config import ModelConfig
 from models.errors import ModelError
 from models.kernels import blas_threads
-from models.layers import MATRICES, Slice, full_layer_shapes, slice_parts
-from models.source import ModelSource, open_model
-from models.tokenizer import Tokenizer
+from models.layers import Slice
+from models.source import ModelSource
 from node.device import plan_shapes, prepare
 from node.kvcache import KVCache
 from node.messages import Capacity
 from node.probes import measure_capacity, measure_speed
 
 log = logging.getLogger(__name__)
-
-
-def open_with_tokenizer(model: str | None) -> tuple[ModelSource, Tokenizer]:
-    """The model's source and tokenizer, without loading weights: cheap checks come first."""
-    source = open_model(model)
-    return source, source.tokenizer()
-
-
-def prompt_tokens(
-    tokenizer: Tokenizer,
-    text: str,
-    raw: bool,
-    system: str | None = None,
-    enable_thinking: bool | None = None,
-) -> list[int]:
-    """Tokens for a one-turn prompt: chat-templated, or the text as is when `raw`."""
-    if not text.strip():
-        raise ModelError("the prompt is empty: give some text")
-    if raw:
-        return tokenizer.encode(text)
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": text}
-    ]
-    try:
-        return chat_tokens(tokenizer, messages, enable_thinking)
-    except NoChatTemplate as exc:
-        raise NoChatTemplate(f"{exc}: use --raw to give the prompt as it is") from exc
-
-
-def chat_tokens(
-    tokenizer: Tokenizer, messages: list[dict[str, str]], enable_thinking: bool | None = None
-) -> list[int]:
-    """Tokens for a conversation under the model's chat template, ending where the reply
-    begins; `enable_thinking` as `models.chat_template.render_chat` takes it."""
-    rendered = render_chat(
-        tokenizer.chat_template,
-        messages,
-        bos_token=tokenizer.bos_token,
-        eos_token=tokenizer.eos_token,
-        enable_thinking=enable_thinking,
-    )
-    # The template writes any BOS itself; adding another would change the model's input.
-    return tokenizer.encode(rendered, add_bos=False)
 
 
 # Measured speeds move from one start to the next, if less than they did (node.worker's probe):
@@ -109,20 +62,6 @@ REPLAN_GAIN = 0.5
 # into capacities (3: the lm_head split by vocabulary, the sums' messages counted; 4: every
 # node's speed measured at one moment before a plan; 5: head rows by each link, kept with it).
 PLAN_RULES = "rules5"
-
-
-def layers_size(source: ModelSource, dtype: str) -> tuple[int, int]:
-    """The bytes the layers' matrices take in shards of `dtype`, and their weights."""
-    config = source.config
-    shapes = full_layer_shapes(config)
-    parts = slice_parts(config, Slice.whole(config))
-    weights = {m: sum(math.prod(shapes[p.source]) for p in parts[m]) for m in MATRICES}
-    size = sum(
-        weights[m] * BYTES_PER_WEIGHT[d]
-        for layer in range(config.n_layers)
-        for m, d in source.matrix_dtypes(layer, dtype).items()
-    )
-    return int(size), config.n_layers * sum(weights.values())
 
 
 def keep_last_plan(
@@ -410,26 +349,19 @@ class Session:
                 log.error("re-planning failed: %s; re-planning again without it", exc)
         raise AssertionError("unreachable: the last try raises")
 
-    def shares(self) -> tuple[list[float], list[float] | None]:
+    def plan_shares(self) -> tuple[list[float], list[float] | None]:
         """Each node's weight in the split, the master first, and, where the devices were
         measured, what a row of the lm_head costs each (`head_row_cost`: a worker's logits
-        cross its link). Measured, the members whose links would slow every token go on
-        standby first (`_leave_out_slow_links`): the weights are then the others'."""
+        cross its link). Measured: every node's speed and link are probed now
+        (`_measure_devices`), the members whose links would slow every token go on standby
+        (`_leave_out_slow_links`: the weights are then the others'), and the plan is kept in
+        the state folder for the next start (`keep_last_plan`)."""
         members = self.hub.members if self.hub else []
         if self.given_capacities and len(self.given_capacities) == 1 + len(members):
             return list(self.given_capacities), None
-        if self.equal_shares or not members:
+        if self.hub is None or self.equal_shares or not members:
             return [1.0] * (1 + len(members)), None
-        # Every node's speed again, at one moment (Hub.measure_speeds says why), and its link.
-        speed = self.hub.measure_speeds(lambda: measure_speed(blas_threads()))
-        self.hub.measure_links(self.config.hidden * 4)  # a sum's message, one sequence
-        if self._master_capacity is None:
-            own = self.memory
-            self._master_capacity = measure_capacity(
-                blas_threads(), own.budget, own.window, self.state_dir, speed
-            )
-        self._master_capacity = replace(self._master_capacity, speed=speed)
-        devices = [self._master_capacity, *(m.capacity for m in self.hub.members)]
+        devices = self._measure_devices(self.hub)
         config = self.config
         size, weights = layers_size(self.source, self.memory.dtype)
         speeds = [c.score() for c in devices]
@@ -474,6 +406,19 @@ class Session:
         record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}-{PLAN_RULES}"
         return keep_last_plan(self.state_dir / "plans" / f"{record}.json", speeds, head_costs)
 
+    def _measure_devices(self, hub: Hub) -> list[Capacity]:
+        """Every node's capacity, the master first, with its speed measured again, all at one
+        moment (`Hub.measure_speeds` says why), and every member's link timed."""
+        speed = hub.measure_speeds(lambda: measure_speed(blas_threads()))
+        hub.measure_links(self.config.hidden * 4)  # a sum's message, one sequence
+        if self._master_capacity is None:
+            own = self.memory
+            self._master_capacity = measure_capacity(
+                blas_threads(), own.budget, own.window, self.state_dir, speed
+            )
+        self._master_capacity = msgspec.structs.replace(self._master_capacity, speed=speed)
+        return [self._master_capacity, *(m.capacity for m in hub.members)]
+
     def _leave_out_slow_links(
         self, speeds: list[float], budgets: list[int], layers_bytes: int, model_gb: float, sums: int
     ) -> list[int]:
@@ -503,6 +448,7 @@ class Session:
                 f" ms with it and ~{without * 1e3:.0f} ms without; a nearer or faster link "
                 "would bring it in at the next re-plan"
             )
+            assert self.hub is not None  # members came from it
             self.hub.leave_out([members[k]], reason)
         return kept
 
@@ -526,7 +472,7 @@ class Session:
         self.standby_choice = []
         if self.nodes > 1 or self.memory.streaming:
             # (the shares may leave every worker on standby: the master then runs alone)
-            self.planned_capacities, self.planned_head_costs = self.shares()
+            self.planned_capacities, self.planned_head_costs = self.plan_shares()
         if self.nodes == 1 and not self.memory.streaming:
             # Alone with every weight resident: read straight from the model, no shards.
             engine = Engine.local(self.source, max_context=self.context, slots=self.slots)

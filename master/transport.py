@@ -326,7 +326,7 @@ class Transport:
         hop = self._hop
         if hop is None or hop.identities != identities or hop.blocks is not blocks:
             if hop is not None:
-                self._hop.close()
+                hop.close()
             hop = self._hop = HubHop(self.sock, blocks, identities, self.one_core)
         first = None
         if self._batch is not None:
@@ -342,7 +342,8 @@ class Transport:
             if status == hop_codes.DONE:
                 break
             state = hop.state
-            layer, block = int(state.layer), P.FFN if state.ffn else P.ATTENTION
+            layer = int(state.layer)
+            block: P.Block = P.FFN if state.ffn else P.ATTENTION
             waiting = {i: n for k, (i, n) in enumerate(names.items()) if not hop.received[k]}
             if (state.layer, state.ffn) != at:  # a block further on: its own deadline
                 deadline, at = time.monotonic() + STEP_TIMEOUT, (state.layer, state.ffn)

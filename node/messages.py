@@ -228,7 +228,7 @@ Message = FromNode | FromMaster | Heartbeat
 
 # What tensors cross the wire as (hidden states, partials), by NumPy's one-letter code: reading
 # `dtype.name` costs more than the rest of encoding a message.
-_DTYPES = {"f": "float32", "e": "float16"}
+_DTYPES: dict[str, Literal["float32", "float16"]] = {"f": "float32", "e": "float16"}
 _encoder = msgspec.msgpack.Encoder()
 _from_node = msgspec.msgpack.Decoder(FromNode)
 _from_master = msgspec.msgpack.Decoder(FromMaster)
@@ -241,7 +241,7 @@ def encode(message: Message, tensors: Sequence[np.ndarray | torch.Tensor] = ()) 
     arrays = [np.asarray(t) for t in tensors]  # a CPU tensor's array shares its memory
     if arrays:
         specs = [Tensor(_DTYPES[a.dtype.char], list(a.shape)) for a in arrays]
-        message = msgspec.structs.replace(message, tensors=specs)  # type: ignore[type-var]
+        message = msgspec.structs.replace(message, tensors=specs)
     frames: list[Any] = [_encoder.encode(message)]
     frames.extend(np.ascontiguousarray(a) for a in arrays)
     return frames

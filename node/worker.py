@@ -110,7 +110,7 @@ class Worker:
         if token:
             secure_client(self.sock, token)
         # Until the master answers, watch the handshake: a refused token shows up only here.
-        self._handshake_events = self.sock.get_monitor_socket(
+        self._handshake_events: zmq.Socket | None = self.sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -155,6 +155,13 @@ class Worker:
             if time.monotonic() > deadline:
                 raise NodeError(f"no answer from the master at {self.endpoint} while {waiting_for}")
 
+    def _stop_watching_handshake(self) -> None:
+        """Once the master answered (or the node stops): the handshake's events say no more."""
+        if self._handshake_events is not None:
+            self.sock.disable_monitor()
+            self._handshake_events.close(0)
+            self._handshake_events = None
+
     def _check_handshake(self) -> None:
         if self._handshake_events is None or not self._handshake_events.poll(0):
             return
@@ -191,9 +198,7 @@ class Worker:
         finally:
             if self.heartbeat:
                 self.heartbeat.close()
-            if self._handshake_events is not None:
-                self.sock.disable_monitor()
-                self._handshake_events.close(0)
+            self._stop_watching_handshake()
             self.sock.close(0)
             self.context.term()
 
@@ -206,9 +211,7 @@ class Worker:
             raise NodeError(f"the master refused this node: {answer.reason}")
         if not isinstance(answer, M.Accepted):
             raise NodeError(f"unexpected answer to HELLO: {answer}")
-        self.sock.disable_monitor()
-        self._handshake_events.close(0)
-        self._handshake_events = None
+        self._stop_watching_handshake()
         if self.token:
             save_node_token(self.state_dir, self.token)
         self.heartbeat = HeartbeatClient(
@@ -267,8 +270,9 @@ class Worker:
     def _load(self, welcome: M.Welcome) -> SliceExecutor:
         config, s, refs = welcome.config, welcome.slice, welcome.shards
         self.refs = refs
-        head = [welcome.head.shard] if welcome.head else []
-        held = list(zip(refs + head, [self.store.checksum(r) for r in refs + head], strict=True))
+        head_ref = [welcome.head.shard] if welcome.head else []
+        wanted = refs + head_ref
+        held = list(zip(wanted, [self.store.checksum(r) for r in wanted], strict=True))
         self._fetch_total = sum(r.size for r, checksum in held if checksum is None)
         verified = [self._fetch(r) if checksum is None else checksum for r, checksum in held]
         verified = verified[: len(refs)]
@@ -396,6 +400,7 @@ class Worker:
                 result = partial(executor, work)
             except ShardChanged as changed:  # nothing computed yet: fetch it, go on
                 self._fetch_again(changed)
+                assert isinstance(executor.weights, LayerWindow)  # only a window reads files
                 executor.weights.retry(work.layer)
                 result = partial(executor, work)
         except Exception as exc:  # report, then stop: the master fails the request

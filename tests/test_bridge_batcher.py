@@ -25,7 +25,8 @@ from master.bridge.app import Served, create_app
 from master.cluster import Hub
 from master.engine import Engine
 from master.params import SamplingParams
-from master.session import Session, prompt_tokens
+from master.prompts import prompt_tokens
+from master.session import Session
 from master.transport import ClusterError
 from models.rows_native import NativeBlocks
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from gguf_copy import transformers_tokenizer
 
-from master.session import prompt_tokens
+from master.prompts import prompt_tokens
 from models.chat_template import NoChatTemplate, render_chat
 from models.errors import ModelError
 from models.gguf_file import GGUFFile

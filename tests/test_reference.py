@@ -8,7 +8,7 @@ import torch
 from master.engine import Engine
 from master.generate import start, stream
 from master.params import SamplingParams
-from master.session import prompt_tokens
+from master.prompts import prompt_tokens
 from models.layers import StepBatch
 
 pytestmark = pytest.mark.slow

@@ -223,7 +223,7 @@ def test_stop_string_cuts_the_answer(engine, smollm2_tokenizer):
 
 @pytest.mark.slow
 def test_end_of_sequence_finishes_with_stop(engine, smollm2_tokenizer):
-    from master.session import prompt_tokens
+    from master.prompts import prompt_tokens
 
     ids = prompt_tokens(smollm2_tokenizer, "Say only the word yes.", raw=False)
     (g,) = start(engine, [ids], [SamplingParams(max_tokens=64)])

@@ -12,8 +12,9 @@ from master.engine import Engine
 from master.generate import start, stream
 from master.local import local_session
 from master.params import SamplingParams
+from master.prompts import prompt_tokens
 from master.sampling import Sampler
-from master.session import Session, prompt_tokens
+from master.session import Session
 from master.speculate import (
     DRAFT_MAX,
     DraftModel,

@@ -22,7 +22,7 @@ from master.engine import Engine
 from master.generate import start, stream
 from master.params import SamplingParams
 from master.plan import head_rows, plan_slices
-from master.session import prompt_tokens
+from master.prompts import prompt_tokens
 from master.splitter import split_model
 from memory.shards import ShardStore
 from models.config import ModelConfig

@@ -48,7 +48,7 @@ def _run(args: argparse.Namespace) -> None:
     )
     from master.engine import context_size
     from master.generate import check_prompt, start, stream
-    from master.session import open_with_tokenizer, prompt_tokens
+    from master.prompts import open_with_tokenizer, prompt_tokens
     from master.speculate import draft_source, open_speculator
 
     source, tokenizer = open_with_tokenizer(args.model)
@@ -159,7 +159,7 @@ def _lan(args: argparse.Namespace) -> LanOptions:
 def _master(args: argparse.Namespace) -> None:
     from master.generate import start, stream
     from master.params import SamplingParams
-    from master.session import open_with_tokenizer, prompt_tokens
+    from master.prompts import open_with_tokenizer, prompt_tokens
     from master.transport import ClusterError
 
     source, tokenizer = open_with_tokenizer(args.model)
@@ -345,7 +345,7 @@ def _serve(args: argparse.Namespace) -> None:
 
         model_path(args.model)
         from master.bridge.server import serve
-        from master.session import open_with_tokenizer
+        from master.prompts import open_with_tokenizer
         from master.speculate import draft_source
 
         source, tokenizer = open_with_tokenizer(args.model)

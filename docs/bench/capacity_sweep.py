@@ -16,7 +16,7 @@ from master.bench.greedy import PROMPT, time_greedy
 from master.emulate.devices import emulated
 from master.emulate.spec import DeviceSpec, parse_device
 from master.local import local_session
-from master.session import open_with_tokenizer, prompt_tokens
+from master.prompts import open_with_tokenizer, prompt_tokens
 from memory.files import default_state_dir
 from models.source import ModelSource
 from models.tokenizer import Tokenizer

@@ -25,7 +25,7 @@ from master.bench.greedy import PROMPT, time_greedy
 from master.emulate.devices import emulated
 from master.emulate.spec import parse_device
 from master.local import local_session
-from master.session import open_with_tokenizer, prompt_tokens
+from master.prompts import open_with_tokenizer, prompt_tokens
 
 TOKENS = 32
 SPECS = [parse_device("cpu=0.5")] * 2

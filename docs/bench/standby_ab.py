@@ -19,7 +19,7 @@ from master.bench.greedy import time_greedy
 from master.emulate.devices import emulated
 from master.emulate.spec import parse_device
 from master.local import local_session
-from master.session import open_with_tokenizer, prompt_tokens
+from master.prompts import open_with_tokenizer, prompt_tokens
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ from master.emulate.spec import DeviceSpec, device_specs
 from master.figures import percentile
 from master.local import local_engine, local_session
 from master.plan import SplitEstimate
-from master.session import open_with_tokenizer, prompt_tokens
+from master.prompts import open_with_tokenizer, prompt_tokens
 from master.speculate import open_speculator
 from memory.budget import ALL_RESIDENT, MemoryOptions, format_size
 from memory.files import default_state_dir

@@ -16,7 +16,7 @@ import torch
 
 from master.bench.greedy import PROMPT, time_greedy
 from master.engine import Engine
-from master.session import open_with_tokenizer, prompt_tokens
+from master.prompts import open_with_tokenizer, prompt_tokens
 from models.errors import ModelError
 from models.kernels import set_threads
 from models.source import GGUFSource, ModelSource

@@ -52,7 +52,7 @@ from master.bridge.schema import (
 )
 from master.figures import cluster_figures, generation_figures
 from master.params import SamplingParams
-from master.session import chat_tokens
+from master.prompts import chat_tokens
 from master.transport import ClusterError
 from models.chat_template import NoChatTemplate, NoThinkingSwitch
 from models.errors import ModelError
