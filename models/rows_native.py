@@ -42,7 +42,7 @@ TIMING_ROUNDS, TIMING_CALLS = 3, 10  # the admission's timing: a few ms for Smol
 # Native blocks are turned away only when clearly slower. The timing runs one layer warm in a
 # loop, where NumPy's ~35 calls a block cost little and the two tie (SmolLM2, one row: 467-484
 # CPU us a layer each); in a decode step those calls run cold between messages, and there the
-# NumPy blocks cost a node ~8 ms of CPU a token more (docs/decisions.md). A tie is no reason to
+# NumPy blocks cost a node ~8 ms of CPU a token more (`git log -p docs/decisions.md`). A tie is no reason to
 # turn them away, and which of two tied timings wins is chance.
 SLOWER = 1.25
 TOLERANCE = 1e-4  # of the largest partial value: sgemv's own rounding, summed in another order

@@ -2,7 +2,7 @@
 // (one new token per sequence), the math of models/layers.py's attention_rows and ffn_rows.
 //
 // Why C: between two messages a block is ~35 NumPy calls run cold, each a few microseconds of
-// interpreter and dispatch before any arithmetic (stop notes in docs/decisions.md). Here a block
+// interpreter and dispatch before any arithmetic (git log -p docs/decisions.md). Here a block
 // is one call; the matrix products stay on the routines the device admitted for them, handed
 // over as pointers: OpenBLAS's sgemv for float32 weights (no second BLAS in the process), the
 // block products of models/csrc/blocks.c for GGUF's block formats.

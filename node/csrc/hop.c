@@ -3,7 +3,7 @@
 // own calls on pyzmq's socket; the function pointers come from the libzmq pyzmq loaded).
 //
 // Between two messages Python runs cold: a STEP decoded and checked, a partial encoded and sent,
-// cost a worker ~110 us of CPU a sum and the master more, 60 sums a token (docs/decisions.md).
+// cost a worker ~110 us of CPU a sum and the master more, 60 sums a token (git log -p docs/decisions.md).
 // Here only the messages this path expects are taken: a STEP without a batch (a decode step's
 // blocks after its first) on a worker, a PARTIAL for the block in hand on the master, both in
 // exactly the msgpack the Python side writes. Any other message is held and handed back to
