@@ -31,7 +31,7 @@ import torch
 
 from memory.shards import write_safetensors
 from models.errors import ModelError
-from models.tokenizer import bytes_to_unicode
+from models.gguf_vocab import bytes_to_unicode
 
 _LLAMA_COMMON: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
