@@ -27,17 +27,12 @@ from memory.window import (
     StreamFigures,
     step_figures,
 )
+from models.block_math import rms_norm
+from models.block_rows import rms_norm_rows
 from models.config import ModelConfig
 from models.errors import ModelError
 from models.kernels import SCALE_SUFFIX, embed, kernel_set, linear, linear_rows
-from models.layers import (
-    POST_NORMS,
-    Slice,
-    StepBatch,
-    rms_norm,
-    rms_norm_rows,
-    slice_layer,
-)
+from models.layers import POST_NORMS, Slice, StepBatch, slice_layer
 from models.rows_native import NativeBlocks
 from models.source import ModelSource
 from node import hop

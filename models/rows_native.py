@@ -25,12 +25,14 @@ import numpy as np
 import torch
 
 from models import native
+from models.block_rows import attention_rows, ffn_rows
 from models.cbuild import built
 from models.config import ModelConfig
 from models.dtypes import BLOCK_DTYPES
 from models.kernels import blas_threads, chosen_kernel, dtype_name
-from models.layers import MATRICES, Rope, Slice, StepBatch, attention_rows, ffn_rows
+from models.layers import MATRICES, Slice, StepBatch
 from models.quant import block_format, matrix_size
+from models.rope import Rope
 
 log = logging.getLogger(__name__)
 
