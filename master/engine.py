@@ -36,8 +36,9 @@ from models.layers import POST_NORMS, Slice, StepBatch, slice_layer
 from models.rows_native import NativeBlocks
 from models.source import ModelSource
 from node import hop
-from node.device import Shape, matrix_shapes, prepare
+from node.device import matrix_shapes, prepare
 from node.executor import Hidden, check_kernels_before_loading, make_executor
+from node.kernel_table import Shape
 from node.kvcache import KVCache
 from node.protocol import ATTENTION, FFN, HEAD
 

@@ -20,7 +20,8 @@ from models.kernels import SCALE_SUFFIX, leave_a_core_to_the_loader, linear_rows
 from models.layers import MATRICES, Slice, StepBatch
 from models.quant import matrix_size
 from models.rope import Rope
-from node.device import Shape, matrix_shapes, prepare
+from node.device import matrix_shapes, prepare
+from node.kernel_table import Shape
 from node.kvcache import KVCache
 
 Hidden = np.ndarray | torch.Tensor  # a decode step's rows (B, D), or any step's (B, T, D)

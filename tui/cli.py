@@ -410,7 +410,8 @@ def _kernels(args: argparse.Namespace) -> None:
     from memory.files import default_state_dir
     from models.kernels import set_threads
     from models.source import open_model
-    from node.device import describe, plan_shapes, prepare
+    from node.device import plan_shapes, prepare
+    from node.kernel_table import describe
 
     source = open_model(args.model)
     threads = set_threads(args.threads or thread_share(args.local_nodes))
