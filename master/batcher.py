@@ -17,9 +17,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from master.engine import Engine
+from master.figures import BatcherStats, CancelRecord
 from master.generate import Generation, check_prompt, step
 from master.params import SamplingParams
 from master.sampling import Sampler
@@ -97,50 +98,6 @@ class Ticket:
     def cancel(self) -> None:
         """Stop generating for this request; safe to call more than once, and after it ended."""
         self._batcher._cancel(self._job)
-
-
-@dataclass(frozen=True)
-class CancelRecord:
-    """When a cancel came and when the loop acted on it, counted in steps started."""
-
-    id: str
-    tokens: int  # tokens generated before the sequence was dropped
-    requested_during_step: int  # steps started when the cancel came
-    dropped_before_step: int  # the first step that no longer carried it
-
-    @property
-    def late_steps(self) -> int:
-        """Steps started after the cancel that still carried the sequence: 0 when on time.
-
-        The step already running when the cancel came finishes its token regardless.
-        """
-        return self.dropped_before_step - 1 - self.requested_during_step
-
-
-@dataclass
-class BatcherStats:
-    """Counters and live figures; a copy taken under the batcher's lock."""
-
-    slots: int
-    active: int
-    waiting: int
-    steps: int
-    submitted: int
-    completed: int
-    cancelled: int
-    failed: int
-    prompt_tokens: int
-    completion_tokens: int
-    largest_batch: int
-    step_ms_recent: list[float] = field(default_factory=list)
-    batch_recent: list[int] = field(default_factory=list)
-    tokens_per_s: float = 0.0
-    last_cancel: CancelRecord | None = None
-    down: str | None = None
-    recovered: int = 0  # requests that went on after a node was lost in their step
-    last_loss: str | None = None  # what the last node loss was and what became of it
-    replans_mid_answer: int = 0  # re-plans between two steps while answers ran (joins, leaves)
-    speculation: dict[str, float | str] | None = None  # drafts' acceptance, tokens a step
 
 
 class Batcher:

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from master.batcher import BatcherStats
 from master.bench.cluster import cpu_floor_ms
 from master.bench.greedy import time_greedy
 from master.bench.memory_bus import stream_rates
@@ -29,7 +28,7 @@ from master.bridge.schema import ClusterFigures
 from master.emulate import devices as emulate
 from master.emulate.devices import EmulatedDevices, emulated, remove_leftovers
 from master.emulate.spec import DeviceSpec, device_specs, parse_device
-from master.figures import cluster_figures
+from master.figures import BatcherStats, cluster_figures
 from master.local import local_engine, local_session
 from master.transport import ClusterError
 from memory.budget import RESERVE_BYTES
