@@ -448,7 +448,7 @@ COMMANDS = {
 CLEAR_ERRORS = (
     ("master.transport", "ClusterError"),
     ("node.worker", "NodeError"),
-    ("master.emulate.devices", "DeviceError"),
+    ("master.emulate.host", "DeviceError"),
 )
 
 
