@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from master.bench.cluster import cpu_floor_ms
+from master.bench.cluster_figures import cpu_floor_ms
 from master.bench.greedy import time_greedy
 from master.bench.memory_bus import stream_rates
 from master.bench.round_trips import raw_tcp_round_trips
