@@ -362,7 +362,7 @@ class Batcher:
             self._drop(job)
             g = job.generation
             self._cancelled += 1
-            self._completion_tokens += _sampled(g)
+            self._completion_tokens += g.sampled
             dropped_before = self._steps + 1
             self._last_cancel = CancelRecord(job.id, len(g.tokens), job.cancel_step, dropped_before)
             log.info(
@@ -421,7 +421,7 @@ class Batcher:
         elif g.finished:
             self._drop(job)
             self._completed += 1
-            sampled = _sampled(g)
+            sampled = g.sampled
             self._completion_tokens += sampled
             _emit(job, Finished(g.finish_reason or "stop", len(g.prompt), sampled))
 
@@ -445,8 +445,3 @@ def _emit(job: _Job, event: Event) -> None:
         job.on_event(event)
     except Exception:
         log.exception("request %s: delivering %s failed", job.id, type(event).__name__)
-
-
-def _sampled(g: Generation) -> int:
-    """Tokens sampled so far: one per step the sequence took part in."""
-    return 0 if g.position == 0 else g.position - len(g.prompt) + 1
