@@ -17,9 +17,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from master.engine import Engine
+from master.figures import BatcherStats, CancelRecord
 from master.generate import Generation, check_prompt, step
 from master.params import SamplingParams
 from master.sampling import Sampler
@@ -97,50 +98,6 @@ class Ticket:
     def cancel(self) -> None:
         """Stop generating for this request; safe to call more than once, and after it ended."""
         self._batcher._cancel(self._job)
-
-
-@dataclass(frozen=True)
-class CancelRecord:
-    """When a cancel came and when the loop acted on it, counted in steps started."""
-
-    id: str
-    tokens: int  # tokens generated before the sequence was dropped
-    requested_during_step: int  # steps started when the cancel came
-    dropped_before_step: int  # the first step that no longer carried it
-
-    @property
-    def late_steps(self) -> int:
-        """Steps started after the cancel that still carried the sequence: 0 when on time.
-
-        The step already running when the cancel came finishes its token regardless.
-        """
-        return self.dropped_before_step - 1 - self.requested_during_step
-
-
-@dataclass
-class BatcherStats:
-    """Counters and live figures; a copy taken under the batcher's lock."""
-
-    slots: int
-    active: int
-    waiting: int
-    steps: int
-    submitted: int
-    completed: int
-    cancelled: int
-    failed: int
-    prompt_tokens: int
-    completion_tokens: int
-    largest_batch: int
-    step_ms_recent: list[float] = field(default_factory=list)
-    batch_recent: list[int] = field(default_factory=list)
-    tokens_per_s: float = 0.0
-    last_cancel: CancelRecord | None = None
-    down: str | None = None
-    recovered: int = 0  # requests that went on after a node was lost in their step
-    last_loss: str | None = None  # what the last node loss was and what became of it
-    replans_mid_answer: int = 0  # re-plans between two steps while answers ran (joins, leaves)
-    speculation: dict[str, float | str] | None = None  # drafts' acceptance, tokens a step
 
 
 class Batcher:
@@ -405,7 +362,7 @@ class Batcher:
             self._drop(job)
             g = job.generation
             self._cancelled += 1
-            self._completion_tokens += _sampled(g)
+            self._completion_tokens += g.sampled
             dropped_before = self._steps + 1
             self._last_cancel = CancelRecord(job.id, len(g.tokens), job.cancel_step, dropped_before)
             log.info(
@@ -464,7 +421,7 @@ class Batcher:
         elif g.finished:
             self._drop(job)
             self._completed += 1
-            sampled = _sampled(g)
+            sampled = g.sampled
             self._completion_tokens += sampled
             _emit(job, Finished(g.finish_reason or "stop", len(g.prompt), sampled))
 
@@ -488,8 +445,3 @@ def _emit(job: _Job, event: Event) -> None:
         job.on_event(event)
     except Exception:
         log.exception("request %s: delivering %s failed", job.id, type(event).__name__)
-
-
-def _sampled(g: Generation) -> int:
-    """Tokens sampled so far: one per step the sequence took part in."""
-    return 0 if g.position == 0 else g.position - len(g.prompt) + 1

@@ -27,22 +27,18 @@ from memory.window import (
     StreamFigures,
     step_figures,
 )
+from models.block_math import rms_norm
+from models.block_rows import rms_norm_rows
 from models.config import ModelConfig
 from models.errors import ModelError
 from models.kernels import SCALE_SUFFIX, embed, kernel_set, linear, linear_rows
-from models.layers import (
-    POST_NORMS,
-    Slice,
-    StepBatch,
-    rms_norm,
-    rms_norm_rows,
-    slice_layer,
-)
+from models.layers import POST_NORMS, Slice, StepBatch, slice_layer
 from models.rows_native import NativeBlocks
 from models.source import ModelSource
 from node import hop
-from node.device import Shape, matrix_shapes, prepare
+from node.device import matrix_shapes, prepare
 from node.executor import Hidden, check_kernels_before_loading, make_executor
+from node.kernel_table import Shape
 from node.kvcache import KVCache
 from node.protocol import ATTENTION, FFN, HEAD, Block
 
@@ -86,6 +82,8 @@ class Remote(Protocol):
     def gather(self, block: Block, layer: int, local_compute: float = 0.0) -> np.ndarray | None: ...
     def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]: ...
     def gather_rows(self, layer: int, local_compute: float = 0.0) -> list[np.ndarray]: ...
+
+    allreduce_seconds: deque[float]  # recent per-sum latencies (master.transport)
 
 
 class Engine:

@@ -1,16 +1,17 @@
 """Live figures of a running master: its nodes, the allreduce, the generation loop.
 
 Plain dicts, so any front can show them: the REST bridge serves them at /v1/cluster. They are
-read from the loop's thread-safe stats and from the hub's lists without stopping a step.
+read from the loop's thread-safe stats and from the hub's lists without stopping a step. The
+loop's own counters are kept here too (`BatcherStats`): the batcher fills a copy under its lock,
+and what it counts is what the fronts show.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from master.batcher import BatcherStats
 from master.engine import Executor
 from master.membership import State
 from master.session import Session
@@ -21,8 +22,52 @@ from models.layers import Slice
 ALLREDUCE_WINDOW = 1024  # latest sums summarized
 
 
+@dataclass(frozen=True)
+class CancelRecord:
+    """When a cancel came and when the loop acted on it, counted in steps started."""
+
+    id: str
+    tokens: int  # tokens generated before the sequence was dropped
+    requested_during_step: int  # steps started when the cancel came
+    dropped_before_step: int  # the first step that no longer carried it
+
+    @property
+    def late_steps(self) -> int:
+        """Steps started after the cancel that still carried the sequence: 0 when on time.
+
+        The step already running when the cancel came finishes its token regardless.
+        """
+        return self.dropped_before_step - 1 - self.requested_during_step
+
+
+@dataclass
+class BatcherStats:
+    """Counters and live figures; a copy taken under the batcher's lock."""
+
+    slots: int
+    active: int
+    waiting: int
+    steps: int
+    submitted: int
+    completed: int
+    cancelled: int
+    failed: int
+    prompt_tokens: int
+    completion_tokens: int
+    largest_batch: int
+    step_ms_recent: list[float] = field(default_factory=list)
+    batch_recent: list[int] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    last_cancel: CancelRecord | None = None
+    down: str | None = None
+    recovered: int = 0  # requests that went on after a node was lost in their step
+    last_loss: str | None = None  # what the last node loss was and what became of it
+    replans_mid_answer: int = 0  # re-plans between two steps while answers ran (joins, leaves)
+    speculation: dict[str, float | str] | None = None  # drafts' acceptance, tokens a step
+
+
 def generation_figures(stats: BatcherStats) -> dict[str, Any]:
-    out = dataclasses.asdict(stats)
+    out = asdict(stats)
     out.pop("down")
     if stats.last_cancel is not None:
         out["last_cancel"]["late_steps"] = stats.last_cancel.late_steps

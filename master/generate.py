@@ -42,6 +42,11 @@ class Generation:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def sampled(self) -> int:
+        """Tokens sampled so far: one per step the sequence took part in."""
+        return 0 if self.position == 0 else self.position - len(self.prompt) + 1
+
     def pending(self) -> list[int]:
         """Tokens to feed in the next step: from an empty cache, the prompt and every token so
         far (a new request, or one replayed after a node was lost); else the last token."""

@@ -4,9 +4,9 @@ A decode step streams every weight once, a matrix-vector product per matrix, so 
 how fast one core reads memory. With 4 KB pages that read walks the page tables every 4 KB; with
 2 MB pages 512 times less often. One core multiplying 100 SmolLM2-sized matrices (354 MB) read
 12.3-13.3 GB/s from 4 KB pages and 13.9-15.1 from 2 MB ones; a decoded token took 40.1 ms against
-43.5 (`git log -p docs/decisions.md`). Linux gives anonymous memory 2 MB pages where the region asks for them
-(madvise MADV_HUGEPAGE: transparent huge pages in "madvise" mode, the usual default) or always;
-elsewhere the buffer is plain memory and everything works as before.
+43.5 (`git log -p docs/decisions.md`). Linux gives anonymous memory 2 MB pages where the
+region asks for them (madvise MADV_HUGEPAGE: transparent huge pages in "madvise" mode, the
+usual default) or always; elsewhere the buffer is plain memory and everything works as before.
 
 Only whole 2 MB pages inside a buffer are asked for: a buffer's tail stays in 4 KB pages, so a
 buffer never holds more memory than its bytes (rounded to 4 KB).

@@ -16,8 +16,9 @@ process writing there, a failing disk). Bytes that come from the disk are checke
 file's checksum as the node verified it (xxh3, chunk by chunk as they arrive: about 5% of a read
 from disk); bytes the page cache holds can only have changed through a write, which moves the
 file's ctime, so a read served whole from the page cache of a file not written since its last
-check costs nothing more (`git log -p docs/decisions.md` has the figures). A layer whose bytes changed raises
-`ShardChanged` rather than compute with them; the node fetches the file again and `retry`s.
+check costs nothing more (`git log -p docs/decisions.md` has the figures). A layer whose bytes
+changed raises `ShardChanged` rather than compute with them; the node fetches the file again
+and `retry`s.
 
 Reads go into the buffers with readinto: no mmap, so nothing counts as "in memory" that is
 really in the page cache. With `drop_cache`, each file is dropped from the page cache after it

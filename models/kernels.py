@@ -357,7 +357,7 @@ def linear_rows(
     scale: torch.Tensor | None = None,
 ) -> np.ndarray:
     """`linear` for a float32 array of rows (rows, in), as an array (rows, out): the decode path,
-    where each torch call costs more than the arithmetic (models/layers.py says why)."""
+    where each torch call costs more than the arithmetic (models/block_rows.py says why)."""
     if w.dtype == torch.int8 and scale is None:
         raise ValueError("an int8 weight needs its per-channel scales")
     layout = _layouts.get((w.dtype, w.shape))

@@ -25,12 +25,14 @@ import numpy as np
 import torch
 
 from models import native
+from models.block_rows import attention_rows, ffn_rows
 from models.cbuild import built
 from models.config import ModelConfig
 from models.dtypes import BLOCK_DTYPES
 from models.kernels import blas_threads, chosen_kernel, dtype_name
-from models.layers import MATRICES, Rope, Slice, StepBatch, attention_rows, ffn_rows
+from models.layers import MATRICES, Slice, StepBatch
 from models.quant import block_format, matrix_size
+from models.rope import Rope
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,8 @@ TIMING_ROUNDS, TIMING_CALLS = 3, 10  # the admission's timing: a few ms for Smol
 # Native blocks are turned away only when clearly slower. The timing runs one layer warm in a
 # loop, where NumPy's ~35 calls a block cost little and the two tie (SmolLM2, one row: 467-484
 # CPU us a layer each); in a decode step those calls run cold between messages, and there the
-# NumPy blocks cost a node ~8 ms of CPU a token more (`git log -p docs/decisions.md`). A tie is no reason to
-# turn them away, and which of two tied timings wins is chance.
+# NumPy blocks cost a node ~8 ms of CPU a token more (`git log -p docs/decisions.md`). A tie is
+# no reason to turn them away, and which of two tied timings wins is chance.
 SLOWER = 1.25
 TOLERANCE = 1e-4  # of the largest partial value: sgemv's own rounding, summed in another order
 

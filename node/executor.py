@@ -13,20 +13,15 @@ import torch
 from memory.shards import tensor_specs
 from memory.window import LayerWindow, ResidentLayers
 from models import rows_native
+from models.block_math import attention_partial, ffn_partial
+from models.block_rows import attention_rows, ffn_rows
 from models.config import ModelConfig
 from models.kernels import SCALE_SUFFIX, leave_a_core_to_the_loader, linear_rows
-from models.layers import (
-    MATRICES,
-    Rope,
-    Slice,
-    StepBatch,
-    attention_partial,
-    attention_rows,
-    ffn_partial,
-    ffn_rows,
-)
+from models.layers import MATRICES, Slice, StepBatch
 from models.quant import matrix_size
-from node.device import Shape, matrix_shapes, prepare
+from models.rope import Rope
+from node.device import matrix_shapes, prepare
+from node.kernel_table import Shape
 from node.kvcache import KVCache
 
 # The hidden state, from the embedding to the final norm, on every node: float32 NumPy, rows

@@ -32,7 +32,7 @@ class KVCache:
 
         self.keys = [torch.zeros(shape(i), dtype=dtype) for i in range(config.n_layers)]
         self.values = [torch.zeros(shape(i), dtype=dtype) for i in range(config.n_layers)]
-        # The same memory as arrays, for the decode path (models/layers.py, attention_rows).
+        # The same memory as arrays, for the decode path (models/block_rows.py, attention_rows).
         self.key_arrays = [k.numpy() for k in self.keys]
         self.value_arrays = [v.numpy() for v in self.values]
         self.slots = slots

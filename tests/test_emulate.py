@@ -20,16 +20,17 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from master.batcher import BatcherStats
-from master.bench.cluster import cpu_floor_ms
+from master.bench.cluster_figures import cpu_floor_ms
 from master.bench.greedy import time_greedy
 from master.bench.memory_bus import stream_rates
 from master.bench.round_trips import raw_tcp_round_trips
 from master.bridge.schema import ClusterFigures
-from master.emulate import devices as emulate
-from master.emulate.devices import EmulatedDevices, emulated, remove_leftovers
+from master.emulate import host
+from master.emulate.devices import EmulatedDevices, emulated
+from master.emulate.host import remove_leftovers
+from master.emulate.relay import start_relay, stop_relay
 from master.emulate.spec import DeviceSpec, device_specs, parse_device
-from master.figures import cluster_figures
+from master.figures import BatcherStats, cluster_figures
 from master.local import local_engine, local_session
 from master.transport import ClusterError
 from memory.budget import RESERVE_BYTES
@@ -81,7 +82,7 @@ def test_a_memory_budget_under_a_limit_counts_what_the_limit_holds(tmp_path):
     reserve: what the process held before it entered (an emulated master's imports) is charged
     outside, where the limit does not bind, and once the cgroup holds the limit's all, the
     budget is 0, not the machine's memory (a worker then planned as unlimited was killed)."""
-    emulate.check_host([DeviceSpec(mem=300 * 10**6)])
+    host.check_host([DeviceSpec(mem=300 * 10**6)])
     mb, limit = 10**6, 300 * 10**6
     with EmulatedDevices([DeviceSpec(mem=limit)], tmp_path) as devices:
         folder = devices.cgroups[0]["memory"]
@@ -101,14 +102,14 @@ def test_a_kernel_check_that_does_not_fit_beside_its_node_is_the_one_killed(tmp_
     out-of-memory killer took the larger process, the node, and `edgetp run --device
     mem=150MB` ended with the shell's "Killed" (rc 137) and no word of why. The check is
     killed first now, and the node says so, its devices removed."""
-    emulate.check_host([DeviceSpec(mem=150 * 10**6)])
+    host.check_host([DeviceSpec(mem=150 * 10**6)])
     run = [sys.executable, "-m", "tui.cli", "run", "--device", "mem=150MB", "--max-tokens", "2"]
     env = dict(os.environ, EDGETP_HOME=str(tmp_path / "home"))  # no kernel table yet
     with subprocess.Popen([*run, PROMPT], stderr=subprocess.PIPE, text=True, env=env) as node:
         _, err = node.communicate(timeout=120)
     assert node.returncode == 1, (node.returncode, err[-2000:])
     assert "the kernel check was killed from outside (SIGKILL)" in err, err
-    assert [f for c in emulate.CONTROLLERS for f in emulate.own_cgroup(c).glob(
+    assert [f for c in host.CONTROLLERS for f in host.own_cgroup(c).glob(
         f"edgetp-{node.pid}-*")] == []  # fmt: skip
 
 
@@ -117,8 +118,8 @@ def test_local_nodes_that_do_not_fit_in_their_container_say_so(tmp_path):
     its fork server and a worker: the out-of-memory killer took the largest, the master, and the
     run ended with the shell's "Killed" (rc 137) and no word of why, or with a traceback of the
     fork server's EOFError. The workers go first now, and the master says what happened."""
-    emulate.check_host([DeviceSpec(mem=350 * 2**20)])
-    folder = emulate.own_cgroup("memory") / f"edgetp-{os.getpid()}-container"
+    host.check_host([DeviceSpec(mem=350 * 2**20)])
+    folder = host.own_cgroup("memory") / f"edgetp-{os.getpid()}-container"
     folder.mkdir()
     try:
         (folder / "memory.limit_in_bytes").write_text(str(350 * 2**20))
@@ -159,7 +160,7 @@ def test_a_disk_limit_is_read_as_its_rate_past_its_first_burst_and_a_stall(tmp_p
     (one probe read 7.5 MB/s while the rest of the suite ran). The rate is the steady one, at
     every probe, each stopped for 0.3 s a quarter of a second in."""
     limit = 100 * 10**6
-    emulate.check_host([DeviceSpec(disk=limit)])
+    host.check_host([DeviceSpec(disk=limit)])
     with EmulatedDevices([DeviceSpec(disk=limit)], tmp_path) as devices:
         probe = [sys.executable, "-c", _DISK_PROBE, str(devices.cgroups[0]["blkio"]), str(tmp_path)]
         with subprocess.Popen(probe, stdout=subprocess.PIPE, text=True) as child:
@@ -197,9 +198,9 @@ def test_a_machine_that_cannot_emulate_says_what_is_missing_in_one_line(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--device needs root" in err, err
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(emulate, "CGROUPS", tmp_path)  # a machine without cgroup v1
-    with pytest.raises(emulate.DeviceError) as err:
-        emulate.check_host([DeviceSpec(cpu=0.5)])
+    monkeypatch.setattr(host, "CGROUPS", tmp_path)  # a machine without cgroup v1
+    with pytest.raises(host.DeviceError) as err:
+        host.check_host([DeviceSpec(cpu=0.5)])
     for controller in ("cpu", "memory", "blkio"):
         assert f"cgroup v1 {controller} controller" in str(err.value)
 
@@ -207,7 +208,7 @@ def test_a_machine_that_cannot_emulate_says_what_is_missing_in_one_line(
 def _ours() -> list[str]:
     """Every cgroup, namespace and link this process's devices could have left."""
     tag, link = f"edgetp-{os.getpid()}-", f"etp{os.getpid()}"
-    found = [str(f) for c in emulate.CONTROLLERS for f in emulate.own_cgroup(c).glob(f"{tag}*")]
+    found = [str(f) for c in host.CONTROLLERS for f in host.own_cgroup(c).glob(f"{tag}*")]
     found += [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                         text=True).stdout.split() if n.startswith(tag)]  # fmt: skip
     found += [
@@ -223,7 +224,7 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
 ):
     """Real processes, cgroups, a namespace and a relay. This machine kind runs tests as root
     with cgroups v1: anything less fails here, with the line the command would print."""
-    emulate.check_host([DeviceSpec(rtt=0.001)])
+    host.check_host([DeviceSpec(rtt=0.001)])
     prompt = smollm2_tokenizer.encode(PROMPT)
 
     # A worker over its memory limit is killed by the kernel, and the start says so at once.
@@ -385,7 +386,7 @@ def test_a_relay_whose_receiver_stalls_waits_without_spinning_or_hoarding():
                 received.set()
 
         threading.Thread(target=stalled_receiver, daemon=True).start()
-        relay = emulate.start_relay(1000, "127.0.0.2", "127.0.0.1", [port])
+        relay = start_relay(1000, "127.0.0.2", "127.0.0.1", [port])
         try:
             before = _cpu_seconds(relay.pid)
             with socket.create_connection(("127.0.0.2", port), timeout=10) as sender:
@@ -395,7 +396,7 @@ def test_a_relay_whose_receiver_stalls_waits_without_spinning_or_hoarding():
             status = Path(f"/proc/{relay.pid}/status").read_text().split("VmHWM:")[1]
             peak = int(status.split()[0]) * 1024
         finally:
-            emulate.stop_relay(relay)
+            stop_relay(relay)
     print(f"\nrelay over a {stall} s stall: CPU {used:.2f} s, peak memory {peak / 2**20:.1f} MB")
     assert used < stall / 4, used
     assert peak < 16 << 20, peak
@@ -410,11 +411,11 @@ def _cpu_seconds(pid: int) -> float:
 def test_what_a_killed_run_left_behind_is_removed_by_the_next(tmp_path):
     """A master killed outright cannot clean up: the next run removes what it left, by the
     process id in each name."""
-    emulate.check_host([DeviceSpec(rtt=0.001)])
+    host.check_host([DeviceSpec(rtt=0.001)])
     gone = subprocess.Popen(["true"])
     gone.wait()
     tag = f"edgetp-{gone.pid}-1"
-    folders = [emulate.own_cgroup(c) / tag for c in emulate.CONTROLLERS]
+    folders = [host.own_cgroup(c) / tag for c in host.CONTROLLERS]
     for folder in folders:
         folder.mkdir()
     subprocess.run(["ip", "netns", "add", tag], check=True)
@@ -431,8 +432,8 @@ def test_a_disk_limit_for_a_state_folder_yet_to_be_made_takes_its_parent_s_disk(
 
     def disk(folder: Path) -> str:
         try:
-            return emulate._block_device(folder)
-        except emulate.DeviceError as exc:  # a tmpfs or overlay: the same answer either way
+            return host.block_device(folder)
+        except host.DeviceError as exc:  # a tmpfs or overlay: the same answer either way
             return str(exc).replace(str(folder), "<folder>")
 
     assert disk(later) == disk(tmp_path)

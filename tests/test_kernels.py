@@ -25,15 +25,9 @@ from models import kernels
 from models.dtypes import SHARD_DTYPES
 from models.kernels import SCALE_SUFFIX, Candidate, linear, quantize
 from models.quant import FORMATS, random_blocks
-from node.device import (
-    CHECK_FOLDER,
-    CHILD_TIMEOUT,
-    TOLERANCE,
-    KernelError,
-    _Probe,
-    entry_key,
-    prepare,
-)
+from node.device import CHECK_FOLDER, CHILD_TIMEOUT, KernelError, prepare
+from node.kernel_probe import TOLERANCE, Probe
+from node.kernel_table import entry_key
 
 TESTS = Path(__file__).parent
 FAKES = (
@@ -84,7 +78,7 @@ def test_a_tall_matrix_s_check_finds_one_wrong_output_anywhere_in_it():
     """The check compares a tall matrix's product a block of outputs at a time (its float64
     copies at once were most of the check's memory): one output off, or not a number, in the
     last block of an lm_head's 49152 is still found, and the right product still passes."""
-    probe = _Probe("q8_0", 49152, 64, np.random.default_rng(0))
+    probe = Probe("q8_0", 49152, 64, np.random.default_rng(0))
     x, products, _ = probe.case(3)
     right = products[:, probe.tile].astype(np.float32)
     assert probe.error(right, 3) is None
@@ -172,7 +166,7 @@ def test_a_check_s_folder_left_by_a_killed_caller_is_removed_by_the_next_check(
 def test_a_fallback_timed_fastest_by_a_fluke_is_not_chosen_over_a_native_kernel():
     """Under load a native kernel can time slower than the float expansion once; the
     expansion is the last resort all the same."""
-    from node.device import Table, _pick
+    from node.kernel_table import Table, pick
 
     native, fallback = kernels.CANDIDATES["q4_1"][0], kernels.CANDIDATES["q4_1"][-1]
     assert fallback.fallback and not native.fallback
@@ -181,9 +175,9 @@ def test_a_fallback_timed_fastest_by_a_fluke_is_not_chosen_over_a_native_kernel(
         native.name: {"ok": True, "error": None, "us": 9898.0},
         fallback.name: {"ok": True, "error": None, "us": 7008.0},
     }})  # fmt: skip
-    assert _pick(table, key, kernels.CANDIDATES["q4_1"]) == native
+    assert pick(table, key, kernels.CANDIDATES["q4_1"]) == native
     table.results[key][native.name] = {"ok": False, "error": "wrong by 1", "us": None}
-    assert _pick(table, key, kernels.CANDIDATES["q4_1"]) == fallback
+    assert pick(table, key, kernels.CANDIDATES["q4_1"]) == fallback
 
 
 def test_a_second_start_reads_the_table_and_checks_nothing(tmp_path, fresh_table):

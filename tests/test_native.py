@@ -13,19 +13,13 @@ import torch
 import zmq
 
 from models import kernels
+from models.block_rows import attention_rows, ffn_rows
 from models.config import ModelConfig
 from models.dtypes import BLOCK_DTYPES, QUANTIZABLE_BLOCK_DTYPES
-from models.layers import (
-    MATRICES,
-    Rope,
-    Slice,
-    StepBatch,
-    attention_rows,
-    ffn_rows,
-    full_layer_shapes,
-)
+from models.layers import MATRICES, Slice, StepBatch, full_layer_shapes
 from models.layers import slice_layer as cut_layer
 from models.quant import FORMATS, matrix_size, random_blocks
+from models.rope import Rope
 from models.rows_native import MAX_ROWS, NativeBlocks, admit
 from node import messages as M
 from node import protocol as P

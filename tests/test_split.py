@@ -9,18 +9,11 @@ from hypothesis import strategies as st
 
 from master.plan import plan_slices
 from models import kernels
+from models.block_math import attention_partial, ffn_partial
+from models.block_rows import attention_rows, ffn_rows
 from models.config import ModelConfig
-from models.layers import (
-    Rope,
-    Slice,
-    StepBatch,
-    attention_partial,
-    attention_rows,
-    cast_layer,
-    ffn_partial,
-    ffn_rows,
-    slice_layer,
-)
+from models.layers import Slice, StepBatch, cast_layer, slice_layer
+from models.rope import Rope
 
 
 def _config(n_kv: int, group: int, head_dim: int, ffn: int, bias: bool) -> ModelConfig:

@@ -11,13 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from master.bench.synth import (
-    MARKER_KEY,
-    SHAPES,
-    _tokenizer_style,
-    _write_tokenizer,
-    write_synthetic_model,
-)
+from master.bench.synth import MARKER_KEY, _write_tokenizer, write_synthetic_model
+from master.bench.synth_models import SHAPES, tokenizer_style
 from master.engine import Engine
 from master.generate import start, stream
 from master.params import SamplingParams
@@ -226,7 +221,7 @@ def test_every_shape_is_a_config_edgetp_reads(name):
     config = ModelConfig.from_hf(shape, name)
     assert config.n_layers == shape["num_hidden_layers"]
     assert config.head_dim * config.n_heads == shape["hidden_size"]
-    specials = _tokenizer_style(name).specials
+    specials = tokenizer_style(name).specials
     assert {shape["bos_token_id"], shape["eos_token_id"]} <= set(specials)
     assert all(0 <= i < shape["vocab_size"] for i in specials)
 

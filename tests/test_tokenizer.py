@@ -17,7 +17,8 @@ from gguf_copy import transformers_tokenizer
 
 from models.errors import ModelError
 from models.gguf_file import GGUFFile
-from models.tokenizer import Tokenizer, sentencepiece_model_from_gguf
+from models.gguf_vocab import sentencepiece_model_from_gguf
+from models.tokenizer import Tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

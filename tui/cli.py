@@ -12,21 +12,19 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from models.dtypes import DTYPE_CHOICES
 from models.errors import ModelError
-from node.protocol import DEFAULT_PORT
 from tui.arguments import build_parser, memory_options
+from tui.join import join
 
 if TYPE_CHECKING:
     from master.lan import LanOptions
     from master.session import Session
     from models.source import ModelSource
-    from node.security import JoinToken
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -218,94 +216,6 @@ def _until_stopped(session: Session) -> None:
     print("edgetp master: stopping (SIGTERM)", file=sys.stderr)
 
 
-def _join(args: argparse.Namespace) -> None:
-    given = None if args.master is None else _master_address(args.master)  # before torch loads
-    from memory.budget import parse_size
-    from memory.files import default_state_dir
-    from models.kernels import set_threads
-    from node.probes import measure_capacity
-    from node.security import TOKEN_ENV, JoinToken, load_node_token
-    from node.worker import Worker
-    from tui.progress import progress_bar
-
-    threads = set_threads(args.threads)
-    budget = parse_size(args.memory_budget) if args.memory_budget else None
-    state_dir = args.state_dir or default_state_dir()
-    text = args.token or os.environ.get(TOKEN_ENV)
-    token = JoinToken.parse(text) if text else load_node_token(state_dir)
-    address = given or _find_master(args.cluster, args.interface, token)
-    capacity = measure_capacity(threads, budget, args.window, state_dir)
-    rejoin = True
-    while rejoin:  # a master that dropped this node from its plan asks it to join again
-        with progress_bar("fetching shards", in_bytes=True) as fetch_progress:
-            worker = Worker(
-                address,
-                capacity,
-                state_dir,
-                args.name,
-                args.model,
-                fetch_progress,
-                token=token,
-                drop_cache=args.drop_cache,
-            )
-            rejoin = worker.run()
-        if rejoin:
-            print("edgetp join: dropped from the master's plan; joining again", file=sys.stderr)
-
-
-def _master_address(text: str) -> str:
-    """HOST:PORT from `edgetp join HOST[:PORT]`, the host looked up now: ZeroMQ retries a name
-    that does not resolve until the join gives up, 30 s later, saying only that no master
-    answered."""
-    host, _, port = text.rpartition(":") if ":" in text else (text, ":", str(DEFAULT_PORT))
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"the master's port must be in 1..65535, got {port!r} in {text!r}")
-    try:
-        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)  # [IPv6]
-    except socket.gaierror as exc:
-        raise ValueError(
-            f"cannot find the master's host {host!r} ({exc.strerror}): check the name, or give "
-            "its IP address (the master prints the command to run on a device)"
-        ) from None
-    return f"{host}:{port}"
-
-
-BROWSE_SECONDS = 3.0
-
-
-def _find_master(cluster: str | None, interface: str | None, token: JoinToken | None) -> str:
-    """HOST:PORT of the master found on the LAN, asking when there are several."""
-    from node.discovery import browse
-    from node.security import fingerprint
-
-    print(f"edgetp: looking for masters on the LAN ({BROWSE_SECONDS:.0f} s)...", file=sys.stderr)
-    ads = browse(BROWSE_SECONDS, interface)
-    if token:  # a master whose key is not the token's cannot be the one meant
-        ads = [a for a in ads if a.fingerprint == fingerprint(token.master_public)] or ads
-    if cluster:
-        ads = [a for a in ads if a.cluster == cluster]
-    if not ads:
-        what = f"no master named {cluster!r}" if cluster else "no master"
-        raise ValueError(
-            f"{what} answered on the LAN within {BROWSE_SECONDS:.0f} s (multicast may be "
-            f"blocked here); give its address: edgetp join HOST:PORT --token TOKEN"
-        )
-    if len(ads) == 1:
-        ad = ads[0]
-    elif sys.stdin.isatty():
-        for i, a in enumerate(ads, 1):
-            print(f"  {i}. {a.cluster}  {a.model}  {a.address}", file=sys.stderr)
-        choice = input(f"join which master [1-{len(ads)}]? ").strip()
-        if not choice.isdigit() or not 1 <= int(choice) <= len(ads):
-            raise ValueError(f"no master numbered {choice!r}")
-        ad = ads[int(choice) - 1]
-    else:
-        names = ", ".join(f"{a.cluster} ({a.address})" for a in ads)
-        raise ValueError(f"several masters answered: {names}; pick one with --cluster NAME")
-    print(f"edgetp: joining {ad.cluster} at {ad.address} ({ad.model})", file=sys.stderr)
-    return ad.address
-
-
 def _bench(args: argparse.Namespace) -> None:
     from master.bench.cluster import run_cluster_bench
     from master.bench.reference import run_bench
@@ -411,7 +321,8 @@ def _kernels(args: argparse.Namespace) -> None:
     from memory.files import default_state_dir
     from models.kernels import set_threads
     from models.source import open_model
-    from node.device import describe, plan_shapes, prepare
+    from node.device import plan_shapes, prepare
+    from node.kernel_table import describe
 
     source = open_model(args.model)
     threads = set_threads(args.threads or thread_share(args.local_nodes))
@@ -431,8 +342,8 @@ COMMANDS = {
     "run": _run,
     "bench": _bench,
     "master": _master,
-    "join": _join,
-    "node": _join,
+    "join": join,
+    "node": join,
     "serve": _serve,
     "bench-serve": _bench_serve,
     "synth": _synth,
@@ -448,7 +359,7 @@ COMMANDS = {
 CLEAR_ERRORS = (
     ("master.transport", "ClusterError"),
     ("node.worker", "NodeError"),
-    ("master.emulate.devices", "DeviceError"),
+    ("master.emulate.host", "DeviceError"),
 )
 
 

@@ -11,7 +11,7 @@ import torch
 
 from master.local import local_engine
 from memory.budget import MemoryOptions
-from models import kernels, layers
+from models import block_rows, kernels
 from models.bundled import BUNDLED_MODELS
 from models.layers import StepBatch
 from models.quant import FORMATS, block_format
@@ -47,8 +47,8 @@ for model in ("gemma3-270m", "smollm2-135m-instruct"):
     source = open_model(BUNDLED_MODELS[model]())
     state = Path(f"/tmp/int8-agreement-{model}")
     exact = top1(source, state)
-    kernels.linear_rows = layers.linear_rows = rounded_rows
+    kernels.linear_rows = block_rows.linear_rows = rounded_rows
     rounded = top1(source, state)
-    kernels.linear_rows = layers.linear_rows = exact_rows
+    kernels.linear_rows = block_rows.linear_rows = exact_rows
     agreement = (exact == rounded).float().mean().item()
     print(f"{model}: int8 activations agree with the exact product at {agreement:.4f}")

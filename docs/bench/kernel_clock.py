@@ -22,10 +22,10 @@ def child(out: int, inp: int, rounds: int) -> None:
     import numpy as np
 
     from models import kernels
-    from node.device import _Probe
+    from node.kernel_probe import Probe
 
     kernels.limit_blas(1)
-    probe = _Probe("f32", out, inp, np.random.default_rng(0))
+    probe = Probe("f32", out, inp, np.random.default_rng(0))
     loaded = {c.name: c.load() for c in kernels.CANDIDATES["f32"]}
     for k in range(rounds):
         for name, clock in (("wall", time.perf_counter), ("cpu", time.thread_time)):

@@ -39,7 +39,7 @@ import numpy as np
 import zmq
 
 from master.bench.round_trips import zmq_echo
-from master.emulate.devices import start_relay, stop_relay
+from master.emulate.relay import start_relay, stop_relay
 from master.engine import Engine
 from models.layers import StepBatch
 from models.source import open_model

@@ -8,8 +8,8 @@ A and B each name a plan: `probes` (what the session measures, as `edgetp run` p
 its capacities over each device's CPU a token, `probes` for the first), `measured:c1,c2` (the
 probes and links measured as for `probes`, then capacities set to c1,c2). Two cpu=0.5 devices,
 SmolLM2 f32, 32 greedy tokens, a fresh state folder each session; the order within a pair
-alternates. docs/decisions.md (Emulated devices; Benchmarks and tests) has what it decided; its history
-(`git log -p docs/decisions.md`) has what it showed.
+alternates. docs/decisions.md (Emulated devices; Benchmarks and tests) has what it decided;
+its history (`git log -p docs/decisions.md`) has what it showed.
 """
 
 from __future__ import annotations

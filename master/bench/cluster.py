@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import statistics
 from pathlib import Path
@@ -25,18 +24,31 @@ from typing import Any
 
 import torch
 
+from master.bench.cluster_figures import (
+    cpu_floor_ms,
+    estimate_figures,
+    link_figures,
+    node_row,
+    overlap,
+    where_time_goes,
+)
+from master.bench.cluster_report import (
+    describe_memory,
+    print_devices,
+    print_nodes,
+    print_overlap,
+    print_time,
+)
 from master.bench.greedy import PROMPT, time_greedy
 from master.bench.memory_bus import stream_rates
 from master.bench.round_trips import raw_round_trips, raw_tcp_round_trips
-from master.cluster import Link
 from master.emulate.devices import emulated
 from master.emulate.spec import DeviceSpec, device_specs
 from master.figures import percentile
 from master.local import local_engine, local_session
-from master.plan import SplitEstimate
 from master.prompts import open_with_tokenizer, prompt_tokens
 from master.speculate import open_speculator
-from memory.budget import ALL_RESIDENT, MemoryOptions, format_size
+from memory.budget import ALL_RESIDENT, MemoryOptions
 from memory.files import default_state_dir
 from models.chat_template import NoChatTemplate
 from models.dtypes import AUTO
@@ -121,10 +133,10 @@ def run_cluster_bench(
         ]
         rows.append(median)
     print(f"model {source.path}  prompt {len(prompt)} tokens  {n_tokens} greedy tokens")
-    print(f"memory: {_describe(memory)}; medians of {rounds} alternating rounds")
+    print(f"memory: {describe_memory(memory)}; medians of {rounds} alternating rounds")
     print(f"raw ZeroMQ round trip, {hidden * 4} B payload: median {raw_med:.0f} us, ", end="")
     print(f"p99 {raw_p99:.0f} us; plain TCP, no ZeroMQ: median {tcp_med:.0f} us")
-    if together:
+    if together and alone:
         each = ", ".join(f"{x:.1f}" for x in together)
         print(
             f"memory, shared by this machine's cores: one core streams {alone:.1f} GB/s alone, "
@@ -148,16 +160,16 @@ def run_cluster_bench(
         print(f"each round against that round's {reference.nodes}-node run ({reference.label}):")
         for r in rows:
             ms = ", ".join(f"{x:g}" for x in r["rounds_ms_per_token"])
-            ratios = ", ".join(f"{x:.3f}" for x in r["rounds_ratio"])
+            ratio_text = ", ".join(f"{x:.3f}" for x in r["rounds_ratio"])
             print(
-                f"  {r['nodes']} node(s) {r['label']}: ms/token {ms}; ratios {ratios}, "
+                f"  {r['nodes']} node(s) {r['label']}: ms/token {ms}; ratios {ratio_text}, "
                 f"median {r['ratio_median']:.3f}"
             )
     for r in rows:
-        _print_nodes(r)
-        _print_time(r)
-        _print_devices(r)
-        _print_overlap(r)
+        print_nodes(r)
+        print_time(r)
+        print_devices(r)
+        print_overlap(r)
     same = all(  # every round of every node count, not just the medians
         r["tokens"] == rows[0]["tokens"] for kept in runs.values() for r in kept
     )
@@ -238,127 +250,6 @@ def _specs(devices: list[DeviceSpec] | None, nodes: int) -> tuple[DeviceSpec, ..
     return tuple(device_specs(devices if len(devices) == 1 else devices[:nodes], nodes))
 
 
-def _probe_text(m: dict[str, Any]) -> str:
-    """What a device measured of itself (and of its link, a worker), as the bench prints it."""
-    text = f"{m['speed_gb_s']:g} GB/s, {m['message_us']:g} us a message"
-    if "link_rtt_us" in m:
-        rate = f"{m['link_mbit_s']:g} Mbit/s" if m["link_mbit_s"] else "too fast to time"
-        text += f", link {m['link_rtt_us']:g} us a round trip, {rate}"
-    return text
-
-
-def _link_figures(link: Link | None) -> dict[str, float | None]:
-    """A worker's link as the master timed it, for the record (none for the master)."""
-    if link is None:
-        return {}
-    rate = None if math.isinf(link.bytes_per_s) else round(link.bytes_per_s * 8 / 1e6, 1)
-    return {"link_rtt_us": round(link.rtt_s * 1e6, 1), "link_mbit_s": rate}
-
-
-def _estimate_figures(estimate: SplitEstimate | None) -> dict[str, float] | None:
-    """The probes' estimate of a token (`master.plan.split_estimate`), in ms, for the record."""
-    if estimate is None:
-        return None
-    return {
-        "alone_ms": round(estimate.alone_s * 1e3, 1),
-        "split_ms": round(estimate.split_s * 1e3, 1),
-        "compute_ms": round(estimate.compute_s * 1e3, 1),
-        "sums_ms": round(estimate.sums_s * 1e3, 1),
-    }
-
-
-def cpu_floor_ms(devices: list[dict[str, Any]]) -> float | None:
-    """The least a token can take under the devices' CPU quotas, in ms: the busiest device's CPU
-    a token over its share of a core. None unless every device has a quota. A token's ms beyond
-    it are the devices waiting on each other (messages, an uneven split, the quotas' periods):
-    under a quota the hops of `_where_time_goes` also count the periods a device was held, which a
-    faster link would not shorten."""
-    if not devices or not all(d["device"]["cpu"] for d in devices):
-        return None
-    return round(max(d["cpu_ms_per_token"] / d["device"]["cpu"] for d in devices), 2)
-
-
-def _print_devices(run: dict[str, Any]) -> None:
-    plan = run["plan"]
-    if plan["measured"]:  # what the plan split by, and what each device measured of itself
-        print(
-            "  plan: capacities "
-            + " | ".join(f"{c:g}" for c in plan["capacities"])
-            + " from each device's probe: "
-            + " | ".join(_probe_text(m) for m in plan["measured"])
-        )
-    if plan.get("estimate"):  # what those probes say a token takes, against what it took
-        e = plan["estimate"]
-        print(
-            f"  the probes' estimate: {e['alone_ms']:g} ms a token on the master alone, "
-            f"{e['split_ms']:g} split ({e['compute_ms']:g} of compute, {e['sums_ms']:g} of sums)"
-        )
-    if plan.get("standby"):
-        print(
-            f"  left to choose (run, serve), the plan would keep {', '.join(plan['standby'])} "
-            "on standby: the split is timed here as asked"
-        )
-    for d in run["devices"]:
-        # Devices on one core share its caches and wake each other up: a real device would not.
-        sharing = [
-            o["node"] for o in run["devices"] if o is not d and set(o["cores"]) & set(d["cores"])
-        ]
-        shared = f", shared with node {', '.join(map(str, sharing))}" if sharing else ""
-        print(
-            f"  device of node {d['node']} (core {','.join(map(str, d['cores']))}{shared}): "
-            f"peak memory {format_size(d['peak_memory_bytes'])} "
-            f"(page cache included), {d['oom_kills']} memory kill(s), CPU quota throttled "
-            f"{d['throttled_periods']} of {d['periods']} periods"
-        )
-        cores = d["device"]["cpu"]
-        if cores:  # a quota of q cores: a token takes at least the device's CPU over q
-            print(
-                f"    its CPU per decoded token: {d['cpu_ms_per_token']} ms, all its threads; "
-                f"at cpu={cores:g}, no token can take under {d['cpu_ms_per_token'] / cores:.1f} ms"
-            )
-    if run.get("cpu_floor_ms"):
-        floor, ms = run["cpu_floor_ms"], run["ms_per_token"]
-        print(
-            f"  a token took {ms} ms where the busiest device's CPU allows {floor:.1f}: "
-            f"{ms - floor:.1f} ms ({(ms - floor) / ms:.0%}) of the devices waiting on each other "
-            "(messages, an uneven split, the quotas' periods)"
-        )
-
-
-def _describe(memory: MemoryOptions) -> str:
-    budget = format_size(memory.budget) if memory.budget else "none"
-    window = memory.window or "from the budget"
-    return (
-        f"dtype {memory.dtype}, budget {budget}, window {window}, "
-        f"page cache {'dropped after each read' if memory.drop_cache else 'kept'}"
-    )
-
-
-def _overlap(ms_per_token: float, per_node: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """How well the slowest streaming node hides its reads behind its compute: ms/token over
-    the larger of its reads and its compute (waits excluded) per token, from the same run."""
-    streaming = [r for r in per_node if r.get("mb_read_per_token")]
-    if not streaming:
-        return None
-    slowest = max(
-        streaming, key=lambda r: max(r["load_ms_per_token"], r["own_compute_ms_per_token"])
-    )
-    load, compute = slowest["load_ms_per_token"], slowest["own_compute_ms_per_token"]
-    bound = max(load, compute)
-    ratio = round(ms_per_token / bound, 3) if bound else None
-    return {"node": slowest["node"], "load_ms": load, "compute_ms": compute, "ratio": ratio}
-
-
-def _print_overlap(run: dict[str, Any]) -> None:
-    o = run["overlap"]
-    if o is not None:
-        print(
-            f"overlap, {run['nodes']} node(s): {run['ms_per_token']} ms/token vs node "
-            f"{o['node']}'s reads {o['load_ms']} ms and compute {o['compute_ms']} ms per "
-            f"token: ratio {o['ratio']}"
-        )
-
-
 def _cluster_run(
     source: ModelSource,
     tokenizer: Any,
@@ -391,11 +282,11 @@ def _cluster_run(
             "head_costs": session.planned_head_costs
             and [round(c, 3) for c in session.planned_head_costs],
             "measured": [
-                {"speed_gb_s": c.speed, "message_us": round(c.message_s * 1e6, 1)}
-                | _link_figures(link)
+                dict[str, float | None](speed_gb_s=c.speed, message_us=round(c.message_s * 1e6, 1))
+                | link_figures(link)
                 for c, link in zip(session.measured(), links, strict=False)
             ],
-            "estimate": _estimate_figures(session.split_estimate),
+            "estimate": estimate_figures(session.split_estimate),
             # Left to choose (run, serve), the plan would have left these on standby.
             "standby": session.standby_choice,
         }
@@ -412,8 +303,8 @@ def _cluster_run(
             figures = speculator.figures()
             speculator.close()
         sums = list(engine.remote.allreduce_seconds) if engine.remote else []
-        per_node = [_node_row("master", engine.history)] + [
-            _node_row(m.name, m.history) for m in members
+        per_node = [node_row("master", engine.history)] + [
+            node_row(m.name, m.history) for m in members
         ]
         engine.close()
         device_rows = devices.figures() if devices else []
@@ -430,61 +321,13 @@ def _cluster_run(
         "allreduce_us_median": round(statistics.median(sums) * 1e6, 1) if sums else None,
         "allreduce_us_p99": round(percentile(sums, 0.99) * 1e6, 1) if sums else None,
         "per_node": per_node,
-        "overlap": _overlap(round(ms, 2), per_node),
-        "time": _where_time_goes(
+        "overlap": overlap(round(ms, 2), per_node),
+        "time": where_time_goes(
             ms, per_node, sums[2 * source.config.n_layers :], n_tokens - 1, figures
         ),
         "speculation": figures,
         "plan": plan,
     }
-
-
-def _where_time_goes(
-    ms: float,
-    per_node: list[dict[str, Any]],
-    decode_sums: list[float],
-    decoded: int,
-    speculation: dict[str, Any] | None = None,
-) -> dict[str, float]:
-    """A decoded token's time, ms: in the layers' blocks (the slowest node's compute, and the
-    hops the allreduce adds beyond it: `decode_sums`), in the final norm and lm_head (with
-    workers, every node's rows of it and their round trip), in a draft
-    model's forwards, and the master's other serial work (embedding, sampling, the generation
-    loop). `decoded` tokens came of the decode steps (more than the steps, with speculation)."""
-    master = per_node[0]
-    if "decode_steps" not in master:
-        return {}
-    steps = master["decode_steps"]
-    per_token = steps / decoded  # the nodes' figures are per step
-    hops = sum(decode_sums) * 1000 / decoded
-    blocks = master["blocks_ms_per_token"] * per_token
-    head = master["head_ms_per_token"] * per_token
-    drafting = (speculation or {}).get("drafting_s", 0.0) * 1000 / decoded
-    return {
-        "ms_per_token": round(ms, 2),
-        "compute_ms": round(blocks - hops, 2),
-        "hops_ms": round(hops, 2),
-        "lm_head_ms": round(head, 2),
-        "drafting_ms": round(drafting, 2),
-        "other_master_ms": round(ms - blocks - head - drafting, 2),
-        "own_compute_ms": {
-            r["node"]: round(r["own_compute_ms_per_token"] * per_token, 2) for r in per_node
-        },
-    }
-
-
-def _print_time(run: dict[str, Any]) -> None:
-    t = run["time"]
-    if not t:
-        return
-    nodes = ", ".join(f"{name} {ms}" for name, ms in t["own_compute_ms"].items())
-    drafting = f" + its draft model {t['drafting_ms']}" if t.get("drafting_ms") else ""
-    print(
-        f"  where a token's {t['ms_per_token']} ms go: layers {t['compute_ms']} (the slowest "
-        f"node's compute, block by block) + hops {t['hops_ms']} + the lm_head "
-        f"{t['lm_head_ms']}{drafting} + its other serial work {t['other_master_ms']} "
-        f"(embedding, sampling, the loop); each node's own layer compute: {nodes}"
-    )
 
 
 def _clear_figures(engine: Any) -> list[Any]:
@@ -495,59 +338,6 @@ def _clear_figures(engine: Any) -> list[Any]:
     for m in members:
         m.history.clear()
     return members
-
-
-def _node_row(name: str, history: Any) -> dict[str, Any]:
-    """A node's loader and memory figures, averaged over the decode steps (one token each)."""
-    steps = list(history)[1:]  # the first step is the prompt's
-    if not steps:
-        return {"node": name}
-    n = len(steps)
-    return {
-        "node": name,
-        "window": steps[-1].get("window"),
-        "mb_read_per_token": round(sum(s["bytes_read"] for s in steps) / n / 1e6, 2),
-        "load_ms_per_token": round(sum(s["load_s"] for s in steps) / n * 1000, 2),
-        "wait_ms_per_token": round(sum(s["wait_s"] for s in steps) / n * 1000, 2),
-        "decode_steps": n,
-        "compute_ms_per_token": round(sum(s["compute_s"] for s in steps) / n * 1000, 2),
-        "own_compute_ms_per_token": round(
-            sum(s["compute_s"] - s["wait_s"] for s in steps) / n * 1000, 2
-        ),
-        **{  # the master's own: where its step's time went (master.engine)
-            f"{key}_ms_per_token": round(sum(s[f"{key}_s"] for s in steps) / n * 1000, 2)
-            for key in ("blocks", "head")
-            if f"{key}_s" in steps[0]
-        },
-        "buffer_mb": round(steps[-1]["buffer_bytes"] / 1e6, 1),
-        "rss_mb": round(steps[-1]["rss"] / 1e6, 1),
-        "peak_rss_mb": round(max(s["peak_rss"] for s in steps) / 1e6, 1),
-    }
-
-
-def _print_nodes(run: dict[str, Any]) -> None:
-    spec = run.get("speculation")
-    if spec:
-        cost = f", {spec['draft_ms']} ms a draft forward" if "draft_ms" in spec else ""
-        print(
-            f"  draft {spec['draft']}: {spec['accepted']} of "
-            f"{spec['drafted']} drafted tokens accepted ({spec['acceptance']}), "
-            f"{spec['tokens_per_step']} tokens per step{cost}"
-        )
-    per = "decode step (one token each)" if not spec else "decode step"
-    print(f"per node, {run['nodes']} node(s), averaged per {per}:")
-    print(
-        f"  {'node':<10}{'window':>7}{'MB read':>9}{'load ms':>9}{'wait ms':>9}"
-        f"{'buffers MB':>11}{'RSS MB':>9}{'peak RSS MB':>12}"
-    )
-    for r in run["per_node"]:
-        if "window" not in r:
-            continue
-        print(
-            f"  {r['node']:<10}{r['window']:>7}{r['mb_read_per_token']:>9}"
-            f"{r['load_ms_per_token']:>9}{r['wait_ms_per_token']:>9}{r['buffer_mb']:>11}"
-            f"{r['rss_mb']:>9}{r['peak_rss_mb']:>12}"
-        )
 
 
 def _rss_run(

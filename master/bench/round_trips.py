@@ -14,7 +14,7 @@ import time
 import torch
 import zmq
 
-from master.emulate.devices import start_relay, stop_relay
+from master.emulate.relay import start_relay, stop_relay
 from node import messages as M
 from node import protocol as P
 

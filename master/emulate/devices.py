@@ -23,182 +23,43 @@ import ipaddress
 import logging
 import math
 import os
-import re
-import select
-import shlex
-import shutil
 import signal
 import subprocess
 import threading
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from master.emulate.host import (
+    CONTROLLERS,
+    DeviceError,
+    block_device,
+    check_host,
+    cpu_list,
+    in_cgroups,
+    keyed,
+    own_cgroup,
+    remove_cgroup,
+    remove_leftovers,
+    run_tool,
+    threads_cpu_seconds,
+)
+from master.emulate.relay import start_relay, stop_relay
 from master.emulate.spec import DeviceSpec, device_specs
-from models.cbuild import built
-from node.children import alive
 
 log = logging.getLogger(__name__)
 
-CGROUPS = Path("/sys/fs/cgroup")
-CONTROLLERS = ("cpu", "cpuset", "memory", "blkio")
 MIN_QUOTA_US = 1000  # the kernel refuses a shorter CFS quota
 # The CFS period: short enough that a throttled node waits at most 5 ms (cpu=0.5) in the middle
 # of a sum, where the kernel's default of 100 ms would stall it for 50. Not shorter: on these
 # virtual machines a node that stops and starts every period loses its caches, and SmolLM2 on one
 # node at cpu=0.5 took 2.05x its unconstrained time at 10 ms, 2.4x at 4 ms and 3.3x at 2 ms.
 CPU_PERIOD_US = 10_000
-RELAY_SOURCE = Path(__file__).with_name("relay.c")
-RELAY_READY_TIMEOUT = 10.0  # s
-_OURS = re.compile(r"edgetp-(\d+)-(\d+)")
-_OUR_LINK = re.compile(r"etp(\d+)[bh]\d*")
-
-
-class DeviceError(RuntimeError):
-    """This machine cannot emulate the devices asked for; the message says what is missing."""
 
 
 def cpu_period_us(cores: float) -> int:
     """CPU_PERIOD_US, or the shortest period whose quota for `cores` the kernel accepts."""
     return max(CPU_PERIOD_US, int(-(-MIN_QUOTA_US // cores)))
-
-
-def check_host(specs: Sequence[DeviceSpec]) -> None:
-    """One DeviceError line naming everything `specs` needs that this machine lacks."""
-    if os.geteuid() != 0:
-        raise DeviceError(
-            "--device needs root (cgroups and network namespaces are root's): run as root, "
-            "or leave --device out"
-        )
-    missing = [
-        f"the cgroup v1 {c} controller at {CGROUPS / c}"
-        for c in CONTROLLERS
-        if not (CGROUPS / c / "cgroup.procs").is_file()
-    ]
-    if any(s.networked for s in specs):
-        tools = [tool for tool in ("ip", "tc") if not shutil.which(tool)]
-        missing += [f"the `{tool}` command (iproute2)" for tool in tools]
-    if missing:
-        raise DeviceError(f"--device needs {'; '.join(missing)}, which this machine lacks")
-
-
-def own_cgroup(controller: str) -> Path:
-    """This process's cgroup folder for a v1 controller."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controller in controllers.split(","):
-            return CGROUPS / controller / path.lstrip("/")
-    return CGROUPS / controller
-
-
-def _in_cgroups(folders: Iterable[Path], cmd: Sequence[str]) -> list[str]:
-    """`cmd` started in these cgroups (one per controller) before it runs anything."""
-    moves = "; ".join(f"echo $$ > {shlex.quote(str(f / 'cgroup.procs'))}" for f in folders)
-    return ["sh", "-c", f'{moves} && exec "$@"', "edgetp-device", *cmd]
-
-
-def start_relay(
-    half_us: int,
-    listen: str,
-    target: str,
-    ports: Sequence[int],
-    cgroups: Iterable[Path] = (),
-    what: str = "the link relay",
-) -> subprocess.Popen[bytes]:
-    """relay.c, holding every byte `half_us` each way from `listen`:port to `target`:port for
-    each port, started (in `cgroups`, if given) and listening; DeviceError naming `what` if it
-    does not start. `stop_relay` ends it."""
-    cmd = [str(built(RELAY_SOURCE, ("-O2",))), str(half_us), listen, target, *map(str, ports)]
-    folders = list(cgroups)
-    proc = subprocess.Popen(
-        _in_cgroups(folders, cmd) if folders else cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], RELAY_READY_TIMEOUT)
-    if not ready or proc.stdout.readline().strip() != b"ready":
-        stop_relay(proc)
-        raise DeviceError(f"{what} did not start")
-    return proc
-
-
-def stop_relay(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(OSError):
-        assert proc.stdin is not None
-        proc.stdin.close()  # a relay exits when its input closes
-    try:
-        proc.wait(timeout=2)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _run(*cmd: str, check: bool = True) -> str:
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if check and done.returncode != 0:
-        raise DeviceError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
-    return done.stdout
-
-
-def _remove_cgroup(folder: Path) -> None:
-    """Kills what is left in it and removes it (a cgroup with tasks cannot be removed)."""
-    for _ in range(50):
-        with contextlib.suppress(OSError, ValueError):
-            for pid in (folder / "cgroup.procs").read_text().split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-        try:
-            folder.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.02)
-    log.warning("could not remove %s: processes are still in it", folder)
-
-
-def remove_leftovers() -> list[str]:
-    """Removes the cgroups, namespaces and links of runs whose process is gone; their names."""
-    removed = []
-    for controller in CONTROLLERS:
-        parent = own_cgroup(controller)
-        for folder in parent.glob("edgetp-*-*"):
-            match = _OURS.fullmatch(folder.name)
-            if match and not alive(int(match.group(1))):
-                _remove_cgroup(folder)
-                removed.append(str(folder))
-    if shutil.which("ip"):
-        for line in _run("ip", "netns", "list", check=False).splitlines():
-            name = line.split()[0] if line.split() else ""
-            match = _OURS.fullmatch(name)
-            if match and not alive(int(match.group(1))):
-                for pid in _run("ip", "netns", "pids", name, check=False).split():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), signal.SIGKILL)
-                _run("ip", "netns", "del", name, check=False)
-                removed.append(name)
-        for line in _run("ip", "-o", "link", "show", check=False).splitlines():
-            name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
-            match = _OUR_LINK.fullmatch(name)
-            if match and not alive(int(match.group(1))):
-                _run("ip", "link", "del", name, check=False)
-                removed.append(name)
-    return removed
-
-
-def _block_device(folder: Path) -> str:
-    """ "major:minor" of the whole disk holding `folder` (blkio throttles disks, not partitions).
-    A folder the run has yet to create will be on its nearest existing parent's disk."""
-    st = os.stat(next(p for p in (folder, *folder.parents) if p.exists()))
-    sys_dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
-    if not sys_dev.exists():
-        raise DeviceError(
-            f"disk=: {folder} is on no block device (a tmpfs or overlay?): "
-            "give --state-dir a folder on a disk"
-        )
-    if (sys_dev / "partition").exists():
-        sys_dev = sys_dev.resolve().parent
-    return (sys_dev / "dev").read_text().strip()
 
 
 class EmulatedDevices:
@@ -237,7 +98,7 @@ class EmulatedDevices:
     def wrap(self, k: int, cmd: Sequence[str]) -> list[str]:
         """`cmd` run as worker k's device: in its cgroups, then in its namespace."""
         inner = ["ip", "netns", "exec", self.namespaces[k], *cmd] if self.networked else list(cmd)
-        return _in_cgroups(self.cgroups[k].values(), inner)
+        return in_cgroups(self.cgroups[k].values(), inner)
 
     def enter_master(self) -> None:
         """This process (the master) into node 0's cgroups, with what it already holds."""
@@ -268,13 +129,13 @@ class EmulatedDevices:
         """How many processes the kernel killed in node k for going over its memory limit."""
         if k >= len(self.cgroups):
             return 0
-        return _keyed(self.cgroups[k]["memory"] / "memory.oom_control").get("oom_kill", 0)
+        return keyed(self.cgroups[k]["memory"] / "memory.oom_control").get("oom_kill", 0)
 
     def cpu_seconds(self) -> list[float]:
         """Per node, the CPU time every thread in its cgroup has run so far: what its quota
         bounds. Threads that have exited are not in it, so take differences over a span in
         which the nodes' threads live (a timed run)."""
-        return [_threads_cpu_seconds(folders["cpu"] / "tasks") for folders in self.cgroups]
+        return [threads_cpu_seconds(folders["cpu"] / "tasks") for folders in self.cgroups]
 
     def figures(self) -> list[dict[str, Any]]:
         """Per node: its spec, the cores it runs on, the cgroup's peak memory (page cache
@@ -283,12 +144,12 @@ class EmulatedDevices:
         rows = []
         for k, folders in enumerate(self.cgroups):
             memory, cpu = folders["memory"], folders["cpu"]
-            oom = _keyed(memory / "memory.oom_control")
-            stat = _keyed(cpu / "cpu.stat")
+            oom = keyed(memory / "memory.oom_control")
+            stat = keyed(cpu / "cpu.stat")
             rows.append({
                 "node": k,
                 "device": self.specs[k].as_json(),
-                "cores": _cpu_list((folders["cpuset"] / "cpuset.cpus").read_text()),
+                "cores": cpu_list((folders["cpuset"] / "cpuset.cpus").read_text()),
                 "peak_memory_bytes": self._peak_memory(k),
                 "oom_kills": oom.get("oom_kill", 0),
                 "throttled_periods": stat.get("nr_throttled", 0),
@@ -336,14 +197,14 @@ class EmulatedDevices:
             self.master_entered = False
         for folders in self.cgroups:
             for folder in folders.values():
-                _remove_cgroup(folder)
+                remove_cgroup(folder)
         self.cgroups = []
         for name in self.namespaces:
             if name:
-                _run("ip", "netns", "del", name, check=False)
+                run_tool("ip", "netns", "del", name, check=False)
         self.namespaces = []
         if self.subnet is not None:
-            _run("ip", "link", "del", self.bridge, check=False)
+            run_tool("ip", "link", "del", self.bridge, check=False)
             self.subnet = None
 
     def _make_cgroups(self, k: int, spec: DeviceSpec) -> dict[str, Path]:
@@ -367,7 +228,7 @@ class EmulatedDevices:
             with contextlib.suppress(OSError):  # no swap accounting: nothing to limit
                 (memory / "memory.memsw.limit_in_bytes").write_text(str(spec.mem))
         if spec.disk is not None:
-            device = _block_device(self.shard_dir)
+            device = block_device(self.shard_dir)
             (folders["blkio"] / "blkio.throttle.read_bps_device").write_text(
                 f"{device} {spec.disk}"
             )
@@ -376,7 +237,7 @@ class EmulatedDevices:
     def _cores(self, k: int, spec: DeviceSpec) -> list[int]:
         """Node k's own cores: as many as its quota needs (all without one), taken in turn from
         this process's, so that each device's threads wake each other on a core of their own."""
-        cores = _cpu_list((self.parents["cpuset"] / "cpuset.cpus").read_text())
+        cores = cpu_list((self.parents["cpuset"] / "cpuset.cpus").read_text())
         if spec.cpu is None:
             return cores
         need = min(len(cores), max(1, math.ceil(spec.cpu - 1e-9)))
@@ -390,30 +251,30 @@ class EmulatedDevices:
     def _make_network(self) -> None:
         self.subnet = _free_subnet()
         prefix = self.subnet.prefixlen
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
-        _run("ip", "addr", "add", f"{self._address(254)}/{prefix}", "dev", self.bridge)
-        _run("ip", "link", "set", self.bridge, "up")
+        run_tool("ip", "link", "add", self.bridge, "type", "bridge")
+        run_tool("ip", "addr", "add", f"{self._address(254)}/{prefix}", "dev", self.bridge)
+        run_tool("ip", "link", "set", self.bridge, "up")
         if self.specs[0].link:
             _shape(self.bridge, self.specs[0].link)
         self.namespaces = [""]  # the master stays in this namespace, on the bridge
         pid = os.getpid()
         for k, spec in enumerate(self.specs[1:], start=1):
             ns, host_end, node_end = f"{self.tag}-{k}", f"etp{pid}h{k}", f"etp{pid}p{k}"
-            _run("ip", "netns", "add", ns)
+            run_tool("ip", "netns", "add", ns)
             self.namespaces.append(ns)
-            _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
-            _run("ip", "link", "set", node_end, "netns", ns)
-            _run("ip", "link", "set", host_end, "master", self.bridge, "up")
+            run_tool("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
+            run_tool("ip", "link", "set", node_end, "netns", ns)
+            run_tool("ip", "link", "set", host_end, "master", self.bridge, "up")
             inside = ("ip", "-n", ns)
-            _run(*inside, "link", "set", node_end, "name", "eth0")
-            _run(*inside, "addr", "add", f"{self._address(k)}/{prefix}", "dev", "eth0")
-            _run(*inside, "link", "set", "eth0", "up")
-            _run(*inside, "link", "set", "lo", "up")
+            run_tool(*inside, "link", "set", node_end, "name", "eth0")
+            run_tool(*inside, "addr", "add", f"{self._address(k)}/{prefix}", "dev", "eth0")
+            run_tool(*inside, "link", "set", "eth0", "up")
+            run_tool(*inside, "link", "set", "lo", "up")
             if spec.link:
                 _shape(host_end, spec.link)  # master -> node
                 _shape("eth0", spec.link, ns)  # node -> master
             if spec.rtt:
-                _run("ip", "addr", "add", f"{self.worker_host(k)}/{prefix}", "dev", self.bridge)
+                run_tool("ip", "addr", "add", f"{self.worker_host(k)}/{prefix}", "dev", self.bridge)
 
 
 def _shape(dev: str, bits_per_s: int, ns: str | None = None) -> None:
@@ -421,49 +282,19 @@ def _shape(dev: str, bits_per_s: int, ns: str | None = None) -> None:
     few packets) and a queue of 200 ms."""
     burst = max(bits_per_s // 8 // 1000, 16 * 1514)
     prefix = ("ip", "netns", "exec", ns) if ns else ()
-    _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{bits_per_s}bit",
+    run_tool(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{bits_per_s}bit",
          "burst", str(burst), "latency", "200ms")  # fmt: skip
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
     """A /24 of 172.30.0.0/16 no interface here uses, picked by this process's id."""
-    used = _run("ip", "-4", "-o", "addr", "show")
+    used = run_tool("ip", "-4", "-o", "addr", "show")
     start = os.getpid() % 256
     for i in range(256):
         net = ipaddress.IPv4Network(f"172.30.{(start + i) % 256}.0/24")
         if f" {str(net.network_address)[:-1]}" not in used:
             return net
     raise DeviceError("no free /24 in 172.30.0.0/16 for the emulated devices' network")
-
-
-def _cpu_list(text: str) -> list[int]:
-    """The cores of a cpuset list such as "0-3,6"."""
-    cores: list[int] = []
-    for part in text.strip().split(","):
-        if part:
-            first, _, last = part.partition("-")
-            cores.extend(range(int(first), int(last or first) + 1))
-    return cores
-
-
-def _threads_cpu_seconds(tasks: Path) -> float:
-    """The CPU time of the threads listed in a cgroup's `tasks` file (a thread gone since it
-    was listed counts nothing)."""
-    total_ns = 0
-    for tid in tasks.read_text().split():
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            total_ns += int(Path(f"/proc/{tid}/task/{tid}/schedstat").read_text().split()[0])
-    return total_ns / 1e9
-
-
-def _keyed(path: Path) -> dict[str, int]:
-    """A cgroup file of `key value` lines."""
-    values = {}
-    for line in path.read_text().splitlines():
-        key, _, value = line.partition(" ")
-        if value.strip().lstrip("-").isdigit():
-            values[key] = int(value)
-    return values
 
 
 @contextlib.contextmanager

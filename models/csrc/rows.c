@@ -1,5 +1,5 @@
 // A decode step's two blocks in one call each: the partial of one slice of one layer for B rows
-// (one new token per sequence), the math of models/layers.py's attention_rows and ffn_rows.
+// (one new token per sequence), the math of models/block_rows.py's attention_rows and ffn_rows.
 //
 // Why C: between two messages a block is ~35 NumPy calls run cold, each a few microseconds of
 // interpreter and dispatch before any arithmetic (git log -p docs/decisions.md). Here a block

@@ -1,0 +1,246 @@
+"""The real models `master.bench.synth` imitates: their published config.json values, and
+what their tokenizers need (special tokens at their ids, the chat template, BOS or not).
+
+Data, kept apart from the writer: a new shape to imitate is an entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_LLAMA_COMMON: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "pretraining_tp": 1,
+    "use_cache": True,
+}
+
+# Published config.json values of each model (the HF hub repos named in the comments).
+SHAPES: dict[str, dict[str, Any]] = {
+    # meta-llama/Llama-2-7b-hf
+    "llama2-7b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # meta-llama/Llama-2-13b-hf
+    "llama2-13b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 5120,
+        "intermediate_size": 13824,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # meta-llama/Llama-2-70b-hf
+    "llama2-70b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # meta-llama/Meta-Llama-3-8B
+    "llama3-8b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    # meta-llama/Meta-Llama-3-70B
+    "llama3-70b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    # meta-llama/Llama-3.2-1B: tied embeddings and llama3 RoPE scaling.
+    "llama3.2-1b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    # HuggingFaceTB/SmolLM2-135M-Instruct: the default model's shape, small enough for tests.
+    "smollm2-135m": {
+        **_LLAMA_COMMON,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 100000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # TinyLlama/TinyLlama-1.1B-Chat-v1.0
+    "tinyllama-1.1b": {
+        **_LLAMA_COMMON,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+
+@dataclass(frozen=True)
+class TokenizerStyle:
+    """The special tokens and chat format of a model family's tokenizer."""
+
+    specials: dict[int, str]
+    chat_template: str
+    add_bos: bool
+    unk: str | None = None
+
+
+def tokenizer_style(shape: str) -> TokenizerStyle:
+    """The tokenizer a model of `shape` ships with, as far as a synthetic one imitates it."""
+    if shape.startswith("llama3"):
+        return TokenizerStyle(_llama3_specials(), _LLAMA3_TEMPLATE, add_bos=True)
+    if shape.startswith("smollm2"):
+        specials = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
+        return TokenizerStyle(specials, _CHATML_TEMPLATE, add_bos=False)
+    # Llama 2 and TinyLlama: sentencepiece's <unk>, <s>, </s> at 0, 1, 2.
+    specials = {0: "<unk>", 1: "<s>", 2: "</s>"}
+    return TokenizerStyle(specials, _LLAMA2_TEMPLATE, add_bos=True, unk="<unk>")
+
+
+def _llama3_specials() -> dict[int, str]:
+    """Llama 3's 256 special tokens after its 128000 BPE tokens."""
+    named = {
+        128000: "<|begin_of_text|>",
+        128001: "<|end_of_text|>",
+        128006: "<|start_header_id|>",
+        128007: "<|end_header_id|>",
+        128009: "<|eot_id|>",
+    }
+    specials: dict[int, str] = {}
+    reserved = 0
+    for token_id in range(128000, 128256):
+        if token_id in named:
+            specials[token_id] = named[token_id]
+        else:
+            specials[token_id] = f"<|reserved_special_token_{reserved}|>"
+            reserved += 1
+    return specials
+
+
+_LLAMA2_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<<SYS>>\n{{ message['content'] | trim }}\n<</SYS>>\n\n"
+    "{% elif message['role'] == 'user' %}[INST] {{ message['content'] | trim }} [/INST]"
+    "{% else %} {{ message['content'] | trim }} {{ eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)

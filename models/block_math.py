@@ -1,0 +1,168 @@
+"""A slice's partial of a decoder layer's two residual blocks, attention and FFN, in torch.
+
+This is the path for any step (a prompt, a batch of several new tokens); a decode step, one new
+token a sequence, runs the same math as NumPy rows (`models.block_rows`), or in C
+(`models.rows_native`). The slices are cut by `models.layers`; the caller sums the partials of
+every slice (the allreduce) into the residual stream.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.config import ModelConfig
+from models.kernels import SCALE_SUFFIX, linear
+from models.layers import Slice, StepBatch
+from models.quant import matrix_size
+from models.rope import apply_rope
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (..., D) over its root mean square, times `weight` (D,)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def project(
+    x: torch.Tensor, w: dict[str, torch.Tensor], name: str, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x times the layer's matrix `name`, whatever dtype it is stored in."""
+    return linear(x, w[name], bias, w.get(name + SCALE_SUFFIX))
+
+
+def attention_partial(
+    h: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    s: Slice,
+    config: ModelConfig,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    batch: StepBatch,
+    window: int | None = None,
+) -> torch.Tensor:
+    """This slice's share of the attention block's output for h (B, T, D).
+
+    cache_k/cache_v: this layer's cache, (slots, n_kv, max_ctx, hd); the step's keys and values
+    are written into it before attending. A local layer (`window`: it attends to that many last
+    positions) has a ring of min(window, max_ctx) positions instead (`_attend_window`).
+    """
+    B, T, _ = h.shape
+    hd, nq, nkv = config.head_dim, s.n_q, s.n_kv
+    if nq == 0:
+        return h.new_zeros(h.shape)
+    x = rms_norm(h, w["attn_norm"], config.norm_eps)
+    qkv = project(x, w, "wqkv", w.get("bqkv"))  # (B, T, (nq + 2 nkv) hd)
+    q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+    q, k = q.view(B, T, nq, hd), k.view(B, T, nkv, hd)
+    if config.qk_norm:
+        q = rms_norm(q, w["q_norm"], config.norm_eps)
+        k = rms_norm(k, w["k_norm"], config.norm_eps)
+    q = q.transpose(1, 2)  # (B, nq, T, hd)
+    k = k.transpose(1, 2)  # (B, nkv, T, hd)
+    v = v.view(B, T, nkv, hd).transpose(1, 2)
+    cos, sin = cos_sin
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+
+    if window is not None:
+        out = _attend_window(q, k, v, cache_k, cache_v, batch, window, s, config)
+    elif B == 1:
+        slot, start = batch.slots[0], batch.starts[0]
+        end = start + T
+        cache_k[slot, :, start:end] = k[0]
+        cache_v[slot, :, start:end] = v[0]
+        keys, values = cache_k[slot : slot + 1, :, :end], cache_v[slot : slot + 1, :, :end]
+        mask = None
+        causal = T > 1 and start == 0
+        if T > 1 and start > 0:  # a continued prompt: attend to the past and causally within
+            mask = torch.arange(end) <= (start + torch.arange(T)).unsqueeze(1)  # (T, L)
+        out = _attend(q, keys, values, mask, causal, s, config)
+    else:
+        ends = [st + n for st, n in zip(batch.starts, batch.lengths, strict=True)]
+        for b, (slot, st, n) in enumerate(
+            zip(batch.slots, batch.starts, batch.lengths, strict=True)
+        ):
+            cache_k[slot, :, st : st + n] = k[b, :, :n]
+            cache_v[slot, :, st : st + n] = v[b, :, :n]
+        L = max(ends)
+        slots = torch.tensor(batch.slots)
+        keys, values = cache_k[slots, :, :L], cache_v[slots, :, :L]
+        qpos = batch.positions()  # (B, T)
+        kpos = torch.arange(L)
+        mask = (kpos <= qpos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
+        out = _attend(q, keys, values, mask, False, s, config)
+    out = out.transpose(1, 2).reshape(B, T, nq * hd)
+    return project(out, w, "wo")  # (B, T, D), row-parallel: sum over slices
+
+
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    s: Slice,
+    config: ModelConfig,
+) -> torch.Tensor:
+    """Attention of this slice's query heads q (B, nq, T, hd) over its KV heads' keys and
+    values (B, nkv, L, hd)."""
+    nq, nkv, group = s.n_q, s.n_kv, config.group_size
+    scale = config.query_scale
+    if nq == nkv * group and s.q_heads[0] % group == 0:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=nq != nkv, scale=scale
+        )
+    # query heads split within a group: map each local query head to its KV head
+    kv_of_q = torch.arange(*s.q_heads) // group - s.kv_heads[0]
+    return F.scaled_dot_product_attention(
+        q, keys[:, kv_of_q], values[:, kv_of_q], attn_mask=mask, is_causal=causal, scale=scale
+    )
+
+
+def _attend_window(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    batch: StepBatch,
+    window: int,
+    s: Slice,
+    config: ModelConfig,
+) -> torch.Tensor:
+    """A local layer's attention: each query sees the last `window` positions, itself included.
+
+    The cache is a ring of W = min(window, max_ctx) positions, position p at p % W: a sequence's
+    past comes out of it in position order, its new keys join, and the last W go back in.
+    """
+    W = cache_k.shape[2]
+    out = torch.zeros_like(q)
+    for b, (slot, st, n) in enumerate(zip(batch.slots, batch.starts, batch.lengths, strict=True)):
+        past = torch.arange(max(0, st - window + 1), st)
+        kpos = torch.cat((past, torch.arange(st, st + n)))
+        keys = torch.cat((cache_k[slot][:, past % W], k[b, :, :n]), dim=1).unsqueeze(0)
+        values = torch.cat((cache_v[slot][:, past % W], v[b, :, :n]), dim=1).unsqueeze(0)
+        qpos = torch.arange(st, st + n).unsqueeze(1)
+        mask = (kpos <= qpos) & (kpos > qpos - window)  # (n, L)
+        out[b : b + 1, :, :n] = _attend(q[b : b + 1, :, :n], keys, values, mask, False, s, config)
+        kept = torch.arange(max(st, st + n - W), st + n)
+        cache_k[slot][:, kept % W] = k[b][:, kept - st]
+        cache_v[slot][:, kept % W] = v[b][:, kept - st]
+    return out
+
+
+def _gate(gate: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    if config.activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh")
+    return F.silu(gate)
+
+
+def ffn_partial(h: torch.Tensor, w: dict[str, torch.Tensor], config: ModelConfig) -> torch.Tensor:
+    """This slice's share of the FFN block's output for h (B, T, D): SwiGLU, or GeGLU."""
+    n = matrix_size(w["w_down"])[1]
+    if n == 0:
+        return h.new_zeros(h.shape)
+    x = rms_norm(h, w["ffn_norm"], config.norm_eps)
+    gate, up = project(x, w, "w_gate_up").split(n, dim=-1)  # column-parallel
+    return project(_gate(gate, config) * up, w, "w_down")  # row-parallel: sum over slices
