@@ -323,8 +323,8 @@ class Session:
 
     def answer_joins(self) -> bool:
         """While requests run: tell devices that say HELLO they are in (they give up on a
-        master silent for 30 s). True when the plan no longer matches the members (a node
-        joined, left or went silent): the caller re-plans at its next step boundary."""
+        master silent for 30 s). True when the plan no longer matches the members: the caller
+        re-plans at its next step boundary."""
         return self.hub is not None and self.hub.watch_membership(0.0)
 
     def replan(self) -> Engine:
