@@ -51,12 +51,11 @@ from node.probes import measure_capacity, measure_speed
 log = logging.getLogger(__name__)
 
 
-# Measured speeds move from one start to the next, if less than they did (node.worker's probe):
-# a cpu=0.5 device measured 6.2-7.4 GB/s alone and 4.2-4.7 while another core streamed beside
-# it (memory bandwidth the cores share). The last measured plan (same model, dtype and node
-# count) is kept, and with it the split, unless by this start's figures a new plan would make a
-# token this much faster: re-splitting a 70B model costs far more than a node a fifth off its
-# share.
+# Measured speeds move from one start to the next (node.probes): a cpu=0.5 device measured
+# 6.2-7.4 GB/s alone and 4.2-4.7 while another core streamed beside it. The last measured plan
+# (same model, dtype and node count) is kept, and with it the split, unless by this start's
+# figures a new plan would make a token this much faster: re-splitting a 70B model costs far
+# more than a node a fifth off its share.
 REPLAN_GAIN = 0.5
 # What the kept plans' records are named by: changed with the rules that turn measured figures
 # into capacities (3: the lm_head split by vocabulary, the sums' messages counted; 4: every
