@@ -19,6 +19,9 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types import completion_create_params as text_params
+from openai.types.chat import completion_create_params as chat_params
+from test_bridge_fields import CHAT_NO_OPS, REFUSED, TEXT_NO_OPS, TOOL
 
 from master.bridge.client import ServerProcess, start_server, stream_chat
 
@@ -225,8 +228,8 @@ def test_curl_streams_line_by_line(served):
         ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n:", "n"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400,
          "max_tokens", "max_tokens"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400,
-         "unknown field 'tools'", "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
+         "tool_choice: \"required\" is not supported", "tool_choice"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400,
          "stop must be a string or a list of strings", "stop"),
         ({"messages": [{"role": "user", "content": "hi"}]}, 400, None, None),  # fine: 200 below
@@ -259,6 +262,93 @@ def test_errors_say_what_to_change(served, body, status, needle, param):
     assert set(error) == {"message", "type", "param", "code"}
     assert needle in error["message"], error
     assert error["param"] == param
+
+
+MODEL = "smollm2-135m-instruct"  # the bundled name works as an alias
+CONVERSATION = [
+    {"role": "user", "content": "Hi!"},
+    {"role": "assistant", "content": "Hello! How can I help you today?"},
+    {"role": "user", "content": CHAT_PROMPT},
+]
+
+
+def test_openai_fields_at_their_defaults_change_nothing(served):
+    client, logged = served.client, len(served.server.log)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=CONVERSATION, temperature=0, max_tokens=MAX_TOKENS
+    )
+    # The assistant turn as OpenAI's client returns it, the last turn as a text part.
+    turns = [
+        CONVERSATION[0],
+        {**CONVERSATION[1], "refusal": None, "audio": None, "function_call": None,
+         "tool_calls": []},
+        {"role": "user", "content": [{"type": "text", "text": CHAT_PROMPT,
+                                      "prompt_cache_breakpoint": {"mode": "explicit"}}]},
+    ]  # fmt: skip
+    every = client.chat.completions.create(
+        model=MODEL, messages=turns, temperature=0, max_tokens=MAX_TOKENS, **CHAT_NO_OPS
+    )
+    assert every.choices[0].message.content == plain.choices[0].message.content
+    assert every.usage == plain.usage  # the same prompt, token for token
+    # Tools the model may not call are not shown to it: the answer is the one without them.
+    unshown = client.chat.completions.create(
+        model=MODEL, messages=CONVERSATION, temperature=0, max_tokens=MAX_TOKENS,
+        tools=[TOOL], tool_choice="none", parallel_tool_calls=False,
+    )  # fmt: skip
+    assert unshown.choices[0].message.content == plain.choices[0].message.content
+
+    args = {"model": MODEL, "prompt": TEXT_PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS}
+    text = client.completions.create(**args)
+    every_text = client.completions.create(**args, **TEXT_NO_OPS)
+    assert every_text.choices[0].text == text.choices[0].text
+    assert every_text.usage == text.usage
+    assert not [line for line in list(served.server.log)[logged:] if "ignored" in line]
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "param"), REFUSED)
+def test_values_edgetp_cannot_honour_are_refused_by_name(served, endpoint, fields, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        if endpoint == "chat":
+            body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+            served.client.chat.completions.create(model=MODEL, max_tokens=2, **body)
+        else:
+            served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **fields)
+    error = caught.value
+    assert error.status_code == 400 and error.code == "unsupported_value", error.body
+    assert error.param == param
+    assert error.body["message"].startswith(param), error.body
+
+
+def test_fields_outside_openais_api_are_answered_and_logged_once(served):
+    said = [{"role": "user", "content": "Say hi."}]
+    plain = served.client.chat.completions.create(
+        model=MODEL, messages=said, temperature=0, max_tokens=6
+    )
+    answer = served.client.chat.completions.create(
+        model=MODEL,
+        messages=[{**said[0], "edgetp_note": "x"}],
+        temperature=0,
+        max_tokens=6,
+        extra_body={"min_p": 0.05, "edgetp_unknown": {"nested": True}},
+    )
+    assert answer.choices[0].message.content == plain.choices[0].message.content
+    text = served.client.completions.create(
+        model=MODEL, prompt=TEXT_PROMPT, max_tokens=2, extra_body={"edgetp_unknown_2": 1}
+    )
+    assert text.choices[0].text
+
+    def lines(name: str) -> list[str]:
+        return [line for line in served.server.log if repr(name) in line]
+
+    deadline = time.monotonic() + 10
+    while not lines("edgetp_unknown_2"):  # the later request's line: stderr is read on a thread
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    [chat_line] = lines("edgetp_unknown")
+    assert chat_line.startswith("WARNING") and "/v1/chat/completions" in chat_line
+    assert "'min_p'" in chat_line and "'messages.0.edgetp_note'" in chat_line
+    [text_line] = lines("edgetp_unknown_2")
+    assert "/v1/completions" in text_line
 
 
 def test_a_wrong_or_missing_api_key_is_401(served):
@@ -386,3 +476,11 @@ def test_cluster_figures_and_openapi(served):
     assert "text/event-stream" in chat["responses"]["200"]["content"]
     assert "422" not in json.dumps(schema["paths"])
     assert "HTTPBearer" in schema["components"]["securitySchemes"]
+    for name, openai_params in (
+        ("ChatCompletionRequest", chat_params.CompletionCreateParamsNonStreaming),
+        ("CompletionRequest", text_params.CompletionCreateParamsNonStreaming),
+    ):
+        request = schema["components"]["schemas"][name]
+        described = set(request["properties"])
+        assert openai_params.__required_keys__ | openai_params.__optional_keys__ <= described
+        assert request["additionalProperties"] is True  # ignored, with a warning

@@ -25,27 +25,30 @@ from starlette.concurrency import run_in_threadpool
 
 from master.batcher import Batcher, BusyError, Delta, Event, Failed, Finished, Ticket
 from master.bridge.errors import APIError, documented, failure, install_handlers
+from master.bridge.request import (
+    ChatCompletionRequest,
+    ChatTemplateKwargs,
+    CompletionRequest,
+    SamplingFields,
+    warn_ignored,
+)
 from master.bridge.schema import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatDelta,
-    ChatTemplateKwargs,
     ClusterFigures,
     Completion,
     CompletionChoice,
     CompletionChunk,
     CompletionChunkChoice,
-    CompletionRequest,
     FinishReason,
     GenerationFigures,
     Health,
     ModelCard,
     ModelList,
-    SamplingFields,
     Usage,
     finish_openapi,
     stream_content,
@@ -155,12 +158,17 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         """A reply to a conversation, rendered with the model's own chat template."""
         _check_model(served, body.model)
+        unserved = body.unserved(served.tokenizer.chat_template)
+        if unserved:  # what the schema cannot say
+            raise APIError(400, unserved[1], param=unserved[0], code="unsupported_value")
+        warn_ignored(body, "/v1/chat/completions")
         messages = [
             {
                 "role": "system" if m.role == "developer" else m.role,
                 "content": m.content
                 if isinstance(m.content, str)
                 else "".join(p.text for p in m.content),
+                **({} if m.name is None else {"name": m.name}),
             }
             for m in body.messages
         ]
@@ -192,6 +200,7 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Any:
         """The continuation of a text (or of token ids), without a chat template."""
         _check_model(served, body.model)
+        warn_ignored(body, "/v1/completions")
         vocab = min(served.tokenizer.vocab_size, served.batcher.config.vocab_size)
         prompt, text = await run_in_threadpool(
             _completion_prompt, served.tokenizer, body.prompt, vocab

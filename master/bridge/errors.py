@@ -13,15 +13,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from master.batcher import Failed, NodeLost, ShuttingDown
-from master.bridge.schema import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ErrorBody,
-    ErrorResponse,
-)
+from master.bridge.request import REQUESTS, declared, narrowed
+from master.bridge.schema import ErrorBody, ErrorResponse
 from master.transport import ClusterError
 
 log = logging.getLogger(__name__)
@@ -69,8 +66,9 @@ def install_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        model = REQUESTS.get(request.url.path)
+        return validation_error(exc.errors(), model, exc.body).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -100,12 +98,16 @@ def failure(event: Failed) -> APIError:
 _EXPECTED = {
     "stop": "a string or a list of strings",
     "prompt": "a string, a list of token ids, or a list of one of either",
-    "content": "a string or a list of {'type': 'text', 'text': ...} parts",
+    "content": "a string or a list of {'type': 'text', 'text': ...} parts (edgetp's models "
+    "read text only)",
 }
 
 
-def validation_error(errors: Any) -> APIError:
-    """One 400 for pydantic's errors: the first field at fault, what it got, what it takes."""
+def validation_error(
+    errors: Any, model: type[BaseModel] | None = None, body: Any = None
+) -> APIError:
+    """One 400 for pydantic's errors in a request for `model`: the first field at fault, what it
+    got, what it takes."""
     errors = list(errors)
     first = errors[0]
     if first["type"] == "json_invalid":
@@ -143,25 +145,52 @@ def validation_error(errors: Any) -> APIError:
             param=param,
             code="invalid_value",
         )
+    narrow = _narrowed_field(model, field_path) if model else None
+    if model and narrow:  # maybe a value OpenAI takes: say what edgetp serves instead
+        info = declared(model, narrow)
+        param = ".".join(narrow)
+        value = _value_at(body, narrow, first.get("input"))
+        return APIError(
+            400,
+            f"{param}: {_show(value)} is not supported; {info.description if info else ''}",
+            param=param,
+            code="unsupported_value",
+        )
     same = [e for e in errors if _field_path([str(x) for x in e["loc"]][1:]) == field_path]
     if len(same) > 1 and field_path[-1] in _EXPECTED:
         msg = f"{param} must be {_EXPECTED[field_path[-1]]}"
     else:
         msg = f"{param}: {first['msg']}"
     msg += f"; got {_show(first.get('input'))}"
-    hint = _HINTS.get(param)
+    info = declared(model, field_path) if model else None
+    hint = info.description if info else None
     if hint:
         msg += f" ({param}: {hint})"
     return APIError(400, msg, param=param, code="invalid_value")
 
 
-_HINTS = {
-    name: field.description
-    for model in (ChatCompletionRequest, CompletionRequest)
-    for name, field in model.model_fields.items()
-    if field.description
-}
 _BRANCH_TAGS = {"str", "int", "float", "bool", "TextPart"}
+
+
+def _narrowed_field(model: type[BaseModel], path: list[str]) -> list[str] | None:
+    """The start of `path` that names a field edgetp takes at fewer values than OpenAI does."""
+    for end in range(1, len(path) + 1):
+        if narrowed(declared(model, path[:end])):
+            return path[:end]
+    return None
+
+
+def _value_at(body: Any, path: list[str], default: Any) -> Any:
+    """The value at `path` in the request's JSON body, else `default`."""
+    value = body
+    for part in path:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return default
+    return value
 
 
 def _field_path(loc: list[str]) -> list[str]:

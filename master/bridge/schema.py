@@ -1,25 +1,18 @@
-"""The REST bridge's wire shapes: OpenAI's chat and completions API, as far as edgetp serves it.
+"""The REST bridge's wire shapes: the limits its requests share, its errors and responses in
+OpenAI's shapes, and the OpenAPI document.
 
-Requests are strict: a field of the wrong type (a string for a number, 51.5 for an integer) or
-a field edgetp does not serve is refused with a 400 that names it, rather than coerced or
-silently dropped. Ranges live here, so the OpenAPI document says exactly what is accepted; the
-bounds that depend on the model (the context, the vocabulary) are added to the served schema,
-and what depends on the prompt's length is checked by the handlers.
+The requests themselves are request.py's. Ranges live in the models, so the OpenAPI document
+says exactly what is accepted; the bounds that depend on the model (the context, the
+vocabulary) are added to the served schema, and what depends on the prompt's length is checked
+by the handlers.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
-
-from master.params import (
-    GREEDY_BELOW,
-    REPETITION_PENALTY_MAX,
-    REPETITION_PENALTY_MIN,
-    TEMPERATURE_MAX,
-)
 
 SEED_LIMIT = 2**53 - 1  # the largest integer a JSON number (a double) holds exactly
 MAX_STOP_STRINGS = 4
@@ -29,21 +22,6 @@ MAX_TEXT = 1_000_000  # characters in one string: far beyond any context
 # can carry) is refused here instead of failing in the tokenizer.
 AnyText = Annotated[str, Field(max_length=MAX_TEXT)]
 Text = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-INT_FIELDS = ("max_tokens", "max_completion_tokens", "seed", "n", "top_k", "best_of")
-
-
-def _integral(value: Any) -> Any:
-    """51.0 is an integer to JSON Schema (and JavaScript); 51.5, "51" and true are not."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_integral(v) for v in value]
-    return value
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -56,112 +34,6 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
-
-
-# -- requests ---------------------------------------------------------------------------------
-class StreamOptions(_Strict):
-    include_usage: bool = Field(
-        False, description="send a last chunk, with empty choices, that carries the usage counts"
-    )
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: AnyText
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="'developer' is passed to the chat template as 'system'"
-    )
-    content: AnyText | list[TextPart] = Field(description="text, or a list of text parts (joined)")
-
-
-class SamplingFields(_Strict):
-    """Fields both generation endpoints take."""
-
-    model: AnyText | None = Field(
-        None, description="the served model's id (GET /v1/models); omitted: the served model"
-    )
-    temperature: float | None = Field(
-        None,
-        ge=0.0,
-        le=TEMPERATURE_MAX,
-        description=f"0 is greedy; default 1. Below {GREEDY_BELOW} counts as 0 (the same argmax).",
-    )
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus mass; default 1")
-    max_tokens: int | None = Field(
-        None, ge=1, description="tokens to generate at most; prompt + max_tokens <= the context"
-    )
-    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
-        None, description=f"up to {MAX_STOP_STRINGS} non-empty strings that end the output"
-    )
-    seed: int | None = Field(
-        None, ge=-SEED_LIMIT, le=SEED_LIMIT, description="makes sampling repeatable"
-    )
-    n: int | None = Field(None, ge=1, le=1, description="choices per request: only 1")
-    stream: bool | None = Field(False, description="send server-sent events as tokens come")
-    stream_options: StreamOptions | None = Field(None, description="used with stream: true")
-    presence_penalty: float | None = Field(
-        None, ge=0.0, le=0.0, description="only 0: edgetp has none; use repetition_penalty"
-    )
-    frequency_penalty: float | None = Field(
-        None, ge=0.0, le=0.0, description="only 0: edgetp has none; use repetition_penalty"
-    )
-    user: AnyText | None = Field(None, description="accepted for compatibility; not used")
-    # edgetp's own sampling knobs (the names other OpenAI-compatible servers use)
-    top_k: int | None = Field(None, ge=0, description="edgetp: keep the k likeliest; 0 = all")
-    repetition_penalty: float | None = Field(
-        None,
-        ge=REPETITION_PENALTY_MIN,
-        le=REPETITION_PENALTY_MAX,
-        description="edgetp: >1 discourages repeating tokens",
-    )
-    ignore_eos: bool | None = Field(
-        False, description="edgetp: keep going past end-of-sequence, up to max_tokens"
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _integral_numbers(cls, data: Any) -> Any:
-        """Integer fields take integral floats (51.0), as JSON Schema's `integer` does."""
-        if isinstance(data, dict):
-            data = dict(data)
-            for name in (*INT_FIELDS, "prompt"):
-                if name in data:
-                    data[name] = _integral(data[name])
-        return data
-
-
-class ChatTemplateKwargs(_Strict):
-    enable_thinking: bool | None = Field(
-        None,
-        description=(
-            "false: the chat template's thinking block off (Qwen3's switch); a model whose "
-            "template has none refuses it (400)"
-        ),
-    )
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    chat_template_kwargs: ChatTemplateKwargs | None = Field(
-        None, description="switches passed to the model's chat template"
-    )
-    max_completion_tokens: int | None = Field(
-        None, ge=1, description="the newer name of max_tokens; wins if both are given"
-    )
-
-
-class CompletionRequest(SamplingFields):
-    prompt: (
-        Text
-        | Annotated[list[Text], Field(min_length=1, max_length=1)]
-        | TokenIds
-        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
-    ) = Field(description="one prompt: text, or token ids (a list of one of either is accepted)")
-    echo: bool | None = Field(False, description="put the prompt before the completion")
-    best_of: int | None = Field(None, ge=1, le=1, description="only 1")
 
 
 # -- responses --------------------------------------------------------------------------------
