@@ -11,7 +11,6 @@ import gc
 import queue
 import socket
 import threading
-import time
 import weakref
 
 import numpy as np
@@ -19,6 +18,7 @@ import openai
 import pytest
 import uvicorn
 from test_speculate import EDIT, SlowLinkSpeculator
+from waiting import wait_until
 
 from master.batcher import Batcher, Delta, Event, Failed, Finished
 from master.bridge.app import Served, create_app
@@ -120,11 +120,11 @@ def test_a_cancelled_request_is_dropped_before_the_next_step(batcher, prompts):
     while len(c.text) < 10:
         c.next()
     c.ticket.cancel()
-    deadline = time.monotonic() + TIMEOUT
-    while batcher.stats().cancelled == before.cancelled:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    stats = batcher.stats()
+    stats = wait_until(
+        lambda: (now := batcher.stats()).cancelled > before.cancelled and now,
+        TIMEOUT,
+        "cancel in the generation loop",
+    )
     record = stats.last_cancel
     assert record is not None and record.id == c.ticket.id
     assert record.late_steps == 0  # only the step already running when it came computed on
@@ -306,10 +306,8 @@ def test_a_model_without_a_chat_template_is_told_to_use_completions(batcher, smo
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+        wait_until(lambda: server.started or not thread.is_alive(), TIMEOUT, "start of uvicorn")
+        assert server.started, "uvicorn ended before it started"
         port = sock.getsockname()[1]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", timeout=TIMEOUT)
         message = {"role": "user", "content": "Why is the sky blue?"}

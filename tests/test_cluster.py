@@ -16,6 +16,7 @@ import torch
 import zmq
 from cluster_threads import master_threads
 from local_processes import parent_pid, process_state
+from waiting import wait_until
 
 from master.cluster import Hub
 from master.engine import Engine
@@ -105,7 +106,9 @@ def test_n_nodes_equal_one_node(smollm2, smollm2_tokenizer, single, shared_state
     assert tokens == ref_tokens
 
 
-def test_worker_dying_mid_answer_fails_fast(smollm2, smollm2_tokenizer, shared_state):
+def test_worker_dying_mid_answer_fails_fast(smollm2, smollm2_tokenizer, shared_state, monkeypatch):
+    """A worker killed mid-answer fails the request as soon as its heartbeats are missed (the
+    error says so), not at a step's timeout; the next request fails before it sends anything."""
     with local_cluster(smollm2, [1, 1], shared_state) as (engine, hub, workers):
         ids = smollm2_tokenizer.encode("Write a long story about a dragon.")
         (g,) = start(engine, [ids], [SamplingParams(max_tokens=200, ignore_eos=True)])
@@ -114,18 +117,30 @@ def test_worker_dying_mid_answer_fails_fast(smollm2, smollm2_tokenizer, shared_s
         victim = workers.procs[0]
         killed_at = time.monotonic()
         victim.send_signal(signal.SIGKILL)
-        with pytest.raises(ClusterError, match="local-1.*stopped answering"):
+        # Noticed by the missed heartbeats (the step's own timeout says "no partials within").
+        with pytest.raises(ClusterError, match=r"local-1 stopped answering .*\(no heartbeat for"):
             for _ in it:
                 pass
-        elapsed = time.monotonic() - killed_at
-        print(f"request failed {elapsed:.2f} s after the kill")
-        assert elapsed < 5.0
-        # The master keeps running: the next request fails at once, saying why.
+        print(f"request failed {time.monotonic() - killed_at:.2f} s after the kill")
+        # The master keeps running: the next request fails at once, saying why: before it has
+        # sent a node anything, or waited for one.
+        network: list[str] = []
+
+        def recorded(name: str):
+            real = getattr(hub.transport, name)
+
+            def call(*args, **kwargs):
+                network.append(name)
+                return real(*args, **kwargs)
+
+            return call
+
+        for name in ("send_step", "gather", "gather_rows", "decode_layers"):
+            monkeypatch.setattr(hub.transport, name, recorded(name))
         (g2,) = start(engine, [ids], [SamplingParams(max_tokens=5)])
-        t0 = time.monotonic()
         with pytest.raises(ClusterError, match="left the cluster"):
             list(stream(engine, smollm2_tokenizer, [g2]))
-        assert time.monotonic() - t0 < 1.0
+        assert network == [], network
 
 
 def test_a_worker_runs_on_when_its_fork_server_is_killed(smollm2, smollm2_tokenizer, shared_state):
@@ -140,10 +155,7 @@ def test_a_worker_runs_on_when_its_fork_server_is_killed(smollm2, smollm2_tokeni
         server = parent_pid(worker.pid)
         assert server not in (0, os.getpid())
         os.kill(server, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while process_state(server) not in ("Z", "") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert process_state(server) in ("Z", ""), "the fork server did not die"
+        wait_until(lambda: process_state(server) in ("Z", ""), 60, "death of the fork server")
         assert worker.poll() is None and worker.returncode is None
         (after,) = start(engine, [ids], [SamplingParams(max_tokens=8)])
         list(stream(engine, smollm2_tokenizer, [after]))
@@ -178,7 +190,7 @@ def _ship_once(smollm2, manifest, master_store, worker_dir, kill_when_part_excee
             if parts and done >= 3 and part_size(parts[0]) > kill_when_part_exceeds:
                 workers.procs[0].send_signal(signal.SIGKILL)
                 return
-            time.sleep(0.005)
+            time.sleep(0.005)  # the poll of the transfer's files: the kill must land mid-file
 
     try:
         hub.wait_for_workers(1, timeout=60)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from waiting import wait_until
 
 from master.bench.cluster_figures import cpu_floor_ms
 from master.bench.greedy import time_greedy
@@ -129,14 +130,15 @@ def test_local_nodes_that_do_not_fit_in_their_container_say_so(tmp_path):
         done = subprocess.run(["sh", "-c", enter, "sh", *run, PROMPT], capture_output=True,
                               text=True, env=env, timeout=180)  # fmt: skip
     finally:  # anything the run left in it (none should be) ends with it
-        for _ in range(50):
-            with contextlib.suppress(OSError):
+
+        def emptied() -> bool:
+            with contextlib.suppress(OSError):  # busy until the killed have left it
                 for pid in (folder / "cgroup.procs").read_text().split():
                     os.kill(int(pid), signal.SIGKILL)
                 folder.rmdir()
-            if not folder.exists():
-                break
-            time.sleep(0.1)
+            return not folder.exists()
+
+        wait_until(emptied, 60, f"removal of {folder}")
     assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
     assert "out-of-memory killer has ended processes here" in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -169,6 +171,8 @@ def test_a_disk_limit_is_read_as_its_rate_past_its_first_burst_and_a_stall(tmp_p
                 if line.strip() != "probing":
                     rates.append(float(line) * 1e9)
                     continue
+                # The stall under test, a quarter of a second into the probe (which reads for
+                # longer): the probe must measure past it.
                 time.sleep(0.25)
                 child.send_signal(signal.SIGSTOP)
                 time.sleep(0.3)
@@ -347,10 +351,10 @@ def test_the_memory_the_cores_share_is_timed_alone_and_all_at_once():
     print(f"\nalone {alone:.1f} GB/s, together {together}")
     assert 0.5 < alone < 1000
     assert len(together) == 2 and all(0.5 < x < 1000 for x in together), together
-    started = time.monotonic()  # a stream that cannot run (no such core) fails it at once
-    with pytest.raises(RuntimeError, match="memory stream on core 4096 failed"):
+    # A stream that cannot run (no such core) fails it at once: by its exit code, not at the
+    # deadline for the figures ("the memory streams gave 0 of 3 figures in 60 s").
+    with pytest.raises(RuntimeError, match=r"memory stream on core 4096 failed \(exit code"):
         stream_rates([0, 4096], pairs=1, seconds=0.1)
-    assert time.monotonic() - started < 30
 
 
 def test_the_link_relay_holds_every_byte_its_delay_and_no_longer_than_it_must():
@@ -378,7 +382,7 @@ def test_a_relay_whose_receiver_stalls_waits_without_spinning_or_hoarding():
         def stalled_receiver() -> None:
             conn, _ = server.accept()
             with conn:
-                time.sleep(stall)
+                time.sleep(stall)  # the stall under test: the relay's writes must wait on it
                 got = 0
                 while got < size and (data := conn.recv(1 << 20)):
                     got += len(data)

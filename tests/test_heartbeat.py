@@ -6,17 +6,11 @@ import os
 import time
 
 import zmq
+from waiting import wait_until
 
 from node import heartbeat
 from node.heartbeat import DEAD_AFTER, HeartbeatClient, HeartbeatServer
 from node.security import JoinToken, Keypair
-
-
-def _until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_a_pause_of_this_process_is_not_its_peer_s_silence(monkeypatch):
@@ -31,17 +25,34 @@ def test_a_pause_of_this_process_is_not_its_peer_s_silence(monkeypatch):
         context, f"tcp://127.0.0.1:{server.port}", "node-1", JoinToken(public, os.urandom(16))
     )
     try:
-        _until(lambda: server.silence("node-1") < 0.5 and client.master_silence() < 0.5)
+        wait_until(
+            lambda: server.silence("node-1") < 0.5 and client.master_silence() < 0.5,
+            30,
+            "beats both ways",
+        )
         real = time.monotonic
         monkeypatch.setattr(heartbeat.time, "monotonic", lambda: real() + 3.0)
+        jumped = time.monotonic()  # the clock as both heartbeat threads read it from now on
         # At once, before either heartbeat thread has run since the jump:
         assert client.master_silence() < DEAD_AFTER, client.master_silence()
         assert server.silence("node-1") < DEAD_AFTER, server.silence("node-1")
-        time.sleep(4 * heartbeat.HEARTBEAT_INTERVAL)  # they run, and beats come again
+
+        def ran_and_beat() -> bool:
+            """Both threads have run since the jump, and a beat has come each way since."""
+            with server._lock:
+                heard_node = server._last.get("node-1", 0.0) > jumped
+            return (
+                client._awake.tick > jumped
+                and server._awake.tick > jumped
+                and client._last_reply > jumped
+                and heard_node
+            )
+
+        wait_until(ran_and_beat, 30, "run of both heartbeat threads, and beats, since the jump")
         assert client.master_silence() < DEAD_AFTER, client.master_silence()
         assert server.silence("node-1") < DEAD_AFTER, server.silence("node-1")
         server.close()  # the master goes away: that silence counts
-        _until(lambda: client.master_silence() > DEAD_AFTER, timeout=DEAD_AFTER + 2)
+        wait_until(lambda: client.master_silence() > DEAD_AFTER, 30, "death of the master")
     finally:
         client.close()
         server.close()

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx2 as httpx
@@ -19,6 +18,7 @@ import openai
 import pytest
 from rich.console import Console
 from textual.widgets import Static
+from waiting import until_shown, wait_until
 
 from master.bridge.client import start_server
 from tui.chat.app import ChatApp
@@ -112,23 +112,26 @@ async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp
         )
         long_answer.start()
         devices = [join(port, token, f"dev-{k}", tmp_path / f"dev-{k}") for k in (1, 2)]
-        deadline = time.monotonic() + 60
-        while len(cluster_nodes(bridge.base)) < 3:  # HELLOs answered mid-answer
-            assert time.monotonic() < deadline, cluster_nodes(bridge.base)
-            await asyncio.sleep(0.2)
+        await asyncio.to_thread(  # HELLOs answered mid-answer
+            wait_until,
+            lambda: len(cluster_nodes(bridge.base)) >= 3,
+            120,
+            lambda: f"three nodes: {cluster_nodes(bridge.base)}",
+        )
         assert long_answer.is_alive(), "the answer ended before the devices were let in"
         await asyncio.to_thread(long_answer.join)
         assert len(answers) == 1 and answers[0].strip()  # it went on, undisturbed
         store = ConversationStore(tmp_path / "conversations")
         app = ChatApp(BridgeClient(bridge.base), store, sampling=Sampling(), poll_s=0.5)
         async with app.run_test(size=(110, 36)) as pilot:
-            deadline = time.monotonic() + 180
-            while not (
-                (text := panel_text(app)).count("● up") == 3 and "dev-1" in text and "dev-2" in text
-            ):
-                assert time.monotonic() < deadline, f"the devices never showed up:\n{text}"
+
+            def both_up() -> bool:
                 assert all(d.poll() is None for d in devices), "a device exited"
-                await pilot.pause(0.2)
+                text = panel_text(app)
+                return text.count("● up") == 3 and "dev-1" in text and "dev-2" in text
+
+            await until_shown(pilot, both_up, 180, "devices up in the panel")
+            text = panel_text(app)
         assert text.count("127.0.0.1") >= 2, text  # each device's address
         figures = httpx.get(f"{bridge.base}/v1/cluster", timeout=10).json()
         assert sorted(n["name"] for n in figures["nodes"]) == ["dev-1", "dev-2", "master"]
@@ -164,20 +167,24 @@ def test_a_master_without_a_terminal_serves_until_sigterm(tmp_path):
     )  # fmt: skip
     devices: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + 60
-        while not (found := JOIN_LINE.search(Path(master_err.name).read_text())):
-            assert master.poll() is None and time.monotonic() < deadline, Path(
-                master_err.name
-            ).read_text()
-            time.sleep(0.1)
+
+        def said(pattern: re.Pattern[str]) -> re.Match[str] | None:
+            """The master's line that matches, once it has written it; fails if it exits."""
+            text = Path(master_err.name).read_text()
+            assert master.poll() is None, text
+            return pattern.search(text)
+
+        def log() -> str:
+            return f"line in the master's log:\n{Path(master_err.name).read_text()}"
+
+        found = wait_until(lambda: said(JOIN_LINE), 120, log)
         devices = [join(*found.groups(), "dev-1", tmp_path / "dev-1")]
-        deadline = time.monotonic() + 180
-        while "ready; stdin is not a terminal" not in Path(master_err.name).read_text():
-            assert master.poll() is None, Path(master_err.name).read_text()
-            assert time.monotonic() < deadline, Path(master_err.name).read_text()
-            time.sleep(0.2)
-        time.sleep(3)  # well past end-of-file on stdin: both still run
-        assert master.poll() is None and devices[0].poll() is None
+        wait_until(lambda: said(re.compile("ready; stdin is not a terminal")), 180, log)
+        # Past end-of-file on stdin both still run: a master that took it for the end would
+        # exit at once (its prompt loop reads every 0.5 s); these 3 s are the span of the check.
+        with pytest.raises(subprocess.TimeoutExpired):
+            master.wait(3)
+        assert devices[0].poll() is None
         master.send_signal(signal.SIGTERM)
         assert master.wait(30) == 0, Path(master_err.name).read_text()
         assert devices[0].wait(30) == 0  # the master said BYE

@@ -9,12 +9,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
 import zmq
 from cluster_threads import master_threads
+from waiting import wait_until
 
 from master.cluster import Hub
 from master.generate import start, stream
@@ -129,7 +129,7 @@ def test_plain_socket_gets_nothing_and_breaks_nothing(tmp_path):
         secure_client(good, hub.token)
         good.connect(f"tcp://127.0.0.1:{hub.port}")
         good.send_multipart(M.encode(hello))
-        _pump(hub, 2.0)
+        _pump(hub, 30.0)  # until it has joined (a deadline against a hang)
         assert [m.name for m in hub.nodes] == ["x"]
         good.close()
     finally:
@@ -159,6 +159,22 @@ class Sniffer:
             self.captured += frame
             self.packets += 1
 
+    def caught_up(self) -> None:
+        """Return once the capture has come past every packet sent on loopback before the
+        call: a marker datagram is sent after them, and loopback delivers in order. It is sent
+        again at each look, as a capture that lags behind (a busy machine) has its buffer full
+        and the kernel drops what comes meanwhile."""
+        marker = os.urandom(16)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+
+            def seen() -> bool:
+                if marker in self.captured:
+                    return True
+                udp.sendto(marker, ("127.0.0.1", 9))  # the discard port: nobody reads it
+                return False
+
+            wait_until(seen, 60, "capture of the marker datagram")
+
     def stop(self) -> bytes:
         self._stop.set()
         self._thread.join()
@@ -180,7 +196,7 @@ def test_traffic_between_master_and_worker_is_encrypted(smollm2, smollm2_tokeniz
         sniffer = Sniffer()
         (g,) = start(engine, [ids], [SamplingParams(max_tokens=16)])
         answer = "".join(text for _, text in stream(engine, smollm2_tokenizer, [g]))
-        time.sleep(0.2)
+        sniffer.caught_up()
         wire = sniffer.stop()
         packets = sniffer.packets
         # Positive control: the same message on a plain socket is seen in the clear.
@@ -192,7 +208,7 @@ def test_traffic_between_master_and_worker_is_encrypted(smollm2, smollm2_tokeniz
         h0 = torch.nn.functional.embedding(torch.tensor([ids]), engine.embedding)
         b.send_multipart(M.encode(M.Step(step=1, layer=0, block=P.ATTENTION), (h0,)))
         a.recv_multipart()
-        time.sleep(0.2)
+        control.caught_up()
         clear = control.stop()
         a.close(0)
         b.close(0)

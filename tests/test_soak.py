@@ -10,6 +10,7 @@ stays within 10% of before. The suite runs a short form; `make soak` the full on
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
@@ -21,13 +22,15 @@ import httpx2 as httpx
 import openai
 import pytest
 from local_processes import local_workers
+from waiting import wait_until
 
 from master.bridge.client import start_server
 
 pytestmark = pytest.mark.slow
 
 FULL = os.environ.get("EDGETP_SOAK") == "full"
-REQUESTS = 300 if FULL else 16  # the short form: both kills land in the first 6 s (seed 0)
+# At least: the load goes on past them until the KILLS have landed, however fast it runs.
+REQUESTS = 300 if FULL else 16
 KILLS = 10 if FULL else 2
 CLIENTS = 4
 MAX_TOKENS = 40
@@ -41,14 +44,14 @@ def cluster(base: str) -> dict:
 
 def planned_on_all_three(base: str, timeout: float = 90) -> dict:
     """/v1/cluster once the master and both workers are planned and ready again."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def planned() -> dict | None:
         figures = cluster(base)
         nodes = figures["nodes"]
-        if len(nodes) == 3 and all(n["ready"] and n["alive"] and n["slices"] for n in nodes):
-            return figures
-        assert time.monotonic() < deadline, nodes
-        time.sleep(0.5)
+        ready = len(nodes) == 3 and all(n["ready"] and n["alive"] and n["slices"] for n in nodes)
+        return figures if ready else None
+
+    return wait_until(planned, timeout, lambda: f"three nodes planned: {cluster(base)['nodes']}")
 
 
 def ask(client: openai.OpenAI, prompt: str) -> str:
@@ -78,14 +81,15 @@ def test_requests_survive_killed_and_paused_workers(shared_state):
         outcomes: Counter[str] = Counter()
         failures: list[str] = []
         lock = threading.Lock()
-        issued = iter(range(REQUESTS))
+        issued = itertools.count()
+        killed_all = threading.Event()  # the load goes on until the kills are done
         rng = random.Random(0)
 
         def load() -> None:
             while True:
                 with lock:
-                    n = next(issued, None)
-                if n is None:
+                    n = next(issued)
+                if n >= REQUESTS and killed_all.is_set():
                     return
                 prompt = PROMPTS[n % len(PROMPTS)]
                 started = time.monotonic()
@@ -111,7 +115,7 @@ def test_requests_survive_killed_and_paused_workers(shared_state):
             t.start()
         kills = pauses = 0
         while any(t.is_alive() for t in threads):
-            time.sleep(rng.uniform(1.0, 3.0))
+            time.sleep(rng.uniform(1.0, 3.0))  # the random moments of the disruptions under test
             live = local_workers(server.proc.pid)
             planned = {n["name"] for n in cluster(server.base)["nodes"] if n["slices"]}
             targets = sorted(set(live) & planned)
@@ -121,9 +125,11 @@ def test_requests_survive_killed_and_paused_workers(shared_state):
             if kills < KILLS and rng.random() < 0.6:
                 os.kill(live[name], signal.SIGKILL)
                 kills += 1
+                if kills == KILLS:
+                    killed_all.set()
             else:  # a drop shorter than the heartbeat limit: not a loss
                 os.kill(live[name], signal.SIGSTOP)
-                time.sleep(rng.uniform(0.2, 1.0))
+                time.sleep(rng.uniform(0.2, 1.0))  # the drop under test
                 os.kill(live[name], signal.SIGCONT)
                 pauses += 1
         for t in threads:
@@ -139,9 +145,8 @@ def test_requests_survive_killed_and_paused_workers(shared_state):
             f"recovered mid-answer {generation['recovered']}; "
             f"restarts {[(n['name'], n.get('restarts', 0)) for n in after['nodes']]}"
         )
-        assert sum(outcomes.values()) == REQUESTS
+        assert sum(outcomes.values()) >= REQUESTS and kills == KILLS
         assert outcomes["hung"] == 0 and outcomes["lost"] == 0, failures
-        assert kills >= KILLS, f"only {kills} kills: the load ended first"
         rss_after = after["nodes"][0]["rss_bytes"]
         print(f"master RSS {rss_before / 1e6:.0f} MB before, {rss_after / 1e6:.0f} MB after")
         assert rss_after <= 1.1 * rss_before

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from waiting import returns_within
 
 from master.generate import start, stream
 from master.local import local_engine
@@ -306,10 +307,10 @@ def test_a_shard_lost_while_streaming_raises_with_its_path(layer_files, tmp_path
         window.release(1)
         window.get(2)
         window.release(2)
-        started = time.monotonic()
+        # The loader's error is handed to the waiting compute, which raises it: it does not
+        # wait for ever (the deadline only turns such a hang into a failure).
         with pytest.raises(ModelError, match=f"shard {paths[3]} cannot be read"):
-            window.get(3)
-        assert time.monotonic() - started < 5
+            returns_within(lambda: window.get(3), 60, "the get of a lost layer")
     finally:
         window.close()
 
@@ -395,6 +396,7 @@ def test_the_master_names_the_node_and_file_of_a_bad_shard(
         elapsed = time.monotonic() - started
     message = str(err.value)
     print(f"{damage} shard, after {elapsed:.1f} s: {message}")
-    assert member.name in message and str(victim) in message, message
+    # The node said what failed (an ERROR naming the file), rather than going silent until
+    # its heartbeats were missed ("stopped answering") or the step's timeout.
+    assert f"node {member.name} failed: " in message and str(victim) in message, message
     assert ("cannot be read" if damage == "missing" else "corrupt") in message, message
-    assert elapsed < 10, elapsed

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import zmq
 from cluster_threads import master_threads
+from waiting import wait_until
 from wire_garbage import to_master, to_node
 
 from master.cluster import (
@@ -70,9 +71,15 @@ def test_an_authenticated_peer_sending_garbage_cannot_stop_the_master(caplog):
                 bad.send_multipart(to_master(rng))
                 if n % 100 == 99:
                     hub.watch_membership(0.05)  # the master takes them in as they come
-            quiet = time.monotonic() + 2
-            while time.monotonic() < quiet:
+            # Then one it refuses by name, a HELLO of another version: once it is logged, the
+            # master has taken in every message before it (one connection keeps their order).
+            bad.send_multipart(M.encode(M.Hello(-1, "end-of-garbage", Capacity(1, 1, 1.0))))
+
+            def all_taken_in() -> bool:
                 hub.watch_membership(0.05)
+                return any("refused node end-of-garbage" in r.getMessage() for r in caplog.records)
+
+            wait_until(all_taken_in, 60, "refusal of the last message")
         # A HELLO whose garbage was in fields it does not read got the peer in; its next bad
         # message dropped it; a later HELLO let it in again, once.
         assert len(hub.nodes) <= 1, hub.nodes
@@ -93,10 +100,12 @@ def test_an_authenticated_peer_sending_garbage_cannot_stop_the_master(caplog):
                 hub.watch_membership(0.05)
             assert "liar" not in [m.name for m in hub.nodes], cost
         good.send_multipart(M.encode(M.Hello(P.PROTOCOL_VERSION, "ok", Capacity(1, 1, 1.0))))
-        deadline = time.monotonic() + 5
-        while "ok" not in [m.name for m in hub.nodes] and time.monotonic() < deadline:
+
+        def ok_in() -> bool:
             hub.watch_membership(0.1)
-        assert "ok" in [m.name for m in hub.nodes], hub.nodes
+            return "ok" in [m.name for m in hub.nodes]
+
+        wait_until(ok_in, 60, lambda: f"node ok: {hub.nodes}")
         good.close()
     finally:
         bad.close()
@@ -150,9 +159,11 @@ def test_measure_answers_replace_the_join_figures_and_a_silent_node_keeps_its_ow
         hub.close()
         for peer in peers.values():
             peer.close()
-    assert 1.0 <= waited < 5.0, waited
+    # It waited for the silent one the whole second it was given, and gave up at that second's
+    # end, not at the default 10 s (the log names the wait it gave up after).
+    assert waited >= 1.0, waited
     said = [r.getMessage() for r in caplog.records]
-    assert any("silent did not measure its speed again" in line for line in said), said
+    assert any("silent did not measure its speed again within 1 s" in line for line in said), said
 
 
 def test_a_link_is_timed_by_echoes_and_a_silent_node_gets_no_figure(caplog):
@@ -170,7 +181,7 @@ def test_a_link_is_timed_by_echoes_and_a_silent_node_gets_no_figure(caplog):
             message, tensors = M.decode_from_master(peer.recv_multipart())
             assert isinstance(message, M.Echo)
             if tensors[0].nbytes == 4:
-                time.sleep(step * echoed.count(4))
+                time.sleep(step * echoed.count(4))  # the link's delay under test
             echoed.append(tensors[0].nbytes)
             peer.send_multipart(M.encode(M.Echoed(), tensors))
 
@@ -216,7 +227,7 @@ def test_a_link_too_slow_for_every_large_echo_is_timed_by_those_that_fit():
             message, tensors = M.decode_from_master(peer.recv_multipart())
             assert isinstance(message, M.Echo)
             if tensors[0].nbytes == LINK_PROBE_BYTES:
-                time.sleep(hold)
+                time.sleep(hold)  # the slow link under test
             echoed.append(tensors[0].nbytes)
             peer.send_multipart(M.encode(M.Echoed(), tensors))
 
@@ -259,7 +270,10 @@ def test_a_serving_node_sent_2000_malformed_messages_logs_each_and_rejoins(
     session = Session(smollm2, hub, shared_state, CONTEXT, SLOTS, capacities=[1, 1])
     workers = LocalWorkers(1, hub.port, 1, shared_state, False, hub.token)
     log_file = workers.logs[0]
-    logged_before = log_file.read_text().count("ignored a malformed message")
+    # What the log holds from an earlier worker (none if this is the first: the new one may
+    # not have made the file yet).
+    before = log_file.read_text() if log_file.exists() else ""
+    logged_before = before.count("ignored a malformed message")
     try:
         session.start(workers=1, timeout=120)
         want = _greedy(session, smollm2_tokenizer)
@@ -269,14 +283,13 @@ def test_a_serving_node_sent_2000_malformed_messages_logs_each_and_rejoins(
         for _ in range(MESSAGES):
             hub.transport.send_frames(member.identity, to_node(rng, c.n_layers, c.hidden, SLOTS,
                                                               CONTEXT))  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:
-            logged = log_file.read_text().count("ignored a malformed message") - logged_before
-            if logged >= MESSAGES or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        print(f"\nthe node logged {logged} of {MESSAGES} malformed messages")
-        assert logged == MESSAGES
+
+        def logged() -> int:
+            return log_file.read_text().count("ignored a malformed message") - logged_before
+
+        wait_until(lambda: logged() >= MESSAGES, 120, lambda: f"{MESSAGES} lines ({logged()})")
+        print(f"\nthe node logged {logged()} of {MESSAGES} malformed messages")
+        assert logged() == MESSAGES
         assert workers.procs[0].poll() is None, "the node stopped"
         shipped = hub.shipped_bytes
         deadline = time.monotonic() + 60
