@@ -316,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-batch", type=int, default=8, help="requests generated at once (KV-cache slots)"
     )
+    serve.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN (e.g. http://localhost:3000, or *) call the API from a "
+        "browser; repeatable (default: none)",
+    )
     _add_draft_arg(serve)
 
     synth = sub.add_parser(

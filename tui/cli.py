@@ -273,6 +273,7 @@ def _serve(args: argparse.Namespace) -> None:
         api_key,
         args.verbose,
         (args.draft, args.draft_dtype),
+        args.cors_origin,
     )
 
 

@@ -12,11 +12,12 @@ import asyncio
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, cast
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -25,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from master.batcher import Batcher, BusyError, Delta, Event, Failed, Finished, Ticket
 from master.bridge.errors import APIError, documented, failure, install_handlers
+from master.bridge.metrics import add_metrics
 from master.bridge.request import (
     ChatCompletionRequest,
     ChatTemplateKwargs,
@@ -75,13 +77,22 @@ class Served:
     created: int = 0  # the model file's time, for /v1/models
 
 
-def create_app(served: Served, api_key: str | None = None) -> FastAPI:
-    """The ASGI app; `api_key` (if given) is required as `Authorization: Bearer KEY` on /v1."""
+def create_app(
+    served: Served, api_key: str | None = None, cors_origins: Sequence[str] = ()
+) -> FastAPI:
+    """The ASGI app; `api_key` (if given) is required as `Authorization: Bearer KEY` on /v1;
+    browser pages from `cors_origins` may call it (CORS; none by default)."""
     app = FastAPI(
         title="edgetp REST bridge",
         version=_version(),
         description="OpenAI-compatible chat and completions over an edgetp cluster.",
     )
+    if cors_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+            allow_headers=["*"],
+        )  # fmt: skip
+    add_metrics(app, served.batcher, served.model_id)
     bearer = HTTPBearer(auto_error=False, description="the key given to edgetp serve --api-key")
 
     async def check_key(

@@ -14,6 +14,7 @@ import logging
 import socket
 import sys
 import threading
+from collections.abc import Sequence
 from types import FrameType
 
 import uvicorn
@@ -41,12 +42,14 @@ def serve(
     api_key: str | None = None,
     verbose: bool = False,
     draft: tuple[str, str] = ("off", AUTO),
+    cors_origins: Sequence[str] = (),
 ) -> None:
     """Enter `sessions` (a started session of `source`) and serve it on `sock` (from
     `master.bridge.listen.bind`, closed here) until interrupted.
 
     `model` is the name the model was asked for, accepted in requests besides its own;
-    `draft` is `--draft` and `--draft-dtype` (master/speculate.py).
+    `draft` is `--draft` and `--draft-dtype` (master/speculate.py); `cors_origins` the pages
+    (`--cors-origin`) a browser may call the API from.
     """
     try:
         aliases = tuple({model or DEFAULT_MODEL, source.path.stem} - {source.name})
@@ -56,7 +59,7 @@ def serve(
             batcher = Batcher(session, tokenizer, speculator=speculator).start()
             try:
                 served = Served(batcher, tokenizer, source.name, aliases, created)
-                app = create_app(served, api_key)
+                app = create_app(served, api_key, cors_origins)
                 config = uvicorn.Config(
                     app,
                     log_level="info" if verbose else "warning",

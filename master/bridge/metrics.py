@@ -1,0 +1,100 @@
+"""`/metrics`: the bridge's counters and the cluster's state in Prometheus' text format.
+
+Read at scrape time from the figures the server keeps anyway (the batcher's counters, the hub's
+nodes and its allreduce latencies), so nothing on the generation path counts twice.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from master.batcher import Batcher
+from master.membership import State
+
+
+class BridgeCollector(Collector):
+    """The batcher's and the cluster's figures as Prometheus metrics, taken when scraped."""
+
+    def __init__(self, batcher: Batcher, model: str) -> None:
+        self.batcher = batcher
+        self.model = model
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.batcher.stats()
+        up = GaugeMetricFamily("edgetp_up", "1 while the cluster serves, 0 once it is down")
+        up.add_metric([], 0.0 if stats.down else 1.0)
+        yield up
+        requests = CounterMetricFamily(
+            "edgetp_requests", "requests, by what became of them", labels=["outcome"]
+        )
+        outcomes = {"submitted": stats.submitted, "completed": stats.completed,
+                    "cancelled": stats.cancelled, "failed": stats.failed}  # fmt: skip
+        for outcome, count in outcomes.items():
+            requests.add_metric([outcome], count)
+        yield requests
+        yield CounterMetricFamily(
+            "edgetp_prompt_tokens", "prompt tokens taken", stats.prompt_tokens
+        )
+        yield CounterMetricFamily(
+            "edgetp_completion_tokens", "tokens generated", stats.completion_tokens
+        )
+        yield CounterMetricFamily("edgetp_steps", "steps of the engine", stats.steps)
+        yield CounterMetricFamily(
+            "edgetp_recovered_requests",
+            "requests that went on after a node was lost in their step",
+            stats.recovered,
+        )
+        yield CounterMetricFamily(
+            "edgetp_replans_mid_answer",
+            "re-plans between two steps while answers ran (joins, leaves)",
+            stats.replans_mid_answer,
+        )
+        yield GaugeMetricFamily("edgetp_requests_running", "requests generating", stats.active)
+        yield GaugeMetricFamily("edgetp_requests_waiting", "requests waiting for a slot",
+                                stats.waiting)  # fmt: skip
+        yield GaugeMetricFamily("edgetp_slots", "KV-cache slots (requests at once)", stats.slots)
+        yield GaugeMetricFamily(
+            "edgetp_decode_tokens_per_second", "tokens a second over recent steps",
+            stats.tokens_per_s,
+        )  # fmt: skip
+        yield from self._cluster()
+
+    def _cluster(self) -> Iterator[Metric]:
+        hub = self.batcher.session.hub
+        nodes = GaugeMetricFamily(
+            "edgetp_nodes", "worker nodes by membership state (the master not counted)",
+            labels=["state"],
+        )  # fmt: skip
+        states = [m.state for m in hub.nodes] if hub is not None else []
+        for state in State:
+            if state is not State.GONE:
+                nodes.add_metric([state.value], sum(s is state for s in states))
+        yield nodes
+        recent = sorted(hub.allreduce_seconds) if hub is not None else []
+        if recent:
+            allreduce = GaugeMetricFamily(
+                "edgetp_allreduce_seconds",
+                "latency a sum adds beyond the slowest node's compute, over recent sums",
+                labels=["quantile"],
+            )
+            allreduce.add_metric(["0.5"], statistics.median(recent))
+            allreduce.add_metric(["0.99"], recent[min(len(recent) - 1, int(0.99 * len(recent)))])
+            yield allreduce
+
+
+def add_metrics(app: FastAPI, batcher: Batcher, model: str) -> None:
+    """Serve `/metrics` on `app` (outside the OpenAPI document: it is for scrapers, not
+    clients; like /health it needs no key)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BridgeCollector(batcher, model))
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
