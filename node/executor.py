@@ -18,6 +18,7 @@ from models.block_rows import attention_rows, ffn_rows
 from models.config import ModelConfig
 from models.kernels import SCALE_SUFFIX, leave_a_core_to_the_loader, linear_rows
 from models.layers import MATRICES, Slice, StepBatch
+from models.moe import Routing, moe_partial, moe_rows
 from models.quant import matrix_size
 from models.rope import Rope
 from node.device import matrix_shapes, prepare
@@ -173,11 +174,20 @@ class SliceExecutor:
         self.weights.figures.compute_s += time.perf_counter() - started
         return out
 
-    def ffn(self, index: int, h: Hidden) -> Hidden:
-        """The layer's second and last block: its weights may leave the window after this."""
+    def ffn(self, index: int, h: Hidden, routing: Routing | None = None) -> Hidden:
+        """The layer's second and last block: its weights may leave the window after this.
+        A mixture of experts' is computed for the experts the master's `routing` chose."""
         started = time.perf_counter()
         weights = self.weights.get(index)
-        if self.native_step:
+        if self.config.moe:
+            if routing is None:
+                raise ValueError(f"layer {index}'s experts need the step's routing")
+            if self.rows:
+                out = moe_rows(h, weights, self.config, routing)
+            else:
+                with torch.inference_mode():
+                    out = moe_partial(_as_tensor(h), weights, self.config, routing).numpy()
+        elif self.native_step:
             assert self.native is not None
             out = self.native.ffn(index, h)
         elif self.rows:
