@@ -239,7 +239,8 @@ class ModelConfig:
                 "ffn_hidden": int(key("expert_feed_forward_length")),
                 "n_experts": int(key("expert_count")),
                 "n_experts_used": int(key("expert_used_count")),
-                "norm_topk_prob": True,  # llama.cpp renormalises every qwen3moe's weights
+                # llama.cpp renormalises a qwen3moe's weights unless the file says otherwise
+                "norm_topk_prob": bool(metadata.get(f"{arch}.expert_weights_norm", True)),
             }
         else:
             moe = {"ffn_hidden": int(key("feed_forward_length"))}

@@ -1,6 +1,6 @@
 """A mixture of experts (Qwen3-MoE) split across nodes answers as transformers' does.
 
-A small random-weight Qwen3-MoE (2 layers, 8 experts of 32 columns, 2 a token) saved as an HF
+A small random-weight Qwen3-MoE (2 layers, 8 experts of 96 columns, 2 a token) saved as an HF
 folder: its logits at every position of a prefill and of its decode steps, at 1, 2 and 3 nodes
 in this process and 3 real node processes (the routing crosses the wire), and its greedy
 continuation, against transformers'. Then the router on its own, and the STEP's routing checks.
@@ -8,6 +8,10 @@ continuation, against transformers'. Then the router on its own, and the STEP's 
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
 import msgspec
 import numpy as np
 import pytest
@@ -17,7 +21,7 @@ from test_families import _assert_close_logits, _ours, _randomize, _windowed
 from master.engine import Engine
 from models.layers import StepBatch
 from models.moe import Routing, route
-from models.source import open_model
+from models.source import _GGUF_LAYER, _HF_LAYER, open_model
 from node import messages as M
 from node import protocol as P
 from node.steps import check_step
@@ -28,15 +32,16 @@ NODES = (1, 2, 3)
 
 SMALL_MOE = {
     "hidden_size": 64,
-    "intermediate_size": 96,  # a dense layer's: none here
-    "moe_intermediate_size": 32,
+    "intermediate_size": 128,  # a dense layer's: none here
+    # 3 blocks of 32 columns (the plan's unit): every one of 3 nodes holds a slice of each expert
+    "moe_intermediate_size": 96,
     "num_experts": 8,
     "num_experts_per_tok": 2,
     "norm_topk_prob": True,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "head_dim": 16,
+    "head_dim": 32,  # a head of o's columns is a whole number of q8_0 and q4_1 blocks
     "vocab_size": 320,
     "max_position_embeddings": 256,
     "rms_norm_eps": 1e-6,
@@ -57,10 +62,52 @@ def moe(request, tmp_path_factory):
     model.eval()
     folder = tmp_path_factory.mktemp("qwen3moe")
     model.save_pretrained(folder)
+    if config.norm_topk_prob:  # llama.cpp's qwen3moe renormalises the weights
+        _write_gguf(model, folder / "model.gguf")
     prompt = torch.randint(
         0, config.vocab_size, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0)
     )
     return model, folder, prompt.tolist()
+
+
+def _write_gguf(model, path: Path) -> None:
+    """The model as llama.cpp's converter writes a qwen3moe, f32: each layer's experts as three
+    stacks (n_experts, out, in), the router as ffn_gate_inp."""
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_expert_count(c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_vocab_size(c.vocab_size)
+    state = {k: v.detach().float().contiguous().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    names = {hf: _GGUF_LAYER[canonical] for canonical, hf in _HF_LAYER.items()}
+    for i in range(c.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for hf, name in names.items():
+            if prefix + hf in state:
+                writer.add_tensor(f"blk.{i}.{name}", state[prefix + hf])
+        # transformers holds each layer's experts as (E, 2F, D) gate and up, and (E, D, F) down
+        gate, up = np.split(state[f"{prefix}mlp.experts.gate_up_proj"], 2, axis=1)
+        stacks = {"gate": gate, "up": up, "down": state[f"{prefix}mlp.experts.down_proj"]}
+        for proj, stack in stacks.items():
+            writer.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", np.ascontiguousarray(stack))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 @torch.inference_mode()
@@ -91,8 +138,23 @@ def test_logits_equal_transformers_on_every_node_count(moe):
     for n in NODES:
         engine = Engine.local(source, (1.0,) * n)
         assert all(ex.native is None for ex in engine.executors)  # decode on the rows path
+        assert all(s.n_ffn > 0 for s in engine.slices)  # every node a slice of every expert
         ours = _ours(engine, prompt, continuation)
         _assert_close_logits(ours, expected, f"qwen3moe {n} node(s)")
+
+
+@pytest.mark.slow
+def test_gguf_logits_equal_transformers_on_every_node_count(moe):
+    model, folder, prompt = moe
+    if not model.config.norm_topk_prob:
+        pytest.skip("a qwen3moe GGUF file renormalises its experts' weights")
+    expected, continuation = _reference(model, prompt)
+    source = open_model(folder / "model.gguf")
+    hf = open_model(folder).config
+    assert replace(source.config, architecture=hf.architecture, norm_eps=hf.norm_eps) == hf
+    for n in NODES:
+        ours = _ours(Engine.local(source, (1.0,) * n), prompt, continuation)
+        _assert_close_logits(ours, expected, f"qwen3moe gguf {n} node(s)")
 
 
 @pytest.mark.slow
@@ -214,3 +276,19 @@ def test_routing_travels_in_a_step_and_back():
         check_step(
             msgspec.structs.replace(message, block=P.ATTENTION), tensors, config, cache, None
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_1"])
+def test_block_experts_split_across_real_nodes_equal_one_node(moe, dtype):
+    """Each expert's rows of the stacked matrices are multiplied in their blocks where they
+    lie: a split gives what one node gives on the same weights. (int8's per-row scales span a
+    slice's columns: another split is other weights.)"""
+    model, folder, prompt = moe
+    if not model.config.norm_topk_prob:
+        pytest.skip("one routing is enough")
+    _, continuation = _reference(model, prompt)
+    source = open_model(folder)
+    one = _windowed(source, 1, dtype, prompt, continuation, 128)
+    three = _windowed(source, 3, dtype, prompt, continuation, 128)
+    _assert_close_logits(three, one, f"qwen3moe {dtype} 3 real nodes against 1")
