@@ -205,7 +205,9 @@ class Engine:
         specs = tensor_specs(globals_path)
         head = "lm_head" if "lm_head" in specs else "embedding"
         a, b = manifest.head_rows[0] if manifest.head_rows else (0, specs[head][1][0])
-        check_kernels_before_loading(paths, window or config.n_layers, (globals_path, head, b - a))
+        check_kernels_before_loading(
+            paths, window or config.n_layers, (globals_path, head, b - a), config.n_experts
+        )
         layers = LayerWindow(paths, window or config.n_layers, drop_cache)
         factors = manifest.extra.get("rope_freq_factors")
         freq = torch.tensor(factors) if factors else None

@@ -63,6 +63,22 @@ def expert_rows(config: ModelConfig, n: int, expert: int) -> tuple[slice, slice]
     return slice(2 * n * expert, 2 * n * (expert + 1)), slice(d * expert, d * (expert + 1))
 
 
+def expert_specs(
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], experts: int
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """A slice's matrices' (dtype, shape) as they are multiplied: with `experts` (a mixture's
+    n_experts), the stacked w_gate_up and w_down one expert's rows at a time, which is the
+    product a device needs a kernel for."""
+    if not experts:
+        return specs
+    out = dict(specs)
+    for name in ("w_gate_up", "w_down"):
+        if name in specs:
+            dtype, shape = specs[name]
+            out[name] = (dtype, (shape[0] // experts, *shape[1:]))
+    return out
+
+
 def _product(x: np.ndarray, w: dict[str, torch.Tensor], name: str, rows: slice) -> np.ndarray:
     """x (R, in) times rows `rows` of a slice's matrix `name` (with its int8 scales, if any)."""
     scale = w.get(name + SCALE_SUFFIX)

@@ -292,3 +292,24 @@ def test_block_experts_split_across_real_nodes_equal_one_node(moe, dtype):
     one = _windowed(source, 1, dtype, prompt, continuation, 128)
     three = _windowed(source, 3, dtype, prompt, continuation, 128)
     _assert_close_logits(three, one, f"qwen3moe {dtype} 3 real nodes against 1")
+
+
+def test_kernels_are_prepared_for_one_expert_at_a_time(moe):
+    """The stacked matrices are multiplied an expert's rows at a time: those are the products
+    a device checks kernels for, whichever way it is asked (a plan, a loaded slice)."""
+    from master.plan import plan_slices
+    from node.device import plan_shapes
+
+    _, folder, _ = moe
+    source = open_model(folder)
+    c = source.config
+    engine = Engine.local(source, (1.0, 1.0))
+    slices = plan_slices(c, (1.0, 1.0))
+    want = {("f32", 2 * s.n_ffn, c.hidden) for s in slices} | {
+        ("f32", c.hidden, s.n_ffn) for s in slices
+    }
+    loaded = {shape for ex in engine.executors for shape in ex.matrix_shapes()}
+    assert want <= loaded
+    assert want <= set(plan_shapes(source, slices, "f32"))
+    stacked = c.n_experts * 2 * slices[0].n_ffn
+    assert all(rows < stacked for _, rows, _ in loaded)
