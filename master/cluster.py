@@ -24,6 +24,7 @@ from master.transport import ClusterError, Malformed, NodeDown, Received, Transp
 from memory.shards import Manifest, ShardStore
 from models.config import ModelConfig
 from models.layers import Slice, StepBatch
+from models.moe import Routing
 from models.rows_native import NativeBlocks
 from node import messages as M
 from node import protocol as P
@@ -407,11 +408,12 @@ class Hub:
             raise ClusterError(f"node {', '.join(dead)} left the cluster")
         return {m.identity: m.name for m in self.members}
 
-    def send(self, block: P.Block, layer: int, h: Hidden) -> None:
-        """Hand the hidden state to every member for one block of one layer."""
+    def send(self, block: P.Block, layer: int, h: Hidden, routing: Routing | None = None) -> None:
+        """Hand the hidden state (and an FFN's experts, `routing`) to every member for one block
+        of one layer."""
         identities = list(self._identities())
         with self._losing_nodes():
-            self.transport.send_step(identities, block, layer, h)
+            self.transport.send_step(identities, block, layer, h, routing)
 
     def gather(self, block: P.Block, layer: int, local_compute: float = 0.0) -> np.ndarray | None:
         """The sum of every member's partial for the block just sent (None without workers)."""

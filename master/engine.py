@@ -32,7 +32,8 @@ from models.block_rows import rms_norm_rows
 from models.config import ModelConfig
 from models.errors import ModelError
 from models.kernels import SCALE_SUFFIX, embed, kernel_set, linear, linear_rows
-from models.layers import POST_NORMS, Slice, StepBatch, slice_layer
+from models.layers import POST_NORMS, ROUTER, Slice, StepBatch, slice_layer
+from models.moe import Routing, route
 from models.rows_native import NativeBlocks
 from models.source import ModelSource
 from node import hop
@@ -68,7 +69,7 @@ class Executor(Protocol):
     def admit_native(self) -> None: ...
     def begin_step(self, batch: StepBatch) -> None: ...
     def attention(self, index: int, h: Hidden) -> Hidden: ...
-    def ffn(self, index: int, h: Hidden) -> Hidden: ...
+    def ffn(self, index: int, h: Hidden, routing: Routing | None = None) -> Hidden: ...
     def close(self) -> None: ...
 
 
@@ -78,7 +79,7 @@ class Remote(Protocol):
     A step starts with `begin_step` (its batch goes out with the step's first block)."""
 
     def begin_step(self, batch: StepBatch) -> None: ...
-    def send(self, block: Block, layer: int, h: Hidden) -> None: ...
+    def send(self, block: Block, layer: int, h: Hidden, routing: Routing | None = None) -> None: ...
     def gather(self, block: Block, layer: int, local_compute: float = 0.0) -> np.ndarray | None: ...
     def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]: ...
     def gather_rows(self, layer: int, local_compute: float = 0.0) -> list[np.ndarray]: ...
@@ -101,8 +102,13 @@ class Engine:
         lm_head_scale: torch.Tensor | None = None,
         post_norms: torch.Tensor | None = None,
         head_split: bool = False,
+        router: torch.Tensor | None = None,
     ) -> None:
         self.config = config
+        # (n_layers n_experts, D): a mixture of experts' router, the master's alone (models/moe.py)
+        self.router = router
+        if config.moe and router is None:
+            raise ValueError(f"{config.architecture} needs its experts' router")
         # `lm_head` holds this process's rows of the head and the workers hold the rest
         # (master.plan.head_rows): the head's logits are gathered like a block's partials.
         self.head_split = head_split
@@ -162,6 +168,7 @@ class Engine:
         embedding = pack({"embedding": source.embedding()})["embedding"]
         lm_head = embedding if config.tied_embeddings else pack({"head": source.lm_head()})["head"]
         post_norms = source.tensor(None, POST_NORMS) if config.post_norms else None
+        router = source.tensor(None, ROUTER) if config.moe else None
         return cls(
             config,
             embedding,
@@ -171,6 +178,7 @@ class Engine:
             max_context,
             slots,
             post_norms=post_norms,
+            router=router,
         )
 
     @classmethod
@@ -197,7 +205,9 @@ class Engine:
         specs = tensor_specs(globals_path)
         head = "lm_head" if "lm_head" in specs else "embedding"
         a, b = manifest.head_rows[0] if manifest.head_rows else (0, specs[head][1][0])
-        check_kernels_before_loading(paths, window or config.n_layers, (globals_path, head, b - a))
+        check_kernels_before_loading(
+            paths, window or config.n_layers, (globals_path, head, b - a), config.n_experts
+        )
         layers = LayerWindow(paths, window or config.n_layers, drop_cache)
         factors = manifest.extra.get("rope_freq_factors")
         freq = torch.tensor(factors) if factors else None
@@ -220,6 +230,7 @@ class Engine:
             lm_head_scale=lm_head_scale,
             post_norms=g.get(POST_NORMS),
             head_split=bool(manifest.head_rows),
+            router=g.get(ROUTER),
         )
 
     @property
@@ -262,7 +273,8 @@ class Engine:
         else:
             for i in range(self.config.n_layers):
                 h = h + self._post_norm(2 * i, self._block(ATTENTION, i, h))
-                h = h + self._post_norm(2 * i + 1, self._block(FFN, i, h))
+                routing = self._route(i, h)
+                h = h + self._post_norm(2 * i + 1, self._block(FFN, i, h, routing))
         head_started = time.perf_counter()
         logits = self._head(h, batch, all_logits)
         head_s = time.perf_counter() - head_started
@@ -279,6 +291,15 @@ class Engine:
             return None
         ex = self.executors[0]
         return ex.native if ex.native_step else None
+
+    def _route(self, i: int, h: Hidden) -> Routing | None:
+        """Layer i's choice of experts for h after its attention sum (models/moe.py), where the
+        model has experts. The FFN norm is every slice's; this process's first holds it."""
+        if self.router is None:
+            return None
+        n = self.config.n_experts
+        norm = self.executors[0].weights.get(i)["ffn_norm"]
+        return route(h, norm, self.router[i * n : (i + 1) * n], self.config)
 
     def _post_norm(self, row: int, out: Hidden) -> Hidden:
         """A block's summed output, normed by POST_NORMS row `row` where the model has them."""
@@ -335,15 +356,16 @@ class Engine:
             ex.close()
         self.executors = []
 
-    def _block(self, block: Block, i: int, h: Hidden) -> Hidden:
-        """The sum of every slice's partial for one block: the star allreduce."""
+    def _block(self, block: Block, i: int, h: Hidden, routing: Routing | None = None) -> Hidden:
+        """The sum of every slice's partial for one block: the star allreduce. An FFN block
+        of experts goes with its `routing`."""
         sent = time.perf_counter()
         if self.remote:  # send first, so the workers compute while this process does
-            self.remote.send(block, i, h)
+            self.remote.send(block, i, h, routing)
         started = time.perf_counter()
         total = None
         for ex in self.executors:
-            p = ex.attention(i, h) if block == ATTENTION else ex.ffn(i, h)
+            p = ex.attention(i, h) if block == ATTENTION else ex.ffn(i, h, routing)
             total = p if total is None else total + p
         if self.remote:
             others = self.remote.gather(block, i, time.perf_counter() - started)

@@ -19,7 +19,16 @@ from memory.files import atomic_write
 from memory.shards import Manifest, ShardRef, ShardStore, ShardWriter, Spec
 from models.dtypes import DTYPE_CHOICES, EXACT_WIDENING
 from models.kernels import dequantize, dtype_name, quantize
-from models.layers import POST_NORMS, Part, Slice, cast_matrix, cut, slice_dtypes, slice_parts
+from models.layers import (
+    POST_NORMS,
+    ROUTER,
+    Part,
+    Slice,
+    cast_matrix,
+    cut,
+    slice_dtypes,
+    slice_parts,
+)
 from models.quant import columns_fit
 from models.source import ModelSource
 
@@ -97,7 +106,11 @@ def split_model(
                     told.add(m)
                     log.warning(
                         "node %d's columns of %s cut through %s's blocks: its slices of %s are "
-                        "stored as f32 (the same values, in more bytes)", node, m, dtypes[m], m
+                        "stored as f32 (the same values, in more bytes)",
+                        node,
+                        m,
+                        dtypes[m],
+                        m,
                     )
             shards.append({n: _Fused(n, parts, kept.get(n)) for n, parts in c.items()})
         for refs, ref in zip(nodes, _write(source, i, shards, store), strict=True):
@@ -105,8 +118,9 @@ def split_model(
         if progress:
             progress(i + 1, total)
     head = source.head_dtype(dtype)
-    # the norms stay float32; POST_NORMS is 2-D, hence "f32" rather than a vector's None
-    norm_dtypes: dict[str, str | None] = {"final_norm": None, POST_NORMS: "f32"}
+    # the norms and the router stay float32; POST_NORMS and ROUTER are 2-D, hence "f32" rather
+    # than a vector's None
+    norm_dtypes: dict[str, str | None] = {"final_norm": None, POST_NORMS: "f32", ROUTER: "f32"}
     whole = {
         n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), norm_dtypes.get(n, head))
         for n in source.global_names()

@@ -24,6 +24,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from models.layers import StepBatch
+from models.moe import Routing
 from models.rows_native import NativeBlocks
 from node import hop as hop_codes
 from node import messages as M
@@ -188,9 +189,21 @@ class Transport:
         self._step += 1
         self._batch = batch
 
-    def send_step(self, identities: list[bytes], block: P.Block, layer: int, h: Hidden) -> None:
-        """Hand the hidden state to every worker for one block of one layer."""
+    def send_step(
+        self,
+        identities: list[bytes],
+        block: P.Block,
+        layer: int,
+        h: Hidden,
+        routing: Routing | None = None,
+    ) -> None:
+        """Hand the hidden state to every worker for one block of one layer, and an FFN block's
+        choice of experts (`routing`) where the model has them."""
         step = M.Step(step=self._step, layer=layer, block=block, batch=self._batch)
+        if routing is not None:
+            step = msgspec.structs.replace(
+                step, experts=routing.experts.tolist(), expert_weights=routing.weights.tolist()
+            )
         self._batch = None
         self._sent_at = time.perf_counter()
         self._sent_shape = tuple(h.shape)  # what each partial must be

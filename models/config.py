@@ -28,6 +28,7 @@ class Family:
     # Gemma 3: norms of (1 + weight) (HF files store the weight, GGUF files 1 + weight), an
     # embedding scaled by sqrt(hidden), post-block norms, GeGLU, local sliding-window layers
     gemma: bool = False
+    moe: bool = False  # every layer's FFN is a mixture of experts (Qwen3-MoE)
 
 
 FAMILIES = (
@@ -37,6 +38,7 @@ FAMILIES = (
     Family("Qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True),
     Family("Phi-3, 3.5, 4-mini", "phi3", "Phi3ForCausalLM", fused=True),
     Family("Gemma 3 (text)", "gemma3", "Gemma3ForCausalLM", qk_norm=True, gemma=True),
+    Family("Qwen3-MoE", "qwen3moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
 )
 GGUF_ARCHITECTURES = {f.gguf: f for f in FAMILIES}
 HF_ARCHITECTURES = {f.hf: f for f in FAMILIES}
@@ -104,6 +106,12 @@ class ModelConfig:
     sliding_window: int | None = None  # local layers attend to this many last positions
     local_layers: tuple[int, ...] = ()
     local_rope_theta: float | None = None  # the local layers' RoPE base (they are unscaled)
+    # A mixture of experts (Qwen3-MoE): every layer's FFN is `n_experts` SwiGLU experts of
+    # `ffn_hidden` columns each (the plan cuts every expert at the same columns), of which a
+    # router picks `n_experts_used` a token, their weights renormalised when `norm_topk_prob`.
+    n_experts: int = 0
+    n_experts_used: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "local_layers", tuple(self.local_layers))  # JSON gives lists
@@ -113,6 +121,13 @@ class ModelConfig:
             raise ModelError(
                 f"{self.n_heads} attention heads do not divide into {self.n_kv_heads} KV heads"
             )
+        if self.n_experts and not 0 < self.n_experts_used <= self.n_experts:
+            raise ModelError(f"{self.n_experts_used} of {self.n_experts} experts a token")
+
+    @property
+    def moe(self) -> bool:
+        """Whether every layer's FFN is a mixture of experts."""
+        return self.n_experts > 0
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` attends only to the last `sliding_window` positions."""
@@ -140,7 +155,13 @@ class ModelConfig:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """As a plain dict; a dense model's without the experts' fields, so that its split's
+        identity (master.splitter.model_identity) is what it was before they existed."""
+        values = dataclasses.asdict(self)
+        if not self.moe:
+            for name in ("n_experts", "n_experts_used", "norm_topk_prob"):
+                del values[name]
+        return values
 
     @classmethod
     def from_gguf(
@@ -212,6 +233,17 @@ class ModelConfig:
                 "local_layers": local,
                 "local_rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)),
             }
+        moe: dict[str, Any] = {}
+        if GGUF_ARCHITECTURES[arch].moe:  # llama.cpp's converter: the experts' own width
+            moe = {
+                "ffn_hidden": int(key("expert_feed_forward_length")),
+                "n_experts": int(key("expert_count")),
+                "n_experts_used": int(key("expert_used_count")),
+                # llama.cpp renormalises a qwen3moe's weights unless the file says otherwise
+                "norm_topk_prob": bool(metadata.get(f"{arch}.expert_weights_norm", True)),
+            }
+        else:
+            moe = {"ffn_hidden": int(key("feed_forward_length"))}
         return cls(
             architecture=arch,
             n_layers=n_layers,
@@ -219,7 +251,6 @@ class ModelConfig:
             n_heads=n_heads,
             n_kv_heads=int(key("attention.head_count_kv", n_heads)),
             head_dim=head_dim,
-            ffn_hidden=int(key("feed_forward_length")),
             vocab_size=int(vocab),
             context_length=int(key("context_length")),
             norm_eps=float(key("attention.layer_norm_rms_epsilon")),
@@ -231,6 +262,7 @@ class ModelConfig:
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=tied,
             **gemma,
+            **moe,
         )
 
     @classmethod
@@ -259,6 +291,8 @@ class ModelConfig:
         if window and config.get("use_sliding_window", True) and not family.gemma:
             context = min(context, int(window))
         gemma = _hf_gemma(config, source) if family.gemma else {}
+        dense = {"ffn_hidden": int(key("intermediate_size"))} if not family.moe else {}
+        moe = _hf_moe(config, source) if family.moe else dense
         return cls(
             architecture=arch,
             n_layers=int(key("num_hidden_layers")),
@@ -266,7 +300,6 @@ class ModelConfig:
             n_heads=n_heads,
             n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
             head_dim=head_dim,
-            ffn_hidden=int(key("intermediate_size")),
             vocab_size=int(key("vocab_size")),
             context_length=context,
             norm_eps=float(key("rms_norm_eps")),
@@ -278,7 +311,38 @@ class ModelConfig:
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             **gemma,
+            **moe,
         )
+
+
+def _hf_moe(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a `Qwen3MoeForCausalLM` config.json. Every layer's FFN
+    must be sparse: dense layers among them (`mlp_only_layers`, `decoder_sparse_step`) are not
+    supported yet."""
+    n_layers = int(config["num_hidden_layers"])
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or []) | {
+        i for i in range(n_layers) if (i + 1) % step
+    }
+    if dense:
+        raise ModelError(
+            f"{source}: dense FFN layers {sorted(dense)} among the experts' are not supported"
+        )
+    # "num_experts" as published; transformers 5 writes "num_local_experts"
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts is None:
+        raise ModelError(f"{source}: config.json key 'num_experts' is missing")
+    for name in ("num_experts_per_tok", "moe_intermediate_size"):
+        if config.get(name) is None:
+            raise ModelError(f"{source}: config.json key {name!r} is missing")
+    if (config.get("hidden_act") or "silu") != "silu":
+        raise ModelError(f"{source}: expert activation {config['hidden_act']!r} is not supported")
+    return {
+        "ffn_hidden": int(config["moe_intermediate_size"]),
+        "n_experts": int(experts),
+        "n_experts_used": int(config["num_experts_per_tok"]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+    }
 
 
 def _hf_gemma(config: dict[str, Any], source: str) -> dict[str, Any]:

@@ -111,7 +111,8 @@ class GGUFFile:
         return self.tensor_rows(name, 0, t.shape[0]).view(t.shape)
 
     def tensor_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of the named tensor (its first dimension), dequantized to float32."""
+        """Rows [start, stop) of the named tensor, dequantized to float32: of its first
+        dimension, or of a stack's (experts, out, in) rows one after another."""
         t = self.info(name)
         rows = self._stored_rows(t)[start:stop] if len(t.shape) > 1 else self._stored_rows(t)
         try:
@@ -124,7 +125,7 @@ class GGUFFile:
         self._release(t)
         if len(t.shape) == 1:
             return torch.from_numpy(out).view(-1)[start:stop].clone()
-        return torch.from_numpy(out).view(stop - start, *t.shape[1:])
+        return torch.from_numpy(out).view(stop - start, t.shape[-1])
 
     def _stored_rows(self, t: TensorInfo) -> np.ndarray:
         """The tensor's bytes as stored, a row per output row: numbers, or quantized blocks."""

@@ -38,6 +38,30 @@ QK_NORM_TENSORS = ("q_norm", "k_norm")  # one (head_dim,) weight each, shared by
 # the master holds them all, as one global (2 n_layers, hidden) tensor named POST_NORMS.
 POST_NORM_TENSORS = ("post_attn_norm", "post_ffn_norm")
 POST_NORMS = "post_norms"
+# A mixture of experts (`ModelConfig.moe`): expert e's gate, up and down are "gate.e", "up.e",
+# "down.e", each shaped as the dense FFN's of `ffn_hidden` columns; the router, (n_experts,
+# hidden) a layer, is the master's: one global (n_layers n_experts, hidden) tensor, ROUTER.
+EXPERT_TENSORS = ("gate", "up", "down")
+ROUTER = "router"
+
+
+def expert_name(name: str, expert: int) -> str:
+    """The canonical name of expert `expert`'s `name` ("gate", "up" or "down")."""
+    return f"{name}.{expert}"
+
+
+def layer_tensor_names(config: ModelConfig) -> tuple[str, ...]:
+    """A layer's canonical tensors that its slices are cut from (not the master's post norms
+    and router)."""
+    names: tuple[str, ...] = LAYER_TENSORS
+    if config.moe:
+        experts = [expert_name(n, e) for e in range(config.n_experts) for n in EXPERT_TENSORS]
+        names = (*(n for n in names if n not in EXPERT_TENSORS), *experts)
+    return (
+        names
+        + (BIAS_TENSORS if config.qkv_bias else ())
+        + (QK_NORM_TENSORS if config.qk_norm else ())
+    )
 
 
 @dataclass(frozen=True)
@@ -101,6 +125,11 @@ def full_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {"q_norm": (hd,), "k_norm": (hd,)}
     if config.post_norms:
         shapes |= {name: (config.hidden,) for name in POST_NORM_TENSORS}
+    if config.moe:
+        for e in range(config.n_experts):
+            shapes |= {expert_name(n, e): shapes[n] for n in EXPERT_TENSORS}
+        shapes = {n: v for n, v in shapes.items() if n not in EXPERT_TENSORS}
+        shapes[ROUTER] = (config.n_experts, d)
     return shapes
 
 
@@ -121,7 +150,12 @@ class Part:
 def slice_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
     """What a slice holds of one layer, by fused name: attn_norm, wqkv (+ bqkv), wo, ffn_norm,
     w_gate_up, w_down. The one rule for cutting a layer: `slice_layer` cuts whole tensors by it,
-    the splitter bands of rows."""
+    the splitter bands of rows.
+
+    A mixture of experts is cut at the same columns in every expert, stacked by rows: w_gate_up
+    (E 2n, D) is expert e's gate then up at rows [2 e n, 2 (e + 1) n), w_down (E D, n) expert
+    e's down at rows [e D, (e + 1) D) (`models.moe.expert_rows`). Rows, so every dtype's blocks
+    (along the input) stay whole, and the matrices keep their dense names."""
     hd, d = config.head_dim, config.hidden
     q, k = (s.q_heads[0] * hd, s.q_heads[1] * hd), (s.kv_heads[0] * hd, s.kv_heads[1] * hd)
     f = s.ffn
@@ -133,6 +167,12 @@ def slice_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
         "w_gate_up": (Part("gate", f), Part("up", f)),
         "w_down": (Part("down", (0, d), f),),
     }
+    if config.moe:
+        experts = range(config.n_experts)
+        parts["w_gate_up"] = tuple(
+            Part(expert_name(n, e), f) for e in experts for n in ("gate", "up")
+        )
+        parts["w_down"] = tuple(Part(expert_name("down", e), (0, d), f) for e in experts)
     if config.qkv_bias:
         parts["bqkv"] = (Part("q_bias", q), Part("k_bias", k), Part("v_bias", k))
     if config.qk_norm:

@@ -20,14 +20,14 @@ from models.dtypes import AUTO, SOURCE_TYPES, embedding_dtype, matrix_dtype
 from models.errors import ModelError
 from models.gguf_file import GGUFFile
 from models.layers import (
-    BIAS_TENSORS,
-    LAYER_TENSORS,
+    EXPERT_TENSORS,
     MATRICES,
     POST_NORM_TENSORS,
     POST_NORMS,
-    QK_NORM_TENSORS,
+    ROUTER,
     Slice,
     full_layer_shapes,
+    layer_tensor_names,
     slice_parts,
 )
 from models.quant import BLOCK, FORMATS
@@ -54,8 +54,10 @@ class ModelSource(ABC):
     def stored_type(self, layer: int | None, name: str) -> str:
         """How the source stores a tensor: a GGUF type name, or F32, F16, BF16. `name` is a
         canonical layer tensor (`layer` its index) or, with `layer` None, "embedding",
-        "lm_head", "final_norm" or POST_NORMS."""
-        return "F32" if name == POST_NORMS else self._stored_type(layer, name)
+        "lm_head", "final_norm", POST_NORMS or ROUTER."""
+        if layer is None and name in (POST_NORMS, ROUTER):  # the master's, as float32
+            return "F32"
+        return self._stored_type(layer, name)
 
     def rows(
         self, layer: int | None, name: str, start: int, stop: int, blocks: bool = False
@@ -67,6 +69,14 @@ class ModelSource(ABC):
             return torch.stack(
                 [self.tensor(r // 2, POST_NORM_TENSORS[r % 2]) for r in range(start, stop)]
             )
+        if layer is None and name == ROUTER:  # rows e of layer i at i n_experts + e
+            n = self.config.n_experts
+            layers = range(start // n, (stop - 1) // n + 1)
+            bands = [
+                self._rows(i, ROUTER, max(start - i * n, 0), min(stop - i * n, n), False)
+                for i in layers
+            ]
+            return torch.cat(bands)
         return self._rows(layer, name, start, stop, blocks)
 
     @abstractmethod
@@ -83,6 +93,8 @@ class ModelSource(ABC):
             return full_layer_shapes(c)[name]
         if name == POST_NORMS:
             return (2 * c.n_layers, c.hidden)
+        if name == ROUTER:
+            return (c.n_layers * c.n_experts, c.hidden)
         return (c.hidden,) if name == "final_norm" else (c.vocab_size, c.hidden)
 
     def tensor(self, layer: int | None, name: str, blocks: bool = False) -> torch.Tensor:
@@ -93,12 +105,7 @@ class ModelSource(ABC):
         return {name: self.tensor(index, name, blocks) for name in self.layer_tensors()}
 
     def layer_tensors(self) -> tuple[str, ...]:
-        c = self.config
-        return (
-            LAYER_TENSORS
-            + (BIAS_TENSORS if c.qkv_bias else ())
-            + (QK_NORM_TENSORS if c.qk_norm else ())
-        )  # the post norms are the master's: POST_NORMS
+        return layer_tensor_names(self.config)  # the post norms and router are the master's
 
     def global_names(self) -> list[str]:
         """The tensors the master holds whole: the embedding, lm_head and norms after the
@@ -108,6 +115,7 @@ class ModelSource(ABC):
             ["final_norm", "embedding"]
             + ([] if c.tied_embeddings else ["lm_head"])
             + ([POST_NORMS] if c.post_norms else [])
+            + ([ROUTER] if c.moe else [])
         )
 
     def embedding(self) -> torch.Tensor:
@@ -195,7 +203,11 @@ _GGUF_LAYER = {
     "k_norm": "attn_k_norm.weight",
     "post_attn_norm": "post_attention_norm.weight",
     "post_ffn_norm": "post_ffw_norm.weight",
+    ROUTER: "ffn_gate_inp.weight",
 }
+# A mixture of experts' stacks, (n_experts, out, in) each: expert e's rows follow expert e - 1's.
+_GGUF_EXPERTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
+                 "down": "ffn_down_exps.weight"}  # fmt: skip
 
 
 # Where a fused family (Phi-3) stores the canonical matrices: Q, K, V one after another in one
@@ -214,6 +226,12 @@ _HF_FUSED = {
     "gate": "mlp.gate_up_proj.weight",
     "up": "mlp.gate_up_proj.weight",
 }
+
+
+def expert_of(name: str) -> tuple[str, int] | None:
+    """("gate", 3) for canonical "gate.3": an expert's tensor; None for any other."""
+    base, _, expert = name.partition(".")
+    return (base, int(expert)) if base in EXPERT_TENSORS and expert.isdigit() else None
 
 
 def fused_rows(config: ModelConfig, layer: int | None, name: str) -> int:
@@ -237,6 +255,9 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _gguf_name(layer: int | None, name: str, tied: bool, fused: bool = False) -> str:
+    expert = expert_of(name)
+    if layer is not None and expert is not None:
+        return f"blk.{layer}.{_GGUF_EXPERTS[expert[0]]}"
     if layer is not None:
         stored = _GGUF_FUSED[name] if fused and name in _GGUF_FUSED else _GGUF_LAYER[name]
         return f"blk.{layer}.{stored}"
@@ -284,6 +305,9 @@ class GGUFSource(ModelSource):
         gguf_name = self._name(layer, name)
         kind = self.file.info(gguf_name).tensor_type.name.lower()
         at = fused_rows(self.config, layer, name)
+        expert = expert_of(name) if layer is not None else None
+        if expert is not None:  # a stack's rows: expert e's after e experts' rows
+            at = expert[1] * self.shape(layer, name)[0]
         if blocks and kind in FORMATS:
             stored = self.file.stored_rows(gguf_name, at + start, at + stop)
             out = torch.from_numpy(stored).view(stop - start, -1, FORMATS[kind].block_bytes)
@@ -317,6 +341,7 @@ _HF_LAYER = {
     "v_bias": "self_attn.v_proj.bias",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
+    ROUTER: "mlp.gate.weight",
 }
 # Gemma 3 names its norms after where they sit: "post_attention" is after attention, not
 # before the FFN as in Llama.
@@ -328,6 +353,9 @@ _HF_GEMMA_NORMS = {
 
 
 def hf_layer_name(index: int, canonical: str) -> str:
+    expert = expert_of(canonical)
+    if expert is not None:
+        return f"model.layers.{index}.mlp.experts.{expert[1]}.{expert[0]}_proj.weight"
     return f"model.layers.{index}.{_HF_LAYER[canonical]}"
 
 

@@ -45,6 +45,7 @@ from models import kernels, quant
 from models.errors import ModelError
 from models.kernels import CANDIDATES, ROW_BUCKETS, Candidate
 from models.layers import Slice, full_layer_shapes, slice_dtypes, slice_layer, slice_parts
+from models.moe import expert_specs
 from models.quant import stored_format, stored_size
 from node import children, kernel_probe, kernel_table
 from node.kernel_probe import MARK
@@ -376,5 +377,8 @@ def plan_shapes(
         cut, parts = slice_layer(config, full, s), slice_parts(config, s)
         for dtypes in layer_dtypes:
             kept = slice_dtypes(parts, dict(dtypes))
-            shapes += [(d, *cut[n].shape) for n, d in kept.items() if all(cut[n].shape)]
+            specs = expert_specs({n: (t.dtype, tuple(t.shape)) for n, t in cut.items()},
+                                 config.n_experts)  # fmt: skip
+            sizes = {n: specs[n][1] for n in kept}
+            shapes += [(d, sizes[n][0], sizes[n][1]) for n, d in kept.items() if all(sizes[n])]
     return sorted(set(shapes))

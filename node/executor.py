@@ -18,6 +18,7 @@ from models.block_rows import attention_rows, ffn_rows
 from models.config import ModelConfig
 from models.kernels import SCALE_SUFFIX, leave_a_core_to_the_loader, linear_rows
 from models.layers import MATRICES, Slice, StepBatch
+from models.moe import Routing, expert_specs, moe_partial, moe_rows
 from models.quant import matrix_size
 from models.rope import Rope
 from node.device import matrix_shapes, prepare
@@ -103,7 +104,10 @@ class SliceExecutor:
     def matrix_shapes(self) -> list[Shape]:
         """The (dtype, out, in) of the matrices this slice multiplies: what needs a kernel."""
         layers = self.weights.specs()
-        shapes = sorted({s for specs in layers for s in matrix_shapes(specs, MATRICES)})
+        experts = self.config.n_experts
+        shapes = sorted(
+            {s for specs in layers for s in matrix_shapes(expert_specs(specs, experts), MATRICES)}
+        )
         if self.lm_head is not None:
             w = self.lm_head[0]
             shapes += matrix_shapes({"lm_head": (w.dtype, tuple(w.shape))}, ["lm_head"])
@@ -173,11 +177,20 @@ class SliceExecutor:
         self.weights.figures.compute_s += time.perf_counter() - started
         return out
 
-    def ffn(self, index: int, h: Hidden) -> Hidden:
-        """The layer's second and last block: its weights may leave the window after this."""
+    def ffn(self, index: int, h: Hidden, routing: Routing | None = None) -> Hidden:
+        """The layer's second and last block: its weights may leave the window after this.
+        A mixture of experts' is computed for the experts the master's `routing` chose."""
         started = time.perf_counter()
         weights = self.weights.get(index)
-        if self.native_step:
+        if self.config.moe:
+            if routing is None:
+                raise ValueError(f"layer {index}'s experts need the step's routing")
+            if self.rows:
+                out = moe_rows(h, weights, self.config, routing)
+            else:
+                with torch.inference_mode():
+                    out = moe_partial(_as_tensor(h), weights, self.config, routing).numpy()
+        elif self.native_step:
             assert self.native is not None
             out = self.native.ffn(index, h)
         elif self.rows:
@@ -213,7 +226,10 @@ def make_executor(
 
 
 def check_kernels_before_loading(
-    layer_files: Sequence[Path], window: int, head: tuple[Path, str, int] | None = None
+    layer_files: Sequence[Path],
+    window: int,
+    head: tuple[Path, str, int] | None = None,
+    experts: int = 0,
 ) -> list[Shape]:
     """Check and install the kernels for the slice in `layer_files` (one file per layer) and
     `head` (a shard, the name of its lm_head tensor, this node's rows of it), from the files'
@@ -222,9 +238,16 @@ def check_kernels_before_loading(
     slice that fills a device's memory budget got the node killed by the out-of-memory killer.
     The BLAS threads are set first, as the executor for a window of `window` layers sets them,
     for the check to time the products as they will run. Returns the shapes checked: those
-    `SliceExecutor.matrix_shapes` gives once the slice is loaded."""
+    `SliceExecutor.matrix_shapes` gives once the slice is loaded (`experts`: the model's
+    n_experts, whose stacked matrices are multiplied an expert at a time)."""
     leave_a_core_to_the_loader(min(window, len(layer_files)) < len(layer_files))
-    shapes = sorted({s for f in layer_files for s in matrix_shapes(tensor_specs(f), MATRICES)})
+    shapes = sorted(
+        {
+            s
+            for f in layer_files
+            for s in matrix_shapes(expert_specs(tensor_specs(f), experts), MATRICES)
+        }
+    )
     if head is not None:
         path, name, rows = head
         dtype, shape = tensor_specs(path)[name]

@@ -188,6 +188,10 @@ class Step(_Message, tag="step"):
     layer: NonNegative
     block: Block
     batch: StepBatch | None = None  # the step's sequences, with its first block
+    # A mixture of experts' FFN block: each token's experts and their weights, as the master's
+    # router chose them (models/moe.py), a row a token: (B, k) in a decode step, else (B T, k).
+    experts: list[list[NonNegative]] | None = None
+    expert_weights: list[list[float]] | None = None
     tensors: list[Tensor] = []
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.layers import StepBatch
+from models.moe import Routing
 from node import messages as M
 from node import protocol as P
 from node.executor import Hidden, SliceExecutor
@@ -31,6 +32,7 @@ class Work:
     batch: StepBatch  # the step's (sent with its first block)
     hidden: np.ndarray  # decode (B, D), else (B, T, D); the HEAD's final-normed rows (R, D)
     begins: bool  # the step's first block: its batch came with it
+    routing: Routing | None = None  # a mixture of experts' FFN block: the tokens' experts
 
 
 # What a serving node acts on besides a STEP: a re-plan (WELCOME, or STANDBY without it), the
@@ -83,12 +85,45 @@ def check_step(
     if len(tensors) != 1 or tensors[0].shape != shape or tensors[0].dtype != np.float32:
         got = [(t.dtype.name, t.shape) for t in tensors]
         raise ProtocolError(f"a STEP's hidden state is {got}, not one float32 {shape}")
-    return Work(step.step, layer, block, batch, tensors[0], begins)
+    routing = check_routing(step, config, batch.size * batch.width)
+    return Work(step.step, layer, block, batch, tensors[0], begins, routing)
+
+
+def check_routing(step: Step, config: ModelConfig, tokens: int) -> Routing | None:
+    """A STEP's choice of experts: each of the step's `tokens` with `n_experts_used` experts
+    below `n_experts` and as many finite weights, where it is an FFN block of experts; none
+    elsewhere. ProtocolError otherwise."""
+    wanted = config.moe and step.block == P.FFN
+    if step.experts is None and step.expert_weights is None and not wanted:
+        return None
+    if not wanted:
+        raise ProtocolError(f"experts in a STEP for block {step.block!r} of {config.architecture}")
+    if step.experts is None or step.expert_weights is None:
+        raise ProtocolError("an FFN STEP of experts without its experts and their weights")
+    shape = (tokens, config.n_experts_used)
+    try:
+        experts = np.array(step.experts, dtype=np.int64)
+        weights = np.array(step.expert_weights, dtype=np.float32)
+    except ValueError as exc:  # ragged lists
+        raise ProtocolError(f"a STEP's experts are not a table: {exc}") from exc
+    if experts.shape != shape or weights.shape != shape:
+        raise ProtocolError(
+            f"a STEP's experts {experts.shape} and weights {weights.shape}, not {shape}"
+        )
+    if experts.size and int(experts.max()) >= config.n_experts:
+        raise ProtocolError(f"a STEP chose expert {int(experts.max())} of {config.n_experts}")
+    ordered = np.sort(experts, axis=1)
+    if (ordered[:, 1:] == ordered[:, :-1]).any():
+        raise ProtocolError("a STEP chose one expert twice for a token")
+    if not np.isfinite(weights).all():
+        raise ProtocolError("a STEP's expert weights are not all finite")
+    return Routing(experts, weights)
 
 
 def partial(executor: SliceExecutor, work: Work) -> Hidden:
     """This node's partial of one block, or its logits for the HEAD."""
     if work.block == P.HEAD:
         return executor.logits(work.hidden)
-    compute = executor.attention if work.block == P.ATTENTION else executor.ffn
-    return compute(work.layer, work.hidden)
+    if work.block == P.ATTENTION:
+        return executor.attention(work.layer, work.hidden)
+    return executor.ffn(work.layer, work.hidden, work.routing)

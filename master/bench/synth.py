@@ -158,10 +158,6 @@ def _shard_plan(config: dict[str, Any], layers: int) -> dict[str, list[_TensorSp
     `config` is the shape's own, with its real number of layers.
     """
     hidden = config["hidden_size"]
-    ffn = config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
     vocab = config["vocab_size"]
     # Residual-branch outputs get GPT-2's 1/sqrt(2 * depth) on top of Llama's 0.02, so the
     # residual stream grows slowly through many layers. Depth is the real model's, so a
@@ -180,17 +176,53 @@ def _shard_plan(config: dict[str, Any], layers: int) -> dict[str, list[_TensorSp
     for i in range(layers):
         p = f"model.layers.{i}."
         files[f"model-{i + 2:05d}-of-{count:05d}.safetensors"] = [
-            _TensorSpec(p + "input_layernorm.weight", (hidden,), None),
-            _TensorSpec(p + "self_attn.q_proj.weight", (heads * head_dim, hidden), _WEIGHT_STD),
-            _TensorSpec(p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), _WEIGHT_STD),
-            _TensorSpec(p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), _WEIGHT_STD),
-            _TensorSpec(p + "self_attn.o_proj.weight", (hidden, heads * head_dim), residual_std),
-            _TensorSpec(p + "post_attention_layernorm.weight", (hidden,), None),
+            *_attention(p, config, residual_std),
+            *_ffn(p, config, residual_std),
+        ]
+    return files
+
+
+def _attention(p: str, config: dict[str, Any], residual_std: float) -> list[_TensorSpec]:
+    """A layer's attention tensors, and its query and key norms where the family has them."""
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    qk_norm = config["architectures"][0].startswith("Qwen3")
+    norms = [_TensorSpec(p + f"self_attn.{n}_norm.weight", (head_dim,), None) for n in "qk"]
+    return [
+        _TensorSpec(p + "input_layernorm.weight", (hidden,), None),
+        _TensorSpec(p + "self_attn.q_proj.weight", (heads * head_dim, hidden), _WEIGHT_STD),
+        _TensorSpec(p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), _WEIGHT_STD),
+        _TensorSpec(p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), _WEIGHT_STD),
+        _TensorSpec(p + "self_attn.o_proj.weight", (hidden, heads * head_dim), residual_std),
+        *(norms if qk_norm else []),
+    ]
+
+
+def _ffn(p: str, config: dict[str, Any], residual_std: float) -> list[_TensorSpec]:
+    """A layer's FFN tensors: one SwiGLU, or a router and its experts'."""
+    hidden = config["hidden_size"]
+    norm = _TensorSpec(p + "post_attention_layernorm.weight", (hidden,), None)
+    experts = config.get("num_experts", 0)
+    if not experts:
+        ffn = config["intermediate_size"]
+        return [
+            norm,
             _TensorSpec(p + "mlp.gate_proj.weight", (ffn, hidden), _WEIGHT_STD),
             _TensorSpec(p + "mlp.up_proj.weight", (ffn, hidden), _WEIGHT_STD),
             _TensorSpec(p + "mlp.down_proj.weight", (hidden, ffn), residual_std),
         ]
-    return files
+    ffn = config["moe_intermediate_size"]
+    out = [norm, _TensorSpec(p + "mlp.gate.weight", (experts, hidden), _WEIGHT_STD)]
+    for e in range(experts):
+        q = f"{p}mlp.experts.{e}."
+        out += [
+            _TensorSpec(q + "gate_proj.weight", (ffn, hidden), _WEIGHT_STD),
+            _TensorSpec(q + "up_proj.weight", (ffn, hidden), _WEIGHT_STD),
+            _TensorSpec(q + "down_proj.weight", (hidden, ffn), residual_std),
+        ]
+    return out
 
 
 def _tensor_seed(seed: int, name: str) -> int:

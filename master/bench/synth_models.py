@@ -156,6 +156,39 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    # Qwen/Qwen3-30B-A3B: a mixture of 128 experts, 8 a token; query and key norms.
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
     # TinyLlama/TinyLlama-1.1B-Chat-v1.0
     "tinyllama-1.1b": {
         **_LLAMA_COMMON,
@@ -191,6 +224,9 @@ def tokenizer_style(shape: str) -> TokenizerStyle:
     """The tokenizer a model of `shape` ships with, as far as a synthetic one imitates it."""
     if shape.startswith("llama3"):
         return TokenizerStyle(_llama3_specials(), _LLAMA3_TEMPLATE, add_bos=True)
+    if shape.startswith("qwen3"):  # ChatML, its specials after the BPE tokens
+        specials = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
+        return TokenizerStyle(specials, _CHATML_TEMPLATE, add_bos=False)
     if shape.startswith("smollm2"):
         specials = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
         return TokenizerStyle(specials, _CHATML_TEMPLATE, add_bos=False)

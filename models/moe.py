@@ -1,0 +1,124 @@
+"""A mixture of experts' FFN block (Qwen3-MoE): the master's router and a slice's partial.
+
+The router lives on the master: after the attention sum it has each token's hidden state, and
+`route` picks each token's `n_experts_used` experts and their weights, as transformers'
+Qwen3MoeTopKRouter does (softmax over the router's logits, top-k, renormalised when
+`norm_topk_prob`). The routing goes to every node with the FFN step.
+
+Every slice holds the same columns of every expert (`models.layers.slice_parts`), so
+
+    partial = sum over the token's experts e of weight_e * down_e[:, cols](act(x @ gate_e[cols])
+              * (x @ up_e[cols]))
+
+and the sum of the slices' partials is the weighted sum of the experts' outputs: still one sum
+for the block, whatever the routing. A step's tokens are grouped by expert: each expert the step
+chose multiplies all of its tokens at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from models.block_math import rms_norm
+from models.block_rows import rms_norm_rows
+from models.config import ModelConfig
+from models.kernels import SCALE_SUFFIX, linear_rows
+from models.quant import matrix_size
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Each token's experts and their weights, one row a token: a decode step's (B, k), any
+    other step's (B T, k), its tokens in (B, T) order."""
+
+    experts: np.ndarray  # (N, k) int64, each below n_experts
+    weights: np.ndarray  # (N, k) float32
+
+    @property
+    def tokens(self) -> int:
+        return self.experts.shape[0]
+
+
+def route(h: np.ndarray, norm: torch.Tensor, router: torch.Tensor, config: ModelConfig) -> Routing:
+    """The routing of the hidden states h (B, D) or (B, T, D) after a layer's attention sum:
+    the FFN's norm `norm` (D,), then `router` (n_experts, D)."""
+    rows = torch.from_numpy(np.ascontiguousarray(h).reshape(-1, config.hidden))
+    x = rms_norm(rows, norm, config.norm_eps)  # (N, D), as the experts' input
+    logits = F.linear(x, router)  # (N, n_experts)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    top, experts = torch.topk(probs, config.n_experts_used, dim=-1)  # (N, k)
+    if config.norm_topk_prob:
+        top /= top.sum(dim=-1, keepdim=True)
+    return Routing(experts.numpy().astype(np.int64), top.numpy().astype(np.float32))
+
+
+def expert_rows(config: ModelConfig, n: int, expert: int) -> tuple[slice, slice]:
+    """Expert `expert`'s rows of a slice's w_gate_up (its gate then its up, `n` columns each)
+    and of its w_down (`models.layers.slice_parts`)."""
+    d = config.hidden
+    return slice(2 * n * expert, 2 * n * (expert + 1)), slice(d * expert, d * (expert + 1))
+
+
+def expert_specs(
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], experts: int
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """A slice's matrices' (dtype, shape) as they are multiplied: with `experts` (a mixture's
+    n_experts), the stacked w_gate_up and w_down one expert's rows at a time, which is the
+    product a device needs a kernel for."""
+    if not experts:
+        return specs
+    out = dict(specs)
+    for name in ("w_gate_up", "w_down"):
+        if name in specs:
+            dtype, shape = specs[name]
+            out[name] = (dtype, (shape[0] // experts, *shape[1:]))
+    return out
+
+
+def _product(x: np.ndarray, w: dict[str, torch.Tensor], name: str, rows: slice) -> np.ndarray:
+    """x (R, in) times rows `rows` of a slice's matrix `name` (with its int8 scales, if any)."""
+    scale = w.get(name + SCALE_SUFFIX)
+    return linear_rows(x, w[name][rows], scale=None if scale is None else scale[rows])
+
+
+def _experts(x: np.ndarray, w: dict[str, torch.Tensor], n: int, config: ModelConfig,
+             routing: Routing) -> np.ndarray:  # fmt: skip
+    """The weighted sum of this slice's partials of each token's experts for the normed rows
+    x (N, D): (N, D)."""
+    out = np.zeros_like(x)
+    for e in np.unique(routing.experts):
+        tokens, which = np.nonzero(routing.experts == e)  # a token chooses an expert once
+        gate_up_rows, down_rows = expert_rows(config, n, int(e))
+        gate_up = _product(np.ascontiguousarray(x[tokens]), w, "w_gate_up", gate_up_rows)
+        gate, up = gate_up[:, :n], gate_up[:, n:]  # column-parallel
+        act = gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up  # silu(g) u, as `ffn_rows`
+        y = _product(act, w, "w_down", down_rows)
+        out[tokens] += y * routing.weights[tokens, which][:, None]  # row-parallel
+    return out
+
+
+def moe_rows(
+    h: np.ndarray, w: dict[str, torch.Tensor], config: ModelConfig, routing: Routing
+) -> np.ndarray:
+    """This slice's partial of the experts' FFN block for a decode step's rows h (B, D)."""
+    n = matrix_size(w["w_down"])[1]
+    if n == 0:
+        return np.zeros_like(h)
+    x = rms_norm_rows(h, w["ffn_norm"], config.norm_eps)
+    return _experts(x, w, n, config, routing)
+
+
+def moe_partial(
+    h: torch.Tensor, w: dict[str, torch.Tensor], config: ModelConfig, routing: Routing
+) -> torch.Tensor:
+    """This slice's partial of the experts' FFN block for h (B, T, D)."""
+    n = matrix_size(w["w_down"])[1]
+    if n == 0:
+        return h.new_zeros(h.shape)
+    x = rms_norm(h, w["ffn_norm"], config.norm_eps).reshape(-1, h.shape[-1])  # (B T, D)
+    out = _experts(x.float().numpy(), w, n, config, routing)
+    return torch.from_numpy(out).view(h.shape)

@@ -1,0 +1,315 @@
+"""A mixture of experts (Qwen3-MoE) split across nodes answers as transformers' does.
+
+A small random-weight Qwen3-MoE (2 layers, 8 experts of 96 columns, 2 a token) saved as an HF
+folder: its logits at every position of a prefill and of its decode steps, at 1, 2 and 3 nodes
+in this process and 3 real node processes (the routing crosses the wire), and its greedy
+continuation, against transformers'. Then the router on its own, and the STEP's routing checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import msgspec
+import numpy as np
+import pytest
+import torch
+from test_families import _assert_close_logits, _ours, _randomize, _windowed
+
+from master.engine import Engine
+from models.layers import StepBatch
+from models.moe import Routing, route
+from models.source import _GGUF_LAYER, _HF_LAYER, open_model
+from node import messages as M
+from node import protocol as P
+from node.steps import check_step
+
+PROMPT_LENGTH = 40
+DECODE_STEPS = 16
+NODES = (1, 2, 3)
+
+SMALL_MOE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,  # a dense layer's: none here
+    # 3 blocks of 32 columns (the plan's unit): every one of 3 nodes holds a slice of each expert
+    "moe_intermediate_size": 96,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,  # a head of o's columns is a whole number of q8_0 and q4_1 blocks
+    "vocab_size": 320,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "raw_topk"])
+def moe(request, tmp_path_factory):
+    """(transformers model, its HF folder, a prompt)."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(**(SMALL_MOE | {"norm_topk_prob": request.param}))
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    _randomize(model, seed=7)
+    model.eval()
+    folder = tmp_path_factory.mktemp("qwen3moe")
+    model.save_pretrained(folder)
+    if config.norm_topk_prob:  # llama.cpp's qwen3moe renormalises the weights
+        _write_gguf(model, folder / "model.gguf")
+    prompt = torch.randint(
+        0, config.vocab_size, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0)
+    )
+    return model, folder, prompt.tolist()
+
+
+def _write_gguf(model, path: Path) -> None:
+    """The model as llama.cpp's converter writes a qwen3moe, f32: each layer's experts as three
+    stacks (n_experts, out, in), the router as ffn_gate_inp."""
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_expert_count(c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_vocab_size(c.vocab_size)
+    state = {k: v.detach().float().contiguous().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    names = {hf: _GGUF_LAYER[canonical] for canonical, hf in _HF_LAYER.items()}
+    for i in range(c.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for hf, name in names.items():
+            if prefix + hf in state:
+                writer.add_tensor(f"blk.{i}.{name}", state[prefix + hf])
+        # transformers holds each layer's experts as (E, 2F, D) gate and up, and (E, D, F) down
+        gate, up = np.split(state[f"{prefix}mlp.experts.gate_up_proj"], 2, axis=1)
+        stacks = {"gate": gate, "up": up, "down": state[f"{prefix}mlp.experts.down_proj"]}
+        for proj, stack in stacks.items():
+            writer.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", np.ascontiguousarray(stack))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@torch.inference_mode()
+def _reference(model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """transformers' logits at every position of prompt + its greedy continuation, and that
+    continuation."""
+    ids = list(prompt)
+    for _ in range(DECODE_STEPS):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return model(torch.tensor([ids])).logits[0], ids[len(prompt) :]
+
+
+def _greedy(engine: Engine, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    logits = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)))
+    for _ in range(steps):
+        ids.append(int(logits[0].argmax()))
+        logits = engine.forward([[ids[-1]]], StepBatch((0,), (len(ids) - 1,), (1,)))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.slow
+def test_logits_equal_transformers_on_every_node_count(moe):
+    model, folder, prompt = moe
+    expected, continuation = _reference(model, prompt)
+    source = open_model(folder)
+    assert source.config.moe and source.config.n_experts == 8
+    for n in NODES:
+        engine = Engine.local(source, (1.0,) * n)
+        assert all(ex.native is None for ex in engine.executors)  # decode on the rows path
+        assert all(s.n_ffn > 0 for s in engine.slices)  # every node a slice of every expert
+        ours = _ours(engine, prompt, continuation)
+        _assert_close_logits(ours, expected, f"qwen3moe {n} node(s)")
+
+
+@pytest.mark.slow
+def test_gguf_logits_equal_transformers_on_every_node_count(moe):
+    model, folder, prompt = moe
+    if not model.config.norm_topk_prob:
+        pytest.skip("a qwen3moe GGUF file renormalises its experts' weights")
+    expected, continuation = _reference(model, prompt)
+    source = open_model(folder / "model.gguf")
+    hf = open_model(folder).config
+    assert replace(source.config, architecture=hf.architecture, norm_eps=hf.norm_eps) == hf
+    for n in NODES:
+        ours = _ours(Engine.local(source, (1.0,) * n), prompt, continuation)
+        _assert_close_logits(ours, expected, f"qwen3moe gguf {n} node(s)")
+
+
+@pytest.mark.slow
+def test_real_nodes_equal_transformers(moe):
+    """3 processes, each streaming its slice from f32 shards: the routing goes over the wire."""
+    model, folder, prompt = moe
+    expected, continuation = _reference(model, prompt)
+    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation, 128)
+    _assert_close_logits(ours, expected, "qwen3moe 3 real nodes, window 1, f32 shards")
+
+
+@pytest.mark.slow
+def test_greedy_32_tokens_equal_transformers_generate_on_every_node_count(moe):
+    model, folder, prompt = moe
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
+        )
+    expected = out[0, len(prompt) :].tolist()
+    source = open_model(folder)
+    for n in NODES:
+        assert _greedy(Engine.local(source, (1.0,) * n), prompt, 32) == expected, f"{n} node(s)"
+
+
+@pytest.mark.slow
+def test_batched_prefill_and_decode_equal_one_sequence_at_a_time(moe):
+    """Two sequences in one step group their tokens by expert together: each gets what it
+    gets alone."""
+    _, folder, prompt = moe
+    source = open_model(folder)
+    alone = [Engine.local(source, (1.0, 1.0), slots=1) for _ in range(2)]
+    a, b = prompt[:30], prompt[10:]
+    want = [
+        e.forward([p], StepBatch((0,), (0,), (len(p),)))[0]
+        for e, p in zip(alone, (a, b), strict=True)
+    ]
+    both = Engine.local(source, (1.0, 1.0), slots=2)
+    got = both.forward([a, b], StepBatch((0, 1), (0, 0), (len(a), len(b))))
+    for g, w in zip(got, want, strict=True):
+        _assert_close_logits(g.unsqueeze(0), w.unsqueeze(0), "batched prefill")
+    step = StepBatch((0, 1), (len(a), len(b)), (1, 1))
+    got = both.forward([[5], [6]], step)
+    for i, (e, p, t) in enumerate(zip(alone, (a, b), (5, 6), strict=True)):
+        w = e.forward([[t]], StepBatch((0,), (len(p),), (1,)))[0]
+        _assert_close_logits(got[i].unsqueeze(0), w.unsqueeze(0), "batched decode")
+
+
+def test_router_picks_the_top_experts_with_renormalised_weights():
+    from models.config import ModelConfig
+
+    config = ModelConfig(
+        architecture="Qwen3MoeForCausalLM", n_layers=1, hidden=4, n_heads=1, n_kv_heads=1,
+        head_dim=4, ffn_hidden=8, vocab_size=10, context_length=16, norm_eps=1e-6,
+        rope_theta=1e4, n_experts=3, n_experts_used=2, norm_topk_prob=True,
+    )  # fmt: skip
+    router = torch.eye(3, 4) * 10  # expert e reads component e of the normed state
+    h = np.array([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 1.0, 0.5]], np.float32)
+    r = route(h, torch.ones(4), router, config)
+    assert r.experts.tolist() == [[1, 2], [2, 0]]
+    np.testing.assert_allclose(r.weights.sum(axis=1), 1.0, rtol=1e-6)
+    assert (r.weights[:, 0] > r.weights[:, 1]).all()
+
+
+class _Cache:
+    """What `check_step` reads of a KV cache."""
+
+    slots, max_context = 2, 16
+
+
+def _config():
+    from models.config import ModelConfig
+
+    values = {"architectures": ["Qwen3MoeForCausalLM"], **SMALL_MOE}
+    return ModelConfig.from_hf(values, "config.json")
+
+
+@pytest.mark.parametrize(
+    ("experts", "weights", "why"),
+    [
+        (None, None, "without its experts"),
+        ([[0, 8], [1, 2]], [[0.5, 0.5], [0.5, 0.5]], "expert 8 of 8"),
+        ([[0, 1]], [[0.5, 0.5]], r"not \(2, 2\)"),
+        ([[0, 1], [3, 3]], [[0.5, 0.5], [0.5, 0.5]], "twice"),
+        ([[0, 1], [2, 3]], [[0.5, float("nan")], [0.5, 0.5]], "finite"),
+        ([[0, 1], [2]], [[0.5, 0.5], [0.5, 0.5]], "not a table"),
+    ],
+)
+def test_a_step_with_bad_routing_is_a_protocol_error(experts, weights, why):
+    config = _config()
+    batch = StepBatch((0, 1), (3, 4), (1, 1))
+    step = M.Step(step=1, layer=0, block=P.FFN, batch=batch, experts=experts,
+                  expert_weights=weights)  # fmt: skip
+    h = [np.zeros((2, config.hidden), np.float32)]
+    with pytest.raises(M.ProtocolError, match=why):
+        check_step(step, h, config, _Cache(), None)  # type: ignore[arg-type]
+
+
+def test_routing_travels_in_a_step_and_back():
+    config = _config()
+    routing = Routing(np.array([[3, 1], [0, 7]]), np.array([[0.75, 0.25], [0.5, 0.5]], np.float32))
+    step = M.Step(
+        step=1,
+        layer=1,
+        block=P.FFN,
+        batch=StepBatch((0, 1), (3, 4), (1, 1)),
+        experts=routing.experts.tolist(),
+        expert_weights=routing.weights.tolist(),
+    )
+    h = np.ones((2, config.hidden), np.float32)
+    message, tensors = M.decode_from_master(M.encode(step, (h,)))
+    cache = _Cache()
+    work = check_step(message, tensors, config, cache, None)
+    assert work.routing is not None
+    np.testing.assert_array_equal(work.routing.experts, routing.experts)
+    np.testing.assert_array_equal(work.routing.weights, routing.weights)
+    # an attention block carries none
+    with pytest.raises(M.ProtocolError, match="experts in a STEP"):
+        check_step(
+            msgspec.structs.replace(message, block=P.ATTENTION), tensors, config, cache, None
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_1"])
+def test_block_experts_split_across_real_nodes_equal_one_node(moe, dtype):
+    """Each expert's rows of the stacked matrices are multiplied in their blocks where they
+    lie: a split gives what one node gives on the same weights. (int8's per-row scales span a
+    slice's columns: another split is other weights.)"""
+    model, folder, prompt = moe
+    if not model.config.norm_topk_prob:
+        pytest.skip("one routing is enough")
+    _, continuation = _reference(model, prompt)
+    source = open_model(folder)
+    one = _windowed(source, 1, dtype, prompt, continuation, 128)
+    three = _windowed(source, 3, dtype, prompt, continuation, 128)
+    _assert_close_logits(three, one, f"qwen3moe {dtype} 3 real nodes against 1")
+
+
+def test_kernels_are_prepared_for_one_expert_at_a_time(moe):
+    """The stacked matrices are multiplied an expert's rows at a time: those are the products
+    a device checks kernels for, whichever way it is asked (a plan, a loaded slice)."""
+    from master.plan import plan_slices
+    from node.device import plan_shapes
+
+    _, folder, _ = moe
+    source = open_model(folder)
+    c = source.config
+    engine = Engine.local(source, (1.0, 1.0))
+    slices = plan_slices(c, (1.0, 1.0))
+    want = {("f32", 2 * s.n_ffn, c.hidden) for s in slices} | {
+        ("f32", c.hidden, s.n_ffn) for s in slices
+    }
+    loaded = {shape for ex in engine.executors for shape in ex.matrix_shapes()}
+    assert want <= loaded
+    assert want <= set(plan_shapes(source, slices, "f32"))
+    stacked = c.n_experts * 2 * slices[0].n_ffn
+    assert all(rows < stacked for _, rows, _ in loaded)
