@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,10 +37,8 @@ class Generation:
     failure: ModelError | None = None  # why it ended without its answer (NaN logits)
     position: int = 0  # tokens already in the KV cache
     drafts: DraftState = field(default_factory=DraftState)  # speculation's figures for it
-    # With params.logprobs: one per token of `tokens`, and where its text starts in the decoded
-    # output (a stop string's cut aside)
+    # With params.logprobs: one per token of `tokens`
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
     decoded: int = 0  # characters of the output decoded up to the last whole character
     logprobs_sent: int = 0  # of `logprobs`, handed out
 
@@ -79,7 +77,7 @@ class Generation:
         last call (`take_text` first), and once finished, all the rest."""
         end = len(self.logprobs)
         if not self.finished:
-            while end > self.logprobs_sent and self.offsets[end - 1] >= self.emitted:
+            while end > self.logprobs_sent and self.logprobs[end - 1].offset >= self.emitted:
                 end -= 1
         out = self.logprobs[self.logprobs_sent : end]
         self.logprobs_sent = end
@@ -200,8 +198,8 @@ def _accept(
         g.finish_reason = "stop"  # not text: no log probability is reported for it
         return
     if g.params.logprobs is not None:
-        g.logprobs.append(g.sampler.logprob(logits, history, token, g.tokens))
-        g.offsets.append(g.decoded)
+        logprob = g.sampler.logprob(logits, history, token, g.tokens)
+        g.logprobs.append(replace(logprob, offset=g.decoded))
     g.tokens.append(token)
     text = tokenizer.decode(g.tokens)
     if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte

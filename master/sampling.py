@@ -36,6 +36,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    offset: int = 0  # where its text starts in the decoded output (the generation loop's)
 
 
 class Sampler:
