@@ -15,7 +15,9 @@ from master.engine import Engine
 from master.generate import start, stream
 from master.params import GREEDY_BELOW, TEMPERATURE_MAX, SamplingParams
 from master.sampling import DRAW_BLOCK, LOGPROB_FLOOR, TOP_P_CANDIDATES, Sampler
+from master.speculate import Speculator
 from models.errors import ModelError
+from models.layers import StepBatch
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, 0.5])
 
@@ -341,3 +343,37 @@ def test_seeded_sampling_is_repeatable_in_a_batch(engine, smollm2_tokenizer):
     for _ in stream(engine, smollm2_tokenizer, seqs):
         pass
     assert seqs[0].tokens == alone.tokens
+
+
+@pytest.mark.slow
+def test_greedy_is_the_argmax_and_drafted_tokens_get_the_targets_logprobs(
+    engine, smollm2_tokenizer
+):
+    """Greedy without the new fields is the argmax of the engine's logits, token for token; asking
+    for log probabilities changes no token; under speculation (prompt lookup) each accepted
+    draft reports what the target's logits at its position say, as a step without drafts does."""
+    ids = smollm2_tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1,")
+    want, fed, position = [], list(ids), 0
+    for _ in range(12):  # an independent greedy loop over the engine itself
+        logits = engine.forward([fed], StepBatch((0,), (position,), (len(fed),)))
+        position += len(fed)
+        fed = [int(torch.argmax(logits[0]))]
+        want.append(fed[0])
+
+    def run(params: SamplingParams, speculator: Speculator | None = None):
+        (g,) = start(engine, [ids], [params])
+        for _ in stream(engine, smollm2_tokenizer, [g], speculator):
+            pass
+        return g
+
+    assert run(SamplingParams(max_tokens=12, ignore_eos=True)).tokens == want
+    asked = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+    plain = run(asked)
+    assert plain.tokens == want and [lp.token for lp in plain.logprobs] == want
+    assert all(lp.top[0] == (lp.token, lp.logprob) for lp in plain.logprobs)
+    speculator = Speculator()
+    drafted = run(asked, speculator)
+    assert drafted.tokens == want and speculator.accepted > 0, speculator.figures()
+    for a, b in zip(drafted.logprobs, plain.logprobs, strict=True):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=2e-2)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
