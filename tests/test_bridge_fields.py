@@ -67,6 +67,7 @@ HONOURED |= {"top_logprobs", "presence_penalty", "frequency_penalty"}
 # (endpoint, fields, the param the 400 names): values edgetp cannot honour yet.
 REFUSED = [
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as at OpenAI
+    ("chat", {"n": 17}, "n"),
     ("chat", {"logit_bias": {"42": 5}}, "logit_bias"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"response_format": {"type": "json_schema",
@@ -99,6 +100,8 @@ REFUSED = [
          "function": {"name": "get_weather", "arguments": "{}"}}]}]},
      "messages.0.tool_calls"),
     ("text", {"best_of": 2}, "best_of"),
+    ("text", {"n": 100}, "n"),
+    ("text", {"echo": True, "logprobs": 1}, "echo"),
     ("text", {"suffix": "The end."}, "suffix"),
     ("text", {"logit_bias": {"42": -100}}, "logit_bias"),
 ]  # fmt: skip
@@ -160,7 +163,7 @@ def test_refused_by_the_schema_or_the_combination(endpoint: str, fields: dict, p
     except ValueError as exc:
         assert param.split(".")[0] in str(exc)
         return
-    assert isinstance(request, ChatCompletionRequest), "the schema took it"
+    assert isinstance(request, ChatCompletionRequest | CompletionRequest), "the schema took it"
     assert (request.unserved(None) or ("",))[0] == param
 
 
@@ -189,7 +192,7 @@ def test_unknown_fields_make_one_warning_line_a_request(caplog: pytest.LogCaptur
     ("fields", "param"),
     [
         ({"n": 0}, "n"),
-        ({"n": 129}, "n"),
+        ({"n": 17}, "n"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"min_p": 1.5}, "min_p"),

@@ -113,9 +113,9 @@ def test_n_choices_share_the_prompt_and_each_repeats_with_its_seed(client):
             finished[c.index] = c.finish_reason or finished.get(c.index)
     assert set(finished) == {0, 1} and all(finished.values())
     assert usage is not None and usage.prompt_tokens == one.usage.prompt_tokens
-    with pytest.raises(openai.BadRequestError) as caught:  # more than the line holds
-        chat(client, max_tokens=1, n=100)
-    assert caught.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, max_tokens=1, n=17)
+    assert caught.value.param == "n" and "1 to 16 choices" in caught.value.body["message"]
 
 
 def test_penalties_change_a_repetitive_answer_and_min_p_cuts(client):

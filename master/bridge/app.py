@@ -196,14 +196,9 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
         prompt, text = await run_in_threadpool(
             _completion_prompt, served.tokenizer, body.prompt, vocab
         )
-        if body.echo and body.logprobs is not None:
-            raise APIError(
-                400,
-                "echo: true with logprobs would report the prompt's tokens' log probabilities, "
-                "which edgetp does not compute yet; ask for one or the other",
-                param="echo",
-                code="unsupported_value",
-            )
+        unserved = body.unserved()
+        if unserved:  # what the schema cannot say
+            raise APIError(400, unserved[1], param=unserved[0], code="unsupported_value")
         limit = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         echo = text if body.echo else ""
         return await _generate(served, request, "text", body, prompt, limit, "prompt", echo)

@@ -51,7 +51,9 @@ INT_FIELDS = (
     "top_logprobs",
     "logprobs",  # the completions' count (the chat's is a boolean, which this leaves alone)
 )
-N_MAX = 128  # choices in one request, as OpenAI takes
+# Choices in one request (OpenAI takes 128): each is a whole sequence, its prefill included
+# (nothing is shared yet), so a request of 128 would take two lines' worth of waiting sequences.
+N_MAX = 16
 IGNORED_SHOWN = 10  # unknown fields named in the warning; the rest are counted
 # Words in a chat template that mean the model reasons before it answers.
 REASONING_MARKS = ("enable_thinking", "reasoning_effort", "<think>")
@@ -214,12 +216,13 @@ class SamplingFields(_Request):
     seed: int | None = Field(
         None, ge=-SEED_LIMIT, le=SEED_LIMIT, description="makes sampling repeatable"
     )
-    n: int | None = Field(
+    n: Annotated[int | None, NARROWED] = Field(
         None,
         ge=1,
         le=N_MAX,
-        description="choices to make, each a sequence of the batch in a slot of its own (they "
-        "wait for free slots as requests do); usage counts the prompt once",
+        description=f"1 to {N_MAX} choices, each a sequence of the batch in a slot of its own "
+        f"(they wait for free slots as requests do, and nothing is shared yet); usage counts "
+        f"the prompt once",
     )
     stream: bool | None = Field(False, description="send server-sent events as tokens come")
     stream_options: StreamOptions | None = Field(None, description="used with stream: true")
@@ -404,6 +407,15 @@ class CompletionRequest(SamplingFields):
     suffix: Annotated[Empty | None, NARROWED] = Field(
         None, description="only null or '': edgetp has no fill-in-the-middle yet"
     )
+
+    def unserved(self, chat_template: str | None = None) -> tuple[str, str] | None:
+        """(field, message) for fields served alone but not together."""
+        if self.echo and self.logprobs is not None:
+            return "echo", (
+                "echo: true with logprobs would report the prompt's tokens' log probabilities, "
+                "which edgetp does not compute yet; ask for one or the other"
+            )
+        return None
 
 
 REQUESTS: dict[str, type[SamplingFields]] = {
