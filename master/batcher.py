@@ -187,8 +187,8 @@ class Batcher:
         none: each takes a slot of its own as one frees, in the line like any request, and
         `on_event` gets its index with each of its events. Raises as `submit` does."""
         check_prompt(prompt, self.max_context)
-        rid = request_id or f"req-{next(self._ids)}"
         with self._cond:
+            rid = request_id or f"req-{next(self._ids)}"
             if self._closed:
                 raise ShuttingDown("the server is shutting down")
             if self._down:
