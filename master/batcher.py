@@ -23,7 +23,7 @@ from master.engine import Engine
 from master.figures import BatcherStats, CancelRecord
 from master.generate import Generation, check_prompt, step
 from master.params import SamplingParams
-from master.sampling import Sampler
+from master.sampling import Sampler, TokenLogprob
 from master.session import Session
 from master.speculate import Speculator
 from master.transport import ClusterError
@@ -39,9 +39,11 @@ IDLE_POLL_S = 0.5  # s between looks at who joined or left while no request runs
 
 @dataclass(frozen=True)
 class Delta:
-    """New text for the request (stop strings held back until they can no longer match)."""
+    """New text for the request (stop strings held back until they can no longer match), and
+    with logprobs asked for, those of the tokens whose text begins in it."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,19 +87,21 @@ class _Job:
 
 
 class Ticket:
-    """A submitted request: cancel it when its client goes away."""
+    """A submitted request (all of its choices): cancel it when its client goes away."""
 
-    def __init__(self, batcher: Batcher, job: _Job) -> None:
+    def __init__(self, batcher: Batcher, jobs: Sequence[_Job], request_id: str) -> None:
         self._batcher = batcher
-        self._job = job
+        self._jobs = list(jobs)
+        self._id = request_id
 
     @property
     def id(self) -> str:
-        return self._job.id
+        return self._id
 
     def cancel(self) -> None:
         """Stop generating for this request; safe to call more than once, and after it ended."""
-        self._batcher._cancel(self._job)
+        for job in self._jobs:
+            self._batcher._cancel(job)
 
 
 class Batcher:
@@ -170,24 +174,39 @@ class Batcher:
         Raises ModelError for a prompt that does not fit the context, ClusterError when the
         cluster is down, BusyError when the waiting line is full.
         """
+        return self.submit_choices(prompt, [params], lambda _, e: on_event(e), request_id)
+
+    def submit_choices(
+        self,
+        prompt: Sequence[int],
+        params: Sequence[SamplingParams],
+        on_event: Callable[[int, Event], None],
+        request_id: str | None = None,
+    ) -> Ticket:
+        """Queue one sequence per `params` for the same prompt (a request's n choices), all or
+        none: each takes a slot of its own as one frees, in the line like any request, and
+        `on_event` gets its index with each of its events. Raises as `submit` does."""
         check_prompt(prompt, self.max_context)
         with self._cond:
+            rid = request_id or f"req-{next(self._ids)}"
             if self._closed:
                 raise ShuttingDown("the server is shutting down")
             if self._down:
                 raise ClusterError(self._down)
-            if len(self._waiting) >= self.max_waiting:
+            if len(self._waiting) + len(params) > self.max_waiting:
                 raise BusyError(
                     f"all {self.session.slots} slots are busy and {len(self._waiting)} requests "
                     f"are waiting; retry later, or restart with a larger --max-batch"
                 )
-            # The slot is chosen when the request is admitted; -1 until then.
-            g = Generation(-1, list(prompt), params, Sampler(params))
-            job = _Job(request_id or f"req-{next(self._ids)}", g, on_event)
-            self._waiting.append(job)
-            self._submitted += 1
+            jobs = []
+            for i, p in enumerate(params):
+                # The slot is chosen when the sequence is admitted; -1 until then.
+                g = Generation(-1, list(prompt), p, Sampler(p))
+                jobs.append(_Job(rid if len(params) == 1 else f"{rid}/{i}", g, _for(on_event, i)))
+            self._waiting.extend(jobs)
+            self._submitted += len(jobs)
             self._cond.notify()
-        return Ticket(self, job)
+        return Ticket(self, jobs, rid)
 
     def _cancel(self, job: _Job) -> None:
         with self._cond:
@@ -411,8 +430,9 @@ class Batcher:
         if job.cancelled:  # nobody is listening; dropped before the next step
             return
         text = g.take_text()
-        if text:
-            _emit(job, Delta(text))
+        logprobs = tuple(g.take_logprobs())
+        if text or logprobs:
+            _emit(job, Delta(text, logprobs))
         if g.failure is not None:  # this request alone: the others in its steps go on
             log.error("request %s failed: %s", job.id, g.failure)
             self._drop(job)
@@ -437,6 +457,10 @@ class Batcher:
             if not job.cancelled:
                 _emit(job, Failed(exc))
         self._waiting.clear()
+
+
+def _for(on_event: Callable[[int, Event], None], index: int) -> Callable[[Event], None]:
+    return lambda event: on_event(index, event)
 
 
 def _emit(job: _Job, event: Event) -> None:

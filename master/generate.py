@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from master.engine import Engine
 from master.params import SamplingParams
-from master.sampling import Sampler
+from master.sampling import Sampler, TokenLogprob
 from master.speculate import DraftState, Speculator
 from models.errors import ModelError
 from models.layers import StepBatch
@@ -37,6 +37,10 @@ class Generation:
     failure: ModelError | None = None  # why it ended without its answer (NaN logits)
     position: int = 0  # tokens already in the KV cache
     drafts: DraftState = field(default_factory=DraftState)  # speculation's figures for it
+    # With params.logprobs: one per token of `tokens`
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    decoded: int = 0  # characters of the output decoded up to the last whole character
+    logprobs_sent: int = 0  # of `logprobs`, handed out
 
     @property
     def finished(self) -> bool:
@@ -66,6 +70,17 @@ class Generation:
             return ""
         out = self.text[self.emitted : ready]
         self.emitted = ready
+        return out
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log probabilities of the tokens whose text has begun to be handed out since the
+        last call (`take_text` first), and once finished, all the rest."""
+        end = len(self.logprobs)
+        if not self.finished:
+            while end > self.logprobs_sent and self.logprobs[end - 1].offset >= self.emitted:
+                end -= 1
+        out = self.logprobs[self.logprobs_sent : end]
+        self.logprobs_sent = end
         return out
 
 
@@ -143,14 +158,19 @@ def _sample(
     draft the logits confirm after its `fed_tokens` and the one they choose next: (tokens
     taken, drafts accepted)."""
     if logits.dim() == 1:
-        _accept(g, g.sampler(logits, g.prompt + g.tokens), tokenizer, max_context)
+        history = g.prompt + g.tokens
+        _accept(g, logits, history, g.sampler(logits, history, g.tokens), tokenizer, max_context)
         return 1, 0
     made = accepted = 0
     rows = logits[fed_tokens - 1 : fed_tokens + len(drafts)]  # the next token's, at each place
     for row, draft in zip(rows, [*drafts, None], strict=True):
         history = g.prompt + g.tokens
-        token = g.sampler(row, history) if draft is None else g.sampler.verify(row, history, draft)
-        _accept(g, token, tokenizer, max_context)
+        if draft is None:
+            token = g.sampler(row, history, g.tokens)
+        else:
+            token = g.sampler.verify(row, history, draft, g.tokens)
+        # a drafted token's log probability is the target's, from its row at that position
+        _accept(g, row, history, token, tokenizer, max_context)
         made += 1
         if token != draft or g.finished:
             break
@@ -165,14 +185,27 @@ def _room(g: Generation, max_context: int) -> int:
     return min(max_context - g.position - 2, g.params.max_tokens - len(g.tokens) - 1)
 
 
-def _accept(g: Generation, token: int, tokenizer: Tokenizer, max_context: int) -> None:
+def _accept(
+    g: Generation,
+    logits: torch.Tensor,
+    history: list[int],
+    token: int,
+    tokenizer: Tokenizer,
+    max_context: int,
+) -> None:
+    """Take `token`, sampled from `logits` (V,) after `history`, into `g`."""
     if token in tokenizer.eos_ids and not g.params.ignore_eos:
-        g.finish_reason = "stop"
+        g.finish_reason = "stop"  # not text: no log probability is reported for it
         return
+    if g.params.logprobs is not None:
+        logprob = g.sampler.logprob(logits, history, token, g.tokens)
+        g.logprobs.append(replace(logprob, offset=g.decoded))
     g.tokens.append(token)
     text = tokenizer.decode(g.tokens)
     if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
         text = g.text
+    else:
+        g.decoded = len(text)
     for stop in g.params.stop:
         cut = text.find(stop)
         if cut != -1:

@@ -1,8 +1,10 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition penalty."""
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, the
+repetition, presence and frequency penalties; and the log probabilities reported for it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,10 +20,23 @@ TOP_P_CANDIDATES = 256
 # over 49,152 weights took 225 us, their blocks' sums 38.
 DRAW_BLOCK = 256
 _BELOW_ONE = float(np.nextafter(1.0, 0.0))
+# What OpenAI reports for a token the distribution cannot produce (a masked logit): JSON has
+# no -Infinity.
+LOGPROB_FLOOR = -9999.0
 NOT_A_NUMBER = (
     "the model's output is not a number (NaN among its logits): its weights or this device's "
     "kernels are broken; check the model file against its source, and see `edgetp kernels`"
 )
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability and its likeliest alternatives', likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    offset: int = 0  # where its text starts in the decoded output (the generation loop's)
 
 
 class Sampler:
@@ -36,26 +51,43 @@ class Sampler:
         self.params = params
         # NumPy takes seeds >= 0: a negative one (the bridge takes any within +-2**53, as
         # torch did) is taken modulo 2**64, which keeps them all apart. No seed: fresh entropy.
+        # Choice i > 0 of a request's n draws from the seed's i-th child stream, which no
+        # plain seed gives (its spawn key is not empty).
         seed = None if params.seed is None else params.seed % 2**64
-        self.generator = np.random.default_rng(seed)
+        if seed is not None and params.stream:
+            self.generator = np.random.default_rng(
+                np.random.SeedSequence(seed, spawn_key=(params.stream,))
+            )
+        else:
+            self.generator = np.random.default_rng(seed)
 
-    def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
-        """The next token for logits (V,) given the tokens so far (prompt and output)."""
-        support = self._support(logits, history)
+    def __call__(
+        self, logits: torch.Tensor, history: Sequence[int], output: Sequence[int] = ()
+    ) -> int:
+        """The next token for logits (V,) given the tokens so far (`history`: prompt and output;
+        `output`: the generated ones alone, which the presence and frequency penalties count)."""
+        support = self._support(logits, history, output)
         if support is None:
-            return _argmax(self._penalized(logits, history))
+            return _argmax(self._penalized(logits, history, output))
         tokens, weights = support
         return _token(tokens, _inverse_cdf(weights, self.generator.random()))
 
-    def verify(self, logits: torch.Tensor, history: Sequence[int], draft: int) -> int:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        history: Sequence[int],
+        draft: int,
+        output: Sequence[int] = (),
+    ) -> int:
         """The next token, given a drafted one that proposes it: `draft` itself when accepted,
         else a token drawn from what is left. For a draft proposed with certainty (prompt
         lookup), accepting it with probability p(draft) and otherwise drawing from p without it
         gives every token exactly its probability p: speculation never changes what is sampled.
-        Greedy accepts the draft when it is the argmax."""
-        support = self._support(logits, history)
+        Greedy accepts the draft when it is the argmax. The draft is checked against the
+        penalized distribution, as the token sampled without it would have been."""
+        support = self._support(logits, history, output)
         if support is None:
-            return _argmax(self._penalized(logits, history))
+            return _argmax(self._penalized(logits, history, output))
         tokens, weights = support
         at = draft if tokens is None else _place(tokens, draft)
         u = self.generator.random()
@@ -68,10 +100,12 @@ class Sampler:
                 return draft
         return _token(tokens, _inverse_cdf(weights, self.generator.random()))
 
-    def distribution(self, logits: torch.Tensor, history: Sequence[int]) -> np.ndarray | None:
-        """What the next token is drawn from, (V,) float32, after penalty, temperature, top-k and
-        top-p; None when sampling is greedy."""
-        support = self._support(logits, history)
+    def distribution(
+        self, logits: torch.Tensor, history: Sequence[int], output: Sequence[int] = ()
+    ) -> np.ndarray | None:
+        """What the next token is drawn from, (V,) float32, after the penalties, temperature,
+        top-k, top-p and min-p; None when sampling is greedy."""
+        support = self._support(logits, history, output)
         if support is None:
             return None
         tokens, weights = support
@@ -81,24 +115,47 @@ class Sampler:
         out[tokens] = weights
         return out
 
+    def logprob(
+        self, logits: torch.Tensor, history: Sequence[int], token: int, output: Sequence[int] = ()
+    ) -> TokenLogprob:
+        """`token`'s log probability under logits (V,), and the `params.logprobs` likeliest
+        tokens': the log-softmax of the logits after the penalties and the temperature (1 when
+        greedy), before top-k, top-p and min-p cut it (docs/decisions.md says why)."""
+        p = self.params
+        scaled = self._penalized(logits, history, output)
+        if p.temperature >= GREEDY_BELOW:
+            scaled = scaled / np.float32(p.temperature)
+        logp = torch.log_softmax(torch.from_numpy(scaled), dim=-1).numpy()
+        top = _largest(logp, min(p.logprobs, len(logp))) if p.logprobs else ()
+        return TokenLogprob(
+            token, _finite(logp[token]), tuple((int(i), _finite(logp[i])) for i in top)
+        )
+
     def _support(
-        self, logits: torch.Tensor, history: Sequence[int]
+        self, logits: torch.Tensor, history: Sequence[int], output: Sequence[int]
     ) -> tuple[np.ndarray | None, np.ndarray] | None:
         """The tokens that can be drawn (None: all of them) and their probabilities, summing to
         1; None when sampling is greedy."""
         p = self.params
         if p.temperature < GREEDY_BELOW:
             return None
-        scaled = self._penalized(logits, history) / np.float32(p.temperature)
+        scaled = self._penalized(logits, history, output) / np.float32(p.temperature)
         probs = torch.softmax(torch.from_numpy(scaled), dim=-1).numpy()
         top_k = p.top_k if 0 < p.top_k < len(probs) else 0
-        if not top_k and p.top_p >= 1.0:
+        if not top_k and p.top_p >= 1.0 and p.min_p <= 0.0:
             return None, probs
-        tokens = _kept(probs, top_k, p.top_p)
+        if top_k or p.top_p < 1.0:
+            tokens = _kept(probs, top_k, p.top_p)
+        else:
+            tokens = np.arange(len(probs))
+        if p.min_p > 0.0:  # a share of the likeliest token's probability, whatever cut before
+            tokens = tokens[probs[tokens] >= np.float32(p.min_p) * probs.max()]
         kept = probs[tokens]
         return tokens, kept / kept.sum()
 
-    def _penalized(self, logits: torch.Tensor, history: Sequence[int]) -> np.ndarray:
+    def _penalized(
+        self, logits: torch.Tensor, history: Sequence[int], output: Sequence[int]
+    ) -> np.ndarray:
         p = self.params
         values = logits.float().numpy()
         # NaN has no order: the argmax would take the first one, a draw some token, and the
@@ -112,7 +169,19 @@ class Sampler:
             values[seen] = np.where(
                 picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
             )
+        if (p.presence_penalty or p.frequency_penalty) and len(output):
+            # OpenAI's: logits[t] -= presence * (count[t] > 0) + frequency * count[t], over
+            # the tokens generated so far (not the prompt)
+            seen, counts = np.unique(np.asarray(output, dtype=np.int64), return_counts=True)
+            values = values.copy()
+            values[seen] -= np.float32(p.presence_penalty) + np.float32(
+                p.frequency_penalty
+            ) * counts.astype(np.float32)
         return values
+
+
+def _finite(logprob: np.floating) -> float:
+    return max(float(logprob), LOGPROB_FLOOR)
 
 
 def _argmax(logits: np.ndarray) -> int:

@@ -62,14 +62,12 @@ TEXT_NO_OPS: dict[str, Any] = {
 }  # fmt: skip
 # What edgetp does with them; `model` names the served model, `messages` and `prompt` are it.
 HONOURED = {"model", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop"}
-HONOURED |= {"stream", "stream_options", "seed", "echo", "messages", "prompt"}
+HONOURED |= {"stream", "stream_options", "seed", "echo", "messages", "prompt", "n", "logprobs"}
+HONOURED |= {"top_logprobs", "presence_penalty", "frequency_penalty"}
 # (endpoint, fields, the param the 400 names): values edgetp cannot honour yet.
 REFUSED = [
-    ("chat", {"n": 2}, "n"),
-    ("chat", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
-    ("chat", {"top_logprobs": 2}, "top_logprobs"),
-    ("chat", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("chat", {"frequency_penalty": -1}, "frequency_penalty"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as at OpenAI
+    ("chat", {"n": 17}, "n"),
     ("chat", {"logit_bias": {"42": 5}}, "logit_bias"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"response_format": {"type": "json_schema",
@@ -101,13 +99,11 @@ REFUSED = [
         {"id": "c1", "type": "function",
          "function": {"name": "get_weather", "arguments": "{}"}}]}]},
      "messages.0.tool_calls"),
-    ("text", {"n": 3}, "n"),
     ("text", {"best_of": 2}, "best_of"),
-    ("text", {"logprobs": 1}, "logprobs"),
+    ("text", {"n": 100}, "n"),
+    ("text", {"echo": True, "logprobs": 1}, "echo"),
     ("text", {"suffix": "The end."}, "suffix"),
     ("text", {"logit_bias": {"42": -100}}, "logit_bias"),
-    ("text", {"presence_penalty": 1}, "presence_penalty"),
-    ("text", {"frequency_penalty": 1}, "frequency_penalty"),
 ]  # fmt: skip
 REQUESTS = {"chat": ChatCompletionRequest, "text": CompletionRequest}
 BASE: dict[str, dict[str, Any]] = {
@@ -167,7 +163,7 @@ def test_refused_by_the_schema_or_the_combination(endpoint: str, fields: dict, p
     except ValueError as exc:
         assert param.split(".")[0] in str(exc)
         return
-    assert isinstance(request, ChatCompletionRequest), "the schema took it"
+    assert isinstance(request, ChatCompletionRequest | CompletionRequest), "the schema took it"
     assert (request.unserved(None) or ("",))[0] == param
 
 
@@ -180,7 +176,7 @@ def test_a_reasoning_effort_is_refused_only_for_a_model_that_reasons() -> None:
 
 
 def test_unknown_fields_make_one_warning_line_a_request(caplog: pytest.LogCaptureFixture) -> None:
-    body = {"messages": [{"role": "user", "content": "hi", "mood": 1}], "min_p": 0.1}
+    body = {"messages": [{"role": "user", "content": "hi", "mood": 1}], "typical_p": 0.1}
     many = ChatCompletionRequest.model_validate(body | {f"x{i}": i for i in range(11)})
     nested = ChatCompletionRequest.model_validate({"messages": body["messages"]})
     with caplog.at_level(logging.WARNING):
@@ -188,8 +184,26 @@ def test_unknown_fields_make_one_warning_line_a_request(caplog: pytest.LogCaptur
         warn_ignored(nested, "/v1/chat/completions")
         warn_ignored(ChatCompletionRequest.model_validate(BASE["chat"]), "/v1/chat/completions")
     first, second = (r.getMessage() for r in caplog.records)
-    assert "'min_p'" in first and "'x8'" in first and "'x9'" not in first and "3 more" in first
+    assert "'typical_p'" in first and "'x8'" in first and "'x9'" not in first and "3 more" in first
     assert "'messages.0.mood'" in second
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ],
+)
+def test_the_sampling_fields_served_are_held_to_openais_ranges(fields: dict, param: str) -> None:
+    with pytest.raises(ValueError, match=param):
+        ChatCompletionRequest.model_validate(BASE["chat"] | fields)
+    with pytest.raises(ValueError, match="logprobs"):
+        CompletionRequest.model_validate(BASE["text"] | {"logprobs": 21})
 
 
 @pytest.mark.parametrize("field", ["logprobs", "store"])

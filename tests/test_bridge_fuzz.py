@@ -39,8 +39,9 @@ def api_schema(server):
 
 def valid_data_is_accepted(ctx, response, case) -> None:
     """Schema-valid requests succeed, but for what no schema here says: the prompt's length,
-    whether the model's chat template has a thinking switch, and tools without tool_choice
-    'none'.
+    whether the model's chat template has a thinking switch, tools without tool_choice
+    'none', and the log probabilities' combinations (top_logprobs without logprobs, echo with
+    them).
 
     A prompt that does not fit the context (with max_tokens) is a 400 by OpenAI's rules too;
     the served SmolLM2's template never reads enable_thinking, so setting it is refused; tools
@@ -53,7 +54,10 @@ def valid_data_is_accepted(ctx, response, case) -> None:
             error["param"] == "chat_template_kwargs" and "no thinking block" in error["message"]
         )
         no_tools = error["param"] in ("tools", "functions") and "'none'" in error["message"]
-        assert error["code"] == "context_length_exceeded" or no_switch or no_tools, (
+        # top_logprobs without logprobs true (as at OpenAI); echo with logprobs
+        logprobs = error["param"] in ("top_logprobs", "echo") and "logprobs" in error["message"]
+        allowed = no_switch or no_tools or logprobs
+        assert error["code"] == "context_length_exceeded" or allowed, (
             f"valid data refused: {response.text}"
         )
 

@@ -245,7 +245,7 @@ def test_curl_streams_line_by_line(served):
          "less than or equal to 2", "temperature"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400,
          "greater than 0", "top_p"),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n:", "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n:", "n"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400,
          "max_tokens", "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
@@ -349,7 +349,7 @@ def test_fields_outside_openais_api_are_answered_and_logged_once(served):
         messages=[{**said[0], "edgetp_note": "x"}],
         temperature=0,
         max_tokens=6,
-        extra_body={"min_p": 0.05, "edgetp_unknown": {"nested": True}},
+        extra_body={"typical_p": 0.5, "edgetp_unknown": {"nested": True}},
     )
     assert answer.choices[0].message.content == plain.choices[0].message.content
     text = served.client.completions.create(
@@ -366,7 +366,7 @@ def test_fields_outside_openais_api_are_answered_and_logged_once(served):
         time.sleep(0.01)
     [chat_line] = lines("edgetp_unknown")
     assert chat_line.startswith("WARNING") and "/v1/chat/completions" in chat_line
-    assert "'min_p'" in chat_line and "'messages.0.edgetp_note'" in chat_line
+    assert "'typical_p'" in chat_line and "'messages.0.edgetp_note'" in chat_line
     [text_line] = lines("edgetp_unknown_2")
     assert "/v1/completions" in text_line
 

@@ -14,8 +14,10 @@ from master.bridge.schema import SEED_LIMIT
 from master.engine import Engine
 from master.generate import start, stream
 from master.params import GREEDY_BELOW, TEMPERATURE_MAX, SamplingParams
-from master.sampling import DRAW_BLOCK, TOP_P_CANDIDATES, Sampler
+from master.sampling import DRAW_BLOCK, LOGPROB_FLOOR, TOP_P_CANDIDATES, Sampler
+from master.speculate import Speculator
 from models.errors import ModelError
+from models.layers import StepBatch
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, 0.5])
 
@@ -161,6 +163,100 @@ def test_repetition_penalty_demotes_seen_tokens():
     assert draws(SamplingParams(repetition_penalty=1.5), 1, history=[3]) == [1]
 
 
+def openai_penalized(logits, output, presence, frequency):
+    """OpenAI's definition: logits[t] -= presence * (count[t] > 0) + frequency * count[t]."""
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=len(logits))
+    return logits - presence * (counts > 0).float() - frequency * counts.float()
+
+
+def test_presence_and_frequency_penalties_are_openais_over_the_output_only():
+    history, output = [0, 1, 2, 2, 4], [2, 2, 4]  # prompt [0, 1], then the answer
+    p = SamplingParams(temperature=0.7, presence_penalty=0.6, frequency_penalty=0.5, seed=0)
+    got = Sampler(p).distribution(SIX_LOGITS, history, output)
+    want = torch.softmax(openai_penalized(SIX_LOGITS, output, 0.6, 0.5) / 0.7, -1)
+    assert torch.allclose(torch.from_numpy(got), want, atol=1e-6)
+    # The prompt's tokens are not penalized: with no output, nothing changes.
+    plain = Sampler(SamplingParams(temperature=0.7)).distribution(SIX_LOGITS, history)
+    assert np.allclose(Sampler(p).distribution(SIX_LOGITS, history, []), plain)
+    # Negative penalties encourage repeating; greedy follows the penalized argmax.
+    assert Sampler(SamplingParams(frequency_penalty=2.0))(LOGITS, [1, 1], [1]) == 2
+    assert Sampler(SamplingParams(presence_penalty=-2.0))(LOGITS, [2], [2]) == 2
+    assert Sampler(SamplingParams(presence_penalty=2.0))(LOGITS, [1], []) == 1  # prompt only
+
+
+def test_a_draft_is_verified_against_the_penalized_distribution():
+    output = [0, 0, 1]
+    p = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.7, seed=9)
+    sampler = Sampler(p)
+    want = sampler.distribution(SIX_LOGITS, SIX_HISTORY, output)
+    assert not np.allclose(want, Sampler(p).distribution(SIX_LOGITS, SIX_HISTORY))
+    for draft in (0, 3):
+        assert_distributed_as(
+            lambda d=draft: sampler.verify(SIX_LOGITS, SIX_HISTORY, d, output), want
+        )
+    greedy = Sampler(SamplingParams(frequency_penalty=2.0))
+    assert greedy.verify(LOGITS, [1], 1, [1]) == 2  # the penalized argmax, not the draft
+    assert greedy.verify(LOGITS, [1], 2, [1]) == 2
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_min_p_keeps_tokens_within_a_share_of_the_likeliest(top_k):
+    probs = torch.softmax(SIX_LOGITS / 0.9, -1)
+    p = SamplingParams(temperature=0.9, min_p=0.3, top_k=top_k, seed=1)
+    got = torch.from_numpy(Sampler(p).distribution(SIX_LOGITS, []))
+    kept = probs >= 0.3 * probs.max()
+    if top_k:
+        kept &= probs >= torch.topk(probs, top_k).values[-1]
+    want = torch.where(kept, probs, 0.0)
+    assert torch.allclose(got, want / want.sum(), atol=1e-6)
+    assert 1 < int(kept.sum()) < 6
+    sampler = Sampler(p)
+    assert_distributed_as(lambda: sampler(SIX_LOGITS, []), got.numpy(), n=2000)
+    assert Sampler(SamplingParams(temperature=1.0, min_p=1.0, seed=0))(SIX_LOGITS, []) == 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(logprobs=3),
+        SamplingParams(temperature=0.6, top_k=2, logprobs=5, seed=0),
+        SamplingParams(temperature=1.3, presence_penalty=1.0, frequency_penalty=0.5, logprobs=2),
+    ],
+    ids=["greedy", "temperature-top-k", "penalties"],
+)
+def test_logprobs_are_the_log_softmax_after_penalties_and_temperature(params):
+    logits, history, output = torch.randn(1000, generator=torch.Generator().manual_seed(4)), [
+        5, 7, 7], [7, 7]  # fmt: skip
+    scaled = openai_penalized(logits, output, params.presence_penalty, params.frequency_penalty)
+    scaled = scaled / (params.temperature or 1.0)  # greedy reports the model's own
+    want = torch.log_softmax(scaled, -1)
+    sampler = Sampler(params)
+    token = sampler(logits, history, output)
+    got = sampler.logprob(logits, history, token, output)
+    assert got.token == token
+    assert got.logprob == pytest.approx(float(want[token]), abs=1e-5)
+    assert [t for t, _ in got.top] == torch.topk(want, params.logprobs).indices.tolist()
+    assert [v for _, v in got.top] == pytest.approx(torch.topk(want, params.logprobs).values)
+    if params.temperature == 0:  # greedy's token is the likeliest
+        assert got.logprob == got.top[0][1]
+    assert Sampler(SamplingParams()).logprob(logits, [], 0).top == ()  # logprobs None: none
+
+
+def test_a_masked_token_reports_openais_floor_not_minus_infinity():
+    logits = torch.tensor([1.0, -torch.inf, 0.0])
+    got = Sampler(SamplingParams(logprobs=3)).logprob(logits, [], 1)
+    assert got.logprob == LOGPROB_FLOOR and got.top[-1] == (1, LOGPROB_FLOOR)
+
+
+def test_each_choice_has_its_own_repeatable_stream():
+    def drawn(stream: int, seed: int = 7) -> list[int]:
+        return draws(SamplingParams(temperature=1.0, seed=seed, stream=stream))
+
+    assert drawn(0) == draws(SamplingParams(temperature=1.0, seed=7))  # choice 0: the seed's
+    assert drawn(1) == drawn(1) != drawn(0)
+    assert drawn(2) != drawn(1) and drawn(1) != drawn(0, seed=8)
+
+
 def test_temperature_spreads_choices():
     assert len(set(draws(SamplingParams(temperature=2.0, seed=3), 400))) == 5
 
@@ -182,6 +278,11 @@ def test_a_tiny_temperature_is_greedy():
         {"repetition_penalty": 0},
         {"repetition_penalty": 101},
         {"stop": ("",)},
+        {"min_p": 1.5},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3},
+        {"logprobs": 21},
+        {"stream": -1},
     ],
 )
 def test_out_of_range_params_are_rejected(bad):
@@ -242,3 +343,37 @@ def test_seeded_sampling_is_repeatable_in_a_batch(engine, smollm2_tokenizer):
     for _ in stream(engine, smollm2_tokenizer, seqs):
         pass
     assert seqs[0].tokens == alone.tokens
+
+
+@pytest.mark.slow
+def test_greedy_is_the_argmax_and_drafted_tokens_get_the_targets_logprobs(
+    engine, smollm2_tokenizer
+):
+    """Greedy without the new fields is the argmax of the engine's logits, token for token; asking
+    for log probabilities changes no token; under speculation (prompt lookup) each accepted
+    draft reports what the target's logits at its position say, as a step without drafts does."""
+    ids = smollm2_tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1,")
+    want, fed, position = [], list(ids), 0
+    for _ in range(12):  # an independent greedy loop over the engine itself
+        logits = engine.forward([fed], StepBatch((0,), (position,), (len(fed),)))
+        position += len(fed)
+        fed = [int(torch.argmax(logits[0]))]
+        want.append(fed[0])
+
+    def run(params: SamplingParams, speculator: Speculator | None = None):
+        (g,) = start(engine, [ids], [params])
+        for _ in stream(engine, smollm2_tokenizer, [g], speculator):
+            pass
+        return g
+
+    assert run(SamplingParams(max_tokens=12, ignore_eos=True)).tokens == want
+    asked = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+    plain = run(asked)
+    assert plain.tokens == want and [lp.token for lp in plain.logprobs] == want
+    assert all(lp.top[0] == (lp.token, lp.logprob) for lp in plain.logprobs)
+    speculator = Speculator()
+    drafted = run(asked, speculator)
+    assert drafted.tokens == want and speculator.accepted > 0, speculator.figures()
+    for a, b in zip(drafted.logprobs, plain.logprobs, strict=True):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=2e-2)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]

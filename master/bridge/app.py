@@ -3,28 +3,28 @@
 Handlers run on the event loop; the engine runs on the batcher's thread. Each request gets an
 asyncio queue that the batcher feeds through `call_soon_threadsafe`. A client that goes away
 (the connection closes) cancels its request: the batcher drops it before its next step.
-Every body sent is one of schema.py's models; errors.py makes the errors.
+Every body sent is one of schema.py's models, put together by answers.py; errors.py makes the
+errors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, TypedDict, cast
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from master.batcher import Batcher, BusyError, Delta, Event, Failed, Finished, Ticket
+from master.batcher import Batcher, BusyError, Delta, Event, Failed
+from master.bridge.answers import Answer, Choice, ChoiceEvent, sse, whole
 from master.bridge.errors import APIError, documented, failure, install_handlers
 from master.bridge.metrics import add_metrics
 from master.bridge.request import (
@@ -35,23 +35,15 @@ from master.bridge.request import (
     warn_ignored,
 )
 from master.bridge.schema import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatDelta,
     ClusterFigures,
     Completion,
-    CompletionChoice,
     CompletionChunk,
-    CompletionChunkChoice,
-    FinishReason,
     GenerationFigures,
     Health,
     ModelCard,
     ModelList,
-    Usage,
     finish_openapi,
     stream_content,
 )
@@ -216,6 +208,9 @@ def create_app(
         prompt, text = await run_in_threadpool(
             _completion_prompt, served.tokenizer, body.prompt, vocab
         )
+        unserved = body.unserved()
+        if unserved:  # what the schema cannot say
+            raise APIError(400, unserved[1], param=unserved[0], code="unsupported_value")
         limit = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         echo = text if body.echo else ""
         return await _generate(served, request, "text", body, prompt, limit, "prompt", echo)
@@ -306,6 +301,10 @@ def _params(
             top_k=body.top_k or 0,
             top_p=1.0 if body.top_p is None else body.top_p,
             repetition_penalty=body.repetition_penalty or 1.0,
+            min_p=body.min_p or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logprobs=_logprobs(body),
             seed=body.seed,
             max_tokens=limit or room,
             stop=stop,
@@ -313,6 +312,15 @@ def _params(
         )
     except ValueError as exc:  # the schema's ranges should have caught it first
         raise APIError(400, str(exc)) from exc
+
+
+def _logprobs(body: SamplingFields) -> int | None:
+    """Alternatives to report per token (None: no log probabilities at all)."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    return None
 
 
 async def _generate(
@@ -325,21 +333,34 @@ async def _generate(
     prompt_param: str,
     echo: str,
 ) -> Response:
-    """Submit to the batcher; answer with one JSON object or a stream of server-sent events."""
+    """Submit the request's n choices to the batcher; answer with one JSON object or a stream
+    of server-sent events."""
     context = served.batcher.max_context
     params = _params(body, len(prompt), limit, context, prompt_param)
+    n = body.n or 1
+    if n > served.batcher.max_waiting:
+        raise APIError(
+            400,
+            f"n: {n} choices would not fit the line of {served.batcher.max_waiting} waiting "
+            f"sequences; ask for at most {served.batcher.max_waiting}",
+            param="n",
+            code="unsupported_value",
+        )
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    answer = Answer(kind, rid, served.model_id, served.tokenizer, params.logprobs is not None, echo)
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Event] = asyncio.Queue()
+    queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
 
-    def on_event(event: Event) -> None:  # on the batcher's thread
+    def on_event(index: int, event: Event) -> None:  # on the batcher's thread
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            loop.call_soon_threadsafe(queue.put_nowait, (index, event))
         except RuntimeError:  # the event loop has closed (shutdown): nobody is waiting
             pass
 
+    # Choice i > 0 draws from the seed's i-th child stream: each is repeatable, none repeats.
+    choices = [replace(params, stream=i) for i in range(n)]
     try:
-        ticket = served.batcher.submit(prompt, params, on_event, rid)
+        ticket = served.batcher.submit_choices(prompt, choices, on_event, rid)
     except ModelError as exc:
         raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from exc
     except BusyError as exc:
@@ -354,29 +375,32 @@ async def _generate(
             if first is None:
                 ticket.cancel()
                 return Response(status_code=499)
-            if isinstance(first, Failed):
-                raise failure(first)
+            if isinstance(first[1], Failed):
+                ticket.cancel()  # the other choices, if any
+                raise failure(first[1])
             gone.cancel()  # from here the streaming response watches the connection itself
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = _sse(served, kind, rid, first, queue, ticket, include_usage, echo)
+            chunks = sse(answer, n, first, queue, ticket, include_usage)
             return StreamingResponse(
                 chunks,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        text: list[str] = [echo]
-        while True:
-            event = await _next(queue, gone)
-            if event is None:
+        gathered = [Choice() for _ in range(n)]
+        while any(c.done is None for c in gathered):
+            item = await _next(queue, gone)
+            if item is None:
                 ticket.cancel()
                 return Response(status_code=499)
+            index, event = item
             if isinstance(event, Delta):
-                text.append(event.text)
+                gathered[index].take(event)
             elif isinstance(event, Failed):
+                ticket.cancel()  # the other choices, if any
                 raise failure(event)
             else:
-                whole = _whole(served, kind, rid, "".join(text), event)
-                return Response(whole.model_dump_json(), media_type="application/json")
+                gathered[index].done = event
+        return Response(whole(answer, gathered).model_dump_json(), media_type="application/json")
     except asyncio.CancelledError:
         ticket.cancel()
         raise
@@ -390,7 +414,9 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _next(queue: asyncio.Queue[Event], gone: asyncio.Future[None]) -> Event | None:
+async def _next(
+    queue: asyncio.Queue[ChoiceEvent], gone: asyncio.Future[None]
+) -> ChoiceEvent | None:
     """The request's next event, or None once the client has gone."""
     if not queue.empty():
         return queue.get_nowait()
@@ -401,95 +427,3 @@ async def _next(queue: asyncio.Queue[Event], gone: asyncio.Future[None]) -> Even
         return get.result()
     get.cancel()
     return None
-
-
-def _usage(done: Finished) -> Usage:
-    total = done.prompt_tokens + done.completion_tokens
-    return Usage(
-        prompt_tokens=done.prompt_tokens,
-        completion_tokens=done.completion_tokens,
-        total_tokens=total,
-    )
-
-
-class _Head(TypedDict):
-    """The fields every response object of one request starts with."""
-
-    id: str
-    created: int
-    model: str
-
-
-def _head(served: Served, rid: str) -> _Head:
-    return {"id": rid, "created": int(time.time()), "model": served.model_id}
-
-
-def _finish_reason(done: Finished) -> FinishReason:
-    # The batcher's reason is a plain str that is always "stop" or "length"; the response
-    # models validate it all the same.
-    return cast(FinishReason, done.finish_reason)
-
-
-def _whole(
-    served: Served, kind: str, rid: str, text: str, done: Finished
-) -> ChatCompletion | Completion:
-    head = _head(served, rid)
-    if kind == "chat":
-        message = AssistantMessage(content=text)
-        choice = ChatChoice(index=0, message=message, finish_reason=_finish_reason(done))
-        return ChatCompletion(**head, choices=[choice], usage=_usage(done))
-    text_choice = CompletionChoice(index=0, text=text, finish_reason=_finish_reason(done))
-    return Completion(**head, choices=[text_choice], usage=_usage(done))
-
-
-async def _sse(
-    served: Served,
-    kind: str,
-    rid: str,
-    first: Event,
-    queue: asyncio.Queue[Event],
-    ticket: Ticket,
-    include_usage: bool,
-    echo: str,
-) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk shapes; cancels the request if the stream stops."""
-    head = _head(served, rid)
-
-    def chunk(
-        text: str | None,
-        finish: FinishReason | None = None,
-        role: Literal["assistant"] | None = None,
-    ) -> str:
-        if kind == "chat":
-            delta = ChatDelta(role=role, content=text)
-            choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish)
-            return _event(ChatCompletionChunk(**head, choices=[choice]))
-        text_choice = CompletionChunkChoice(index=0, text=text or "", finish_reason=finish)
-        return _event(CompletionChunk(**head, choices=[text_choice]))
-
-    try:
-        if kind == "chat":
-            yield chunk("", role="assistant")
-        elif echo:
-            yield chunk(echo)
-        event: Event = first
-        while True:
-            if isinstance(event, Delta):
-                yield chunk(event.text)
-            elif isinstance(event, Finished):
-                yield chunk(None, _finish_reason(event))
-                if include_usage:
-                    last = ChatCompletionChunk if kind == "chat" else CompletionChunk
-                    yield _event(last(**head, choices=[], usage=_usage(event)))
-                yield "data: [DONE]\n\n"
-                return
-            else:  # the status line is long gone: the error travels as an event
-                yield _event(failure(event).body)
-                return
-            event = await queue.get()
-    finally:
-        ticket.cancel()  # a no-op once finished; a client that went away frees its slot here
-
-
-def _event(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json()}\n\n"

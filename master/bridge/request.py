@@ -1,14 +1,14 @@
 """The requests the REST bridge takes: every field of OpenAI's chat completions and completions
 requests (openai-python's `completion_create_params`), as OpenAI types them.
 
-A field is honoured (temperature, max_tokens, stop, ...), or accepted because its value changes
-nothing (`n: 1`, `logprobs: false`, `tools: []`, a caching hint), or it takes fewer values here
+A field is honoured (temperature, max_tokens, stop, n, logprobs, the penalties, ...), or accepted
+because its value changes nothing (`tools: []`, a caching hint), or it takes fewer values here
 than at OpenAI: such a field is marked `NARROWED`, its schema admits only what edgetp serves, so
 the OpenAPI document says it, and its description, which says what it takes and why, is the
 400's message for any other value (errors.py). Types are strict: a string for a number is
 refused, not coerced.
 
-A field that neither OpenAI's API nor edgetp's own extensions (top_k, repetition_penalty,
+A field that neither OpenAI's API nor edgetp's own extensions (top_k, min_p, repetition_penalty,
 ignore_eos, chat_template_kwargs) have is set aside by pydantic and ignored, with one warning
 line per request that names it (`warn_ignored`), as vLLM does: clients written for other
 servers send their own. edgetp's own `chat_template_kwargs` stays strict: a switch the chat
@@ -27,9 +27,11 @@ from pydantic.fields import FieldInfo
 from master.bridge.schema import MAX_STOP_STRINGS, SEED_LIMIT, AnyText, Text
 from master.params import (
     GREEDY_BELOW,
+    PENALTY_LIMIT,
     REPETITION_PENALTY_MAX,
     REPETITION_PENALTY_MIN,
     TEMPERATURE_MAX,
+    TOP_LOGPROBS_MAX,
 )
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,11 @@ INT_FIELDS = (
     "top_k",
     "best_of",
     "top_logprobs",
+    "logprobs",  # the completions' count (the chat's is a boolean, which this leaves alone)
 )
+# Choices in one request (OpenAI takes 128): each is a whole sequence, its prefill included
+# (nothing is shared yet), so a request of 128 would take two lines' worth of waiting sequences.
+N_MAX = 16
 IGNORED_SHOWN = 10  # unknown fields named in the warning; the rest are counted
 # Words in a chat template that mean the model reasons before it answers.
 REASONING_MARKS = ("enable_thinking", "reasoning_effort", "<think>")
@@ -185,7 +191,6 @@ class PromptCacheOptions(_Request):
 
 # -- the requests -----------------------------------------------------------------------------
 NO_TOOLS = "edgetp cannot call tools yet"
-NO_LOGPROBS = "edgetp returns no log probabilities yet"
 CHANGES_NOTHING = "accepted, changes nothing"
 
 
@@ -212,15 +217,26 @@ class SamplingFields(_Request):
         None, ge=-SEED_LIMIT, le=SEED_LIMIT, description="makes sampling repeatable"
     )
     n: Annotated[int | None, NARROWED] = Field(
-        None, ge=1, le=1, description="only 1: edgetp makes one choice per request"
+        None,
+        ge=1,
+        le=N_MAX,
+        description=f"1 to {N_MAX} choices, each a sequence of the batch in a slot of its own "
+        f"(they wait for free slots as requests do, and nothing is shared yet); usage counts "
+        f"the prompt once",
     )
     stream: bool | None = Field(False, description="send server-sent events as tokens come")
     stream_options: StreamOptions | None = Field(None, description="used with stream: true")
-    presence_penalty: Annotated[float | None, NARROWED] = Field(
-        None, ge=0.0, le=0.0, description="only 0: edgetp has none; use repetition_penalty"
+    presence_penalty: float | None = Field(
+        None,
+        ge=-PENALTY_LIMIT,
+        le=PENALTY_LIMIT,
+        description="subtracted from the logit of every token the answer already has",
     )
-    frequency_penalty: Annotated[float | None, NARROWED] = Field(
-        None, ge=0.0, le=0.0, description="only 0: edgetp has none; use repetition_penalty"
+    frequency_penalty: float | None = Field(
+        None,
+        ge=-PENALTY_LIMIT,
+        le=PENALTY_LIMIT,
+        description="subtracted from a token's logit once per time the answer already has it",
     )
     logit_bias: Annotated[NoBias | None, NARROWED] = Field(
         None, description="only {} or null: edgetp biases no tokens yet"
@@ -228,6 +244,12 @@ class SamplingFields(_Request):
     user: AnyText | None = Field(None, description=f"an end user's id: {CHANGES_NOTHING}")
     # edgetp's own sampling knobs (the names other OpenAI-compatible servers use)
     top_k: int | None = Field(None, ge=0, description="edgetp: keep the k likeliest; 0 = all")
+    min_p: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="edgetp: keep tokens at least min_p times as likely as the likeliest; 0 = all",
+    )
     repetition_penalty: float | None = Field(
         None,
         ge=REPETITION_PENALTY_MIN,
@@ -262,11 +284,16 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(
         None, ge=1, description="the newer name of max_tokens; wins if both are given"
     )
-    logprobs: Annotated[FalseOnly | None, NARROWED] = Field(
-        None, description=f"only false or null: {NO_LOGPROBS}"
+    logprobs: bool | None = Field(
+        None,
+        description="each token's log probability: of the model's logits after the penalties "
+        "and the temperature (1 when greedy), before top-k, top-p and min-p",
     )
-    top_logprobs: Annotated[int | None, NARROWED] = Field(
-        None, ge=0, le=0, description=f"only 0 or null: {NO_LOGPROBS}"
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=TOP_LOGPROBS_MAX,
+        description="with logprobs true: the likeliest tokens' too, at each position",
     )
     response_format: Annotated[ResponseFormatText | None, NARROWED] = Field(
         None,
@@ -335,6 +362,10 @@ class ChatCompletionRequest(SamplingFields):
     def unserved(self, chat_template: str | None) -> tuple[str, str] | None:
         """(field, message) for what the schema cannot refuse: fields served alone but not
         together, and a reasoning effort for a model that reasons."""
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", (
+                f"top_logprobs: {self.top_logprobs} needs logprobs: true (as at OpenAI)"
+            )
         for tools, choice, name in (
             (self.tools, self.tool_choice, "tool_choice"),
             (self.functions, self.function_call, "function_call"),
@@ -364,12 +395,27 @@ class CompletionRequest(SamplingFields):
     ) = Field(description="one prompt: text, or token ids (a list of one of either is accepted)")
     echo: bool | None = Field(False, description="put the prompt before the completion")
     best_of: Annotated[int | None, NARROWED] = Field(
-        None, ge=1, le=1, description="only 1: edgetp makes one choice per request"
+        None, ge=1, le=1, description="only 1: edgetp does not rank choices (n makes several)"
     )
-    logprobs: Annotated[None, NARROWED] = Field(None, description=f"only null: {NO_LOGPROBS}")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=TOP_LOGPROBS_MAX,
+        description="each token's log probability and those of the `logprobs` likeliest "
+        "tokens, of the model's logits after the penalties and the temperature (1 when greedy)",
+    )
     suffix: Annotated[Empty | None, NARROWED] = Field(
         None, description="only null or '': edgetp has no fill-in-the-middle yet"
     )
+
+    def unserved(self, chat_template: str | None = None) -> tuple[str, str] | None:
+        """(field, message) for fields served alone but not together."""
+        if self.echo and self.logprobs is not None:
+            return "echo", (
+                "echo: true with logprobs would report the prompt's tokens' log probabilities, "
+                "which edgetp does not compute yet; ask for one or the other"
+            )
+        return None
 
 
 REQUESTS: dict[str, type[SamplingFields]] = {

@@ -46,6 +46,31 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length"]
 
 
+class TopLogprob(BaseModel):
+    token: str = Field(description="the token's text")
+    logprob: float = Field(
+        description="of the model's logits after the penalties and the temperature (1 when "
+        "greedy), before top-k, top-p and min-p cut them"
+    )
+    bytes: list[int] | None = Field(description="the token's UTF-8 bytes")
+
+
+class ContentLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="the likeliest tokens, likeliest first")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ContentLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int] = Field(description="where each token's text starts in the choice's")
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -54,7 +79,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -70,7 +95,7 @@ class ChatCompletion(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -98,7 +123,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = Field(description="set in the last chunk with choices")
 
 
@@ -118,7 +143,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChunkChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 
