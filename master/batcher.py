@@ -320,7 +320,7 @@ class Batcher:
         context = self.engine.max_context
         replayed = 0
         with self._cond:
-            self._slots.forget()  # the old plan's caches are gone, on every node
+            self._slots.bind(self.engine)  # the old plan's caches are gone, on every node
             for job in list(self._active):
                 g = job.generation
                 if len(g.prompt) + len(g.tokens) + 1 > context:

@@ -13,16 +13,20 @@ import queue
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from master.batcher import Batcher, Delta, Event, Failed, Finished
+from master.cluster import Hub
 from master.engine import Engine
 from master.local import local_session
 from master.params import SamplingParams
 from master.prompts import chat_tokens
-from master.reuse import SlotPool, reusable
+from master.reuse import SlotPool, common_prefix, reusable
 from master.session import Session
+from master.transport import ClusterError
 from models.layers import StepBatch
+from models.rows_native import NativeBlocks
 
 pytestmark = pytest.mark.slow
 
@@ -162,6 +166,55 @@ def test_three_local_nodes_prefill_only_each_new_turn(smollm2, smollm2_tokenizer
         off = converse(session, smollm2_tokenizer, steps, False, QUESTIONS[:3])
         on = converse(session, smollm2_tokenizer, steps, True, QUESTIONS[:3])
     check_reuse(off, on, smollm2_tokenizer, QUESTIONS[:3])
+
+
+def test_a_node_lost_forgets_what_the_slots_held(smollm2, smollm2_tokenizer, steps):
+    """A node lost mid-step: the re-planned engine's caches are empty, so a prompt that the old
+    engine's slot held is prefilled again (past what the new engine's slots hold), and answers
+    the same."""
+
+    class LostNode:  # the seam: the other devices, lost in the first step after `fail` is set
+        fail = False
+
+        def begin_step(self, batch: object) -> None:
+            pass
+
+        def send(self, *args: object, **kwargs: object) -> None:
+            if self.fail:
+                self.fail = False
+                raise ClusterError("node local-1 is unreachable")
+
+        def gather(self, *args: object, **kwargs: object) -> None:
+            return None
+
+        def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]:
+            self.send()  # no other devices: the master's own blocks are the whole layer
+            for i in range(blocks.config.n_layers):
+                h = h + blocks.attention(i, h)
+                h = h + blocks.ffn(i, h)
+            return h, 0.0
+
+    # A real hub that no worker joined: the master alone re-plans for itself.
+    with Session(smollm2, Hub("127.0.0.1", 0), context=256, slots=2) as session:
+        lost = LostNode()
+        session.start().remote = lost
+        batcher = Batcher(session, smollm2_tokenizer).start()
+        try:
+            system = {"role": "system", "content": SYSTEM}
+            tokens = chat_tokens(smollm2_tokenizer, [system, {"role": "user", "content": "Hi!"}])
+            first = ask(batcher, steps, tokens)
+            again = ask(batcher, steps, tokens)
+            assert again.reused == len(tokens) - 1 and again.text == first.text
+            lost.fail = True
+            messages = [system, {"role": "user", "content": QUESTIONS[0]}]
+            other_tokens = chat_tokens(smollm2_tokenizer, messages)
+            ask(batcher, steps, other_tokens)  # a node is lost in its prefill: re-planned
+            assert batcher.stats().recovered == 1
+            after = ask(batcher, steps, tokens)
+        finally:
+            batcher.close()
+    assert after.reused == common_prefix(other_tokens, tokens) < len(tokens) - 1
+    assert after.text == first.text
 
 
 class _Engine:  # what a slot pool reads of an engine (a SimpleNamespace takes no weak ref)
