@@ -6,11 +6,12 @@ to 100. Off, every turn prefills the whole conversation; on, only what is new si
 answer. The two alternate, ROUNDS times, on one session, and each turn's median is printed, with
 the last turn's time over the first's, and whether the greedy answers are the same both ways.
 
-    PYTHONPATH=. .venv/bin/python docs/bench/prompt_reuse.py [NODES ...]   (default: 1 3)
+    PYTHONPATH=. [ROUNDS=2] .venv/bin/python -u docs/bench/prompt_reuse.py [NODES ...]   (1 3)
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import statistics
 import subprocess
@@ -25,7 +26,7 @@ from master.session import Session
 from models.source import open_model
 from models.tokenizer import Tokenizer
 
-ROUNDS = 2
+ROUNDS = int(os.environ.get("ROUNDS", "2"))
 ANSWER_TOKENS = 100
 SYSTEM = "You are a helpful assistant who answers carefully and in detail."
 TOPICS = [
