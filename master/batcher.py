@@ -6,7 +6,9 @@ Fronts (the REST bridge) `submit` a prompt from any thread and get events back t
 callback; the loop admits a new request into a free KV-cache slot before the next step, so it
 starts at once instead of waiting for the others to finish, and decodes in the same steps as
 they do. A cancelled request is dropped before the next step and its slot freed: at most the
-step already running when the cancel came still computes its token.
+step already running when the cancel came still computes its token. A finished request's slot
+keeps its KV cache, and a new request takes the free slot whose tokens begin like its own and
+prefills only the rest (master/reuse.py).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from master.engine import Engine
-from master.figures import BatcherStats, CancelRecord
+from master.figures import BatcherStats, CancelRecord, ReuseRecord
 from master.generate import Generation, check_prompt, step
 from master.params import SamplingParams
+from master.reuse import SlotPool
 from master.sampling import Sampler, TokenLogprob
 from master.session import Session
 from master.speculate import Speculator
@@ -113,7 +116,9 @@ class Batcher:
         tokenizer: Tokenizer,
         max_waiting: int = 64,
         speculator: Speculator | None = None,
+        prompt_reuse: bool = True,
     ) -> None:
+        """`prompt_reuse`: a request prefills only what no free slot's cache holds already."""
         self.session = session
         self.speculator = speculator  # drafts checked in each step (master/speculate.py)
         self.tokenizer = tokenizer
@@ -121,7 +126,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._active: list[_Job] = []
-        self._free = list(range(session.slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._slots = SlotPool(session.slots, prompt_reuse)
         self._closed = False
         self._down: str | None = None
         self._ids = itertools.count(1)
@@ -133,6 +138,8 @@ class Batcher:
         self._last_loss: str | None = None
         self._replans_mid_answer = 0  # nodes planned in or out between two steps of answers
         self._prompt_tokens = self._completion_tokens = 0
+        self._reused_tokens = 0  # prompt tokens whose KV a slot held already
+        self._last_reuse: ReuseRecord | None = None
         self._largest_batch = 0
         self._recent: collections.deque[tuple[float, float, int, int]] = collections.deque(
             maxlen=RECENT_STEPS
@@ -230,6 +237,8 @@ class Batcher:
                 cancelled=self._cancelled,
                 failed=self._failed,
                 prompt_tokens=self._prompt_tokens,
+                reused_tokens=self._reused_tokens,
+                last_reuse=self._last_reuse,
                 completion_tokens=self._completion_tokens,
                 largest_batch=self._largest_batch,
                 step_ms_recent=[round(s * 1000, 2) for _, s, _, _ in recent],
@@ -296,7 +305,7 @@ class Batcher:
                 log.exception("step %d failed", number)
                 with self._cond:
                     for job in batch:
-                        self._drop(job)
+                        self._drop(job, keep=False)  # the step stopped half-way: KV unknown
                         self._failed += 1
                         _emit(job, Failed(exc))
                 continue
@@ -330,10 +339,11 @@ class Batcher:
         context = self.engine.max_context
         replayed = 0
         with self._cond:
+            self._slots.bind(self.engine)  # the old plan's caches are gone, on every node
             for job in list(self._active):
                 g = job.generation
                 if len(g.prompt) + len(g.tokens) + 1 > context:
-                    self._drop(job)
+                    self._drop(job, keep=False)
                     self._failed += 1
                     _emit(job, Failed(NodeLost(
                         f"{cause}; the nodes here now hold a context of {context} tokens, and "
@@ -397,17 +407,25 @@ class Batcher:
             self._waiting.remove(job)
             self._cancelled += 1
             log.info("request %s cancelled while waiting for a slot", job.id)
-        while self._waiting and self._free:
+        if self._waiting and self._slots and self.engine is not None:
+            self._slots.bind(self.engine)  # another engine than the last (a re-plan): no KV
+        while self._waiting and self._slots:
             job = self._waiting.popleft()
-            job.generation.slot = self._free.pop()
+            g = job.generation
+            taken = self._slots.take(g.prompt)
+            g.slot, g.position, g.reused = taken.slot, taken.start, taken.start
             self._active.append(job)
-            self._prompt_tokens += len(job.generation.prompt)
+            self._prompt_tokens += len(g.prompt)
+            self._reused_tokens += g.reused
+            self._last_reuse = ReuseRecord(job.id, len(g.prompt), g.reused)
             log.info(
-                "request %s joins at step %d in slot %d (%d prompt tokens, %d running)",
+                "request %s joins at step %d in slot %d (%d prompt tokens, %d of them reused; "
+                "%d running)",
                 job.id,
                 self._steps + 1,
-                job.generation.slot,
-                len(job.generation.prompt),
+                g.slot,
+                len(g.prompt),
+                g.reused,
                 len(self._active),
             )
 
@@ -419,9 +437,9 @@ class Batcher:
         `MIXED_PREFILL_MAX` tokens the new prompts get a step of their own first (the running
         sequences wait that one step), and everyone decodes together from the next step on.
         """
-        new = [j for j in self._active if j.generation.position == 0]
+        new = [j for j in self._active if not j.generation.decoding]
         if new and len(new) < len(self._active):
-            if max(len(j.generation.prompt) for j in new) > MIXED_PREFILL_MAX:
+            if max(len(j.generation.pending()) for j in new) > MIXED_PREFILL_MAX:
                 return new
         return list(self._active)
 
@@ -435,7 +453,7 @@ class Batcher:
             _emit(job, Delta(text, logprobs))
         if g.failure is not None:  # this request alone: the others in its steps go on
             log.error("request %s failed: %s", job.id, g.failure)
-            self._drop(job)
+            self._drop(job, keep=False)  # not a number: its keys may not be either
             self._failed += 1
             _emit(job, Failed(g.failure))
         elif g.finished:
@@ -445,14 +463,17 @@ class Batcher:
             self._completion_tokens += sampled
             _emit(job, Finished(g.finish_reason or "stop", len(g.prompt), sampled))
 
-    def _drop(self, job: _Job) -> None:
+    def _drop(self, job: _Job, keep: bool = True) -> None:
+        """Free the job's slot; unless not `keep`, with what its KV cache holds now, for a
+        later request that begins alike."""
         if job in self._active:
             self._active.remove(job)
-            self._free.append(job.generation.slot)
+            g = job.generation
+            self._slots.give_back(g.slot, g.cached() if keep else None)
 
     def _fail_all(self, exc: Exception) -> None:
         for job in [*self._active, *self._waiting]:
-            self._drop(job)
+            self._drop(job, keep=False)
             self._failed += 1
             if not job.cancelled:
                 _emit(job, Failed(exc))

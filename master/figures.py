@@ -40,6 +40,15 @@ class CancelRecord:
         return self.dropped_before_step - 1 - self.requested_during_step
 
 
+@dataclass(frozen=True)
+class ReuseRecord:
+    """The last request admitted: its prompt, and how much of it a slot's KV cache held."""
+
+    id: str
+    prompt_tokens: int
+    reused_tokens: int  # not prefilled: a finished request's keys and values served them
+
+
 @dataclass
 class BatcherStats:
     """Counters and live figures; a copy taken under the batcher's lock."""
@@ -55,6 +64,8 @@ class BatcherStats:
     prompt_tokens: int
     completion_tokens: int
     largest_batch: int
+    reused_tokens: int = 0  # prompt tokens whose KV a finished request left in its slot
+    last_reuse: ReuseRecord | None = None
     step_ms_recent: list[float] = field(default_factory=list)
     batch_recent: list[int] = field(default_factory=list)
     tokens_per_s: float = 0.0

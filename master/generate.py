@@ -1,8 +1,9 @@
 """The generation loop: sequences advance together, one engine step at a time.
 
-A step carries every active sequence: a new one feeds its whole prompt (prefill), a running one
-its last token (decode). So a sequence can join a running batch at any step, and all of them
-share the same trip through the layers.
+A step carries every active sequence: a new one feeds its prompt (prefill; past the tokens whose
+keys and values its slot already holds, master/reuse.py), a running one its last token (decode).
+So a sequence can join a running batch at any step, and all of them share the same trip through
+the layers.
 """
 
 from __future__ import annotations
@@ -41,20 +42,30 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     decoded: int = 0  # characters of the output decoded up to the last whole character
     logprobs_sent: int = 0  # of `logprobs`, handed out
+    reused: int = 0  # prompt tokens whose KV its slot held when it started (master/reuse.py)
+    sampled: int = 0  # tokens sampled so far (an end-of-sequence token included)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     @property
-    def sampled(self) -> int:
-        """Tokens sampled so far: one per step the sequence took part in."""
-        return 0 if self.position == 0 else self.position - len(self.prompt) + 1
+    def decoding(self) -> bool:
+        """Whether its next step feeds just its last sampled token (not a prompt)."""
+        return bool(self.tokens) and self.position == len(self.prompt) + len(self.tokens) - 1
 
     def pending(self) -> list[int]:
-        """Tokens to feed in the next step: from an empty cache, the prompt and every token so
-        far (a new request, or one replayed after a node was lost); else the last token."""
-        return self.prompt + self.tokens if self.position == 0 else self.tokens[-1:]
+        """Tokens to feed in the next step: those past what the KV cache holds. The prompt (past
+        the reused part) for a new request; the prompt and every token so far for one replayed
+        after a node was lost (position 0); else the last token."""
+        if self.position >= len(self.prompt):
+            return self.tokens[self.position - len(self.prompt) :]
+        return self.prompt[self.position :] + self.tokens
+
+    def cached(self) -> list[int]:
+        """The tokens whose keys and values its slot holds: all it fed, the last sampled token
+        and rejected drafts not included."""
+        return (self.prompt + self.tokens)[: self.position]
 
     def take_text(self) -> str:
         """New text since the last call, holding back what a stop string might still claim."""
@@ -110,7 +121,7 @@ def step(
     if engine.config.local_layers:  # a local layer's KV ring: a rejected draft would overwrite
         speculator = None  # a position its window still reads
     feeds = [g.pending() for g in active]
-    decoding = [g.position > 0 for g in active]  # not a prompt (new, or replayed)
+    decoding = [g.decoding for g in active]  # not a prompt (new, or replayed)
     drafts: list[list[int]] = [[] for _ in active]
     drafting = [b for b in range(len(active)) if decoding[b]]
     if speculator is not None and drafting:
@@ -142,6 +153,7 @@ def step(
         except ModelError as exc:  # NaN among this sequence's logits: the others' go on
             g.failure, g.finish_reason = exc, "error"
             continue
+        g.sampled += made
         if speculator is not None and decoding[b]:
             speculator.record_draft(g.drafts, len(drafts[b]), accepted, made)
 

@@ -180,6 +180,14 @@ class CancelFigures(BaseModel):
     late_steps: int = Field(description="steps started after the cancel that still carried it")
 
 
+class ReuseFigures(BaseModel):
+    id: str
+    prompt_tokens: int
+    reused_tokens: int = Field(
+        description="prompt tokens not prefilled: a finished request's KV cache held them"
+    )
+
+
 class GenerationFigures(BaseModel):
     """The generation loop's counters and recent figures."""
 
@@ -194,6 +202,14 @@ class GenerationFigures(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     largest_batch: int = Field(description="most sequences one step has carried")
+    reused_tokens: int = Field(
+        0,
+        description="prompt tokens not prefilled, since a finished request's KV cache, kept in "
+        "its slot, held them (a conversation's earlier turns)",
+    )
+    last_reuse: ReuseFigures | None = Field(
+        None, description="the last request admitted: its prompt tokens and how many were reused"
+    )
     step_ms_recent: list[float] = Field(description="duration of the latest steps, oldest first")
     batch_recent: list[int] = Field(description="sequences in each of those steps")
     tokens_per_s: float = Field(description="tokens per second of those steps' time")

@@ -1,0 +1,105 @@
+"""Prompt reuse: a finished sequence's KV cache stays in its slot, for a prompt that begins alike.
+
+Nothing on the nodes changes: a slot is not cleared when its sequence ends, and a new sequence
+that starts at position p in it writes its keys and values from p on (`StepBatch.starts`), while
+attention reads only positions below the step's end. So what the master must know is, per free
+slot, which tokens its cache holds: the prompt and the tokens fed through the model after it
+(not the last one sampled, whose keys are not written yet; not a rejected draft's, which lie past
+the sequence's position). A new request takes the free slot whose tokens share the longest
+prefix with its own, and prefills only the rest.
+
+A local layer's ring (Gemma 3) holds only the last `ring` positions a slot wrote: once a slot's
+sequence outgrew its ring, the positions before its last `ring` are gone, and only a request
+that carries on from its end (at most its last token different) can start past 0.
+
+A re-plan builds a new engine with empty caches: what the pool knew belongs to the engine it was
+told of (`bind`), and is forgotten when another one runs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from master.engine import Engine
+from node.kvcache import positions
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A slot handed to a request, and where its prefill starts: tokens before it are reused."""
+
+    slot: int
+    start: int
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def reusable(kept: Sequence[int], tokens: Sequence[int], ring: int | None) -> int:
+    """Tokens of `tokens` whose keys and values a slot holding `kept` can give: their common
+    prefix, less the last token of `tokens` (its logits are the first token's), and none when a
+    ring of `ring` positions has lost positions that the first new token would read."""
+    n = min(common_prefix(kept, tokens), len(tokens) - 1)
+    if ring is not None and len(kept) > ring and n < len(kept) - 1:
+        return 0  # the new tokens would read positions before the kept ones' last `ring`
+    return max(n, 0)
+
+
+class SlotPool:
+    """The KV-cache slots: the free ones in the order they were freed (least recently used
+    first) with the tokens each holds, and those in use."""
+
+    def __init__(self, slots: int, reuse: bool = True) -> None:
+        self.reuse = reuse
+        self._free: list[int] = list(range(slots))  # least recently used first
+        self._kept: dict[int, list[int]] = {}  # free slot -> tokens its cache holds
+        self._engine: weakref.ref[Engine] | None = None
+        self._ring: int | None = None
+
+    def __len__(self) -> int:
+        """Free slots."""
+        return len(self._free)
+
+    def bind(self, engine: Engine) -> None:
+        """The caches are `engine`'s: a different engine (a re-plan) holds none of the kept
+        tokens."""
+        if self._engine is not None and self._engine() is engine:
+            return
+        self.forget()
+        self._engine = weakref.ref(engine)
+        config = engine.config
+        self._ring = None
+        if config.local_layers and config.sliding_window:
+            self._ring = positions(config, config.local_layers[0], engine.max_context)
+
+    def forget(self) -> None:
+        """The caches are gone (a node was lost, a re-plan): no slot holds anything now."""
+        self._kept.clear()
+
+    def take(self, tokens: Sequence[int]) -> Taken:
+        """A free slot for a sequence of `tokens`: the one sharing the longest prefix, else the
+        least recently used; its prefill starts after the tokens it reuses."""
+        best, start = self._free[0], 0
+        if self.reuse:
+            for slot in self._free:
+                n = reusable(self._kept.get(slot, ()), tokens, self._ring)
+                if n > start:
+                    best, start = slot, n
+        self._free.remove(best)
+        self._kept.pop(best, None)  # in use: what it holds now changes with every step
+        return Taken(best, start)
+
+    def give_back(self, slot: int, kept: Sequence[int] | None) -> None:
+        """`slot` is free again, its cache holding the KV of `kept` (None: not known, as after a
+        step that failed half-way)."""
+        self._free.append(slot)
+        if kept and self.reuse:
+            self._kept[slot] = list(kept)
