@@ -49,12 +49,32 @@ SMALL_MOE = {
 }
 
 
+_BUILT: dict[bool, tuple] = {}  # by norm_topk_prob: each model is made once for the module
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "raw_topk"])
 def moe(request, tmp_path_factory):
-    """(transformers model, its HF folder, a prompt)."""
+    """(transformers model, its HF folder, a prompt), with and without renormalised weights."""
+    return _built(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def normalised_moe(tmp_path_factory):
+    """The model whose experts' weights are renormalised, as llama.cpp's qwen3moe always
+    does: the one a GGUF file can hold."""
+    return _built(True, tmp_path_factory)
+
+
+def _built(norm_topk_prob: bool, tmp_path_factory) -> tuple:
+    if norm_topk_prob not in _BUILT:
+        _BUILT[norm_topk_prob] = _build(norm_topk_prob, tmp_path_factory)
+    return _BUILT[norm_topk_prob]
+
+
+def _build(norm_topk_prob: bool, tmp_path_factory) -> tuple:
     import transformers
 
-    config = transformers.Qwen3MoeConfig(**(SMALL_MOE | {"norm_topk_prob": request.param}))
+    config = transformers.Qwen3MoeConfig(**(SMALL_MOE | {"norm_topk_prob": norm_topk_prob}))
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="eager", dtype=torch.float32
     )
@@ -144,10 +164,8 @@ def test_logits_equal_transformers_on_every_node_count(moe):
 
 
 @pytest.mark.slow
-def test_gguf_logits_equal_transformers_on_every_node_count(moe):
-    model, folder, prompt = moe
-    if not model.config.norm_topk_prob:
-        pytest.skip("a qwen3moe GGUF file renormalises its experts' weights")
+def test_gguf_logits_equal_transformers_on_every_node_count(normalised_moe):
+    model, folder, prompt = normalised_moe
     expected, continuation = _reference(model, prompt)
     source = open_model(folder / "model.gguf")
     hf = open_model(folder).config
@@ -280,13 +298,11 @@ def test_routing_travels_in_a_step_and_back():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_1"])
-def test_block_experts_split_across_real_nodes_equal_one_node(moe, dtype):
+def test_block_experts_split_across_real_nodes_equal_one_node(normalised_moe, dtype):
     """Each expert's rows of the stacked matrices are multiplied in their blocks where they
     lie: a split gives what one node gives on the same weights. (int8's per-row scales span a
     slice's columns: another split is other weights.)"""
-    model, folder, prompt = moe
-    if not model.config.norm_topk_prob:
-        pytest.skip("one routing is enough")
+    model, folder, prompt = normalised_moe
     _, continuation = _reference(model, prompt)
     source = open_model(folder)
     one = _windowed(source, 1, dtype, prompt, continuation, 128)
