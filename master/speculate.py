@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from master.engine import Engine
+from master.reuse import common_prefix
 from master.session import Session
 from memory.budget import MemoryOptions
 from models.errors import ModelError
@@ -139,7 +140,7 @@ class DraftModel:
     def behind(state: DraftState, history: Sequence[int]) -> int:
         """Tokens of `history` its cache lacks for a sequence (more than the usual one or two
         after a pause in drafting)."""
-        return len(history) - _common_prefix(state.fed, history)
+        return len(history) - common_prefix(state.fed, history)
 
     def room(self, tokens: Sequence[int]) -> int:
         """Drafts its context holds after `tokens` (its context may be the smaller one)."""
@@ -161,7 +162,7 @@ class DraftModel:
         live = [b for b, n in enumerate(lengths) if n > 0]
         for b in live:
             state, history = states[b], histories[b]
-            same = _common_prefix(state.fed, history)
+            same = common_prefix(state.fed, history)
             same = min(same, len(history) - 1)  # the last token is fed: its logits draft
             feeds[b] = list(history[same:])
             state.fed = list(history)
@@ -186,14 +187,6 @@ class DraftModel:
 
     def close(self) -> None:
         self.session.close()
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Speculator:
