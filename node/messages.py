@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # the CLI imports this module: no torch at start-up
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+# A shard's name: its content's sha256, so that no name a peer sends can point outside the store
+Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 
 
 class ProtocolError(Exception):
@@ -94,7 +96,7 @@ class Hello(_Message, tag="hello"):
 class Fetch(_Message, tag="fetch"):
     """A chunk of a shard file."""
 
-    sha256: str
+    sha256: Sha256
     offset: NonNegative
     size: Positive
 
@@ -175,7 +177,7 @@ class Accepted(_Message, tag="accepted"):
 class Chunk(_Message, tag="chunk"):
     """A chunk of a shard file at `offset`; its one frame is the raw bytes, not a tensor."""
 
-    sha256: str
+    sha256: Sha256
     offset: NonNegative
 
 

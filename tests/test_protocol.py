@@ -123,6 +123,14 @@ def test_a_capacity_that_would_skew_every_share_is_refused_as_it_decodes(capacit
         M.decode_from_node([msgpack.packb(hello)])
 
 
+@pytest.mark.parametrize("name", ["../../etc/" + "a" * 54, "AB" * 32, "ab" * 31, "ab" * 33])
+def test_a_fetch_names_a_shard_by_its_sha256_only(name):
+    """The master opens the file a FETCH names: a name that is not a sha256 never gets there."""
+    fetch = {"op": "fetch", "sha256": name, "offset": 0, "size": 1}
+    with pytest.raises(M.ProtocolError, match="sha256"):
+        M.decode_from_node([msgpack.packb(fetch)])
+
+
 def test_a_hello_of_another_version_says_so_whatever_its_fields():
     hello = {"op": "hello", "version": P.PROTOCOL_VERSION + 1, "name": "n", "new": {"x": 1}}
     with pytest.raises(M.ProtocolError, match="does not match the master's"):
