@@ -129,11 +129,11 @@ class Worker:
         """Tell the master why this node stops (it may be waiting for a partial or READY)."""
         self._send(M.Error(message=f"{type(exc).__name__}: {exc}"))
 
-    def _decode(self, frames: list[Any], doing: str) -> M.FromMaster:
-        """The master's message; NodeError (after telling the master) for one that does not
-        follow the protocol, outside serving, where nothing can go on without it."""
+    def _decode(self, frames: list[Any], doing: str) -> tuple[M.FromMaster, list[np.ndarray]]:
+        """The master's message and its tensors; NodeError (after telling the master) for one
+        that does not follow the protocol, outside serving, where nothing can go on without it."""
         try:
-            return M.decode_from_master(frames)[0]
+            return M.decode_from_master(frames)
         except M.ProtocolError as exc:
             self._send(M.Error(message=f"malformed message: {exc}"))
             raise NodeError(f"the master sent a malformed message while {doing}: {exc}") from exc
@@ -206,7 +206,7 @@ class Worker:
         """Join: the master's WELCOME, or its BYE to a node it left on standby."""
         hello = M.Hello(P.PROTOCOL_VERSION, self.name, self.capacity, self.model)
         self._send(hello)
-        answer = self._decode(self._recv(HANDSHAKE_TIMEOUT, "joining"), "joining")
+        answer, _ = self._decode(self._recv(HANDSHAKE_TIMEOUT, "joining"), "joining")
         if isinstance(answer, M.Refuse):
             raise NodeError(f"the master refused this node: {answer.reason}")
         if not isinstance(answer, M.Accepted):
@@ -234,14 +234,14 @@ class Worker:
         on_standby = False
         while True:
             frames = self._recv(float("inf"), "waiting for the master's plan")
-            message = self._decode(frames, "waiting for the master's plan")
+            message, tensors = self._decode(frames, "waiting for the master's plan")
             if isinstance(message, M.Welcome | M.Bye):
                 return message, on_standby
             if isinstance(message, M.Standby):
                 log.warning("node %s is on standby: %s", self.name, message.reason)
                 on_standby = True
             elif isinstance(message, M.Measure | M.Echo):
-                self._answer(message, M.decode_from_master(frames)[1])
+                self._answer(message, tensors)
             else:
                 raise NodeError(f"unexpected message before WELCOME: {message}")
 
@@ -313,7 +313,7 @@ class Worker:
                     pending.append(next_offset)
                     next_offset += size
                 frames = self._recv(30.0, f"fetching shard {ref.filename}")
-                message = self._decode(frames, f"fetching shard {ref.filename}")
+                message, _ = self._decode(frames, f"fetching shard {ref.filename}")
                 if isinstance(message, M.Error):  # no such shard on the master
                     raise NodeError(f"the master could not send {ref.filename}: {message.message}")
                 if not isinstance(message, M.Chunk) or message.offset != pending[0]:
