@@ -26,7 +26,7 @@ from master.figures import BatcherStats, CancelRecord, ReuseRecord
 from master.generate import Generation, check_prompt, step
 from master.params import SamplingParams
 from master.reuse import SlotPool
-from master.sampling import Sampler, TokenLogprob
+from master.sampling import TokenLogprob, sampler_for
 from master.session import Session
 from master.speculate import Speculator
 from master.transport import ClusterError
@@ -208,7 +208,7 @@ class Batcher:
             jobs = []
             for i, p in enumerate(params):
                 # The slot is chosen when the sequence is admitted; -1 until then.
-                g = Generation(-1, list(prompt), p, Sampler(p))
+                g = Generation(-1, list(prompt), p, sampler_for(p, self.tokenizer))
                 jobs.append(_Job(rid if len(params) == 1 else f"{rid}/{i}", g, _for(on_event, i)))
             self._waiting.extend(jobs)
             self._submitted += len(jobs)

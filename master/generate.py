@@ -16,7 +16,7 @@ import torch
 
 from master.engine import Engine
 from master.params import SamplingParams
-from master.sampling import Sampler, TokenLogprob
+from master.sampling import Sampler, TokenLogprob, sampler_for
 from master.speculate import DraftState, Speculator
 from models.errors import ModelError
 from models.layers import StepBatch
@@ -132,7 +132,7 @@ def step(
             [active[b].slot for b in drafting],
         )
         for b, d in zip(drafting, proposed, strict=True):
-            drafts[b] = d
+            drafts[b] = active[b].sampler.allowed_drafts(d)
     fed = [f + d for f, d in zip(feeds, drafts, strict=True)]
     batch = StepBatch(
         tuple(g.slot for g in active),
@@ -206,6 +206,7 @@ def _accept(
     max_context: int,
 ) -> None:
     """Take `token`, sampled from `logits` (V,) after `history`, into `g`."""
+    g.sampler.accept(token)
     if token in tokenizer.eos_ids and not g.params.ignore_eos:
         g.finish_reason = "stop"  # not text: no log probability is reported for it
         return
@@ -230,15 +231,22 @@ def _accept(
 
 
 def start(
-    engine: Engine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    tokenizer: Tokenizer | None = None,
 ) -> list[Generation]:
-    """One generation per prompt, in cache slots 0.., checked against the context."""
+    """One generation per prompt, in cache slots 0.., checked against the context; a
+    `tokenizer` is needed for params with a grammar."""
     if len(prompts) > engine.slots:
         raise ModelError(f"{len(prompts)} prompts but the engine has {engine.slots} slots")
     seqs = []
     for slot, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         check_prompt(prompt, engine.max_context)
-        seqs.append(Generation(slot, list(prompt), p, Sampler(p)))
+        if p.grammar is not None and tokenizer is None:
+            raise ValueError("a grammar needs the model's tokenizer: pass it to start()")
+        sampler = Sampler(p) if tokenizer is None else sampler_for(p, tokenizer)
+        seqs.append(Generation(slot, list(prompt), p, sampler))
     return seqs
 
 

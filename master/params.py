@@ -20,7 +20,8 @@ TOP_LOGPROBS_MAX = 20  # alternatives reported per token (OpenAI's chat API: up 
 class SamplingParams:
     """temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 mean no cut; seed None means
     random. `logprobs` None reports none; k reports each token's log probability and the k
-    likeliest alternatives'. `stream` tells a request's n choices apart: choice i > 0 draws
+    likeliest alternatives'. `grammar` constrains every token to what it
+    allows. `stream` tells a request's n choices apart: choice i > 0 draws
     from the seed's i-th child stream, so each is repeatable and none repeats another."""
 
     temperature: float = 0.0
@@ -36,6 +37,9 @@ class SamplingParams:
     ignore_eos: bool = False  # decode exactly max_tokens (benchmarks)
     logprobs: int | None = None
     stream: int = 0
+    # What the output must match, in llguidance's form (master/grammar.py): JSON mode, a JSON
+    # schema, a forced tool call. None: anything.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         problems = []

@@ -1,5 +1,6 @@
 """Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, the
-repetition, presence and frequency penalties; and the log probabilities reported for it."""
+repetition, presence and frequency penalties, a grammar's mask; and the log probabilities
+reported for it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from master.grammar import Constraint
 from master.params import GREEDY_BELOW, SamplingParams
 from models.errors import ModelError
+from models.tokenizer import Tokenizer
 
 # Top-k and top-p look among this many of the likeliest tokens (or top-k's k) first; top-p
 # sorts the whole vocabulary only when they hold less than top_p: sorting SmolLM2's 49,152
@@ -47,8 +50,9 @@ class Sampler:
     dispatch where NumPy takes ~1.
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None) -> None:
         self.params = params
+        self.constraint = constraint  # params.grammar's, compiled for the model's vocabulary
         # NumPy takes seeds >= 0: a negative one (the bridge takes any within +-2**53, as
         # torch did) is taken modulo 2**64, which keeps them all apart. No seed: fresh entropy.
         # Choice i > 0 of a request's n draws from the seed's i-th child stream, which no
@@ -131,6 +135,18 @@ class Sampler:
             token, _finite(logp[token]), tuple((int(i), _finite(logp[i])) for i in top)
         )
 
+    def accept(self, token: int) -> None:
+        """Take `token` as the sequence's next: a grammar moves past it."""
+        if self.constraint is not None:
+            self.constraint.accept(token)
+
+    def allowed_drafts(self, drafts: list[int]) -> list[int]:
+        """The first drafts the grammar allows: a draft it forbids is not proposed (nor any
+        after it)."""
+        if self.constraint is None or not drafts:
+            return drafts
+        return self.constraint.allowed_prefix(drafts)
+
     def _support(
         self, logits: torch.Tensor, history: Sequence[int], output: Sequence[int]
     ) -> tuple[np.ndarray | None, np.ndarray] | None:
@@ -177,7 +193,20 @@ class Sampler:
             values[seen] -= np.float32(p.presence_penalty) + np.float32(
                 p.frequency_penalty
             ) * counts.astype(np.float32)
+        if self.constraint is not None:
+            # Every later step (temperature, top-k/p, min-p, logprobs, a draft's check) sees
+            # only what the grammar allows: it always allows something (an end of sequence
+            # once complete).
+            values = np.where(self.constraint.allowed(len(values)), values, np.float32(-np.inf))
         return values
+
+
+def sampler_for(params: SamplingParams, tokenizer: Tokenizer) -> Sampler:
+    """A sequence's sampler, with its grammar (if any) compiled for `tokenizer`'s vocabulary.
+    Raises master.grammar.GrammarError for a grammar that cannot be compiled."""
+    if params.grammar is None:
+        return Sampler(params)
+    return Sampler(params, Constraint(tokenizer, params.grammar))
 
 
 def _finite(logprob: np.floating) -> float:

@@ -88,6 +88,7 @@ class Tokenizer:
             if token_id is not None:
                 ends.add(token_id)
         self.eos_ids: frozenset[int] = frozenset(ends)
+        self._token_bytes: list[bytes] | None = None
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids for `text`; special tokens written in it are matched as single tokens.
@@ -126,6 +127,18 @@ class Tokenizer:
         if not 0 <= token_id < self.vocab_size:
             return None
         return self._engine.id_to_token(token_id)
+
+    def token_bytes(self) -> list[bytes]:
+        """Every token's bytes as it adds them to the text, by id; a special token's are its
+        name's. What a grammar matches tokens with (master/grammar.py), and the bytes of a
+        token that holds part of a character (logprobs)."""
+        if self._token_bytes is None:
+            self._token_bytes = self._engine.token_bytes()[: self.vocab_size]
+        return self._token_bytes
+
+    def special_ids(self) -> frozenset[int]:
+        """The tokens that are markup (`<|im_start|>`, `<bos>`), never text a grammar matches."""
+        return self._engine.special_ids()
 
     # ---------------------------------------------------------------- constructors
 

@@ -9,6 +9,8 @@ loads (`SentencePieceEngine`). The vocabularies come from elsewhere: an HF folde
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any, Protocol
 
 import sentencepiece
@@ -27,6 +29,38 @@ class Engine(Protocol):
     def token_to_id(self, token: str) -> int | None: ...
 
     def id_to_token(self, token_id: int) -> str | None: ...
+
+    def token_bytes(self) -> list[bytes]:
+        """Every token's bytes as it adds them to text, by id (a special token's, its name)."""
+        ...
+
+    def special_ids(self) -> frozenset[int]:
+        """The tokens that are markup (`<|im_start|>`, `<bos>`), not text."""
+        ...
+
+
+@functools.cache
+def byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells byte b as one printable character (its bytes_to_unicode)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def piece_bytes(piece: str) -> bytes:
+    """A sentencepiece-style piece's bytes: `<0xNN>` is one byte, `▁` a space."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace("\u2581", " ").encode()
 
 
 class TokenizersEngine:
@@ -47,6 +81,28 @@ class TokenizersEngine:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
+
+    def token_bytes(self) -> list[bytes]:
+        # A byte-level vocabulary spells each byte as a printable character; any other (a
+        # Metaspace one, Gemma's or Llama 2's) spells a space as ▁ and a lone byte as <0xNN>.
+        decoder = json.loads(self._backend.to_str()).get("decoder") or {}
+        byte_level = "ByteLevel" in json.dumps(decoder)
+        table = byte_of_char()
+        added = self._backend.get_added_tokens_decoder()
+        out = []
+        for token_id in range(self._backend.get_vocab_size(with_added_tokens=True)):
+            spelled = self._backend.id_to_token(token_id) or ""
+            if token_id in added:
+                out.append(added[token_id].content.encode())
+            elif byte_level and all(c in table for c in spelled):
+                out.append(bytes(table[c] for c in spelled))
+            else:
+                out.append(piece_bytes(spelled))
+        return out
+
+    def special_ids(self) -> frozenset[int]:
+        added = self._backend.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
 
 
 def sentencepiece_pb2() -> Any:
@@ -77,6 +133,9 @@ class SentencePieceEngine:
         adjusted = pb2.ModelProto()
         adjusted.CopyFrom(proto)
         self._pieces = [p.piece for p in proto.pieces]
+        self._special = frozenset(
+            i for i, p in enumerate(proto.pieces) if p.type in (Piece.CONTROL, Piece.UNKNOWN)
+        )
         self._ids = {piece: i for i, piece in reversed(list(enumerate(self._pieces)))}
         self._unk_id: int | None = None
         for index, piece in enumerate(adjusted.pieces):
@@ -111,3 +170,9 @@ class SentencePieceEngine:
         if 0 <= token_id < len(self._pieces):
             return self._pieces[token_id]
         return None
+
+    def token_bytes(self) -> list[bytes]:
+        return [piece_bytes(piece) for piece in self._pieces]
+
+    def special_ids(self) -> frozenset[int]:
+        return self._special
