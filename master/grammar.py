@@ -18,16 +18,26 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
 
 from models.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # llguidance marks a special token by this first byte: no text can hold it, so no grammar
 # matches such a token as text.
 SPECIAL_MARK = b"\xff"
+
+
+JSON_LAYOUT: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 class GrammarError(ValueError):
@@ -36,12 +46,14 @@ class GrammarError(ValueError):
 
 def json_schema_grammar(schema: dict[str, Any] | None) -> str:
     """The grammar of JSON values that validate against `schema`; any JSON object for None
-    (JSON mode). Whitespace between tokens stays free (`whitespace_flexible`): a small model
-    writes JSON as it was trained to, indented or not."""
+    (JSON mode). Written on one line, `{"a": 1, "b": [2, 3]}`: free whitespace let a small
+    model emit newlines until max_tokens (SmolLM2, greedy, 1 of 40 random schemas)."""
     if schema is None:
         schema = {"type": "object"}
     try:
-        return str(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+        return str(
+            llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_LAYOUT)
+        )
     except ValueError as exc:
         raise GrammarError(f"the JSON schema cannot be used: {exc}") from exc
 

@@ -131,8 +131,11 @@ class Sampler:
             scaled = scaled / np.float32(p.temperature)
         logp = torch.log_softmax(torch.from_numpy(scaled), dim=-1).numpy()
         top = _largest(logp, min(p.logprobs, len(logp))) if p.logprobs else ()
+        # a token a grammar forbids is no alternative: it is left out of the top
         return TokenLogprob(
-            token, _finite(logp[token]), tuple((int(i), _finite(logp[i])) for i in top)
+            token,
+            _finite(logp[token]),
+            tuple((int(i), _finite(logp[i])) for i in top if logp[i] > -np.inf),
         )
 
     def accept(self, token: int) -> None:
