@@ -1,4 +1,5 @@
-"""`edgetp serve` refuses what it cannot do with one clear line, before loading any weights."""
+"""`edgetp serve`'s options: what it cannot do is refused with one clear line before any weights
+load; what it takes reaches the server it starts."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx2 as httpx
+import openai
 import pytest
 from test_cli import assert_clear_error, run
+
+from master.bridge.client import start_server
 
 
 def test_a_taken_port_is_a_clear_error():
@@ -58,3 +64,45 @@ def test_option_errors_come_before_the_weights_code_is_imported():
     assert "the prompt is empty" in result.stderr and "top_p must be in" in result.stderr
     assert result.stderr.count("--api-key is empty") == 2, result.stderr
     assert result.stderr.count("model not found: /nonexistent.gguf") == 2, result.stderr
+
+
+def reused_in_a_conversation(shared_state, *flags: str) -> tuple[int, int, str]:
+    """A two-turn conversation, the second turn carrying the first and its answer, through a
+    server of its own with `flags`: /v1/cluster's reused tokens, the second turn's prompt
+    tokens, and its greedy answer."""
+    args = ["--local-nodes", "1", "--context", "256", "--state-dir", str(shared_state)]
+    server = start_server([*args, *flags])
+    try:
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="-", max_retries=0)
+        messages = [{"role": "user", "content": "Name a color."}]
+        first = client.chat.completions.create(
+            messages=messages, model="smollm2-135m-instruct", temperature=0, max_tokens=8
+        )
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "And another one?"},
+        ]
+        second = client.chat.completions.create(
+            messages=messages, model="smollm2-135m-instruct", temperature=0, max_tokens=8
+        )
+        figures = httpx.get(f"{server.base}/v1/cluster", timeout=30).json()["generation"]
+        assert second.usage is not None
+        text = second.choices[0].message.content or ""
+        return figures["reused_tokens"], second.usage.prompt_tokens, text
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_no_prompt_reuse_prefills_every_turn_whole(shared_state):
+    """With --no-prompt-reuse the second turn of a conversation reuses nothing of the first's
+    KV cache; without it, the first turn's tokens; the answer is the same either way."""
+    with ThreadPoolExecutor(2) as pool:  # the two servers start side by side
+        off = pool.submit(reused_in_a_conversation, shared_state, "--no-prompt-reuse")
+        on = pool.submit(reused_in_a_conversation, shared_state)
+        (reused_off, prompt, text_off), (reused_on, _, text_on) = off.result(), on.result()
+    print(f"second turn: {prompt} prompt tokens; reused {reused_on} with reuse, {reused_off} "
+          f"without")  # fmt: skip
+    assert reused_off == 0
+    assert 10 < reused_on < prompt
+    assert text_off == text_on

@@ -28,7 +28,7 @@ from textual.pilot import Pilot
 from textual.widgets import Static
 from waiting import until_shown, wait_until
 
-from master.bridge.client import StreamEnd, start_server
+from master.bridge.client import Reasoning, StreamEnd, start_server
 from master.plan import plan_slices
 from master.splitter import split_model
 from memory.shards import ShardStore
@@ -37,7 +37,7 @@ from node.device import plan_shapes, prepare
 from tui.chat.app import ChatApp
 from tui.chat.client import BridgeClient, Sampling
 from tui.chat.store import ConversationStore
-from tui.chat.widgets import Answer, ConversationsScreen, Note, SettingsScreen
+from tui.chat.widgets import Answer, ConversationsScreen, Note, SettingsScreen, Thinking
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
@@ -122,7 +122,7 @@ class PieceByPiece(BridgeClient):
                 self.late.append(self.pieces)
             await asyncio.sleep(0.005)
 
-    async def _piece_by_piece(self, stream: AsyncGenerator[str | StreamEnd, None]):
+    async def _piece_by_piece(self, stream: AsyncGenerator[str | Reasoning | StreamEnd, None]):
         text = ""
         async with contextlib.aclosing(stream):
             async for event in stream:
@@ -158,6 +158,7 @@ async def test_a_prompt_streams_its_answer_token_by_token(bridge, tmp_path):
         )
         assert final.content == expected
         assert f"{sampling.max_tokens} tokens" in str(app.query_one("#status").content)
+        assert not app.query(Thinking)  # SmolLM2 does not reason: nothing folded
         print(f"{client.pieces} pieces, each shown before the next: {final.content!r}")
 
 

@@ -1,26 +1,33 @@
-"""Snapshots of `edgetp chat`: the main screen and the cluster panel.
+"""Snapshots of `edgetp chat`: the main screen and the cluster panel; and a thinking model's
+reasoning, shown folded above its answer.
 
 The figures come through the app's own client from fixed JSON in the shape /v1/cluster serves
 (an httpx mock transport stands in for the network), so the pictures do not move with the
-machine's speed. Update with `pytest tests/test_chat_snapshots.py --snapshot-update` and look
-at the pictures (tests/__snapshots__/test_chat_snapshots/*.svg) before committing them.
+machine's speed. An answer with reasoning comes the same way, as a recorded stream of
+server-sent events (no bundled model thinks). Update with `pytest tests/test_chat_snapshots.py
+--snapshot-update` and look at the pictures (tests/__snapshots__/test_chat_snapshots/*.svg)
+before committing them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+import pytest
 from textual.app import App, ComposeResult
 from textual.pilot import Pilot
+from waiting import until_shown
 
+from master.bridge.client import Reasoning, StreamEnd
 from tui.chat.app import ChatApp
 from tui.chat.client import BridgeClient, Sampling
 from tui.chat.store import Conversation, ConversationStore, Message
-from tui.chat.widgets import ClusterPanel
+from tui.chat.widgets import Answer, ClusterPanel, Thinking
 
 BASE = "http://127.0.0.1:8000"
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -149,10 +156,48 @@ def _down() -> dict[str, Any]:
     return figures
 
 
-def bridge(figures: dict[str, Any]) -> BridgeClient:
-    """The app's real client, over a transport that answers with fixed JSON."""
+REASONING = ["The user asks for ", "17 times 23.\n\n", "17 × 20 = 340, ", "17 × 3 = 51; ", "391."]
+CONTENT = ["17 × 23 = ", "**391**."]
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None, usage: bool = False) -> bytes:
+    chunk: dict[str, Any] = {
+        "id": "chatcmpl-0",
+        "object": "chat.completion.chunk",
+        "created": 1_740_820_500,
+        "model": MODEL,
+        "choices": [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    if usage:
+        chunk["usage"] = {"prompt_tokens": 20, "completion_tokens": 30, "total_tokens": 50}
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+# A thinking model's streamed answer as the bridge sends it (vLLM's and DeepSeek's shape): the
+# reasoning in `reasoning_content` deltas, then the answer in `content` deltas; a keep-alive
+# comment while it prefilled.
+THINKING_SSE = b"".join(
+    [
+        b": keep-alive\n\n",
+        _chunk({"role": "assistant", "content": ""}),
+        *(_chunk({"reasoning_content": r, "content": None}) for r in REASONING),
+        *(_chunk({"content": c}) for c in CONTENT),
+        _chunk({}, finish="stop"),
+        _chunk({}, usage=True),
+        b"data: [DONE]\n\n",
+    ]
+)
+
+
+def bridge(figures: dict[str, Any], sent: list[dict] | None = None) -> BridgeClient:
+    """The app's real client, over a transport that answers with fixed JSON, and a chat
+    completion with THINKING_SSE (its request bodies kept in `sent`)."""
 
     def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions" and sent is not None:
+            sent.append(json.loads(request.content))
+            headers = {"content-type": "text/event-stream"}
+            return httpx.Response(200, content=THINKING_SSE, headers=headers)
         if request.url.path == "/v1/cluster":
             return httpx.Response(200, json=figures)
         if request.url.path == "/v1/models":
@@ -259,3 +304,69 @@ def test_the_figures_served_today_parse(tmp_path):
 
     for figures in (TODAY, FULL, _down()):
         ClusterFigures.model_validate(json.loads(json.dumps(figures)))
+
+
+def test_a_stream_gives_reasoning_apart_from_the_answer():
+    """read_chat_stream, through the app's client: the reasoning deltas as Reasoning pieces,
+    the content as text, in the order they came, then the end."""
+
+    async def read() -> list[Any]:
+        client = bridge(TODAY, sent=[])
+        try:
+            return [e async for e in client.stream_chat([{"role": "user", "content": "Hi"}],
+                                                        Sampling())]  # fmt: skip
+        finally:
+            await client.aclose()
+
+    events = asyncio.run(read())
+    assert events == [*(Reasoning(r) for r in REASONING), *CONTENT, StreamEnd("stop", 30)]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_a_thinking_answer_shows_its_reasoning_folded(tmp_path):
+    """The reasoning streams into a folded "Thinking" above the answer, which shows only the
+    answer's text; the title opens it. It is saved with the answer, and not sent back."""
+    sent: list[dict] = []
+    app = ChatApp(bridge(TODAY, sent), ConversationStore(tmp_path), sampling=Sampling())
+    async with app.run_test(size=(110, 36)) as pilot:
+        await pilot.press(*"What is 17 times 23?", "enter")
+        await until_shown(pilot, lambda: app.answering is None, 30, "finished answer")
+        *_, thinking, answer = app.log_view.children
+        assert isinstance(thinking, Thinking) and isinstance(answer, Answer)
+        assert thinking.collapsed and thinking.body.region.height == 0  # folded: not shown
+        assert thinking.body.source == "".join(REASONING)
+        assert answer.source == "".join(CONTENT)
+        await pilot.click(Thinking)
+        await until_shown(pilot, lambda: not thinking.collapsed, 5, "opened reasoning")
+        await pilot.pause()
+        assert thinking.body.region.height > 0  # shown now
+        last = app.conversation.messages[-1]
+        assert (last.content, last.reasoning) == ("".join(CONTENT), "".join(REASONING))
+        saved = json.loads((tmp_path / f"{app.conversation.id}.json").read_text())
+        assert saved["messages"][-1]["reasoning"] == "".join(REASONING)
+        await pilot.click("#prompt")  # the focus went to the title
+        await pilot.press(*"And 18 times 23?", "enter")
+        await until_shown(pilot, lambda: len(sent) == 2 and not app.answering, 30, "2nd answer")
+    assert sent[1]["messages"][1] == {"role": "assistant", "content": "".join(CONTENT)}
+
+
+def test_a_thinking_answer(snap_compare, tmp_path):
+    """A reopened conversation whose answer came from a thinking model: under the prompt
+    ("you", indented), one line "▶ Thinking" (folded; its reasoning hidden), then the answer
+    "17 × 23 = 391" (391 in bold) in its "assistant" box. The status line and the cluster
+    panel as on the main screen."""
+    store = ConversationStore(tmp_path)
+    saved = Conversation.new(sampling=Sampling(temperature=0.0, top_p=1.0, max_tokens=256))
+    saved.id = "20250301-101500-def456"
+    saved.messages = [
+        Message("user", "What is 17 times 23?"),
+        Message("assistant", "".join(CONTENT), reasoning="".join(REASONING)),
+    ]
+    store.save(saved)
+    app = ChatApp(bridge(TODAY), store, store.load(saved.id))
+    assert snap_compare(app, terminal_size=(120, 24), run_before=_settled)

@@ -317,6 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch", type=int, default=8, help="requests generated at once (KV-cache slots)"
     )
     serve.add_argument(
+        "--no-prompt-reuse",
+        dest="prompt_reuse",
+        action="store_false",
+        help="prefill every request whole, instead of starting from the KV cache a finished "
+        "request left that begins with the same tokens (to measure reuse, or rule it out)",
+    )
+    serve.add_argument(
         "--cors-origin",
         action="append",
         default=[],

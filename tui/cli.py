@@ -274,6 +274,7 @@ def _serve(args: argparse.Namespace) -> None:
         args.verbose,
         (args.draft, args.draft_dtype),
         args.cors_origin,
+        args.prompt_reuse,
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from master.batcher import Batcher, BusyError, Delta, Event, Failed
+from master.batcher import Batcher, BusyError, Delta, Event, Failed, Ticket
 from master.bridge.answers import Answer, Choice, ChoiceEvent, sse, whole
 from master.bridge.errors import APIError, documented, failure, install_handlers
 from master.bridge.metrics import add_metrics
@@ -56,6 +56,13 @@ from models.errors import ModelError
 from models.tokenizer import Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# A streamed request that waits this long for its first token (a long prefill, a turn for a
+# slot) is answered at once, and then sent an SSE comment every as many seconds until its first
+# chunk: proxies and clients drop a connection silent for their read timeout (nginx's 60 s,
+# many clients' 30 s or less). 5 s keeps well inside those for a few bytes, and a request
+# answered within it starts as before, its errors still an HTTP status.
+KEEPALIVE_S = 5.0
+KEEPALIVE = ": keep-alive\n\n"
 
 
 @dataclass
@@ -67,6 +74,7 @@ class Served:
     model_id: str
     aliases: tuple[str, ...] = ()  # other names a request may use for the model
     created: int = 0  # the model file's time, for /v1/models
+    keepalive_s: float = KEEPALIVE_S  # a streamed request's silence before a comment
 
 
 def create_app(
@@ -371,16 +379,24 @@ async def _generate(
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         if body.stream:
-            first = await _next(queue, gone)
-            if first is None:
-                ticket.cancel()
-                return Response(status_code=499)
-            if isinstance(first[1], Failed):
-                ticket.cancel()  # the other choices, if any
-                raise failure(first[1])
-            gone.cancel()  # from here the streaming response watches the connection itself
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = sse(answer, n, first, queue, ticket, include_usage)
+
+            def events(first: ChoiceEvent) -> AsyncIterator[str]:
+                return sse(answer, n, first, queue, ticket, include_usage)
+
+            try:
+                first = await _next(queue, gone, served.keepalive_s)
+            except TimeoutError:
+                chunks = _keep_alive(queue, served.keepalive_s, ticket, events)
+            else:
+                if first is None:
+                    ticket.cancel()
+                    return Response(status_code=499)
+                if isinstance(first[1], Failed):
+                    ticket.cancel()  # the other choices, if any
+                    raise failure(first[1])
+                chunks = events(first)
+            gone.cancel()  # from here the streaming response watches the connection itself
             return StreamingResponse(
                 chunks,
                 media_type="text/event-stream",
@@ -415,15 +431,42 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _next(
-    queue: asyncio.Queue[ChoiceEvent], gone: asyncio.Future[None]
+    queue: asyncio.Queue[ChoiceEvent], gone: asyncio.Future[None], timeout: float | None = None
 ) -> ChoiceEvent | None:
-    """The request's next event, or None once the client has gone."""
+    """The request's next event, or None once the client has gone; TimeoutError after
+    `timeout` s of neither."""
     if not queue.empty():
         return queue.get_nowait()
     get = asyncio.ensure_future(queue.get())
     either: set[asyncio.Future[Any]] = {get, gone}
-    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait(either, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     if get.done():
         return get.result()
-    get.cancel()
+    get.cancel()  # the queue keeps an event that comes after this
+    if not gone.done():
+        raise TimeoutError
     return None
+
+
+async def _keep_alive(
+    queue: asyncio.Queue[ChoiceEvent],
+    seconds: float,
+    ticket: Ticket,
+    events: Callable[[ChoiceEvent], AsyncIterator[str]],
+) -> AsyncIterator[str]:
+    """A stream whose first token is late: an SSE comment (which clients skip) every `seconds`
+    until the request's first event, then `events` from it. The status line is sent by then,
+    so a failure travels as an event, as one mid-answer does. A client that goes away is
+    noticed at the next comment, and its request dropped."""
+    try:
+        while True:
+            try:
+                first = await asyncio.wait_for(queue.get(), seconds)
+            except TimeoutError:
+                yield KEEPALIVE
+            else:
+                break
+        async for chunk in events(first):
+            yield chunk
+    finally:
+        ticket.cancel()  # a no-op once finished

@@ -58,6 +58,14 @@ def response_error(status: int, content: bytes) -> BridgeError:
 
 
 @dataclass(frozen=True)
+class Reasoning:
+    """A piece of a thinking model's reasoning, streamed apart from its answer (the bridge's
+    `delta.reasoning_content`, as vLLM and DeepSeek send it)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class StreamEnd:
     """The last event of a streamed answer: why it ended, and its length if the bridge said."""
 
@@ -67,9 +75,9 @@ class StreamEnd:
 
 async def read_chat_stream(
     http: httpx.AsyncClient, body: dict[str, Any]
-) -> AsyncIterator[str | StreamEnd]:
+) -> AsyncIterator[str | Reasoning | StreamEnd]:
     """POST `body` to `http`'s /v1/chat/completions, streamed; yield the answer's text piece by
-    piece, then one `StreamEnd`.
+    piece (a thinking model's reasoning as `Reasoning` pieces), then one `StreamEnd`.
 
     Raises BridgeError when the request is refused, generation fails, or the stream is cut.
     Closing the iterator early closes the connection, which makes the bridge drop the request.
@@ -95,7 +103,11 @@ async def read_chat_stream(
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
                     choices = [
-                        (c["delta"].get("content"), c.get("finish_reason"))
+                        (
+                            c["delta"].get("reasoning_content"),
+                            c["delta"].get("content"),
+                            c.get("finish_reason"),
+                        )
                         for c in chunk["choices"]
                     ]
                 except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -103,7 +115,9 @@ async def read_chat_stream(
                         f"{http.base_url} sent an event that is not an OpenAI chat chunk "
                         f"({type(exc).__name__}: {exc}): {line[:120]!r}"
                     ) from exc
-                for piece, reason in choices:
+                for thought, piece, reason in choices:
+                    if thought:
+                        yield Reasoning(thought)
                     if piece:
                         yield piece
                     finish = reason or finish
@@ -131,7 +145,7 @@ def bridge_http(
 
 @dataclass(frozen=True)
 class StreamResult:
-    """One streamed answer, timed from sending the request."""
+    """One streamed answer (its reasoning left out), timed from sending the request."""
 
     text: str
     completion_tokens: int
@@ -155,8 +169,9 @@ async def timed_chat(
     async for event in read_chat_stream(http, body):
         if isinstance(event, StreamEnd):
             tokens = event.completion_tokens or 0
-        else:
-            first = first or time.perf_counter() - t0
+            continue
+        first = first or time.perf_counter() - t0  # a token of reasoning is a token too
+        if isinstance(event, str):
             pieces.append(event)
     return StreamResult("".join(pieces), tokens, first, time.perf_counter() - t0)
 

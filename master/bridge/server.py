@@ -43,20 +43,24 @@ def serve(
     verbose: bool = False,
     draft: tuple[str, str] = ("off", AUTO),
     cors_origins: Sequence[str] = (),
+    prompt_reuse: bool = True,
 ) -> None:
     """Enter `sessions` (a started session of `source`) and serve it on `sock` (from
     `master.bridge.listen.bind`, closed here) until interrupted.
 
     `model` is the name the model was asked for, accepted in requests besides its own;
     `draft` is `--draft` and `--draft-dtype` (master/speculate.py); `cors_origins` the pages
-    (`--cors-origin`) a browser may call the API from.
+    (`--cors-origin`) a browser may call the API from; `prompt_reuse` off (`--no-prompt-reuse`)
+    prefills every request whole.
     """
     try:
         aliases = tuple({model or DEFAULT_MODEL, source.path.stem} - {source.name})
         created = int(source.path.stat().st_mtime)
         with sessions as session:
             speculator = open_speculator(*draft, session, tokenizer)
-            batcher = Batcher(session, tokenizer, speculator=speculator).start()
+            batcher = Batcher(
+                session, tokenizer, speculator=speculator, prompt_reuse=prompt_reuse
+            ).start()
             try:
                 served = Served(batcher, tokenizer, source.name, aliases, created)
                 app = create_app(served, api_key, cors_origins)

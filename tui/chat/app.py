@@ -1,8 +1,9 @@
 """`edgetp chat`: a Textual app that chats with a cluster through its REST bridge.
 
 The app is always an HTTP client of the bridge. An answer streams in an async worker that reads
-the server-sent events and writes each piece into a Markdown stream; Esc cancels that worker,
-which closes the connection, and the bridge drops the request before its next step. The whole
+the server-sent events and writes each piece into a Markdown stream (a thinking model's
+reasoning into a folded "Thinking" above it); Esc cancels that worker, which closes the
+connection, and the bridge drops the request before its next step. The whole
 conversation goes with every request, so the model's chat template sees every turn. The cluster
 panel polls /v1/cluster once a second. A conversation is saved after every turn.
 """
@@ -22,7 +23,7 @@ from textual.css.query import NoMatches
 from textual.widgets import Footer, Header, Input, Markdown, Static
 from textual.worker import Worker
 
-from master.bridge.client import BridgeError, StreamEnd
+from master.bridge.client import BridgeError, Reasoning, StreamEnd
 from tui.chat.client import BridgeClient, Sampling
 from tui.chat.store import Conversation, ConversationStore, Message
 from tui.chat.widgets import (
@@ -31,7 +32,8 @@ from tui.chat.widgets import (
     ConversationsScreen,
     Note,
     SettingsScreen,
-    message_view,
+    Thinking,
+    message_views,
 )
 
 log = logging.getLogger(__name__)
@@ -148,7 +150,7 @@ class ChatApp(App[None]):
         event.input.clear()
         message = Message("user", text)
         self.conversation.messages.append(message)
-        await self.log_view.mount(message_view(message))
+        await self.log_view.mount_all(message_views(message))
         self.log_view.border_title = self.conversation.title
         self.save(self.conversation)  # the question survives a crash mid-answer
         self.answering = self.answer(self.conversation)
@@ -156,10 +158,12 @@ class ChatApp(App[None]):
 
     @work(exclusive=True, group="answer")
     async def answer(self, conversation: Conversation) -> None:
-        """Stream the answer into a new message; record it however it ends."""
+        """Stream the answer into a new message, a thinking model's reasoning folded above it;
+        record it however it ends."""
         view = Answer(Message("assistant", ""))
         await self.log_view.mount(view)
         stream = Markdown.get_stream(view)
+        thinking = Thinking()  # shown once reasoning comes
         pieces: list[str] = []
         started = time.monotonic()
         stopped, error, done = False, "", None
@@ -171,6 +175,12 @@ class ChatApp(App[None]):
                 if isinstance(event, StreamEnd):
                     done = event
                     break
+                if isinstance(event, Reasoning):
+                    if not thinking.is_mounted:
+                        await self.log_view.mount(thinking, before=view)
+                    await thinking.write(event.text)
+                    self.set_status("thinking… (Esc stops)")
+                    continue
                 pieces.append(event)
                 await stream.write(event)
                 self.set_status(f"answering… {len(pieces)} pieces (Esc stops)")
@@ -183,10 +193,12 @@ class ChatApp(App[None]):
             raise
         finally:
             try:
+                await thinking.stop()
                 await stream.stop()
             except Exception:  # the view is gone (another conversation opened): text is kept
                 log.exception("finishing the answer's view")
-            self.end_answer(conversation, view, "".join(pieces), stopped, error)
+            answer = Message("assistant", "".join(pieces), stopped, thinking.text)
+            self.end_answer(conversation, view, answer, error)
             seconds = time.monotonic() - started
             if done is not None:
                 tokens = done.completion_tokens or len(pieces)
@@ -200,17 +212,18 @@ class ChatApp(App[None]):
                 self.set_status("the answer failed: see the conversation")
 
     def end_answer(
-        self, conversation: Conversation, view: Answer, text: str, stopped: bool, error: str
+        self, conversation: Conversation, view: Answer, answer: Message, error: str
     ) -> None:
         """Keep what arrived (marked if stopped) and any error, save, and take the next prompt."""
-        if text:
-            conversation.messages.append(Message("assistant", text, stopped))
+        kept = bool(answer.content or answer.reasoning)
+        if kept:
+            conversation.messages.append(answer)
         if error:
             conversation.messages.append(Message("error", error))
         shown = conversation is self.conversation
-        if shown and stopped:
+        if shown and answer.stopped:
             view.border_subtitle = "stopped"
-        if shown and not text:
+        if shown and not kept:
             view.remove()
         if shown and error:
             self.log_view.mount(Note(conversation.messages[-1]))
@@ -238,7 +251,7 @@ class ChatApp(App[None]):
     async def show_conversation(self, conversation: Conversation) -> None:
         self.conversation = conversation
         await self.log_view.remove_children()
-        await self.log_view.mount_all([message_view(m) for m in conversation.messages])
+        await self.log_view.mount_all([v for m in conversation.messages for v in message_views(m)])
         self.log_view.border_title = conversation.title or "new conversation"
         self.log_view.scroll_end(animate=False)
         self.set_status(self.idle_status())

@@ -15,6 +15,7 @@ import httpx2 as httpx
 
 from master.bridge.client import (
     BridgeError,
+    Reasoning,
     StreamEnd,
     bridge_http,
     http_failure,
@@ -100,8 +101,9 @@ class BridgeClient:
 
     def stream_chat(
         self, messages: Sequence[dict[str, str]], sampling: Sampling
-    ) -> AsyncIterator[str | StreamEnd]:
-        """The answer to `messages`, piece by piece, then one `StreamEnd`.
+    ) -> AsyncIterator[str | Reasoning | StreamEnd]:
+        """The answer to `messages`, piece by piece (a thinking model's reasoning first, as
+        `Reasoning` pieces), then one `StreamEnd`.
 
         The bridge renders the whole list with the model's chat template. Raises BridgeError
         when the request is refused or generation fails; closing the iterator early (the app's

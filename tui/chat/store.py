@@ -31,11 +31,16 @@ class Message:
     role: Role
     content: str
     stopped: bool = False  # an answer cut short with Esc
+    # A thinking model's reasoning before its answer: shown folded, never sent back (chat
+    # templates drop earlier turns' reasoning, and some APIs refuse it in a request).
+    reasoning: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.stopped:
             out["stopped"] = True
+        if self.reasoning:
+            out["reasoning"] = self.reasoning
         return out
 
 
@@ -89,7 +94,8 @@ class Conversation:
         for m in data["messages"]:
             if m["role"] not in ("user", "assistant", "error"):
                 raise ValueError(f"a message has the unknown role {m['role']!r}")
-            messages.append(Message(m["role"], str(m["content"]), bool(m.get("stopped", False))))
+            stopped, reasoning = bool(m.get("stopped", False)), str(m.get("reasoning", ""))
+            messages.append(Message(m["role"], str(m["content"]), stopped, reasoning))
         return cls(
             str(data["id"]),
             float(data["created"]),

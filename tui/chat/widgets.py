@@ -13,7 +13,19 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Footer, Input, Label, Markdown, OptionList, Static, TextArea
+from textual.widget import Widget
+from textual.widgets import (
+    Button,
+    Collapsible,
+    Footer,
+    Input,
+    Label,
+    Markdown,
+    OptionList,
+    Static,
+    TextArea,
+)
+from textual.widgets.markdown import MarkdownStream
 from textual.widgets.option_list import Option
 
 from master.bridge.schema import ClusterFigures, NodeFigures
@@ -34,6 +46,28 @@ class Answer(Markdown):
             self.border_subtitle = "stopped"
 
 
+class Thinking(Collapsible):
+    """A thinking model's reasoning, folded above its answer: its title opens it. Reasoning
+    is long and mostly not what a person came for, so it starts closed, even as it streams."""
+
+    def __init__(self, reasoning: str = "") -> None:
+        body = Markdown(reasoning, classes="reasoning")
+        super().__init__(body, title="Thinking", collapsed=True)
+        self.body = body
+        self.text = reasoning
+        self._stream: MarkdownStream | None = None
+
+    async def write(self, piece: str) -> None:
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.body)
+        self.text += piece
+        await self._stream.write(piece)
+
+    async def stop(self) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+
+
 class Note(Static):
     """A person's prompt, or an error, shown exactly as written."""
 
@@ -42,8 +76,11 @@ class Note(Static):
         self.border_title = LABELS[message.role]
 
 
-def message_view(message: Message) -> Answer | Note:
-    return Answer(message) if message.role == "assistant" else Note(message)
+def message_views(message: Message) -> list[Widget]:
+    """A message's widgets: an answer's reasoning, if it has any, folded above it."""
+    if message.role != "assistant":
+        return [Note(message)]
+    return [*([Thinking(message.reasoning)] if message.reasoning else []), Answer(message)]
 
 
 class ClusterPanel(VerticalScroll):

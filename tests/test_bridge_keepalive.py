@@ -1,0 +1,211 @@
+"""SSE keep-alive comments while a streamed request waits for its first token.
+
+The real bridge app on uvicorn over the real model, in-process so that its keep-alive interval
+can be set short (`Served.keepalive_s`) and a request can be made to wait as long as the test
+needs: the session has one slot, and a request submitted straight to the batcher holds it until
+the test cancels it. Read with httpx, which sees the comments, and with the `openai` client,
+which must skip them.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx2 as httpx
+import openai
+import pytest
+import uvicorn
+from waiting import wait_until
+
+from master.batcher import Batcher, Delta, Event
+from master.bridge.app import KEEPALIVE, Served, create_app
+from master.params import SamplingParams
+from master.prompts import prompt_tokens
+from master.session import Session
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2"
+KEEPALIVE_S = 0.05  # short, so that a wait of a fraction of a second sees several comments
+TIMEOUT = 60.0
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Why is the sky blue?"}]}
+TEXT = {"model": MODEL, "prompt": "The capital of France is"}
+GREEDY = {"temperature": 0, "max_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def bridge(smollm2, smollm2_tokenizer) -> Iterator[tuple[str, Batcher]]:
+    """The bridge's base URL (no /v1) over a one-slot session, and its batcher."""
+    session = Session(smollm2, context=256, slots=1)
+    session.start()
+    batcher = Batcher(session, smollm2_tokenizer).start()
+    served = Served(batcher, smollm2_tokenizer, model_id=MODEL, keepalive_s=KEEPALIVE_S)
+    server = uvicorn.Server(uvicorn.Config(create_app(served), log_level="warning"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), TIMEOUT, "start of uvicorn")
+        assert server.started, "uvicorn ended before it started"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", batcher
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+        sock.close()
+        batcher.close()
+        session.close()
+
+
+class SlotHolder:
+    """A long request that has taken the one slot (its first token is out): every other
+    request waits for its first token until this one is cancelled."""
+
+    def __init__(self, batcher: Batcher, tokenizer) -> None:
+        started, self.ended = threading.Event(), threading.Event()
+
+        def on_event(event: Event) -> None:
+            (started if isinstance(event, Delta) else self.ended).set()
+
+        prompt = prompt_tokens(tokenizer, "Tell me a long story.", raw=False)
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        self.ticket = batcher.submit(prompt, params, on_event)
+        assert started.wait(TIMEOUT), "the slot's holder never started"
+
+    def release(self) -> None:
+        assert not self.ended.is_set(), "the slot's holder ended by itself: give it more tokens"
+        self.ticket.cancel()
+
+
+def text_of(path: str, chunk: dict) -> str:
+    if not chunk["choices"]:
+        return ""  # the usage chunk
+    choice = chunk["choices"][0]
+    return (choice["delta"].get("content") or "") if path.endswith("chat/completions") else (
+        choice["text"]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)]
+)
+def test_a_stream_waiting_for_its_first_token_gets_comments_until_it_comes(
+    bridge, smollm2_tokenizer, path, body
+):
+    """Answered at once with comments every KEEPALIVE_S while it waits for the slot; once the
+    slot frees, the chunks of the same answer as when nothing waits, and no comment after."""
+    base, batcher = bridge
+    alone = httpx.post(f"{base}{path}", json={**body, **GREEDY}, timeout=TIMEOUT)
+    assert alone.status_code == 200, alone.text
+    expected = alone.json()["choices"][0]
+    holder = SlotHolder(batcher, smollm2_tokenizer)
+    lines: list[str] = []
+    try:
+        request = {**body, **GREEDY, "stream": True}
+        with httpx.stream("POST", f"{base}{path}", json=request, timeout=TIMEOUT) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            for line in resp.iter_lines():
+                lines.append(line)
+                if lines.count(KEEPALIVE.strip()) == 3:
+                    holder.release()  # the slot frees: the waiting request starts
+    finally:
+        holder.ticket.cancel()
+    shown = [line for line in lines if line]
+    first_data = next(i for i, line in enumerate(shown) if line.startswith("data: "))
+    print(f"{first_data} comments before the first chunk of {path}")
+    assert first_data >= 3 and set(shown[:first_data]) == {KEEPALIVE.strip()}
+    assert all(line.startswith("data: ") for line in shown[first_data:])
+    assert shown[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in shown[first_data:-1]]
+    text = "".join(text_of(path, c) for c in chunks)
+    assert text == (expected["message"]["content"] if "message" in expected else expected["text"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == expected["finish_reason"]
+
+
+class Tee(httpx.BaseTransport):
+    """The openai client's transport, which also tells when a keep-alive comment came."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.comment = threading.Event()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=_Watched(response.stream, self.comment),
+            extensions=response.extensions,
+        )
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _Watched(httpx.SyncByteStream):
+    def __init__(self, stream: httpx.SyncByteStream, comment: threading.Event) -> None:
+        self.stream = stream
+        self.comment = comment
+
+    def __iter__(self) -> Iterator[bytes]:
+        for part in self.stream:
+            if KEEPALIVE.encode() in part:
+                self.comment.set()
+            yield part
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def test_the_openai_client_reads_a_stream_with_comments(bridge, smollm2_tokenizer):
+    base, batcher = bridge
+    tee = Tee()
+    client = openai.OpenAI(
+        base_url=f"{base}/v1",
+        api_key="-",
+        max_retries=0,
+        timeout=TIMEOUT,
+        http_client=httpx.Client(transport=tee),
+    )
+    expected = client.chat.completions.create(**CHAT, **GREEDY).choices[0].message.content
+    holder = SlotHolder(batcher, smollm2_tokenizer)
+    pieces: list[str] = []
+    try:
+        stream = client.chat.completions.create(**CHAT, **GREEDY, stream=True)
+        reader = threading.Thread(
+            target=lambda: pieces.extend(c.choices[0].delta.content or "" for c in stream)
+        )
+        reader.start()
+        assert tee.comment.wait(TIMEOUT), "no keep-alive comment while the request waited"
+        assert not pieces  # the first chunk waits for the slot
+        holder.release()
+    finally:
+        holder.ticket.cancel()
+    reader.join(TIMEOUT)
+    assert not reader.is_alive()
+    assert "".join(pieces) == expected
+
+
+def test_a_client_gone_during_the_comments_frees_its_request(bridge, smollm2_tokenizer):
+    base, batcher = bridge
+    holder = SlotHolder(batcher, smollm2_tokenizer)
+    try:
+        before = batcher.stats().cancelled
+        request = {**CHAT, **GREEDY, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=request) as resp:
+            assert next(resp.iter_lines()) == KEEPALIVE.strip()
+            assert batcher.stats().waiting == 1
+        # Closed: noticed at the next comment, and the request leaves the line.
+        wait_until(
+            lambda: batcher.stats().waiting == 0 and batcher.stats().cancelled > before,
+            TIMEOUT,
+            lambda: f"the waiting request dropped: {batcher.stats()}",
+        )
+        assert batcher.stats().active == 1  # the slot's holder runs on
+        holder.release()
+    finally:
+        holder.ticket.cancel()
