@@ -28,7 +28,12 @@ class Family:
     # Gemma 3: norms of (1 + weight) (HF files store the weight, GGUF files 1 + weight), an
     # embedding scaled by sqrt(hidden), post-block norms, GeGLU, local sliding-window layers
     gemma: bool = False
-    moe: bool = False  # every layer's FFN is a mixture of experts (Qwen3-MoE)
+    moe: bool = False  # every layer's FFN is a mixture of experts (Qwen3-MoE, Mixtral)
+    # config.json's key of an expert's width; Mixtral's experts are `intermediate_size` wide
+    expert_width: str = "moe_intermediate_size"
+    # Mixtral renormalises its top-k weights always (a softmax over the top-k logits); None:
+    # as config.json's `norm_topk_prob` says (Qwen3-MoE)
+    norm_topk: bool | None = None
 
 
 FAMILIES = (
@@ -39,16 +44,56 @@ FAMILIES = (
     Family("Phi-3, 3.5, 4-mini", "phi3", "Phi3ForCausalLM", fused=True),
     Family("Gemma 3 (text)", "gemma3", "Gemma3ForCausalLM", qk_norm=True, gemma=True),
     Family("Qwen3-MoE", "qwen3moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
+    # llama.cpp writes Mixtral as a `llama` whose layers hold experts (`llama.expert_count`)
+    Family(
+        "Mixtral",
+        "llama",
+        "MixtralForCausalLM",
+        moe=True,
+        expert_width="intermediate_size",
+        norm_topk=True,
+    ),  # fmt: skip
 )
-GGUF_ARCHITECTURES = {f.gguf: f for f in FAMILIES}
+# A GGUF architecture's family is its first: a `llama` file with experts is read as Mixtral
+# by `ModelConfig.from_gguf`.
+GGUF_ARCHITECTURES: dict[str, Family] = {}
+for _family in FAMILIES:
+    GGUF_ARCHITECTURES.setdefault(_family.gguf, _family)
 HF_ARCHITECTURES = {f.hf: f for f in FAMILIES}
 
 
+# What edgetp lacks for families people ask for, by GGUF and HF architecture name.
+MISSING = {
+    **dict.fromkeys(
+        ("deepseek2", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+        "multi-head latent attention (MLA) and shared experts",
+    ),
+    **dict.fromkeys(
+        ("gpt-oss", "GptOssForCausalLM"),
+        "attention sinks, expert biases and the clamped SwiGLU of its experts",
+    ),
+    **dict.fromkeys(("qwen2moe", "Qwen2MoeForCausalLM"), "a shared expert beside the routed ones"),
+    **dict.fromkeys(
+        (
+            "qwen3next",
+            "qwen35",
+            "qwen35moe",
+            "Qwen3NextForCausalLM",
+            "Qwen3_5ForCausalLM",
+            "Qwen3_5MoeForCausalLM",
+        ),
+        "gated DeltaNet (linear attention) layers",
+    ),  # fmt: skip
+}
+
+
 def unsupported(source: str, arch: Any) -> ModelError:
-    """The one error for a model of another family, naming every family that is supported."""
+    """The one error for a model of another family, naming what it lacks where that is known
+    and every family that is supported."""
     supported = "; ".join(f"{f.name} ({f.gguf} / {f.hf})" for f in FAMILIES)
+    lacks = f" (it needs {MISSING[arch]}, which edgetp lacks)" if arch in MISSING else ""
     return ModelError(
-        f"{source}: architecture {arch!r} is not supported. Supported families: {supported}"
+        f"{source}: architecture {arch!r} is not supported{lacks}. Supported families: {supported}"
     )
 
 
@@ -234,12 +279,15 @@ class ModelConfig:
                 "local_rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)),
             }
         moe: dict[str, Any] = {}
-        if GGUF_ARCHITECTURES[arch].moe:  # llama.cpp's converter: the experts' own width
+        if GGUF_ARCHITECTURES[arch].moe or metadata.get(f"{arch}.expert_count"):
+            # llama.cpp's converter: a qwen3moe's experts' own width, a Mixtral's the FFN's
+            width = f"{arch}.expert_feed_forward_length"
             moe = {
-                "ffn_hidden": int(key("expert_feed_forward_length")),
+                "ffn_hidden": int(metadata.get(width) or key("feed_forward_length")),
                 "n_experts": int(key("expert_count")),
                 "n_experts_used": int(key("expert_used_count")),
-                # llama.cpp renormalises a qwen3moe's weights unless the file says otherwise
+                # llama.cpp renormalises a qwen3moe's and a Mixtral's weights unless the file
+                # says otherwise
                 "norm_topk_prob": bool(metadata.get(f"{arch}.expert_weights_norm", True)),
             }
         else:
@@ -292,7 +340,7 @@ class ModelConfig:
             context = min(context, int(window))
         gemma = _hf_gemma(config, source) if family.gemma else {}
         dense = {"ffn_hidden": int(key("intermediate_size"))} if not family.moe else {}
-        moe = _hf_moe(config, source) if family.moe else dense
+        moe = _hf_moe(config, source, family) if family.moe else dense
         return cls(
             architecture=arch,
             n_layers=int(key("num_hidden_layers")),
@@ -315,10 +363,10 @@ class ModelConfig:
         )
 
 
-def _hf_moe(config: dict[str, Any], source: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of a `Qwen3MoeForCausalLM` config.json. Every layer's FFN
-    must be sparse: dense layers among them (`mlp_only_layers`, `decoder_sparse_step`) are not
-    supported yet."""
+def _hf_moe(config: dict[str, Any], source: str, family: Family) -> dict[str, Any]:
+    """The mixture-of-experts fields of a `Qwen3MoeForCausalLM` or `MixtralForCausalLM`
+    config.json. Every layer's FFN must be sparse: dense layers among them (`mlp_only_layers`,
+    `decoder_sparse_step`) are not supported yet."""
     n_layers = int(config["num_hidden_layers"])
     step = int(config.get("decoder_sparse_step") or 1)
     dense = set(config.get("mlp_only_layers") or []) | {
@@ -332,16 +380,18 @@ def _hf_moe(config: dict[str, Any], source: str) -> dict[str, Any]:
     experts = config.get("num_experts") or config.get("num_local_experts")
     if experts is None:
         raise ModelError(f"{source}: config.json key 'num_experts' is missing")
-    for name in ("num_experts_per_tok", "moe_intermediate_size"):
+    for name in ("num_experts_per_tok", family.expert_width):
         if config.get(name) is None:
             raise ModelError(f"{source}: config.json key {name!r} is missing")
     if (config.get("hidden_act") or "silu") != "silu":
         raise ModelError(f"{source}: expert activation {config['hidden_act']!r} is not supported")
     return {
-        "ffn_hidden": int(config["moe_intermediate_size"]),
+        "ffn_hidden": int(config[family.expert_width]),
         "n_experts": int(experts),
         "n_experts_used": int(config["num_experts_per_tok"]),
-        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "norm_topk_prob": family.norm_topk
+        if family.norm_topk is not None
+        else bool(config.get("norm_topk_prob", False)),
     }
 
 

@@ -278,6 +278,12 @@ class GGUFSource(ModelSource):
                 self.file.tensor("rope_factors_long.weight").tolist(),
             )
         self.config = ModelConfig.from_gguf(self.file.metadata, str(path), tied, longrope)
+        if self.config.moe and not self.file.has_tensor("blk.0.ffn_gate_exps.weight"):
+            raise ModelError(
+                f"{path}: its experts are not stacked as blk.N.ffn_gate_exps.weight (an older "
+                "converter's layout, one tensor an expert): convert the model again with a "
+                "current llama.cpp"
+            )
         # llama.cpp's converter permutes Q/K rows for its interleaved RoPE only for these.
         self._permuted = self.config.architecture in ("llama", "mistral")
         for name in self.file.tensor_names():  # say it now, not halfway through a split
@@ -352,11 +358,24 @@ _HF_GEMMA_NORMS = {
 }
 
 
-def hf_layer_name(index: int, canonical: str) -> str:
+# Mixtral's names of its router and its experts' gate, up and down (w1, w3, w2)
+_HF_MIXTRAL_ROUTER = "block_sparse_moe.gate.weight"
+_HF_MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def hf_layer_name(index: int, canonical: str, architecture: str = "") -> str:
+    """The config.json `architecture`'s name of layer `index`'s canonical tensor."""
     expert = expert_of(canonical)
-    if expert is not None:
-        return f"model.layers.{index}.mlp.experts.{expert[1]}.{expert[0]}_proj.weight"
-    return f"model.layers.{index}.{_HF_LAYER[canonical]}"
+    mixtral = architecture == "MixtralForCausalLM"
+    if expert is not None and mixtral:
+        stored = f"block_sparse_moe.experts.{expert[1]}.{_HF_MIXTRAL_EXPERT[expert[0]]}.weight"
+    elif expert is not None:
+        stored = f"mlp.experts.{expert[1]}.{expert[0]}_proj.weight"
+    elif canonical == ROUTER and mixtral:
+        stored = _HF_MIXTRAL_ROUTER
+    else:
+        stored = _HF_LAYER[canonical]
+    return f"model.layers.{index}.{stored}"
 
 
 class HFSource(ModelSource):
@@ -402,7 +421,7 @@ class HFSource(ModelSource):
         elif layer is not None and self._norm_plus_one and name in _HF_GEMMA_NORMS:
             key = f"model.layers.{layer}.{_HF_GEMMA_NORMS[name]}"
         elif layer is not None:
-            key = hf_layer_name(layer, name)
+            key = hf_layer_name(layer, name, self.config.architecture)
         elif name == "lm_head" and not self.config.tied_embeddings:
             key = "lm_head.weight"
         else:
