@@ -34,6 +34,9 @@ class Family:
     # Mixtral renormalises its top-k weights always (a softmax over the top-k logits); None:
     # as config.json's `norm_topk_prob` says (Qwen3-MoE)
     norm_topk: bool | None = None
+    # every n-th layer's queries and keys are not rotated (SmolLM3's NoPE layers: llama.cpp
+    # fixes n at 4, with no GGUF key for it; a config.json may list other layers)
+    unrotated_every: int = 0
 
 
 FAMILIES = (
@@ -44,6 +47,7 @@ FAMILIES = (
     Family("Phi-3, 3.5, 4-mini", "phi3", "Phi3ForCausalLM", fused=True),
     Family("Gemma 3 (text)", "gemma3", "Gemma3ForCausalLM", qk_norm=True, gemma=True),
     Family("Qwen3-MoE", "qwen3moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
+    Family("SmolLM3", "smollm3", "SmolLM3ForCausalLM", unrotated_every=4),
     # llama.cpp writes Mixtral as a `llama` whose layers hold experts (`llama.expert_count`)
     Family(
         "Mixtral",
@@ -157,9 +161,15 @@ class ModelConfig:
     n_experts: int = 0
     n_experts_used: int = 0
     norm_topk_prob: bool = False
+    # Layers whose queries and keys RoPE leaves as they are (SmolLM3's NoPE layers; the ones
+    # transformers' `no_rope_layers` flags with 0): they attend by content alone.
+    unrotated_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "local_layers", tuple(self.local_layers))  # JSON gives lists
+        for name in ("local_layers", "unrotated_layers"):  # JSON gives lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.unrotated_layers and self.local_rope_theta is not None:
+            raise ModelError("unrotated layers beside local layers of their own RoPE base")
         if self.activation not in ("silu", "gelu_tanh"):
             raise ModelError(f"FFN activation {self.activation!r} is not supported")
         if self.n_heads % self.n_kv_heads:
@@ -173,6 +183,13 @@ class ModelConfig:
     def moe(self) -> bool:
         """Whether every layer's FFN is a mixture of experts."""
         return self.n_experts > 0
+
+    def own_rope(self, layer: int) -> bool:
+        """Whether `layer` turns its queries and keys by the second RoPE table, not the model's:
+        a local layer's own base (Gemma 3) or none at all (an unrotated layer)."""
+        if layer in self.unrotated_layers:
+            return True
+        return self.is_local(layer) and self.local_rope_theta is not None
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` attends only to the last `sliding_window` positions."""
@@ -206,6 +223,8 @@ class ModelConfig:
         if not self.moe:
             for name in ("n_experts", "n_experts_used", "norm_topk_prob"):
                 del values[name]
+        if not self.unrotated_layers:
+            del values["unrotated_layers"]
         return values
 
     @classmethod
@@ -292,6 +311,7 @@ class ModelConfig:
             }
         else:
             moe = {"ffn_hidden": int(key("feed_forward_length"))}
+        every = GGUF_ARCHITECTURES[arch].unrotated_every
         return cls(
             architecture=arch,
             n_layers=n_layers,
@@ -309,6 +329,7 @@ class ModelConfig:
             fused=GGUF_ARCHITECTURES[arch].fused,
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=tied,
+            unrotated_layers=tuple(i for i in range(n_layers) if every and (i + 1) % every == 0),
             **gemma,
             **moe,
         )
@@ -358,9 +379,25 @@ class ModelConfig:
             fused=HF_ARCHITECTURES[arch].fused,
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            unrotated_layers=_hf_unrotated(config, source, family),
             **gemma,
             **moe,
         )
+
+
+def _hf_unrotated(config: dict[str, Any], source: str, family: Family) -> tuple[int, ...]:
+    """The layers a SmolLM3 config.json leaves unrotated, as transformers reads it: those its
+    `no_rope_layers` flags with 0, or else every `no_rope_layer_interval`-th."""
+    if not family.unrotated_every:
+        return ()
+    n_layers = int(config["num_hidden_layers"])
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        every = int(config.get("no_rope_layer_interval") or family.unrotated_every)
+        flags = [int((i + 1) % every != 0) for i in range(n_layers)]
+    if len(flags) != n_layers:
+        raise ModelError(f"{source}: no_rope_layers has {len(flags)} flags for {n_layers} layers")
+    return tuple(i for i, rotated in enumerate(flags) if not rotated)
 
 
 def _hf_moe(config: dict[str, Any], source: str, family: Family) -> dict[str, Any]:

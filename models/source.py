@@ -285,7 +285,7 @@ class GGUFSource(ModelSource):
                 "current llama.cpp"
             )
         # llama.cpp's converter permutes Q/K rows for its interleaved RoPE only for these.
-        self._permuted = self.config.architecture in ("llama", "mistral")
+        self._permuted = self.config.architecture in ("llama", "mistral", "smollm3")
         for name in self.file.tensor_names():  # say it now, not halfway through a split
             kind = self.file.info(name).tensor_type.name
             if kind not in SOURCE_TYPES:
