@@ -12,94 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.errors import ModelError
-
-
-@dataclass(frozen=True)
-class Family:
-    """A supported model family: its names in GGUF and HF files, and what it changes in the
-    Llama layer math."""
-
-    name: str  # as users know it
-    gguf: str  # GGUF `general.architecture`
-    hf: str  # HF config.json `architectures[0]`
-    qkv_bias: bool = False  # the Q, K and V projections carry a bias (Qwen2)
-    qk_norm: bool = False  # each query and key head is RMS-normed before RoPE (Qwen3)
-    fused: bool = False  # Q, K, V stored as one matrix, gate and up as another (Phi-3)
-    # Gemma 3: norms of (1 + weight) (HF files store the weight, GGUF files 1 + weight), an
-    # embedding scaled by sqrt(hidden), post-block norms, GeGLU, local sliding-window layers
-    gemma: bool = False
-    moe: bool = False  # every layer's FFN is a mixture of experts (Qwen3-MoE, Mixtral)
-    # config.json's key of an expert's width; Mixtral's experts are `intermediate_size` wide
-    expert_width: str = "moe_intermediate_size"
-    # Mixtral renormalises its top-k weights always (a softmax over the top-k logits); None:
-    # as config.json's `norm_topk_prob` says (Qwen3-MoE)
-    norm_topk: bool | None = None
-    # every n-th layer's queries and keys are not rotated (SmolLM3's NoPE layers: llama.cpp
-    # fixes n at 4, with no GGUF key for it; a config.json may list other layers)
-    unrotated_every: int = 0
-
-
-FAMILIES = (
-    Family("Llama 2, 3.x", "llama", "LlamaForCausalLM"),
-    Family("Mistral", "mistral", "MistralForCausalLM"),
-    Family("Qwen2, 2.5", "qwen2", "Qwen2ForCausalLM", qkv_bias=True),
-    Family("Qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True),
-    Family("Phi-3, 3.5, 4-mini", "phi3", "Phi3ForCausalLM", fused=True),
-    Family("Gemma 3 (text)", "gemma3", "Gemma3ForCausalLM", qk_norm=True, gemma=True),
-    Family("Qwen3-MoE", "qwen3moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
-    Family("SmolLM3", "smollm3", "SmolLM3ForCausalLM", unrotated_every=4),
-    # llama.cpp writes Mixtral as a `llama` whose layers hold experts (`llama.expert_count`)
-    Family(
-        "Mixtral",
-        "llama",
-        "MixtralForCausalLM",
-        moe=True,
-        expert_width="intermediate_size",
-        norm_topk=True,
-    ),  # fmt: skip
-)
-# A GGUF architecture's family is its first: a `llama` file with experts is read as Mixtral
-# by `ModelConfig.from_gguf`.
-GGUF_ARCHITECTURES: dict[str, Family] = {}
-for _family in FAMILIES:
-    GGUF_ARCHITECTURES.setdefault(_family.gguf, _family)
-HF_ARCHITECTURES = {f.hf: f for f in FAMILIES}
-
-
-# What edgetp lacks for families people ask for, by GGUF and HF architecture name.
-MISSING = {
-    **dict.fromkeys(
-        ("deepseek2", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
-        "multi-head latent attention (MLA) and shared experts",
-    ),
-    **dict.fromkeys(
-        ("gpt-oss", "GptOssForCausalLM"),
-        "attention sinks, expert biases and the clamped SwiGLU of its experts",
-    ),
-    **dict.fromkeys(("qwen2moe", "Qwen2MoeForCausalLM"), "a shared expert beside the routed ones"),
-    **dict.fromkeys(
-        (
-            "qwen3next",
-            "qwen35",
-            "qwen35moe",
-            "Qwen3NextForCausalLM",
-            "Qwen3_5ForCausalLM",
-            "Qwen3_5MoeForCausalLM",
-        ),
-        "gated DeltaNet (linear attention) layers",
-    ),  # fmt: skip
-}
-
-
-def unsupported(source: str, arch: Any) -> ModelError:
-    """The one error for a model of another family, naming what it lacks where that is known
-    and every family that is supported."""
-    supported = "; ".join(f"{f.name} ({f.gguf} / {f.hf})" for f in FAMILIES)
-    lacks = f" (it needs {MISSING[arch]}, which edgetp lacks)" if arch in MISSING else ""
-    return ModelError(
-        f"{source}: architecture {arch!r} is not supported{lacks}. Supported families: {supported}"
-    )
-
+from models.families import FAMILIES as FAMILIES  # re-exported: where callers look for it
+from models.families import GGUF_ARCHITECTURES, HF_ARCHITECTURES, Family, unsupported
 
 # The model `edgetp` runs when none is named: a PyPI package installed by `make setup`.
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -161,6 +75,10 @@ class ModelConfig:
     n_experts: int = 0
     n_experts_used: int = 0
     norm_topk_prob: bool = False
+    # Qwen2-MoE's shared expert, which every token uses weighted by sigmoid(x @ its gate), is
+    # `n_shared` experts' widths wide: the plan cuts it as that many more experts, which the
+    # master's routing adds to every token's (models/moe.py).
+    n_shared: int = 0
     # Layers whose queries and keys RoPE leaves as they are (SmolLM3's NoPE layers; the ones
     # transformers' `no_rope_layers` flags with 0): they attend by content alone.
     unrotated_layers: tuple[int, ...] = ()
@@ -183,6 +101,17 @@ class ModelConfig:
     def moe(self) -> bool:
         """Whether every layer's FFN is a mixture of experts."""
         return self.n_experts > 0
+
+    @property
+    def n_stacked(self) -> int:
+        """The experts a slice's stacked matrices hold: the routed ones, then the shared
+        expert's pieces."""
+        return self.n_experts + self.n_shared
+
+    @property
+    def router_rows(self) -> int:
+        """A layer's rows of the master's router: one an expert, then the shared expert's gate."""
+        return self.n_experts + (1 if self.n_shared else 0)
 
     def own_rope(self, layer: int) -> bool:
         """Whether `layer` turns its queries and keys by the second RoPE table, not the model's:
@@ -223,8 +152,9 @@ class ModelConfig:
         if not self.moe:
             for name in ("n_experts", "n_experts_used", "norm_topk_prob"):
                 del values[name]
-        if not self.unrotated_layers:
-            del values["unrotated_layers"]
+        for name in ("unrotated_layers", "n_shared"):  # none: as before they existed
+            if not values[name]:
+                del values[name]
         return values
 
     @classmethod
@@ -298,17 +228,23 @@ class ModelConfig:
                 "local_rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)),
             }
         moe: dict[str, Any] = {}
-        if GGUF_ARCHITECTURES[arch].moe or metadata.get(f"{arch}.expert_count"):
+        family = GGUF_ARCHITECTURES[arch]
+        if family.moe or metadata.get(f"{arch}.expert_count"):
             # llama.cpp's converter: a qwen3moe's experts' own width, a Mixtral's the FFN's
-            width = f"{arch}.expert_feed_forward_length"
+            width = int(metadata.get(f"{arch}.expert_feed_forward_length") or 0)
+            width = width or int(key("feed_forward_length"))
             moe = {
-                "ffn_hidden": int(metadata.get(width) or key("feed_forward_length")),
+                "ffn_hidden": width,
                 "n_experts": int(key("expert_count")),
                 "n_experts_used": int(key("expert_used_count")),
-                # llama.cpp renormalises a qwen3moe's and a Mixtral's weights unless the file
-                # says otherwise
-                "norm_topk_prob": bool(metadata.get(f"{arch}.expert_weights_norm", True)),
+                "norm_topk_prob": bool(
+                    metadata.get(f"{arch}.expert_weights_norm", family.gguf_norm_topk)
+                ),
             }
+            if family.shared_expert:  # llama.cpp: as wide as the FFN unless the file says
+                shared = metadata.get(f"{arch}.expert_shared_feed_forward_length")
+                shared = int(shared or key("feed_forward_length"))
+                moe["n_shared"] = _shared_experts(shared, width, source)
         else:
             moe = {"ffn_hidden": int(key("feed_forward_length"))}
         every = GGUF_ARCHITECTURES[arch].unrotated_every
@@ -422,7 +358,15 @@ def _hf_moe(config: dict[str, Any], source: str, family: Family) -> dict[str, An
             raise ModelError(f"{source}: config.json key {name!r} is missing")
     if (config.get("hidden_act") or "silu") != "silu":
         raise ModelError(f"{source}: expert activation {config['hidden_act']!r} is not supported")
-    return {
+    shared = {}
+    if family.shared_expert:
+        if config.get("shared_expert_intermediate_size") is None:
+            raise ModelError(
+                f"{source}: config.json key 'shared_expert_intermediate_size' is missing"
+            )
+        width = int(config["shared_expert_intermediate_size"])
+        shared["n_shared"] = _shared_experts(width, int(config[family.expert_width]), source)
+    return shared | {
         "ffn_hidden": int(config[family.expert_width]),
         "n_experts": int(experts),
         "n_experts_used": int(config["num_experts_per_tok"]),
@@ -430,6 +374,16 @@ def _hf_moe(config: dict[str, Any], source: str, family: Family) -> dict[str, An
         if family.norm_topk is not None
         else bool(config.get("norm_topk_prob", False)),
     }
+
+
+def _shared_experts(shared: int, expert: int, source: str) -> int:
+    """How many experts' widths the shared expert is: it is cut as that many more experts."""
+    if not shared or shared % expert:
+        raise ModelError(
+            f"{source}: a shared expert {shared} wide, not a multiple of the experts' {expert}, "
+            "is not supported"
+        )
+    return shared // expert
 
 
 def _hf_gemma(config: dict[str, Any], source: str) -> dict[str, Any]:

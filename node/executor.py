@@ -106,7 +106,7 @@ class SliceExecutor:
     def matrix_shapes(self) -> list[Shape]:
         """The (dtype, out, in) of the matrices this slice multiplies: what needs a kernel."""
         layers = self.weights.specs()
-        experts = self.config.n_experts
+        experts = self.config.n_stacked
         shapes = sorted(
             {s for specs in layers for s in matrix_shapes(expert_specs(specs, experts), MATRICES)}
         )
@@ -242,7 +242,7 @@ def check_kernels_before_loading(
     The BLAS threads are set first, as the executor for a window of `window` layers sets them,
     for the check to time the products as they will run. Returns the shapes checked: those
     `SliceExecutor.matrix_shapes` gives once the slice is loaded (`experts`: the model's
-    n_experts, whose stacked matrices are multiplied an expert at a time)."""
+    n_stacked, whose stacked matrices are multiplied an expert at a time)."""
     leave_a_core_to_the_loader(min(window, len(layer_files)) < len(layer_files))
     shapes = sorted(
         {

@@ -1,10 +1,11 @@
-"""A mixture of experts (Qwen3-MoE, Mixtral) split across nodes answers as transformers' does.
+"""A mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE) split across nodes answers as
+transformers' does.
 
-A small random-weight model of each (2 layers, 8 experts of 128 columns, 2 a token) saved as an
-HF folder and a GGUF file: its logits at every position of a prefill and of its decode steps, at
-1 to 4 nodes in this process and 3 real node processes (the routing crosses the wire), and its
-greedy continuation, against transformers'. Then the router on its own, and the STEP's routing
-checks.
+A small random-weight model of each (2 layers, 8 experts of 128 columns, 2 a token; Qwen2-MoE's
+shared expert beside them) saved as an HF folder and a GGUF file: its logits at every position
+of a prefill and of its decode steps, at 1 to 4 nodes in this process and 3 real node processes
+(the routing crosses the wire), and its greedy continuation, against transformers'. Then the
+router on its own, and the STEP's routing checks.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ MODELS = {
         {k: v for k, v in SMALL_MOE.items() if not k.startswith(("num_experts", "norm", "moe"))}
         | {"num_local_experts": 8, "num_experts_per_tok": 2},
         "llama",
+    ),
+    # Qwen2-MoE: a shared expert two experts' widths wide beside the routed ones, Q/K/V biases;
+    # llama.cpp never renormalises a qwen2moe's weights, nor does this one
+    "qwen2moe": (
+        "Qwen2MoeConfig",
+        SMALL_MOE | {"norm_topk_prob": False, "shared_expert_intermediate_size": 256},
+        "qwen2moe",
     ),
 }
 GGUF_MODELS = sorted(name for name, (_, _, arch) in MODELS.items() if arch)
@@ -130,8 +138,10 @@ def _write_gguf(model, arch: str, path: Path) -> None:
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_expert_count(c.num_local_experts if arch == "llama" else c.num_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
-    if arch == "qwen3moe":  # a Mixtral's experts are feed_forward_length wide
+    if arch != "llama":  # a Mixtral's experts are feed_forward_length wide
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     writer.add_vocab_size(c.vocab_size)
     state = {k: v.detach().float().contiguous().numpy() for k, v in model.state_dict().items()}
     writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
@@ -146,6 +156,8 @@ def _write_gguf(model, arch: str, path: Path) -> None:
                 t = state[prefix + hf]
                 if arch == "llama" and name in heads:
                     t = _llama_permute(torch.from_numpy(t), heads[name]).numpy()
+                if name == "ffn_gate_inp_shexp.weight":  # llama.cpp's is a vector
+                    t = t.reshape(-1)
                 writer.add_tensor(f"blk.{i}.{name}", t)
         # transformers holds each layer's experts as (E, 2F, D) gate and up, and (E, D, F) down
         gate, up = np.split(state[f"{prefix}mlp.experts.gate_up_proj"], 2, axis=1)
@@ -183,6 +195,7 @@ def test_logits_equal_transformers_on_every_node_count(moe):
     expected, continuation = _reference(model, prompt)
     source = open_model(folder)
     assert source.config.moe and source.config.n_experts == 8
+    assert source.config.n_shared == (2 if "qwen2moe" in folder.name else 0)
     for n in NODES:
         engine = Engine.local(source, (1.0,) * n)
         assert all(ex.native is None for ex in engine.executors)  # decode on the rows path
@@ -265,6 +278,27 @@ def test_router_picks_the_top_experts_with_renormalised_weights():
     assert (r.weights[:, 0] > r.weights[:, 1]).all()
 
 
+def test_a_shared_expert_joins_every_token_at_its_gate_weight():
+    """Qwen2-MoE: the shared expert, cut as n_shared more experts, is every token's at the
+    weight sigmoid(x @ its gate), beside the routed experts' raw softmax values."""
+    from models.config import ModelConfig
+
+    config = ModelConfig(
+        architecture="Qwen2MoeForCausalLM", n_layers=1, hidden=4, n_heads=1, n_kv_heads=1,
+        head_dim=4, ffn_hidden=8, vocab_size=10, context_length=16, norm_eps=1e-6,
+        rope_theta=1e4, n_experts=3, n_experts_used=1, n_shared=2,
+    )  # fmt: skip
+    router = torch.cat((torch.eye(3, 4) * 10, torch.tensor([[0.0, 0.0, 0.0, 1.0]])))
+    h = np.array([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 1.0, -0.5]], np.float32)
+    r = route(h, torch.ones(4), router, config)
+    assert r.experts.tolist() == [[1, 3, 4], [2, 3, 4]]
+    x = torch.nn.functional.rms_norm(torch.from_numpy(h), (4,), eps=1e-6)
+    gate = torch.sigmoid(x[:, 3]).numpy()
+    np.testing.assert_allclose(r.weights[:, 1:], np.stack([gate, gate], axis=1), rtol=1e-6)
+    routed = torch.softmax(x @ router[:3].T, dim=-1).max(dim=-1).values  # not renormalised
+    np.testing.assert_allclose(r.weights[:, 0], routed.numpy(), rtol=1e-6)
+
+
 class _Cache:
     """What `check_step` reads of a KV cache."""
 
@@ -297,6 +331,28 @@ def test_a_step_with_bad_routing_is_a_protocol_error(experts, weights, why):
     h = [np.zeros((2, config.hidden), np.float32)]
     with pytest.raises(M.ProtocolError, match=why):
         check_step(step, h, config, _Cache(), None)  # type: ignore[arg-type]
+
+
+def test_a_step_of_a_shared_expert_carries_its_pieces():
+    from models.config import ModelConfig
+
+    values = {"architectures": ["Qwen2MoeForCausalLM"], **MODELS["qwen2moe"][1]}
+    config = ModelConfig.from_hf(values, "config.json")
+    assert (config.n_shared, config.n_stacked) == (2, 10)
+    batch = StepBatch((0, 1), (3, 4), (1, 1))
+    h = [np.zeros((2, config.hidden), np.float32)]
+    routed = [[0, 5], [1, 2]]
+    for experts, why in ((routed, r"not \(2, 4\)"), ([[0, 5, 8, 10], [1, 2, 8, 9]], "10 of 10")):
+        weights = [[0.5] * len(experts[0])] * 2
+        step = M.Step(step=1, layer=0, block=P.FFN, batch=batch, experts=experts,
+                      expert_weights=weights)  # fmt: skip
+        with pytest.raises(M.ProtocolError, match=why):
+            check_step(step, h, config, _Cache(), None)  # type: ignore[arg-type]
+    good = [[0, 5, 8, 9], [1, 2, 8, 9]]
+    step = M.Step(step=1, layer=0, block=P.FFN, batch=batch, experts=good,
+                  expert_weights=[[0.5] * 4] * 2)  # fmt: skip
+    work = check_step(step, h, config, _Cache(), None)  # type: ignore[arg-type]
+    assert work.routing is not None and work.routing.experts.tolist() == good
 
 
 def test_routing_travels_in_a_step_and_back():
