@@ -89,10 +89,11 @@ def gguf_moe(request, tmp_path_factory):
     return _built(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def normalised_moe(tmp_path_factory):
-    """The Qwen3-MoE whose experts' weights are renormalised."""
-    return _built("norm_topk", tmp_path_factory)
+@pytest.fixture(scope="module", params=["norm_topk", "qwen2moe"])
+def block_moe(request, tmp_path_factory):
+    """A Qwen3-MoE, and a Qwen2-MoE whose shared expert's pieces are columns inside its
+    matrices: the models whose block shards are split."""
+    return _built(request.param, tmp_path_factory)
 
 
 def _built(name: str, tmp_path_factory) -> tuple:
@@ -382,16 +383,17 @@ def test_routing_travels_in_a_step_and_back():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_1"])
-def test_block_experts_split_across_real_nodes_equal_one_node(normalised_moe, dtype):
+def test_block_experts_split_across_real_nodes_equal_one_node(block_moe, dtype):
     """Each expert's rows of the stacked matrices are multiplied in their blocks where they
-    lie: a split gives what one node gives on the same weights. (int8's per-row scales span a
-    slice's columns: another split is other weights.)"""
-    model, folder, prompt = normalised_moe
+    lie, a shared expert's pieces cut from its blocks by columns: a split gives what one node
+    gives on the same weights. (int8's per-row scales span a slice's columns: another split is
+    other weights.)"""
+    model, folder, prompt = block_moe
     _, continuation = _reference(model, prompt)
     source = open_model(folder)
     one = _windowed(source, 1, dtype, prompt, continuation, 128)
     three = _windowed(source, 3, dtype, prompt, continuation, 128)
-    _assert_close_logits(three, one, f"qwen3moe {dtype} 3 real nodes against 1")
+    _assert_close_logits(three, one, f"{folder.name} {dtype} 3 real nodes against 1")
 
 
 def test_kernels_are_prepared_for_one_expert_at_a_time(moe):
