@@ -57,7 +57,7 @@ FAMILIES = (
         moe=True,
         shared_expert=True,
         gguf_norm_topk=False,
-    ),  # fmt: skip
+    ),
     # llama.cpp writes Mixtral as a `llama` whose layers hold experts (`llama.expert_count`)
     Family(
         "Mixtral",
@@ -66,7 +66,7 @@ FAMILIES = (
         moe=True,
         expert_width="intermediate_size",
         norm_topk=True,
-    ),  # fmt: skip
+    ),
 )
 # A GGUF architecture's family is its first: a `llama` file with experts is read as Mixtral
 # by `ModelConfig.from_gguf`.
@@ -79,8 +79,8 @@ HF_ARCHITECTURES = {f.hf: f for f in FAMILIES}
 # What edgetp lacks for families people ask for, by GGUF and HF architecture name.
 MISSING = {
     **dict.fromkeys(
-        ("deepseek2", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
-        "multi-head latent attention (MLA) and shared experts",
+        ("deepseek2", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
+        "multi-head latent attention (MLA)",
     ),
     **dict.fromkeys(
         ("gpt-oss", "GptOssForCausalLM"),
@@ -96,7 +96,7 @@ MISSING = {
             "Qwen3_5MoeForCausalLM",
         ),
         "gated DeltaNet (linear attention) layers",
-    ),  # fmt: skip
+    ),
 }
 
 
