@@ -105,7 +105,8 @@ class Engine:
         router: torch.Tensor | None = None,
     ) -> None:
         self.config = config
-        # (n_layers n_experts, D): a mixture of experts' router, the master's alone (models/moe.py)
+        # (n_layers router_rows, D): a mixture of experts' routers (and shared experts' gates),
+        # the master's alone (models/moe.py)
         self.router = router
         if config.moe and router is None:
             raise ValueError(f"{config.architecture} needs its experts' router")
@@ -206,7 +207,7 @@ class Engine:
         head = "lm_head" if "lm_head" in specs else "embedding"
         a, b = manifest.head_rows[0] if manifest.head_rows else (0, specs[head][1][0])
         check_kernels_before_loading(
-            paths, window or config.n_layers, (globals_path, head, b - a), config.n_experts
+            paths, window or config.n_layers, (globals_path, head, b - a), config.n_stacked
         )
         layers = LayerWindow(paths, window or config.n_layers, drop_cache)
         factors = manifest.extra.get("rope_freq_factors")
@@ -297,7 +298,7 @@ class Engine:
         model has experts. The FFN norm is every slice's; this process's first holds it."""
         if self.router is None:
             return None
-        n = self.config.n_experts
+        n = self.config.router_rows
         norm = self.executors[0].weights.get(i)["ffn_norm"]
         return route(h, norm, self.router[i * n : (i + 1) * n], self.config)
 

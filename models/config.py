@@ -12,45 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.errors import ModelError
-
-
-@dataclass(frozen=True)
-class Family:
-    """A supported model family: its names in GGUF and HF files, and what it changes in the
-    Llama layer math."""
-
-    name: str  # as users know it
-    gguf: str  # GGUF `general.architecture`
-    hf: str  # HF config.json `architectures[0]`
-    qkv_bias: bool = False  # the Q, K and V projections carry a bias (Qwen2)
-    qk_norm: bool = False  # each query and key head is RMS-normed before RoPE (Qwen3)
-    fused: bool = False  # Q, K, V stored as one matrix, gate and up as another (Phi-3)
-    # Gemma 3: norms of (1 + weight) (HF files store the weight, GGUF files 1 + weight), an
-    # embedding scaled by sqrt(hidden), post-block norms, GeGLU, local sliding-window layers
-    gemma: bool = False
-    moe: bool = False  # every layer's FFN is a mixture of experts (Qwen3-MoE)
-
-
-FAMILIES = (
-    Family("Llama 2, 3.x", "llama", "LlamaForCausalLM"),
-    Family("Mistral", "mistral", "MistralForCausalLM"),
-    Family("Qwen2, 2.5", "qwen2", "Qwen2ForCausalLM", qkv_bias=True),
-    Family("Qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True),
-    Family("Phi-3, 3.5, 4-mini", "phi3", "Phi3ForCausalLM", fused=True),
-    Family("Gemma 3 (text)", "gemma3", "Gemma3ForCausalLM", qk_norm=True, gemma=True),
-    Family("Qwen3-MoE", "qwen3moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
-)
-GGUF_ARCHITECTURES = {f.gguf: f for f in FAMILIES}
-HF_ARCHITECTURES = {f.hf: f for f in FAMILIES}
-
-
-def unsupported(source: str, arch: Any) -> ModelError:
-    """The one error for a model of another family, naming every family that is supported."""
-    supported = "; ".join(f"{f.name} ({f.gguf} / {f.hf})" for f in FAMILIES)
-    return ModelError(
-        f"{source}: architecture {arch!r} is not supported. Supported families: {supported}"
-    )
-
+from models.families import FAMILIES as FAMILIES  # re-exported: where callers look for it
+from models.families import GGUF_ARCHITECTURES, HF_ARCHITECTURES, Family, unsupported
 
 # The model `edgetp` runs when none is named: a PyPI package installed by `make setup`.
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -112,9 +75,19 @@ class ModelConfig:
     n_experts: int = 0
     n_experts_used: int = 0
     norm_topk_prob: bool = False
+    # Qwen2-MoE's shared expert, which every token uses weighted by sigmoid(x @ its gate), is
+    # `n_shared` experts' widths wide: the plan cuts it as that many more experts, which the
+    # master's routing adds to every token's (models/moe.py).
+    n_shared: int = 0
+    # Layers whose queries and keys RoPE leaves as they are (SmolLM3's NoPE layers; the ones
+    # transformers' `no_rope_layers` flags with 0): they attend by content alone.
+    unrotated_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "local_layers", tuple(self.local_layers))  # JSON gives lists
+        for name in ("local_layers", "unrotated_layers"):  # JSON gives lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.unrotated_layers and self.local_rope_theta is not None:
+            raise ModelError("unrotated layers beside local layers of their own RoPE base")
         if self.activation not in ("silu", "gelu_tanh"):
             raise ModelError(f"FFN activation {self.activation!r} is not supported")
         if self.n_heads % self.n_kv_heads:
@@ -128,6 +101,24 @@ class ModelConfig:
     def moe(self) -> bool:
         """Whether every layer's FFN is a mixture of experts."""
         return self.n_experts > 0
+
+    @property
+    def n_stacked(self) -> int:
+        """The experts a slice's stacked matrices hold: the routed ones, then the shared
+        expert's pieces."""
+        return self.n_experts + self.n_shared
+
+    @property
+    def router_rows(self) -> int:
+        """A layer's rows of the master's router: one an expert, then the shared expert's gate."""
+        return self.n_experts + (1 if self.n_shared else 0)
+
+    def own_rope(self, layer: int) -> bool:
+        """Whether `layer` turns its queries and keys by the second RoPE table, not the model's:
+        a local layer's own base (Gemma 3) or none at all (an unrotated layer)."""
+        if layer in self.unrotated_layers:
+            return True
+        return self.is_local(layer) and self.local_rope_theta is not None
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` attends only to the last `sliding_window` positions."""
@@ -160,6 +151,9 @@ class ModelConfig:
         values = dataclasses.asdict(self)
         if not self.moe:
             for name in ("n_experts", "n_experts_used", "norm_topk_prob"):
+                del values[name]
+        for name in ("unrotated_layers", "n_shared"):  # none: as before they existed
+            if not values[name]:
                 del values[name]
         return values
 
@@ -234,16 +228,26 @@ class ModelConfig:
                 "local_rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)),
             }
         moe: dict[str, Any] = {}
-        if GGUF_ARCHITECTURES[arch].moe:  # llama.cpp's converter: the experts' own width
+        family = GGUF_ARCHITECTURES[arch]
+        if family.moe or metadata.get(f"{arch}.expert_count"):
+            # llama.cpp's converter: a qwen3moe's experts' own width, a Mixtral's the FFN's
+            width = int(metadata.get(f"{arch}.expert_feed_forward_length") or 0)
+            width = width or int(key("feed_forward_length"))
             moe = {
-                "ffn_hidden": int(key("expert_feed_forward_length")),
+                "ffn_hidden": width,
                 "n_experts": int(key("expert_count")),
                 "n_experts_used": int(key("expert_used_count")),
-                # llama.cpp renormalises a qwen3moe's weights unless the file says otherwise
-                "norm_topk_prob": bool(metadata.get(f"{arch}.expert_weights_norm", True)),
+                "norm_topk_prob": bool(
+                    metadata.get(f"{arch}.expert_weights_norm", family.gguf_norm_topk)
+                ),
             }
+            if family.shared_expert:  # llama.cpp: as wide as the FFN unless the file says
+                shared = metadata.get(f"{arch}.expert_shared_feed_forward_length")
+                shared = int(shared or key("feed_forward_length"))
+                moe["n_shared"] = _shared_experts(shared, width, source)
         else:
             moe = {"ffn_hidden": int(key("feed_forward_length"))}
+        every = GGUF_ARCHITECTURES[arch].unrotated_every
         return cls(
             architecture=arch,
             n_layers=n_layers,
@@ -261,6 +265,7 @@ class ModelConfig:
             fused=GGUF_ARCHITECTURES[arch].fused,
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=tied,
+            unrotated_layers=tuple(i for i in range(n_layers) if every and (i + 1) % every == 0),
             **gemma,
             **moe,
         )
@@ -292,7 +297,7 @@ class ModelConfig:
             context = min(context, int(window))
         gemma = _hf_gemma(config, source) if family.gemma else {}
         dense = {"ffn_hidden": int(key("intermediate_size"))} if not family.moe else {}
-        moe = _hf_moe(config, source) if family.moe else dense
+        moe = _hf_moe(config, source, family) if family.moe else dense
         return cls(
             architecture=arch,
             n_layers=int(key("num_hidden_layers")),
@@ -310,15 +315,31 @@ class ModelConfig:
             fused=HF_ARCHITECTURES[arch].fused,
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            unrotated_layers=_hf_unrotated(config, source, family),
             **gemma,
             **moe,
         )
 
 
-def _hf_moe(config: dict[str, Any], source: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of a `Qwen3MoeForCausalLM` config.json. Every layer's FFN
-    must be sparse: dense layers among them (`mlp_only_layers`, `decoder_sparse_step`) are not
-    supported yet."""
+def _hf_unrotated(config: dict[str, Any], source: str, family: Family) -> tuple[int, ...]:
+    """The layers a SmolLM3 config.json leaves unrotated, as transformers reads it: those its
+    `no_rope_layers` flags with 0, or else every `no_rope_layer_interval`-th."""
+    if not family.unrotated_every:
+        return ()
+    n_layers = int(config["num_hidden_layers"])
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        every = int(config.get("no_rope_layer_interval") or family.unrotated_every)
+        flags = [int((i + 1) % every != 0) for i in range(n_layers)]
+    if len(flags) != n_layers:
+        raise ModelError(f"{source}: no_rope_layers has {len(flags)} flags for {n_layers} layers")
+    return tuple(i for i, rotated in enumerate(flags) if not rotated)
+
+
+def _hf_moe(config: dict[str, Any], source: str, family: Family) -> dict[str, Any]:
+    """The mixture-of-experts fields of a `Qwen3MoeForCausalLM` or `MixtralForCausalLM`
+    config.json. Every layer's FFN must be sparse: dense layers among them (`mlp_only_layers`,
+    `decoder_sparse_step`) are not supported yet."""
     n_layers = int(config["num_hidden_layers"])
     step = int(config.get("decoder_sparse_step") or 1)
     dense = set(config.get("mlp_only_layers") or []) | {
@@ -332,17 +353,37 @@ def _hf_moe(config: dict[str, Any], source: str) -> dict[str, Any]:
     experts = config.get("num_experts") or config.get("num_local_experts")
     if experts is None:
         raise ModelError(f"{source}: config.json key 'num_experts' is missing")
-    for name in ("num_experts_per_tok", "moe_intermediate_size"):
+    for name in ("num_experts_per_tok", family.expert_width):
         if config.get(name) is None:
             raise ModelError(f"{source}: config.json key {name!r} is missing")
     if (config.get("hidden_act") or "silu") != "silu":
         raise ModelError(f"{source}: expert activation {config['hidden_act']!r} is not supported")
-    return {
-        "ffn_hidden": int(config["moe_intermediate_size"]),
+    shared = {}
+    if family.shared_expert:
+        if config.get("shared_expert_intermediate_size") is None:
+            raise ModelError(
+                f"{source}: config.json key 'shared_expert_intermediate_size' is missing"
+            )
+        width = int(config["shared_expert_intermediate_size"])
+        shared["n_shared"] = _shared_experts(width, int(config[family.expert_width]), source)
+    return shared | {
+        "ffn_hidden": int(config[family.expert_width]),
         "n_experts": int(experts),
         "n_experts_used": int(config["num_experts_per_tok"]),
-        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "norm_topk_prob": family.norm_topk
+        if family.norm_topk is not None
+        else bool(config.get("norm_topk_prob", False)),
     }
+
+
+def _shared_experts(shared: int, expert: int, source: str) -> int:
+    """How many experts' widths the shared expert is: it is cut as that many more experts."""
+    if not shared or shared % expert:
+        raise ModelError(
+            f"{source}: a shared expert {shared} wide, not a multiple of the experts' {expert}, "
+            "is not supported"
+        )
+    return shared // expert
 
 
 def _hf_gemma(config: dict[str, Any], source: str) -> dict[str, Any]:

@@ -43,6 +43,11 @@ POST_NORMS = "post_norms"
 # hidden) a layer, is the master's: one global (n_layers n_experts, hidden) tensor, ROUTER.
 EXPERT_TENSORS = ("gate", "up", "down")
 ROUTER = "router"
+# A shared expert (Qwen2-MoE, `ModelConfig.n_shared`): one SwiGLU every token uses, n_shared
+# experts' widths wide, cut by the plan as that many more experts (`slice_parts`). Its gate,
+# (1, hidden) a layer, is the master's: row n_experts of the layer's rows of ROUTER.
+SHARED_TENSORS = ("shared_gate", "shared_up", "shared_down")
+SHARED_ROUTER = "shared_router"
 
 
 def expert_name(name: str, expert: int) -> str:
@@ -59,6 +64,7 @@ def layer_tensor_names(config: ModelConfig) -> tuple[str, ...]:
         names = (*(n for n in names if n not in EXPERT_TENSORS), *experts)
     return (
         names
+        + (SHARED_TENSORS if config.n_shared else ())
         + (BIAS_TENSORS if config.qkv_bias else ())
         + (QK_NORM_TENSORS if config.qk_norm else ())
     )
@@ -130,6 +136,10 @@ def full_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {expert_name(n, e): shapes[n] for n in EXPERT_TENSORS}
         shapes = {n: v for n, v in shapes.items() if n not in EXPERT_TENSORS}
         shapes[ROUTER] = (config.n_experts, d)
+    if config.n_shared:
+        width = config.n_shared * f
+        shapes |= {"shared_gate": (width, d), "shared_up": (width, d), "shared_down": (d, width)}
+        shapes[SHARED_ROUTER] = (1, d)
     return shapes
 
 
@@ -155,7 +165,8 @@ def slice_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
     A mixture of experts is cut at the same columns in every expert, stacked by rows: w_gate_up
     (E 2n, D) is expert e's gate then up at rows [2 e n, 2 (e + 1) n), w_down (E D, n) expert
     e's down at rows [e D, (e + 1) D) (`models.moe.expert_rows`). Rows, so every dtype's blocks
-    (along the input) stay whole, and the matrices keep their dense names."""
+    (along the input) stay whole, and the matrices keep their dense names. A shared expert
+    follows as n_shared more: its piece j is its columns j F + [a, b) for the slice's [a, b)."""
     hd, d = config.head_dim, config.hidden
     q, k = (s.q_heads[0] * hd, s.q_heads[1] * hd), (s.kv_heads[0] * hd, s.kv_heads[1] * hd)
     f = s.ffn
@@ -173,6 +184,10 @@ def slice_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
             Part(expert_name(n, e), f) for e in experts for n in ("gate", "up")
         )
         parts["w_down"] = tuple(Part(expert_name("down", e), (0, d), f) for e in experts)
+        w = config.ffn_hidden
+        pieces = [(j * w + f[0], j * w + f[1]) for j in range(config.n_shared)]
+        parts["w_gate_up"] += tuple(Part(n, p) for p in pieces for n in SHARED_TENSORS[:2])
+        parts["w_down"] += tuple(Part("shared_down", (0, d), p) for p in pieces)
     if config.qkv_bias:
         parts["bqkv"] = (Part("q_bias", q), Part("k_bias", k), Part("v_bias", k))
     if config.qk_norm:

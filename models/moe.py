@@ -1,9 +1,12 @@
-"""A mixture of experts' FFN block (Qwen3-MoE): the master's router and a slice's partial.
+"""A mixture of experts' FFN block (Qwen3-MoE, Mixtral, Qwen2-MoE): the master's router and a
+slice's partial.
 
 The router lives on the master: after the attention sum it has each token's hidden state, and
 `route` picks each token's `n_experts_used` experts and their weights, as transformers'
 Qwen3MoeTopKRouter does (softmax over the router's logits, top-k, renormalised when
-`norm_topk_prob`). The routing goes to every node with the FFN step.
+`norm_topk_prob`). A shared expert (Qwen2-MoE), cut as `n_shared` more experts, is added to
+every token's with the weight sigmoid(x @ its gate), as Qwen2MoeSparseMoeBlock weights it. The
+routing goes to every node with the FFN step.
 
 Every slice holds the same columns of every expert (`models.layers.slice_parts`), so
 
@@ -33,9 +36,9 @@ from models.quant import matrix_size
 @dataclass(frozen=True)
 class Routing:
     """Each token's experts and their weights, one row a token: a decode step's (B, k), any
-    other step's (B T, k), its tokens in (B, T) order."""
+    other step's (B T, k), its tokens in (B, T) order; k counts a shared expert's pieces."""
 
-    experts: np.ndarray  # (N, k) int64, each below n_experts
+    experts: np.ndarray  # (N, k) int64, each below n_stacked
     weights: np.ndarray  # (N, k) float32
 
     @property
@@ -45,14 +48,21 @@ class Routing:
 
 def route(h: np.ndarray, norm: torch.Tensor, router: torch.Tensor, config: ModelConfig) -> Routing:
     """The routing of the hidden states h (B, D) or (B, T, D) after a layer's attention sum:
-    the FFN's norm `norm` (D,), then `router` (n_experts, D)."""
+    the FFN's norm `norm` (D,), then `router` (router_rows, D): the experts' router, then a
+    shared expert's gate."""
     rows = torch.from_numpy(np.ascontiguousarray(h).reshape(-1, config.hidden))
     x = rms_norm(rows, norm, config.norm_eps)  # (N, D), as the experts' input
-    logits = F.linear(x, router)  # (N, n_experts)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    logits = F.linear(x, router)  # (N, router_rows)
+    e = config.n_experts
+    probs = torch.softmax(logits[:, :e], dim=-1, dtype=torch.float)
     top, experts = torch.topk(probs, config.n_experts_used, dim=-1)  # (N, k)
     if config.norm_topk_prob:
         top /= top.sum(dim=-1, keepdim=True)
+    if config.n_shared:  # every piece of the shared expert, at its gate's weight
+        n, pieces = rows.shape[0], config.n_shared
+        shared = torch.arange(e, e + pieces).expand(n, pieces)
+        experts = torch.cat((experts, shared), dim=1)  # (N, k + n_shared)
+        top = torch.cat((top, torch.sigmoid(logits[:, e:]).float().expand(n, pieces)), dim=1)
     return Routing(experts.numpy().astype(np.int64), top.numpy().astype(np.float32))
 
 

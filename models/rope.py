@@ -78,13 +78,19 @@ class Rope:
     """Precomputed cos/sin tables up to `max_positions`, indexed by absolute position."""
 
     def __init__(
-        self, config: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        freq_factors: torch.Tensor | None = None,
+        rotate: bool = True,
     ) -> None:
+        """`rotate` False: an unrotated layer's tables, cos 1 and sin 0, which turn nothing
+        (and scale nothing) in every path that rotates, the C blocks' included."""
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, rope_inv_freq(config, freq_factors, max_positions))  # (P, rd/2)
         scale = rope_attention_factor(config)
-        self.cos = freqs.cos() * scale
-        self.sin = freqs.sin() * scale
+        self.cos = freqs.cos() * scale if rotate else torch.ones_like(freqs)
+        self.sin = freqs.sin() * scale if rotate else torch.zeros_like(freqs)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for positions (B, T) shaped (B, 1, T, hd/2) to broadcast over heads."""

@@ -235,7 +235,7 @@ class NativeBlocks:
                     _ptr(w.get("bqkv")), ctypes.cast(wo[0], ctypes.c_void_p), wqkv[1], wo[1],
                     _ptr(keys[i]), _ptr(values[i]), W,
                     int(local and config.sliding_window is not None),
-                    int(local and config.local_rope_theta is not None),
+                    int(config.own_rope(i)),
                     _ptr(room),
                 )
             )  # fmt: skip

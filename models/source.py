@@ -15,9 +15,10 @@ import torch
 
 from models import native
 from models.bundled import check_kind, model_path
-from models.config import HF_ARCHITECTURES, ModelConfig
+from models.config import ModelConfig
 from models.dtypes import AUTO, SOURCE_TYPES, embedding_dtype, matrix_dtype
 from models.errors import ModelError
+from models.families import HF_ARCHITECTURES
 from models.gguf_file import GGUFFile
 from models.layers import (
     EXPERT_TENSORS,
@@ -25,6 +26,7 @@ from models.layers import (
     POST_NORM_TENSORS,
     POST_NORMS,
     ROUTER,
+    SHARED_ROUTER,
     Slice,
     full_layer_shapes,
     layer_tensor_names,
@@ -69,15 +71,21 @@ class ModelSource(ABC):
             return torch.stack(
                 [self.tensor(r // 2, POST_NORM_TENSORS[r % 2]) for r in range(start, stop)]
             )
-        if layer is None and name == ROUTER:  # rows e of layer i at i n_experts + e
-            n = self.config.n_experts
+        if layer is None and name == ROUTER:  # rows e of layer i at i router_rows + e
+            n = self.config.router_rows
             layers = range(start // n, (stop - 1) // n + 1)
-            bands = [
-                self._rows(i, ROUTER, max(start - i * n, 0), min(stop - i * n, n), False)
-                for i in layers
-            ]
+            bands = [self._router(i, max(start - i * n, 0), min(stop - i * n, n)) for i in layers]
             return torch.cat(bands)
         return self._rows(layer, name, start, stop, blocks)
+
+    def _router(self, layer: int, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a layer's rows of ROUTER: its router's, then its shared
+        expert's gate."""
+        n = self.config.n_experts
+        bands = [self._rows(layer, ROUTER, start, min(stop, n), False)] if start < n else []
+        if stop > n:  # the shared expert's gate, row n
+            bands.append(self._rows(layer, SHARED_ROUTER, 0, 1, False))
+        return torch.cat(bands)
 
     @abstractmethod
     def _stored_type(self, layer: int | None, name: str) -> str: ...
@@ -94,7 +102,7 @@ class ModelSource(ABC):
         if name == POST_NORMS:
             return (2 * c.n_layers, c.hidden)
         if name == ROUTER:
-            return (c.n_layers * c.n_experts, c.hidden)
+            return (c.n_layers * c.router_rows, c.hidden)
         return (c.hidden,) if name == "final_norm" else (c.vocab_size, c.hidden)
 
     def tensor(self, layer: int | None, name: str, blocks: bool = False) -> torch.Tensor:
@@ -204,6 +212,10 @@ _GGUF_LAYER = {
     "post_attn_norm": "post_attention_norm.weight",
     "post_ffn_norm": "post_ffw_norm.weight",
     ROUTER: "ffn_gate_inp.weight",
+    "shared_gate": "ffn_gate_shexp.weight",
+    "shared_up": "ffn_up_shexp.weight",
+    "shared_down": "ffn_down_shexp.weight",
+    SHARED_ROUTER: "ffn_gate_inp_shexp.weight",  # (hidden,): one row
 }
 # A mixture of experts' stacks, (n_experts, out, in) each: expert e's rows follow expert e - 1's.
 _GGUF_EXPERTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
@@ -278,8 +290,14 @@ class GGUFSource(ModelSource):
                 self.file.tensor("rope_factors_long.weight").tolist(),
             )
         self.config = ModelConfig.from_gguf(self.file.metadata, str(path), tied, longrope)
+        if self.config.moe and not self.file.has_tensor("blk.0.ffn_gate_exps.weight"):
+            raise ModelError(
+                f"{path}: its experts are not stacked as blk.N.ffn_gate_exps.weight (an older "
+                "converter's layout, one tensor an expert): convert the model again with a "
+                "current llama.cpp"
+            )
         # llama.cpp's converter permutes Q/K rows for its interleaved RoPE only for these.
-        self._permuted = self.config.architecture in ("llama", "mistral")
+        self._permuted = self.config.architecture in ("llama", "mistral", "smollm3")
         for name in self.file.tensor_names():  # say it now, not halfway through a split
             kind = self.file.info(name).tensor_type.name
             if kind not in SOURCE_TYPES:
@@ -308,6 +326,8 @@ class GGUFSource(ModelSource):
         expert = expert_of(name) if layer is not None else None
         if expert is not None:  # a stack's rows: expert e's after e experts' rows
             at = expert[1] * self.shape(layer, name)[0]
+        if name == SHARED_ROUTER:  # a vector in the file, one row here
+            return self.file.tensor(gguf_name).view(1, -1)[start:stop]
         if blocks and kind in FORMATS:
             stored = self.file.stored_rows(gguf_name, at + start, at + stop)
             out = torch.from_numpy(stored).view(stop - start, -1, FORMATS[kind].block_bytes)
@@ -342,6 +362,10 @@ _HF_LAYER = {
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
     ROUTER: "mlp.gate.weight",
+    "shared_gate": "mlp.shared_expert.gate_proj.weight",
+    "shared_up": "mlp.shared_expert.up_proj.weight",
+    "shared_down": "mlp.shared_expert.down_proj.weight",
+    SHARED_ROUTER: "mlp.shared_expert_gate.weight",
 }
 # Gemma 3 names its norms after where they sit: "post_attention" is after attention, not
 # before the FFN as in Llama.
@@ -352,11 +376,24 @@ _HF_GEMMA_NORMS = {
 }
 
 
-def hf_layer_name(index: int, canonical: str) -> str:
+# Mixtral's names of its router and its experts' gate, up and down (w1, w3, w2)
+_HF_MIXTRAL_ROUTER = "block_sparse_moe.gate.weight"
+_HF_MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def hf_layer_name(index: int, canonical: str, architecture: str = "") -> str:
+    """The config.json `architecture`'s name of layer `index`'s canonical tensor."""
     expert = expert_of(canonical)
-    if expert is not None:
-        return f"model.layers.{index}.mlp.experts.{expert[1]}.{expert[0]}_proj.weight"
-    return f"model.layers.{index}.{_HF_LAYER[canonical]}"
+    mixtral = architecture == "MixtralForCausalLM"
+    if expert is not None and mixtral:
+        stored = f"block_sparse_moe.experts.{expert[1]}.{_HF_MIXTRAL_EXPERT[expert[0]]}.weight"
+    elif expert is not None:
+        stored = f"mlp.experts.{expert[1]}.{expert[0]}_proj.weight"
+    elif canonical == ROUTER and mixtral:
+        stored = _HF_MIXTRAL_ROUTER
+    else:
+        stored = _HF_LAYER[canonical]
+    return f"model.layers.{index}.{stored}"
 
 
 class HFSource(ModelSource):
@@ -402,7 +439,7 @@ class HFSource(ModelSource):
         elif layer is not None and self._norm_plus_one and name in _HF_GEMMA_NORMS:
             key = f"model.layers.{layer}.{_HF_GEMMA_NORMS[name]}"
         elif layer is not None:
-            key = hf_layer_name(layer, name)
+            key = hf_layer_name(layer, name, self.config.architecture)
         elif name == "lm_head" and not self.config.tied_embeddings:
             key = "lm_head.weight"
         else:

@@ -378,7 +378,7 @@ def plan_shapes(
         for dtypes in layer_dtypes:
             kept = slice_dtypes(parts, dict(dtypes))
             specs = expert_specs({n: (t.dtype, tuple(t.shape)) for n, t in cut.items()},
-                                 config.n_experts)  # fmt: skip
+                                 config.n_stacked)  # fmt: skip
             sizes = {n: specs[n][1] for n in kept}
             shapes += [(d, sizes[n][0], sizes[n][1]) for n, d in kept.items() if all(sizes[n])]
     return sorted(set(shapes))

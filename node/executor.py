@@ -61,7 +61,9 @@ class SliceExecutor:
         # A slice that streams gives its loader a core (models/kernels.py says why).
         leave_a_core_to_the_loader(isinstance(weights, LayerWindow) and not weights.resident)
         self.rope = rope
-        self.local_rope = local_rope  # the local layers' (Gemma 3), if they have their own
+        # the second table (`ModelConfig.own_rope`): the local layers' (Gemma 3), if they have
+        # their own, or the unrotated layers' (SmolLM3)
+        self.local_rope = local_rope
         self.cache = cache
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cos_sin_rows: tuple[np.ndarray, np.ndarray] | None = None
@@ -104,7 +106,7 @@ class SliceExecutor:
     def matrix_shapes(self) -> list[Shape]:
         """The (dtype, out, in) of the matrices this slice multiplies: what needs a kernel."""
         layers = self.weights.specs()
-        experts = self.config.n_experts
+        experts = self.config.n_stacked
         shapes = sorted(
             {s for specs in layers for s in matrix_shapes(expert_specs(specs, experts), MATRICES)}
         )
@@ -139,9 +141,8 @@ class SliceExecutor:
         assert self._batch is not None and self._cos_sin is not None, "begin_step first"
         started = time.perf_counter()
         weights = self.weights.get(index)
-        local = self.config.is_local(index)
-        window = self.config.sliding_window if local else None
-        own_rope = local and self.local_rope is not None
+        window = self.config.sliding_window if self.config.is_local(index) else None
+        own_rope = self.config.own_rope(index)
         if self.native_step:
             assert self.native is not None
             out = self.native.attention(index, h)
@@ -221,6 +222,8 @@ def make_executor(
     if config.local_layers and config.local_rope_theta is not None:  # unscaled, own base
         local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
         local_rope = Rope(local, max_context)
+    if config.unrotated_layers:
+        local_rope = Rope(config, max_context, rotate=False)
     cache = KVCache(config, s, slots, max_context)
     return SliceExecutor(config, s, weights, rope, cache, local_rope)
 
@@ -239,7 +242,7 @@ def check_kernels_before_loading(
     The BLAS threads are set first, as the executor for a window of `window` layers sets them,
     for the check to time the products as they will run. Returns the shapes checked: those
     `SliceExecutor.matrix_shapes` gives once the slice is loaded (`experts`: the model's
-    n_experts, whose stacked matrices are multiplied an expert at a time)."""
+    n_stacked, whose stacked matrices are multiplied an expert at a time)."""
     leave_a_core_to_the_loader(min(window, len(layer_files)) < len(layer_files))
     shapes = sorted(
         {

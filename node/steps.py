@@ -91,8 +91,8 @@ def check_step(
 
 def check_routing(step: Step, config: ModelConfig, tokens: int) -> Routing | None:
     """A STEP's choice of experts: each of the step's `tokens` with `n_experts_used` experts
-    below `n_experts` and as many finite weights, where it is an FFN block of experts; none
-    elsewhere. ProtocolError otherwise."""
+    (and a shared expert's `n_shared` pieces) below `n_stacked` and as many finite weights,
+    where it is an FFN block of experts; none elsewhere. ProtocolError otherwise."""
     wanted = config.moe and step.block == P.FFN
     if step.experts is None and step.expert_weights is None and not wanted:
         return None
@@ -100,7 +100,7 @@ def check_routing(step: Step, config: ModelConfig, tokens: int) -> Routing | Non
         raise ProtocolError(f"experts in a STEP for block {step.block!r} of {config.architecture}")
     if step.experts is None or step.expert_weights is None:
         raise ProtocolError("an FFN STEP of experts without its experts and their weights")
-    shape = (tokens, config.n_experts_used)
+    shape = (tokens, config.n_experts_used + config.n_shared)
     try:
         experts = np.array(step.experts, dtype=np.int64)
         weights = np.array(step.expert_weights, dtype=np.float32)
@@ -110,8 +110,8 @@ def check_routing(step: Step, config: ModelConfig, tokens: int) -> Routing | Non
         raise ProtocolError(
             f"a STEP's experts {experts.shape} and weights {weights.shape}, not {shape}"
         )
-    if experts.size and int(experts.max()) >= config.n_experts:
-        raise ProtocolError(f"a STEP chose expert {int(experts.max())} of {config.n_experts}")
+    if experts.size and int(experts.max()) >= config.n_stacked:
+        raise ProtocolError(f"a STEP chose expert {int(experts.max())} of {config.n_stacked}")
     ordered = np.sort(experts, axis=1)
     if (ordered[:, 1:] == ordered[:, :-1]).any():
         raise ProtocolError("a STEP chose one expert twice for a token")

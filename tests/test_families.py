@@ -124,6 +124,13 @@ FAMILIES = {
         },
         "gemma3",
     ),
+    # SmolLM3's layout: every 4th layer unrotated (the 4th of 4 here, as llama.cpp reads a GGUF
+    # file), tied embeddings
+    "smollm3": (
+        "SmolLM3Config",
+        {"num_hidden_layers": 4, "rope_theta": 2e6, **PHI_TOKENS},
+        "smollm3",
+    ),
 }
 # Gemma 3 27B's scores are scaled by query_pre_attn_scalar = hidden / heads, not head_dim. A GGUF
 # file holds no scale (llama.cpp tells the 27B by its layer count): an HF folder only.
@@ -226,7 +233,7 @@ def _write_gguf(model, arch: str, path: Path) -> None:
             continue
         i, hf = key.removeprefix("model.layers.").split(".", 1)
         name = names[hf]
-        if arch == "llama" and name in heads:
+        if arch in ("llama", "smollm3") and name in heads:
             t = _llama_permute(t, heads[name])
         writer.add_tensor(f"blk.{i}.{name}", t.numpy())
     writer.write_header_to_file()
@@ -362,3 +369,29 @@ def test_block_shards_split_across_real_nodes_equal_one_node(qwen3, dtype):
     one = _windowed(source, 1, dtype, prompt, continuation, 128)
     three = _windowed(source, 3, dtype, prompt, continuation, 128)
     _assert_close_logits(three, one, f"{name} {dtype} 3 real nodes against 1")
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{}, {"no_rope_layer_interval": 3}, {"no_rope_layers": [0, 1, 1, 1, 1, 0, 1, 0]}],
+    ids=["default", "interval", "flags"],
+)
+def test_smollm3_leaves_unrotated_the_layers_transformers_does(values):
+    import transformers
+
+    from models.config import ModelConfig
+
+    values = SMALL | {"num_hidden_layers": 8, **PHI_TOKENS} | values
+    flags = transformers.SmolLM3Config(**values).no_rope_layers
+    config = ModelConfig.from_hf({"architectures": ["SmolLM3ForCausalLM"], **values}, "c.json")
+    assert config.unrotated_layers == tuple(i for i, rotated in enumerate(flags) if not rotated)
+    assert config.unrotated_layers  # each case leaves some
+
+
+def test_smollm3_flags_for_other_layers_are_refused():
+    from models.config import ModelConfig
+    from models.errors import ModelError
+
+    values = {"architectures": ["SmolLM3ForCausalLM"], **SMALL, "no_rope_layers": [1, 0, 1]}
+    with pytest.raises(ModelError, match="no_rope_layers has 3 flags for 2 layers"):
+        ModelConfig.from_hf(values, "config.json")

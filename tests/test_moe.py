@@ -1,9 +1,11 @@
-"""A mixture of experts (Qwen3-MoE) split across nodes answers as transformers' does.
+"""A mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE) split across nodes answers as
+transformers' does.
 
-A small random-weight Qwen3-MoE (2 layers, 8 experts of 96 columns, 2 a token) saved as an HF
-folder: its logits at every position of a prefill and of its decode steps, at 1, 2 and 3 nodes
-in this process and 3 real node processes (the routing crosses the wire), and its greedy
-continuation, against transformers'. Then the router on its own, and the STEP's routing checks.
+A small random-weight model of each (2 layers, 8 experts of 128 columns, 2 a token; Qwen2-MoE's
+shared expert beside them) saved as an HF folder and a GGUF file: its logits at every position
+of a prefill and of its decode steps, at 1 to 4 nodes in this process and 3 real node processes
+(the routing crosses the wire), and its greedy continuation, against transformers'. Then the
+router on its own, and the STEP's routing checks.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from test_families import _assert_close_logits, _ours, _randomize, _windowed
+from test_families import _assert_close_logits, _llama_permute, _ours, _randomize, _windowed
 
 from master.engine import Engine
 from models.layers import StepBatch
@@ -28,13 +30,13 @@ from node.steps import check_step
 
 PROMPT_LENGTH = 40
 DECODE_STEPS = 16
-NODES = (1, 2, 3)
+NODES = (1, 2, 3, 4)
 
 SMALL_MOE = {
     "hidden_size": 64,
     "intermediate_size": 128,  # a dense layer's: none here
-    # 3 blocks of 32 columns (the plan's unit): every one of 3 nodes holds a slice of each expert
-    "moe_intermediate_size": 96,
+    # 4 blocks of 32 columns (the plan's unit): every one of 4 nodes holds a slice of each expert
+    "moe_intermediate_size": 128,
     "num_experts": 8,
     "num_experts_per_tok": 2,
     "norm_topk_prob": True,
@@ -49,52 +51,82 @@ SMALL_MOE = {
 }
 
 
-_BUILT: dict[bool, tuple] = {}  # by norm_topk_prob: each model is made once for the module
+# name -> (transformers config class, its values, GGUF architecture or None: an HF folder only)
+MODELS = {
+    "norm_topk": ("Qwen3MoeConfig", SMALL_MOE, "qwen3moe"),
+    # llama.cpp's qwen3moe always renormalises the weights: no GGUF file holds this one
+    "raw_topk": ("Qwen3MoeConfig", SMALL_MOE | {"norm_topk_prob": False}, None),
+    # Mixtral: experts as wide as intermediate_size, weights renormalised, no query/key norms;
+    # llama.cpp's converter writes it as a `llama` with experts, its Q and K rows permuted
+    "mixtral": (
+        "MixtralConfig",
+        {k: v for k, v in SMALL_MOE.items() if not k.startswith(("num_experts", "norm", "moe"))}
+        | {"num_local_experts": 8, "num_experts_per_tok": 2},
+        "llama",
+    ),
+    # Qwen2-MoE: a shared expert two experts' widths wide beside the routed ones, Q/K/V biases;
+    # llama.cpp never renormalises a qwen2moe's weights, nor does this one
+    "qwen2moe": (
+        "Qwen2MoeConfig",
+        SMALL_MOE | {"norm_topk_prob": False, "shared_expert_intermediate_size": 256},
+        "qwen2moe",
+    ),
+}
+GGUF_MODELS = sorted(name for name, (_, _, arch) in MODELS.items() if arch)
+_BUILT: dict[str, tuple] = {}  # each model is made once for the module
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "raw_topk"])
+@pytest.fixture(scope="module", params=sorted(MODELS))
 def moe(request, tmp_path_factory):
-    """(transformers model, its HF folder, a prompt), with and without renormalised weights."""
+    """(transformers model, its HF folder (with model.gguf where a GGUF can hold it), a
+    prompt)."""
     return _built(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def normalised_moe(tmp_path_factory):
-    """The model whose experts' weights are renormalised, as llama.cpp's qwen3moe always
-    does: the one a GGUF file can hold."""
-    return _built(True, tmp_path_factory)
+@pytest.fixture(scope="module", params=GGUF_MODELS)
+def gguf_moe(request, tmp_path_factory):
+    """A model a GGUF file can hold."""
+    return _built(request.param, tmp_path_factory)
 
 
-def _built(norm_topk_prob: bool, tmp_path_factory) -> tuple:
-    if norm_topk_prob not in _BUILT:
-        _BUILT[norm_topk_prob] = _build(norm_topk_prob, tmp_path_factory)
-    return _BUILT[norm_topk_prob]
+@pytest.fixture(scope="module", params=["norm_topk", "qwen2moe"])
+def block_moe(request, tmp_path_factory):
+    """A Qwen3-MoE, and a Qwen2-MoE whose shared expert's pieces are columns inside its
+    matrices: the models whose block shards are split."""
+    return _built(request.param, tmp_path_factory)
 
 
-def _build(norm_topk_prob: bool, tmp_path_factory) -> tuple:
+def _built(name: str, tmp_path_factory) -> tuple:
+    if name not in _BUILT:
+        _BUILT[name] = _build(name, tmp_path_factory)
+    return _BUILT[name]
+
+
+def _build(name: str, tmp_path_factory) -> tuple:
     import transformers
 
-    config = transformers.Qwen3MoeConfig(**(SMALL_MOE | {"norm_topk_prob": norm_topk_prob}))
+    config_class, values, arch = MODELS[name]
+    config = getattr(transformers, config_class)(**values)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="eager", dtype=torch.float32
     )
     _randomize(model, seed=7)
     model.eval()
-    folder = tmp_path_factory.mktemp("qwen3moe")
+    folder = tmp_path_factory.mktemp(name)
     model.save_pretrained(folder)
-    if config.norm_topk_prob:  # llama.cpp's qwen3moe renormalises the weights
-        _write_gguf(model, folder / "model.gguf")
+    if arch:
+        _write_gguf(model, arch, folder / "model.gguf")
     prompt = torch.randint(
         0, config.vocab_size, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0)
     )
     return model, folder, prompt.tolist()
 
 
-def _write_gguf(model, path: Path) -> None:
-    """The model as llama.cpp's converter writes a qwen3moe, f32: each layer's experts as three
-    stacks (n_experts, out, in), the router as ffn_gate_inp."""
+def _write_gguf(model, arch: str, path: Path) -> None:
+    """The model as llama.cpp's converter writes a qwen3moe or a Mixtral (`llama`), f32: each
+    layer's experts as three stacks (n_experts, out, in), the router as ffn_gate_inp."""
     c = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_embedding_length(c.hidden_size)
     writer.add_feed_forward_length(c.intermediate_size)
@@ -105,20 +137,29 @@ def _write_gguf(model, path: Path) -> None:
     writer.add_context_length(c.max_position_embeddings)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_expert_count(c.num_experts)
+    writer.add_expert_count(c.num_local_experts if arch == "llama" else c.num_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch != "llama":  # a Mixtral's experts are feed_forward_length wide
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     writer.add_vocab_size(c.vocab_size)
     state = {k: v.detach().float().contiguous().numpy() for k, v in model.state_dict().items()}
     writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
     writer.add_tensor("output_norm.weight", state["model.norm.weight"])
     writer.add_tensor("output.weight", state["lm_head.weight"])
     names = {hf: _GGUF_LAYER[canonical] for canonical, hf in _HF_LAYER.items()}
+    heads = {"attn_q.weight": c.num_attention_heads, "attn_k.weight": c.num_key_value_heads}
     for i in range(c.num_hidden_layers):
         prefix = f"model.layers.{i}."
         for hf, name in names.items():
             if prefix + hf in state:
-                writer.add_tensor(f"blk.{i}.{name}", state[prefix + hf])
+                t = state[prefix + hf]
+                if arch == "llama" and name in heads:
+                    t = _llama_permute(torch.from_numpy(t), heads[name]).numpy()
+                if name == "ffn_gate_inp_shexp.weight":  # llama.cpp's is a vector
+                    t = t.reshape(-1)
+                writer.add_tensor(f"blk.{i}.{name}", t)
         # transformers holds each layer's experts as (E, 2F, D) gate and up, and (E, D, F) down
         gate, up = np.split(state[f"{prefix}mlp.experts.gate_up_proj"], 2, axis=1)
         stacks = {"gate": gate, "up": up, "down": state[f"{prefix}mlp.experts.down_proj"]}
@@ -155,24 +196,25 @@ def test_logits_equal_transformers_on_every_node_count(moe):
     expected, continuation = _reference(model, prompt)
     source = open_model(folder)
     assert source.config.moe and source.config.n_experts == 8
+    assert source.config.n_shared == (2 if "qwen2moe" in folder.name else 0)
     for n in NODES:
         engine = Engine.local(source, (1.0,) * n)
         assert all(ex.native is None for ex in engine.executors)  # decode on the rows path
         assert all(s.n_ffn > 0 for s in engine.slices)  # every node a slice of every expert
         ours = _ours(engine, prompt, continuation)
-        _assert_close_logits(ours, expected, f"qwen3moe {n} node(s)")
+        _assert_close_logits(ours, expected, f"{folder.name} {n} node(s)")
 
 
 @pytest.mark.slow
-def test_gguf_logits_equal_transformers_on_every_node_count(normalised_moe):
-    model, folder, prompt = normalised_moe
+def test_gguf_logits_equal_transformers_on_every_node_count(gguf_moe):
+    model, folder, prompt = gguf_moe
     expected, continuation = _reference(model, prompt)
     source = open_model(folder / "model.gguf")
     hf = open_model(folder).config
     assert replace(source.config, architecture=hf.architecture, norm_eps=hf.norm_eps) == hf
     for n in NODES:
         ours = _ours(Engine.local(source, (1.0,) * n), prompt, continuation)
-        _assert_close_logits(ours, expected, f"qwen3moe gguf {n} node(s)")
+        _assert_close_logits(ours, expected, f"{folder.name} gguf {n} node(s)")
 
 
 @pytest.mark.slow
@@ -181,7 +223,7 @@ def test_real_nodes_equal_transformers(moe):
     model, folder, prompt = moe
     expected, continuation = _reference(model, prompt)
     ours = _windowed(open_model(folder), 3, "f32", prompt, continuation, 128)
-    _assert_close_logits(ours, expected, "qwen3moe 3 real nodes, window 1, f32 shards")
+    _assert_close_logits(ours, expected, f"{folder.name} 3 real nodes, window 1, f32 shards")
 
 
 @pytest.mark.slow
@@ -237,6 +279,27 @@ def test_router_picks_the_top_experts_with_renormalised_weights():
     assert (r.weights[:, 0] > r.weights[:, 1]).all()
 
 
+def test_a_shared_expert_joins_every_token_at_its_gate_weight():
+    """Qwen2-MoE: the shared expert, cut as n_shared more experts, is every token's at the
+    weight sigmoid(x @ its gate), beside the routed experts' raw softmax values."""
+    from models.config import ModelConfig
+
+    config = ModelConfig(
+        architecture="Qwen2MoeForCausalLM", n_layers=1, hidden=4, n_heads=1, n_kv_heads=1,
+        head_dim=4, ffn_hidden=8, vocab_size=10, context_length=16, norm_eps=1e-6,
+        rope_theta=1e4, n_experts=3, n_experts_used=1, n_shared=2,
+    )  # fmt: skip
+    router = torch.cat((torch.eye(3, 4) * 10, torch.tensor([[0.0, 0.0, 0.0, 1.0]])))
+    h = np.array([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 1.0, -0.5]], np.float32)
+    r = route(h, torch.ones(4), router, config)
+    assert r.experts.tolist() == [[1, 3, 4], [2, 3, 4]]
+    x = torch.nn.functional.rms_norm(torch.from_numpy(h), (4,), eps=1e-6)
+    gate = torch.sigmoid(x[:, 3]).numpy()
+    np.testing.assert_allclose(r.weights[:, 1:], np.stack([gate, gate], axis=1), rtol=1e-6)
+    routed = torch.softmax(x @ router[:3].T, dim=-1).max(dim=-1).values  # not renormalised
+    np.testing.assert_allclose(r.weights[:, 0], routed.numpy(), rtol=1e-6)
+
+
 class _Cache:
     """What `check_step` reads of a KV cache."""
 
@@ -271,6 +334,28 @@ def test_a_step_with_bad_routing_is_a_protocol_error(experts, weights, why):
         check_step(step, h, config, _Cache(), None)  # type: ignore[arg-type]
 
 
+def test_a_step_of_a_shared_expert_carries_its_pieces():
+    from models.config import ModelConfig
+
+    values = {"architectures": ["Qwen2MoeForCausalLM"], **MODELS["qwen2moe"][1]}
+    config = ModelConfig.from_hf(values, "config.json")
+    assert (config.n_shared, config.n_stacked) == (2, 10)
+    batch = StepBatch((0, 1), (3, 4), (1, 1))
+    h = [np.zeros((2, config.hidden), np.float32)]
+    routed = [[0, 5], [1, 2]]
+    for experts, why in ((routed, r"not \(2, 4\)"), ([[0, 5, 8, 10], [1, 2, 8, 9]], "10 of 10")):
+        weights = [[0.5] * len(experts[0])] * 2
+        step = M.Step(step=1, layer=0, block=P.FFN, batch=batch, experts=experts,
+                      expert_weights=weights)  # fmt: skip
+        with pytest.raises(M.ProtocolError, match=why):
+            check_step(step, h, config, _Cache(), None)  # type: ignore[arg-type]
+    good = [[0, 5, 8, 9], [1, 2, 8, 9]]
+    step = M.Step(step=1, layer=0, block=P.FFN, batch=batch, experts=good,
+                  expert_weights=[[0.5] * 4] * 2)  # fmt: skip
+    work = check_step(step, h, config, _Cache(), None)  # type: ignore[arg-type]
+    assert work.routing is not None and work.routing.experts.tolist() == good
+
+
 def test_routing_travels_in_a_step_and_back():
     config = _config()
     routing = Routing(np.array([[3, 1], [0, 7]]), np.array([[0.75, 0.25], [0.5, 0.5]], np.float32))
@@ -298,16 +383,17 @@ def test_routing_travels_in_a_step_and_back():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_1"])
-def test_block_experts_split_across_real_nodes_equal_one_node(normalised_moe, dtype):
+def test_block_experts_split_across_real_nodes_equal_one_node(block_moe, dtype):
     """Each expert's rows of the stacked matrices are multiplied in their blocks where they
-    lie: a split gives what one node gives on the same weights. (int8's per-row scales span a
-    slice's columns: another split is other weights.)"""
-    model, folder, prompt = normalised_moe
+    lie, a shared expert's pieces cut from its blocks by columns: a split gives what one node
+    gives on the same weights. (int8's per-row scales span a slice's columns: another split is
+    other weights.)"""
+    model, folder, prompt = block_moe
     _, continuation = _reference(model, prompt)
     source = open_model(folder)
     one = _windowed(source, 1, dtype, prompt, continuation, 128)
     three = _windowed(source, 3, dtype, prompt, continuation, 128)
-    _assert_close_logits(three, one, f"qwen3moe {dtype} 3 real nodes against 1")
+    _assert_close_logits(three, one, f"{folder.name} {dtype} 3 real nodes against 1")
 
 
 def test_kernels_are_prepared_for_one_expert_at_a_time(moe):
@@ -329,3 +415,50 @@ def test_kernels_are_prepared_for_one_expert_at_a_time(moe):
     assert want <= set(plan_shapes(source, slices, "f32"))
     stacked = c.n_experts * 2 * slices[0].n_ffn
     assert all(rows < stacked for _, rows, _ in loaded)
+
+
+@pytest.mark.parametrize(
+    ("arch", "lacks"),
+    [
+        ("DeepseekV3ForCausalLM", "multi-head latent attention (MLA)"),
+        ("deepseek2", "multi-head latent attention (MLA)"),
+        ("GptOssForCausalLM", "attention sinks"),
+    ],
+)
+def test_an_unsupported_mixture_is_refused_in_one_line_naming_what_it_lacks(arch, lacks):
+    from models.config import ModelConfig
+    from models.errors import ModelError
+
+    with pytest.raises(ModelError) as refused:
+        if arch[0].isupper():
+            ModelConfig.from_hf({"architectures": [arch]}, "config.json")
+        else:
+            ModelConfig.from_gguf({"general.architecture": arch}, "model.gguf", tied=False)
+    message = str(refused.value)
+    assert f"{arch!r} is not supported (it needs {lacks}" in message
+    assert "Mixtral (llama / MixtralForCausalLM)" in message and "\n" not in message
+
+
+def test_a_gguf_mixtral_with_one_tensor_an_expert_is_refused(tmp_path):
+    """Older converters wrote blk.N.ffn_gate.E.weight, an expert a tensor: say to convert
+    again rather than fail on a missing tensor halfway through."""
+    from models.errors import ModelError
+
+    path = tmp_path / "old.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [
+        (writer.add_block_count, 1), (writer.add_embedding_length, 8),
+        (writer.add_feed_forward_length, 16), (writer.add_head_count, 2),
+        (writer.add_context_length, 32), (writer.add_layer_norm_rms_eps, 1e-5),
+        (writer.add_expert_count, 2), (writer.add_expert_used_count, 1),
+        (writer.add_vocab_size, 4),
+    ]:  # fmt: skip
+        add(value)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.add_tensor("blk.0.ffn_gate.0.weight", np.zeros((16, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match="not stacked as blk.N.ffn_gate_exps.*convert the model"):
+        open_model(path)

@@ -234,3 +234,19 @@ def test_refuses_to_start_without_the_disk_space(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="free"):
         write_synthetic_model("llama2-70b", 80, tmp_path / "x")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_a_mixture_shape_writes_every_tensor_its_family_is_read_by(name):
+    """The experts and router under the names and shapes `HFSource` reads for the family (a
+    layer of either is GBs: its plan is checked, not written)."""
+    from master.bench.synth import _shard_plan
+    from models.layers import ROUTER, full_layer_shapes, layer_tensor_names
+    from models.source import hf_layer_name
+
+    config = ModelConfig.from_hf(SHAPES[name], name)
+    written = {t.name: t.shape for specs in _shard_plan(SHAPES[name], 1).values() for t in specs}
+    shapes = full_layer_shapes(config)
+    for tensor in (*layer_tensor_names(config), ROUTER):
+        assert written.pop(hf_layer_name(0, tensor, config.architecture)) == shapes[tensor]
+    assert set(written) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}

@@ -31,8 +31,11 @@ import torch
 
 from master.bench.synth_models import SHAPES, tokenizer_style
 from memory.shards import write_safetensors
+from models.config import ModelConfig
 from models.errors import ModelError
 from models.gguf_vocab import bytes_to_unicode
+from models.layers import ROUTER, expert_name
+from models.source import hf_layer_name
 
 # Key in config.json that marks a folder as synthetic, so that nobody mistakes its output for a
 # model's.
@@ -201,11 +204,12 @@ def _attention(p: str, config: dict[str, Any], residual_std: float) -> list[_Ten
 
 
 def _ffn(p: str, config: dict[str, Any], residual_std: float) -> list[_TensorSpec]:
-    """A layer's FFN tensors: one SwiGLU, or a router and its experts'."""
+    """A layer's FFN tensors: one SwiGLU, or a router and its experts', under the names its
+    family's files give them (`models.source.hf_layer_name`)."""
     hidden = config["hidden_size"]
     norm = _TensorSpec(p + "post_attention_layernorm.weight", (hidden,), None)
-    experts = config.get("num_experts", 0)
-    if not experts:
+    model = ModelConfig.from_hf(config, "config.json")
+    if not model.moe:
         ffn = config["intermediate_size"]
         return [
             norm,
@@ -213,14 +217,17 @@ def _ffn(p: str, config: dict[str, Any], residual_std: float) -> list[_TensorSpe
             _TensorSpec(p + "mlp.up_proj.weight", (ffn, hidden), _WEIGHT_STD),
             _TensorSpec(p + "mlp.down_proj.weight", (hidden, ffn), residual_std),
         ]
-    ffn = config["moe_intermediate_size"]
-    out = [norm, _TensorSpec(p + "mlp.gate.weight", (experts, hidden), _WEIGHT_STD)]
+    ffn, experts, arch = model.ffn_hidden, model.n_experts, model.architecture
+    layer = int(p.split(".")[2])  # p is "model.layers.{i}."
+    out = [norm, _TensorSpec(hf_layer_name(layer, ROUTER, arch), (experts, hidden), _WEIGHT_STD)]
     for e in range(experts):
-        q = f"{p}mlp.experts.{e}."
         out += [
-            _TensorSpec(q + "gate_proj.weight", (ffn, hidden), _WEIGHT_STD),
-            _TensorSpec(q + "up_proj.weight", (ffn, hidden), _WEIGHT_STD),
-            _TensorSpec(q + "down_proj.weight", (hidden, ffn), residual_std),
+            _TensorSpec(hf_layer_name(layer, expert_name(n, e), arch), shape, std)
+            for n, shape, std in (
+                ("gate", (ffn, hidden), _WEIGHT_STD),
+                ("up", (ffn, hidden), _WEIGHT_STD),
+                ("down", (hidden, ffn), residual_std),
+            )
         ]
     return out
 

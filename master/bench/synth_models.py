@@ -189,6 +189,34 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 151643,
         "eos_token_id": 151645,
     },
+    # mistralai/Mixtral-8x7B-Instruct-v0.1: a mixture of 8 experts, 2 a token, as wide as the
+    # FFN of Mistral 7B; its router renormalises the two weights.
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.02,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     # TinyLlama/TinyLlama-1.1B-Chat-v1.0
     "tinyllama-1.1b": {
         **_LLAMA_COMMON,
@@ -230,9 +258,10 @@ def tokenizer_style(shape: str) -> TokenizerStyle:
     if shape.startswith("smollm2"):
         specials = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
         return TokenizerStyle(specials, _CHATML_TEMPLATE, add_bos=False)
-    # Llama 2 and TinyLlama: sentencepiece's <unk>, <s>, </s> at 0, 1, 2.
+    # Llama 2, TinyLlama and Mixtral: sentencepiece's <unk>, <s>, </s> at 0, 1, 2.
     specials = {0: "<unk>", 1: "<s>", 2: "</s>"}
-    return TokenizerStyle(specials, _LLAMA2_TEMPLATE, add_bos=True, unk="<unk>")
+    template = _MISTRAL_TEMPLATE if shape.startswith("mixtral") else _LLAMA2_TEMPLATE
+    return TokenizerStyle(specials, template, add_bos=True, unk="<unk>")
 
 
 def _llama3_specials() -> dict[int, str]:
@@ -261,6 +290,15 @@ _LLAMA2_TEMPLATE = (
     "{% if message['role'] == 'system' %}<<SYS>>\n{{ message['content'] | trim }}\n<</SYS>>\n\n"
     "{% elif message['role'] == 'user' %}[INST] {{ message['content'] | trim }} [/INST]"
     "{% else %} {{ message['content'] | trim }} {{ eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+_MISTRAL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] != 'assistant' %}[INST] {{ message['content'] }} [/INST]"
+    "{% else %}{{ message['content'] }}{{ eos_token }}"
     "{% endif %}"
     "{% endfor %}"
 )
