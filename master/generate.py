@@ -41,6 +41,8 @@ class Generation:
     # With params.logprobs: one per token of `tokens`
     logprobs: list[TokenLogprob] = field(default_factory=list)
     decoded: int = 0  # characters of the output decoded up to the last whole character
+    detok_text: str = ""  # those characters, stop strings not removed
+    detok_window: tuple[int, int] = (0, 0)  # tokens decoded again, and the last of them kept
     logprobs_sent: int = 0  # of `logprobs`, handed out
     reused: int = 0  # prompt tokens whose KV its slot held when it started (master/reuse.py)
     sampled: int = 0  # tokens sampled so far (an end-of-sequence token included)
@@ -214,13 +216,11 @@ def _accept(
         logprob = g.sampler.logprob(logits, history, token, g.tokens)
         g.logprobs.append(replace(logprob, offset=g.decoded))
     g.tokens.append(token)
-    text = tokenizer.decode(g.tokens)
-    if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
-        text = g.text
-    else:
-        g.decoded = len(text)
+    before = g.decoded
+    text = _detokenize(g, tokenizer)
     for stop in g.params.stop:
-        cut = text.find(stop)
+        # earlier text held none: a stop can only end in what is new
+        cut = text.find(stop, max(0, before - len(stop) + 1))
         if cut != -1:
             g.text = text[:cut]
             g.finish_reason = "stop"
@@ -228,6 +228,22 @@ def _accept(
     g.text = text
     if len(g.tokens) >= g.params.max_tokens or g.position + 1 >= max_context:
         g.finish_reason = "length"
+
+
+def _detokenize(g: Generation, tokenizer: Tokenizer) -> str:
+    """The text of `g`'s output up to its last whole character, decoding only the tokens since
+    the last whole character's, and the run before them (a piece's text depends on what comes
+    before it: sentencepiece drops the space of a run's first word). Decoding the whole answer
+    again at every token cost O(answer) per token."""
+    start, end = g.detok_window
+    before = tokenizer.decode(g.tokens[start:end])
+    now = tokenizer.decode(g.tokens[start:])
+    if now.endswith("\ufffd") or len(now) <= len(before):  # an incomplete UTF-8 sequence
+        return g.detok_text  # wait for its next byte
+    g.detok_text += now[len(before) :]
+    g.detok_window = (end, len(g.tokens))
+    g.decoded = len(g.detok_text)
+    return g.detok_text
 
 
 def start(
