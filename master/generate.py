@@ -209,7 +209,9 @@ def _accept(
 ) -> None:
     """Take `token`, sampled from `logits` (V,) after `history`, into `g`."""
     g.sampler.accept(token)
-    if token in tokenizer.eos_ids and not g.params.ignore_eos:
+    # A grammar allows an end only once complete, and nothing after it: it ends even with
+    # ignore_eos.
+    if token in tokenizer.eos_ids and (not g.params.ignore_eos or g.sampler.constraint):
         g.finish_reason = "stop"  # not text: no log probability is reported for it
         return
     if g.params.logprobs is not None:

@@ -124,6 +124,31 @@ def test_the_sampler_draws_only_what_the_grammar_allows(smollm2_tokenizer):
     assert plain == [Sampler(params)(torch.ones(8), []) for _ in range(3)]
 
 
+def test_a_complete_answer_ends_even_with_ignore_eos(smollm2, smollm2_tokenizer):
+    """The bridge's ignore_eos asks for max_tokens tokens; past a complete JSON value the
+    grammar allows only an end, so the answer ends there."""
+    with Session(smollm2, context=256, slots=1) as session:
+        session.start()
+        params = SamplingParams(
+            max_tokens=60, ignore_eos=True, grammar=json_schema_grammar({"enum": ["yes", "no"]})
+        )
+        batcher = Batcher(session, smollm2_tokenizer).start()
+        try:
+            events: queue.Queue[Event] = queue.Queue()
+            batcher.submit(smollm2_tokenizer.encode("Answer: "), params, events.put)
+            text, end = "", None
+            while end is None:
+                e = events.get(timeout=TIMEOUT)
+                if isinstance(e, Delta):
+                    text += e.text
+                elif isinstance(e, Finished | Failed):
+                    end = e
+        finally:
+            batcher.close()
+    assert isinstance(end, Finished) and end.finish_reason == "stop"
+    assert json.loads(text) in ("yes", "no") and end.completion_tokens < 10
+
+
 def random_schema(r: random.Random, depth: int = 0) -> dict[str, Any]:
     """A JSON schema of nested objects, arrays, anyOf, enums and bounded scalars: every string
     and array has a bound, so an answer that follows it ends."""
