@@ -91,23 +91,9 @@ def _finish_reason(done: Finished) -> FinishReason:
     return cast(FinishReason, done.finish_reason)
 
 
-@functools.cache
-def _byte_of_char() -> dict[str, int]:
-    """GPT-2's byte-level BPE spells byte b as one printable character (its bytes_to_unicode)."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
 def token_text(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
     """A token's text and UTF-8 bytes; a token that holds part of a character has no text of
-    its own, and its bytes come from its spelling (byte-level BPE, or SentencePiece's <0xNN>)."""
+    its own, and its bytes are the tokenizer's."""
     return _token_text(tokenizer, token)
 
 
@@ -116,13 +102,7 @@ def _token_text(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
     text = tokenizer.decode([token])
     if "\ufffd" not in text:
         return text, list(text.encode())
-    spelled = tokenizer.id_to_token(token) or ""
-    if len(spelled) == 6 and spelled.startswith("<0x") and spelled.endswith(">"):
-        return text, [int(spelled[3:5], 16)]
-    table = _byte_of_char()
-    if spelled and all(c in table for c in spelled):
-        return text, [table[c] for c in spelled]
-    return text, list(text.encode())
+    return text, list(tokenizer.token_bytes()[token])
 
 
 def chat_logprobs(answer: Answer, entries: Sequence[TokenLogprob]) -> ChatLogprobs | None:
