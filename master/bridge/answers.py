@@ -17,8 +17,10 @@ from pydantic import BaseModel
 
 from master.batcher import Delta, Event, Finished, Ticket
 from master.bridge.errors import failure
+from master.bridge.output import Part, Splitter
 from master.bridge.schema import (
     AssistantMessage,
+    CalledFunction,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -31,10 +33,15 @@ from master.bridge.schema import (
     CompletionChunkChoice,
     CompletionLogprobs,
     ContentLogprob,
+    DeltaFunction,
+    DeltaToolCall,
     FinishReason,
+    ToolCall,
     TopLogprob,
     Usage,
 )
+from master.bridge.tool_calls import CallFormat
+from master.bridge.tool_calls import ToolCall as Called
 from master.sampling import TokenLogprob
 from models.tokenizer import Tokenizer
 
@@ -55,6 +62,20 @@ class Choice:
 
 
 @dataclass(frozen=True)
+class Split:
+    """How a chat answer's text splits into reasoning, content and calls (output.py)."""
+
+    calls: CallFormat | None = None  # with tools: the format the model writes calls in
+    max_calls: int | None = None  # 1 when parallel_tool_calls is false
+    reasoning: bool = False  # a thinking model
+    thinking: bool = False  # its prompt opens a think block
+    legacy: bool = False  # asked as functions: the call comes as function_call
+
+    def splitter(self) -> Splitter:
+        return Splitter(self.calls, self.max_calls, self.reasoning, self.thinking)
+
+
+@dataclass(frozen=True)
 class Answer:
     """What every response object of one request shares."""
 
@@ -64,6 +85,7 @@ class Answer:
     tokenizer: Tokenizer
     logprobs: bool  # asked for
     echo: str = ""  # the prompt's text, put before a completion
+    split: Split | None = None  # a chat answer read for reasoning and calls (None: text)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def head(self) -> _Head:
@@ -85,10 +107,36 @@ def usage(done: Sequence[Finished]) -> Usage:
     )
 
 
-def _finish_reason(done: Finished) -> FinishReason:
-    # The batcher's reason is a plain str that is always "stop" or "length"; the response
-    # models validate it all the same.
+def _finish_reason(done: Finished, called: bool = False, legacy: bool = False) -> FinishReason:
+    """The batcher's reason (a plain str that is always "stop" or "length"; the response models
+    validate it all the same), or the calls' when the answer ended with them."""
+    if called and done.finish_reason == "stop":
+        return "function_call" if legacy else "tool_calls"
     return cast(FinishReason, done.finish_reason)
+
+
+def message(split: Split, text: str) -> tuple[AssistantMessage, bool]:
+    """A whole chat answer's message, and whether it called tools."""
+    splitter = split.splitter()
+    parts = splitter.feed(text) + splitter.finish()
+    content = "".join(p.text for p in parts if p.kind == "content")
+    reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
+    calls = [p.call for p in parts if p.call is not None]
+    function_call = None
+    if split.legacy and calls:
+        function_call, calls = _called(calls[0]), []
+    tool_calls = [ToolCall(id=c.id, function=_called(c)) for c in calls] or None
+    said = content if content.strip() or not (calls or function_call or reasoning) else None
+    return AssistantMessage(
+        content=said,
+        reasoning_content=reasoning or None,
+        tool_calls=tool_calls,
+        function_call=function_call,
+    ), bool(calls or function_call)
+
+
+def _called(call: Called) -> CalledFunction:
+    return CalledFunction(name=call.name, arguments=call.arguments)
 
 
 def token_text(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
@@ -140,19 +188,21 @@ def whole(answer: Answer, choices: Sequence[Choice]) -> ChatCompletion | Complet
     done = [c.done for c in choices if c.done is not None]
     assert len(done) == len(choices)
     if answer.kind == "chat":
-        return ChatCompletion(
-            **answer.head(),
-            choices=[
+        chat_choices = []
+        for i, (c, d) in enumerate(zip(choices, done, strict=True)):
+            said, called = AssistantMessage(content="".join(c.pieces)), False
+            if answer.split is not None:
+                said, called = message(answer.split, "".join(c.pieces))
+            legacy = answer.split is not None and answer.split.legacy
+            chat_choices.append(
                 ChatChoice(
                     index=i,
-                    message=AssistantMessage(content="".join(c.pieces)),
+                    message=said,
                     logprobs=chat_logprobs(answer, c.logprobs),
-                    finish_reason=_finish_reason(d),
+                    finish_reason=_finish_reason(d, called, legacy),
                 )
-                for i, (c, d) in enumerate(zip(choices, done, strict=True))
-            ],
-            usage=usage(done),
-        )
+            )
+        return ChatCompletion(**answer.head(), choices=chat_choices, usage=usage(done))
     return Completion(
         **answer.head(),
         choices=[
@@ -186,9 +236,10 @@ async def sse(
         finish: FinishReason | None = None,
         role: Literal["assistant"] | None = None,
         entries: Sequence[TokenLogprob] = (),
+        delta: ChatDelta | None = None,
     ) -> str:
         if answer.kind == "chat":
-            delta = ChatDelta(role=role, content=text)
+            delta = delta or ChatDelta(role=role, content=text)
             logprobs = chat_logprobs(answer, entries) if entries else None
             choice = ChatChunkChoice(
                 index=index, delta=delta, logprobs=logprobs, finish_reason=finish
@@ -202,6 +253,23 @@ async def sse(
         )
         return event(CompletionChunk(**head, choices=[text_choice]))
 
+    split = answer.split
+    splitters = [split.splitter() for _ in range(n)] if split else []
+    legacy = bool(split and split.legacy)
+
+    def parts_chunks(index: int, parts: Sequence[Part], entries: Sequence[TokenLogprob]) -> str:
+        """A chunk for each part of the text; its tokens' logprobs go with the first."""
+        sent = []
+        call = splitters[index].calls - sum(p.call is not None for p in parts)  # the first's
+        for part in parts:
+            for delta in _deltas(part, call, legacy):
+                sent.append(chunk(index, None, entries=entries, delta=delta))
+                entries = ()
+            call += part.call is not None
+        if entries:
+            sent.append(chunk(index, None, entries=entries, delta=ChatDelta()))
+        return "".join(sent)
+
     finished: list[Finished] = []
     try:
         for i in range(n):
@@ -211,10 +279,16 @@ async def sse(
                 yield chunk(i, answer.echo)
         index, item = first
         while True:
-            if isinstance(item, Delta):
+            if isinstance(item, Delta) and splitters:
+                yield parts_chunks(index, splitters[index].feed(item.text), item.logprobs)
+            elif isinstance(item, Delta):
                 yield chunk(index, item.text, entries=item.logprobs)
             elif isinstance(item, Finished):
-                yield chunk(index, None, _finish_reason(item))
+                called = False
+                if splitters:
+                    yield parts_chunks(index, splitters[index].finish(), ())
+                    called = splitters[index].calls > 0
+                yield chunk(index, None, _finish_reason(item, called, legacy))
                 finished.append(item)
                 if len(finished) == n:
                     break
@@ -228,6 +302,24 @@ async def sse(
         yield "data: [DONE]\n\n"
     finally:
         ticket.cancel()  # a no-op once finished; a client that went away frees its slots here
+
+
+def _deltas(part: Part, index: int, legacy: bool) -> list[ChatDelta]:
+    """A part as OpenAI streams it; a call as two chunks: its id and name, then its
+    arguments (call `index` of the answer)."""
+    if part.call is None:
+        if part.kind == "reasoning":
+            return [ChatDelta(reasoning_content=part.text)]
+        return [ChatDelta(content=part.text)]
+    named = DeltaFunction(name=part.call.name, arguments="")
+    arguments = DeltaFunction(arguments=part.call.arguments)
+    if legacy:
+        return [ChatDelta(function_call=named), ChatDelta(function_call=arguments)]
+    return [
+        ChatDelta(tool_calls=[DeltaToolCall(index=index, id=part.call.id, type="function",
+                                            function=named)]),
+        ChatDelta(tool_calls=[DeltaToolCall(index=index, function=arguments)]),
+    ]  # fmt: skip
 
 
 def event(model: BaseModel) -> str:
