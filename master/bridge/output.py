@@ -70,7 +70,11 @@ class Splitter:
                     break
                 self._held, self._trim = stripped, False
             marks = self._marks()
-            found = [(i, m) for m in marks if (i := self._held.find(m)) >= 0]
+            found = [
+                (i, mark)
+                for mark, opening in marks
+                if (i := self._held.find(mark)) >= 0 and not (opening and self._held[:i].strip())
+            ]
             if found:
                 i, mark = min(found)
                 parts += self._say(self._held[:i])
@@ -95,16 +99,18 @@ class Splitter:
         return [p for p in parts if p.text or p.call]
 
     # -- inside ---------------------------------------------------------------------------------
-    def _marks(self) -> list[str]:
+    def _marks(self) -> list[tuple[str, bool]]:
+        """The marks that change the mode from here, each with whether it opens the content
+        only (nothing but whitespace before it): a thinking block, and Llama's calls, which
+        are the whole answer (a { inside text is text)."""
         if self._mode == "reasoning":
-            return [END_THINK]
-        marks = [THINK] if self._reasoning and not self._said else []
+            return [(END_THINK, False)]
+        marks = [(THINK, True)] if self._reasoning and not self._said else []
         fmt = self._format
-        if fmt is not None and not (isinstance(fmt, Llama3Json) and self._said):
-            # Llama's calls are the whole answer: a { inside text is text.
-            marks += (
-                [fmt.start, Llama3Json.PYTHON_TAG] if isinstance(fmt, Llama3Json) else [fmt.start]
-            )
+        if isinstance(fmt, Llama3Json):
+            marks += [(fmt.start, True), (fmt.PYTHON_TAG, True)] if not self._said else []
+        elif fmt is not None:
+            marks.append((fmt.start, False))
         return marks
 
     def _switch(self, mark: str) -> None:
@@ -128,8 +134,10 @@ class Splitter:
         if not closed or closed not in self._calls_text:
             return []
         text, _, rest = self._calls_text.partition(closed)
-        self._mode, self._calls_text, self._held, self._trim = "content", "", rest, True
-        return self._read(text + closed)
+        self._mode, self._calls_text, self._held = "content", "", rest
+        parts = self._read(text + closed)
+        self._trim = any(p.call for p in parts)  # the whitespace between calls is no text
+        return parts
 
     def _read(self, text: str) -> list[Part]:
         calls = self._format.read(text) if self._format else None
@@ -143,12 +151,13 @@ class Splitter:
         return [Part("call", call=c) for c in kept]
 
 
-def _partial_mark(text: str, marks: list[str]) -> int:
-    """The length of the longest end of `text` that begins one of `marks`."""
+def _partial_mark(text: str, marks: list[tuple[str, bool]]) -> int:
+    """The length of the longest end of `text` that may begin one of `marks` (one that opens
+    the content only where nothing but whitespace comes before)."""
     longest = 0
-    for mark in marks:
+    for mark, opening in marks:
         for n in range(min(len(mark) - 1, len(text)), longest, -1):
-            if text.endswith(mark[:n]):
+            if text.endswith(mark[:n]) and not (opening and text[: len(text) - n].strip()):
                 longest = n
                 break
     return longest

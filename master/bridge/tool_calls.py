@@ -96,17 +96,21 @@ class Hermes(CallFormat):
     closed = "</tool_call>"
 
     def read(self, text: str) -> list[ToolCall] | None:
+        closed = self.closed or ""
         calls = []
         rest = text.strip()
         while rest:
             if not rest.startswith(self.start):
                 return None
-            body, _, rest = rest[len(self.start) :].partition(self.closed or "")
-            call = self._call(_json(body))
+            value, rest = _first_json(rest[len(self.start) :])
+            call = self._call(value)
             if call is None:
                 return None
             calls.append(call)
-            rest = rest.strip()
+            if rest.startswith(closed):
+                rest = rest[len(closed) :].strip()
+            elif closed.startswith(rest):  # the answer ended inside the closing mark
+                rest = ""
         return calls
 
     def write(self, calls: Sequence[tuple[str, Any]]) -> str:
@@ -208,6 +212,16 @@ def format_for(chat_template: str | None) -> CallFormat:
     ):
         return FORMATS[2]
     return FORMATS[1]
+
+
+def _first_json(text: str) -> tuple[Any, str]:
+    """The JSON value `text` begins with (None if none), and the text after it, stripped."""
+    text = text.lstrip()
+    try:
+        value, end = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return None, text
+    return value, text[end:].strip()
 
 
 def _json(text: str) -> Any:

@@ -160,7 +160,8 @@ def answer_grammar(
     form = body.response_format
     schema: dict[str, Any] | None = None
     if isinstance(form, ResponseFormatJSONSchema):
-        schema = form.json_schema.schema_ if form.json_schema.schema_ is not None else {}
+        given = form.json_schema.schema_
+        schema = closed(given) if given is not None else {}
     elif isinstance(form, ResponseFormatJSONObject):
         schema = {"type": "object"}
     if use is None or (not use.required and schema is None):
@@ -184,7 +185,34 @@ def _shown(definition: FunctionDefinition) -> dict[str, Any]:
 
 
 def _function(definition: FunctionDefinition) -> Function:
-    return Function(definition.name, definition.parameters or NO_ARGUMENTS)
+    return Function(definition.name, closed(definition.parameters or NO_ARGUMENTS))
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` wherever an object lists its properties and
+    says nothing of others, as llama.cpp's grammars do: a small model given room for more keys
+    fills it (a call's arguments grew a "properties" key until max_tokens). What matches the
+    result matches `schema`. Members of allOf are left open: closing them could admit nothing."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _ONE_SCHEMA:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _NAMED_SCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    for key in _LISTED_SCHEMAS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    return out
+
+
+_ONE_SCHEMA = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LISTED_SCHEMAS = ("anyOf", "oneOf", "prefixItems")
 
 
 def _turn(message: ChatMessage, fmt: CallFormat, native: bool) -> dict[str, Any]:
