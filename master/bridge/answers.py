@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from master.batcher import Delta, Event, Finished, Ticket
 from master.bridge.errors import failure
-from master.bridge.output import Part, Splitter
+from master.bridge.output import Part, Split
 from master.bridge.schema import (
     AssistantMessage,
     CalledFunction,
@@ -40,7 +40,6 @@ from master.bridge.schema import (
     TopLogprob,
     Usage,
 )
-from master.bridge.tool_calls import CallFormat
 from master.bridge.tool_calls import ToolCall as Called
 from master.sampling import TokenLogprob
 from models.tokenizer import Tokenizer
@@ -59,20 +58,6 @@ class Choice:
     def take(self, event: Delta) -> None:
         self.pieces.append(event.text)
         self.logprobs.extend(event.logprobs)
-
-
-@dataclass(frozen=True)
-class Split:
-    """How a chat answer's text splits into reasoning, content and calls (output.py)."""
-
-    calls: CallFormat | None = None  # with tools: the format the model writes calls in
-    max_calls: int | None = None  # 1 when parallel_tool_calls is false
-    reasoning: bool = False  # a thinking model
-    thinking: bool = False  # its prompt opens a think block
-    legacy: bool = False  # asked as functions: the call comes as function_call
-
-    def splitter(self) -> Splitter:
-        return Splitter(self.calls, self.max_calls, self.reasoning, self.thinking)
 
 
 @dataclass(frozen=True)

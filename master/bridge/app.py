@@ -24,15 +24,15 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
 from master.batcher import Batcher, BusyError, Delta, Event, Failed
-from master.bridge.answers import Answer, Choice, ChoiceEvent, Split, sse, whole
+from master.bridge.answers import Answer, Choice, ChoiceEvent, sse, whole
 from master.bridge.errors import APIError, documented, failure, install_handlers
 from master.bridge.metrics import add_metrics
+from master.bridge.output import Split
 from master.bridge.request import (
     ChatCompletionRequest,
     ChatTemplateKwargs,
     CompletionRequest,
     SamplingFields,
-    reasons,
     warn_ignored,
 )
 from master.bridge.schema import (
@@ -48,16 +48,9 @@ from master.bridge.schema import (
     finish_openapi,
     stream_content,
 )
-from master.bridge.tools import (
-    ToolUse,
-    answer_grammar,
-    call_format,
-    chat_prompt,
-    opens_thinking,
-    tool_use,
-)
+from master.bridge.tools import Grammar, chat_prompt, constraints, tool_use
 from master.figures import cluster_figures, generation_figures
-from master.grammar import GrammarError, grammar_error
+from master.grammar import GrammarError
 from master.params import SamplingParams
 from master.transport import ClusterError
 from models.chat_template import NoChatTemplate, NoThinkingSwitch
@@ -187,7 +180,7 @@ def create_app(
             raise APIError(400, str(exc), param="chat_template_kwargs") from exc
         except ModelError as exc:  # the template's own verdict on the messages
             raise APIError(400, str(exc), param="messages") from exc
-        grammar, split = await run_in_threadpool(_constraints, served.tokenizer, body, use, prompt)
+        grammar, split = await run_in_threadpool(constraints, served.tokenizer, body, use, prompt)
         limit = body.max_completion_tokens or body.max_tokens
         return await _generate(
             served, request, "chat", body, prompt, limit, "messages", "", grammar, split
@@ -274,45 +267,6 @@ def _completion_prompt(tokenizer: Tokenizer, prompt: Any, vocab: int) -> tuple[l
             param="prompt",
         )
     return list(prompt), tokenizer.decode(prompt)
-
-
-def _constraints(
-    tokenizer: Tokenizer, body: ChatCompletionRequest, use: ToolUse | None, prompt: list[int]
-) -> tuple[Grammar | None, Split | None]:
-    """The grammar a chat answer must match (structured output, a forced call), checked
-    against the model's vocabulary, and how its text splits into reasoning, content and calls
-    (None: kept whole, as before tools)."""
-    template = tokenizer.chat_template
-    fmt = call_format(template)
-    try:
-        grammar, field = answer_grammar(body, use, fmt, tokenizer)
-    except GrammarError as exc:
-        raise APIError(400, f"response_format: {exc}", param="response_format") from exc
-    problem = grammar_error(tokenizer, grammar) if grammar is not None else None
-    if problem:
-        raise APIError(
-            400, f"{field}: the grammar cannot be used: {problem}", param=field,
-            code="invalid_value",
-        )  # fmt: skip
-    thinks = reasons(template)
-    if use is None and not thinks:
-        return (None if grammar is None else Grammar(grammar, field)), None
-    split = Split(
-        calls=fmt if use else None,
-        max_calls=1 if use and use.one_call else None,
-        reasoning=thinks,
-        thinking=thinks and opens_thinking(tokenizer, prompt),
-        legacy=bool(use and use.legacy),
-    )
-    return (None if grammar is None else Grammar(grammar, field)), split
-
-
-@dataclass(frozen=True)
-class Grammar:
-    """A grammar the answer must match, and the request field it comes from (for a 400)."""
-
-    text: str
-    field: str
 
 
 def _params(

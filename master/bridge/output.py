@@ -151,6 +151,20 @@ class Splitter:
         return [Part("call", call=c) for c in kept]
 
 
+@dataclass(frozen=True)
+class Split:
+    """How a request's answers split: each choice gets a Splitter of these settings."""
+
+    calls: CallFormat | None = None  # with tools: the format the model writes calls in
+    max_calls: int | None = None  # 1 when parallel_tool_calls is false
+    reasoning: bool = False  # a thinking model
+    thinking: bool = False  # its prompt opens a think block
+    legacy: bool = False  # asked as functions: the call comes as function_call
+
+    def splitter(self) -> Splitter:
+        return Splitter(self.calls, self.max_calls, self.reasoning, self.thinking)
+
+
 def _partial_mark(text: str, marks: list[tuple[str, bool]]) -> int:
     """The length of the longest end of `text` that may begin one of `marks` (one that opens
     the content only where nothing but whitespace comes before)."""

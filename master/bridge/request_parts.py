@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from master.bridge.schema import AnyText, Text
 
@@ -99,9 +99,6 @@ class MessageToolCall(_Request):
     function: CalledFunction
 
 
-TAKES_NO_CONTENT = ("assistant", "function")  # roles whose content may be null
-
-
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"] = Field(
         description="system, developer (passed to the chat template as system), user, "
@@ -109,8 +106,8 @@ class ChatMessage(_Request):
     )
     content: AnyText | list[TextPart] | None = Field(
         None,
-        description="text, or a list of text parts (joined); null only in an assistant message "
-        "that calls tools",
+        description="text, or a list of text parts (joined); null (an assistant's that only "
+        "calls tools) is empty text",
     )
     name: AnyText | None = Field(
         None, description="passed to the chat template, which may use it or not"
@@ -127,12 +124,6 @@ class ChatMessage(_Request):
         None, description="only null: send an assistant's text as content"
     )
     audio: Annotated[None, NARROWED] = Field(None, description="only null: edgetp makes text")
-
-    @model_validator(mode="after")
-    def _has_content(self) -> ChatMessage:
-        if self.content is None and self.role not in TAKES_NO_CONTENT:
-            raise ValueError(f"a {self.role} message needs content (text or text parts)")
-        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from master.bridge.request import ChatCompletionRequest, called_names
+from master.bridge.errors import APIError
+from master.bridge.output import Split
+from master.bridge.request import ChatCompletionRequest, called_names, reasons
 from master.bridge.request_parts import (
     AllowedToolChoice,
     ChatMessage,
@@ -29,7 +31,7 @@ from master.bridge.request_parts import (
     ResponseFormatJSONSchema,
 )
 from master.bridge.tool_calls import FORMATS, CallFormat, Function, format_for
-from master.grammar import json_schema_grammar
+from master.grammar import GrammarError, grammar_error, json_schema_grammar
 from models.chat_template import render_chat
 from models.tokenizer import Tokenizer
 
@@ -150,6 +152,47 @@ def chat_prompt(
     )
     # The template writes any BOS itself; adding another would change the model's input.
     return tokenizer.encode(rendered, add_bos=False)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A grammar the answer must match, and the request field it comes from (for a 400)."""
+
+    text: str
+    field: str
+
+
+def constraints(
+    tokenizer: Tokenizer, body: ChatCompletionRequest, use: ToolUse | None, prompt: list[int]
+) -> tuple[Grammar | None, Split | None]:
+    """The grammar a chat answer must match (structured output, a forced call), checked
+    against the model's vocabulary, and how its text splits into reasoning, content and calls
+    (None: kept whole, as before tools). A grammar that cannot be used is a 400 (APIError)
+    naming the field it comes from, with llguidance's reason."""
+    template = tokenizer.chat_template
+    fmt = call_format(template)
+    try:
+        grammar, field = answer_grammar(body, use, fmt, tokenizer)
+    except GrammarError as exc:
+        raise APIError(400, f"response_format: {exc}", param="response_format") from exc
+    problem = grammar_error(tokenizer, grammar) if grammar is not None else None
+    if problem:
+        raise APIError(
+            400, f"{field}: the grammar cannot be used: {problem}", param=field,
+            code="invalid_value",
+        )  # fmt: skip
+    checked = None if grammar is None else Grammar(grammar, field)
+    thinks = reasons(template)
+    if use is None and not thinks:
+        return checked, None
+    split = Split(
+        calls=fmt if use else None,
+        max_calls=1 if use and use.one_call else None,
+        reasoning=thinks,
+        thinking=thinks and opens_thinking(tokenizer, prompt),
+        legacy=bool(use and use.legacy),
+    )
+    return checked, split
 
 
 def answer_grammar(
