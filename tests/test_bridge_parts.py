@@ -8,12 +8,15 @@ character at a time; each must split as the whole answer does.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 
 import pytest
 
-from master.bridge.output import Part, Splitter
+from master.batcher import Delta, Finished, Ticket
+from master.bridge.answers import Answer, Choice, sse, whole
+from master.bridge.output import Part, Split, Splitter
 from master.bridge.request import ChatCompletionRequest
 from master.bridge.tool_calls import FORMATS, Function, Hermes, Llama3Json, Mistral, format_for
 from master.bridge.tools import (
@@ -79,6 +82,42 @@ def split_every_way(tokenizer, text: str, **options) -> dict[str, object]:
 def test_reasoning_is_split_from_content(smollm2_tokenizer, text, thinking, reasoning, content):
     parts = split_every_way(smollm2_tokenizer, text, reasoning=True, thinking=thinking)
     assert parts == {"content": content, "reasoning": reasoning, "calls": []}
+
+
+THINKING = [Delta("<thi"), Delta("nk>Two and"), Delta(" two.</th"), Delta("ink>\n\nFour"),
+            Delta("."), Finished("stop", 5, 7)]  # fmt: skip
+
+
+def streamed_chunks(answer: Answer, events: list) -> list[dict]:
+    """The chunks `sse` sends for one choice's events, as JSON."""
+
+    async def run() -> list[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for event in events[1:]:
+            queue.put_nowait((0, event))
+        ticket = Ticket(None, [], answer.rid)  # type: ignore[arg-type]  # no jobs to cancel
+        return [text async for text in sse(answer, 1, (0, events[0]), queue, ticket, False)]
+
+    lines = "".join(asyncio.run(run())).split("\n\n")
+    return [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+
+
+def test_a_thinking_models_reasoning_is_reasoning_content(smollm2_tokenizer):
+    """The field the chat app and clients read, streamed and whole, named as vLLM and
+    DeepSeek name it."""
+    answer = Answer(
+        "chat", "chatcmpl-1", "m", smollm2_tokenizer, False, split=Split(reasoning=True)
+    )
+    deltas = [c["choices"][0]["delta"] for c in streamed_chunks(answer, THINKING)]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Two and two."
+    assert "".join(d.get("content", "") for d in deltas) == "Four."
+    done = Choice(pieces=[e.text for e in THINKING[:-1]], done=THINKING[-1])
+    message = json.loads(whole(answer, [done]).model_dump_json())["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Four.", "reasoning_content": "Two and two."}
+    plain = Answer("chat", "chatcmpl-2", "m", smollm2_tokenizer, False)  # no split: as before
+    message = json.loads(whole(plain, [done]).model_dump_json())["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "".join(done.pieces)}
 
 
 def test_without_reasoning_or_tools_text_stays_text(smollm2_tokenizer):
