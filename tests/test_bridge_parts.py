@@ -340,3 +340,23 @@ def test_a_template_with_tools_renders_them_as_transformers_does(smollm2_tokeniz
     )  # fmt: skip
     assert ours == rendered[0]
     assert '"name": "get_weather", "arguments": {"city": "Oslo"' in ours
+
+
+def test_auto_with_a_response_format_takes_the_json_or_a_call(smollm2_tokenizer):
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}}
+    form = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    body = request(tools=[TOOL], response_format=form)
+    use = tool_use(body)
+    grammar, field = answer_grammar(body, use, Hermes(), smollm2_tokenizer)
+    assert field == "tools" and grammar is not None
+
+    def takes(text: str) -> bool:
+        tokens = smollm2_tokenizer.encode(text, add_bos=False)
+        return Constraint(smollm2_tokenizer, grammar).allowed_prefix(tokens) == tokens
+
+    assert takes('{"answer": "18 C"}') and takes(Hermes().write([("get_weather", ARGS)]))
+    assert not takes('{"answer": "18 C", "more": 1}')  # closed, as the schema lists its keys
+    assert not takes("It is 18 C.")
+    required = request(tools=[TOOL], response_format=form, tool_choice="required")
+    forced, _ = answer_grammar(required, tool_use(required), Hermes(), smollm2_tokenizer)
+    assert forced is not None and forced.startswith("start: calls\n")
