@@ -163,6 +163,7 @@ def test_each_family_calls_are_read_as_they_stream(smollm2_tokenizer, fmt, text,
     [
         (Hermes(), "<tool_call>\nnot json\n</tool_call> and more"),
         (Llama3Json(), '{"a json answer": "not a call"}'),
+        (Llama3Json(), '{"name": "Ann", "age": 31}'),
         (Mistral(), "[TOOL_CALLS] never mind"),
     ],
 )

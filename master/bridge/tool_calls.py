@@ -76,10 +76,11 @@ class CallFormat:
         return one[0] if len(one) == 1 else {"anyOf": one}
 
     def _call(self, value: Any) -> ToolCall | None:
-        """A call object as parsed JSON, if it is one."""
+        """A call object as parsed JSON, if it is one: a name and arguments (a JSON answer
+        with a "name" key is no call)."""
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
-        arguments = value.get(self.arguments_key, value.get("arguments", {}))
+        arguments = value.get(self.arguments_key, value.get("arguments"))
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
@@ -196,7 +197,8 @@ class Mistral(CallFormat):
         return f"calls: {marker} call_list\ncall_list: %json {json.dumps(schema)}\n"
 
 
-FORMATS: tuple[CallFormat, ...] = (Mistral(), Hermes(), Llama3Json())
+MISTRAL, HERMES, LLAMA3_JSON = Mistral(), Hermes(), Llama3Json()
+FORMATS: tuple[CallFormat, ...] = (MISTRAL, HERMES, LLAMA3_JSON)
 
 
 def format_for(chat_template: str | None) -> CallFormat:
@@ -204,14 +206,14 @@ def format_for(chat_template: str | None) -> CallFormat:
     shows none gets the Hermes format described to it)."""
     template = chat_template or ""
     if Mistral.start in template:
-        return FORMATS[0]
+        return MISTRAL
     if Hermes.start in template:
-        return FORMATS[1]
+        return HERMES
     if Llama3Json.PYTHON_TAG in template or (
         "<|start_header_id|>" in template and '"parameters"' in template
     ):
-        return FORMATS[2]
-    return FORMATS[1]
+        return LLAMA3_JSON
+    return HERMES
 
 
 def _first_json(text: str) -> tuple[Any, str]:

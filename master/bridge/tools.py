@@ -30,12 +30,11 @@ from master.bridge.request_parts import (
     ResponseFormatJSONObject,
     ResponseFormatJSONSchema,
 )
-from master.bridge.tool_calls import FORMATS, CallFormat, Function, format_for
+from master.bridge.tool_calls import HERMES, CallFormat, Function, format_for
 from master.grammar import GrammarError, grammar_error, json_schema_grammar
 from models.chat_template import render_chat
 from models.tokenizer import Tokenizer
 
-HERMES = FORMATS[1]
 # The system prompt that describes tools to a model whose template does not (Qwen2.5's words,
 # which Hermes-trained models know).
 TOOLS_PROMPT = """# Tools
@@ -61,7 +60,7 @@ class ToolUse:
     """The tools of one request: those shown to the model, those it may call, and how."""
 
     shown: tuple[dict[str, Any], ...]  # as transformers passes them to a chat template
-    callable: tuple[Function, ...]
+    functions: tuple[Function, ...]  # those it may call
     required: bool  # the answer is a call, by grammar
     parallel: bool  # a forced answer may hold several calls (parallel_tool_calls: true)
     one_call: bool  # an answer keeps its first call only (parallel_tool_calls: false)
@@ -85,7 +84,7 @@ def tool_use(body: ChatCompletionRequest) -> ToolUse | None:
         required = choice == "required" or bool(named)
     return ToolUse(
         shown=tuple(_shown(d) for d in shown),
-        callable=tuple(_function(d) for d in shown if allowed or not named or d.name in named),
+        functions=tuple(_function(d) for d in shown if allowed or not named or d.name in named),
         required=required,
         parallel=body.parallel_tool_calls is True and not legacy,
         one_call=body.parallel_tool_calls is False or legacy,
@@ -209,7 +208,7 @@ def answer_grammar(
         schema = {"type": "object"}
     if use is None or (not use.required and schema is None):
         return (None if schema is None else json_schema_grammar(schema)), "response_format"
-    calls = fmt.grammar(use.callable, use.parallel, tokenizer)
+    calls = fmt.grammar(use.functions, use.parallel, tokenizer)
     if use.required or schema is None:
         return f"start: calls\n{calls}", "tools"
     json_schema_grammar(schema)  # a schema llguidance refuses is the response_format's fault
