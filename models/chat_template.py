@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -29,18 +30,23 @@ class NoThinkingSwitch(ModelError):
 
 def render_chat(
     template: str | None,
-    messages: list[dict[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     *,
     bos_token: str | None,
     eos_token: str | None,
     add_generation_prompt: bool = True,
     enable_thinking: bool | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """The prompt text for `messages` ({"role": ..., "content": ...}) under the model's template.
+    """The prompt text for `messages` ({"role": ..., "content": ...}, and as transformers passes
+    them, an assistant's "tool_calls" and a tool result's "tool_call_id") under the model's
+    template.
 
     With `add_generation_prompt` the text ends where the assistant's reply begins.
     `enable_thinking` (Qwen3's switch for its thinking block) reaches the template only when
-    given, as transformers passes it: templates test whether it is defined.
+    given, as transformers passes it: templates test whether it is defined. `tools` are
+    OpenAI's tool objects ({"type": "function", "function": {...}}), as transformers passes
+    them; a template may show them or not.
     """
     if not template:
         # What to do instead depends on the front (a flag, an endpoint): each adds its own way.
@@ -62,7 +68,7 @@ def render_chat(
             eos_token=eos_token,
             add_generation_prompt=add_generation_prompt,
             # transformers always passes these; templates test them.
-            tools=None,
+            tools=None if tools is None else [dict(t) for t in tools],
             documents=None,
             **switches,
         )

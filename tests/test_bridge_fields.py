@@ -18,22 +18,17 @@ from openai.types.chat import (
     chat_completion_assistant_message_param,
     chat_completion_content_part_text_param,
     chat_completion_developer_message_param,
+    chat_completion_function_message_param,
     chat_completion_stream_options_param,
     chat_completion_system_message_param,
+    chat_completion_tool_message_param,
     chat_completion_user_message_param,
 )
 from openai.types.chat import completion_create_params as chat_params
 from pydantic import BaseModel
 
-from master.bridge.request import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    StreamOptions,
-    TextPart,
-    narrowed,
-    warn_ignored,
-)
+from master.bridge.request import ChatCompletionRequest, CompletionRequest, narrowed, warn_ignored
+from master.bridge.request_parts import ChatMessage, StreamOptions, TextPart
 
 TOOL = {
     "type": "function",
@@ -63,22 +58,25 @@ TEXT_NO_OPS: dict[str, Any] = {
 # What edgetp does with them; `model` names the served model, `messages` and `prompt` are it.
 HONOURED = {"model", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop"}
 HONOURED |= {"stream", "stream_options", "seed", "echo", "messages", "prompt", "n", "logprobs"}
-HONOURED |= {"top_logprobs", "presence_penalty", "frequency_penalty"}
+HONOURED |= {"top_logprobs", "presence_penalty", "frequency_penalty", "response_format"}
+HONOURED |= {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"}
 # (endpoint, fields, the param the 400 names): values edgetp cannot honour yet.
 REFUSED = [
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as at OpenAI
     ("chat", {"n": 17}, "n"),
     ("chat", {"logit_bias": {"42": 5}}, "logit_bias"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"response_format": {"type": "json_schema",
-                                  "json_schema": {"name": "x", "schema": {}}}},
-     "response_format"),
-    ("chat", {"tools": [TOOL]}, "tools"),
-    ("chat", {"tools": [TOOL], "tool_choice": "auto"}, "tools"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tools": [{"type": "custom", "custom": {"name": "sql"}}]}, "tools.0"),
+    ("chat", {"tools": [TOOL], "tool_choice": {"type": "custom", "custom": {"name": "sql"}}},
+     "tool_choice"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),  # no tools to call
     ("chat", {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
      "tool_choice"),
-    ("chat", {"functions": [TOOL["function"]]}, "functions"),
+    ("chat", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice"),
+    ("chat", {"tools": [TOOL], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "x"}}]}}},
+     "tool_choice"),
+    ("chat", {"tools": [TOOL], "functions": [TOOL["function"]]}, "functions"),
     ("chat", {"function_call": {"name": "get_weather"}}, "function_call"),
     ("chat", {"audio": {"format": "wav", "voice": "alloy"}}, "audio"),
     ("chat", {"modalities": ["text", "audio"]}, "modalities"),
@@ -87,18 +85,10 @@ REFUSED = [
     ("chat", {"verbosity": "low"}, "verbosity"),
     ("chat", {"web_search_options": {}}, "web_search_options"),
     ("chat", {"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
-    ("chat", {"messages": [{"role": "tool", "content": "18C", "tool_call_id": "c1"}]},
-     "messages.0.role"),
     ("chat", {"messages": [{"role": "assistant", "content": "", "refusal": "No."}]},
      "messages.0.refusal"),
     ("chat", {"messages": [{"role": "assistant", "content": "", "audio": {"id": "a1"}}]},
      "messages.0.audio"),
-    ("chat", {"messages": [{"role": "assistant", "content": "", "function_call": {
-        "name": "get_weather", "arguments": "{}"}}]}, "messages.0.function_call"),
-    ("chat", {"messages": [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function",
-         "function": {"name": "get_weather", "arguments": "{}"}}]}]},
-     "messages.0.tool_calls"),
     ("text", {"best_of": 2}, "best_of"),
     ("text", {"n": 100}, "n"),
     ("text", {"echo": True, "logprobs": 1}, "echo"),
@@ -130,6 +120,8 @@ def keys(typed_dict: Any) -> set[str]:
                 chat_completion_developer_message_param.ChatCompletionDeveloperMessageParam,
                 chat_completion_user_message_param.ChatCompletionUserMessageParam,
                 chat_completion_assistant_message_param.ChatCompletionAssistantMessageParam,
+                chat_completion_tool_message_param.ChatCompletionToolMessageParam,
+                chat_completion_function_message_param.ChatCompletionFunctionMessageParam,
             ],
         ),
     ],

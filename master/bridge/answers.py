@@ -17,8 +17,10 @@ from pydantic import BaseModel
 
 from master.batcher import Delta, Event, Finished, Ticket
 from master.bridge.errors import failure
+from master.bridge.output import Part, Split
 from master.bridge.schema import (
     AssistantMessage,
+    CalledFunction,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -31,10 +33,14 @@ from master.bridge.schema import (
     CompletionChunkChoice,
     CompletionLogprobs,
     ContentLogprob,
+    DeltaFunction,
+    DeltaToolCall,
     FinishReason,
+    ToolCall,
     TopLogprob,
     Usage,
 )
+from master.bridge.tool_calls import ToolCall as Called
 from master.sampling import TokenLogprob
 from models.tokenizer import Tokenizer
 
@@ -64,6 +70,7 @@ class Answer:
     tokenizer: Tokenizer
     logprobs: bool  # asked for
     echo: str = ""  # the prompt's text, put before a completion
+    split: Split | None = None  # a chat answer read for reasoning and calls (None: text)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def head(self) -> _Head:
@@ -85,29 +92,41 @@ def usage(done: Sequence[Finished]) -> Usage:
     )
 
 
-def _finish_reason(done: Finished) -> FinishReason:
-    # The batcher's reason is a plain str that is always "stop" or "length"; the response
-    # models validate it all the same.
+def _finish_reason(done: Finished, called: bool = False, legacy: bool = False) -> FinishReason:
+    """The batcher's reason (a plain str that is always "stop" or "length"; the response models
+    validate it all the same), or the calls' when the answer ended with them."""
+    if called and done.finish_reason == "stop":
+        return "function_call" if legacy else "tool_calls"
     return cast(FinishReason, done.finish_reason)
 
 
-@functools.cache
-def _byte_of_char() -> dict[str, int]:
-    """GPT-2's byte-level BPE spells byte b as one printable character (its bytes_to_unicode)."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+def message(split: Split, text: str) -> tuple[AssistantMessage, bool]:
+    """A whole chat answer's message, and whether it called tools."""
+    splitter = split.splitter()
+    parts = splitter.feed(text) + splitter.finish()
+    content = "".join(p.text for p in parts if p.kind == "content")
+    reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
+    calls = [p.call for p in parts if p.call is not None]
+    function_call = None
+    if split.legacy and calls:
+        function_call, calls = _called(calls[0]), []
+    tool_calls = [ToolCall(id=c.id, function=_called(c)) for c in calls] or None
+    said = content if content.strip() or not (calls or function_call or reasoning) else None
+    return AssistantMessage(
+        content=said,
+        reasoning_content=reasoning or None,
+        tool_calls=tool_calls,
+        function_call=function_call,
+    ), bool(calls or function_call)
+
+
+def _called(call: Called) -> CalledFunction:
+    return CalledFunction(name=call.name, arguments=call.arguments)
 
 
 def token_text(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
     """A token's text and UTF-8 bytes; a token that holds part of a character has no text of
-    its own, and its bytes come from its spelling (byte-level BPE, or SentencePiece's <0xNN>)."""
+    its own, and its bytes are the tokenizer's."""
     return _token_text(tokenizer, token)
 
 
@@ -116,13 +135,7 @@ def _token_text(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
     text = tokenizer.decode([token])
     if "\ufffd" not in text:
         return text, list(text.encode())
-    spelled = tokenizer.id_to_token(token) or ""
-    if len(spelled) == 6 and spelled.startswith("<0x") and spelled.endswith(">"):
-        return text, [int(spelled[3:5], 16)]
-    table = _byte_of_char()
-    if spelled and all(c in table for c in spelled):
-        return text, [table[c] for c in spelled]
-    return text, list(text.encode())
+    return text, list(tokenizer.token_bytes()[token])
 
 
 def chat_logprobs(answer: Answer, entries: Sequence[TokenLogprob]) -> ChatLogprobs | None:
@@ -160,19 +173,21 @@ def whole(answer: Answer, choices: Sequence[Choice]) -> ChatCompletion | Complet
     done = [c.done for c in choices if c.done is not None]
     assert len(done) == len(choices)
     if answer.kind == "chat":
-        return ChatCompletion(
-            **answer.head(),
-            choices=[
+        chat_choices = []
+        for i, (c, d) in enumerate(zip(choices, done, strict=True)):
+            said, called = AssistantMessage(content="".join(c.pieces)), False
+            if answer.split is not None:
+                said, called = message(answer.split, "".join(c.pieces))
+            legacy = answer.split is not None and answer.split.legacy
+            chat_choices.append(
                 ChatChoice(
                     index=i,
-                    message=AssistantMessage(content="".join(c.pieces)),
+                    message=said,
                     logprobs=chat_logprobs(answer, c.logprobs),
-                    finish_reason=_finish_reason(d),
+                    finish_reason=_finish_reason(d, called, legacy),
                 )
-                for i, (c, d) in enumerate(zip(choices, done, strict=True))
-            ],
-            usage=usage(done),
-        )
+            )
+        return ChatCompletion(**answer.head(), choices=chat_choices, usage=usage(done))
     return Completion(
         **answer.head(),
         choices=[
@@ -206,9 +221,10 @@ async def sse(
         finish: FinishReason | None = None,
         role: Literal["assistant"] | None = None,
         entries: Sequence[TokenLogprob] = (),
+        delta: ChatDelta | None = None,
     ) -> str:
         if answer.kind == "chat":
-            delta = ChatDelta(role=role, content=text)
+            delta = delta or ChatDelta(role=role, content=text)
             logprobs = chat_logprobs(answer, entries) if entries else None
             choice = ChatChunkChoice(
                 index=index, delta=delta, logprobs=logprobs, finish_reason=finish
@@ -222,6 +238,23 @@ async def sse(
         )
         return event(CompletionChunk(**head, choices=[text_choice]))
 
+    split = answer.split
+    splitters = [split.splitter() for _ in range(n)] if split else []
+    legacy = bool(split and split.legacy)
+
+    def parts_chunks(index: int, parts: Sequence[Part], entries: Sequence[TokenLogprob]) -> str:
+        """A chunk for each part of the text; its tokens' logprobs go with the first."""
+        sent = []
+        call = splitters[index].calls - sum(p.call is not None for p in parts)  # the first's
+        for part in parts:
+            for delta in _deltas(part, call, legacy):
+                sent.append(chunk(index, None, entries=entries, delta=delta))
+                entries = ()
+            call += part.call is not None
+        if entries:
+            sent.append(chunk(index, None, entries=entries, delta=ChatDelta()))
+        return "".join(sent)
+
     finished: list[Finished] = []
     try:
         for i in range(n):
@@ -231,10 +264,16 @@ async def sse(
                 yield chunk(i, answer.echo)
         index, item = first
         while True:
-            if isinstance(item, Delta):
+            if isinstance(item, Delta) and splitters:
+                yield parts_chunks(index, splitters[index].feed(item.text), item.logprobs)
+            elif isinstance(item, Delta):
                 yield chunk(index, item.text, entries=item.logprobs)
             elif isinstance(item, Finished):
-                yield chunk(index, None, _finish_reason(item))
+                called = False
+                if splitters:
+                    yield parts_chunks(index, splitters[index].finish(), ())
+                    called = splitters[index].calls > 0
+                yield chunk(index, None, _finish_reason(item, called, legacy))
                 finished.append(item)
                 if len(finished) == n:
                     break
@@ -248,6 +287,24 @@ async def sse(
         yield "data: [DONE]\n\n"
     finally:
         ticket.cancel()  # a no-op once finished; a client that went away frees its slots here
+
+
+def _deltas(part: Part, index: int, legacy: bool) -> list[ChatDelta]:
+    """A part as OpenAI streams it; a call as two chunks: its id and name, then its
+    arguments (call `index` of the answer)."""
+    if part.call is None:
+        if part.kind == "reasoning":
+            return [ChatDelta(reasoning_content=part.text)]
+        return [ChatDelta(content=part.text)]
+    named = DeltaFunction(name=part.call.name, arguments="")
+    arguments = DeltaFunction(arguments=part.call.arguments)
+    if legacy:
+        return [ChatDelta(function_call=named), ChatDelta(function_call=arguments)]
+    return [
+        ChatDelta(tool_calls=[DeltaToolCall(index=index, id=part.call.id, type="function",
+                                            function=named)]),
+        ChatDelta(tool_calls=[DeltaToolCall(index=index, function=arguments)]),
+    ]  # fmt: skip
 
 
 def event(model: BaseModel) -> str:

@@ -27,6 +27,7 @@ from master.batcher import Batcher, BusyError, Delta, Event, Failed, Ticket
 from master.bridge.answers import Answer, Choice, ChoiceEvent, sse, whole
 from master.bridge.errors import APIError, documented, failure, install_handlers
 from master.bridge.metrics import add_metrics
+from master.bridge.output import Split
 from master.bridge.request import (
     ChatCompletionRequest,
     ChatTemplateKwargs,
@@ -47,9 +48,10 @@ from master.bridge.schema import (
     finish_openapi,
     stream_content,
 )
+from master.bridge.tools import Grammar, chat_prompt, constraints, tool_use
 from master.figures import cluster_figures, generation_figures
+from master.grammar import GrammarError
 from master.params import SamplingParams
-from master.prompts import chat_tokens
 from master.transport import ClusterError
 from models.chat_template import NoChatTemplate, NoThinkingSwitch
 from models.errors import ModelError
@@ -173,20 +175,11 @@ def create_app(
         if unserved:  # what the schema cannot say
             raise APIError(400, unserved[1], param=unserved[0], code="unsupported_value")
         warn_ignored(body, "/v1/chat/completions")
-        messages = [
-            {
-                "role": "system" if m.role == "developer" else m.role,
-                "content": m.content
-                if isinstance(m.content, str)
-                else "".join(p.text for p in m.content),
-                **({} if m.name is None else {"name": m.name}),
-            }
-            for m in body.messages
-        ]
+        use = tool_use(body)
         try:
             switches = body.chat_template_kwargs or ChatTemplateKwargs()
             prompt = await run_in_threadpool(
-                chat_tokens, served.tokenizer, messages, switches.enable_thinking
+                chat_prompt, served.tokenizer, body.messages, use, switches.enable_thinking
             )
         except NoChatTemplate as exc:
             message = f"{exc}: send the text to /v1/completions, which takes it as it is"
@@ -195,8 +188,11 @@ def create_app(
             raise APIError(400, str(exc), param="chat_template_kwargs") from exc
         except ModelError as exc:  # the template's own verdict on the messages
             raise APIError(400, str(exc), param="messages") from exc
+        grammar, split = await run_in_threadpool(constraints, served.tokenizer, body, use, prompt)
         limit = body.max_completion_tokens or body.max_tokens
-        return await _generate(served, request, "chat", body, prompt, limit, "messages", "")
+        return await _generate(
+            served, request, "chat", body, prompt, limit, "messages", "", grammar, split
+        )
 
     @app.post(
         "/v1/completions",
@@ -340,11 +336,15 @@ async def _generate(
     limit: int | None,
     prompt_param: str,
     echo: str,
+    grammar: Grammar | None = None,
+    split: Split | None = None,
 ) -> Response:
     """Submit the request's n choices to the batcher; answer with one JSON object or a stream
     of server-sent events."""
     context = served.batcher.max_context
     params = _params(body, len(prompt), limit, context, prompt_param)
+    if grammar is not None:
+        params = replace(params, grammar=grammar.text)
     n = body.n or 1
     if n > served.batcher.max_waiting:
         raise APIError(
@@ -355,7 +355,8 @@ async def _generate(
             code="unsupported_value",
         )
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    answer = Answer(kind, rid, served.model_id, served.tokenizer, params.logprobs is not None, echo)
+    logprobs = params.logprobs is not None
+    answer = Answer(kind, rid, served.model_id, served.tokenizer, logprobs, echo, split)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
 
@@ -373,6 +374,9 @@ async def _generate(
         raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from exc
     except BusyError as exc:
         raise APIError(429, str(exc), type="server_error", code="busy") from exc
+    except GrammarError as exc:  # a grammar that passed the check yet does not compile
+        field = grammar.field if grammar else "response_format"
+        raise APIError(400, f"{field}: {exc}", param=field, code="invalid_value") from exc
     except ClusterError as exc:
         raise failure(Failed(exc)) from exc
 

@@ -17,13 +17,34 @@ template does not know would change nothing, silently.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 from pydantic.fields import FieldInfo
 
+from master.bridge.request_parts import (
+    NARROWED,
+    AllowedToolChoice,
+    ChatMessage,
+    ChatTemplateKwargs,
+    CustomTool,
+    FalseOnly,
+    FunctionDefinition,
+    FunctionName,
+    FunctionTool,
+    NamedCustomToolChoice,
+    NamedToolChoice,
+    PredictionContent,
+    PromptCacheOptions,
+    ResponseFormat,
+    StreamOptions,
+    Tool,
+    ToolChoice,
+    _Request,
+)
 from master.bridge.schema import MAX_STOP_STRINGS, SEED_LIMIT, AnyText, Text
 from master.params import (
     GREEDY_BELOW,
@@ -38,7 +59,6 @@ log = logging.getLogger(__name__)
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 NoBias = Annotated[dict[str, int], Field(max_length=0)]
-NoToolCalls = Annotated[list[Any], Field(max_length=0)]
 TextOnly = Annotated[list[Literal["text"]], Field(min_length=1)]
 Empty = Annotated[str, Field(max_length=0)]
 INT_FIELDS = (
@@ -59,23 +79,6 @@ IGNORED_SHOWN = 10  # unknown fields named in the warning; the rest are counted
 REASONING_MARKS = ("enable_thinking", "reasoning_effort", "<think>")
 
 
-def _a_bool(value: Any) -> Any:
-    """Refuses what equals False without being a boolean (0, 0.0), which Literal[False] takes."""
-    if not isinstance(value, bool):
-        raise ValueError("Input should be a valid boolean")
-    return value
-
-
-FalseOnly = Annotated[Literal[False], BeforeValidator(_a_bool)]
-
-
-class Narrowed:
-    """Marks a field (in `Annotated`) that edgetp takes at fewer values than OpenAI does."""
-
-
-NARROWED = Narrowed()
-
-
 def _integral(value: Any) -> Any:
     """51.0 is an integer to JSON Schema (and JavaScript); 51.5, "51" and true are not."""
     if isinstance(value, float) and value.is_integer():
@@ -85,112 +88,7 @@ def _integral(value: Any) -> Any:
     return value
 
 
-class _Request(BaseModel):
-    """An object of OpenAI's request schema: what it does not declare lands in `model_extra`."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class _Strict(BaseModel):
-    """One of edgetp's own objects: an unknown key is a 400."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-# -- parts ------------------------------------------------------------------------------------
-class StreamOptions(_Request):
-    include_usage: bool = Field(
-        False, description="send a last chunk, with empty choices, that carries the usage counts"
-    )
-    include_obfuscation: bool | None = Field(
-        None, description="accepted; edgetp pads no chunks (its text is the same either way)"
-    )
-
-
-class CacheBreakpoint(_Request):
-    mode: Literal["explicit"]
-    ttl: Literal["30m", "12h"] | None = None
-
-
-class TextPart(_Request):
-    type: Literal["text"]
-    text: AnyText
-    prompt_cache_breakpoint: CacheBreakpoint | None = Field(
-        None, description="a caching hint: accepted, changes nothing"
-    )
-
-
-class ChatMessage(_Request):
-    role: Annotated[Literal["system", "developer", "user", "assistant"], NARROWED] = Field(
-        description="system, developer (passed to the chat template as system), user or "
-        "assistant: 'tool' and 'function' messages need tool calling, which edgetp has not yet"
-    )
-    content: AnyText | list[TextPart] = Field(description="text, or a list of text parts (joined)")
-    name: AnyText | None = Field(
-        None, description="passed to the chat template, which may use it or not"
-    )
-    # An assistant turn sent back as OpenAI's client returned it carries these, at null.
-    refusal: Annotated[None, NARROWED] = Field(
-        None, description="only null: send an assistant's text as content"
-    )
-    audio: Annotated[None, NARROWED] = Field(None, description="only null: edgetp makes text")
-    function_call: Annotated[None, NARROWED] = Field(
-        None, description="only null: edgetp cannot call tools yet"
-    )
-    tool_calls: Annotated[NoToolCalls | None, NARROWED] = Field(
-        None, description="only empty or null: edgetp cannot call tools yet"
-    )
-
-
-class ChatTemplateKwargs(_Strict):
-    enable_thinking: bool | None = Field(
-        None,
-        description=(
-            "false: the chat template's thinking block off (Qwen3's switch); a model whose "
-            "template has none refuses it (400)"
-        ),
-    )
-
-
-class FunctionDefinition(_Request):
-    name: Text
-    description: AnyText | None = None
-    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema object")
-    strict: bool | None = None
-
-
-class FunctionTool(_Request):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class CustomToolDefinition(_Request):
-    name: Text
-    description: AnyText | None = None
-    format: dict[str, Any] | None = None
-
-
-class CustomTool(_Request):
-    type: Literal["custom"]
-    custom: CustomToolDefinition
-
-
-class ResponseFormatText(_Request):
-    type: Literal["text"]
-
-
-class PredictionContent(_Request):
-    type: Literal["content"]
-    content: AnyText | list[TextPart]
-
-
-class PromptCacheOptions(_Request):
-    mode: Literal["implicit", "explicit"] | None = None
-    ttl: Literal["30m"] | None = None
-
-
 # -- the requests -----------------------------------------------------------------------------
-NO_TOOLS = "edgetp cannot call tools yet"
 CHANGES_NOTHING = "accepted, changes nothing"
 
 
@@ -272,7 +170,6 @@ class SamplingFields(_Request):
         return data
 
 
-Tool = Annotated[FunctionTool | CustomTool, Field(discriminator="type")]
 Hint = AnyText | None
 
 
@@ -295,27 +192,34 @@ class ChatCompletionRequest(SamplingFields):
         le=TOP_LOGPROBS_MAX,
         description="with logprobs true: the likeliest tokens' too, at each position",
     )
-    response_format: Annotated[ResponseFormatText | None, NARROWED] = Field(
+    response_format: ResponseFormat | None = Field(
         None,
-        description="only {'type': 'text'}: json_object and json_schema need constrained "
-        "decoding, which edgetp has not yet",
+        description="{'type': 'json_object'}: the answer is a JSON object; {'type': "
+        "'json_schema', 'json_schema': {'name', 'schema'}}: JSON valid against the schema "
+        "(strict or not: decoding is constrained by a grammar either way)",
     )
     tools: list[Tool] | None = Field(
         None,
-        description=f"only with tool_choice 'none', when the model answers in text and is not "
-        f"shown them: {NO_TOOLS}",
+        description="function tools the model may call: shown to it through its chat template "
+        "(or, when the template shows none, a system prompt in the Hermes format)",
     )
-    tool_choice: Annotated[Literal["none", "auto"] | None, NARROWED] = Field(
-        None, description=f"only 'none', or 'auto' without tools: {NO_TOOLS}"
-    )
-    parallel_tool_calls: bool | None = Field(None, description=f"no tools run: {CHANGES_NOTHING}")
-    functions: list[FunctionDefinition] | None = Field(
-        None, description=f"tools' older form: only with function_call 'none'; {NO_TOOLS}"
-    )
-    function_call: Annotated[Literal["none", "auto"] | None, NARROWED] = Field(
+    tool_choice: ToolChoice | None = Field(
         None,
-        description=f"tool_choice's older form: only 'none', or 'auto' without functions; "
-        f"{NO_TOOLS}",
+        description="'auto' (the default with tools): the model chooses; 'none': it answers in "
+        "text, without seeing the tools; 'required', a function by name or allowed_tools "
+        "'required': a call is forced by the grammar, its arguments valid against the schema",
+    )
+    parallel_tool_calls: bool | None = Field(
+        None,
+        description="false: an answer keeps its first call only; true: a forced call may be "
+        "several; left out: the model may write several, a forced call is one (as llama.cpp's "
+        "server does: a small model repeats a forced call until max_tokens)",
+    )
+    functions: list[FunctionDefinition] | None = Field(
+        None, description="tools' older form; the answer's call comes as function_call"
+    )
+    function_call: Literal["none", "auto"] | FunctionName | None = Field(
+        None, description="tool_choice's older form: 'none', 'auto' or {'name': ...}"
     )
     audio: Annotated[None, NARROWED] = Field(None, description="only null: edgetp makes text")
     modalities: Annotated[TextOnly | None, NARROWED] = Field(
@@ -366,17 +270,9 @@ class ChatCompletionRequest(SamplingFields):
             return "top_logprobs", (
                 f"top_logprobs: {self.top_logprobs} needs logprobs: true (as at OpenAI)"
             )
-        for tools, choice, name in (
-            (self.tools, self.tool_choice, "tool_choice"),
-            (self.functions, self.function_call, "function_call"),
-        ):
-            if tools and choice != "none":
-                field = "tools" if name == "tool_choice" else "functions"
-                given = "left out (then 'auto')" if choice is None else repr(choice)
-                return field, (
-                    f"{field} are served only with {name} 'none', when the model answers in "
-                    f"text without seeing them: {NO_TOOLS}; {name} was {given}"
-                )
+        tools = self.tool_problem()
+        if tools:
+            return tools
         if self.reasoning_effort is not None and reasons(chat_template):
             return "reasoning_effort", (
                 f"reasoning_effort: {self.reasoning_effort!r} is not supported: this model "
@@ -384,6 +280,57 @@ class ChatCompletionRequest(SamplingFields):
                 f"template, chat_template_kwargs enable_thinking false turns thinking off)"
             )
         return None
+
+    def tool_problem(self) -> tuple[str, str] | None:
+        """(field, message) for tools and a choice among them that do not go together."""
+        if self.tools and self.functions:
+            return "functions", "functions: give tools or functions (their older form), not both"
+        custom = [i for i, t in enumerate(self.tools or ()) if isinstance(t, CustomTool)]
+        if custom or isinstance(self.tool_choice, NamedCustomToolChoice):
+            field = f"tools.{custom[0]}" if custom else "tool_choice"
+            return field, f"{field}: edgetp calls function tools only, not custom tools"
+        tools = [t.function.name for t in self.tools or () if isinstance(t, FunctionTool)]
+        functions = [f.name for f in self.functions or ()]
+        for field, choice, names in (
+            ("tool_choice", self.tool_choice, tools),
+            ("function_call", self.function_call, functions),
+        ):
+            if choice in (None, "none", "auto"):
+                continue
+            if not names:
+                given = "tools" if field == "tool_choice" else "functions"
+                return field, (
+                    f"{field}: {_shown(choice)} is not supported without {given}: give the "
+                    f"{given} the model is to call"
+                )
+            unknown = [n for n in called_names(choice) if n not in names]
+            if unknown:
+                return field, (
+                    f"{field} names {unknown[0]!r}, which is not among the tools: "
+                    f"{', '.join(map(repr, names))}"
+                )
+        return None
+
+    def function_definitions(self) -> list[FunctionDefinition]:
+        """The functions of tools (or of functions, their older form)."""
+        if self.functions is not None:
+            return list(self.functions)
+        return [t.function for t in self.tools or () if isinstance(t, FunctionTool)]
+
+
+def called_names(choice: Any) -> list[str]:
+    """The functions a tool choice (or function_call) names; [] for one that names none."""
+    if isinstance(choice, NamedToolChoice):
+        return [choice.function.name]
+    if isinstance(choice, FunctionName):
+        return [choice.name]
+    if isinstance(choice, AllowedToolChoice):
+        return [str((t.get("function") or {}).get("name")) for t in choice.allowed_tools.tools]
+    return []
+
+
+def _shown(choice: Any) -> str:
+    return json.dumps(choice) if isinstance(choice, str) else choice.model_dump_json()
 
 
 class CompletionRequest(SamplingFields):

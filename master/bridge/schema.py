@@ -43,7 +43,8 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-FinishReason = Literal["stop", "length"]
+# "tool_calls" (or "function_call", asked as `functions`): the answer ended with its calls.
+FinishReason = Literal["stop", "length", "tool_calls", "function_call"]
 
 
 class TopLogprob(BaseModel):
@@ -71,9 +72,33 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(description="where each token's text starts in the choice's")
 
 
+def _none(value: Any) -> bool:
+    return value is None
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments, a JSON object as text")
+
+
+class ToolCall(BaseModel):
+    id: str = Field(description="call_...: a tool message answers it by this id")
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="the answer's text; null when it is only calls")
+    reasoning_content: str | None = Field(
+        None, exclude_if=_none, description="a thinking model's reasoning, before its answer"
+    )
+    tool_calls: list[ToolCall] | None = Field(
+        None, exclude_if=_none, description="the calls the model made (with tools)"
+    )
+    function_call: CalledFunction | None = Field(
+        None, exclude_if=_none, description="the call the model made (with functions)"
+    )
 
 
 class ChatChoice(BaseModel):
@@ -108,8 +133,16 @@ class Completion(BaseModel):
     usage: Usage
 
 
-def _none(value: Any) -> bool:
-    return value is None
+class DeltaFunction(BaseModel):
+    name: str | None = Field(None, exclude_if=_none, description="in a call's first chunk")
+    arguments: str | None = Field(None, exclude_if=_none, description="the next piece of them")
+
+
+class DeltaToolCall(BaseModel):
+    index: int = Field(description="which call of the answer: pieces of one share it")
+    id: str | None = Field(None, exclude_if=_none, description="in a call's first chunk")
+    type: Literal["function"] | None = Field(None, exclude_if=_none)
+    function: DeltaFunction
 
 
 class ChatDelta(BaseModel):
@@ -118,6 +151,13 @@ class ChatDelta(BaseModel):
         None, exclude_if=_none, description="in the first chunk only"
     )
     content: str | None = Field(None, exclude_if=_none, description="the next piece of text")
+    reasoning_content: str | None = Field(
+        None, exclude_if=_none, description="the next piece of a thinking model's reasoning"
+    )
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=_none)
+    function_call: DeltaFunction | None = Field(
+        None, exclude_if=_none, description="with functions: the call, in pieces"
+    )
 
 
 class ChatChunkChoice(BaseModel):
