@@ -3,6 +3,9 @@ the model's chat template, or the text as it is."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from models.chat_template import NoChatTemplate, render_chat
 from models.errors import ModelError
 from models.source import ModelSource, open_model
@@ -37,16 +40,20 @@ def prompt_tokens(
 
 
 def chat_tokens(
-    tokenizer: Tokenizer, messages: list[dict[str, str]], enable_thinking: bool | None = None
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    enable_thinking: bool | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Tokens for a conversation under the model's chat template, ending where the reply
-    begins; `enable_thinking` as `models.chat_template.render_chat` takes it."""
+    begins; `enable_thinking` and `tools` as `models.chat_template.render_chat` takes them."""
     rendered = render_chat(
         tokenizer.chat_template,
         messages,
         bos_token=tokenizer.bos_token,
         eos_token=tokenizer.eos_token,
         enable_thinking=enable_thinking,
+        tools=tools,
     )
     # The template writes any BOS itself; adding another would change the model's input.
     return tokenizer.encode(rendered, add_bos=False)

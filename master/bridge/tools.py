@@ -32,6 +32,7 @@ from master.bridge.request_parts import (
 )
 from master.bridge.tool_calls import HERMES, CallFormat, Function, format_for
 from master.grammar import GrammarError, grammar_error, json_schema_grammar
+from master.prompts import chat_tokens
 from models.chat_template import render_chat
 from models.tokenizer import Tokenizer
 
@@ -141,16 +142,7 @@ def chat_prompt(
             else:
                 turns.insert(0, {"role": "system", "content": block})
         tools = None
-    rendered = render_chat(
-        template,
-        turns,
-        bos_token=tokenizer.bos_token,
-        eos_token=tokenizer.eos_token,
-        enable_thinking=enable_thinking,
-        tools=tools,
-    )
-    # The template writes any BOS itself; adding another would change the model's input.
-    return tokenizer.encode(rendered, add_bos=False)
+    return chat_tokens(tokenizer, turns, enable_thinking, tools)
 
 
 @dataclass(frozen=True)
