@@ -1,8 +1,9 @@
-"""A mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE) split across nodes answers as
+"""A mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, gpt-oss) split across nodes answers as
 transformers' does.
 
 A small random-weight model of each (2 layers, 8 experts of 128 columns, 2 a token; Qwen2-MoE's
-shared expert beside them) saved as an HF folder and a GGUF file: its logits at every position
+shared expert beside them; gpt-oss' sinks, biases and window layer, its experts MXFP4 in its
+GGUF file as llama.cpp writes them) saved as an HF folder and a GGUF file: its logits at every position
 of a prefill and of its decode steps, at 1 to 4 nodes in this process and 3 real node processes
 (the routing crosses the wire), and its greedy continuation, against transformers'. Then the
 router on its own, and the STEP's routing checks.
@@ -71,6 +72,14 @@ MODELS = {
         SMALL_MOE | {"norm_topk_prob": False, "shared_expert_intermediate_size": 256},
         "qwen2moe",
     ),
+    # gpt-oss: a window of 24 (the prompt outgrows it), YaRN as its config has it; its experts'
+    # gate and up are scaled up at build so that the clamp at 7 bites
+    "gpt_oss": (
+        "GptOssConfig",
+        {k: v for k, v in SMALL_MOE.items() if not k.startswith(("num_experts", "norm", "moe"))}
+        | {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 24},
+        "gpt-oss",
+    ),
 }
 GGUF_MODELS = sorted(name for name, (_, _, arch) in MODELS.items() if arch)
 _BUILT: dict[str, tuple] = {}  # each model is made once for the module
@@ -111,10 +120,14 @@ def _build(name: str, tmp_path_factory) -> tuple:
         config, attn_implementation="eager", dtype=torch.float32
     )
     _randomize(model, seed=7)
+    if arch == "gpt-oss":
+        _as_mxfp4(model)
     model.eval()
     folder = tmp_path_factory.mktemp(name)
     model.save_pretrained(folder)
-    if arch:
+    if arch == "gpt-oss":
+        _write_gpt_oss_gguf(model, folder / "model.gguf")
+    elif arch:
         _write_gguf(model, arch, folder / "model.gguf")
     prompt = torch.randint(
         0, config.vocab_size, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0)
@@ -171,6 +184,92 @@ def _write_gguf(model, arch: str, path: Path) -> None:
     writer.close()
 
 
+def _mxfp4_rows(t: np.ndarray) -> np.ndarray:
+    """(E, out, in) float32 as MXFP4 blocks along `in`, as llama.cpp stores gpt-oss' experts."""
+    return gguf.quants.quantize(np.ascontiguousarray(t), gguf.GGMLQuantizationType.MXFP4)
+
+
+def _as_mxfp4(model) -> None:
+    """gpt-oss' experts' gate and up 8 times larger (some of the SwiGLU's inputs then pass its
+    clamp), and every expert matrix rounded to what MXFP4 holds: the HF folder and the GGUF
+    file (its experts in MXFP4) are then the same model."""
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    with torch.no_grad():
+        for layer in model.model.layers:
+            experts = layer.mlp.experts
+            experts.gate_up_proj.mul_(8)
+            for p in (experts.gate_up_proj, experts.down_proj):  # (E, in, out)
+                rows = p.transpose(1, 2).numpy()  # (E, out, in)
+                rounded = gguf.quants.dequantize(_mxfp4_rows(rows), mxfp4)
+                p.copy_(torch.from_numpy(rounded).transpose(1, 2))
+
+
+def _write_gpt_oss_gguf(model, path: Path) -> None:
+    """A gpt-oss as llama.cpp's converter writes it: its experts' gate and up apart (HF's
+    interleave them by column), each stack (E, out, in) in MXFP4, their biases (E, out) beside
+    them, the sinks as attn_sinks, the FFN norm as post_attention_norm."""
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.intermediate_size)
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_vocab_size(c.vocab_size)
+    state = {k: v.detach().float().contiguous().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.sinks": "attn_sinks.weight",
+        "mlp.router.weight": "ffn_gate_inp.weight",
+        "mlp.router.bias": "ffn_gate_inp.bias",
+    }
+    for proj, short in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")):
+        for kind in ("weight", "bias"):
+            names[f"self_attn.{proj}_proj.{kind}"] = f"attn_{short}.{kind}"
+    for i in range(c.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for hf, name in names.items():
+            writer.add_tensor(f"blk.{i}.{name}", state[prefix + hf])
+        gate_up = state[f"{prefix}mlp.experts.gate_up_proj"].transpose(0, 2, 1)  # (E, 2F, D)
+        bias = state[f"{prefix}mlp.experts.gate_up_proj_bias"]
+        stacks = {
+            "gate": (gate_up[:, ::2], bias[:, ::2]),
+            "up": (gate_up[:, 1::2], bias[:, 1::2]),
+            "down": (
+                state[f"{prefix}mlp.experts.down_proj"].transpose(0, 2, 1),
+                state[f"{prefix}mlp.experts.down_proj_bias"],
+            ),
+        }
+        for proj, (weight, b) in stacks.items():
+            writer.add_tensor(
+                f"blk.{i}.ffn_{proj}_exps.weight",
+                _mxfp4_rows(weight),
+                raw_dtype=gguf.GGMLQuantizationType.MXFP4,
+            )
+            writer.add_tensor(f"blk.{i}.ffn_{proj}_exps.bias", np.ascontiguousarray(b))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 @torch.inference_mode()
 def _reference(model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
     """transformers' logits at every position of prompt + its greedy continuation, and that
@@ -215,6 +314,21 @@ def test_gguf_logits_equal_transformers_on_every_node_count(gguf_moe):
     for n in NODES:
         ours = _ours(Engine.local(source, (1.0,) * n), prompt, continuation)
         _assert_close_logits(ours, expected, f"{folder.name} gguf {n} node(s)")
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_experts_stay_mxfp4_on_real_nodes(tmp_path_factory):
+    """A gpt-oss GGUF file's MXFP4 experts are split into MXFP4 shards as the file stores them
+    (`auto`), multiplied in their blocks by 3 processes: transformers' logits, on the values
+    MXFP4 holds."""
+    model, folder, prompt = _built("gpt_oss", tmp_path_factory)
+    expected, continuation = _reference(model, prompt)
+    source = open_model(folder / "model.gguf")
+    assert source.stored_type(0, "gate.0") == "MXFP4"
+    dtypes = source.matrix_dtypes(0, "auto")
+    assert (dtypes["w_gate_up"], dtypes["w_down"], dtypes["wqkv"]) == ("mxfp4", "mxfp4", "f32")
+    ours = _windowed(source, 3, "auto", prompt, continuation, 128)
+    _assert_close_logits(ours, expected, "gpt-oss MXFP4 experts, 3 real nodes")
 
 
 @pytest.mark.slow
@@ -422,7 +536,7 @@ def test_kernels_are_prepared_for_one_expert_at_a_time(moe):
     [
         ("DeepseekV3ForCausalLM", "multi-head latent attention (MLA)"),
         ("deepseek2", "multi-head latent attention (MLA)"),
-        ("GptOssForCausalLM", "attention sinks"),
+        ("qwen3next", "gated DeltaNet"),
     ],
 )
 def test_an_unsupported_mixture_is_refused_in_one_line_naming_what_it_lacks(arch, lacks):
