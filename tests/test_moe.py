@@ -3,10 +3,10 @@ transformers' does.
 
 A small random-weight model of each (2 layers, 8 experts of 128 columns, 2 a token; Qwen2-MoE's
 shared expert beside them; gpt-oss' sinks, biases and window layer, its experts MXFP4 in its
-GGUF file as llama.cpp writes them) saved as an HF folder and a GGUF file: its logits at every position
-of a prefill and of its decode steps, at 1 to 4 nodes in this process and 3 real node processes
-(the routing crosses the wire), and its greedy continuation, against transformers'. Then the
-router on its own, and the STEP's routing checks.
+GGUF file as llama.cpp writes them) saved as an HF folder and a GGUF file: its logits at every
+position of a prefill and of its decode steps, at 1 to 4 nodes in this process and 3 real node
+processes (the routing crosses the wire), and its greedy continuation, against transformers'.
+Then the router on its own, and the STEP's routing checks.
 """
 
 from __future__ import annotations
