@@ -576,3 +576,35 @@ def test_a_gguf_mixtral_with_one_tensor_an_expert_is_refused(tmp_path):
     writer.close()
     with pytest.raises(ModelError, match="not stacked as blk.N.ffn_gate_exps.*convert the model"):
         open_model(path)
+
+
+def test_synth_gpt_oss_20b_writes_every_tensor_its_reader_takes():
+    """`edgetp synth --shape gpt-oss-20b`: every tensor `HFSource` reads for a gpt-oss, under
+    transformers' names and shapes (its experts one (E, in, out) tensor each: a layer is GBs,
+    so its plan is checked, not written), and the published config read as gpt-oss."""
+    from master.bench.synth import _shard_plan
+    from master.bench.synth_models import SHAPES
+    from models.config import ModelConfig
+    from models.layers import ROUTER, ROUTER_BIAS, full_layer_shapes, layer_tensor_names
+    from models.source import hf_layer_name
+
+    shape = SHAPES["gpt-oss-20b"]
+    config = ModelConfig.from_hf(shape, "gpt-oss-20b")
+    assert (config.n_experts, config.n_experts_used, config.ffn_hidden) == (32, 4, 2880)
+    assert config.local_layers == tuple(range(0, 24, 2)) and config.sliding_window == 128
+    assert config.rope_scaling is not None and not config.rope_scaling.truncate
+    written = {t.name: t.shape for specs in _shard_plan(shape, 1).values() for t in specs}
+    shapes = full_layer_shapes(config)
+    fused = {
+        "mlp.experts.gate_up_proj": (32, 2880, 5760),
+        "mlp.experts.down_proj": (32, 2880, 2880),
+        "mlp.experts.gate_up_proj_bias": (32, 5760),
+        "mlp.experts.down_proj_bias": (32, 2880),
+    }
+    for tensor in (*layer_tensor_names(config), ROUTER, ROUTER_BIAS):
+        name = hf_layer_name(0, tensor, config.architecture)
+        want = fused.get(name.removeprefix("model.layers.0."), shapes[tensor])
+        assert written[name] == want, tensor
+    taken = {hf_layer_name(0, t, config.architecture) for t in shapes}
+    assert set(written) - taken == {"model.embed_tokens.weight", "model.norm.weight",
+                                    "lm_head.weight"}  # fmt: skip
