@@ -608,3 +608,16 @@ def test_synth_gpt_oss_20b_writes_every_tensor_its_reader_takes():
     taken = {hf_layer_name(0, t, config.architecture) for t in shapes}
     assert set(written) - taken == {"model.embed_tokens.weight", "model.norm.weight",
                                     "lm_head.weight"}  # fmt: skip
+
+
+def test_the_c_blocks_are_not_admitted_for_gpt_oss():
+    """gpt-oss decodes on the NumPy rows: the C blocks have neither its experts nor its sinks
+    and O bias (a dense layer with them would be turned away as well)."""
+    from models import rows_native
+    from models.config import ModelConfig
+
+    values = {"architectures": ["GptOssForCausalLM"], **MODELS["gpt_oss"][1]}
+    config = ModelConfig.from_hf(values, "config.json")
+    assert "mixture of experts" in str(rows_native.unsupported(config, {}))
+    dense = replace(config, n_experts=0, n_experts_used=0, router_bias=False, expert_bias=False)
+    assert "attention sinks" in str(rows_native.unsupported(dense, {}))
