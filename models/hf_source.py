@@ -14,6 +14,7 @@ from models.config import ModelConfig
 from models.errors import ModelError
 from models.families import HF_ARCHITECTURES
 from models.layers import O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS
+from models.quant import FORMATS
 from models.source_base import HF_FUSED, ModelSource, expert_of, fused_rows
 from models.tokenizer import Tokenizer
 
@@ -47,6 +48,7 @@ _HF_GEMMA_NORMS = {
 }
 
 
+_BLOCKS = "_blocks"  # an MXFP4 tensor's blocks, its scales beside them as "_scales"
 # gpt-oss' names: every expert of a layer in one tensor each, (E, in, out) with gate and up
 # interleaved by column in gate_up_proj (gate at even columns), their biases (E, out).
 _HF_GPT_OSS = {
@@ -145,12 +147,8 @@ class HFSource(ModelSource):
             key = "lm_head.weight"
         else:
             key = "model.norm.weight" if name == "final_norm" else "model.embed_tokens.weight"
-        if key not in self._where and key + "_blocks" in self._where:
-            raise ModelError(
-                f"{self.path}: tensor {key!r} is stored as MXFP4 blocks ({key}_blocks), which "
-                "edgetp does not read from an HF folder yet: use the model's GGUF file, or save "
-                "it dequantized"
-            )
+        if key not in self._where and key + _BLOCKS in self._where:  # gpt-oss' MXFP4 experts
+            return key + _BLOCKS
         if key not in self._where:
             raise ModelError(f"{self.path}: tensor {key!r} is missing")
         return key
@@ -159,6 +157,8 @@ class HFSource(ModelSource):
         from safetensors import safe_open
 
         key = self._key(layer, name)
+        if key.endswith(_BLOCKS):
+            return "MXFP4"
         with safe_open(str(self._where[key]), framework="pt") as handle:
             return handle.get_slice(key).get_dtype()
 
@@ -172,6 +172,9 @@ class HFSource(ModelSource):
         # A file is opened per read: an open file stays mapped, and every page a read touched
         # would count as this process's memory (GBs while splitting a 70B model).
         expert = expert_of(name) if layer is not None else None
+        if expert is not None and key.endswith(_BLOCKS):
+            stored = self._mxfp4_rows(key, expert, start, stop)
+            return stored if blocks else FORMATS["mxfp4"].dequantize(stored)
         with safe_open(str(self._where[key]), framework="pt") as handle:
             if expert is not None and self.config.expert_bias:  # gpt-oss' (E, in, out)
                 out = _gpt_oss_expert_rows(handle.get_slice(key)[expert[1]], expert[0], start, stop)
@@ -180,6 +183,27 @@ class HFSource(ModelSource):
         if self._norm_plus_one and (name.endswith("norm")):
             out = out + 1  # Gemma's norms scale by (1 + weight); GGUF files store the sum
         return out
+
+    def _mxfp4_rows(self, key: str, expert: tuple[str, int], start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of an expert's gate, up or down stored as MXFP4 blocks and scales
+        (openai's gpt-oss: (E, out, in / 32, 16) and (E, out, in / 32), gate and up interleaved
+        by row), as GGUF's MXFP4 blocks (rows, in / 32, 17)."""
+        from safetensors import safe_open
+
+        parts = []
+        for name in (key.removesuffix(_BLOCKS) + "_scales", key):
+            with safe_open(str(self._where[name]), framework="pt") as handle:
+                t = handle.get_slice(name)[expert[1]]
+            if expert[0] in ("gate", "up"):
+                first = 0 if expert[0] == "gate" else 1
+                parts.append(t[2 * start + first : 2 * stop : 2])
+            else:
+                parts.append(t[start:stop])
+        scales, nibbles = parts
+        # openai packs values 2i and 2i + 1 in byte i (low nibble first), GGUF j and j + 16
+        values = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).flatten(-2)  # (.., 32)
+        packed = values[..., :16] | (values[..., 16:] << 4)
+        return torch.cat((scales.unsqueeze(-1), packed), dim=-1).contiguous()
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_hf_folder(self.path)

@@ -127,6 +127,7 @@ def _build(name: str, tmp_path_factory) -> tuple:
     model.save_pretrained(folder)
     if arch == "gpt-oss":
         _write_gpt_oss_gguf(model, folder / "model.gguf")
+        _write_mxfp4_folder(model, folder, folder / "mxfp4")
     elif arch:
         _write_gguf(model, arch, folder / "model.gguf")
     prompt = torch.randint(
@@ -202,6 +203,32 @@ def _as_mxfp4(model) -> None:
                 rows = p.transpose(1, 2).numpy()  # (E, out, in)
                 rounded = gguf.quants.dequantize(_mxfp4_rows(rows), mxfp4)
                 p.copy_(torch.from_numpy(rounded).transpose(1, 2))
+
+
+def _write_mxfp4_folder(model, folder: Path, out: Path) -> None:
+    """The HF folder as openai publishes gpt-oss: its experts' matrices as MXFP4 blocks (E, out,
+    in / 32, 16), two values a byte (2i low, 2i + 1 high), and their scales (E, out, in / 32)."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    out.mkdir()
+    (out / "config.json").write_text((folder / "config.json").read_text())
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    for i in range(model.config.num_hidden_layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            rows = state.pop(name).transpose(1, 2).numpy()  # (E, out, in), gate and up interleaved
+            blocks = _mxfp4_rows(rows).reshape(*rows.shape[:2], -1, 17)
+            q = torch.from_numpy(blocks[..., 1:])  # GGUF's: values j and j + 16 in byte j
+            values = torch.cat((q & 0x0F, q >> 4), dim=-1)  # (E, out, in / 32, 32) in order
+            state[name + "_blocks"] = values[..., 0::2] | (values[..., 1::2] << 4)
+            state[name + "_scales"] = torch.from_numpy(np.ascontiguousarray(blocks[..., 0]))
+            # transformers' own reading of such blocks gives the model's (E, in, out) back
+            again = convert_moe_packed_tensors(
+                state[name + "_blocks"], state[name + "_scales"], dtype=torch.float32
+            )
+            assert torch.equal(again, torch.from_numpy(rows).transpose(1, 2))
+    save_file(state, str(out / "model.safetensors"))
 
 
 def _write_gpt_oss_gguf(model, path: Path) -> None:
@@ -317,18 +344,24 @@ def test_gguf_logits_equal_transformers_on_every_node_count(gguf_moe):
 
 
 @pytest.mark.slow
-def test_gpt_oss_mxfp4_experts_stay_mxfp4_on_real_nodes(tmp_path_factory):
-    """A gpt-oss GGUF file's MXFP4 experts are split into MXFP4 shards as the file stores them
-    (`auto`), multiplied in their blocks by 3 processes: transformers' logits, on the values
-    MXFP4 holds."""
+@pytest.mark.parametrize("stored", ["model.gguf", "mxfp4"])
+def test_gpt_oss_mxfp4_experts_stay_mxfp4_on_real_nodes(tmp_path_factory, stored):
+    """gpt-oss' MXFP4 experts, in a GGUF file (llama.cpp's blocks) or an HF folder (openai's
+    blocks and scales), are split into MXFP4 shards as they are stored (`auto`), multiplied in
+    their blocks by 3 processes: transformers' logits, on the values MXFP4 holds. The HF
+    folder's at 1 to 4 nodes in this process too."""
     model, folder, prompt = _built("gpt_oss", tmp_path_factory)
     expected, continuation = _reference(model, prompt)
-    source = open_model(folder / "model.gguf")
+    source = open_model(folder / stored)
     assert source.stored_type(0, "gate.0") == "MXFP4"
     dtypes = source.matrix_dtypes(0, "auto")
     assert (dtypes["w_gate_up"], dtypes["w_down"], dtypes["wqkv"]) == ("mxfp4", "mxfp4", "f32")
     ours = _windowed(source, 3, "auto", prompt, continuation, 128)
-    _assert_close_logits(ours, expected, "gpt-oss MXFP4 experts, 3 real nodes")
+    _assert_close_logits(ours, expected, f"gpt-oss {stored}, MXFP4 experts, 3 real nodes")
+    if stored == "mxfp4":
+        for n in NODES:
+            ours = _ours(Engine.local(source, (1.0,) * n), prompt, continuation)
+            _assert_close_logits(ours, expected, f"gpt-oss MXFP4 HF folder, {n} node(s)")
 
 
 @pytest.mark.slow
