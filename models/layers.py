@@ -212,13 +212,13 @@ def slice_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
         pieces = [(j * w + f[0], j * w + f[1]) for j in range(config.n_shared)]
         parts["w_gate_up"] += tuple(Part(n, p) for p in pieces for n in SHARED_TENSORS[:2])
         parts["w_down"] += tuple(Part("shared_down", (0, d), p) for p in pieces)
-    if config.expert_bias:
-        share = s.n_ffn / config.ffn_hidden
-        parts["b_gate_up"] = tuple(
-            Part(expert_name(n, e), f) for e in experts for n in ("gate_bias", "up_bias")
-        )
-        parts["b_down"] = tuple(Part(expert_name("down_bias", e), (0, d), None, share)
-                                for e in experts)  # fmt: skip
+        if config.expert_bias:
+            share = s.n_ffn / config.ffn_hidden
+            parts["b_gate_up"] = tuple(
+                Part(expert_name(n, e), f) for e in experts for n in ("gate_bias", "up_bias")
+            )
+            parts["b_down"] = tuple(Part(expert_name("down_bias", e), (0, d), None, share)
+                                    for e in experts)  # fmt: skip
     if config.attention_sinks:
         parts["sinks"] = (Part(SINKS, s.q_heads),)
     if config.o_bias:

@@ -654,3 +654,27 @@ def test_the_c_blocks_are_not_admitted_for_gpt_oss():
     assert "mixture of experts" in str(rows_native.unsupported(config, {}))
     dense = replace(config, n_experts=0, n_experts_used=0, router_bias=False, expert_bias=False)
     assert "attention sinks" in str(rows_native.unsupported(dense, {}))
+
+
+def test_a_gpt_oss_gguf_vocabulary_splits_words_as_o200k_does(monkeypatch):
+    """A gpt-oss GGUF file's `gpt-4o` pre-tokenizer cuts text into the words tiktoken's o200k
+    pattern does (its pattern read from tiktoken, without its BPE file)."""
+    import regex
+    from tiktoken_ext import openai_public
+
+    from models.gguf_vocab import byte_level_bpe_from_gguf, bytes_to_unicode
+
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *_, **__: {})
+    pattern = openai_public.o200k_base()["pat_str"]
+    spelling = bytes_to_unicode()
+    metadata = {
+        "tokenizer.ggml.pre": "gpt-4o",
+        "tokenizer.ggml.tokens": [*spelling.values(), "ĠĠ"],
+        "tokenizer.ggml.merges": ["Ġ Ġ"],
+    }
+    engine = byte_level_bpe_from_gguf(metadata, "model.gguf")
+    text = "Hello WORLDs'RE it's 12345 a/b/\r\n\n  x  ÉcolePARISien don'T ½ 3.14\tfooBar"
+    pieces = [p for p, _ in engine._backend.pre_tokenizer.pre_tokenize_str(text)]
+    words = regex.findall(pattern, text)
+    assert pieces == ["".join(spelling[b] for b in w.encode()) for w in words]
+    assert len(words) > 20  # the pattern cut the text
