@@ -678,3 +678,21 @@ def test_a_gpt_oss_gguf_vocabulary_splits_words_as_o200k_does(monkeypatch):
     words = regex.findall(pattern, text)
     assert pieces == ["".join(spelling[b] for b in w.encode()) for w in words]
     assert len(words) > 20  # the pattern cut the text
+
+
+def test_a_harmony_vocabulary_ends_a_turn_on_return_not_on_end(tmp_path):
+    """gpt-oss ends each message with <|end|>, its reasoning's too: it stops on <|return|>,
+    <|call|> and <|endoftext|>, the ids its generation_config lists (200002, 200012, 199999),
+    as the synthetic gpt-oss' tokenizer has them."""
+    from master.bench.synth import _write_tokenizer
+    from models.chat_template import render_chat
+    from models.tokenizer import Tokenizer
+
+    _write_tokenizer(tmp_path, "gpt-oss-20b")
+    tokenizer = Tokenizer.from_hf_folder(tmp_path)
+    assert tokenizer.eos_ids == {200002, 200012, 199999}
+    assert tokenizer.token_to_id("<|end|>") == 200007
+    text = render_chat(tokenizer.chat_template, [{"role": "user", "content": "Hi"}],
+                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)  # fmt: skip
+    assert text == "<|start|>user<|message|>Hi<|end|><|start|>assistant"
+    assert tokenizer.encode(text)[:2] == [200006, tokenizer.encode("user")[0]]
