@@ -73,7 +73,7 @@ def hf_layer_name(index: int, canonical: str, architecture: str = "") -> str:
     """The config.json `architecture`'s name of layer `index`'s canonical tensor."""
     expert = expert_of(canonical)
     mixtral = architecture == "MixtralForCausalLM"
-    gpt_oss = HF_ARCHITECTURES[architecture].gpt_oss if architecture else False
+    gpt_oss = architecture in HF_ARCHITECTURES and HF_ARCHITECTURES[architecture].gpt_oss
     if gpt_oss and (expert is not None or canonical in _HF_GPT_OSS):
         stored = _HF_GPT_OSS[expert[0] if expert is not None else canonical]
     elif expert is not None and mixtral:
