@@ -66,7 +66,7 @@ def attention_partial(
     k = apply_rope(k, cos, sin)
 
     if window is not None:
-        out = _attend_window(q, k, v, cache_k, cache_v, batch, window, s, config)
+        out = _attend_window(q, k, v, cache_k, cache_v, batch, window, s, config, w.get("sinks"))
     elif B == 1:
         slot, start = batch.slots[0], batch.starts[0]
         end = start + T
@@ -77,7 +77,7 @@ def attention_partial(
         causal = T > 1 and start == 0
         if T > 1 and start > 0:  # a continued prompt: attend to the past and causally within
             mask = torch.arange(end) <= (start + torch.arange(T)).unsqueeze(1)  # (T, L)
-        out = _attend(q, keys, values, mask, causal, s, config)
+        out = _attend(q, keys, values, mask, causal, s, config, w.get("sinks"))
     else:
         ends = [st + n for st, n in zip(batch.starts, batch.lengths, strict=True)]
         for b, (slot, st, n) in enumerate(
@@ -91,9 +91,10 @@ def attention_partial(
         qpos = batch.positions()  # (B, T)
         kpos = torch.arange(L)
         mask = (kpos <= qpos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
-        out = _attend(q, keys, values, mask, False, s, config)
+        out = _attend(q, keys, values, mask, False, s, config, w.get("sinks"))
     out = out.transpose(1, 2).reshape(B, T, nq * hd)
-    return project(out, w, "wo")  # (B, T, D), row-parallel: sum over slices
+    # row-parallel: sum over slices (each adds its share of an O bias, `slice_parts`)
+    return project(out, w, "wo", w.get("bo"))  # (B, T, D)
 
 
 def _attend(
@@ -104,11 +105,17 @@ def _attend(
     causal: bool,
     s: Slice,
     config: ModelConfig,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this slice's query heads q (B, nq, T, hd) over its KV heads' keys and
-    values (B, nkv, L, hd)."""
+    values (B, nkv, L, hd); `sinks` (nq,): each head's logit in its softmax's denominator."""
     nq, nkv, group = s.n_q, s.n_kv, config.group_size
     scale = config.query_scale
+    if sinks is not None:
+        kv_of_q = torch.arange(*s.q_heads) // group - s.kv_heads[0]
+        scale = scale or q.shape[-1] ** -0.5
+        return _attend_with_sinks(q, keys[:, kv_of_q], values[:, kv_of_q], mask, causal, sinks,
+                                  scale)  # fmt: skip
     if nq == nkv * group and s.q_heads[0] % group == 0:
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=nq != nkv, scale=scale
@@ -118,6 +125,29 @@ def _attend(
     return F.scaled_dot_product_attention(
         q, keys[:, kv_of_q], values[:, kv_of_q], attn_mask=mask, is_causal=causal, scale=scale
     )
+
+
+def _attend_with_sinks(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention with sinks (gpt-oss), keys and values given for every query head (B, nq, L,
+    hd): each head's softmax has its sink's logit as one more entry, whose value is dropped, so
+    its weights sum to less than 1. SDPA has no such entry: the scores are explicit here."""
+    B, nq, T, _ = q.shape
+    scores = q @ keys.transpose(-1, -2) * scale  # (B, nq, T, L)
+    if causal:  # T == L: a prompt from its start
+        mask = torch.ones(T, keys.shape[2], dtype=torch.bool).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.view(1, nq, 1, 1).expand(B, nq, T, 1)
+    weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return weights @ values  # (B, nq, T, hd)
 
 
 def _attend_window(
@@ -130,6 +160,7 @@ def _attend_window(
     window: int,
     s: Slice,
     config: ModelConfig,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A local layer's attention: each query sees the last `window` positions, itself included.
 
@@ -145,7 +176,9 @@ def _attend_window(
         values = torch.cat((cache_v[slot][:, past % W], v[b, :, :n]), dim=1).unsqueeze(0)
         qpos = torch.arange(st, st + n).unsqueeze(1)
         mask = (kpos <= qpos) & (kpos > qpos - window)  # (n, L)
-        out[b : b + 1, :, :n] = _attend(q[b : b + 1, :, :n], keys, values, mask, False, s, config)
+        out[b : b + 1, :, :n] = _attend(
+            q[b : b + 1, :, :n], keys, values, mask, False, s, config, sinks
+        )
         kept = torch.arange(max(st, st + n - W), st + n)
         cache_k[slot][:, kept % W] = k[b][:, kept - st]
         cache_v[slot][:, kept % W] = v[b][:, kept - st]

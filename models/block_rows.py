@@ -80,6 +80,7 @@ def attention_rows(
     grouped = nq == nkv * group and s.q_heads[0] % group == 0
     kv_of_q = None if grouped else np.arange(*s.q_heads) // group - s.kv_heads[0]
     scale = np.float32(config.query_scale or 1.0 / math.sqrt(hd))
+    sinks = w["sinks"].numpy() if "sinks" in w else None  # (nq,), gpt-oss
     W = cache_k.shape[2]  # a local layer's ring: position p at p % W, the last W positions
     out = np.empty((B, nq, hd), dtype=np.float32)
     for b, (slot, pos) in enumerate(zip(batch.slots, batch.starts, strict=True)):
@@ -94,11 +95,17 @@ def attention_rows(
             keys, values = keys[kv_of_q], values[kv_of_q]
             queries = q[b][:, None, :]
         scores = queries @ keys.transpose(0, 2, 1) * scale  # (heads, queries per head, L)
-        scores -= scores.max(axis=-1, keepdims=True)
+        top = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:  # each query head's sink: one more logit in the denominator
+            sink = sinks.reshape(*queries.shape[:2], 1)
+            top = np.maximum(top, sink)
+        scores -= top
         np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
+        total = scores.sum(axis=-1, keepdims=True)
+        scores /= total if sinks is None else total + np.exp(sink - top)
         out[b] = (scores @ values).reshape(nq, hd)
-    return project_rows(out.reshape(B, nq * hd), w, "wo")  # (B, D), row-parallel
+    # (B, D), row-parallel (each slice adds its share of an O bias)
+    return project_rows(out.reshape(B, nq * hd), w, "wo", w.get("bo"))
 
 
 def ffn_rows(h: np.ndarray, w: dict[str, torch.Tensor], config: ModelConfig) -> np.ndarray:

@@ -13,7 +13,16 @@ from typing import Any
 
 from models.errors import ModelError
 from models.families import FAMILIES as FAMILIES  # re-exported: where callers look for it
-from models.families import GGUF_ARCHITECTURES, HF_ARCHITECTURES, Family, unsupported
+from models.families import GGUF_ARCHITECTURES, HF_ARCHITECTURES, unsupported
+from models.family_fields import (
+    GPT_OSS_FIELDS,
+    gpt_oss_fields,
+    hf_gemma,
+    hf_gpt_oss,
+    hf_moe,
+    hf_unrotated,
+    shared_experts,
+)
 
 # The model `edgetp` runs when none is named: a PyPI package installed by `make setup`.
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -31,6 +40,9 @@ class RopeScaling:
     original_context: int = 8192  # llama3, yarn, longrope
     beta_fast: float = 32.0  # yarn: rotations below which a frequency is only extrapolated
     beta_slow: float = 1.0  # yarn: rotations above which it is only interpolated
+    # yarn: the ramp between them starts and ends at whole pairs (transformers' default; gpt-oss
+    # configs say false)
+    truncate: bool = True
     # yarn, longrope: cos/sin scale; None: yarn 0.1 ln(factor) + 1, longrope
     # sqrt(1 + ln(factor) / ln(original_context))
     attention_factor: float | None = None
@@ -82,6 +94,16 @@ class ModelConfig:
     # Layers whose queries and keys RoPE leaves as they are (SmolLM3's NoPE layers; the ones
     # transformers' `no_rope_layers` flags with 0): they attend by content alone.
     unrotated_layers: tuple[int, ...] = ()
+    # gpt-oss: each query head's learned logit joins its softmax's denominator (attention
+    # sinks); the output projection, the router and the experts carry biases; the experts'
+    # SwiGLU is clamped, (up + 1) * gate * sigmoid(alpha * gate), gate at most `swiglu_limit`,
+    # up within +-`swiglu_limit` (models/moe.py).
+    attention_sinks: bool = False
+    o_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("local_layers", "unrotated_layers"):  # JSON gives lists
@@ -107,6 +129,11 @@ class ModelConfig:
         """The experts a slice's stacked matrices hold: the routed ones, then the shared
         expert's pieces."""
         return self.n_experts + self.n_shared
+
+    @property
+    def router_columns(self) -> int:
+        """The columns of the master's router: the hidden state's, then its bias (gpt-oss)."""
+        return self.hidden + (1 if self.router_bias else 0)
 
     @property
     def router_rows(self) -> int:
@@ -152,9 +179,11 @@ class ModelConfig:
         if not self.moe:
             for name in ("n_experts", "n_experts_used", "norm_topk_prob"):
                 del values[name]
-        for name in ("unrotated_layers", "n_shared"):  # none: as before they existed
+        for name in ("unrotated_layers", "n_shared", *GPT_OSS_FIELDS):  # as before they existed
             if not values[name]:
                 del values[name]
+        if values["rope_scaling"] is not None and values["rope_scaling"]["truncate"]:
+            del values["rope_scaling"]["truncate"]
         return values
 
     @classmethod
@@ -192,6 +221,8 @@ class ModelConfig:
                 "yarn",
                 float(key("rope.scaling.factor")),
                 original_context=int(key("rope.scaling.original_context_length")),
+                # gpt-oss' published config does not truncate; a GGUF file has no key for it
+                truncate=not GGUF_ARCHITECTURES[arch].gpt_oss,
             )
         elif scaling_type not in (None, "none"):
             raise ModelError(f"{source}: RoPE scaling {scaling_type!r} is not supported")
@@ -244,9 +275,12 @@ class ModelConfig:
             if family.shared_expert:  # llama.cpp: as wide as the FFN unless the file says
                 shared = metadata.get(f"{arch}.expert_shared_feed_forward_length")
                 shared = int(shared or key("feed_forward_length"))
-                moe["n_shared"] = _shared_experts(shared, width, source)
+                moe["n_shared"] = shared_experts(shared, width, source)
         else:
             moe = {"ffn_hidden": int(key("feed_forward_length"))}
+        if family.gpt_oss:  # as llama.cpp reads it: the even layers attend to a window
+            window = int(key("attention.sliding_window"))
+            gemma = gpt_oss_fields(tuple(range(0, n_layers, 2)), window)  # layer kinds too
         every = GGUF_ARCHITECTURES[arch].unrotated_every
         return cls(
             architecture=arch,
@@ -293,11 +327,14 @@ class ModelConfig:
         # there. (Qwen2 configs name a window they do not use.)
         window = config.get("sliding_window")
         family = HF_ARCHITECTURES[arch]
-        if window and config.get("use_sliding_window", True) and not family.gemma:
+        local_layers = family.gemma or family.gpt_oss  # a window on some layers only
+        if window and config.get("use_sliding_window", True) and not local_layers:
             context = min(context, int(window))
-        gemma = _hf_gemma(config, source) if family.gemma else {}
+        gemma = hf_gemma(config, source) if family.gemma else {}
+        if family.gpt_oss:
+            gemma = hf_gpt_oss(config, source)
         dense = {"ffn_hidden": int(key("intermediate_size"))} if not family.moe else {}
-        moe = _hf_moe(config, source, family) if family.moe else dense
+        moe = hf_moe(config, source, family) if family.moe else dense
         return cls(
             architecture=arch,
             n_layers=int(key("num_hidden_layers")),
@@ -315,105 +352,10 @@ class ModelConfig:
             fused=HF_ARCHITECTURES[arch].fused,
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            unrotated_layers=_hf_unrotated(config, source, family),
+            unrotated_layers=hf_unrotated(config, source, family),
             **gemma,
             **moe,
         )
-
-
-def _hf_unrotated(config: dict[str, Any], source: str, family: Family) -> tuple[int, ...]:
-    """The layers a SmolLM3 config.json leaves unrotated, as transformers reads it: those its
-    `no_rope_layers` flags with 0, or else every `no_rope_layer_interval`-th."""
-    if not family.unrotated_every:
-        return ()
-    n_layers = int(config["num_hidden_layers"])
-    flags = config.get("no_rope_layers")
-    if flags is None:
-        every = int(config.get("no_rope_layer_interval") or family.unrotated_every)
-        flags = [int((i + 1) % every != 0) for i in range(n_layers)]
-    if len(flags) != n_layers:
-        raise ModelError(f"{source}: no_rope_layers has {len(flags)} flags for {n_layers} layers")
-    return tuple(i for i, rotated in enumerate(flags) if not rotated)
-
-
-def _hf_moe(config: dict[str, Any], source: str, family: Family) -> dict[str, Any]:
-    """The mixture-of-experts fields of a `Qwen3MoeForCausalLM` or `MixtralForCausalLM`
-    config.json. Every layer's FFN must be sparse: dense layers among them (`mlp_only_layers`,
-    `decoder_sparse_step`) are not supported yet."""
-    n_layers = int(config["num_hidden_layers"])
-    step = int(config.get("decoder_sparse_step") or 1)
-    dense = set(config.get("mlp_only_layers") or []) | {
-        i for i in range(n_layers) if (i + 1) % step
-    }
-    if dense:
-        raise ModelError(
-            f"{source}: dense FFN layers {sorted(dense)} among the experts' are not supported"
-        )
-    # "num_experts" as published; transformers 5 writes "num_local_experts"
-    experts = config.get("num_experts") or config.get("num_local_experts")
-    if experts is None:
-        raise ModelError(f"{source}: config.json key 'num_experts' is missing")
-    for name in ("num_experts_per_tok", family.expert_width):
-        if config.get(name) is None:
-            raise ModelError(f"{source}: config.json key {name!r} is missing")
-    if (config.get("hidden_act") or "silu") != "silu":
-        raise ModelError(f"{source}: expert activation {config['hidden_act']!r} is not supported")
-    shared = {}
-    if family.shared_expert:
-        if config.get("shared_expert_intermediate_size") is None:
-            raise ModelError(
-                f"{source}: config.json key 'shared_expert_intermediate_size' is missing"
-            )
-        width = int(config["shared_expert_intermediate_size"])
-        shared["n_shared"] = _shared_experts(width, int(config[family.expert_width]), source)
-    return shared | {
-        "ffn_hidden": int(config[family.expert_width]),
-        "n_experts": int(experts),
-        "n_experts_used": int(config["num_experts_per_tok"]),
-        "norm_topk_prob": family.norm_topk
-        if family.norm_topk is not None
-        else bool(config.get("norm_topk_prob", False)),
-    }
-
-
-def _shared_experts(shared: int, expert: int, source: str) -> int:
-    """How many experts' widths the shared expert is: it is cut as that many more experts."""
-    if not shared or shared % expert:
-        raise ModelError(
-            f"{source}: a shared expert {shared} wide, not a multiple of the experts' {expert}, "
-            "is not supported"
-        )
-    return shared // expert
-
-
-def _hf_gemma(config: dict[str, Any], source: str) -> dict[str, Any]:
-    """The Gemma 3 fields of a `Gemma3ForCausalLM` config.json."""
-    for unsupported_key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if config.get(unsupported_key) is not None:  # Gemma 2's, not Gemma 3's
-            raise ModelError(f"{source}: {unsupported_key} is not supported")
-    if config.get("use_bidirectional_attention"):
-        raise ModelError(f"{source}: bidirectional attention (an embedding model) is not supported")
-    activation = config.get("hidden_activation") or "gelu_pytorch_tanh"
-    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ModelError(f"{source}: FFN activation {activation!r} is not supported")
-    n_layers = int(config["num_hidden_layers"])
-    types = config.get("layer_types")
-    if not types:  # older files: every `sliding_window_pattern`-th layer is global
-        pattern = int(config.get("sliding_window_pattern") or 6)
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                 for i in range(n_layers)]  # fmt: skip
-    local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
-    return {
-        "embedding_multiplier": math.sqrt(int(config["hidden_size"])),
-        "post_norms": True,
-        "activation": "gelu_tanh",
-        "query_scale": float(config.get("query_pre_attn_scalar") or 256) ** -0.5,
-        "sliding_window": int(config["sliding_window"]),
-        "local_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
-        "local_rope_theta": float(
-            local.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0
-        ),
-    }
 
 
 def _hf_rope(config: dict[str, Any]) -> dict[str, Any]:
@@ -445,6 +387,7 @@ def _hf_rope_scaling(config: dict[str, Any], source: str) -> RopeScaling | None:
             beta_fast=float(scaling.get("beta_fast") or 32.0),
             beta_slow=float(scaling.get("beta_slow") or 1.0),
             attention_factor=scaling.get("attention_factor"),
+            truncate=bool(scaling.get("truncate", True)),
         )
     if kind == "longrope":
         original = int(

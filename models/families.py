@@ -38,6 +38,10 @@ class Family:
     # every n-th layer's queries and keys are not rotated (SmolLM3's NoPE layers: llama.cpp
     # fixes n at 4, with no GGUF key for it; a config.json may list other layers)
     unrotated_every: int = 0
+    # gpt-oss: a learned logit a query head in its softmax's denominator (attention sinks), Q,
+    # K, V and O biases, sliding-window layers between full ones, a router and experts with
+    # biases, the experts' clamped SwiGLU
+    gpt_oss: bool = False
 
 
 FAMILIES = (
@@ -67,6 +71,17 @@ FAMILIES = (
         expert_width="intermediate_size",
         norm_topk=True,
     ),
+    # top-k of the router's logits, then a softmax over those: renormalised top-k weights
+    Family(
+        "gpt-oss",
+        "gpt-oss",
+        "GptOssForCausalLM",
+        qkv_bias=True,
+        moe=True,
+        expert_width="intermediate_size",
+        norm_topk=True,
+        gpt_oss=True,
+    ),
 )
 # A GGUF architecture's family is its first: a `llama` file with experts is read as Mixtral
 # by `ModelConfig.from_gguf`.
@@ -81,10 +96,6 @@ MISSING = {
     **dict.fromkeys(
         ("deepseek2", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
         "multi-head latent attention (MLA)",
-    ),
-    **dict.fromkeys(
-        ("gpt-oss", "GptOssForCausalLM"),
-        "attention sinks, expert biases and the clamped SwiGLU of its experts",
     ),
     **dict.fromkeys(
         (

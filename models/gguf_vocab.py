@@ -35,6 +35,15 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# o200k's (gpt-oss' o200k_harmony, llama.cpp's "gpt-4o"): words keep their case runs apart
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 # `tokenizer.ggml.pre` -> the regexes that cut text into words before byte-level BPE, applied in
 # turn as llama.cpp does; they must be the ones the merges were learned with.
 #
@@ -58,6 +67,7 @@ _BYTE_LEVEL_SPLITS: dict[str, tuple[str, ...]] = {
     "falcon3": (_LLAMA3_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,),
     "deepseek-r1-qwen": (_QWEN2_SPLIT,),
+    "gpt-4o": (_GPT4O_SPLIT,),
 }
 
 _SPACE = "\u2581"  # sentencepiece's visible space

@@ -48,6 +48,11 @@ ROUTER = "router"
 # (1, hidden) a layer, is the master's: row n_experts of the layer's rows of ROUTER.
 SHARED_TENSORS = ("shared_gate", "shared_up", "shared_down")
 SHARED_ROUTER = "shared_router"
+# gpt-oss (`ModelConfig.attention_sinks`, `o_bias`, `expert_bias`, `router_bias`): a learned
+# logit a query head, the output projection's bias, each expert's gate, up and down biases
+# ("gate_bias.e", ...), and the router's bias, which the master holds as ROUTER's last column.
+SINKS, O_BIAS, ROUTER_BIAS = "sinks", "o_bias", "router_bias"
+EXPERT_BIAS_TENSORS = ("gate_bias", "up_bias", "down_bias")
 
 
 def expert_name(name: str, expert: int) -> str:
@@ -60,10 +65,13 @@ def layer_tensor_names(config: ModelConfig) -> tuple[str, ...]:
     and router)."""
     names: tuple[str, ...] = LAYER_TENSORS
     if config.moe:
-        experts = [expert_name(n, e) for e in range(config.n_experts) for n in EXPERT_TENSORS]
+        kinds = EXPERT_TENSORS + (EXPERT_BIAS_TENSORS if config.expert_bias else ())
+        experts = [expert_name(n, e) for e in range(config.n_experts) for n in kinds]
         names = (*(n for n in names if n not in EXPERT_TENSORS), *experts)
     return (
         names
+        + ((SINKS,) if config.attention_sinks else ())
+        + ((O_BIAS,) if config.o_bias else ())
         + (SHARED_TENSORS if config.n_shared else ())
         + (BIAS_TENSORS if config.qkv_bias else ())
         + (QK_NORM_TENSORS if config.qk_norm else ())
@@ -131,11 +139,20 @@ def full_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {"q_norm": (hd,), "k_norm": (hd,)}
     if config.post_norms:
         shapes |= {name: (config.hidden,) for name in POST_NORM_TENSORS}
+    if config.attention_sinks:
+        shapes[SINKS] = (config.n_heads,)
+    if config.o_bias:
+        shapes[O_BIAS] = (d,)
     if config.moe:
+        biases = {"gate_bias": (f,), "up_bias": (f,), "down_bias": (d,)}
         for e in range(config.n_experts):
             shapes |= {expert_name(n, e): shapes[n] for n in EXPERT_TENSORS}
+            if config.expert_bias:
+                shapes |= {expert_name(n, e): shape for n, shape in biases.items()}
         shapes = {n: v for n, v in shapes.items() if n not in EXPERT_TENSORS}
         shapes[ROUTER] = (config.n_experts, d)
+    if config.router_bias:
+        shapes[ROUTER_BIAS] = (config.n_experts,)
     if config.n_shared:
         width = config.n_shared * f
         shapes |= {"shared_gate": (width, d), "shared_up": (width, d), "shared_down": (d, width)}
@@ -146,11 +163,13 @@ def full_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 @dataclass(frozen=True)
 class Part:
     """Rows [rows) and columns [cols) of a full source tensor: one piece of a slice's matrix.
-    A slice's matrix is its parts stacked by rows, in order; `cols` None is every column."""
+    A slice's matrix is its parts stacked by rows, in order; `cols` None is every column.
+    `share`: the piece's values times it, a row-parallel bias's share of a slice (`slice_parts`)."""
 
     source: str
     rows: tuple[int, int]
     cols: tuple[int, int] | None = None
+    share: float = 1.0
 
     @property
     def n_rows(self) -> int:
@@ -166,7 +185,12 @@ def slice_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
     (E 2n, D) is expert e's gate then up at rows [2 e n, 2 (e + 1) n), w_down (E D, n) expert
     e's down at rows [e D, (e + 1) D) (`models.moe.expert_rows`). Rows, so every dtype's blocks
     (along the input) stay whole, and the matrices keep their dense names. A shared expert
-    follows as n_shared more: its piece j is its columns j F + [a, b) for the slice's [a, b)."""
+    follows as n_shared more: its piece j is its columns j F + [a, b) for the slice's [a, b).
+
+    A row-parallel bias (gpt-oss' O and experts' down) is added by every slice, each its share
+    of it (its heads' or columns' fraction): any plan's partials sum to the bias, with no slice
+    singled out. Column-parallel biases (Q, K, V, experts' gate and up) are cut like their
+    matrices: b_gate_up (E 2n,) as w_gate_up's rows, b_down (E D,) as w_down's."""
     hd, d = config.head_dim, config.hidden
     q, k = (s.q_heads[0] * hd, s.q_heads[1] * hd), (s.kv_heads[0] * hd, s.kv_heads[1] * hd)
     f = s.ffn
@@ -188,6 +212,17 @@ def slice_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
         pieces = [(j * w + f[0], j * w + f[1]) for j in range(config.n_shared)]
         parts["w_gate_up"] += tuple(Part(n, p) for p in pieces for n in SHARED_TENSORS[:2])
         parts["w_down"] += tuple(Part("shared_down", (0, d), p) for p in pieces)
+        if config.expert_bias:
+            share = s.n_ffn / config.ffn_hidden
+            parts["b_gate_up"] = tuple(
+                Part(expert_name(n, e), f) for e in experts for n in ("gate_bias", "up_bias")
+            )
+            parts["b_down"] = tuple(Part(expert_name("down_bias", e), (0, d), None, share)
+                                    for e in experts)  # fmt: skip
+    if config.attention_sinks:
+        parts["sinks"] = (Part(SINKS, s.q_heads),)
+    if config.o_bias:
+        parts["bo"] = (Part(O_BIAS, (0, d), None, s.n_q / config.n_heads),)
     if config.qkv_bias:
         parts["bqkv"] = (Part("q_bias", q), Part("k_bias", k), Part("v_bias", k))
     if config.qk_norm:
@@ -203,7 +238,7 @@ def cut(t: torch.Tensor, part: Part, rows: tuple[int, int] | None = None) -> tor
     piece = t[a - first : b - first]
     if part.cols is not None:
         piece = take_columns(piece, *part.cols)
-    return piece
+    return piece * part.share if part.share != 1.0 else piece
 
 
 def slice_layer(

@@ -1,5 +1,5 @@
-"""A mixture of experts' FFN block (Qwen3-MoE, Mixtral, Qwen2-MoE): the master's router and a
-slice's partial.
+"""A mixture of experts' FFN block (Qwen3-MoE, Mixtral, Qwen2-MoE, gpt-oss): the master's
+router and a slice's partial.
 
 The router lives on the master: after the attention sum it has each token's hidden state, and
 `route` picks each token's `n_experts_used` experts and their weights, as transformers'
@@ -48,11 +48,13 @@ class Routing:
 
 def route(h: np.ndarray, norm: torch.Tensor, router: torch.Tensor, config: ModelConfig) -> Routing:
     """The routing of the hidden states h (B, D) or (B, T, D) after a layer's attention sum:
-    the FFN's norm `norm` (D,), then `router` (router_rows, D): the experts' router, then a
-    shared expert's gate."""
-    rows = torch.from_numpy(np.ascontiguousarray(h).reshape(-1, config.hidden))
+    the FFN's norm `norm` (D,), then `router` (router_rows, router_columns): the experts'
+    router, then a shared expert's gate; a router's bias (gpt-oss) is its last column."""
+    d = config.hidden
+    rows = torch.from_numpy(np.ascontiguousarray(h).reshape(-1, d))
     x = rms_norm(rows, norm, config.norm_eps)  # (N, D), as the experts' input
-    logits = F.linear(x, router)  # (N, router_rows)
+    bias = router[:, d] if config.router_bias else None
+    logits = F.linear(x, router[:, :d], bias)  # (N, router_rows)
     e = config.n_experts
     probs = torch.softmax(logits[:, :e], dim=-1, dtype=torch.float)
     top, experts = torch.topk(probs, config.n_experts_used, dim=-1)  # (N, k)
@@ -104,11 +106,26 @@ def _experts(x: np.ndarray, w: dict[str, torch.Tensor], n: int, config: ModelCon
         tokens, which = np.nonzero(routing.experts == e)  # a token chooses an expert once
         gate_up_rows, down_rows = expert_rows(config, n, int(e))
         gate_up = _product(np.ascontiguousarray(x[tokens]), w, "w_gate_up", gate_up_rows)
+        if "b_gate_up" in w:
+            gate_up += w["b_gate_up"][gate_up_rows].numpy()
         gate, up = gate_up[:, :n], gate_up[:, n:]  # column-parallel
-        act = gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up  # silu(g) u, as `ffn_rows`
-        y = _product(act, w, "w_down", down_rows)
+        y = _product(_swiglu(gate, up, config), w, "w_down", down_rows)
+        if "b_down" in w:  # this slice's share of it (`models.layers.slice_parts`)
+            y += w["b_down"][down_rows].numpy()
         out[tokens] += y * routing.weights[tokens, which][:, None]  # row-parallel
     return out
+
+
+def _swiglu(gate: np.ndarray, up: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """silu(gate) up, as `ffn_rows`; gpt-oss' clamped one where the config has a limit:
+    (up + 1) gate sigmoid(alpha gate), gate at most the limit, up within +-limit, as
+    transformers' GptOssExperts computes it."""
+    if config.swiglu_limit is None:
+        return gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up  # sigmoid without overflow
+    limit, alpha = np.float32(config.swiglu_limit), np.float32(config.swiglu_alpha or 1.0)
+    gate = np.minimum(gate, limit)
+    up = np.clip(up, -limit, limit)
+    return (up + 1) * gate * (0.5 + 0.5 * np.tanh(0.5 * alpha * gate))
 
 
 def moe_rows(

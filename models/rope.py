@@ -38,8 +38,10 @@ def rope_inv_freq(
             turns = sc.original_context / (rotations * 2 * math.pi)
             return d * math.log(turns) / (2 * math.log(config.rope_theta))
 
-        low = max(math.floor(pair(sc.beta_fast)), 0)
-        high = min(math.ceil(pair(sc.beta_slow)), d - 1)
+        low, high = pair(sc.beta_fast), pair(sc.beta_slow)
+        if sc.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
         ramp = (torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 0.001)
         keep = 1 - ramp.clamp(0, 1)
         inv = inv / sc.factor * (1 - keep) + inv * keep

@@ -144,6 +144,8 @@ def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | 
     """Why a slice with these (one layer's) weights cannot run natively, or None."""
     if config.moe:  # the C blocks have no experts yet: a decode step runs them on NumPy
         return "the C blocks do not run a mixture of experts"
+    if config.attention_sinks or config.o_bias:  # gpt-oss' attention: NumPy's too
+        return "the C blocks have no attention sinks nor output bias"
     for name in MATRICES:
         w = weights[name]
         if block_format(w) is None and w.dtype != torch.float32:

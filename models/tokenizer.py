@@ -47,6 +47,10 @@ END_OF_TURN_TOKENS = (
     "<|endoftext|>",
     "<|end_of_text|>",
 )
+# The harmony format (gpt-oss) ends every message with <|end|>, its reasoning's included, and
+# the answer with <|return|> (or a tool call with <|call|>): where a vocabulary has <|return|>,
+# those end a turn and <|end|> does not (as llama.cpp decides it).
+HARMONY_END_OF_TURN_TOKENS = ("<|return|>", "<|call|>")
 
 
 class Tokenizer:
@@ -83,9 +87,10 @@ class Tokenizer:
         self.chat_template = chat_template
         ends = {eos_id} if eos_id is not None else set()
         ends.update(i for i in extra_eos_ids if 0 <= i < vocab_size)
-        for token in END_OF_TURN_TOKENS:
+        harmony = engine.token_to_id(HARMONY_END_OF_TURN_TOKENS[0]) is not None
+        for token in END_OF_TURN_TOKENS + (HARMONY_END_OF_TURN_TOKENS if harmony else ()):
             token_id = engine.token_to_id(token)
-            if token_id is not None:
+            if token_id is not None and not (harmony and token == "<|end|>"):
                 ends.add(token_id)
         self.eos_ids: frozenset[int] = frozenset(ends)
         self._token_bytes: list[bytes] | None = None

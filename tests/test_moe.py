@@ -1,11 +1,12 @@
-"""A mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE) split across nodes answers as
+"""A mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, gpt-oss) split across nodes answers as
 transformers' does.
 
 A small random-weight model of each (2 layers, 8 experts of 128 columns, 2 a token; Qwen2-MoE's
-shared expert beside them) saved as an HF folder and a GGUF file: its logits at every position
-of a prefill and of its decode steps, at 1 to 4 nodes in this process and 3 real node processes
-(the routing crosses the wire), and its greedy continuation, against transformers'. Then the
-router on its own, and the STEP's routing checks.
+shared expert beside them; gpt-oss' sinks, biases and window layer, its experts MXFP4 in its
+GGUF file as llama.cpp writes them) saved as an HF folder and a GGUF file: its logits at every
+position of a prefill and of its decode steps, at 1 to 4 nodes in this process and 3 real node
+processes (the routing crosses the wire), and its greedy continuation, against transformers'.
+Then the router on its own, and the STEP's routing checks.
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ MODELS = {
         SMALL_MOE | {"norm_topk_prob": False, "shared_expert_intermediate_size": 256},
         "qwen2moe",
     ),
+    # gpt-oss: a window of 24 (the prompt outgrows it), YaRN as its config has it; its experts'
+    # gate and up are scaled up at build so that the clamp at 7 bites
+    "gpt_oss": (
+        "GptOssConfig",
+        {k: v for k, v in SMALL_MOE.items() if not k.startswith(("num_experts", "norm", "moe"))}
+        | {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 24},
+        "gpt-oss",
+    ),
 }
 GGUF_MODELS = sorted(name for name, (_, _, arch) in MODELS.items() if arch)
 _BUILT: dict[str, tuple] = {}  # each model is made once for the module
@@ -111,10 +120,15 @@ def _build(name: str, tmp_path_factory) -> tuple:
         config, attn_implementation="eager", dtype=torch.float32
     )
     _randomize(model, seed=7)
+    if arch == "gpt-oss":
+        _as_mxfp4(model)
     model.eval()
     folder = tmp_path_factory.mktemp(name)
     model.save_pretrained(folder)
-    if arch:
+    if arch == "gpt-oss":
+        _write_gpt_oss_gguf(model, folder / "model.gguf")
+        _write_mxfp4_folder(model, folder, folder / "mxfp4")
+    elif arch:
         _write_gguf(model, arch, folder / "model.gguf")
     prompt = torch.randint(
         0, config.vocab_size, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0)
@@ -171,6 +185,118 @@ def _write_gguf(model, arch: str, path: Path) -> None:
     writer.close()
 
 
+def _mxfp4_rows(t: np.ndarray) -> np.ndarray:
+    """(E, out, in) float32 as MXFP4 blocks along `in`, as llama.cpp stores gpt-oss' experts."""
+    return gguf.quants.quantize(np.ascontiguousarray(t), gguf.GGMLQuantizationType.MXFP4)
+
+
+def _as_mxfp4(model) -> None:
+    """gpt-oss' experts' gate and up 8 times larger (some of the SwiGLU's inputs then pass its
+    clamp), and every expert matrix rounded to what MXFP4 holds: the HF folder and the GGUF
+    file (its experts in MXFP4) are then the same model."""
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    with torch.no_grad():
+        for layer in model.model.layers:
+            experts = layer.mlp.experts
+            experts.gate_up_proj.mul_(8)
+            for p in (experts.gate_up_proj, experts.down_proj):  # (E, in, out)
+                rows = p.transpose(1, 2).numpy()  # (E, out, in)
+                rounded = gguf.quants.dequantize(_mxfp4_rows(rows), mxfp4)
+                p.copy_(torch.from_numpy(rounded).transpose(1, 2))
+
+
+def _write_mxfp4_folder(model, folder: Path, out: Path) -> None:
+    """The HF folder as openai publishes gpt-oss: its experts' matrices as MXFP4 blocks (E, out,
+    in / 32, 16), two values a byte (2i low, 2i + 1 high), and their scales (E, out, in / 32)."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    out.mkdir()
+    (out / "config.json").write_text((folder / "config.json").read_text())
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    for i in range(model.config.num_hidden_layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            rows = state.pop(name).transpose(1, 2).numpy()  # (E, out, in), gate and up interleaved
+            blocks = _mxfp4_rows(rows).reshape(*rows.shape[:2], -1, 17)
+            q = torch.from_numpy(blocks[..., 1:])  # GGUF's: values j and j + 16 in byte j
+            values = torch.cat((q & 0x0F, q >> 4), dim=-1)  # (E, out, in / 32, 32) in order
+            state[name + "_blocks"] = values[..., 0::2] | (values[..., 1::2] << 4)
+            state[name + "_scales"] = torch.from_numpy(np.ascontiguousarray(blocks[..., 0]))
+            # transformers' own reading of such blocks gives the model's (E, in, out) back
+            again = convert_moe_packed_tensors(
+                state[name + "_blocks"], state[name + "_scales"], dtype=torch.float32
+            )
+            assert torch.equal(again, torch.from_numpy(rows).transpose(1, 2))
+    save_file(state, str(out / "model.safetensors"))
+
+
+def _write_gpt_oss_gguf(model, path: Path) -> None:
+    """A gpt-oss as llama.cpp's converter writes it: its experts' gate and up apart (HF's
+    interleave them by column), each stack (E, out, in) in MXFP4, their biases (E, out) beside
+    them, the sinks as attn_sinks, the FFN norm as post_attention_norm."""
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.intermediate_size)
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_vocab_size(c.vocab_size)
+    state = {k: v.detach().float().contiguous().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.sinks": "attn_sinks.weight",
+        "mlp.router.weight": "ffn_gate_inp.weight",
+        "mlp.router.bias": "ffn_gate_inp.bias",
+    }
+    for proj, short in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")):
+        for kind in ("weight", "bias"):
+            names[f"self_attn.{proj}_proj.{kind}"] = f"attn_{short}.{kind}"
+    for i in range(c.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for hf, name in names.items():
+            writer.add_tensor(f"blk.{i}.{name}", state[prefix + hf])
+        gate_up = state[f"{prefix}mlp.experts.gate_up_proj"].transpose(0, 2, 1)  # (E, 2F, D)
+        bias = state[f"{prefix}mlp.experts.gate_up_proj_bias"]
+        stacks = {
+            "gate": (gate_up[:, ::2], bias[:, ::2]),
+            "up": (gate_up[:, 1::2], bias[:, 1::2]),
+            "down": (
+                state[f"{prefix}mlp.experts.down_proj"].transpose(0, 2, 1),
+                state[f"{prefix}mlp.experts.down_proj_bias"],
+            ),
+        }
+        for proj, (weight, b) in stacks.items():
+            writer.add_tensor(
+                f"blk.{i}.ffn_{proj}_exps.weight",
+                _mxfp4_rows(weight),
+                raw_dtype=gguf.GGMLQuantizationType.MXFP4,
+            )
+            writer.add_tensor(f"blk.{i}.ffn_{proj}_exps.bias", np.ascontiguousarray(b))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 @torch.inference_mode()
 def _reference(model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
     """transformers' logits at every position of prompt + its greedy continuation, and that
@@ -215,6 +341,27 @@ def test_gguf_logits_equal_transformers_on_every_node_count(gguf_moe):
     for n in NODES:
         ours = _ours(Engine.local(source, (1.0,) * n), prompt, continuation)
         _assert_close_logits(ours, expected, f"{folder.name} gguf {n} node(s)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stored", ["model.gguf", "mxfp4"])
+def test_gpt_oss_mxfp4_experts_stay_mxfp4_on_real_nodes(tmp_path_factory, stored):
+    """gpt-oss' MXFP4 experts, in a GGUF file (llama.cpp's blocks) or an HF folder (openai's
+    blocks and scales), are split into MXFP4 shards as they are stored (`auto`), multiplied in
+    their blocks by 3 processes: transformers' logits, on the values MXFP4 holds. The HF
+    folder's at 1 to 4 nodes in this process too."""
+    model, folder, prompt = _built("gpt_oss", tmp_path_factory)
+    expected, continuation = _reference(model, prompt)
+    source = open_model(folder / stored)
+    assert source.stored_type(0, "gate.0") == "MXFP4"
+    dtypes = source.matrix_dtypes(0, "auto")
+    assert (dtypes["w_gate_up"], dtypes["w_down"], dtypes["wqkv"]) == ("mxfp4", "mxfp4", "f32")
+    ours = _windowed(source, 3, "auto", prompt, continuation, 128)
+    _assert_close_logits(ours, expected, f"gpt-oss {stored}, MXFP4 experts, 3 real nodes")
+    if stored == "mxfp4":
+        for n in NODES:
+            ours = _ours(Engine.local(source, (1.0,) * n), prompt, continuation)
+            _assert_close_logits(ours, expected, f"gpt-oss MXFP4 HF folder, {n} node(s)")
 
 
 @pytest.mark.slow
@@ -422,7 +569,7 @@ def test_kernels_are_prepared_for_one_expert_at_a_time(moe):
     [
         ("DeepseekV3ForCausalLM", "multi-head latent attention (MLA)"),
         ("deepseek2", "multi-head latent attention (MLA)"),
-        ("GptOssForCausalLM", "attention sinks"),
+        ("qwen3next", "gated DeltaNet"),
     ],
 )
 def test_an_unsupported_mixture_is_refused_in_one_line_naming_what_it_lacks(arch, lacks):
@@ -462,3 +609,90 @@ def test_a_gguf_mixtral_with_one_tensor_an_expert_is_refused(tmp_path):
     writer.close()
     with pytest.raises(ModelError, match="not stacked as blk.N.ffn_gate_exps.*convert the model"):
         open_model(path)
+
+
+def test_synth_gpt_oss_20b_writes_every_tensor_its_reader_takes():
+    """`edgetp synth --shape gpt-oss-20b`: every tensor `HFSource` reads for a gpt-oss, under
+    transformers' names and shapes (its experts one (E, in, out) tensor each: a layer is GBs,
+    so its plan is checked, not written), and the published config read as gpt-oss."""
+    from master.bench.synth import _shard_plan
+    from master.bench.synth_models import SHAPES
+    from models.config import ModelConfig
+    from models.layers import ROUTER, ROUTER_BIAS, full_layer_shapes, layer_tensor_names
+    from models.source import hf_layer_name
+
+    shape = SHAPES["gpt-oss-20b"]
+    config = ModelConfig.from_hf(shape, "gpt-oss-20b")
+    assert (config.n_experts, config.n_experts_used, config.ffn_hidden) == (32, 4, 2880)
+    assert config.local_layers == tuple(range(0, 24, 2)) and config.sliding_window == 128
+    assert config.rope_scaling is not None and not config.rope_scaling.truncate
+    written = {t.name: t.shape for specs in _shard_plan(shape, 1).values() for t in specs}
+    shapes = full_layer_shapes(config)
+    fused = {
+        "mlp.experts.gate_up_proj": (32, 2880, 5760),
+        "mlp.experts.down_proj": (32, 2880, 2880),
+        "mlp.experts.gate_up_proj_bias": (32, 5760),
+        "mlp.experts.down_proj_bias": (32, 2880),
+    }
+    for tensor in (*layer_tensor_names(config), ROUTER, ROUTER_BIAS):
+        name = hf_layer_name(0, tensor, config.architecture)
+        want = fused.get(name.removeprefix("model.layers.0."), shapes[tensor])
+        assert written[name] == want, tensor
+    taken = {hf_layer_name(0, t, config.architecture) for t in shapes}
+    assert set(written) - taken == {"model.embed_tokens.weight", "model.norm.weight",
+                                    "lm_head.weight"}  # fmt: skip
+
+
+def test_the_c_blocks_are_not_admitted_for_gpt_oss():
+    """gpt-oss decodes on the NumPy rows: the C blocks have neither its experts nor its sinks
+    and O bias (a dense layer with them would be turned away as well)."""
+    from models import rows_native
+    from models.config import ModelConfig
+
+    values = {"architectures": ["GptOssForCausalLM"], **MODELS["gpt_oss"][1]}
+    config = ModelConfig.from_hf(values, "config.json")
+    assert "mixture of experts" in str(rows_native.unsupported(config, {}))
+    dense = replace(config, n_experts=0, n_experts_used=0, router_bias=False, expert_bias=False)
+    assert "attention sinks" in str(rows_native.unsupported(dense, {}))
+
+
+def test_a_gpt_oss_gguf_vocabulary_splits_words_as_o200k_does(monkeypatch):
+    """A gpt-oss GGUF file's `gpt-4o` pre-tokenizer cuts text into the words tiktoken's o200k
+    pattern does (its pattern read from tiktoken, without its BPE file)."""
+    import regex
+    from tiktoken_ext import openai_public
+
+    from models.gguf_vocab import byte_level_bpe_from_gguf, bytes_to_unicode
+
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *_, **__: {})
+    pattern = openai_public.o200k_base()["pat_str"]
+    spelling = bytes_to_unicode()
+    metadata = {
+        "tokenizer.ggml.pre": "gpt-4o",
+        "tokenizer.ggml.tokens": [*spelling.values(), "ĠĠ"],
+        "tokenizer.ggml.merges": ["Ġ Ġ"],
+    }
+    engine = byte_level_bpe_from_gguf(metadata, "model.gguf")
+    text = "Hello WORLDs'RE it's 12345 a/b/\r\n\n  x  ÉcolePARISien don'T ½ 3.14\tfooBar"
+    pieces = [p for p, _ in engine._backend.pre_tokenizer.pre_tokenize_str(text)]
+    words = regex.findall(pattern, text)
+    assert pieces == ["".join(spelling[b] for b in w.encode()) for w in words]
+    assert len(words) > 20  # the pattern cut the text
+
+
+def test_a_harmony_vocabulary_ends_a_turn_on_return_not_on_end(tmp_path):
+    """gpt-oss ends each message with <|end|>, its reasoning's too: it stops on <|return|>,
+    <|call|> and <|endoftext|>, the ids its generation_config lists (200002, 200012, 199999),
+    as the synthetic gpt-oss' tokenizer has them."""
+    from master.bench.synth import _write_tokenizer
+    from models.chat_template import render_chat
+    from models.tokenizer import Tokenizer
+
+    _write_tokenizer(tmp_path, "gpt-oss-20b")
+    tokenizer = Tokenizer.from_hf_folder(tmp_path)
+    assert tokenizer.eos_ids == {200002, 200012, 199999}
+    assert tokenizer.token_to_id("<|end|>") == 200007
+    text = render_chat(tokenizer.chat_template, [{"role": "user", "content": "Hi"}],
+                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)  # fmt: skip
+    assert text == "<|start|>user<|message|>Hi<|end|><|start|>assistant"
+    assert tokenizer.encode(text)[:2] == [200006, tokenizer.encode("user")[0]]

@@ -193,7 +193,16 @@ def _attention(p: str, config: dict[str, Any], residual_std: float) -> list[_Ten
     head_dim = config.get("head_dim") or hidden // heads
     qk_norm = config["architectures"][0].startswith("Qwen3")
     norms = [_TensorSpec(p + f"self_attn.{n}_norm.weight", (head_dim,), None) for n in "qk"]
+    biases = []
+    if config.get("attention_bias"):  # gpt-oss: Q, K, V and O biases, and its sinks
+        biases = [
+            _TensorSpec(p + f"self_attn.{n}_proj.bias", (rows,), _WEIGHT_STD)
+            for n, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim),
+                            ("v", kv_heads * head_dim), ("o", hidden))
+        ]  # fmt: skip
+        biases.append(_TensorSpec(p + "self_attn.sinks", (heads,), _WEIGHT_STD))
     return [
+        *biases,
         _TensorSpec(p + "input_layernorm.weight", (hidden,), None),
         _TensorSpec(p + "self_attn.q_proj.weight", (heads * head_dim, hidden), _WEIGHT_STD),
         _TensorSpec(p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), _WEIGHT_STD),
@@ -218,6 +227,16 @@ def _ffn(p: str, config: dict[str, Any], residual_std: float) -> list[_TensorSpe
             _TensorSpec(p + "mlp.down_proj.weight", (hidden, ffn), residual_std),
         ]
     ffn, experts, arch = model.ffn_hidden, model.n_experts, model.architecture
+    if model.expert_bias:  # gpt-oss: a layer's experts in one tensor each, (E, in, out)
+        return [
+            norm,
+            _TensorSpec(p + "mlp.router.weight", (experts, hidden), _WEIGHT_STD),
+            _TensorSpec(p + "mlp.router.bias", (experts,), _WEIGHT_STD),
+            _TensorSpec(p + "mlp.experts.gate_up_proj", (experts, hidden, 2 * ffn), _WEIGHT_STD),
+            _TensorSpec(p + "mlp.experts.gate_up_proj_bias", (experts, 2 * ffn), _WEIGHT_STD),
+            _TensorSpec(p + "mlp.experts.down_proj", (experts, ffn, hidden), residual_std),
+            _TensorSpec(p + "mlp.experts.down_proj_bias", (experts, hidden), residual_std),
+        ]
     layer = int(p.split(".")[2])  # p is "model.layers.{i}."
     out = [norm, _TensorSpec(hf_layer_name(layer, ROUTER, arch), (experts, hidden), _WEIGHT_STD)]
     for e in range(experts):

@@ -217,6 +217,49 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    # openai/gpt-oss-20b, its experts as bf16 values rather than its MXFP4 blocks: 32 experts
+    # a layer, 4 a token, sliding-window (128) layers between full ones, YaRN
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "head_dim": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 24,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "experts_per_token": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "vocab_size": 201088,
+        "max_position_embeddings": 131072,
+        "initial_context_length": 4096,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "router_aux_loss_coef": 0.9,
+        "output_router_logits": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 199998,
+        "pad_token_id": 199999,
+        "eos_token_id": 200002,
+    },
     # TinyLlama/TinyLlama-1.1B-Chat-v1.0
     "tinyllama-1.1b": {
         **_LLAMA_COMMON,
@@ -255,6 +298,11 @@ def tokenizer_style(shape: str) -> TokenizerStyle:
     if shape.startswith("qwen3"):  # ChatML, its specials after the BPE tokens
         specials = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
         return TokenizerStyle(specials, _CHATML_TEMPLATE, add_bos=False)
+    if shape.startswith("gpt-oss"):  # o200k_harmony's specials after its BPE tokens
+        specials = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>",
+                    200003: "<|constrain|>", 200005: "<|channel|>", 200006: "<|start|>",
+                    200007: "<|end|>", 200008: "<|message|>", 200012: "<|call|>"}  # fmt: skip
+        return TokenizerStyle(specials, _HARMONY_TEMPLATE, add_bos=False)
     if shape.startswith("smollm2"):
         specials = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
         return TokenizerStyle(specials, _CHATML_TEMPLATE, add_bos=False)
@@ -308,6 +356,15 @@ _CHATML_TEMPLATE = (
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# The harmony format's messages without its system preamble, channels or tools: enough for a
+# synthetic model's prompts.
+_HARMONY_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
 
 _LLAMA3_TEMPLATE = (

@@ -1,0 +1,149 @@
+"""What each model family adds to a config: its fields, read from a config.json or fixed
+for its GGUF files (Gemma 3's and gpt-oss' local layers, the experts of a mixture, SmolLM3's
+unrotated layers). `models.config.ModelConfig` builds itself with them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from models.errors import ModelError
+from models.families import Family
+
+GPT_OSS_FIELDS = ("attention_sinks", "o_bias", "router_bias", "expert_bias", "swiglu_alpha",
+                   "swiglu_limit")  # fmt: skip
+
+
+def gpt_oss_fields(
+    local: tuple[int, ...], window: int, alpha: float = 1.702, limit: float = 7.0
+) -> dict[str, Any]:
+    """The fields of a gpt-oss: its local layers (`window` positions), sinks, biases, and its
+    experts' SwiGLU clamped at `limit` (1.702 and 7.0 as transformers' GptOssConfig and
+    llama.cpp have them)."""
+    return {
+        "sliding_window": window,
+        "local_layers": local,
+        "attention_sinks": True,
+        "o_bias": True,
+        "router_bias": True,
+        "expert_bias": True,
+        "swiglu_alpha": alpha,
+        "swiglu_limit": limit,
+    }
+
+
+def hf_gpt_oss(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The gpt-oss fields of a `GptOssForCausalLM` config.json: by default the even layers
+    attend to a window (transformers' GptOssConfig)."""
+    n_layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
+    ]
+    if len(types) != n_layers:
+        raise ModelError(f"{source}: layer_types has {len(types)} entries for {n_layers} layers")
+    if config.get("sliding_window") is None:
+        raise ModelError(f"{source}: config.json key 'sliding_window' is missing")
+    if not config.get("attention_bias", True):
+        raise ModelError(f"{source}: a gpt-oss without attention biases is not supported")
+    return gpt_oss_fields(
+        tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        int(config["sliding_window"]),
+        float(config.get("swiglu_alpha") or 1.702),
+        float(config.get("swiglu_limit") or 7.0),
+    )
+
+
+def hf_unrotated(config: dict[str, Any], source: str, family: Family) -> tuple[int, ...]:
+    """The layers a SmolLM3 config.json leaves unrotated, as transformers reads it: those its
+    `no_rope_layers` flags with 0, or else every `no_rope_layer_interval`-th."""
+    if not family.unrotated_every:
+        return ()
+    n_layers = int(config["num_hidden_layers"])
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        every = int(config.get("no_rope_layer_interval") or family.unrotated_every)
+        flags = [int((i + 1) % every != 0) for i in range(n_layers)]
+    if len(flags) != n_layers:
+        raise ModelError(f"{source}: no_rope_layers has {len(flags)} flags for {n_layers} layers")
+    return tuple(i for i, rotated in enumerate(flags) if not rotated)
+
+
+def hf_moe(config: dict[str, Any], source: str, family: Family) -> dict[str, Any]:
+    """The mixture-of-experts fields of a `Qwen3MoeForCausalLM` or `MixtralForCausalLM`
+    config.json. Every layer's FFN must be sparse: dense layers among them (`mlp_only_layers`,
+    `decoder_sparse_step`) are not supported yet."""
+    n_layers = int(config["num_hidden_layers"])
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or []) | {
+        i for i in range(n_layers) if (i + 1) % step
+    }
+    if dense:
+        raise ModelError(
+            f"{source}: dense FFN layers {sorted(dense)} among the experts' are not supported"
+        )
+    # "num_experts" as published; transformers 5 writes "num_local_experts"
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts is None:
+        raise ModelError(f"{source}: config.json key 'num_experts' is missing")
+    for name in ("num_experts_per_tok", family.expert_width):
+        if config.get(name) is None:
+            raise ModelError(f"{source}: config.json key {name!r} is missing")
+    if (config.get("hidden_act") or "silu") != "silu":
+        raise ModelError(f"{source}: expert activation {config['hidden_act']!r} is not supported")
+    shared = {}
+    if family.shared_expert:
+        if config.get("shared_expert_intermediate_size") is None:
+            raise ModelError(
+                f"{source}: config.json key 'shared_expert_intermediate_size' is missing"
+            )
+        width = int(config["shared_expert_intermediate_size"])
+        shared["n_shared"] = shared_experts(width, int(config[family.expert_width]), source)
+    return shared | {
+        "ffn_hidden": int(config[family.expert_width]),
+        "n_experts": int(experts),
+        "n_experts_used": int(config["num_experts_per_tok"]),
+        "norm_topk_prob": family.norm_topk
+        if family.norm_topk is not None
+        else bool(config.get("norm_topk_prob", False)),
+    }
+
+
+def shared_experts(shared: int, expert: int, source: str) -> int:
+    """How many experts' widths the shared expert is: it is cut as that many more experts."""
+    if not shared or shared % expert:
+        raise ModelError(
+            f"{source}: a shared expert {shared} wide, not a multiple of the experts' {expert}, "
+            "is not supported"
+        )
+    return shared // expert
+
+
+def hf_gemma(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The Gemma 3 fields of a `Gemma3ForCausalLM` config.json."""
+    for unsupported_key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(unsupported_key) is not None:  # Gemma 2's, not Gemma 3's
+            raise ModelError(f"{source}: {unsupported_key} is not supported")
+    if config.get("use_bidirectional_attention"):
+        raise ModelError(f"{source}: bidirectional attention (an embedding model) is not supported")
+    activation = config.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelError(f"{source}: FFN activation {activation!r} is not supported")
+    n_layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if not types:  # older files: every `sliding_window_pattern`-th layer is global
+        pattern = int(config.get("sliding_window_pattern") or 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(n_layers)]  # fmt: skip
+    local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
+    return {
+        "embedding_multiplier": math.sqrt(int(config["hidden_size"])),
+        "post_norms": True,
+        "activation": "gelu_tanh",
+        "query_scale": float(config.get("query_pre_attn_scalar") or 256) ** -0.5,
+        "sliding_window": int(config["sliding_window"]),
+        "local_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        "local_rope_theta": float(
+            local.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0
+        ),
+    }

@@ -1,0 +1,209 @@
+"""An HF safetensors folder as a model source: config.json, model.safetensors or a sharded
+index, the tokenizer's files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from models.bundled import check_kind
+from models.config import ModelConfig
+from models.errors import ModelError
+from models.families import HF_ARCHITECTURES
+from models.layers import O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS
+from models.quant import FORMATS
+from models.source_base import HF_FUSED, ModelSource, expert_of, fused_rows
+from models.tokenizer import Tokenizer
+
+_HF_LAYER = {
+    "attn_norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    ROUTER: "mlp.gate.weight",
+    "shared_gate": "mlp.shared_expert.gate_proj.weight",
+    "shared_up": "mlp.shared_expert.up_proj.weight",
+    "shared_down": "mlp.shared_expert.down_proj.weight",
+    SHARED_ROUTER: "mlp.shared_expert_gate.weight",
+}
+# Gemma 3 names its norms after where they sit: "post_attention" is after attention, not
+# before the FFN as in Llama.
+_HF_GEMMA_NORMS = {
+    "ffn_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_ffn_norm": "post_feedforward_layernorm.weight",
+}
+
+
+_BLOCKS = "_blocks"  # an MXFP4 tensor's blocks, its scales beside them as "_scales"
+# gpt-oss' names: every expert of a layer in one tensor each, (E, in, out) with gate and up
+# interleaved by column in gate_up_proj (gate at even columns), their biases (E, out).
+_HF_GPT_OSS = {
+    ROUTER: "mlp.router.weight",
+    ROUTER_BIAS: "mlp.router.bias",
+    SINKS: "self_attn.sinks",
+    O_BIAS: "self_attn.o_proj.bias",
+    "gate": "mlp.experts.gate_up_proj",
+    "up": "mlp.experts.gate_up_proj",
+    "down": "mlp.experts.down_proj",
+    "gate_bias": "mlp.experts.gate_up_proj_bias",
+    "up_bias": "mlp.experts.gate_up_proj_bias",
+    "down_bias": "mlp.experts.down_proj_bias",
+}
+
+# Mixtral's names of its router and its experts' gate, up and down (w1, w3, w2)
+_HF_MIXTRAL_ROUTER = "block_sparse_moe.gate.weight"
+_HF_MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def hf_layer_name(index: int, canonical: str, architecture: str = "") -> str:
+    """The config.json `architecture`'s name of layer `index`'s canonical tensor."""
+    expert = expert_of(canonical)
+    mixtral = architecture == "MixtralForCausalLM"
+    gpt_oss = architecture in HF_ARCHITECTURES and HF_ARCHITECTURES[architecture].gpt_oss
+    if gpt_oss and (expert is not None or canonical in _HF_GPT_OSS):
+        stored = _HF_GPT_OSS[expert[0] if expert is not None else canonical]
+    elif expert is not None and mixtral:
+        stored = f"block_sparse_moe.experts.{expert[1]}.{_HF_MIXTRAL_EXPERT[expert[0]]}.weight"
+    elif expert is not None:
+        stored = f"mlp.experts.{expert[1]}.{expert[0]}_proj.weight"
+    elif canonical == ROUTER and mixtral:
+        stored = _HF_MIXTRAL_ROUTER
+    else:
+        stored = _HF_LAYER[canonical]
+    return f"model.layers.{index}.{stored}"
+
+
+def _gpt_oss_expert_rows(t: torch.Tensor, kind: str, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of canonical `kind` (gate, up, down or their biases) of one gpt-oss
+    expert, whose tensor `t` is stored (in, out) (a bias: (out,)), gate and up interleaved by
+    output (gate at even ones), as transformers' GptOssExperts holds them."""
+    if kind in ("gate", "gate_bias", "up", "up_bias"):
+        first = 0 if kind.startswith("gate") else 1
+        t = t[..., 2 * start + first : 2 * stop : 2]
+    else:
+        t = t[..., start:stop]
+    return t.T.contiguous().float() if t.dim() == 2 else t.float()
+
+
+class HFSource(ModelSource):
+    """An HF folder: config.json, model.safetensors or a sharded index, tokenizer files."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self.path = path
+        check_kind(path)
+        config_path = path / "config.json"
+        try:
+            raw = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelError(f"{config_path} is not valid JSON ({exc})") from exc
+        self.config = ModelConfig.from_hf(raw, str(config_path))
+        self._norm_plus_one = HF_ARCHITECTURES[self.config.architecture].gemma
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (path / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            raise ModelError(
+                f"{path} has neither model.safetensors nor model.safetensors.index.json"
+            )
+        self._where: dict[str, Path] = {}  # tensor name -> the file that holds it
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        for name in files:
+            try:
+                with safe_open(str(path / name), framework="pt") as handle:
+                    keys = list(handle.keys())
+            except Exception as exc:
+                raise ModelError(f"{path / name} cannot be read as safetensors ({exc})") from exc
+            for key in keys:
+                self._where[key] = path / name
+        if "lm_head.weight" not in self._where:
+            self.config = ModelConfig.from_dict({**self.config.to_dict(), "tied_embeddings": True})
+
+    def _key(self, layer: int | None, name: str) -> str:
+        if layer is not None and self.config.fused and name in HF_FUSED:
+            key = f"model.layers.{layer}.{HF_FUSED[name]}"
+        elif layer is not None and self._norm_plus_one and name in _HF_GEMMA_NORMS:
+            key = f"model.layers.{layer}.{_HF_GEMMA_NORMS[name]}"
+        elif layer is not None:
+            key = hf_layer_name(layer, name, self.config.architecture)
+        elif name == "lm_head" and not self.config.tied_embeddings:
+            key = "lm_head.weight"
+        else:
+            key = "model.norm.weight" if name == "final_norm" else "model.embed_tokens.weight"
+        if key not in self._where and key + _BLOCKS in self._where:  # gpt-oss' MXFP4 experts
+            return key + _BLOCKS
+        if key not in self._where:
+            raise ModelError(f"{self.path}: tensor {key!r} is missing")
+        return key
+
+    def _stored_type(self, layer: int | None, name: str) -> str:
+        from safetensors import safe_open
+
+        key = self._key(layer, name)
+        if key.endswith(_BLOCKS):
+            return "MXFP4"
+        with safe_open(str(self._where[key]), framework="pt") as handle:
+            return handle.get_slice(key).get_dtype()
+
+    def _rows(
+        self, layer: int | None, name: str, start: int, stop: int, blocks: bool
+    ) -> torch.Tensor:
+        from safetensors import safe_open
+
+        key = self._key(layer, name)
+        at = fused_rows(self.config, layer, name)
+        # A file is opened per read: an open file stays mapped, and every page a read touched
+        # would count as this process's memory (GBs while splitting a 70B model).
+        expert = expert_of(name) if layer is not None else None
+        if expert is not None and key.endswith(_BLOCKS):
+            stored = self._mxfp4_rows(key, expert, start, stop)
+            return stored if blocks else FORMATS["mxfp4"].dequantize(stored)
+        with safe_open(str(self._where[key]), framework="pt") as handle:
+            if expert is not None and self.config.expert_bias:  # gpt-oss' (E, in, out)
+                out = _gpt_oss_expert_rows(handle.get_slice(key)[expert[1]], expert[0], start, stop)
+            else:
+                out = handle.get_slice(key)[at + start : at + stop].to(torch.float32)
+        if self._norm_plus_one and (name.endswith("norm")):
+            out = out + 1  # Gemma's norms scale by (1 + weight); GGUF files store the sum
+        return out
+
+    def _mxfp4_rows(self, key: str, expert: tuple[str, int], start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of an expert's gate, up or down stored as MXFP4 blocks and scales
+        (openai's gpt-oss: (E, out, in / 32, 16) and (E, out, in / 32), gate and up interleaved
+        by row), as GGUF's MXFP4 blocks (rows, in / 32, 17)."""
+        from safetensors import safe_open
+
+        parts = []
+        for name in (key.removesuffix(_BLOCKS) + "_scales", key):
+            with safe_open(str(self._where[name]), framework="pt") as handle:
+                t = handle.get_slice(name)[expert[1]]
+            if expert[0] in ("gate", "up"):
+                first = 0 if expert[0] == "gate" else 1
+                parts.append(t[2 * start + first : 2 * stop : 2])
+            else:
+                parts.append(t[start:stop])
+        scales, nibbles = parts
+        # openai packs values 2i and 2i + 1 in byte i (low nibble first), GGUF j and j + 16
+        values = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).flatten(-2)  # (.., 32)
+        packed = values[..., :16] | (values[..., 16:] << 4)
+        return torch.cat((scales.unsqueeze(-1), packed), dim=-1).contiguous()
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_hf_folder(self.path)
