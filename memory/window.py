@@ -11,6 +11,10 @@ request) breaks that order; the next request for another layer restarts the load
 
 When the window covers every layer, each is read once into its own buffer and never again.
 
+A mixture of experts' layers stream apart: the ring holds each layer's dense part (header,
+attention, norms), and the experts sit in a pool read an expert at a time as the routing
+chooses them (memory/experts.py).
+
 A streamed layer is read again every step, so what is on disk can change under a running node (a
 process writing there, a failing disk). Bytes that come from the disk are checked against the
 file's checksum as the node verified it (xxh3, chunk by chunk as they arrive: about 5% of a read
