@@ -209,7 +209,7 @@ class Engine:
         check_kernels_before_loading(
             paths, window or config.n_layers, (globals_path, head, b - a), config.n_stacked
         )
-        layers = LayerWindow(paths, window or config.n_layers, drop_cache)
+        layers = LayerWindow(paths, window or config.n_layers, drop_cache, experts=config.n_stacked)
         factors = manifest.extra.get("rope_freq_factors")
         freq = torch.tensor(factors) if factors else None
         executor = make_executor(config, s, layers, max_context, slots, freq)

@@ -166,7 +166,17 @@ def _stream(figures: dict[str, Any]) -> dict[str, Any]:
         "load_ms": round(figures.get("load_s", 0.0) * 1000, 3),
         "compute_ms": round(figures.get("compute_s", 0.0) * 1000, 3),
         "kernels": figures.get("kernels"),
+        "expert_hit_rate": _hit_rate(figures),
     }
+
+
+def _hit_rate(figures: dict[str, Any]) -> float | None:
+    """The share of the last step's chosen experts that a node's expert cache held; None where
+    it holds every expert (or chose none)."""
+    hits, misses = figures.get("expert_hits"), figures.get("expert_misses")
+    if hits is None or misses is None or not hits + misses:
+        return None
+    return round(hits / (hits + misses), 4)
 
 
 def _share(s: Any, c: ModelConfig) -> float:

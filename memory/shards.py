@@ -169,6 +169,18 @@ def tensor_specs(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         raise ModelError(f"shard {path} is unreadable or corrupt ({exc})") from exc
 
 
+class ShardChanged(ModelError):
+    """A layer's shard file no longer holds the bytes it held when it was first read."""
+
+    def __init__(self, layer: int, path: Path) -> None:
+        super().__init__(
+            f"shard {path} (layer {layer}) changed on disk since it was checked: fetch it "
+            "again, or start again to re-split it"
+        )
+        self.layer = layer
+        self.path = path
+
+
 def read_into(f: Any, view: memoryview) -> int:
     """Fill `view` from the file; the bytes read (fewer only at the end of the file).
 

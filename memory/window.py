@@ -11,6 +11,10 @@ request) breaks that order; the next request for another layer restarts the load
 
 When the window covers every layer, each is read once into its own buffer and never again.
 
+A mixture of experts' layers stream apart: the ring holds each layer's dense part (header,
+attention, norms), and the experts sit in a pool read an expert at a time as the routing
+chooses them (memory/experts.py).
+
 A streamed layer is read again every step, so what is on disk can change under a running node (a
 process writing there, a failing disk). Bytes that come from the disk are checked against the
 file's checksum as the node verified it (xxh3, chunk by chunk as they arrive: about 5% of a read
@@ -33,16 +37,19 @@ import gc
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
 
+from memory.experts import ExpertPool, LayerParts, layer_parts, part_checksums, pread_into
 from memory.pages import weight_buffer
+from memory.shards import ShardChanged as ShardChanged  # raised here, caught by its importers
 from memory.shards import read_into, tensor_specs, tensor_views
 from models.errors import ModelError
+from models.moe import EXPERT_TENSORS
 
 READ_CHUNK = 1 << 20  # bytes a streaming read takes at a time, each checksummed while in cache
 FIGURES_KEPT = 4096  # steps of per-step figures a node's history keeps, for benchmarks
@@ -56,26 +63,17 @@ class StreamFigures:
     load_s: float = 0.0  # time the loader spent reading
     wait_s: float = 0.0  # time compute waited for a layer not yet read
     compute_s: float = 0.0  # time in the node's partials, waits included (the executor adds)
+    # A mixture's experts, where the node streams them (memory/experts.py; compute's thread):
+    expert_hits: int = 0  # experts a step chose that the pool held
+    expert_misses: int = 0  # and that it read
+    expert_bytes_chosen: int = 0  # bytes of the chosen experts' slices, held or not
+    expert_bytes_read: int = 0
+    expert_load_s: float = 0.0
 
     def minus(self, other: StreamFigures) -> StreamFigures:
         return StreamFigures(
-            self.bytes_read - other.bytes_read,
-            self.load_s - other.load_s,
-            self.wait_s - other.wait_s,
-            self.compute_s - other.compute_s,
+            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
         )
-
-
-class ShardChanged(ModelError):
-    """A layer's shard file no longer holds the bytes it held when it was first read."""
-
-    def __init__(self, layer: int, path: Path) -> None:
-        super().__init__(
-            f"shard {path} (layer {layer}) changed on disk since it was checked: fetch it "
-            "again, or start again to re-split it"
-        )
-        self.layer = layer
-        self.path = path
 
 
 class LayerWindow:
@@ -87,9 +85,12 @@ class LayerWindow:
         window: int,
         drop_cache: bool = False,
         checksums: list[int] | None = None,
+        experts: int = 0,
     ) -> None:
         """`checksums`: each file's xxh3 as verified (`ShardStore.checksum`); without them,
-        each layer's first read is taken as right."""
+        each layer's first read is taken as right. `experts`: a mixture's n_stacked, whose
+        experts a window that streams holds in an `ExpertPool` beside the layers' dense
+        parts, in the memory its whole layers would have taken."""
         if window < 1:
             raise ValueError(f"the window must hold at least one layer, got {window}")
         self.paths = [Path(p) for p in paths]
@@ -106,10 +107,24 @@ class LayerWindow:
         self.sizes = sizes
         self.figures = StreamFigures()
         self._lock = threading.Condition()
-        # Allocated and touched now: the memory a node needs is taken before the first token.
-        self.buffers = [weight_buffer(max(sizes)) for _ in range(self.window)]
-        self._views: list[dict[str, torch.Tensor] | None] = [None] * self.window
         self._checksums: list[int | None] = list(checksums) if checksums else [None] * self.n_layers
+        self.experts: ExpertPool | None = None
+        self._parts: list[LayerParts] | None = None
+        self._dense_checksums: list[int] = []
+        buffer_size = max(sizes)
+        if experts and not self.resident:
+            self._parts = [layer_parts(p, experts, EXPERT_TENSORS) for p in self.paths]
+            sums = [part_checksums(p, i, self._checksums[i]) for i, p in enumerate(self._parts)]
+            self._dense_checksums = [dense for dense, _ in sums]
+            buffer_size = max(p.dense_layout()[0] for p in self._parts)
+            pool = self.window * (max(sizes) - buffer_size)
+            per_slot = sum(p.expert_bytes for p in self._parts)  # a slot in every layer
+            slots = min(experts, max(1, pool // max(per_slot, 1)))
+            each = [by_expert for _, by_expert in sums]
+            self.experts = ExpertPool(self._parts, each, slots, self.figures, drop_cache)
+        # Allocated and touched now: the memory a node needs is taken before the first token.
+        self.buffers = [weight_buffer(buffer_size) for _ in range(self.window)]
+        self._views: list[dict[str, torch.Tensor] | None] = [None] * self.window
         self._identities: list[tuple[int, ...] | None] = [None] * self.n_layers  # when checked
         self._seq_of_slot = [-1] * self.window  # which use (k) a buffer holds
         self._used = 0  # k of the layer compute is on (or will be on next)
@@ -126,7 +141,8 @@ class LayerWindow:
 
     @property
     def buffer_bytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
+        pool = self.experts.buffer_bytes if self.experts is not None else 0
+        return sum(b.numel() for b in self.buffers) + pool
 
     # -- compute side -----------------------------------------------------------------------
     def specs(self) -> list[dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
@@ -229,6 +245,9 @@ class LayerWindow:
             k += 1
 
     def _read(self, slot: int, layer: int) -> None:
+        if self._parts is not None:
+            self._read_dense(slot, self._parts[layer], layer)
+            return
         path, size = self.paths[layer], self.sizes[layer]
         buffer = self.buffers[slot]
         started = time.perf_counter()
@@ -270,6 +289,35 @@ class LayerWindow:
         self.figures.load_s += time.perf_counter() - started
         self.figures.bytes_read += size
 
+    def _read_dense(self, slot: int, parts: LayerParts, layer: int) -> None:
+        """The header and dense tensors of a mixture's layer (its experts are the pool's),
+        checked against their own xxh3 whether they come from the disk or the page cache."""
+        started = time.perf_counter()
+        buffer = self.buffers[slot]
+        view = buffer.numpy().data
+        _, offsets = parts.dense_layout()
+        pieces = [(0, 0, parts.header)] + [
+            (offsets[x.name], x.start, x.nbytes) for x in parts.dense
+        ]
+        checksum = xxhash.xxh3_64()
+        try:
+            with open(parts.path, "rb", buffering=0) as f:
+                for at, start, n in pieces:
+                    got = pread_into(f.fileno(), view[at : at + n], start)
+                    checksum.update(view[at : at + got])
+                    self.figures.bytes_read += got
+                if self.drop_cache:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as exc:
+            raise ModelError(f"shard {parts.path} cannot be read ({exc.strerror})") from exc
+        if checksum.intdigest() != self._dense_checksums[layer]:
+            raise ShardChanged(layer, parts.path)
+        self._views[slot] = {
+            x.name: buffer[offsets[x.name] : offsets[x.name] + x.nbytes].view(x.dtype).view(x.shape)
+            for x in parts.dense
+        }
+        self.figures.load_s += time.perf_counter() - started
+
 
 def _read_cached(fd: int, view: memoryview) -> int:
     """Fill `view` from the start of the file with what the page cache holds, up to the first
@@ -297,6 +345,7 @@ class ResidentLayers:
         self.resident = True
         self.figures = StreamFigures()
         self.buffer_bytes = sum(t.nbytes for layer in layers for t in layer.values())
+        self.experts: ExpertPool | None = None  # every expert is in memory
 
     def get(self, layer: int) -> dict[str, torch.Tensor]:
         return self.layers[layer]
@@ -336,12 +385,22 @@ def process_memory() -> dict[str, int]:
 def step_figures(window: LayerWindow | ResidentLayers, since: StreamFigures) -> dict[str, Any]:
     """What a node reports after each step: the loader's work in it, and its memory."""
     d = window.figures.minus(since)
+    experts = {}
+    if window.experts is not None:
+        experts = {
+            "expert_hits": d.expert_hits,
+            "expert_misses": d.expert_misses,
+            "expert_bytes_chosen": d.expert_bytes_chosen,
+            "expert_bytes_read": d.expert_bytes_read,
+            "expert_slots": window.experts.slots,
+        }
     return {
         "window": window.window,
-        "bytes_read": d.bytes_read,
-        "load_s": d.load_s,
+        "bytes_read": d.bytes_read + d.expert_bytes_read,
+        "load_s": d.load_s + d.expert_load_s,
         "wait_s": d.wait_s,
         "compute_s": d.compute_s,
         "buffer_bytes": window.buffer_bytes,
+        **experts,
         **process_memory(),
     }

@@ -68,6 +68,11 @@ def route(h: np.ndarray, norm: torch.Tensor, router: torch.Tensor, config: Model
     return Routing(experts.numpy().astype(np.int64), top.numpy().astype(np.float32))
 
 
+# A slice's tensors stacked by expert, their rows n_stacked-fold (an int8 matrix's scales
+# alike): what a node that streams reads an expert at a time (memory/experts.py).
+EXPERT_TENSORS = ("w_gate_up", "w_down", "w_gate_up" + SCALE_SUFFIX, "w_down" + SCALE_SUFFIX)
+
+
 def expert_rows(config: ModelConfig, n: int, expert: int) -> tuple[slice, slice]:
     """Expert `expert`'s rows of a slice's w_gate_up (its gate then its up, `n` columns each)
     and of its w_down (`models.layers.slice_parts`)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from memory.experts import ExpertPool
 from memory.shards import tensor_specs
 from memory.window import LayerWindow, ResidentLayers
 from models import rows_native
@@ -186,7 +187,9 @@ class SliceExecutor:
         if self.config.moe:
             if routing is None:
                 raise ValueError(f"layer {index}'s experts need the step's routing")
-            if self.rows:
+            if self.weights.experts is not None:
+                out = self._pooled_experts(index, h, weights, routing, self.weights.experts)
+            elif self.rows:
                 out = moe_rows(h, weights, self.config, routing)
             else:
                 with torch.inference_mode():
@@ -202,6 +205,35 @@ class SliceExecutor:
         self.weights.release(index)
         self.weights.figures.compute_s += time.perf_counter() - started
         return out
+
+    def _pooled_experts(
+        self,
+        index: int,
+        h: Hidden,
+        dense: dict[str, torch.Tensor],
+        routing: Routing,
+        pool: ExpertPool,
+    ) -> Hidden:
+        """A mixture's FFN partial from a streaming node's expert pool: the chosen experts it
+        lacks are read first, then each expert multiplies its tokens from its slot, in the
+        order, and so with the sums, of the experts held in memory (`models.moe`)."""
+        chosen = [int(e) for e in np.unique(routing.experts)]
+        pool.choose(index, chosen)
+        w = dense | pool.tensors[index]
+        rows = h.reshape(-1, self.config.hidden)  # (N, D), the routing's tokens in order
+        out = np.zeros_like(rows)
+        for e in chosen:
+            tokens, which = np.nonzero(routing.experts == e)
+            slot = np.full((len(tokens), 1), pool.slot(index, e), dtype=np.int64)
+            one = Routing(slot, routing.weights[tokens, which][:, None])
+            x = np.ascontiguousarray(rows[tokens])
+            if self.rows:
+                out[tokens] += moe_rows(x, w, self.config, one)
+            else:
+                with torch.inference_mode():
+                    got = moe_partial(torch.from_numpy(x)[None], w, self.config, one)
+                out[tokens] += got[0].numpy()
+        return out.reshape(h.shape)
 
     def close(self) -> None:
         self.weights.close()

@@ -283,7 +283,7 @@ class Worker:
         rows = welcome.head.rows[1] - welcome.head.rows[0] if welcome.head else 0
         head = (self.store.path(welcome.head.shard), "lm_head", rows) if welcome.head else None
         check_kernels_before_loading(paths, window, head, config.n_stacked)
-        weights = LayerWindow(paths, window, self.drop_cache, verified)
+        weights = LayerWindow(paths, window, self.drop_cache, verified, config.n_stacked)
         executor = make_executor(config, s, weights, welcome.context, welcome.slots, freq)
         try:
             if welcome.head:

@@ -119,4 +119,23 @@ def node_row(name: str, history: Any) -> dict[str, Any]:
         "buffer_mb": round(steps[-1]["buffer_bytes"] / 1e6, 1),
         "rss_mb": round(steps[-1]["rss"] / 1e6, 1),
         "peak_rss_mb": round(max(s["peak_rss"] for s in steps) / 1e6, 1),
+        **expert_figures(steps),
+    }
+
+
+def expert_figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """A node's expert cache over the decode steps, where it streams a mixture's experts: the
+    share of chosen experts it held, and the MB of experts read and chosen per token."""
+    if not steps or "expert_hits" not in steps[-1]:
+        return {}
+    n = len(steps)
+    hits = sum(s.get("expert_hits", 0) for s in steps)
+    chosen = hits + sum(s.get("expert_misses", 0) for s in steps)
+    return {
+        "expert_hit_rate": round(hits / chosen, 3) if chosen else None,
+        "expert_mb_read_per_token": round(sum(s["expert_bytes_read"] for s in steps) / n / 1e6, 2),
+        "expert_mb_chosen_per_token": round(
+            sum(s["expert_bytes_chosen"] for s in steps) / n / 1e6, 2
+        ),
+        "expert_slots": steps[-1]["expert_slots"],
     }

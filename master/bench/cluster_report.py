@@ -128,3 +128,9 @@ def print_nodes(run: dict[str, Any]) -> None:
             f"{r['load_ms_per_token']:>9}{r['wait_ms_per_token']:>9}{r['buffer_mb']:>11}"
             f"{r['rss_mb']:>9}{r['peak_rss_mb']:>12}"
         )
+        if "expert_hit_rate" in r:  # a mixture's experts, streamed through a pool
+            print(
+                f"  {'':<10}experts: cache hit rate {r['expert_hit_rate']}, "
+                f"{r['expert_mb_read_per_token']} MB read of {r['expert_mb_chosen_per_token']} "
+                f"MB chosen per token ({r['expert_slots']} slots a layer)"
+            )

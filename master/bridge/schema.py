@@ -306,6 +306,11 @@ class NodeFigures(BaseModel):
     loader_wait_ms: float | None = Field(None, description="compute waiting for the loader")
     load_ms: float | None = Field(None, description="time spent reading shards, last token")
     compute_ms: float | None = Field(None, description="time computing its partials, last step")
+    expert_hit_rate: float | None = Field(
+        None,
+        description="a mixture's experts a node streams: the share of the last step's chosen "
+        "experts its expert cache held (the rest were read from its shards)",
+    )
     kernels: str | None = Field(
         None, description="the kernels this device admitted and chose, per weight dtype"
     )
