@@ -69,8 +69,16 @@ def route(h: np.ndarray, norm: torch.Tensor, router: torch.Tensor, config: Model
 
 
 # A slice's tensors stacked by expert, their rows n_stacked-fold (an int8 matrix's scales
-# alike): what a node that streams reads an expert at a time (memory/experts.py).
-EXPERT_TENSORS = ("w_gate_up", "w_down", "w_gate_up" + SCALE_SUFFIX, "w_down" + SCALE_SUFFIX)
+# alike, gpt-oss' biases too): what a node that streams reads an expert at a time
+# (memory/experts.py).
+EXPERT_TENSORS = (
+    "w_gate_up",
+    "w_down",
+    "w_gate_up" + SCALE_SUFFIX,
+    "w_down" + SCALE_SUFFIX,
+    "b_gate_up",
+    "b_down",
+)
 
 
 def expert_rows(config: ModelConfig, n: int, expert: int) -> tuple[slice, slice]:

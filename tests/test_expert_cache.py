@@ -42,6 +42,14 @@ def moe(tmp_path_factory):
     return open_model(folder), prompt
 
 
+@pytest.fixture(scope="module", params=["norm_topk", "gpt_oss"])
+def any_moe(request, tmp_path_factory):
+    """Each kind of expert: Qwen3-MoE's, and gpt-oss' (MXFP4 blocks, and biases stacked by
+    expert as its weights are)."""
+    _, folder, prompt = _built(request.param, tmp_path_factory)
+    return open_model(folder), prompt
+
+
 def _flip(path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -50,8 +58,8 @@ def _flip(path, offset: int) -> None:
         f.write(bytes([byte ^ 0x01]))
 
 
-def test_streamed_experts_answer_as_resident_ones_reading_only_the_chosen(moe, tmp_path):
-    source, prompt = moe
+def test_streamed_experts_answer_as_resident_ones_reading_only_the_chosen(any_moe, tmp_path):
+    source, prompt = any_moe
     resident = Engine.local(source, (1.0,) * 3)
     continuation = _greedy(resident, prompt, DECODE)
     expected = _ours(resident, prompt, continuation)
