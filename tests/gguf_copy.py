@@ -120,3 +120,19 @@ def without_vocabulary_arrays(path: Path, out: Path) -> Path:
             f.write(header + bytes(-len(header) % alignment))
             f.write(buf[data_start:])
     return out
+
+
+def write_shape(writer: gguf.GGUFWriter, config: Any) -> None:
+    """A transformers config's shape as llama.cpp's converter writes it for every family: the
+    layers, widths, heads and their size, the context and the norm's epsilon."""
+    c = config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)

@@ -13,6 +13,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from gguf_copy import write_shape
 
 from master.engine import Engine
 from master.local import local_engine
@@ -181,16 +182,8 @@ def _write_gguf(model, arch: str, path: Path) -> None:
     names and orders them."""
     c = model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    write_shape(writer, c)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = c.rope_parameters
     rope = rope.get("full_attention", rope)  # Gemma 3: the global layers'
     writer.add_rope_freq_base(rope["rope_theta"])

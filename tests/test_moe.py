@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from gguf_copy import write_shape
 from test_families import _assert_close_logits, _llama_permute, _ours, _randomize, _windowed
 
 from master.engine import Engine
@@ -141,15 +142,7 @@ def _write_gguf(model, arch: str, path: Path) -> None:
     layer's experts as three stacks (n_experts, out, in), the router as ffn_gate_inp."""
     c = model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    write_shape(writer, c)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_expert_count(c.num_local_experts if arch == "llama" else c.num_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
@@ -237,15 +230,7 @@ def _write_gpt_oss_gguf(model, path: Path) -> None:
     them, the sinks as attn_sinks, the FFN norm as post_attention_norm."""
     c = model.config
     writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    write_shape(writer, c)
     rope = c.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
