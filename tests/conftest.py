@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# isort: off
+import models  # noqa: F401  (before torch: its OpenMP setting, models/__init__.py)
+
+# isort: on
 import os
 import shutil
 import tempfile

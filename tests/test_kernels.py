@@ -360,3 +360,19 @@ def test_kernels_under_a_cpu_quota_are_timed_in_cpu_seconds(quota, clocks):
     slower than NumPy's in CPU (docs/bench/kernel-clock-cpu0.5.txt). Free, the wall clock."""
     code = "from models.kernels import compute_clock as c\nprint(c(1).__name__, c(2).__name__)"
     assert _in_cpu_quota(quota, code) == clocks
+
+
+@pytest.mark.parametrize("package", ["models", "memory", "node", "master", "tui"])
+def test_every_package_sets_openmps_wait_policy_before_torch_loads(package):
+    """OpenMP's threads must sleep between regions (models/__init__.py says why): whichever
+    package a process imports first sets it, before torch (or the C kernels) load a runtime,
+    which reads it once."""
+    script = (
+        f"import os, sys; import {package}; "
+        "print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["False", "PASSIVE"]
