@@ -7,11 +7,13 @@ runtime: each reads it once, when it loads.
 
 import os
 
-# OpenMP's threads sleep as soon as a parallel region ends instead of spinning for the next one.
-# A process holds two OpenMP runtimes (torch's and the C kernels') and OpenBLAS's own threads:
-# spinning workers of one took the cores from the others' next region. SmolLM2 on one process
-# with 2 threads (Zen 5), once the context passed the ~29 positions at which attention splits
-# its heads between threads: 304 ms a token where it takes 11.4 with them asleep, 480 against
-# 45 for 8 sequences batched; short contexts unchanged (11.9 and 11.4). A user's own setting
-# wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's threads (GNU's runtime, torch's and the C kernels') spin ~1,000 rounds for the next
+# parallel region, then sleep. A process holds two such runtimes and OpenBLAS's threads; at
+# GNU's default (300,000 rounds) their spinning took the cores from a process that also runs
+# Python threads (the bridge's batcher and its server): SmolLM2 on one process, 2 threads,
+# Zen 5, decoding through the batcher once the context passed the ~29 positions at which
+# attention splits its heads between threads, took 304-312 ms a token and 480-600 a step of 8
+# sequences; at 1,000 rounds 14 and 43. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) did as well
+# there but cost the single-threaded loop (`edgetp bench`, 1 node): 12.8 ms a token against 5.1
+# at the default and 4.9 at 1,000. A user's own setting wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
