@@ -333,6 +333,9 @@ class ModelConfig:
         gemma = hf_gemma(config, source) if family.gemma else {}
         if family.gpt_oss:
             gemma = hf_gpt_oss(config, source)
+        # transformers' attention_bias gives O its bias too (Llama, Qwen3, Gemma 3, SmolLM3);
+        # the families whose O has none (Mistral, Qwen2) have no such key
+        o_bias = {"o_bias": True} if config.get("attention_bias") else {}
         dense = {"ffn_hidden": int(key("intermediate_size"))} if not family.moe else {}
         moe = hf_moe(config, source, family) if family.moe else dense
         return cls(
@@ -353,7 +356,7 @@ class ModelConfig:
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             unrotated_layers=hf_unrotated(config, source, family),
-            **gemma,
+            **(o_bias | gemma),
             **moe,
         )
 
