@@ -9,14 +9,13 @@ from __future__ import annotations
 import copy
 import gc
 import queue
-import socket
 import threading
 import weakref
 
 import numpy as np
 import openai
 import pytest
-import uvicorn
+from serving import served_app
 from test_speculate import EDIT, SlowLinkSpeculator
 from waiting import wait_until
 
@@ -300,16 +299,8 @@ def test_a_model_without_a_chat_template_is_told_to_use_completions(batcher, smo
     no_template = copy.copy(smollm2_tokenizer)
     no_template.chat_template = None
     app = create_app(Served(batcher, no_template, model_id="smollm2"))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: server.started or not thread.is_alive(), TIMEOUT, "start of uvicorn")
-        assert server.started, "uvicorn ended before it started"
-        port = sock.getsockname()[1]
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", timeout=TIMEOUT)
+    with served_app(app, TIMEOUT) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", timeout=TIMEOUT)
         message = {"role": "user", "content": "Why is the sky blue?"}
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model="smollm2", messages=[message])
@@ -324,7 +315,3 @@ def test_a_model_without_a_chat_template_is_told_to_use_completions(batcher, smo
             extra_body={"ignore_eos": True},
         )
         assert text.usage is not None and text.usage.completion_tokens == 4
-    finally:
-        server.should_exit = True
-        thread.join(TIMEOUT)
-        sock.close()

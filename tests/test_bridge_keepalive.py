@@ -10,14 +10,13 @@ which must skip them.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Iterator
 
 import httpx2 as httpx
 import openai
 import pytest
-import uvicorn
+from serving import served_app
 from waiting import wait_until
 
 from master.batcher import Batcher, Delta, Event
@@ -43,19 +42,10 @@ def bridge(smollm2, smollm2_tokenizer) -> Iterator[tuple[str, Batcher]]:
     session.start()
     batcher = Batcher(session, smollm2_tokenizer).start()
     served = Served(batcher, smollm2_tokenizer, model_id=MODEL, keepalive_s=KEEPALIVE_S)
-    server = uvicorn.Server(uvicorn.Config(create_app(served), log_level="warning"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        wait_until(lambda: server.started or not thread.is_alive(), TIMEOUT, "start of uvicorn")
-        assert server.started, "uvicorn ended before it started"
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", batcher
+        with served_app(create_app(served), TIMEOUT) as url:
+            yield url, batcher
     finally:
-        server.should_exit = True
-        thread.join(TIMEOUT)
-        sock.close()
         batcher.close()
         session.close()
 
