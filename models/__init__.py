@@ -1,7 +1,7 @@
 """Model formats, configs, tokenizers and the math of a layer's blocks.
 
 Imported first by every package of edgetp (each package's __init__ imports it), so that the
-setting below is in the environment before torch, or this package's C kernels, load an OpenMP
+settings below are in the environment before torch, or this package's C kernels, load an OpenMP
 runtime: each reads it once, when it loads.
 """
 
@@ -17,3 +17,8 @@ import os
 # there but cost the single-threaded loop (`edgetp bench`, 1 node): 12.8 ms a token against 5.1
 # at the default and 4.9 at 1,000. A user's own setting wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+# OpenBLAS's threads yield for 2**28 cycles (~0.1 s) after a product before they sleep, and in
+# a prompt's step that is the whole step: torch's second thread for the attention over a long
+# reused prefix found the other core taken (SmolLM2, 1 process, 138 new tokens over 1,356 kept:
+# 0.38 s with the default, 0.30 at 2**10; decode unchanged, 5.0-5.1 ms a token either way).
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "10")

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -330,6 +331,16 @@ def limit_blas(n: int) -> int:
 
 def blas_threads() -> int:
     return _blas_threads
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Torch on n threads for the ops inside (a prompt's attention), on one again after."""
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
 
 
 # -- the products --------------------------------------------------------------------------------

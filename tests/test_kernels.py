@@ -363,16 +363,17 @@ def test_kernels_under_a_cpu_quota_are_timed_in_cpu_seconds(quota, clocks):
 
 
 @pytest.mark.parametrize("package", ["models", "memory", "node", "master", "tui"])
-def test_every_package_sets_openmps_spin_before_torch_loads(package):
-    """OpenMP's threads spin only briefly between regions (models/__init__.py says why):
-    whichever package a process imports first sets it, before torch (or the C kernels) load a
-    runtime, which reads it once."""
+def test_every_package_sets_the_thread_spins_before_torch_loads(package):
+    """OpenMP's and OpenBLAS's threads spin only briefly between products (models/__init__.py
+    says why): whichever package a process imports first sets both, before torch, NumPy or
+    the C kernels load a runtime, which reads them once."""
     script = (
-        f"import os, sys; import {package}; "
-        "print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'))"
+        f"import os, sys; import {package}; print('torch' in sys.modules, 'numpy' in "
+        "sys.modules, os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    spins = ("GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT")
+    env = {k: v for k, v in os.environ.items() if k not in spins}
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
     )
-    assert out.stdout.split() == ["False", "1000"]
+    assert out.stdout.split() == ["False", "False", "1000", "10"]
