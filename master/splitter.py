@@ -189,7 +189,8 @@ def _write(
     ]
     writers = [ShardWriter(store, spec) for spec in specs]
     try:
-        for name in {p.source for f in shards[0].values() for p in f.parts}:
+        # every shard's tensors: a later node may hold one the first does not
+        for name in sorted({p.source for shard in shards for f in shard.values() for p in f.parts}):
             stored = source.stored_type(layer, name).lower()
             carry = any(
                 f.dtype is not None and (stored == f.dtype or (stored, f.dtype) in EXACT_WIDENING)

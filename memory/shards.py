@@ -103,6 +103,7 @@ class ShardWriter:
             math.prod(shape) * torch.empty((), dtype=d).element_size()
             for d, shape in specs.values()
         )
+        self._missing = {n: shape[0] for n, (_, shape) in specs.items()}  # rows not yet written
         self._tmp = store.root / f".incoming.{os.getpid()}.{id(self)}.tmp"
         self._file = open(self._tmp, "wb")
         self._file.write(header)
@@ -116,9 +117,15 @@ class ShardWriter:
         row_bytes = math.prod(shape[1:]) * rows.element_size()
         self._file.seek(self._starts[name] + first_row * row_bytes)
         self._file.write(rows.contiguous().view(torch.uint8).numpy().data)
+        self._missing[name] -= rows.shape[0]
 
     def finish(self) -> ShardRef:
-        """Close the file and store it under its hash (see `ShardStore.put`)."""
+        """Close the file and store it under its hash (see `ShardStore.put`), once every row of
+        every tensor was written: a row left out would be zeros that compute without error."""
+        unwritten = {n: rows for n, rows in self._missing.items() if rows}
+        if unwritten:
+            self.abandon()
+            raise ValueError(f"shard left unwritten rows (tensor: rows): {unwritten}")
         self._file.close()
         return self.store.adopt(self._tmp)
 

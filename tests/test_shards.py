@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from memory.shards import ShardStore, file_digests
+from memory.shards import ShardStore, ShardWriter, file_digests
 
 
 def test_a_held_file_is_checked_against_the_xxh3_recorded_with_its_sha256(tmp_path):
@@ -30,3 +31,16 @@ def test_a_held_file_is_checked_against_the_xxh3_recorded_with_its_sha256(tmp_pa
     assert store.checksum(ref) == xxh3 and int(record.read_text()) == xxh3
     record.write_text(str(xxh3 ^ 1))  # a wrong one refuses the file, never passes a bad one
     assert store.checksum(ref) is None
+
+
+def test_a_shard_with_rows_never_written_is_refused_and_not_stored(tmp_path):
+    """Rows a writer never got would be zeros that compute without an error: finishing such a
+    shard raises, names the tensor, and leaves nothing in the store."""
+    store = ShardStore(tmp_path)
+    writer = ShardWriter(store, {"w": (torch.float32, (4, 3)), "b": (torch.float32, (3,))})
+    writer.write_rows("w", 0, torch.ones(2, 3))
+    writer.write_rows("b", 0, torch.ones(3))
+    with pytest.raises(ValueError, match=r"unwritten rows .*'w': 2"):
+        writer.finish()
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+
