@@ -43,4 +43,3 @@ def test_a_shard_with_rows_never_written_is_refused_and_not_stored(tmp_path):
     with pytest.raises(ValueError, match=r"unwritten rows .*'w': 2"):
         writer.finish()
     assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
-
