@@ -7,6 +7,7 @@ a band of rows at a time, so callers never need the whole model in memory.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -131,7 +132,13 @@ class GGUFSource(ModelSource):
                 self.file.tensor("rope_factors_short.weight").tolist(),
                 self.file.tensor("rope_factors_long.weight").tolist(),
             )
-        self.config = ModelConfig.from_gguf(self.file.metadata, str(path), tied, longrope)
+        config = ModelConfig.from_gguf(self.file.metadata, str(path), tied, longrope)
+        # a llama's attention biases have no key: llama.cpp loads the tensors where they are
+        self.config = replace(
+            config,
+            qkv_bias=config.qkv_bias or self.file.has_tensor("blk.0.attn_q.bias"),
+            o_bias=config.o_bias or self.file.has_tensor("blk.0.attn_output.bias"),
+        )
         if self.config.moe and self.file.has_tensor("blk.0.ffn_gate_up_exps.weight"):
             raise ModelError(
                 f"{path}: its experts' gate and up are one stacked tensor (ffn_gate_up_exps), "
@@ -182,7 +189,7 @@ class GGUFSource(ModelSource):
             out = torch.from_numpy(stored).view(stop - start, -1, FORMATS[kind].block_bytes)
         else:
             out = self.file.tensor_rows(gguf_name, at + start, at + stop)
-        if self._permuted and layer is not None and name in ("q", "k"):
+        if self._permuted and layer is not None and name in ("q", "k", "q_bias", "k_bias"):
             hd = self.config.head_dim
             if start % hd or stop % hd:
                 raise ValueError(f"rows {start}:{stop} of {gguf_name} cut through a head")

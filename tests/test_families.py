@@ -140,10 +140,10 @@ FAMILIES["gemma3-27b-scale"] = (
     FAMILIES["gemma3"][1] | {"query_pre_attn_scalar": 24},
     "gemma3",
 )
-# A Llama with attention_bias: transformers gives its Q, K, V and O projections biases. An HF
-# folder only: edgetp reads a GGUF llama's biases from no key (docs/decisions.md, not done).
+# A Llama with attention_bias: transformers gives its Q, K, V and O projections biases; a GGUF
+# file has their tensors and no key for them.
 FAMILIES["llama-attention-bias"] = ("LlamaConfig", {"attention_bias": True}, "llama")
-HF_ONLY = {"gemma3-27b-scale", "llama-attention-bias"}
+HF_ONLY = {"gemma3-27b-scale"}
 # KV cache positions where a family's RoPE depends on them (default: the model's context)
 CONTEXT = {"phi3.5-mini": 80}
 # llama.cpp's names of Gemma 3's norms (its "post_attention" norm is after attention)
@@ -224,6 +224,7 @@ def _write_gguf(model, arch: str, path: Path) -> None:
     if arch == "gemma3":
         names |= GGUF_GEMMA_NORMS
     heads = {"attn_q.weight": c.num_attention_heads, "attn_k.weight": c.num_key_value_heads}
+    heads |= {"attn_q.bias": c.num_attention_heads, "attn_k.bias": c.num_key_value_heads}
     for key, t in state.items():
         if not key.startswith("model.layers."):
             continue
