@@ -16,8 +16,9 @@ import zmq
 # 2: a decode step's hidden state travels as rows (B, D); 3: HEAD; 4: MEASURE, ECHO; 5: STANDBY;
 # 6: typed messages (node/messages.py): the lm_head's shard nested in WELCOME, BYE's rejoin;
 # 7: a mixture of experts: STEP's experts and expert_weights for an FFN block, the config's
-# n_experts, n_experts_used, norm_topk_prob in WELCOME
-PROTOCOL_VERSION = 7
+# n_experts, n_experts_used, norm_topk_prob in WELCOME; 8: the config's unrotated_layers
+# (SmolLM3) and n_shared (Qwen2-MoE): a node of 7 would stop at the keys it does not know
+PROTOCOL_VERSION = 8
 DEFAULT_PORT = 7470
 
 # What a STEP asks a node to compute: the two blocks (two sums) of a layer, or its rows of the

@@ -3,6 +3,7 @@ native loop writes and reads exactly the bytes the Python encoder does."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import msgpack
@@ -193,3 +194,23 @@ def test_only_a_process_held_to_one_core_yields_it_after_its_sends():
     finally:
         os.sched_setaffinity(0, cores)
     assert P.on_one_core() == (len(cores) == 1)
+
+
+# The model config's fields a node of this protocol version reads from WELCOME. A node reads
+# no other (ModelConfig.from_dict): a field added without a new version would stop an older
+# node at "unknown model config keys" instead of at the version check, which says what to do.
+CONFIG_FIELDS_OF_THIS_VERSION = (8, {
+    "activation", "architecture", "attention_sinks", "context_length", "embedding_multiplier",
+    "expert_bias", "ffn_hidden", "fused", "head_dim", "hidden", "local_layers",
+    "local_rope_theta", "n_experts", "n_experts_used", "n_heads", "n_kv_heads", "n_layers",
+    "n_shared", "norm_eps", "norm_topk_prob", "o_bias", "post_norms", "qk_norm", "qkv_bias",
+    "query_scale", "rope_scaling", "rope_theta", "rotary_dim", "router_bias", "sliding_window",
+    "swiglu_alpha", "swiglu_limit", "tied_embeddings", "unrotated_layers", "vocab_size",
+})  # fmt: skip
+
+
+def test_a_new_config_field_comes_with_a_new_protocol_version():
+    """Change ModelConfig's fields, and PROTOCOL_VERSION goes up with them (and this list)."""
+    version, fields = CONFIG_FIELDS_OF_THIS_VERSION
+    assert {f.name for f in dataclasses.fields(ModelConfig)} == fields
+    assert P.PROTOCOL_VERSION == version
