@@ -116,35 +116,22 @@ def _attend(
     step's stays on one, as torch's other ops (`models.kernels.set_threads` says why).
     """
     with torch_threads(blas_threads() if q.shape[2] > 1 else 1):
-        return _attend_on_threads(q, keys, values, mask, causal, s, config, sinks)
-
-
-def _attend_on_threads(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None,
-    causal: bool,
-    s: Slice,
-    config: ModelConfig,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    nq, nkv, group = s.n_q, s.n_kv, config.group_size
-    scale = config.query_scale
-    if sinks is not None:
+        nq, nkv, group = s.n_q, s.n_kv, config.group_size
+        scale = config.query_scale
+        if sinks is not None:
+            kv_of_q = torch.arange(*s.q_heads) // group - s.kv_heads[0]
+            scale = scale or q.shape[-1] ** -0.5
+            return _attend_with_sinks(q, keys[:, kv_of_q], values[:, kv_of_q], mask, causal, sinks,
+                                      scale)  # fmt: skip
+        if nq == nkv * group and s.q_heads[0] % group == 0:
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=nq != nkv, scale=scale
+            )
+        # query heads split within a group: map each local query head to its KV head
         kv_of_q = torch.arange(*s.q_heads) // group - s.kv_heads[0]
-        scale = scale or q.shape[-1] ** -0.5
-        return _attend_with_sinks(q, keys[:, kv_of_q], values[:, kv_of_q], mask, causal, sinks,
-                                  scale)  # fmt: skip
-    if nq == nkv * group and s.q_heads[0] % group == 0:
         return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=nq != nkv, scale=scale
+            q, keys[:, kv_of_q], values[:, kv_of_q], attn_mask=mask, is_causal=causal, scale=scale
         )
-    # query heads split within a group: map each local query head to its KV head
-    kv_of_q = torch.arange(*s.q_heads) // group - s.kv_heads[0]
-    return F.scaled_dot_product_attention(
-        q, keys[:, kv_of_q], values[:, kv_of_q], attn_mask=mask, is_causal=causal, scale=scale
-    )
 
 
 def _attend_with_sinks(
