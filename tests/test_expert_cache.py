@@ -105,8 +105,10 @@ def test_streamed_experts_answer_as_resident_ones_reading_only_the_chosen(any_mo
             row = node_row(f"node {k}", history)
             assert 0.0 < row["expert_hit_rate"] < 1.0, row
             assert row["expert_mb_read_per_token"] <= row["expert_mb_chosen_per_token"], row
+            assert 0.0 <= row["expert_read_hidden_ms_per_token"] <= row["load_ms_per_token"], row
         for node in view.nodes:
             assert node.expert_hit_rate is not None and 0.0 <= node.expert_hit_rate <= 1.0
+            assert node.expert_read_hidden_ms is not None and node.expert_read_hidden_ms >= 0.0
 
         # A byte flipped inside every expert's rows of a worker's last layer: the first
         # expert it lacks there is refused (the node fetches the file again, from a master
