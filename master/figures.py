@@ -167,6 +167,9 @@ def _stream(figures: dict[str, Any]) -> dict[str, Any]:
         "compute_ms": round(figures.get("compute_s", 0.0) * 1000, 3),
         "kernels": figures.get("kernels"),
         "expert_hit_rate": _hit_rate(figures),
+        "expert_read_hidden_ms": (
+            round(figures["expert_hidden_s"] * 1000, 3) if "expert_hidden_s" in figures else None
+        ),
     }
 
 

@@ -4,8 +4,11 @@ read from the layer's shard file an expert's rows at a time.
 A mixture's layer file holds every expert's slice stacked by rows (`models.moe.expert_rows`):
 expert e's rows of a stacked tensor are one contiguous range of it, since a row holds whole
 blocks. A node that streams reads each step its layer's dense part (header, attention, norms)
-through the window, and of the experts only those the step's routing chose that its pool lacks,
-when the FFN step brings the routing, before it computes.
+through the window, and of the experts only those the step's routing chose that its pool lacks:
+when the FFN step brings the routing, a reader thread of the step's own reads them while the
+experts the pool holds compute, and each is computed as soon as its read is checked. A layer's
+routing is the master's router on the hidden state after that layer's attention sum: nothing a
+node has before the FFN step names the experts it will need, so no read can start earlier.
 
 A partial read cannot be checked against the file's xxh3. So when the window starts, each layer
 file is read once and the xxh3 of its dense part and of each expert's rows are taken, in the same
@@ -18,10 +21,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import struct
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -185,7 +190,8 @@ class ExpertPool:
 
     Per layer, each stacked tensor's slots are one tensor of `slots` experts' rows, stacked as
     in the file: slot s holds an expert's rows where the file holds expert s's, so the layer
-    math runs on the pool with slot numbers for expert numbers.
+    math runs on the pool with slot numbers for expert numbers. The slots' bookkeeping is the
+    compute thread's alone: a reader thread only fills the slots it was given.
     """
 
     def __init__(
@@ -225,50 +231,124 @@ class ExpertPool:
         self._held: list[OrderedDict[int, int]] = [OrderedDict() for _ in parts]
         self._free = [list(range(slots - 1, -1, -1)) for _ in parts]
 
-    def choose(self, layer: int, experts: Sequence[int]) -> None:
-        """A step chose `experts` of `layer`: count what the pool held, and read the others
-        now, if they all fit (else each is read as the step reaches it, `slot`)."""
-        held = self._held[layer]
+    def compute(
+        self, layer: int, experts: Sequence[int], compute: Callable[[int, int], None]
+    ) -> None:
+        """Call `compute(expert, slot)` for each of `experts`, a step's chosen of `layer`: on
+        those the pool holds first, while a reader thread reads the others, each as soon as its
+        read is checked (the caller keeps its own order of sums). A read that fails raises its
+        error here once the reader has stopped. A step that chooses more than the pool holds (a
+        long prefill) reads each as it reaches it, evicting one the step already used."""
+        held, free = self._held[layer], self._free[layer]
+        pooled = [e for e in experts if e in held]
         missing = [e for e in experts if e not in held]
-        for e in experts:
-            if e in held:
-                held.move_to_end(e)
-        self.figures.expert_hits += len(experts) - len(missing)
+        for e in pooled:
+            held.move_to_end(e)
+        self.figures.expert_hits += len(pooled)
         self.figures.expert_misses += len(missing)
         self.figures.expert_bytes_chosen += len(experts) * self.parts[layer].expert_bytes
-        if len(experts) <= self.slots:
-            self._read(layer, missing)
+        if len(experts) > self.slots:
+            for e in experts:
+                compute(e, self._slot(layer, e))
+            return
+        # The pooled are the most recently used: with every chosen expert within the pool,
+        # only experts the step did not choose are evicted.
+        targets = [(e, free.pop() if free else held.popitem(last=False)[1]) for e in missing]
+        if not targets:
+            for e in pooled:
+                compute(e, held[e])
+            return
+        slot_of = dict(targets)
+        loaded_before, waited = self.figures.expert_load_s, 0.0
+        reader = _Reader(self._fill(layer, targets))
+        try:
+            for e in pooled:
+                reading = not reader.ended.is_set()
+                compute(e, held[e])
+                if reading and reader.began.is_set():  # this compute overlapped a read
+                    self.figures.expert_computes_overlapped += 1
+            for _ in targets:
+                started = time.perf_counter()
+                e, error = reader.done.get()
+                waited += time.perf_counter() - started
+                if error is not None:
+                    raise error
+                held[e] = slot_of[e]
+                compute(e, slot_of[e])
+        finally:
+            reader.stop()
+            for e, slot in targets:
+                if held.get(e) != slot:  # not read, or not checked: it holds no expert
+                    free.append(slot)
+            hidden = self.figures.expert_load_s - loaded_before - waited
+            self.figures.expert_hidden_s += max(0.0, hidden)
 
-    def slot(self, layer: int, expert: int) -> int:
+    def _slot(self, layer: int, expert: int) -> int:
         """The slot of `layer` that holds `expert`, read now if it is not held."""
-        held = self._held[layer]
+        held, free = self._held[layer], self._free[layer]
         if expert not in held:
-            self._read(layer, [expert])
+            slot = free.pop() if free else held.popitem(last=False)[1]
+            try:
+                for _ in self._fill(layer, [(expert, slot)]):
+                    held[expert] = slot
+            finally:
+                if expert not in held:
+                    free.append(slot)  # what it holds is not the expert's
         held.move_to_end(expert)
         return held[expert]
 
-    def _read(self, layer: int, experts: list[int]) -> None:
-        if not experts:
-            return
-        parts, held, free = self.parts[layer], self._held[layer], self._free[layer]
-        started = time.perf_counter()
+    def _fill(self, layer: int, targets: list[tuple[int, int]]) -> Generator[int, None, None]:
+        """Read each (expert, slot) of `targets` into its slot and check it against the
+        expert's xxh3, yielding the expert once it is; ShardChanged if its bytes changed."""
+        parts = self.parts[layer]
         try:
             with open(parts.path, "rb", buffering=0) as f:
-                for e in experts:
-                    slot = free.pop() if free else held.popitem(last=False)[1]
+                for e, slot in targets:
+                    started = time.perf_counter()
                     checksum = xxhash.xxh3_64()
                     for x, start, n in parts.expert_ranges(e):
                         view = self._raw[layer][x.name][slot * n : (slot + 1) * n]
                         got = pread_into(f.fileno(), view, start)
                         self.figures.expert_bytes_read += got
                         checksum.update(view[:got])
+                    self.figures.expert_load_s += time.perf_counter() - started
                     if checksum.intdigest() != self.checksums[layer][e]:
-                        free.append(slot)  # what it holds is not the expert's
                         raise ShardChanged(layer, parts.path)
-                    held[e] = slot
+                    yield e
                 if self.drop_cache:
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
             raise ModelError(f"shard {parts.path} cannot be read ({exc.strerror})") from exc
+
+
+class _Reader:
+    """A step's reads of the experts its pool lacked, on a thread of its own: each expert
+    (or the error that ended the reads) handed to compute through `done` as soon as it is
+    checked. One a step, joined before the step goes on, so none outlives its step."""
+
+    def __init__(self, fill: Generator[int, None, None]) -> None:
+        self.done: queue.SimpleQueue[tuple[int, BaseException | None]] = queue.SimpleQueue()
+        self.began = threading.Event()
+        self.ended = threading.Event()
+        self._stopping = threading.Event()
+        self._fill = fill
+        self._thread = threading.Thread(target=self._run, name="expert-reader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.began.set()
+        try:
+            for e in self._fill:
+                self.done.put((e, None))
+                if self._stopping.is_set():
+                    break
+        except BaseException as exc:  # handed to compute, which raises it
+            self.done.put((-1, exc))
         finally:
-            self.figures.expert_load_s += time.perf_counter() - started
+            self._fill.close()
+            self.ended.set()
+
+    def stop(self) -> None:
+        """Stop after the read under way (compute failed, or every read is done) and wait."""
+        self._stopping.set()
+        self._thread.join()

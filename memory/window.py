@@ -13,7 +13,7 @@ When the window covers every layer, each is read once into its own buffer and ne
 
 A mixture of experts' layers stream apart: the ring holds each layer's dense part (header,
 attention, norms), and the experts sit in a pool read an expert at a time as the routing
-chooses them (memory/experts.py).
+chooses them, by a reader of the step's own while the experts held compute (memory/experts.py).
 
 A streamed layer is read again every step, so what is on disk can change under a running node (a
 process writing there, a failing disk). Bytes that come from the disk are checked against the
@@ -63,12 +63,15 @@ class StreamFigures:
     load_s: float = 0.0  # time the loader spent reading
     wait_s: float = 0.0  # time compute waited for a layer not yet read
     compute_s: float = 0.0  # time in the node's partials, waits included (the executor adds)
-    # A mixture's experts, where the node streams them (memory/experts.py; compute's thread):
+    # A mixture's experts, where the node streams them (memory/experts.py: the reads' by the
+    # step's expert reader, the rest by compute's thread):
     expert_hits: int = 0  # experts a step chose that the pool held
     expert_misses: int = 0  # and that it read
     expert_bytes_chosen: int = 0  # bytes of the chosen experts' slices, held or not
     expert_bytes_read: int = 0
-    expert_load_s: float = 0.0
+    expert_load_s: float = 0.0  # time the expert reader spent reading
+    expert_hidden_s: float = 0.0  # of that, the time compute did not wait for (it computed)
+    expert_computes_overlapped: int = 0  # pooled experts computed while the reader read
 
     def minus(self, other: StreamFigures) -> StreamFigures:
         return StreamFigures(
@@ -392,6 +395,7 @@ def step_figures(window: LayerWindow | ResidentLayers, since: StreamFigures) -> 
             "expert_misses": d.expert_misses,
             "expert_bytes_chosen": d.expert_bytes_chosen,
             "expert_bytes_read": d.expert_bytes_read,
+            "expert_hidden_s": d.expert_hidden_s,
             "expert_slots": window.experts.slots,
         }
     return {

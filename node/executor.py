@@ -214,25 +214,39 @@ class SliceExecutor:
         routing: Routing,
         pool: ExpertPool,
     ) -> Hidden:
-        """A mixture's FFN partial from a streaming node's expert pool: the chosen experts it
-        lacks are read first, then each expert multiplies its tokens from its slot, in the
-        order, and so with the sums, of the experts held in memory (`models.moe`)."""
+        """A mixture's FFN partial from a streaming node's expert pool: the experts it holds
+        compute while those it lacks are read, each expert multiplying its tokens from its
+        slot. Each partial is added once those of the experts below it are, so the sums are in
+        the order of the experts held in memory (`models.moe`), whatever order the reads end
+        in, and only partials computed ahead of that order are kept."""
         chosen = [int(e) for e in np.unique(routing.experts)]
-        pool.choose(index, chosen)
         w = dense | pool.tensors[index]
         rows = h.reshape(-1, self.config.hidden)  # (N, D), the routing's tokens in order
+        picked = {e: np.nonzero(routing.experts == e) for e in chosen}  # (tokens, which)
         out = np.zeros_like(rows)
-        for e in chosen:
-            tokens, which = np.nonzero(routing.experts == e)
-            slot = np.full((len(tokens), 1), pool.slot(index, e), dtype=np.int64)
-            one = Routing(slot, routing.weights[tokens, which][:, None])
-            x = np.ascontiguousarray(rows[tokens])
+        ahead: dict[int, np.ndarray] = {}  # computed, not yet added
+        to_add = iter(chosen)
+        next_e = next(to_add, None)
+
+        def compute(e: int, slot: int) -> None:
+            nonlocal next_e
+            tokens, which = picked[e]
+            one = Routing(
+                np.full((len(tokens), 1), slot, dtype=np.int64),
+                routing.weights[tokens, which][:, None],
+            )
+            x = np.ascontiguousarray(rows[tokens])  # (n, D)
             if self.rows:
-                out[tokens] += moe_rows(x, w, self.config, one)
+                ahead[e] = moe_rows(x, w, self.config, one)
             else:
                 with torch.inference_mode():
                     got = moe_partial(torch.from_numpy(x)[None], w, self.config, one)
-                out[tokens] += got[0].numpy()
+                ahead[e] = got[0].numpy()
+            while next_e in ahead:
+                out[picked[next_e][0]] += ahead.pop(next_e)
+                next_e = next(to_add, None)
+
+        pool.compute(index, chosen, compute)
         return out.reshape(h.shape)
 
     def close(self) -> None:

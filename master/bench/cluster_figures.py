@@ -125,7 +125,8 @@ def node_row(name: str, history: Any) -> dict[str, Any]:
 
 def expert_figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """A node's expert cache over the decode steps, where it streams a mixture's experts: the
-    share of chosen experts it held, and the MB of experts read and chosen per token."""
+    share of chosen experts it held, the MB of experts read and chosen per token, and the ms a
+    token of those reads that the held experts' compute hid."""
     if not steps or "expert_hits" not in steps[-1]:
         return {}
     n = len(steps)
@@ -136,6 +137,9 @@ def expert_figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "expert_mb_read_per_token": round(sum(s["expert_bytes_read"] for s in steps) / n / 1e6, 2),
         "expert_mb_chosen_per_token": round(
             sum(s["expert_bytes_chosen"] for s in steps) / n / 1e6, 2
+        ),
+        "expert_read_hidden_ms_per_token": round(
+            sum(s.get("expert_hidden_s", 0.0) for s in steps) / n * 1000, 2
         ),
         "expert_slots": steps[-1]["expert_slots"],
     }

@@ -132,5 +132,6 @@ def print_nodes(run: dict[str, Any]) -> None:
             print(
                 f"  {'':<10}experts: cache hit rate {r['expert_hit_rate']}, "
                 f"{r['expert_mb_read_per_token']} MB read of {r['expert_mb_chosen_per_token']} "
-                f"MB chosen per token ({r['expert_slots']} slots a layer)"
+                f"MB chosen per token, {r['expert_read_hidden_ms_per_token']} ms of its reads "
+                f"hidden behind compute ({r['expert_slots']} slots a layer)"
             )

@@ -311,6 +311,11 @@ class NodeFigures(BaseModel):
         description="a mixture's experts a node streams: the share of the last step's chosen "
         "experts its expert cache held (the rest were read from its shards)",
     )
+    expert_read_hidden_ms: float | None = Field(
+        None,
+        description="a mixture's experts a node streams: the time its reads of the last step's "
+        "experts took while the experts it held computed (time it did not wait for them)",
+    )
     kernels: str | None = Field(
         None, description="the kernels this device admitted and chose, per weight dtype"
     )
