@@ -170,6 +170,7 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
     },
 }
 
+
 def row_bucket(rows: int) -> int:
     return 0 if rows <= 1 else 1 if rows == 2 else 2 if rows <= 4 else 3 if rows <= 8 else 4
 
@@ -369,11 +370,11 @@ def linear_rows(
 ) -> np.ndarray:
     """`linear` for a float32 array of rows (rows, in), as an array (rows, out): the decode path,
     where each torch call costs more than the arithmetic (models/block_rows.py says why)."""
-    if w.dtype == torch.int8 and scale is None:
-        raise ValueError("an int8 weight needs its per-channel scales")
     layout = _layouts.get((w.dtype, w.shape))
     if layout is None:  # a decode step asks ~120 times per token for a few shapes
         layout = _layouts[(w.dtype, w.shape)] = (dtype_name(w), *matrix_size(w))
+    if layout[0] == "int8" and scale is None:
+        raise ValueError("an int8 weight needs its per-channel scales")
     kernel = _kernel(layout[0], x.shape[0], layout[1], layout[2])
     out = kernel(x, w, scale)
     if bias is not None:
