@@ -135,7 +135,7 @@ def has_avx2() -> bool:
 _PORTABLE = () if has_avx2() else (Candidate("c-portable", "models.native:portable_activations"),)
 
 # models/csrc/blocks.c's formats (as models/native.py builds it) and blocks_portable.c's
-HAND_TUNED = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1")
+HAND_TUNED = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "iq4_nl")
 PORTABLE = ("q4_0", "q4_1", "q8_0")
 
 # Row counts group into buckets: a step's rows are its sequences (decode) or its tokens
