@@ -340,14 +340,14 @@ def test_quantizers_round_as_their_bits_allow(fmt):
     one weight's level at a time start again from the largest weight and land on another fit
     (measured 22 % of its own rounding away; the others at most 8 %)."""
     limit, least_same = ROUNDING[fmt]
-    fmt_ = FORMATS[fmt]
+    quantizer = FORMATS[fmt]
     w = torch.randn(64, 512, generator=torch.Generator().manual_seed(0)) * 0.02
-    values = fmt_.dequantize(fmt_.quantize(w))
+    values = quantizer.dequantize(quantizer.quantize(w))
     error = ((values - w).pow(2).mean() / w.pow(2).mean()).sqrt().item()
     assert error < limit, error
-    assert fmt_.dequantize(fmt_.quantize(torch.zeros(2, 256))).abs().max() == 0
-    again = fmt_.dequantize(fmt_.quantize(values))
-    same = (again == values).view(-1, fmt_.block_values).all(dim=1).float().mean().item()
+    assert quantizer.dequantize(quantizer.quantize(torch.zeros(2, 256))).abs().max() == 0
+    again = quantizer.dequantize(quantizer.quantize(values))
+    same = (again == values).view(-1, quantizer.block_values).all(dim=1).float().mean().item()
     assert same >= least_same, same
     moved = ((again - values).pow(2).mean() / w.pow(2).mean()).sqrt().item()
     assert moved <= error / 4, (moved, error)
