@@ -6,19 +6,15 @@ stores it, byte for byte, so a split of a file answers as the file's own model d
 """
 
 PLAIN_DTYPES = ("f32", "f16", "bf16", "int8")
-# GGUF's block types (models/quant.py), widest first. These can be made from float weights;
-# Q2_K, Q3_K and IQ4_XS only come from a file that stores them.
-QUANTIZABLE_BLOCK_DTYPES = (
-    "q8_0", "q6_k", "q5_1", "q5_0", "q5_k", "q4_1", "q4_k", "q4_0", "mxfp4",
-)  # fmt: skip
+# GGUF's block types (models/quant.py), widest first; float weights can be stored in each.
 BLOCK_DTYPES = (
-    "q8_0", "q6_k", "q5_1", "q5_0", "q5_k", "q4_1", "q4_k", "iq4_xs", "q4_0", "mxfp4", "q3_k",
-    "q2_k",
+    "q8_0", "q6_k", "q5_1", "q5_0", "q5_k", "q4_1", "q4_k", "iq4_nl", "iq4_xs", "q4_0", "mxfp4",
+    "q3_k", "q2_k",
 )  # fmt: skip
 SHARD_DTYPES = (*PLAIN_DTYPES, *BLOCK_DTYPES)
 AUTO = "auto"
 # What `--dtype` offers: `auto`, and every dtype any source's weights can be stored in.
-DTYPE_CHOICES = (AUTO, *PLAIN_DTYPES, *QUANTIZABLE_BLOCK_DTYPES)
+DTYPE_CHOICES = (AUTO, *SHARD_DTYPES)
 
 # What a source's stored type (GGUF's type names; safetensors' F32, F16, BF16) becomes under
 # `auto`: itself, byte for byte.
@@ -31,9 +27,10 @@ SOURCE_TYPES = tuple(_NEAREST)
 # dtypes takes one that holds each part's values exactly, else f32.
 _WIDEST_FIRST = ("f32", "bf16", "f16", "int8", *BLOCK_DTYPES)
 # Block formats one converts into another exactly (models.quant.widen): the same scale, the
-# integers widened (q4_0's w = d (q - 8) and q5_0's w = d (q - 16) are q8_0's w = d q'). Gemma
-# 3's files store q and k in Q5_0 and some layers' v in Q8_0: their fused matrix keeps all three.
-EXACT_WIDENING = {("q4_0", "q8_0"), ("q5_0", "q8_0")}
+# integers widened (q4_0's w = d (q - 8), q5_0's w = d (q - 16) and iq4_nl's w = d table[q],
+# the table's entries int8, are q8_0's w = d q'). Gemma 3's files store q and k in Q5_0 and some
+# layers' v in Q8_0: their fused matrix keeps all three.
+EXACT_WIDENING = {("q4_0", "q8_0"), ("q5_0", "q8_0"), ("iq4_nl", "q8_0")}
 
 
 def nearest_dtype(stored_type: str) -> str:
@@ -70,6 +67,6 @@ def embedding_dtype(dtype: str, stored_type: str = "F32") -> str:
     Under `auto`, as the source stores it."""
     if dtype == AUTO:
         return nearest_dtype(stored_type)
-    if dtype in ("q4_k", "q5_k"):  # as llama.cpp's Q4_K_M and Q5_K_M keep their output
-        return "q6_k"
-    return "q8_0" if dtype in ("q4_0", "q4_1", "q5_0", "q5_1", "mxfp4") else dtype
+    if dtype in ("q2_k", "q3_k", "q4_k", "q5_k", "iq4_xs"):  # as llama.cpp's files of these
+        return "q6_k"  # types (Q4_K_M, Q3_K_M, ...) keep their output
+    return "q8_0" if dtype in ("q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "iq4_nl") else dtype

@@ -135,7 +135,7 @@ def has_avx2() -> bool:
 _PORTABLE = () if has_avx2() else (Candidate("c-portable", "models.native:portable_activations"),)
 
 # models/csrc/blocks.c's formats (as models/native.py builds it) and blocks_portable.c's
-HAND_TUNED = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1")
+HAND_TUNED = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "iq4_nl")
 PORTABLE = ("q4_0", "q4_1", "q8_0")
 
 # Row counts group into buckets: a step's rows are its sequences (decode) or its tokens
@@ -169,6 +169,7 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
         for name in FORMATS
     },
 }
+
 
 def row_bucket(rows: int) -> int:
     return 0 if rows <= 1 else 1 if rows == 2 else 2 if rows <= 4 else 3 if rows <= 8 else 4
@@ -369,11 +370,11 @@ def linear_rows(
 ) -> np.ndarray:
     """`linear` for a float32 array of rows (rows, in), as an array (rows, out): the decode path,
     where each torch call costs more than the arithmetic (models/block_rows.py says why)."""
-    if w.dtype == torch.int8 and scale is None:
-        raise ValueError("an int8 weight needs its per-channel scales")
     layout = _layouts.get((w.dtype, w.shape))
     if layout is None:  # a decode step asks ~120 times per token for a few shapes
         layout = _layouts[(w.dtype, w.shape)] = (dtype_name(w), *matrix_size(w))
+    if layout[0] == "int8" and scale is None:
+        raise ValueError("an int8 weight needs its per-channel scales")
     kernel = _kernel(layout[0], x.shape[0], layout[1], layout[2])
     out = kernel(x, w, scale)
     if bias is not None:

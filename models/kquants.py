@@ -1,15 +1,17 @@
-"""Float weights quantized to llama.cpp's K-quants Q4_K, Q5_K and Q6_K (blocks of 256), for a
-float source split at one of them (an HF folder, `edgetp synth`): the `gguf` package expands
-these formats but cannot make them.
+"""Float weights quantized to llama.cpp's K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (blocks of
+256), for a float source split at one of them (an HF folder, `edgetp synth`): the `gguf` package
+expands these formats but cannot make them.
 
-The algorithm is llama.cpp's reference quantizer (`quantize_row_q{4,5,6}_K_ref` in
+The algorithm is llama.cpp's reference quantizer (`quantize_row_q{2,3,4,5,6}_K_ref` in
 ggml-quants.c, no importance matrix), computed over every block of a matrix at once in float32:
-- Q4_K, Q5_K: per sub-block of 32, a scale and a minimum fitted by a search over candidate
-  scales that minimises the weighted squared error (weights |x| plus the sub-block's RMS); both
-  quantized to 6 bits against the block's largest, in f16; then each weight rounded again
-  against its sub-block's quantized scale and minimum (4 or 5 bits).
-- Q6_K: per sub-block of 16, a signed scale fitted by a search weighted by x^2; the scales
-  quantized to int8 against the largest; each weight to 6 bits.
+- Q2_K, Q4_K, Q5_K: per sub-block (16 weights for Q2_K, else 32), a scale and a minimum fitted
+  by a search over candidate scales that minimises the weighted error (Q2_K: absolute, weights
+  |x|; the others squared, weights |x| plus the sub-block's RMS); both quantized against the
+  block's largest (4 bits for Q2_K, else 6), in f16; then each weight rounded again against its
+  sub-block's quantized scale and minimum (2, 4 or 5 bits).
+- Q3_K, Q6_K: per sub-block of 16, a signed scale fitted for weights x^2 (Q3_K by moving one
+  weight's level at a time while the fit improves, Q6_K by a search); the scales quantized
+  against the largest (6 bits, 8 bits); each weight to 3 or 6 bits.
 NumPy's sums run in another order than the C loops', so a choice between two candidates that
 tie to the last bit may fall the other way: the blocks are the reference's up to that.
 """
@@ -22,9 +24,14 @@ QK = 256  # weights a block
 _F32 = np.float32
 
 
-def _nearest(v: np.ndarray) -> np.ndarray:
+def nearest(v: np.ndarray) -> np.ndarray:
     """Round half to even, as llama.cpp's nearest_int does (it adds 1.5 * 2^23 in float32)."""
     return np.rint(v).astype(np.int32)
+
+
+def clipped(v: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """`nearest(v)` held within [lo, hi], clipped before the integers (v may be huge)."""
+    return np.clip(np.rint(v), lo, hi).astype(np.int32)
 
 
 def _f16(v: np.ndarray) -> np.ndarray:
@@ -32,10 +39,21 @@ def _f16(v: np.ndarray) -> np.ndarray:
 
 
 def _fit_scale_min(
-    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+    x: np.ndarray,
+    w: np.ndarray,
+    nmax: int,
+    rmin: float,
+    rdelta: float,
+    nstep: int,
+    absolute: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row of x (sub-blocks, n): (scale, minimum as a positive offset, integers 0..nmax)
-    with x ~ scale * L - minimum, by llama.cpp's make_qkx2_quants (squared error)."""
+    with x ~ scale * L - minimum, by llama.cpp's make_qkx2_quants (squared error, or absolute
+    where `absolute`)."""
+
+    def error(diff: np.ndarray) -> np.ndarray:
+        return (w * (np.abs(diff) if absolute else diff * diff)).sum(axis=1)
+
     lo = first_lo = np.minimum(x.min(axis=1), _F32(0))
     hi = x.max(axis=1)
     span = hi - lo
@@ -45,11 +63,11 @@ def _fit_scale_min(
     sum_x = (w * x).sum(axis=1)
     iscale = _F32(nmax) / span
     scale = _F32(1) / iscale
-    levels = np.clip(_nearest(iscale[:, None] * (x - lo[:, None])), 0, nmax)
-    best = (w * (scale[:, None] * levels + lo[:, None] - x) ** 2).sum(axis=1)
+    levels = np.clip(nearest(iscale[:, None] * (x - lo[:, None])), 0, nmax)
+    best = error(scale[:, None] * levels + lo[:, None] - x)
     for step in range(nstep + 1):
         iscale = (_F32(rmin) + _F32(rdelta) * _F32(step) + _F32(nmax)) / span
-        trial = np.clip(_nearest(iscale[:, None] * (x - lo[:, None])), 0, nmax).astype(_F32)
+        trial = np.clip(nearest(iscale[:, None] * (x - lo[:, None])), 0, nmax).astype(_F32)
         sum_l = (w * trial).sum(axis=1)
         sum_l2 = (w * trial * trial).sum(axis=1)
         sum_xl = (w * trial * x).sum(axis=1)
@@ -61,10 +79,10 @@ def _fit_scale_min(
         positive = this_min > 0
         this_min = np.where(positive, _F32(0), this_min)
         this_scale = np.where(positive, sum_xl / np.where(sum_l2 > 0, sum_l2, _F32(1)), this_scale)
-        error = (w * (this_scale[:, None] * trial + this_min[:, None] - x) ** 2).sum(axis=1)
-        better = ok & (error < best)
+        this_error = error(this_scale[:, None] * trial + this_min[:, None] - x)
+        better = ok & (this_error < best)
         levels = np.where(better[:, None], trial.astype(np.int32), levels)
-        best = np.where(better, error, best)
+        best = np.where(better, this_error, best)
         scale = np.where(better, this_scale, scale)
         lo = np.where(better, this_min, lo)
     levels = np.where(flat[:, None], 0, levels)
@@ -83,7 +101,7 @@ def _fit_signed_scale(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]
     w = x * x
 
     def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        levels = np.clip(_nearest(iscale[:, None] * x), -nmax, nmax - 1)
+        levels = np.clip(nearest(iscale[:, None] * x), -nmax, nmax - 1)
         lf = levels.astype(_F32)
         return levels, (w * x * lf).sum(axis=1), (w * lf * lf).sum(axis=1)
 
@@ -125,15 +143,103 @@ def _k4_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int)
     max_min = np.maximum(mins.max(axis=1), _F32(0))
     inv_scale = np.where(max_scale > 0, _F32(63) / np.where(max_scale > 0, max_scale, 1), _F32(0))
     inv_min = np.where(max_min > 0, _F32(63) / np.where(max_min > 0, max_min, 1), _F32(0))
-    ls = np.minimum(63, _nearest(inv_scale[:, None] * scales)).astype(np.uint8)
-    lm = np.minimum(63, _nearest(inv_min[:, None] * mins)).astype(np.uint8)
+    ls = np.minimum(63, nearest(inv_scale[:, None] * scales)).astype(np.uint8)
+    lm = np.minimum(63, nearest(inv_min[:, None] * mins)).astype(np.uint8)
     d, dmin = _f16(max_scale / _F32(63)), _f16(max_min / _F32(63))
     sub_d = d.astype(_F32)[:, None] * ls.astype(_F32)  # (blocks, 8)
     sub_m = dmin.astype(_F32)[:, None] * lm.astype(_F32)
     safe = np.where(sub_d == 0, _F32(1), sub_d)
-    again = np.clip(_nearest((x.reshape(b, 8, 32) + sub_m[:, :, None]) / safe[:, :, None]), 0, nmax)
+    again = np.clip(nearest((x.reshape(b, 8, 32) + sub_m[:, :, None]) / safe[:, :, None]), 0, nmax)
     levels = np.where((sub_d == 0)[:, :, None], levels.reshape(b, 8, 32), again).reshape(b, QK)
     return d, dmin, _pack_scales_k4(ls, lm), levels.astype(np.uint8)
+
+
+def _fit_q3(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of x (sub-blocks, n): (scale, integers -nmax..nmax-1 stored plus nmax) with x ~
+    scale * L for weights x^2, by llama.cpp's make_q3_quants: levels from the largest weight,
+    then up to five passes that move one weight's level at a time where the fit improves."""
+    rows = np.arange(len(x))
+    peak = x[rows, np.abs(x).argmax(axis=1)]
+    zero = np.abs(peak) < _F32(1e-15)
+    levels = clipped((_F32(-nmax) / np.where(zero, _F32(1), peak))[:, None] * x, -nmax, nmax - 1)
+    w = x * x
+    lf = levels.astype(_F32)
+    sum_lx, sum_l2 = (w * x * lf).sum(axis=1), (w * lf * lf).sum(axis=1)
+    for _ in range(5):  # a pass that moves nothing leaves the next one nothing to move
+        for i in range(x.shape[1]):
+            wi, xi, li = w[:, i], x[:, i], levels[:, i].astype(_F32)
+            slx = sum_lx - wi * xi * li
+            sl2 = sum_l2 - wi * li * li
+            ok = slx > 0
+            new = clipped(xi * sl2 / np.where(ok, slx, _F32(1)), -nmax, nmax - 1)
+            nf = new.astype(_F32)
+            slx, sl2 = slx + wi * xi * nf, sl2 + wi * nf * nf
+            take = ok & (new != levels[:, i]) & (sl2 > 0)
+            take &= slx * slx * sum_l2 > sum_lx * sum_lx * sl2
+            levels[:, i] = np.where(take, new, levels[:, i])
+            sum_lx, sum_l2 = np.where(take, slx, sum_lx), np.where(take, sl2, sum_l2)
+    scale = np.where(sum_l2 > 0, sum_lx / np.where(sum_l2 > 0, sum_l2, _F32(1)), _F32(0))
+    # a sub-block of zeros keeps integers 0, not nmax, as the reference leaves it
+    return np.where(zero, _F32(0), scale), np.where(zero[:, None], 0, levels + nmax)
+
+
+def _pack_2bit(levels: np.ndarray) -> np.ndarray:
+    """Integers 0..3 (blocks, 256) as Q2_K's and Q3_K's qs (blocks, 64): byte l of each half
+    holds weights l, l + 32, l + 64 and l + 96 of that half, two bits each."""
+    q = levels.reshape(len(levels), 2, 4, 32).astype(np.uint8)
+    packed = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
+    return packed.reshape(len(levels), 64)
+
+
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    """Blocks (n, 256) float32 as Q2_K blocks (n, 84): scales[16], qs[64], d, dmin."""
+    b = len(x)
+    sub = x.reshape(b * 16, 16)
+    scales, mins, levels = _fit_scale_min(sub, np.abs(sub), 3, -0.5, 0.1, 15, absolute=True)
+    scales, mins = scales.reshape(b, 16), mins.reshape(b, 16)
+    max_scale = np.maximum(scales.max(axis=1), _F32(0))
+    max_min = np.maximum(mins.max(axis=1), _F32(0))
+    inv_scale = _F32(15) / np.where(max_scale > 0, max_scale, _F32(1))
+    inv_min = _F32(15) / np.where(max_min > 0, max_min, _F32(1))
+    ls = np.where(max_scale[:, None] > 0, nearest(inv_scale[:, None] * scales), 0)
+    lm = np.where(max_min[:, None] > 0, nearest(inv_min[:, None] * mins), 0)
+    packed = ((ls & 0xFF) | (lm << 4) & 0xFF).astype(np.uint8)  # (a byte, as the C stores it)
+    d = _f16(np.where(max_scale > 0, max_scale / _F32(15), _F32(0)))
+    dmin = _f16(np.where(max_min > 0, max_min / _F32(15), _F32(0)))
+    sub_d = d.astype(_F32)[:, None] * (packed & 0xF).astype(_F32)  # (blocks, 16)
+    sub_m = dmin.astype(_F32)[:, None] * (packed >> 4).astype(_F32)
+    safe = np.where(sub_d == 0, _F32(1), sub_d)
+    again = clipped((x.reshape(b, 16, 16) + sub_m[:, :, None]) / safe[:, :, None], 0, 3)
+    levels = np.where((sub_d == 0)[:, :, None], levels.reshape(b, 16, 16), again)
+    return np.concatenate(
+        [packed, _pack_2bit(levels.reshape(b, QK)), half_bytes(d), half_bytes(dmin)], axis=1
+    )
+
+
+def quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    """Blocks (n, 256) float32 as Q3_K blocks (n, 110): hmask[32], qs[64], scales[12], d."""
+    b = len(x)
+    scales, levels = _fit_q3(x.reshape(b * 16, 16), 4)
+    scales, levels = scales.reshape(b, 16), levels.reshape(b, 16, 16)
+    max_scale = scales[np.arange(b), np.abs(scales).argmax(axis=1)]
+    some = max_scale != 0
+    iscale = _F32(-32) / np.where(some, max_scale, _F32(1))
+    ls = np.where(some[:, None], clipped(iscale[:, None] * scales, -32, 31) + 32, 0)
+    ls = ls.astype(np.uint8)  # (blocks, 16) 6 bits each: low nibbles, then 2 high bits
+    packed = np.zeros((b, 12), np.uint8)
+    packed[:, :8] = (ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4)
+    high = (ls >> 4).reshape(b, 4, 4)  # [j // 4, j % 4]
+    packed[:, 8:] = high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)
+    d = _f16(np.where(some, _F32(1) / iscale, _F32(0)))
+    sub_d = d.astype(_F32)[:, None] * (ls.astype(_F32) - 32)
+    safe = np.where(sub_d == 0, _F32(1), sub_d)
+    again = clipped(x.reshape(b, 16, 16) / safe[:, :, None], -4, 3) + 4
+    levels = np.where((sub_d == 0)[:, :, None], levels, again).reshape(b, QK)
+    top = levels > 3  # the third bit: hmask byte m, bit k for weight 32 k + m
+    hmask = top.reshape(b, 8, 32).astype(np.uint8) << np.arange(8, dtype=np.uint8)[:, None]
+    hmask = hmask.sum(axis=1, dtype=np.uint8)
+    qs = _pack_2bit(np.where(top, levels - 4, levels))
+    return np.concatenate([hmask, qs, packed, half_bytes(d)], axis=1)
 
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
@@ -141,7 +247,7 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     d, dmin, scales, levels = _k4_blocks(x, 15, -1.0, 0.1, 20)
     q = levels.reshape(len(x), 4, 2, 32)  # 64 weights a group: low nibbles, then high
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(len(x), 128)
-    return np.concatenate([_bytes(d), _bytes(dmin), scales, qs], axis=1)
+    return np.concatenate([half_bytes(d), half_bytes(dmin), scales, qs], axis=1)
 
 
 def quantize_q5_k(x: np.ndarray) -> np.ndarray:
@@ -153,7 +259,7 @@ def quantize_q5_k(x: np.ndarray) -> np.ndarray:
     # group g's fifth bits: bit 2g (its first 32 weights) and 2g + 1 (its last 32)
     shifts = (2 * np.arange(4)[:, None] + np.arange(2)[None, :]).astype(np.uint8)
     qh = (high << shifts[None, :, :, None]).sum(axis=(1, 2)).astype(np.uint8)
-    return np.concatenate([_bytes(d), _bytes(dmin), scales, qh, qs], axis=1)
+    return np.concatenate([half_bytes(d), half_bytes(dmin), scales, qh, qs], axis=1)
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
@@ -166,11 +272,11 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     empty = max_scale == 0
     iscale = _F32(-128) / np.where(empty, _F32(1), max_scale)
     d = _f16(np.where(empty, _F32(0), _F32(1) / iscale))
-    sc = np.minimum(127, _nearest(iscale[:, None] * scales))
+    sc = np.minimum(127, nearest(iscale[:, None] * scales))
     sc = np.where(empty[:, None], 0, sc).astype(np.int8)
     sub_d = d.astype(_F32)[:, None] * sc.astype(_F32)
     safe = np.where(sub_d == 0, _F32(1), sub_d)
-    again = np.clip(_nearest(x.reshape(b, 16, 16) / safe[:, :, None]), -32, 31) + 32
+    again = np.clip(nearest(x.reshape(b, 16, 16) / safe[:, :, None]), -32, 31) + 32
     levels = np.where((sub_d == 0)[:, :, None], levels, again).reshape(b, 2, 4, 32).astype(np.uint8)
     low, high = levels & 0xF, levels >> 4  # (blocks, half, quarter, 32)
     first, second = low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)
@@ -178,12 +284,15 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
     ql = np.where(empty[:, None, None], 0, ql).reshape(b, 128)
     qh = np.where(empty[:, None, None], 0, qh).reshape(b, 64)
-    return np.concatenate([ql, qh, sc.view(np.uint8), _bytes(d)], axis=1).astype(np.uint8)
+    return np.concatenate([ql, qh, sc.view(np.uint8), half_bytes(d)], axis=1).astype(np.uint8)
 
 
-def _bytes(half: np.ndarray) -> np.ndarray:
+def half_bytes(half: np.ndarray) -> np.ndarray:
     """f16 values (n,) as their little-endian bytes (n, 2)."""
     return half.astype("<f2").view(np.uint8).reshape(len(half), 2)
 
 
-QUANTIZERS = {"q4_k": quantize_q4_k, "q5_k": quantize_q5_k, "q6_k": quantize_q6_k}
+K_QUANTIZERS = {
+    "q2_k": quantize_q2_k, "q3_k": quantize_q3_k, "q4_k": quantize_q4_k, "q5_k": quantize_q5_k,
+    "q6_k": quantize_q6_k,
+}  # fmt: skip

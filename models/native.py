@@ -88,7 +88,8 @@ def load(build: str = "avx2") -> ctypes.CDLL:
     return _libs[build]
 
 
-_functions: dict[tuple[str, int], Callable[..., None]] = {}  # (build, block bytes) -> product
+# (build, element dtype, block bytes), which name a format (models.quant) -> its product
+_functions: dict[tuple[str, torch.dtype, int], Callable[..., None]] = {}
 
 
 def f32_activations(
@@ -163,11 +164,12 @@ def numpy_blas(symbols: tuple[str, ...]) -> int:
 def _product(build: str, x: np.ndarray, w: torch.Tensor) -> np.ndarray:
     """A decode step calls this ~120 times a token, so the lookups are cached and the pointers
     read the cheap way (`.ctypes` builds an object per access)."""
-    fn = _functions.get((build, w.shape[-1]))
+    layout = (build, w.dtype, w.shape[-1])
+    fn = _functions.get(layout)
     if fn is None:
         fmt = block_format(w)
         assert fmt is not None, "a block-format kernel needs a block matrix"
-        fn = _functions[(build, w.shape[-1])] = getattr(load(build), f"{fmt.name}_f32")
+        fn = _functions[layout] = getattr(load(build), f"{fmt.name}_f32")
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
     blocks = w if w.is_contiguous() else w.contiguous()  # held until the call returns

@@ -1,7 +1,7 @@
 """Block-quantized matrices, kept as GGUF stores them: blocks of 32 or 256 weights, each with its
 scales.
 
-A matrix (out, in) in one of these formats is a uint8 tensor (out, in / block, block bytes):
+A matrix (out, in) in one of these formats is a tensor of bytes (out, in / block, block bytes):
 each row its blocks, byte for byte as in a GGUF file, so a GGUF tensor of the same type is
 carried into the shards without a round trip through float, and a row range is a slice of rows.
 
@@ -9,14 +9,17 @@ carried into the shards without a round trip through float, and a row range is a
   or 8 bits a weight), mxfp4 (a power-of-two scale and 4-bit floats: gpt-oss's experts);
 - blocks of 256 (llama.cpp's K-quants): q2_k, q3_k, q4_k, q5_k, q6_k (a scale, for some a
   minimum, per 16 or 32 weights, themselves quantized against the block's f16 scales), iq4_xs
-  (4-bit indices into a fixed non-linear table, a 6-bit scale per 32). Floats are quantized
-  to q4_k, q5_k and q6_k by models/kquants.py; the others come only from a file.
+  (4-bit indices into a fixed non-linear table, a 6-bit scale per 32);
+- iq4_nl: iq4_xs's table in blocks of 32 with an f16 scale, laid out as q4_0.
 
-Every format's block size in bytes differs (GGML_QUANT_SIZES), so a tensor's shape says what
-it holds. IQ4_NL (18 bytes a 32, as q4_0) would not be told apart, and is not read.
+A stored tensor says its format by its element dtype and its block size in bytes
+(`stored_format`): every format's blocks are uint8 but iq4_nl's, whose 18 bytes are q4_0's, so
+its tensors are int8 (a plain int8 matrix has two dimensions, blocks three). The tag is the
+tensor's own dtype, so it goes wherever the tensor goes: a slice, a shard file's header, a
+window's buffer.
 The arithmetic (dequantize, and quantize where the package has it) is the `gguf` package's,
-the reference llama.cpp's files are written with (models/kquants.py quantizes the K-quants it
-cannot); the C products (models/csrc) expand blocks as it does.
+the reference llama.cpp's files are written with (models/kquants.py and models/iquants.py
+quantize what it cannot); the C products (models/csrc) expand blocks as it does.
 """
 
 from __future__ import annotations
@@ -27,10 +30,15 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from models.dtypes import BLOCK_DTYPES, EXACT_WIDENING, QUANTIZABLE_BLOCK_DTYPES
-from models.kquants import QUANTIZERS
+from models.dtypes import BLOCK_DTYPES, EXACT_WIDENING
+from models.iquants import IQ4NL_VALUES, quantize_iq4_nl, quantize_iq4_xs
+from models.kquants import K_QUANTIZERS
 
 BLOCK = 32  # the smallest block, along a matrix's input dimension
+# The formats quantized here; the `gguf` package quantizes the other blocks of 32.
+QUANTIZERS = {**K_QUANTIZERS, "iq4_nl": quantize_iq4_nl, "iq4_xs": quantize_iq4_xs}
+# The element dtype of a format's stored tensors where it is not uint8 (the module's docstring)
+TAGGED_ELEMENTS = {"iq4_nl": torch.int8}
 # Stored bytes the gguf package expands in a call: its temporaries are a few times what it returns.
 DEQUANT_BYTES = 1 << 20
 
@@ -72,11 +80,20 @@ class BlockFormat:
         return GGML_QUANT_SIZES[self.ggml_type][1]
 
     @property
+    def element(self) -> torch.dtype:
+        """The dtype of this format's stored tensors: its tag beside its block size."""
+        return TAGGED_ELEMENTS.get(self.name, torch.uint8)
+
+    @property
     def can_quantize(self) -> bool:
         """Whether a float matrix can be stored in this format here: the gguf package quantizes
-        the blocks of 32, models/kquants.py Q4_K, Q5_K and Q6_K; Q2_K, Q3_K and IQ4_XS come only
-        from a file that stores them."""
-        return self.block_values == BLOCK or self.name in QUANTIZERS
+        the blocks of 32 but IQ4_NL's, `QUANTIZERS` the others."""
+        return self.name in QUANTIZERS or self.block_values == BLOCK
+
+    def from_bytes(self, raw: np.ndarray) -> torch.Tensor:
+        """Rows of blocks as a file stores them (rows, bytes a row: uint8) as a stored matrix
+        (rows, blocks a row, block bytes) of this format, without a copy."""
+        return torch.from_numpy(raw).view(self.element).view(len(raw), -1, self.block_bytes)
 
     def quantize(self, w: torch.Tensor) -> torch.Tensor:
         """A float matrix (out, in), in a multiple of the block, as blocks (out, in / block,
@@ -90,33 +107,28 @@ class BlockFormat:
             )
         if w.numel() == 0 or w.is_meta:  # a node's empty share; a shape only
             shape = (out, inp // v, self.block_bytes)
-            return torch.empty(shape, dtype=torch.uint8, device=w.device)
-        if not self.can_quantize:
-            raise ValueError(
-                f"edgetp has no quantizer for {self.name}: it keeps {self.name} weights only "
-                f"as a file stores them; choose one of {', '.join(QUANTIZABLE_BLOCK_DTYPES)} "
-                "for float weights"
-            )
+            return torch.empty(shape, dtype=self.element, device=w.device)
         values = w.float().numpy()
         if self.name in QUANTIZERS:
             blocks = QUANTIZERS[self.name](values.reshape(-1, v))
         else:
             blocks = quants.quantize(values, self.ggml_type)
-        return torch.from_numpy(np.ascontiguousarray(blocks)).view(out, inp // v, -1)
+        return self.from_bytes(np.ascontiguousarray(blocks).reshape(out, -1))
 
     def dequantize(self, blocks: torch.Tensor) -> torch.Tensor:
         """Blocks (rows, in / block, bytes) as a float32 matrix (rows, in)."""
         rows, n, _ = blocks.shape
         if blocks.numel() == 0:
             return torch.zeros((rows, n * self.block_values))
-        flat = blocks.numpy().reshape(rows, n * self.block_bytes)
+        flat = blocks.view(torch.uint8).numpy().reshape(rows, n * self.block_bytes)
         values = dequantize_rows(flat, self.ggml_type)
         return torch.from_numpy(values).view(rows, n * self.block_values)
 
 
 FORMATS = {name: BlockFormat(name, GGMLQuantizationType[name.upper()]) for name in BLOCK_DTYPES}
-_BY_BLOCK_BYTES = {f.block_bytes: f for f in FORMATS.values()}
-assert len(_BY_BLOCK_BYTES) == len(FORMATS), "a block's size in bytes names its format"
+_BY_LAYOUT = {(f.element, f.block_bytes): f for f in FORMATS.values()}
+assert len(_BY_LAYOUT) == len(FORMATS), "an element dtype and a block size name one format"
+_ELEMENTS = {f.element for f in FORMATS.values()}
 
 
 def block_format(w: torch.Tensor) -> BlockFormat | None:
@@ -125,12 +137,16 @@ def block_format(w: torch.Tensor) -> BlockFormat | None:
 
 
 def stored_format(dtype: torch.dtype, shape: tuple[int, ...]) -> BlockFormat | None:
-    """The format a stored tensor of this dtype and shape is in, None for a plain one."""
-    if dtype != torch.uint8 or len(shape) != 3:
+    """The format a stored tensor of this dtype and shape is in, None for a plain one (a plain
+    matrix has two dimensions, blocks three)."""
+    if dtype not in _ELEMENTS or len(shape) != 3:
         return None
-    found = _BY_BLOCK_BYTES.get(shape[2])
+    found = _BY_LAYOUT.get((dtype, shape[2]))
     if found is None:
-        raise ValueError(f"blocks of {shape[2]} bytes are none of {', '.join(FORMATS)}")
+        raise ValueError(
+            f"{dtype} blocks of {shape[2]} bytes are none of {', '.join(FORMATS)}: the shard "
+            "was not written by this version of edgetp; split the model again"
+        )
     return found
 
 
@@ -168,17 +184,20 @@ def take_columns(w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 
 def widen(blocks: torch.Tensor, to: str) -> torch.Tensor:
-    """Blocks of q4_0 or q5_0 as q8_0 blocks of the same values, exactly (EXACT_WIDENING)."""
+    """Blocks of q4_0, q5_0 or iq4_nl as q8_0 blocks of the same values, exactly
+    (EXACT_WIDENING)."""
     found = block_format(blocks)
     assert found is not None and (found.name, to) in EXACT_WIDENING, (found, to)
     rows, n, size = blocks.shape
-    b = blocks.numpy().reshape(-1, size)
-    qs = b[:, size - 16 :]  # both end in 16 bytes of nibbles: elements j (low) and j + 16 (high)
+    b = blocks.view(torch.uint8).numpy().reshape(-1, size)
+    qs = b[:, size - 16 :]  # all end in 16 bytes of nibbles: elements j (low) and j + 16 (high)
     q = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.int16)
     if found.name == "q5_0":  # bit j of qh (bytes 2-5, little-endian) is element j's fifth bit
         qh = b[:, 2:6].copy().view("<u4")
         q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int16)
         q -= 16
+    elif found.name == "iq4_nl":
+        q = IQ4NL_VALUES[q].astype(np.int16)
     else:
         q -= 8
     out = np.empty((len(b), 34), np.uint8)
@@ -194,15 +213,16 @@ _F16_FIELDS = {
     "q4_0": ((0,), 8), "q4_1": ((0, 2), 15), "q5_0": ((0,), 16), "q5_1": ((0, 2), 31),
     "q8_0": ((0,), 127), "q2_k": ((80, 82), 45), "q3_k": ((108,), 128),
     "q4_k": ((0, 2), 945), "q5_k": ((0, 2), 1953), "q6_k": ((208,), 4064),
-    "iq4_xs": ((0,), 4064), "mxfp4": ((), 12),
+    "iq4_xs": ((0,), 4064), "iq4_nl": ((0,), 127), "mxfp4": ((), 12),
 }  # fmt: skip
 
 
 def random_blocks(fmt: BlockFormat, out: int, inp: int, gen: np.random.Generator) -> torch.Tensor:
     """A matrix (out, inp) of random blocks of `fmt`: random integers and sub-block scales,
     and block scales that keep the weights under about 1 / sqrt(inp), as a layer's are (random
-    bytes there could be inf or nan). What the on-device check multiplies for a format it
-    cannot quantize floats into."""
+    bytes there could be inf or nan). Every integer and scale a block can hold, where a
+    quantizer's blocks hold only those it picks: the checks of another architecture's builds
+    multiply these (tests/test_arm.py)."""
     n = inp // fmt.block_values
     raw = gen.integers(0, 256, size=(out, n, fmt.block_bytes), dtype=np.uint8)
     fields, largest = _F16_FIELDS[fmt.name]
@@ -213,4 +233,4 @@ def random_blocks(fmt: BlockFormat, out: int, inp: int, gen: np.random.Generator
     if fmt.name == "mxfp4":  # 2^(e - 128) near `size`
         e = 128 + int(np.floor(np.log2(size)))
         raw[:, :, 0] = gen.integers(e - 1, e + 2, size=(out, n))
-    return torch.from_numpy(raw)
+    return fmt.from_bytes(raw.reshape(out, -1))

@@ -186,7 +186,7 @@ class GGUFSource(ModelSource):
             return self.file.tensor(gguf_name).reshape(-1)[at + start : at + stop]
         if blocks and kind in FORMATS:
             stored = self.file.stored_rows(gguf_name, at + start, at + stop)
-            out = torch.from_numpy(stored).view(stop - start, -1, FORMATS[kind].block_bytes)
+            out = FORMATS[kind].from_bytes(stored)
         else:
             out = self.file.tensor_rows(gguf_name, at + start, at + stop)
         if self._permuted and layer is not None and name in ("q", "k", "q_bias", "k_bias"):

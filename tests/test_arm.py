@@ -73,4 +73,3 @@ def test_the_aarch64_builds_multiply_the_stored_weights_exactly(builds, build, f
         want = x.astype(np.float64) @ exact.T
         bound = 1e-4 * np.outer(np.linalg.norm(x, axis=1), np.linalg.norm(exact, axis=1)) + 1e-6
         assert (np.abs(y - want) <= bound).all(), (fmt, out, inp, rows)
-

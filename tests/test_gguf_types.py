@@ -2,10 +2,9 @@
 multiplied as the file's blocks (the default, `auto`) and expanded to float32 (`--dtype f32`)
 give the same top-1 token, teacher-forced, at no fewer than 999 of every 1,000 positions of the
 shard dtypes' 258-position check (tests/test_window.py). Gemma 3 270M's file brings Q4_K, Q6_K,
-Q5_0 and Q8_0; SmolLM2's Q4_1 and Q8_0; SmolLM2's layers stored again in each format that has a
-quantizer bring Q4_0, Q5_0, Q5_1, MXFP4 and Q5_K. (Q2_K, Q3_K and IQ4_XS have no quantizer
-here, and no bundled file stores them: their products are held to float64 in
-tests/test_quant.py.)"""
+Q5_0 and Q8_0; SmolLM2's Q4_1 and Q8_0; SmolLM2's layers stored again in each of the other
+formats (no bundled file stores them) bring Q4_0, Q5_0, Q5_1, MXFP4, IQ4_NL, Q2_K, Q3_K, Q5_K
+and IQ4_XS."""
 
 from __future__ import annotations
 
@@ -37,6 +36,7 @@ class StoredAs(GGUFSource):
     def __init__(self, path, fmt: str) -> None:
         super().__init__(path)
         self.fmt = FORMATS[fmt]
+        self._blocks: dict[tuple, torch.Tensor] = {}  # quantized once for both engines
 
     def _restored(self, layer, name) -> bool:
         if layer is None or name not in LAYER_MATRICES:
@@ -51,7 +51,10 @@ class StoredAs(GGUFSource):
     def _rows(self, layer, name, start, stop, blocks):
         if not self._restored(layer, name):
             return super()._rows(layer, name, start, stop, blocks)
-        stored = self.fmt.quantize(super()._rows(layer, name, start, stop, False))
+        at = (layer, name, start, stop)
+        if at not in self._blocks:
+            self._blocks[at] = self.fmt.quantize(super()._rows(layer, name, start, stop, False))
+        stored = self._blocks[at]
         return stored if blocks else self.fmt.dequantize(stored)
 
 
@@ -92,8 +95,10 @@ def test_a_bundled_file_s_types_agree_with_their_float_values(model, formats, tm
 
 
 @pytest.mark.parametrize(
-    "fmt", ["q4_0", "q5_0", "q5_1", "q8_0", "mxfp4", "q4_k", "q5_k", "q6_k"]
-)
+    "fmt",
+    ["q4_0", "q5_0", "q5_1", "q8_0", "mxfp4", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+     "iq4_xs"],
+)  # fmt: skip
 def test_each_block_format_agrees_with_its_float_values(fmt, tmp_path):
     """SmolLM2's layers in `fmt`; a 256-weight format holds its down projections (1536 wide),
     the other matrices (576 wide) stay the file's Q4_1."""

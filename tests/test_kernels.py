@@ -24,7 +24,7 @@ from master.params import SamplingParams
 from models import kernels
 from models.dtypes import SHARD_DTYPES
 from models.kernels import SCALE_SUFFIX, Candidate, linear, quantize
-from models.quant import FORMATS, random_blocks
+from models.quant import FORMATS
 from node.device import CHECK_FOLDER, CHILD_TIMEOUT, KernelError, prepare
 from node.kernel_probe import TOLERANCE, Probe
 from node.kernel_table import entry_key
@@ -209,10 +209,7 @@ def test_admitted_kernels_are_right_at_any_width_and_row_count(tmp_path, dtype, 
     prepare([(dtype, 48, w) for w in widths], cache_dir=tmp_path)
     gen = torch.Generator().manual_seed(1)
     for width in widths:
-        if fmt is None or fmt.can_quantize:
-            stored = quantize(torch.randn(48, width, generator=gen), dtype)
-        else:  # no quantizer for the K-quants: random blocks of their own
-            stored = {"": random_blocks(fmt, 48, width, np.random.default_rng(width))}
+        stored = quantize(torch.randn(48, width, generator=gen), dtype)
         w, scale = stored[""], stored.get(SCALE_SUFFIX)
         exact = kernels.dequantize(w, scale).double()
         for rows in (1, 2, 3, 4, 5, 8, 9, 33):

@@ -15,10 +15,10 @@ import zmq
 from models import kernels
 from models.block_rows import attention_rows, ffn_rows
 from models.config import ModelConfig
-from models.dtypes import BLOCK_DTYPES, QUANTIZABLE_BLOCK_DTYPES
+from models.dtypes import BLOCK_DTYPES
 from models.layers import MATRICES, Slice, StepBatch, full_layer_shapes
 from models.layers import slice_layer as cut_layer
-from models.quant import FORMATS, matrix_size, random_blocks
+from models.quant import FORMATS, matrix_size
 from models.rope import Rope
 from models.rows_native import MAX_ROWS, NativeBlocks, admit
 from node import messages as M
@@ -136,15 +136,8 @@ def test_one_call_over_every_layer_equals_the_blocks_one_by_one(family):
 def _in_blocks(layers: list[dict[str, torch.Tensor]], dtype: str, kernel: str, monkeypatch):
     """The slice's matrices stored in block format `dtype`, and `kernel` installed for them at
     every decode row count (for this test only), as `node.device.prepare` would."""
-    fmt = FORMATS[dtype]
-
-    def blocks(w: torch.Tensor, seed: int) -> torch.Tensor:  # random blocks where no quantizer
-        if fmt.can_quantize:
-            return kernels.quantize(w, dtype)[""]
-        return random_blocks(fmt, *w.shape, np.random.default_rng(seed))
-
-    stored = [{k: blocks(v, i) if k in MATRICES else v for k, v in w.items()}
-              for i, w in enumerate(layers)]  # fmt: skip
+    stored = [{k: kernels.quantize(v, dtype)[""] if k in MATRICES else v for k, v in w.items()}
+              for w in layers]  # fmt: skip
     candidate = next(c for c in kernels.CANDIDATES[dtype] if c.name == kernel)
     for name in MATRICES:
         out, inp = matrix_size(stored[0][name])
@@ -164,7 +157,7 @@ def c_build(dtype: str) -> str:
     return "c-portable" if dtype in kernels.PORTABLE else "c-expand"
 
 
-@pytest.mark.parametrize("dtype", [d for d in QUANTIZABLE_BLOCK_DTYPES if d in BLOCKS_OF_32])
+@pytest.mark.parametrize("dtype", BLOCKS_OF_32)
 @pytest.mark.parametrize("family", ["llama", "qwen2-bias", "gemma-gelu-ring"])
 def test_native_blocks_on_block_formats_equal_the_numpy_blocks(family, dtype, monkeypatch):
     """Weights in GGUF's block formats (the bundled model's own): the C blocks call the block
@@ -176,8 +169,8 @@ def test_native_blocks_on_block_formats_equal_the_numpy_blocks(family, dtype, mo
 
 @pytest.mark.parametrize("dtype", [d for d in BLOCK_DTYPES if FORMATS[d].block_values == 256])
 def test_native_blocks_on_k_quants_equal_the_numpy_blocks(dtype, monkeypatch):
-    """The 256-weight formats (quantized, or random blocks of their own where there is no
-    quantizer) on a layer of 256-wide matrices, its FFN cut at a block boundary."""
+    """The 256-weight formats on a layer of 256-wide matrices, its FFN cut at a block
+    boundary."""
     config = replace(FAMILIES["gemma-gelu-ring"], hidden=256, head_dim=64, ffn_hidden=768)
     s = Slice((0, 4), (0, 2), (256, 768))
     # weights half the others' size: rows four times as wide give values of the others' size

@@ -1,6 +1,7 @@
 // Products with matrices in GGUF's block formats (models/quant.py): y (R, N) = x (R, K) @ W^T,
 // W (N, K) as raw blocks, row o being K/32 consecutive blocks (Q4_0 18 bytes, Q4_1 20, Q8_0 34,
-// Q5_0 22, Q5_1 24: Q4's with a fifth bit per weight in 4 bytes after the scales).
+// Q5_0 22, Q5_1 24: Q4's with a fifth bit per weight in 4 bytes after the scales; IQ4_NL 18,
+// Q4_0's layout with its nibbles indices into a table of 16 values).
 // Built for x86 with AVX2, FMA and F16C by models/native.py; a CPU without them rejects the
 // kernels in the on-device check (node/device.py), never at a user's request.
 //
@@ -26,10 +27,12 @@ AI float hsum(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4 };
-AI int bsize(int kind) { return kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == Q5_0 ? 22 : 24; }
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, IQ4_NL = 5 };
+AI int bsize(int kind) {
+    return kind == Q4_0 || kind == IQ4_NL ? 18 : kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == Q5_0 ? 22 : 24;
+}
 AI int has_min(int kind) { return kind == Q4_1 || kind == Q5_1; }  // an f16 minimum after d
-AI int nibbles_at(int kind) { return kind == Q4_0 ? 2 : kind == Q4_1 ? 4 : kind == Q5_0 ? 6 : 8; }
+AI int nibbles_at(int kind) { return kind == Q4_0 || kind == IQ4_NL ? 2 : kind == Q4_1 ? 4 : kind == Q5_0 ? 6 : 8; }
 AI int offset(int kind) { return kind == Q4_0 ? 8 : kind == Q5_0 ? 16 : 0; }  // w = d (q - offset) (+ m)
 
 // A tile of G > 1 weight rows reads G short streams at once, too many for the hardware prefetcher
@@ -89,6 +92,16 @@ AI void block_f32(int kind, const uint8_t *blk, __m256 vd, __m256 vm, __m256 w[4
             const __m256i at = _mm256_setr_epi32(8 * i, 8 * i + 1, 8 * i + 2, 8 * i + 3, 8 * i + 4, 8 * i + 5, 8 * i + 6, 8 * i + 7);
             q[i] = _mm256_or_si256(q[i], _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(bits, at), _mm256_set1_epi32(1)), 4));
         }
+    }
+    if (kind == IQ4_NL) {  // the table's entries (llama.cpp's kvalues_iq4nl): bit 3 picks the half
+        const __m256 low = _mm256_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10);
+        const __m256 high = _mm256_setr_ps(1, 13, 25, 38, 53, 69, 89, 113);
+        for (int i = 0; i < 4; i++) {
+            const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(q[i], 28));
+            const __m256 t = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, q[i]), _mm256_permutevar8x32_ps(high, q[i]), upper);
+            w[i] = _mm256_mul_ps(t, vd);
+        }
+        return;
     }
     for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), vd, vm);
 }
@@ -185,6 +198,9 @@ static void run(int kind, const Job *j, int nth) {
     } else if (kind == Q5_1) {
 #pragma omp parallel for schedule(static) num_threads(nth)
         for (int i = 0; i < ng; i++) group(Q5_1, j, i);
+    } else if (kind == IQ4_NL) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group(IQ4_NL, j, i);
     } else {
 #pragma omp parallel for schedule(static) num_threads(nth)
         for (int i = 0; i < ng; i++) group(Q8_0, j, i);
@@ -201,3 +217,4 @@ void q4_1_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, i
 void q8_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q8_0, x, R, K, W, N, y, nth); }
 void q5_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q5_0, x, R, K, W, N, y, nth); }
 void q5_1_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q5_1, x, R, K, W, N, y, nth); }
+void iq4_nl_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(IQ4_NL, x, R, K, W, N, y, nth); }

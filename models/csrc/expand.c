@@ -1,6 +1,6 @@
 // Products with matrices in GGUF's block types: Q4_0, Q4_1, Q8_0 (hand-tuned for AVX2 in
-// models/csrc/blocks.c as well), Q5_0, Q5_1, MXFP4 (blocks of 32), and Q2_K, Q3_K, Q4_K, Q5_K,
-// Q6_K, IQ4_XS (blocks of 256),
+// models/csrc/blocks.c as well), Q5_0, Q5_1, MXFP4, IQ4_NL (blocks of 32), and Q2_K, Q3_K, Q4_K,
+// Q5_K, Q6_K, IQ4_XS (blocks of 256),
 // each block byte for byte as llama.cpp stores it (ggml-common.h) and expanded as llama.cpp's
 // dequantize_row_* expand it (ggml-quants.c), then multiplied in float32: the stored weights'
 // exact product to float rounding, as the `gguf` package (and so transformers) expands them.
@@ -177,6 +177,15 @@ AI void mxfp4_decode(const uint8_t *restrict b, int8_t *restrict q, float *restr
     put(q, lookup(MXFP4_VALUES, lo));
     put(q + 16, lookup(MXFP4_VALUES, hi));
     scale2(s, d);
+}
+
+AI void iq4_nl_decode(const uint8_t *restrict b, int8_t *restrict q, float *restrict s, float *restrict m) {  // d, qs[16]
+    (void)m;
+    u8x16 lo, hi;
+    nibbles(b + 2, &lo, &hi);
+    put(q, lookup(IQ4NL_VALUES, lo));
+    put(q + 16, lookup(IQ4NL_VALUES, hi));
+    scale2(s, h2f(b));
 }
 
 AI void q2_k_decode(const uint8_t *restrict b, int8_t *restrict q, float *restrict s, float *restrict m) {  // sc[16], qs[64], d, dmin
@@ -499,6 +508,7 @@ FORMAT(q8_0, 32, 34, 0)
 FORMAT(q5_0, 32, 22, 0)
 FORMAT(q5_1, 32, 24, 1)
 FORMAT(mxfp4, 32, 17, 0)
+FORMAT(iq4_nl, 32, 18, 0)
 FORMAT(q2_k, 256, 84, 1)
 FORMAT(q3_k, 256, 110, 0)
 FORMAT(q4_k, 256, 144, 1)

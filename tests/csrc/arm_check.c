@@ -21,11 +21,11 @@ static const struct { const char *name; product_fn product; expand_fn expand; } 
     ENTRY(q4_0), ENTRY(q4_1), ENTRY(q8_0)};
 #else  // models/csrc/expand.c
 DECLARE(q5_0) DECLARE(q5_1) DECLARE(mxfp4) DECLARE(q2_k) DECLARE(q3_k) DECLARE(q4_k) DECLARE(q5_k)
-DECLARE(q6_k) DECLARE(iq4_xs)
+DECLARE(q6_k) DECLARE(iq4_xs) DECLARE(iq4_nl)
 #define ENTRY(name) {#name, name##_f32, name##_expand}
 static const struct { const char *name; product_fn product; expand_fn expand; } FORMATS[] = {
     ENTRY(q4_0), ENTRY(q4_1), ENTRY(q8_0), ENTRY(q5_0), ENTRY(q5_1), ENTRY(mxfp4), ENTRY(q2_k),
-    ENTRY(q3_k), ENTRY(q4_k), ENTRY(q5_k), ENTRY(q6_k), ENTRY(iq4_xs)};
+    ENTRY(q3_k), ENTRY(q4_k), ENTRY(q5_k), ENTRY(q6_k), ENTRY(iq4_xs), ENTRY(iq4_nl)};
 #endif
 
 static void *read_all(size_t n) {
