@@ -84,12 +84,6 @@ class BlockFormat:
         """The dtype of this format's stored tensors: its tag beside its block size."""
         return TAGGED_ELEMENTS.get(self.name, torch.uint8)
 
-    @property
-    def can_quantize(self) -> bool:
-        """Whether a float matrix can be stored in this format here: the gguf package quantizes
-        the blocks of 32 but IQ4_NL's, `QUANTIZERS` the others."""
-        return self.name in QUANTIZERS or self.block_values == BLOCK
-
     def from_bytes(self, raw: np.ndarray) -> torch.Tensor:
         """Rows of blocks as a file stores them (rows, bytes a row: uint8) as a stored matrix
         (rows, blocks a row, block bytes) of this format, without a copy."""

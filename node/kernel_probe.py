@@ -21,7 +21,6 @@ from threadpoolctl import threadpool_limits
 from models import kernels
 from models.dtypes import BLOCK_DTYPES
 from models.kernels import Candidate, dequantize, quantize
-from models.quant import FORMATS, random_blocks
 from node import children
 
 PERIOD = 1021  # rows of random weights a tall probe matrix repeats
@@ -58,11 +57,7 @@ class Probe:
             max(inp, 1) ** 0.5
         )
         self.dtype, self.out, self.inp = dtype, out, inp
-        fmt = FORMATS.get(dtype)
-        if fmt is not None and not fmt.can_quantize:  # Q2_K, Q3_K, IQ4_XS: random blocks
-            stored = {"": random_blocks(fmt, period, inp, gen)}
-        else:
-            stored = quantize(torch.from_numpy(block), dtype)
+        stored = quantize(torch.from_numpy(block), dtype)
         self.wd = dequantize(stored[""], stored.get(kernels.SCALE_SUFFIX)).double().numpy()
         self.tile = np.arange(out) % period
         self.stored = {k: v[self.tile].contiguous() for k, v in stored.items()}
