@@ -12,6 +12,11 @@ A local layer's ring (Gemma 3) holds only the last `ring` positions a slot wrote
 sequence outgrew its ring, the positions before its last `ring` are gone, and only a request
 that carries on from its end (at most its last token different) can start past 0.
 
+A gated DeltaNet layer (Qwen3.5) keeps no keys and values but one state a slot, at the position
+after the last token the slot took in (node.kvcache.LinearStates): that is the snapshot a kept
+sequence leaves, and only a request that carries on from its very end reuses it; any other
+prefills from 0, which zeroes the state.
+
 A re-plan builds a new engine with empty caches: what the pool knew belongs to the engine it was
 told of (`bind`), and is forgotten when another one runs.
 """
@@ -43,11 +48,17 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def reusable(kept: Sequence[int], tokens: Sequence[int], ring: int | None) -> int:
+def reusable(
+    kept: Sequence[int], tokens: Sequence[int], ring: int | None, whole: bool = False
+) -> int:
     """Tokens of `tokens` whose keys and values a slot holding `kept` can give: their common
     prefix, less the last token of `tokens` (its logits are the first token's), and none when a
-    ring of `ring` positions has lost positions that the first new token would read."""
+    ring of `ring` positions has lost positions that the first new token would read. `whole`:
+    the slot's state is known only at the end of `kept` (a gated DeltaNet's), so all of it or
+    none."""
     n = min(common_prefix(kept, tokens), len(tokens) - 1)
+    if whole and n < len(kept):
+        return 0
     if ring is not None and len(kept) > ring and n < len(kept) - 1:
         return 0  # the new tokens would read positions before the kept ones' last `ring`
     return max(n, 0)
@@ -63,6 +74,7 @@ class SlotPool:
         self._kept: dict[int, list[int]] = {}  # free slot -> tokens its cache holds
         self._engine: weakref.ref[Engine] | None = None
         self._ring: int | None = None
+        self._whole = False  # a slot's state is known at its kept tokens' end only
 
     def __len__(self) -> int:
         """Free slots."""
@@ -77,6 +89,7 @@ class SlotPool:
         self._engine = weakref.ref(engine)
         config = engine.config
         self._ring = None
+        self._whole = bool(config.linear_layers)
         if config.local_layers and config.sliding_window:
             self._ring = positions(config, config.local_layers[0], engine.max_context)
 
@@ -90,7 +103,7 @@ class SlotPool:
         best, start = self._free[0], 0
         if self.reuse:
             for slot in self._free:
-                n = reusable(self._kept.get(slot, ()), tokens, self._ring)
+                n = reusable(self._kept.get(slot, ()), tokens, self._ring, self._whole)
                 if n > start:
                     best, start = slot, n
         self._free.remove(best)

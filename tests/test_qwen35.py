@@ -1,0 +1,270 @@
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next, whose layers are mostly gated DeltaNet (linear
+attention), split across nodes, answer as transformers' do; and the fixed-size state each node
+keeps a sequence in place of those layers' KV cache lives as a KV cache does: a new sequence
+starts from zeros, a rejected draft is taken back, a kept sequence is carried on from its end.
+
+Small random-weight models (4 layers, 3 of them DeltaNet: 4 value heads reading 2 key heads,
+so that 3 and 4 nodes split a key head's value heads and replicate it), saved as HF folders:
+their logits at every position of a prefill and of decode steps at 1 to 4 nodes in this
+process and on 3 real node processes, and their greedy continuation, against transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from cluster_threads import master_threads
+from test_families import _assert_close_logits, _ours, _randomize, _windowed
+from test_moe import _greedy, _reference
+from test_speculate import EDIT, PARAGRAPH, SlowLinkSpeculator, _generate
+
+from master.engine import Engine
+from master.local import local_session
+from master.prompts import prompt_tokens
+from master.reuse import SlotPool, reusable
+from models.config import DEFAULT_MODEL
+from models.errors import ModelError
+from models.layers import StepBatch
+from models.source import open_model
+from node.kvcache import KVCache
+
+PROMPT_LENGTH = 40
+NODES = (1, 2, 3, 4)
+SMALL = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,  # linear, linear, linear, full
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+EXPERTS = {
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+}
+# name -> (transformers config class, its values)
+MODELS = {
+    "qwen3_5": ("Qwen3_5TextConfig", SMALL | {"intermediate_size": 128}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", SMALL | EXPERTS),
+    # its in-projections interleave each key head's rows (models/hf_source.py, _next_rows)
+    "qwen3_next": ("Qwen3NextConfig", SMALL | EXPERTS | {"intermediate_size": 128}),
+}
+_BUILT: dict[str, tuple] = {}
+CYCLE = 7  # words the chat model's answers cycle through (`chat_folder`)
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def hybrid(request, tmp_path_factory):
+    """(transformers model, its HF folder, a prompt)."""
+    return _built(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    return _built("qwen3_5", tmp_path_factory)
+
+
+def _built(name: str, tmp_path_factory) -> tuple:
+    if name not in _BUILT:
+        import transformers
+
+        config_class, values = MODELS[name]
+        config = getattr(transformers, config_class)(vocab_size=320, **values)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager", dtype=torch.float32
+        )
+        _randomize(model, seed=7)
+        model.eval()
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        prompt = torch.randint(0, 320, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0))
+        _BUILT[name] = model, folder, prompt.tolist()
+    return _BUILT[name]
+
+
+def test_logits_equal_transformers_on_every_node_count(hybrid):
+    model, folder, prompt = hybrid
+    expected, continuation = _reference(model, prompt)
+    source = open_model(folder)
+    config = source.config
+    assert config.linear_layers == (0, 1, 2) and config.attention_gate
+    for n in NODES:
+        engine = Engine.local(source, (1.0,) * n)
+        assert sum(s.n_linear for s in engine.slices) == config.linear_v_heads
+        assert all(ex.native is None for ex in engine.executors)  # no C blocks for these
+        ours = _ours(engine, prompt, continuation)
+        _assert_close_logits(ours, expected, f"{folder.name} {n} node(s)")
+
+
+def test_greedy_32_tokens_equal_transformers_generate_on_every_node_count(hybrid):
+    model, folder, prompt = hybrid
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
+        )
+    expected = out[0, len(prompt) :].tolist()
+    source = open_model(folder)
+    for n in NODES:
+        assert _greedy(Engine.local(source, (1.0,) * n), prompt, 32) == expected, f"{n} node(s)"
+
+
+@pytest.mark.slow
+def test_real_nodes_equal_transformers(qwen35):
+    """3 processes, each streaming its slice from f32 shards: the slices' value heads cross
+    the wire in the plan, the states stay on the nodes."""
+    model, folder, prompt = qwen35
+    expected, continuation = _reference(model, prompt)
+    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation, 128)
+    _assert_close_logits(ours, expected, "qwen3_5 3 real nodes, window 1, f32 shards")
+
+
+def _prefill(engine: Engine, tokens: list[int], slot: int = 0, start: int = 0) -> torch.Tensor:
+    """The logits at every one of `tokens`, fed at `start` in `slot`."""
+    batch = StepBatch((slot,), (start,), (len(tokens),))
+    return engine.forward([tokens], batch, all_logits=True)[0]
+
+
+@pytest.mark.parametrize("accepted", [0, 2, 4])
+def test_a_step_after_rejected_drafts_answers_as_if_they_were_never_fed(qwen35, accepted):
+    """A speculative step feeds the last token and 4 drafts; the next starts after the
+    `accepted` of them that were kept: every node takes its state back to before that step
+    and steps it over the kept ones. Its logits are a fresh sequence's, at 1 and 3 nodes."""
+    _, folder, prompt = qwen35
+    source = open_model(folder)
+    fed = [7, 8, 9, 10, 11]  # the last token, then the drafts
+    then = [12, 13]
+    want = _prefill(Engine.local(source), prompt + fed[: 1 + accepted] + then)[-len(then) :]
+    for n in (1, 3):
+        engine = Engine.local(source, (1.0,) * n)
+        _prefill(engine, prompt)
+        _prefill(engine, fed, start=len(prompt))
+        got = _prefill(engine, then, start=len(prompt) + 1 + accepted)
+        _assert_close_logits(got, want, f"{accepted} drafts kept, {n} node(s)")
+
+
+def test_a_slot_used_again_starts_from_a_zero_state(qwen35):
+    """A new sequence in a slot another used (position 0) answers as in a fresh engine; and
+    two sequences side by side in one step each as alone."""
+    _, folder, prompt = qwen35
+    source = open_model(folder)
+    fresh = _prefill(Engine.local(source, (1.0, 1.0)), prompt[5:])
+    engine = Engine.local(source, (1.0, 1.0), slots=2)
+    _prefill(engine, prompt)
+    _assert_close_logits(_prefill(engine, prompt[5:]), fresh, "a used slot, from 0")
+    a, b = prompt[:30], prompt[5:]
+    both = engine.forward([a, b], StepBatch((1, 0), (0, 0), (len(a), len(b))), all_logits=True)
+    _assert_close_logits(both[1, : len(b)], fresh, "beside another sequence")
+
+
+def test_a_kept_sequence_is_carried_on_from_its_end_only(qwen35):
+    """Prompt reuse: the state a slot keeps is at the end of its tokens, so a request that
+    carries them on reuses them all (and answers as a fresh prefill), and one that shares a
+    shorter prefix reuses none. A step that starts where no state is known is refused."""
+    _, folder, prompt = qwen35
+    source = open_model(folder)
+    kept, more = prompt[:30], prompt[30:]
+    assert reusable(kept, kept + more, None, whole=True) == len(kept)
+    assert reusable(kept, kept[:20] + more, None, whole=True) == 0
+    assert reusable(kept, kept[:20] + more, None) == 20  # attention alone could reuse 20
+    engine = Engine.local(source, (1.0, 1.0), slots=2)
+    pool = SlotPool(2)
+    pool.bind(engine)
+    slot = pool.take(kept).slot
+    _prefill(engine, kept, slot)
+    pool.give_back(slot, kept)
+    assert pool.take(kept[:20] + more).start == 0  # the other slot, from scratch
+    taken = pool.take(kept + more)
+    assert (taken.slot, taken.start) == (slot, len(kept))
+    got = _prefill(engine, more, slot, len(kept))
+    want = _prefill(Engine.local(source), prompt)[len(kept) :]
+    _assert_close_logits(got, want, "a kept sequence carried on")
+    with pytest.raises(ModelError, match=r"state is at position 40, not at 20 .* position 0"):
+        _prefill(engine, more, slot, 20)
+
+
+def test_the_state_is_counted_beside_the_kv_cache(qwen35):
+    """Each node's state is its value heads' share, fixed whatever the context, counted with
+    the KV rings the budget takes as fixed; the DeltaNet layers hold no KV per token."""
+    _, folder, _ = qwen35
+    source = open_model(folder)
+    config = source.config
+    engine = Engine.local(source, (1.0, 1.0))
+    for ex in engine.executors:
+        s, states = ex.slice, ex.cache.linear
+        assert states is not None
+        held = sum(t.nbytes for kind in (states.states, states.conv) for t in kind.values())
+        assert held == ex.cache.slots * 3 * 4 * (2 * 16 * 16 + (2 * 16 + 2 * 16) * 3)
+        per_slot = KVCache.window_bytes(config, s)
+        assert per_slot >= 2 * held  # the state and the one kept to undo a step
+        assert KVCache.bytes_per_token(config, s) == 2 * 1 * s.n_kv * 32 * 4  # the full layer
+        assert all(ex.cache.keys[i].shape[2] == 0 for i in config.linear_layers)
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory) -> Path:
+    """A Qwen3.5 HF folder with SmolLM2's vocabulary, tokenizer and chat template, writing
+    only the words of test_speculate's paragraph, mostly the word after the last one in a
+    cycle of CYCLE of them: it repeats itself, so that prompt-lookup drafts are sometimes kept
+    and sometimes rejected (random layers alone never repeat: none would be kept)."""
+    import transformers
+
+    tokenizer = open_model(DEFAULT_MODEL).tokenizer()
+    config = transformers.Qwen3_5TextConfig(
+        **SMALL | {"intermediate_size": 128, "max_position_embeddings": 1024},
+        vocab_size=tokenizer.vocab_size,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed=7)
+    words = sorted(set(tokenizer.encode(PARAGRAPH)))
+    with torch.no_grad():  # each word's row of the head reads the word before it in a cycle
+        head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
+        head.zero_()
+        for i, word in enumerate(words):
+            head[words[(i + 1) % CYCLE if i < CYCLE else i % CYCLE]] += 3 * embedding[word]
+        for name, p in model.named_parameters():  # the layers' outputs weaker than that
+            if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+                p.mul_(0.3)
+    folder = tmp_path_factory.mktemp("qwen3_5-chat")
+    model.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(tokenizer._engine._backend.to_str())
+    tokenizer_config = {
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "add_bos_token": tokenizer.add_bos,
+        "chat_template": tokenizer.chat_template,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return folder
+
+
+@pytest.mark.slow
+@master_threads(3)
+def test_prompt_lookup_drafts_change_no_greedy_token_on_three_nodes(chat_folder, shared_state):
+    """Greedy 64 tokens of a paragraph to repeat, on 3 real nodes, with prompt-lookup drafts
+    (some kept, some rejected and taken back out of every node's state) and without: the
+    same tokens."""
+    source = open_model(chat_folder)
+    tokenizer = source.tokenizer()
+    prompts = [prompt_tokens(tokenizer, EDIT, raw=False)]
+    with local_session(source, 3, state_dir=shared_state, context=512) as session:
+        assert session.engine is not None
+        plain = _generate(session.engine, tokenizer, prompts, None)
+        speculator = SlowLinkSpeculator()
+        drafted = _generate(session.engine, tokenizer, prompts, speculator)
+    figures = speculator.figures()
+    print(f"\n{figures}\n{tokenizer.decode(plain[0])!r}")
+    assert drafted == plain
+    assert 0 < figures["accepted"] < figures["drafted"], figures
