@@ -17,6 +17,7 @@ from models.families import GGUF_ARCHITECTURES, HF_ARCHITECTURES, unsupported
 from models.family_fields import (
     DELTANET_FIELDS,
     GPT_OSS_FIELDS,
+    gguf_deltanet,
     gpt_oss_fields,
     hf_deltanet,
     hf_gemma,
@@ -312,6 +313,8 @@ class ModelConfig:
         if family.gpt_oss:  # as llama.cpp reads it: the even layers attend to a window
             window = int(key("attention.sliding_window"))
             gemma = gpt_oss_fields(tuple(range(0, n_layers, 2)), window)  # layer kinds too
+        if family.deltanet:
+            gemma = gguf_deltanet(metadata, arch, source, n_layers)
         every = GGUF_ARCHITECTURES[arch].unrotated_every
         return cls(
             architecture=arch,

@@ -91,6 +91,30 @@ def hf_deltanet(config: dict[str, Any], source: str) -> dict[str, Any]:
     return fields | {"linear_layers": linear}
 
 
+def gguf_deltanet(
+    metadata: dict[str, Any], arch: str, source: str, n_layers: int
+) -> dict[str, Any]:
+    """The gated DeltaNet fields of a qwen35, qwen35moe or qwen3next GGUF file, under the keys
+    llama.cpp's converter writes: every `full_attention_interval`-th layer is attention."""
+
+    def key(name: str) -> int:
+        if f"{arch}.{name}" not in metadata:
+            raise ModelError(f"{source}: GGUF metadata key '{arch}.{name}' is missing")
+        return int(metadata[f"{arch}.{name}"])
+
+    every = int(metadata.get(f"{arch}.full_attention_interval", 4))
+    v_heads = key("ssm.time_step_rank")
+    return {
+        "attention_gate": True,
+        "linear_layers": tuple(i for i in range(n_layers) if (i + 1) % every),
+        "linear_k_heads": key("ssm.group_count"),
+        "linear_v_heads": v_heads,
+        "linear_k_dim": key("ssm.state_size"),
+        "linear_v_dim": key("ssm.inner_size") // max(v_heads, 1),
+        "linear_conv": key("ssm.conv_kernel"),
+    }
+
+
 def hf_unrotated(config: dict[str, Any], source: str, family: Family) -> tuple[int, ...]:
     """The layers a SmolLM3 config.json leaves unrotated, as transformers reads it: those its
     `no_rope_layers` flags with 0, or else every `no_rope_layer_interval`-th."""

@@ -12,8 +12,11 @@ process and on 3 real node processes, and their greedy continuation, against tra
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from cluster_threads import master_threads
@@ -52,12 +55,12 @@ EXPERTS = {
     "num_experts": 8,
     "num_experts_per_tok": 2,
 }
-# name -> (transformers config class, its values)
+# name -> (transformers config class, its values, GGUF architecture)
 MODELS = {
-    "qwen3_5": ("Qwen3_5TextConfig", SMALL | {"intermediate_size": 128}),
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", SMALL | EXPERTS),
+    "qwen3_5": ("Qwen3_5TextConfig", SMALL | {"intermediate_size": 128}, "qwen35"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", SMALL | EXPERTS, "qwen35moe"),
     # its in-projections interleave each key head's rows (models/hf_source.py, _next_rows)
-    "qwen3_next": ("Qwen3NextConfig", SMALL | EXPERTS | {"intermediate_size": 128}),
+    "qwen3_next": ("Qwen3NextConfig", SMALL | EXPERTS | {"intermediate_size": 128}, "qwen3next"),
 }
 _BUILT: dict[str, tuple] = {}
 CYCLE = 7  # words the chat model's answers cycle through (`chat_folder`)
@@ -78,7 +81,7 @@ def _built(name: str, tmp_path_factory) -> tuple:
     if name not in _BUILT:
         import transformers
 
-        config_class, values = MODELS[name]
+        config_class, values, arch = MODELS[name]
         config = getattr(transformers, config_class)(vocab_size=320, **values)
         model = transformers.AutoModelForCausalLM.from_config(
             config, attn_implementation="eager", dtype=torch.float32
@@ -87,9 +90,128 @@ def _built(name: str, tmp_path_factory) -> tuple:
         model.eval()
         folder = tmp_path_factory.mktemp(name)
         model.save_pretrained(folder)
+        _write_gguf(model, arch, folder / "model.gguf")
         prompt = torch.randint(0, 320, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0))
         _BUILT[name] = model, folder, prompt.tolist()
     return _BUILT[name]
+
+
+def _tiled(t: np.ndarray, axis: int, config, width: int) -> np.ndarray:
+    """Value heads from transformers' grouped order (a key head's g side by side) to llama.cpp's
+    tiled one (each key head's first, then each one's second, ...), along `axis`, as its
+    converter's `_reorder_v_heads` does for qwen35: a reshape and a swap of two axes."""
+    nk, g = (
+        config.linear_num_key_heads,
+        config.linear_num_value_heads // config.linear_num_key_heads,
+    )
+    shape = t.shape
+    split = (*shape[:axis], nk, g, width, *shape[axis + 1 :])
+    return np.ascontiguousarray(np.swapaxes(t.reshape(split), axis, axis + 1).reshape(shape))
+
+
+def _write_gguf(model, arch: str, path: Path) -> None:
+    """The model as llama.cpp's converter writes a qwen35, qwen35moe or qwen3next, f32: norms
+    as 1 + weight but the DeltaNet's own, A_log as -exp(A_log), the convolution's taps
+    squeezed; qwen3next's qkvz cut into attn_qkv and attn_gate (its b and a kept as one),
+    qwen35's value heads in the tiled order."""
+    c = model.config
+    moe = arch != "qwen35"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.moe_intermediate_size if moe else c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
+    writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(c.linear_key_head_dim)
+    writer.add_ssm_group_count(c.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(c.linear_num_value_heads)
+    writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    writer.add_full_attention_interval(4)
+    writer.add_vocab_size(c.vocab_size)
+    if moe:
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    state = {k: v.detach().float().contiguous().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"] + 1)
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    keys, dv = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_value_head_dim
+    for i in range(c.num_hidden_layers):
+        p, blk = f"model.layers.{i}.", f"blk.{i}."
+        tensors = {
+            "attn_norm.weight": state[p + "input_layernorm.weight"] + 1,
+            "post_attention_norm.weight": state[p + "post_attention_layernorm.weight"] + 1,
+        }
+        if c.layer_types[i] == "full_attention":
+            for proj, short in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")):
+                tensors[f"attn_{short}.weight"] = state[f"{p}self_attn.{proj}_proj.weight"]
+            for norm in ("q", "k"):
+                tensors[f"attn_{norm}_norm.weight"] = state[f"{p}self_attn.{norm}_norm.weight"] + 1
+        else:
+            la = p + "linear_attn."
+            tensors |= {
+                "ssm_conv1d.weight": state[la + "conv1d.weight"][:, 0],
+                "ssm_a": -np.exp(state[la + "A_log"]),
+                "ssm_dt.bias": state[la + "dt_bias"],
+                "ssm_norm.weight": state[la + "norm.weight"],
+                "ssm_out.weight": state[la + "out_proj.weight"],
+            }
+            if arch == "qwen3next":  # per key head: q, k, its values, its z
+                g = c.linear_num_value_heads // c.linear_num_key_heads
+                dk = c.linear_key_head_dim
+                qkvz = state[la + "in_proj_qkvz.weight"].reshape(
+                    c.linear_num_key_heads, -1, c.hidden_size
+                )
+                q, k, v, z = np.split(qkvz, np.cumsum([dk, dk, g * dv])[:3], axis=1)
+                rows = [x.reshape(-1, c.hidden_size) for x in (q, k, v, z)]
+                tensors["attn_qkv.weight"] = np.concatenate(rows[:3])
+                tensors["attn_gate.weight"] = rows[3]
+                tensors["ssm_ba.weight"] = state[la + "in_proj_ba.weight"]
+            else:
+                qkv = state[la + "in_proj_qkv.weight"]
+                v = _tiled(qkv[2 * keys :], 0, c, dv)
+                tensors["attn_qkv.weight"] = np.concatenate((qkv[: 2 * keys], v))
+                tensors["attn_gate.weight"] = _tiled(state[la + "in_proj_z.weight"], 0, c, dv)
+                tensors["ssm_beta.weight"] = _tiled(state[la + "in_proj_b.weight"], 0, c, 1)
+                tensors["ssm_alpha.weight"] = _tiled(state[la + "in_proj_a.weight"], 0, c, 1)
+                conv = tensors["ssm_conv1d.weight"]
+                tensors["ssm_conv1d.weight"] = np.concatenate(
+                    (conv[: 2 * keys], _tiled(conv[2 * keys :], 0, c, dv))
+                )
+                for name in ("ssm_a", "ssm_dt.bias"):
+                    tensors[name] = _tiled(tensors[name], 0, c, 1)
+                tensors["ssm_out.weight"] = _tiled(tensors["ssm_out.weight"], 1, c, dv)
+        if moe:
+            gate, up = np.split(state[p + "mlp.experts.gate_up_proj"], 2, axis=1)
+            tensors |= {
+                "ffn_gate_inp.weight": state[p + "mlp.gate.weight"],
+                "ffn_gate_exps.weight": gate,
+                "ffn_up_exps.weight": up,
+                "ffn_down_exps.weight": state[p + "mlp.experts.down_proj"],
+                "ffn_gate_inp_shexp.weight": state[p + "mlp.shared_expert_gate.weight"].reshape(-1),
+            }
+            for proj in ("gate", "up", "down"):
+                tensors[f"ffn_{proj}_shexp.weight"] = state[
+                    f"{p}mlp.shared_expert.{proj}_proj.weight"
+                ]
+        else:
+            for proj in ("gate", "up", "down"):
+                tensors[f"ffn_{proj}.weight"] = state[f"{p}mlp.{proj}_proj.weight"]
+        for name, t in tensors.items():
+            writer.add_tensor(blk + name, np.ascontiguousarray(t, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def test_logits_equal_transformers_on_every_node_count(hybrid):
@@ -104,6 +226,18 @@ def test_logits_equal_transformers_on_every_node_count(hybrid):
         assert all(ex.native is None for ex in engine.executors)  # no C blocks for these
         ours = _ours(engine, prompt, continuation)
         _assert_close_logits(ours, expected, f"{folder.name} {n} node(s)")
+
+
+def test_gguf_logits_equal_transformers_on_every_node_count(hybrid):
+    """The same model from its GGUF file, under llama.cpp's names and orders."""
+    model, folder, prompt = hybrid
+    expected, continuation = _reference(model, prompt)
+    source = open_model(folder / "model.gguf")
+    hf = open_model(folder).config
+    assert replace(source.config, architecture=hf.architecture, norm_eps=hf.norm_eps) == hf
+    for n in NODES:
+        ours = _ours(Engine.local(source, (1.0,) * n), prompt, continuation)
+        _assert_close_logits(ours, expected, f"{folder.name} gguf {n} node(s)")
 
 
 def test_greedy_32_tokens_equal_transformers_generate_on_every_node_count(hybrid):
