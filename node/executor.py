@@ -201,7 +201,7 @@ class SliceExecutor:
                 states.states[index],
                 self._batch,
             )
-            states.record(index, inputs, beta, g)
+            states.finish(index, inputs, beta, g)
         return out.reshape(h.shape).numpy()
 
     def ffn(self, index: int, h: Hidden, routing: Routing | None = None) -> Hidden:

@@ -72,22 +72,25 @@ def positions(config: ModelConfig, layer: int, max_context: int) -> int:
 
 # Tokens of a step whose inputs a slot keeps, with its state before them, so that a later step
 # may start at any of their positions: a speculative step's drafts (master/speculate.py: at
-# most 8 after the sequence's token), rejected, are undone so. A wider step (a prompt) is only
-# ever continued from its end.
+# most 8 after the sequence's token), rejected, are undone so. A wider step is a prompt's: its
+# end state is kept instead, for the next turn of a conversation to carry on from there.
 KEPT_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class Resume:
     """How a sequence's state is brought to its step's start: from zeros (a new sequence), as
-    it is, or (`rewind`) from the state kept before its slot's last step, stepped forward
-    again over `replay` of that step's tokens; `keep`: this step's start state and inputs are
-    kept."""
+    it is, from the state at the end of the slot's last prompt (`prompt`), or (`rewind`) from
+    the state kept before its slot's last step, stepped forward again over `replay` of that
+    step's tokens. `keep`: this step's start state and inputs are kept; `ends_prompt`: its
+    end state is kept as the slot's prompt's."""
 
     zero: bool = False
+    prompt: bool = False
     rewind: bool = False
     replay: int = 0
     keep: bool = False
+    ends_prompt: bool = False
 
 
 class LinearStates:
@@ -96,11 +99,14 @@ class LinearStates:
 
     The state holds one position: the one after the last token a slot took in. A step may
     start there; at 0 (a new sequence, or a replay after a node was lost: the state is zeroed);
-    or at a position within the slot's last step, when that step was short enough to keep its
+    at a position within the slot's last step, when that step was short enough to keep its
     inputs (`KEPT_TOKENS`): its state before that step is taken back and stepped forward over
-    the tokens before the new start. That undoes a speculative step's rejected drafts at the
-    cost of one copy of the state more, where a state kept after every draft would cost eight.
-    Any other start is an error: its state is not known here (master/reuse.py asks for none).
+    the tokens before the new start, which undoes a speculative step's rejected drafts at the
+    cost of one copy of the state more (a state kept after every draft would cost eight); or
+    at the end of the slot's last prompt (a step wider than that), whose state is a copy more,
+    for a conversation's next turn, whose prompt holds the last one but seldom the answer's
+    tokens as they were sampled. Any other start is an error: its state is not known here
+    (master/reuse.py asks for none).
     """
 
     def __init__(self, config: ModelConfig, s: Slice, slots: int) -> None:
@@ -116,38 +122,43 @@ class LinearStates:
         self.kept_states, self.kept_conv = zeros(slots, nv, dk, dv), zeros(slots, c, taps)
         self.kept_x = zeros(slots, KEPT_TOKENS, c)
         self.kept_beta, self.kept_g = zeros(slots, KEPT_TOKENS, nv), zeros(slots, KEPT_TOKENS, nv)
+        self.prompt_states, self.prompt_conv = zeros(slots, nv, dk, dv), zeros(slots, c, taps)
         self.at = [0] * slots  # the position each slot's state is at
         self.kept_at = [-1] * slots  # where its kept state is (-1: none)
         self.kept_tokens = [0] * slots  # inputs kept after it
+        self.prompt_at = [-1] * slots  # where its last prompt's end state is (-1: none)
         self._resume: list[Resume] = []
         self._batch: StepBatch | None = None  # the step under way, until the next begins
 
     @staticmethod
     def slot_bytes(config: ModelConfig, s: Slice) -> int:
         """A slot's bytes of state, whatever the context: the state and the convolution's
-        inputs, as much again kept to undo a step, and that step's inputs."""
+        inputs, as much again kept to undo a step and for the last prompt's end, and the
+        kept step's inputs."""
         if not config.linear_layers:
             return 0
         c, nv = sum(channels(config, s)), s.n_linear
         state = nv * config.linear_k_dim * config.linear_v_dim + c * max(config.linear_conv - 1, 0)
         kept = KEPT_TOKENS * (c + 2 * nv)
-        return 4 * len(config.linear_layers) * (2 * state + kept)
+        return 4 * len(config.linear_layers) * (3 * state + kept)
 
     def begin_step(self, batch: StepBatch) -> None:
         """The last step went through (each of its slots' state is past its tokens); check
-        where each of this step's sequences starts against its slot's state, and say how each
+        where each of this step's sequences starts against its slot's states, and say how each
         layer brings the state there (`prepare`)."""
         self._end_step()
         resume = []
         for slot, start, n in zip(batch.slots, batch.starts, batch.lengths, strict=True):
             kept, count = self.kept_at[slot], self.kept_tokens[slot]
-            keep = 1 < n <= KEPT_TOKENS
+            ends = {"keep": 1 < n <= KEPT_TOKENS, "ends_prompt": n > KEPT_TOKENS}
             if start == 0:
-                resume.append(Resume(zero=True, keep=keep))
+                resume.append(Resume(zero=True, **ends))
             elif start == self.at[slot]:
-                resume.append(Resume(keep=keep))
+                resume.append(Resume(**ends))
             elif kept >= 0 and kept <= start <= kept + count:
-                resume.append(Resume(rewind=True, replay=start - kept, keep=keep))
+                resume.append(Resume(rewind=True, replay=start - kept, **ends))
+            elif start == self.prompt_at[slot]:
+                resume.append(Resume(prompt=True, **ends))
             else:
                 raise ModelError(
                     f"slot {slot}'s linear-attention state is at position {self.at[slot]}, "
@@ -165,6 +176,9 @@ class LinearStates:
             if how.zero:
                 state.zero_()
                 conv.zero_()
+            elif how.prompt:
+                state.copy_(self.prompt_states[layer][slot])
+                conv.copy_(self.prompt_conv[layer][slot])
             elif how.rewind:
                 state.copy_(self.kept_states[layer][slot])
                 conv.copy_(self.kept_conv[layer][slot])
@@ -176,8 +190,9 @@ class LinearStates:
                 self.kept_states[layer][slot].copy_(state)
                 self.kept_conv[layer][slot].copy_(conv)
 
-    def record(self, layer: int, x: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> None:
-        """Keep layer `layer`'s step inputs (B, T, ...) for the sequences that keep them."""
+    def finish(self, layer: int, x: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> None:
+        """After layer `layer`'s step: keep its inputs (B, T, ...) for the sequences that keep
+        them, and the end state of those that end a prompt."""
         assert self._batch is not None
         for b, (slot, n, how) in enumerate(
             zip(self._batch.slots, self._batch.lengths, self._resume, strict=True)
@@ -186,11 +201,14 @@ class LinearStates:
                 self.kept_x[layer][slot, :n] = x[b, :n]
                 self.kept_beta[layer][slot, :n] = beta[b, :n]
                 self.kept_g[layer][slot, :n] = g[b, :n]
+            if how.ends_prompt:
+                self.prompt_states[layer][slot].copy_(self.states[layer][slot])
+                self.prompt_conv[layer][slot].copy_(self.conv[layer][slot])
 
     def _end_step(self) -> None:
         """Each slot of the last step: its state is past the step's tokens, and its kept
-        state (if it kept one) at the step's start. A step that failed half-way leaves
-        layers apart: its sequences are started again from 0 (master/reuse.py)."""
+        states (where it kept them) at the step's start or end. A step that failed half-way
+        leaves layers apart: its sequences are started again from 0 (master/reuse.py)."""
         if self._batch is None:
             return
         batch = self._batch
@@ -200,4 +218,8 @@ class LinearStates:
             self.at[slot] = start + n
             self.kept_at[slot] = start if how.keep else -1
             self.kept_tokens[slot] = n if how.keep else 0
+            if how.ends_prompt:
+                self.prompt_at[slot] = start + n
+            elif how.zero:  # another sequence: the last prompt's end is not its
+                self.prompt_at[slot] = -1
         self._batch = None

@@ -22,6 +22,11 @@ import torch
 from cluster_threads import master_threads
 from test_families import _assert_close_logits, _ours, _randomize, _windowed
 from test_moe import _greedy, _reference
+from test_prompt_reuse import (
+    QUESTIONS,
+    converse,
+    steps,  # noqa: F401 (a fixture)
+)
 from test_speculate import EDIT, PARAGRAPH, SlowLinkSpeculator, _generate
 
 from master.engine import Engine
@@ -301,30 +306,40 @@ def test_a_slot_used_again_starts_from_a_zero_state(qwen35):
     _assert_close_logits(both[1, : len(b)], fresh, "beside another sequence")
 
 
-def test_a_kept_sequence_is_carried_on_from_its_end_only(qwen35):
-    """Prompt reuse: the state a slot keeps is at the end of its tokens, so a request that
-    carries them on reuses them all (and answers as a fresh prefill), and one that shares a
-    shorter prefix reuses none. A step that starts where no state is known is refused."""
+def test_a_kept_sequence_is_carried_on_from_its_end_or_its_prompts(qwen35):
+    """Prompt reuse: a slot's state is known after its last token and at the end of its
+    prompt, so a request reuses the longer of the two that its tokens carry on from, and
+    answers as a fresh prefill; one that shares a shorter prefix reuses none. A step that
+    starts where no state is known is refused."""
     _, folder, prompt = qwen35
     source = open_model(folder)
     kept, more = prompt[:30], prompt[30:]
-    assert reusable(kept, kept + more, None, whole=True) == len(kept)
-    assert reusable(kept, kept[:20] + more, None, whole=True) == 0
+    assert reusable(kept, kept + more, None, [30]) == len(kept)
+    assert reusable(kept, kept[:20] + more, None, [30]) == 0
+    assert reusable(kept, kept[:20] + more, None, [30, 18]) == 18  # a prompt's end, known
     assert reusable(kept, kept[:20] + more, None) == 20  # attention alone could reuse 20
     engine = Engine.local(source, (1.0, 1.0), slots=2)
     pool = SlotPool(2)
     pool.bind(engine)
-    slot = pool.take(kept).slot
-    _prefill(engine, kept, slot)
-    pool.give_back(slot, kept)
-    assert pool.take(kept[:20] + more).start == 0  # the other slot, from scratch
-    taken = pool.take(kept + more)
-    assert (taken.slot, taken.start) == (slot, len(kept))
-    got = _prefill(engine, more, slot, len(kept))
-    want = _prefill(Engine.local(source), prompt)[len(kept) :]
-    _assert_close_logits(got, want, "a kept sequence carried on")
-    with pytest.raises(ModelError, match=r"state is at position 40, not at 20 .* position 0"):
-        _prefill(engine, more, slot, 20)
+    fresh = Engine.local(source)
+
+    def answer(tokens: list[int], expected_start: int) -> torch.Tensor:
+        taken = pool.take(tokens)
+        assert (taken.slot, taken.start) == (0, expected_start)
+        got = _prefill(engine, tokens[taken.start :], 0, taken.start)
+        _assert_close_logits(got, _prefill(fresh, tokens)[taken.start :], f"from {taken.start}")
+        return got
+
+    answer(prompt[:24], 0)  # a prompt, then its answer a token a step
+    for at in range(24, 30):
+        _prefill(engine, [prompt[at]], 0, at)
+    pool.give_back(0, kept)
+    assert pool.take(prompt[:10] + more).slot == 1  # too short a prefix: the other slot
+    answer(kept + more, len(kept))  # carries on from the end
+    pool.give_back(0, kept + more)
+    answer(prompt[:24] + [5] * 10, 24)  # another answer to the same prompt: from its end
+    with pytest.raises(ModelError, match=r"state is at position 34, not at 20 .* position 0"):
+        _prefill(engine, more, 0, 20)
 
 
 def test_the_state_is_counted_beside_the_kv_cache(qwen35):
@@ -340,7 +355,7 @@ def test_the_state_is_counted_beside_the_kv_cache(qwen35):
         held = sum(t.nbytes for kind in (states.states, states.conv) for t in kind.values())
         assert held == ex.cache.slots * 3 * 4 * (2 * 16 * 16 + (2 * 16 + 2 * 16) * 3)
         per_slot = KVCache.window_bytes(config, s)
-        assert per_slot >= 2 * held  # the state and the one kept to undo a step
+        assert per_slot >= 3 * held  # the state, one kept to undo a step, one at a prompt end
         assert KVCache.bytes_per_token(config, s) == 2 * 1 * s.n_kv * 32 * 4  # the full layer
         assert all(ex.cache.keys[i].shape[2] == 0 for i in config.linear_layers)
 
@@ -402,3 +417,25 @@ def test_prompt_lookup_drafts_change_no_greedy_token_on_three_nodes(chat_folder,
     print(f"\n{figures}\n{tokenizer.decode(plain[0])!r}")
     assert drafted == plain
     assert 0 < figures["accepted"] < figures["drafted"], figures
+
+
+@pytest.mark.slow
+def test_a_conversation_on_three_nodes_reuses_each_earlier_prompt(
+    chat_folder,
+    steps,  # noqa: F811 (the fixture)
+    tmp_path,
+):
+    """A conversation through the generation loop on 3 real nodes, the whole of it sent each
+    turn: with prompt reuse each later turn starts after at least the earlier turn's prompt
+    (where every node kept the state), and every answer is the one without reuse."""
+    source = open_model(chat_folder)
+    tokenizer = source.tokenizer()
+    with local_session(source, 3, context=1024, slots=2, state_dir=tmp_path) as session:
+        off = converse(session, tokenizer, steps, False, QUESTIONS[:3])
+        on = converse(session, tokenizer, steps, True, QUESTIONS[:3])
+    assert [t.text for t in on] == [t.text for t in off]
+    assert all(t.reused == 0 and t.start == 0 for t in off)
+    for k in range(1, len(on)):
+        t = on[k]
+        print(f"turn {k + 1}: {t.prompt} prompt tokens, {t.reused} reused")
+        assert t.start == t.reused >= on[k - 1].prompt and t.prefilled == t.prompt - t.reused
