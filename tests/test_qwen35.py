@@ -12,6 +12,8 @@ process and on 3 real node processes, and their greedy continuation, against tra
 from __future__ import annotations
 
 import json
+import os
+import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,8 +22,10 @@ import numpy as np
 import pytest
 import torch
 from cluster_threads import master_threads
+from local_processes import local_workers
 from test_families import _assert_close_logits, _ours, _randomize, _windowed
 from test_moe import _greedy, _reference
+from test_moe_serving import client_of, generation, greedy, streamed
 from test_prompt_reuse import (
     QUESTIONS,
     converse,
@@ -29,6 +33,7 @@ from test_prompt_reuse import (
 )
 from test_speculate import EDIT, PARAGRAPH, SlowLinkSpeculator, _generate
 
+from master.bridge.client import start_server
 from master.engine import Engine
 from master.local import local_session
 from master.prompts import prompt_tokens
@@ -439,3 +444,30 @@ def test_a_conversation_on_three_nodes_reuses_each_earlier_prompt(
         t = on[k]
         print(f"turn {k + 1}: {t.prompt} prompt tokens, {t.reused} reused")
         assert t.start == t.reused >= on[k - 1].prompt and t.prefilled == t.prompt - t.reused
+
+
+@pytest.mark.slow
+def test_a_node_lost_mid_answer_loses_nothing_of_it(chat_folder, shared_state):
+    """The bridge on 3 nodes; a worker killed at the stream's 8th chunk of 120: the master
+    re-plans on the nodes left and replays the answer so far from position 0, which zeroes
+    every slot's state on the new plan's nodes, and the stream ends with the uninterrupted
+    answer's text."""
+    args = ["--model", str(chat_folder), "--local-nodes", "3", "--context", "512"]
+    server = start_server([*args, "--state-dir", str(shared_state)], verbose=True, timeout=240)
+    try:
+        client = client_of(server)
+        whole = client.chat.completions.create(**greedy(client, 120)).choices[0].message.content
+        before = generation(server)
+        workers = local_workers(server.proc.pid)
+        assert sorted(workers) == ["local-1", "local-2"], workers
+
+        def kill_at_the_8th_chunk(n: int) -> None:
+            if n == 8:
+                os.kill(workers["local-1"], signal.SIGKILL)
+
+        text = streamed(client, 120, kill_at_the_8th_chunk)
+        after = generation(server)
+    finally:
+        server.stop()
+    assert after["recovered"] == before["recovered"] + 1, after  # the kill landed mid-answer
+    assert whole.strip() and text == whole
