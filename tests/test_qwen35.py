@@ -471,3 +471,44 @@ def test_a_node_lost_mid_answer_loses_nothing_of_it(chat_folder, shared_state):
         server.stop()
     assert after["recovered"] == before["recovered"] + 1, after  # the kill landed mid-answer
     assert whole.strip() and text == whole
+
+
+def test_the_synthetic_qwen35_shape_writes_every_tensor_its_layers_are_read_by():
+    """`edgetp synth --shape qwen3.5-35b-a3b`: a DeltaNet layer's and a full layer's tensors,
+    experts and shared expert under the names and shapes `HFSource` reads (a layer is GBs:
+    its plan is checked, not written)."""
+    from master.bench.synth import _shard_plan
+    from master.bench.synth_models import SHAPES
+    from models.config import ModelConfig
+    from models.layers import ROUTER, SHARED_ROUTER, full_layer_shapes, layer_tensor_names
+    from models.source import hf_layer_name
+
+    shape = SHAPES["qwen3.5-35b-a3b"]
+    config = ModelConfig.from_hf(shape, "qwen3.5-35b-a3b")
+    assert len(config.linear_layers) == 30 and config.n_experts == 256 and config.n_shared == 1
+    written = {t.name: t.shape for specs in _shard_plan(shape, 4).values() for t in specs}
+    for layer in (0, 3):  # a DeltaNet layer, a full one
+        shapes = full_layer_shapes(config, layer)
+        shapes[SHARED_ROUTER], shapes["ssm_conv"] = (1, config.hidden), (8192, 1, 4)
+        for tensor in (*layer_tensor_names(config, layer), ROUTER, SHARED_ROUTER):
+            name = hf_layer_name(layer, tensor, config.architecture)
+            assert written.pop(name) == shapes[tensor], name
+    assert {n for n in written if n.startswith(("model.layers.0.", "model.layers.3."))} == set()
+
+
+def test_a_small_synthetic_qwen35_runs_on_three_nodes(tmp_path, monkeypatch):
+    """The shape's writer end to end on a narrow copy of it: a folder that reads and runs."""
+    from master.bench import synth_models
+    from master.bench.synth import write_synthetic_model
+
+    narrow = SMALL | EXPERTS | {"num_experts": 4, "num_hidden_layers": 40}
+    shape = synth_models.SHAPES["qwen3.5-35b-a3b"] | narrow
+    monkeypatch.setitem(synth_models.SHAPES, "qwen3.5-35b-a3b", shape)
+    source = open_model(write_synthetic_model("qwen3.5-35b-a3b", 4, tmp_path / "q35", seed=1))
+    assert source.config.linear_layers == (0, 1, 2) and source.config.n_shared == 1
+    tokens = source.tokenizer().encode("Why is the sky blue?")
+    one = Engine.local(source).forward([tokens], StepBatch((0,), (0,), (len(tokens),)))
+    three = Engine.local(source, (1.0, 1.0, 1.0))
+    _assert_close_logits(three.forward([tokens], StepBatch((0,), (0,), (len(tokens),))), one,
+                         "a synthetic Qwen3.5-MoE, 3 nodes against 1")  # fmt: skip
+    assert torch.isfinite(one).all()
