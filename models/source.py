@@ -85,16 +85,8 @@ _GGUF_LAYER = {
     ROUTER_BIAS: "ffn_gate_inp.bias",
     SINKS: "attn_sinks.weight",
     O_BIAS: "attn_output.bias",
-}
-# A mixture of experts' stacks, (n_experts, out, in) each: expert e's rows follow expert e - 1's.
-_GGUF_EXPERTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
-                 "down": "ffn_down_exps.weight", "gate_bias": "ffn_gate_exps.bias",
-                 "up_bias": "ffn_up_exps.bias", "down_bias": "ffn_down_exps.bias"}  # fmt: skip
-# gpt-oss' FFN norm, which llama.cpp names after HF's post_attention_layernorm (Qwen3.5's too)
-_GGUF_GPT_OSS_FFN_NORM = "post_attention_norm.weight"
-# A gated DeltaNet layer's (qwen35, qwen35moe, qwen3next). llama.cpp's converter writes the
-# decay rate as -exp(A_log) already, and qwen3next's b and a as one matrix (`_next_rows`).
-_GGUF_LINEAR = {
+    # a gated DeltaNet layer's (qwen35, qwen35moe, qwen3next): llama.cpp's converter writes the
+    # decay rate as -exp(A_log) already, and qwen3next's b and a as one matrix (`_next_rows`)
     "ssm_qkv": "attn_qkv.weight",
     "ssm_z": "attn_gate.weight",
     "ssm_b": "ssm_beta.weight",
@@ -105,6 +97,12 @@ _GGUF_LINEAR = {
     "ssm_norm": "ssm_norm.weight",
     "ssm_out": "ssm_out.weight",
 }
+# A mixture of experts' stacks, (n_experts, out, in) each: expert e's rows follow expert e - 1's.
+_GGUF_EXPERTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
+                 "down": "ffn_down_exps.weight", "gate_bias": "ffn_gate_exps.bias",
+                 "up_bias": "ffn_up_exps.bias", "down_bias": "ffn_down_exps.bias"}  # fmt: skip
+# gpt-oss' FFN norm, which llama.cpp names after HF's post_attention_layernorm (Qwen3.5's too)
+_GGUF_GPT_OSS_FFN_NORM = "post_attention_norm.weight"
 _GGUF_NEXT_BA = "ssm_ba.weight"
 # What a qwen35 file holds in llama.cpp's tiled order of value heads (`_tiled_order`): rows,
 # but the out-projection's columns.
@@ -146,8 +144,6 @@ def _gguf_name(
         return f"blk.{layer}.{_GGUF_EXPERTS[expert[0]]}"
     if layer is not None and gpt_oss and name == "ffn_norm":
         return f"blk.{layer}.{_GGUF_GPT_OSS_FFN_NORM}"
-    if layer is not None and name in _GGUF_LINEAR:
-        return f"blk.{layer}.{_GGUF_LINEAR[name]}"
     if layer is not None:
         stored = GGUF_FUSED[name] if fused and name in GGUF_FUSED else _GGUF_LAYER[name]
         return f"blk.{layer}.{stored}"
