@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,6 +106,28 @@ def hf_layer_name(index: int, canonical: str, architecture: str = "") -> str:
     return f"model.layers.{index}.{stored}"
 
 
+# Published Qwen3.5 folders are vision-language models: their text model is read alone, its
+# config from `text_config`, its tensors under `model.language_model.` (the vision tower's are
+# left in the files).
+_VISION_LANGUAGE = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+_LANGUAGE_MODEL = "model.language_model."
+
+
+def text_model_config(raw: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """A config.json's text model config, and the prefix of its tensors' names in place of
+    "model.": the config itself and "model." but for a vision-language folder
+    (`_VISION_LANGUAGE`)."""
+    archs = raw.get("architectures") or []
+    if not archs or archs[0] not in _VISION_LANGUAGE or "text_config" not in raw:
+        return raw, "model."
+    text = dict(raw["text_config"]) | {"architectures": [_VISION_LANGUAGE[archs[0]]]}
+    text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+    return text, _LANGUAGE_MODEL
+
+
 def _next_rows(config: ModelConfig, name: str) -> torch.Tensor:
     """The rows of Qwen3-Next's fused in-projection (`_HF_NEXT`) that hold canonical `name`,
     in the canonical order (queries of every key head, keys, values; z; b; a)."""
@@ -146,6 +169,7 @@ class HFSource(ModelSource):
             raw = json.loads(config_path.read_text())
         except json.JSONDecodeError as exc:
             raise ModelError(f"{config_path} is not valid JSON ({exc})") from exc
+        raw, self._prefix = text_model_config(raw)
         self.config = ModelConfig.from_hf(raw, str(config_path))
         family = HF_ARCHITECTURES[self.config.architecture]
         self._gemma = family.gemma
@@ -186,6 +210,8 @@ class HFSource(ModelSource):
             key = "lm_head.weight"
         else:
             key = "model.norm.weight" if name == "final_norm" else "model.embed_tokens.weight"
+        if self._prefix != "model." and key.startswith("model."):  # a vision-language folder's
+            key = self._prefix + key.removeprefix("model.")
         if key not in self._where and key + _BLOCKS in self._where:  # gpt-oss' MXFP4 experts
             return key + _BLOCKS
         if key not in self._where:

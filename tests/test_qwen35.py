@@ -512,3 +512,26 @@ def test_a_small_synthetic_qwen35_runs_on_three_nodes(tmp_path, monkeypatch):
     _assert_close_logits(three.forward([tokens], StepBatch((0,), (0,), (len(tokens),))), one,
                          "a synthetic Qwen3.5-MoE, 3 nodes against 1")  # fmt: skip
     assert torch.isfinite(one).all()
+
+
+def test_a_published_vision_language_folder_is_read_as_its_text_model(tmp_path):
+    """Qwen3.5 is published as Qwen3_5ForConditionalGeneration: its text_config and its
+    tensors under model.language_model. are read; text alone, its logits are the whole
+    model's at 1 and 3 nodes."""
+    import transformers
+
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+              "out_hidden_size": 64}  # fmt: skip
+    text = SMALL | {"intermediate_size": 128, "vocab_size": 320}
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).float().eval()
+    _randomize(model, seed=3)
+    model.save_pretrained(tmp_path)
+    prompt = list(range(3, 60, 2))
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0]
+    source = open_model(tmp_path)
+    assert source.config.architecture == "Qwen3_5ForCausalLM"
+    for n in (1, 3):
+        ours = _prefill(Engine.local(source, (1.0,) * n), prompt)
+        _assert_close_logits(ours, expected, f"vision-language folder, {n} node(s)")
