@@ -273,6 +273,28 @@ def test_real_nodes_equal_transformers(qwen35):
     _assert_close_logits(ours, expected, "qwen3_5 3 real nodes, window 1, f32 shards")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_1"])
+def test_block_shards_split_across_real_nodes_equal_one_node(tmp_path_factory, dtype):
+    """The DeltaNet's fused in-projections and out-projection survive a block dtype's shards:
+    on 3 real nodes what 1 gives on the same quantized weights (value and key heads of 32
+    columns, a whole block each, as a real model's 128)."""
+    import transformers
+
+    heads = {"linear_key_head_dim": 32, "linear_value_head_dim": 32}
+    wide = SMALL | heads | {"intermediate_size": 128}
+    config = transformers.Qwen3_5TextConfig(vocab_size=320, **wide)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed=5)
+    folder = tmp_path_factory.mktemp("qwen3_5-wide")
+    model.save_pretrained(folder)
+    prompt, continuation = list(range(7, 47)), list(range(50, 58))
+    source = open_model(folder)
+    one = _windowed(source, 1, dtype, prompt, continuation, 128)
+    three = _windowed(source, 3, dtype, prompt, continuation, 128)
+    _assert_close_logits(three, one, f"qwen3_5 {dtype}, 3 real nodes against 1")
+
+
 def _prefill(engine: Engine, tokens: list[int], slot: int = 0, start: int = 0) -> torch.Tensor:
     """The logits at every one of `tokens`, fed at `start` in `slot`."""
     batch = StepBatch((slot,), (start,), (len(tokens),))
