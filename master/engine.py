@@ -158,7 +158,7 @@ class Engine:
         for i in range(config.n_layers):
             full = source.layer(i)  # one full layer in memory at a time
             for layers, s in zip(per_slice, slices, strict=True):
-                layers.append(pack(slice_layer(config, full, s)))
+                layers.append(pack(slice_layer(config, full, s, i)))
             if progress:
                 progress(i + 1, config.n_layers)
         factors = source.rope_freq_factors()

@@ -78,7 +78,25 @@ def plan_slices(
     units = config.ffn_hidden // align
     ffn_ranges = _ranges(proportional_counts(units, capacities), align)
 
-    return [Slice(q, kv_heads_for(q, group), f) for q, f in zip(q_ranges, ffn_ranges, strict=True)]
+    linear = _linear_ranges(config, capacities)
+    return [
+        Slice(q, kv_heads_for(q, group), f, v, kv_heads_for(v, config.linear_group))
+        for q, f, v in zip(q_ranges, ffn_ranges, linear, strict=True)
+    ]
+
+
+def _linear_ranges(config: ModelConfig, capacities: Sequence[float]) -> list[tuple[int, int]]:
+    """A gated DeltaNet's value heads for each slice, cut as attention's query heads: by whole
+    key-head groups while there are enough of them, else by value heads (their key heads then
+    replicated). (0, 0) for all when the model has no such layers."""
+    n = len(capacities)
+    if not config.linear_layers:
+        return [(0, 0)] * n
+    if n <= config.linear_k_heads:
+        g = config.linear_group
+        groups = _ranges(proportional_counts(config.linear_k_heads, capacities))
+        return [(a * g, b * g) for a, b in groups]
+    return _ranges(proportional_counts(config.linear_v_heads, capacities))
 
 
 def head_rows(
@@ -148,13 +166,18 @@ def head_row_cost(config: ModelConfig, speed_gb_s: float, bytes_per_s: float, dt
 
 
 def _layer_weights(config: ModelConfig, s: Slice) -> int:
-    """The weights of one layer a slice holds (`slice_parts`' rows times columns)."""
-    full = full_layer_shapes(config)
-    return sum(
-        p.n_rows * (p.cols[1] - p.cols[0] if p.cols else math.prod(full[p.source][1:]))
-        for parts in slice_parts(config, s).values()
-        for p in parts
-    )
+    """The weights of an average layer a slice holds (`slice_parts`' rows times columns)."""
+    kinds = {config.is_linear(i): i for i in range(config.n_layers)}  # one layer of each kind
+    total = 0
+    for kind, layer in kinds.items():
+        full = full_layer_shapes(config, layer)
+        weights = sum(
+            p.n_rows * (p.cols[1] - p.cols[0] if p.cols else math.prod(full[p.source][1:]))
+            for parts in slice_parts(config, s, layer).values()
+            for p in parts
+        )
+        total += weights * sum(config.is_linear(i) == kind for i in range(config.n_layers))
+    return total // config.n_layers
 
 
 def with_messages(
@@ -303,12 +326,12 @@ def kept_token_s(
 def layers_size(source: ModelSource, dtype: str) -> tuple[int, int]:
     """The bytes the layers' matrices take in shards of `dtype`, and their weights."""
     config = source.config
-    shapes = full_layer_shapes(config)
-    parts = slice_parts(config, Slice.whole(config))
-    weights = {m: sum(math.prod(shapes[p.source]) for p in parts[m]) for m in MATRICES}
-    size = sum(
-        weights[m] * BYTES_PER_WEIGHT[d]
-        for layer in range(config.n_layers)
-        for m, d in source.matrix_dtypes(layer, dtype).items()
-    )
-    return int(size), config.n_layers * sum(weights.values())
+    size = count = 0.0
+    for layer in range(config.n_layers):
+        shapes = full_layer_shapes(config, layer)
+        parts = slice_parts(config, Slice.whole(config), layer)
+        weights = {m: sum(math.prod(shapes[p.source]) for p in parts[m]) for m in MATRICES}
+        dtypes = source.matrix_dtypes(layer, dtype)
+        size += sum(weights[m] * BYTES_PER_WEIGHT[d] for m, d in dtypes.items())
+        count += sum(weights.values())
+    return int(size), int(count)

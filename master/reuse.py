@@ -12,6 +12,13 @@ A local layer's ring (Gemma 3) holds only the last `ring` positions a slot wrote
 sequence outgrew its ring, the positions before its last `ring` are gone, and only a request
 that carries on from its end (at most its last token different) can start past 0.
 
+A gated DeltaNet layer (Qwen3.5) keeps no keys and values but a state a slot, known at two
+positions only (node.kvcache.LinearStates): after the last token the slot took in, and at the
+end of its last prompt, when that prompt's prefill was wider than KEPT_TOKENS (the node keeps
+the state there). A request reuses the longer of those that its tokens carry on from: a
+conversation's next turn holds the last prompt, if not always the answer's tokens as they were
+sampled. Any other prefills from 0, which zeroes the state.
+
 A re-plan builds a new engine with empty caches: what the pool knew belongs to the engine it was
 told of (`bind`), and is forgotten when another one runs.
 """
@@ -23,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from master.engine import Engine
-from node.kvcache import positions
+from node.kvcache import KEPT_TOKENS, positions
 
 
 @dataclass(frozen=True)
@@ -43,11 +50,17 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def reusable(kept: Sequence[int], tokens: Sequence[int], ring: int | None) -> int:
+def reusable(
+    kept: Sequence[int], tokens: Sequence[int], ring: int | None, known: Sequence[int] | None = None
+) -> int:
     """Tokens of `tokens` whose keys and values a slot holding `kept` can give: their common
     prefix, less the last token of `tokens` (its logits are the first token's), and none when a
-    ring of `ring` positions has lost positions that the first new token would read."""
+    ring of `ring` positions has lost positions that the first new token would read. `known`:
+    the only positions the slot's state is known at (a gated DeltaNet's), of which the
+    furthest within that prefix, or none."""
     n = min(common_prefix(kept, tokens), len(tokens) - 1)
+    if known is not None:
+        return max((p for p in known if 0 < p <= n), default=0)
     if ring is not None and len(kept) > ring and n < len(kept) - 1:
         return 0  # the new tokens would read positions before the kept ones' last `ring`
     return max(n, 0)
@@ -63,6 +76,8 @@ class SlotPool:
         self._kept: dict[int, list[int]] = {}  # free slot -> tokens its cache holds
         self._engine: weakref.ref[Engine] | None = None
         self._ring: int | None = None
+        self._states = False  # the slots hold a state, known at a few positions only
+        self._prompt_end: dict[int, int] = {}  # slot -> its last prompt's end, with a state
 
     def __len__(self) -> int:
         """Free slots."""
@@ -77,12 +92,14 @@ class SlotPool:
         self._engine = weakref.ref(engine)
         config = engine.config
         self._ring = None
+        self._states = bool(config.linear_layers)
         if config.local_layers and config.sliding_window:
             self._ring = positions(config, config.local_layers[0], engine.max_context)
 
     def forget(self) -> None:
         """The caches are gone (a node was lost, a re-plan): no slot holds anything now."""
         self._kept.clear()
+        self._prompt_end.clear()
 
     def take(self, tokens: Sequence[int]) -> Taken:
         """A free slot for a sequence of `tokens`: the one sharing the longest prefix, else the
@@ -90,12 +107,24 @@ class SlotPool:
         best, start = self._free[0], 0
         if self.reuse:
             for slot in self._free:
-                n = reusable(self._kept.get(slot, ()), tokens, self._ring)
+                n = reusable(self._kept.get(slot, ()), tokens, self._ring, self._known(slot))
                 if n > start:
                     best, start = slot, n
         self._free.remove(best)
         self._kept.pop(best, None)  # in use: what it holds now changes with every step
+        if len(tokens) - start > KEPT_TOKENS:  # a node keeps the state at the prompt's end
+            self._prompt_end[best] = len(tokens)
+        elif start == 0:
+            self._prompt_end.pop(best, None)
         return Taken(best, start)
+
+    def _known(self, slot: int) -> list[int] | None:
+        """Where a free slot's state is known (None: its model has none): after its kept
+        tokens, and at its last prompt's end."""
+        if not self._states:
+            return None
+        kept = len(self._kept.get(slot, ()))
+        return [kept] + ([self._prompt_end[slot]] if slot in self._prompt_end else [])
 
     def give_back(self, slot: int, kept: Sequence[int] | None) -> None:
         """`slot` is free again, its cache holding the KV of `kept` (None: not known, as after a

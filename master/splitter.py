@@ -94,9 +94,9 @@ def split_model(
     config = source.config
     nodes: list[list[ShardRef]] = [[] for _ in slices]
     total = config.n_layers + 1
-    cuts = [slice_parts(config, s) for s in slices]
     told: set[str] = set()  # matrices whose cut through blocks was logged
     for i in range(config.n_layers):
+        cuts = [slice_parts(config, s, i) for s in slices]  # a layer's kind cuts it
         dtypes = source.matrix_dtypes(i, dtype)
         shards = []
         for node, c in enumerate(cuts):
@@ -159,7 +159,7 @@ def split_model(
 @dataclass(frozen=True)
 class _Fused:
     """One tensor of a shard: its parts of the source's tensors, stacked by rows, and its shard
-    dtype (None: a vector, kept float32)."""
+    dtype (None: not a matrix, kept float32)."""
 
     name: str
     parts: tuple[Part, ...]
@@ -167,8 +167,9 @@ class _Fused:
 
     def specs(self, source: ModelSource, layer: int | None) -> dict[str, Spec]:
         rows = sum(p.n_rows for p in self.parts)
-        if self.dtype is None:
-            return {self.name: (torch.float32, (rows,))}
+        if self.dtype is None:  # a vector, or a DeltaNet's convolution taps (rows, taps)
+            tail = source.shape(layer, self.parts[0].source)[1:]
+            return {self.name: (torch.float32, (rows, *tail))}
         first = self.parts[0]
         cols = first.cols or (0, source.shape(layer, first.source)[1])
         shape = (rows, cols[1] - cols[0])

@@ -53,8 +53,12 @@ def attention_partial(
         return h.new_zeros(h.shape)
     x = rms_norm(h, w["attn_norm"], config.norm_eps)
     qkv = project(x, w, "wqkv", w.get("bqkv"))  # (B, T, (nq + 2 nkv) hd)
-    q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
-    q, k = q.view(B, T, nq, hd), k.view(B, T, nkv, hd)
+    gated = 2 if config.attention_gate else 1  # each head's query, then its output gate
+    q, k, v = qkv.split([gated * nq * hd, nkv * hd, nkv * hd], dim=-1)
+    gate = None
+    if config.attention_gate:
+        q, gate = q.reshape(B, T, nq, 2 * hd).chunk(2, dim=-1)
+    q, k = q.reshape(B, T, nq, hd), k.view(B, T, nkv, hd)
     if config.qk_norm:
         q = rms_norm(q, w["q_norm"], config.norm_eps)
         k = rms_norm(k, w["k_norm"], config.norm_eps)
@@ -93,6 +97,8 @@ def attention_partial(
         mask = (kpos <= qpos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
         out = _attend(q, keys, values, mask, False, s, config, w.get("sinks"))
     out = out.transpose(1, 2).reshape(B, T, nq * hd)
+    if gate is not None:
+        out = out * torch.sigmoid(gate.reshape(B, T, nq * hd))
     # row-parallel: sum over slices (each adds its share of an O bias, `slice_parts`)
     return project(out, w, "wo", w.get("bo"))  # (B, T, D)
 

@@ -64,6 +64,11 @@ def attention_rows(
         return np.zeros_like(h)
     x = rms_norm_rows(h, w["attn_norm"], config.norm_eps)
     qkv = project_rows(x, w, "wqkv", w.get("bqkv"))  # (B, (nq + 2 nkv) hd)
+    gate = None
+    if config.attention_gate:  # each head's query, then its output gate
+        heads = qkv[:, : 2 * nq * hd].reshape(B, nq, 2, hd)
+        gate = heads[:, :, 1].reshape(B, nq * hd)
+        qkv = np.concatenate((heads[:, :, 0].reshape(B, nq * hd), qkv[:, 2 * nq * hd :]), 1)
     qk = qkv[:, : (nq + nkv) * hd].reshape(B, nq + nkv, hd)
     if config.qk_norm:
         qk = np.concatenate(
@@ -104,8 +109,12 @@ def attention_rows(
         total = scores.sum(axis=-1, keepdims=True)
         scores /= total if sinks is None else total + np.exp(sink - top)
         out[b] = (scores @ values).reshape(nq, hd)
+    heads_out = out.reshape(B, nq * hd)
+    if gate is not None:  # sigmoid, as 0.5 (1 + tanh(g / 2)): no overflow for any g
+        half = np.float32(0.5)
+        heads_out = heads_out * (half + half * np.tanh(half * gate))
     # (B, D), row-parallel (each slice adds its share of an O bias)
-    return project_rows(out.reshape(B, nq * hd), w, "wo", w.get("bo"))
+    return project_rows(heads_out, w, "wo", w.get("bo"))
 
 
 def ffn_rows(h: np.ndarray, w: dict[str, torch.Tensor], config: ModelConfig) -> np.ndarray:

@@ -15,8 +15,11 @@ from models.errors import ModelError
 from models.families import FAMILIES as FAMILIES  # re-exported: where callers look for it
 from models.families import GGUF_ARCHITECTURES, HF_ARCHITECTURES, unsupported
 from models.family_fields import (
+    DELTANET_FIELDS,
     GPT_OSS_FIELDS,
+    gguf_deltanet,
     gpt_oss_fields,
+    hf_deltanet,
     hf_gemma,
     hf_gpt_oss,
     hf_moe,
@@ -104,9 +107,21 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    # Qwen3.5, Qwen3-Next (models/deltanet.py): `linear_layers` are gated DeltaNet layers,
+    # `linear_v_heads` value heads of `linear_v_dim` reading `linear_k_heads` key heads of
+    # `linear_k_dim` through a causal convolution of `linear_conv` taps; the other layers'
+    # queries carry an output gate (`attention_gate`: q_proj gives each head its query, then
+    # its gate, and the attention's output is times sigmoid(gate) before O).
+    linear_layers: tuple[int, ...] = ()
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 0
+    attention_gate: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("local_layers", "unrotated_layers"):  # JSON gives lists
+        for name in ("local_layers", "unrotated_layers", "linear_layers"):  # JSON gives lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.unrotated_layers and self.local_rope_theta is not None:
             raise ModelError("unrotated layers beside local layers of their own RoPE base")
@@ -118,6 +133,13 @@ class ModelConfig:
             )
         if self.n_experts and not 0 < self.n_experts_used <= self.n_experts:
             raise ModelError(f"{self.n_experts_used} of {self.n_experts} experts a token")
+        if self.linear_layers and (
+            not self.linear_k_heads or self.linear_v_heads % self.linear_k_heads
+        ):
+            raise ModelError(
+                f"{self.linear_v_heads} linear-attention value heads do not divide into "
+                f"{self.linear_k_heads} key heads"
+            )
 
     @property
     def moe(self) -> bool:
@@ -146,6 +168,15 @@ class ModelConfig:
         if layer in self.unrotated_layers:
             return True
         return self.is_local(layer) and self.local_rope_theta is not None
+
+    def is_linear(self, layer: int | None) -> bool:
+        """Whether `layer` is a gated DeltaNet (linear attention) layer, not attention."""
+        return layer in self.linear_layers
+
+    @property
+    def linear_group(self) -> int:
+        """Linear-attention value heads that read one key head."""
+        return self.linear_v_heads // max(self.linear_k_heads, 1)
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` attends only to the last `sliding_window` positions."""
@@ -179,7 +210,8 @@ class ModelConfig:
         if not self.moe:
             for name in ("n_experts", "n_experts_used", "norm_topk_prob"):
                 del values[name]
-        for name in ("unrotated_layers", "n_shared", *GPT_OSS_FIELDS):  # as before they existed
+        # as before they existed
+        for name in ("unrotated_layers", "n_shared", *GPT_OSS_FIELDS, *DELTANET_FIELDS):
             if not values[name]:
                 del values[name]
         if values["rope_scaling"] is not None and values["rope_scaling"]["truncate"]:
@@ -281,6 +313,8 @@ class ModelConfig:
         if family.gpt_oss:  # as llama.cpp reads it: the even layers attend to a window
             window = int(key("attention.sliding_window"))
             gemma = gpt_oss_fields(tuple(range(0, n_layers, 2)), window)  # layer kinds too
+        if family.deltanet:
+            gemma = gguf_deltanet(metadata, arch, source, n_layers)
         every = GGUF_ARCHITECTURES[arch].unrotated_every
         return cls(
             architecture=arch,
@@ -333,6 +367,8 @@ class ModelConfig:
         gemma = hf_gemma(config, source) if family.gemma else {}
         if family.gpt_oss:
             gemma = hf_gpt_oss(config, source)
+        if family.deltanet:
+            gemma = hf_deltanet(config, source)
         # transformers' attention_bias gives O its bias too (Llama, Qwen3, Gemma 3, SmolLM3);
         # the families whose O has none (Mistral, Qwen2) have no such key
         o_bias = {"o_bias": True} if config.get("attention_bias") else {}

@@ -42,6 +42,10 @@ class Family:
     # K, V and O biases, sliding-window layers between full ones, a router and experts with
     # biases, the experts' clamped SwiGLU
     gpt_oss: bool = False
+    # Qwen3.5, Qwen3-Next: gated DeltaNet (linear attention) layers among full-attention ones
+    # whose queries carry an output gate; every norm but the DeltaNet's own scales by (1 +
+    # weight), as Gemma's (HF files store the weight)
+    deltanet: bool = False
 
 
 FAMILIES = (
@@ -82,6 +86,26 @@ FAMILIES = (
         norm_topk=True,
         gpt_oss=True,
     ),
+    Family("Qwen3.5", "qwen35", "Qwen3_5ForCausalLM", qk_norm=True, deltanet=True),
+    Family(
+        "Qwen3.5-MoE",
+        "qwen35moe",
+        "Qwen3_5MoeForCausalLM",
+        qk_norm=True,
+        moe=True,
+        norm_topk=True,  # its router renormalises its top-k weights always
+        shared_expert=True,
+        deltanet=True,
+    ),
+    Family(
+        "Qwen3-Next",
+        "qwen3next",
+        "Qwen3NextForCausalLM",
+        qk_norm=True,
+        moe=True,
+        shared_expert=True,
+        deltanet=True,
+    ),
 )
 # A GGUF architecture's family is its first: a `llama` file with experts is read as Mixtral
 # by `ModelConfig.from_gguf`.
@@ -96,17 +120,6 @@ MISSING = {
     **dict.fromkeys(
         ("deepseek2", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
         "multi-head latent attention (MLA)",
-    ),
-    **dict.fromkeys(
-        (
-            "qwen3next",
-            "qwen35",
-            "qwen35moe",
-            "Qwen3NextForCausalLM",
-            "Qwen3_5ForCausalLM",
-            "Qwen3_5MoeForCausalLM",
-        ),
-        "gated DeltaNet (linear attention) layers",
     ),
 }
 

@@ -54,6 +54,67 @@ def hf_gpt_oss(config: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
+DELTANET_FIELDS = ("linear_layers", "linear_k_heads", "linear_v_heads", "linear_k_dim",
+                   "linear_v_dim", "linear_conv", "attention_gate")  # fmt: skip
+
+
+def hf_deltanet(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The gated DeltaNet fields of a Qwen3.5 or Qwen3-Next config.json: which layers are
+    linear attention (`layer_types`, else all but every `full_attention_interval`-th, as
+    transformers reads it), their heads and convolution, and the full layers' output gate."""
+    n_layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if not types:
+        every = int(config.get("full_attention_interval") or 4)
+        types = ["linear_attention" if (i + 1) % every else "full_attention"
+                 for i in range(n_layers)]  # fmt: skip
+    if len(types) != n_layers:
+        raise ModelError(f"{source}: layer_types has {len(types)} entries for {n_layers} layers")
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ModelError(f"{source}: layer types {unknown} are not supported")
+    fields: dict[str, Any] = {"attention_gate": True}
+    names = {
+        "linear_k_heads": "linear_num_key_heads",
+        "linear_v_heads": "linear_num_value_heads",
+        "linear_k_dim": "linear_key_head_dim",
+        "linear_v_dim": "linear_value_head_dim",
+        "linear_conv": "linear_conv_kernel_dim",
+    }
+    for field, key in names.items():
+        if config.get(key) is None:
+            raise ModelError(f"{source}: config.json key {key!r} is missing")
+        fields[field] = int(config[key])
+    if (config.get("hidden_act") or "silu") != "silu":
+        raise ModelError(f"{source}: activation {config['hidden_act']!r} is not supported")
+    linear = tuple(i for i, t in enumerate(types) if t == "linear_attention")
+    return fields | {"linear_layers": linear}
+
+
+def gguf_deltanet(
+    metadata: dict[str, Any], arch: str, source: str, n_layers: int
+) -> dict[str, Any]:
+    """The gated DeltaNet fields of a qwen35, qwen35moe or qwen3next GGUF file, under the keys
+    llama.cpp's converter writes: every `full_attention_interval`-th layer is attention."""
+
+    def key(name: str) -> int:
+        if f"{arch}.{name}" not in metadata:
+            raise ModelError(f"{source}: GGUF metadata key '{arch}.{name}' is missing")
+        return int(metadata[f"{arch}.{name}"])
+
+    every = int(metadata.get(f"{arch}.full_attention_interval", 4))
+    v_heads = key("ssm.time_step_rank")
+    return {
+        "attention_gate": True,
+        "linear_layers": tuple(i for i in range(n_layers) if (i + 1) % every),
+        "linear_k_heads": key("ssm.group_count"),
+        "linear_v_heads": v_heads,
+        "linear_k_dim": key("ssm.state_size"),
+        "linear_v_dim": key("ssm.inner_size") // max(v_heads, 1),
+        "linear_conv": key("ssm.conv_kernel"),
+    }
+
+
 def hf_unrotated(config: dict[str, Any], source: str, family: Family) -> tuple[int, ...]:
     """The layers a SmolLM3 config.json leaves unrotated, as transformers reads it: those its
     `no_rope_layers` flags with 0, or else every `no_rope_layer_interval`-th."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,6 +40,24 @@ _HF_LAYER = {
     "shared_up": "mlp.shared_expert.up_proj.weight",
     "shared_down": "mlp.shared_expert.down_proj.weight",
     SHARED_ROUTER: "mlp.shared_expert_gate.weight",
+    # a gated DeltaNet layer's (Qwen3.5; Qwen3-Next fuses them otherwise: `_next_rows`)
+    "ssm_qkv": "linear_attn.in_proj_qkv.weight",
+    "ssm_z": "linear_attn.in_proj_z.weight",
+    "ssm_b": "linear_attn.in_proj_b.weight",
+    "ssm_a": "linear_attn.in_proj_a.weight",
+    "ssm_conv": "linear_attn.conv1d.weight",  # (channels, 1, taps)
+    "ssm_decay": "linear_attn.A_log",  # the decay rate is -exp(A_log)
+    "ssm_dt": "linear_attn.dt_bias",
+    "ssm_norm": "linear_attn.norm.weight",
+    "ssm_out": "linear_attn.out_proj.weight",
+}
+# Qwen3-Next's in-projections: per key head, its query, key, values and z rows in one matrix,
+# its b and a rows in another (transformers' `fix_query_key_value_ordering` takes them apart)
+_HF_NEXT = {
+    "ssm_qkv": "linear_attn.in_proj_qkvz.weight",
+    "ssm_z": "linear_attn.in_proj_qkvz.weight",
+    "ssm_b": "linear_attn.in_proj_ba.weight",
+    "ssm_a": "linear_attn.in_proj_ba.weight",
 }
 # Gemma 3 names its norms after where they sit: "post_attention" is after attention, not
 # before the FFN as in Llama.
@@ -87,6 +106,44 @@ def hf_layer_name(index: int, canonical: str, architecture: str = "") -> str:
     return f"model.layers.{index}.{stored}"
 
 
+# Published Qwen3.5 folders are vision-language models: their text model is read alone, its
+# config from `text_config`, its tensors under `model.language_model.` (the vision tower's are
+# left in the files).
+_VISION_LANGUAGE = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+_LANGUAGE_MODEL = "model.language_model."
+
+
+def text_model_config(raw: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """A config.json's text model config, and the prefix of its tensors' names in place of
+    "model.": the config itself and "model." but for a vision-language folder
+    (`_VISION_LANGUAGE`)."""
+    archs = raw.get("architectures") or []
+    if not archs or archs[0] not in _VISION_LANGUAGE or "text_config" not in raw:
+        return raw, "model."
+    text = dict(raw["text_config"]) | {"architectures": [_VISION_LANGUAGE[archs[0]]]}
+    text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+    return text, _LANGUAGE_MODEL
+
+
+def _next_rows(config: ModelConfig, name: str) -> torch.Tensor:
+    """The rows of Qwen3-Next's fused in-projection (`_HF_NEXT`) that hold canonical `name`,
+    in the canonical order (queries of every key head, keys, values; z; b; a)."""
+    dk, dv, g = config.linear_k_dim, config.linear_v_dim, config.linear_group
+    heads = torch.arange(config.linear_k_heads).unsqueeze(1)
+    if name in ("ssm_b", "ssm_a"):  # per key head: b of its g value heads, then a
+        first = 0 if name == "ssm_b" else g
+        return (heads * 2 * g + first + torch.arange(g)).flatten()
+    width = 2 * dk + 2 * g * dv  # per key head: query, key, its value heads' values and z
+    if name == "ssm_z":
+        return (heads * width + 2 * dk + g * dv + torch.arange(g * dv)).flatten()
+    q = (heads * width + torch.arange(dk)).flatten()
+    values = (heads * width + 2 * dk + torch.arange(g * dv)).flatten()
+    return torch.cat((q, q + dk, values))
+
+
 def _gpt_oss_expert_rows(t: torch.Tensor, kind: str, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of canonical `kind` (gate, up, down or their biases) of one gpt-oss
     expert, whose tensor `t` is stored (in, out) (a bias: (out,)), gate and up interleaved by
@@ -112,8 +169,12 @@ class HFSource(ModelSource):
             raw = json.loads(config_path.read_text())
         except json.JSONDecodeError as exc:
             raise ModelError(f"{config_path} is not valid JSON ({exc})") from exc
+        raw, self._prefix = text_model_config(raw)
         self.config = ModelConfig.from_hf(raw, str(config_path))
-        self._norm_plus_one = HF_ARCHITECTURES[self.config.architecture].gemma
+        family = HF_ARCHITECTURES[self.config.architecture]
+        self._gemma = family.gemma
+        self._norm_plus_one = family.gemma or family.deltanet
+        self._next = self.config.architecture == "Qwen3NextForCausalLM"
         index = path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -139,7 +200,9 @@ class HFSource(ModelSource):
     def _key(self, layer: int | None, name: str) -> str:
         if layer is not None and self.config.fused and name in HF_FUSED:
             key = f"model.layers.{layer}.{HF_FUSED[name]}"
-        elif layer is not None and self._norm_plus_one and name in _HF_GEMMA_NORMS:
+        elif layer is not None and self._next and name in _HF_NEXT:
+            key = f"model.layers.{layer}.{_HF_NEXT[name]}"
+        elif layer is not None and self._gemma and name in _HF_GEMMA_NORMS:
             key = f"model.layers.{layer}.{_HF_GEMMA_NORMS[name]}"
         elif layer is not None:
             key = hf_layer_name(layer, name, self.config.architecture)
@@ -147,6 +210,8 @@ class HFSource(ModelSource):
             key = "lm_head.weight"
         else:
             key = "model.norm.weight" if name == "final_norm" else "model.embed_tokens.weight"
+        if self._prefix != "model." and key.startswith("model."):  # a vision-language folder's
+            key = self._prefix + key.removeprefix("model.")
         if key not in self._where and key + _BLOCKS in self._where:  # gpt-oss' MXFP4 experts
             return key + _BLOCKS
         if key not in self._where:
@@ -178,10 +243,17 @@ class HFSource(ModelSource):
         with safe_open(str(self._where[key]), framework="pt") as handle:
             if expert is not None and self.config.expert_bias:  # gpt-oss' (E, in, out)
                 out = _gpt_oss_expert_rows(handle.get_slice(key)[expert[1]], expert[0], start, stop)
+            elif layer is not None and self._next and name in _HF_NEXT:
+                rows = _next_rows(self.config, name)[start:stop]
+                out = handle.get_tensor(key)[rows].to(torch.float32)
             else:
                 out = handle.get_slice(key)[at + start : at + stop].to(torch.float32)
-        if self._norm_plus_one and (name.endswith("norm")):
+        if self._norm_plus_one and name.endswith("norm") and name != "ssm_norm":
             out = out + 1  # Gemma's norms scale by (1 + weight); GGUF files store the sum
+        if name == "ssm_conv":  # (channels, 1, taps)
+            out = out.reshape(out.shape[0], -1)
+        elif name == "ssm_decay":  # llama.cpp's, from A_log
+            out = -out.exp()
         return out
 
     def _mxfp4_rows(self, key: str, expert: tuple[str, int], start: int, stop: int) -> torch.Tensor:

@@ -53,6 +53,15 @@ SHARED_ROUTER = "shared_router"
 # ("gate_bias.e", ...), and the router's bias, which the master holds as ROUTER's last column.
 SINKS, O_BIAS, ROUTER_BIAS = "sinks", "o_bias", "router_bias"
 EXPERT_BIAS_TENSORS = ("gate_bias", "up_bias", "down_bias")
+# A gated DeltaNet layer (`ModelConfig.linear_layers`, models/deltanet.py) in place of attention:
+# its in-projections of the convolution's channels (queries and keys of every key head, then
+# values of every value head), of the norm's gate z (a value head's width each) and of beta's
+# and the decay's inputs b and a (one a value head); the convolution's taps (channels, taps);
+# each value head's decay rate (-exp(A_log), as llama.cpp stores it) and dt bias; the gated
+# norm (value head's width, its weight as it is); the out-projection (hidden, value heads).
+LINEAR_TENSORS = ("ssm_qkv", "ssm_z", "ssm_b", "ssm_a", "ssm_conv", "ssm_decay", "ssm_dt",
+                  "ssm_norm", "ssm_out")  # fmt: skip
+ATTENTION_ONLY = ("q", "k", "v", "o")  # what a DeltaNet layer holds none of
 
 
 def expert_name(name: str, expert: int) -> str:
@@ -60,10 +69,12 @@ def expert_name(name: str, expert: int) -> str:
     return f"{name}.{expert}"
 
 
-def layer_tensor_names(config: ModelConfig) -> tuple[str, ...]:
+def layer_tensor_names(config: ModelConfig, layer: int | None = None) -> tuple[str, ...]:
     """A layer's canonical tensors that its slices are cut from (not the master's post norms
-    and router)."""
+    and router); `layer` None: an attention layer's."""
     names: tuple[str, ...] = LAYER_TENSORS
+    if config.is_linear(layer):
+        names = tuple(n for n in names if n not in ATTENTION_ONLY) + LINEAR_TENSORS
     if config.moe:
         kinds = EXPERT_TENSORS + (EXPERT_BIAS_TENSORS if config.expert_bias else ())
         experts = [expert_name(n, e) for e in range(config.n_experts) for n in kinds]
@@ -73,8 +84,8 @@ def layer_tensor_names(config: ModelConfig) -> tuple[str, ...]:
         + ((SINKS,) if config.attention_sinks else ())
         + ((O_BIAS,) if config.o_bias else ())
         + (SHARED_TENSORS if config.n_shared else ())
-        + (BIAS_TENSORS if config.qkv_bias else ())
-        + (QK_NORM_TENSORS if config.qk_norm else ())
+        + (BIAS_TENSORS if config.qkv_bias and not config.is_linear(layer) else ())
+        + (QK_NORM_TENSORS if config.qk_norm and not config.is_linear(layer) else ())
     )
 
 
@@ -89,6 +100,10 @@ class Slice:
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]
     ffn: tuple[int, int]
+    # A gated DeltaNet's value heads, contiguous, and the key heads they read (replicated
+    # where the plan has more slices than key heads), as attention's query and KV heads.
+    linear_heads: tuple[int, int] = (0, 0)
+    linear_key_heads: tuple[int, int] = (0, 0)
 
     @property
     def n_q(self) -> int:
@@ -102,20 +117,39 @@ class Slice:
     def n_ffn(self) -> int:
         return self.ffn[1] - self.ffn[0]
 
+    @property
+    def n_linear(self) -> int:
+        return self.linear_heads[1] - self.linear_heads[0]
+
+    @property
+    def n_linear_keys(self) -> int:
+        return self.linear_key_heads[1] - self.linear_key_heads[0]
+
     def to_dict(self) -> dict[str, list[int]]:
-        return {
+        d = {
             "q_heads": list(self.q_heads),
             "kv_heads": list(self.kv_heads),
             "ffn": list(self.ffn),
         }
+        if self.linear_heads != (0, 0) or self.linear_key_heads != (0, 0):  # a DeltaNet's
+            d |= {"linear_heads": list(self.linear_heads),
+                  "linear_key_heads": list(self.linear_key_heads)}  # fmt: skip
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, list[int]]) -> Slice:
-        return cls(tuple(d["q_heads"]), tuple(d["kv_heads"]), tuple(d["ffn"]))  # type: ignore[arg-type]
+        linear = tuple(d.get("linear_heads", (0, 0))), tuple(d.get("linear_key_heads", (0, 0)))
+        return cls(tuple(d["q_heads"]), tuple(d["kv_heads"]), tuple(d["ffn"]), *linear)  # type: ignore[arg-type]
 
     @classmethod
     def whole(cls, config: ModelConfig) -> Slice:
-        return cls((0, config.n_heads), (0, config.n_kv_heads), (0, config.ffn_hidden))
+        return cls(
+            (0, config.n_heads),
+            (0, config.n_kv_heads),
+            (0, config.ffn_hidden),
+            (0, config.linear_v_heads),
+            (0, config.linear_k_heads),
+        )
 
 
 def kv_heads_for(q_heads: tuple[int, int], group_size: int) -> tuple[int, int]:
@@ -125,17 +159,23 @@ def kv_heads_for(q_heads: tuple[int, int], group_size: int) -> tuple[int, int]:
     return (q_heads[0] // group_size, (q_heads[1] - 1) // group_size + 1)
 
 
-def full_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of each canonical full tensor of one layer, (out, in) for matrices."""
+def full_layer_shapes(config: ModelConfig, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+    """The shape of each canonical full tensor of one layer, (out, in) for matrices; `layer`
+    None: an attention layer's."""
     d, hd, f = config.hidden, config.head_dim, config.ffn_hidden
     q, kv = config.n_heads * hd, config.n_kv_heads * hd
     shapes = {
         "attn_norm": (d,), "q": (q, d), "k": (kv, d), "v": (kv, d), "o": (d, q),
         "ffn_norm": (d,), "gate": (f, d), "up": (f, d), "down": (d, f),
     }  # fmt: skip
-    if config.qkv_bias:
+    if config.attention_gate:  # each head's query, then its gate
+        shapes["q"] = (2 * q, d)
+    if config.is_linear(layer):
+        shapes = {n: v for n, v in shapes.items() if n not in ATTENTION_ONLY}
+        shapes |= linear_shapes(config)
+    elif config.qkv_bias:
         shapes |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
-    if config.qk_norm:
+    if config.qk_norm and not config.is_linear(layer):
         shapes |= {"q_norm": (hd,), "k_norm": (hd,)}
     if config.post_norms:
         shapes |= {name: (config.hidden,) for name in POST_NORM_TENSORS}
@@ -160,6 +200,47 @@ def full_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shapes of a gated DeltaNet layer's own tensors (`LINEAR_TENSORS`)."""
+    d, nv = config.hidden, config.linear_v_heads
+    keys, values = config.linear_k_heads * config.linear_k_dim, nv * config.linear_v_dim
+    channels = 2 * keys + values
+    return {
+        "ssm_qkv": (channels, d), "ssm_z": (values, d), "ssm_b": (nv, d), "ssm_a": (nv, d),
+        "ssm_conv": (channels, config.linear_conv), "ssm_decay": (nv,), "ssm_dt": (nv,),
+        "ssm_norm": (config.linear_v_dim,), "ssm_out": (d, values),
+    }  # fmt: skip
+
+
+def linear_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
+    """What a slice holds of a gated DeltaNet layer's own tensors: the in-projections' rows
+    of its value heads and the key heads they read (column-parallel, as one matrix `wqkv`:
+    queries, keys, values, z, b, a), the convolution's taps of the same channels (`conv`),
+    its value heads' `decay` and `dt`, the gated norm, and the out-projection's columns of its
+    value heads (row-parallel: `wo`, summed over slices as attention's O)."""
+    dk, dv, d = config.linear_k_dim, config.linear_v_dim, config.hidden
+    keys = config.linear_k_heads * dk
+    (k0, k1), (v0, v1) = s.linear_key_heads, s.linear_heads
+    channels = (
+        (k0 * dk, k1 * dk),
+        (keys + k0 * dk, keys + k1 * dk),
+        (2 * keys + v0 * dv, 2 * keys + v1 * dv),
+    )
+    return {
+        "wqkv": (
+            *(Part("ssm_qkv", c) for c in channels),
+            Part("ssm_z", (v0 * dv, v1 * dv)),
+            Part("ssm_b", (v0, v1)),
+            Part("ssm_a", (v0, v1)),
+        ),
+        "wo": (Part("ssm_out", (0, d), (v0 * dv, v1 * dv)),),
+        "conv": tuple(Part("ssm_conv", c) for c in channels),
+        "decay": (Part("ssm_decay", (v0, v1)),),
+        "dt": (Part("ssm_dt", (v0, v1)),),
+        "ssm_norm": (Part("ssm_norm", (0, dv)),),
+    }
+
+
 @dataclass(frozen=True)
 class Part:
     """Rows [rows) and columns [cols) of a full source tensor: one piece of a slice's matrix.
@@ -176,10 +257,13 @@ class Part:
         return self.rows[1] - self.rows[0]
 
 
-def slice_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
+def slice_parts(
+    config: ModelConfig, s: Slice, layer: int | None = None
+) -> dict[str, tuple[Part, ...]]:
     """What a slice holds of one layer, by fused name: attn_norm, wqkv (+ bqkv), wo, ffn_norm,
     w_gate_up, w_down. The one rule for cutting a layer: `slice_layer` cuts whole tensors by it,
-    the splitter bands of rows.
+    the splitter bands of rows. `layer` None: an attention layer's; a gated DeltaNet layer's
+    wqkv and wo are its own (`linear_parts`).
 
     A mixture of experts is cut at the same columns in every expert, stacked by rows: w_gate_up
     (E 2n, D) is expert e's gate then up at rows [2 e n, 2 (e + 1) n), w_down (E D, n) expert
@@ -193,15 +277,20 @@ def slice_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
     matrices: b_gate_up (E 2n,) as w_gate_up's rows, b_down (E D,) as w_down's."""
     hd, d = config.head_dim, config.hidden
     q, k = (s.q_heads[0] * hd, s.q_heads[1] * hd), (s.kv_heads[0] * hd, s.kv_heads[1] * hd)
+    # an output gate: each head's query then its gate, so a slice's heads are rows 2 q
+    q_rows = (2 * q[0], 2 * q[1]) if config.attention_gate else q
     f = s.ffn
     parts = {
         "attn_norm": (Part("attn_norm", (0, d)),),
-        "wqkv": (Part("q", q), Part("k", k), Part("v", k)),
+        "wqkv": (Part("q", q_rows), Part("k", k), Part("v", k)),
         "wo": (Part("o", (0, d), q),),
         "ffn_norm": (Part("ffn_norm", (0, d)),),
         "w_gate_up": (Part("gate", f), Part("up", f)),
         "w_down": (Part("down", (0, d), f),),
     }
+    linear = config.is_linear(layer)
+    if linear:
+        parts |= linear_parts(config, s)
     if config.moe:
         experts = range(config.n_experts)
         parts["w_gate_up"] = tuple(
@@ -223,9 +312,9 @@ def slice_parts(config: ModelConfig, s: Slice) -> dict[str, tuple[Part, ...]]:
         parts["sinks"] = (Part(SINKS, s.q_heads),)
     if config.o_bias:
         parts["bo"] = (Part(O_BIAS, (0, d), None, s.n_q / config.n_heads),)
-    if config.qkv_bias:
+    if config.qkv_bias and not linear:
         parts["bqkv"] = (Part("q_bias", q), Part("k_bias", k), Part("v_bias", k))
-    if config.qk_norm:
+    if config.qk_norm and not linear:
         parts |= {"q_norm": (Part("q_norm", (0, hd)),), "k_norm": (Part("k_norm", (0, hd)),)}
     return parts
 
@@ -242,14 +331,14 @@ def cut(t: torch.Tensor, part: Part, rows: tuple[int, int] | None = None) -> tor
 
 
 def slice_layer(
-    config: ModelConfig, full: dict[str, torch.Tensor], s: Slice
+    config: ModelConfig, full: dict[str, torch.Tensor], s: Slice, layer: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Cut one layer's full tensors to a slice, fused for compute (`slice_parts`); all
     contiguous copies, so the full tensors can be freed. A fused matrix whose parts are stored
     differently is fused in the one format that holds them all exactly (q4_0 and q5_0 widen to
     q8_0), else in float32."""
     out = {}
-    for name, parts in slice_parts(config, s).items():
+    for name, parts in slice_parts(config, s, layer).items():
         pieces = [cut(full[p.source], p) for p in parts]
         names = {dtype_name(p) for p in pieces}
         if len(names) > 1:

@@ -146,6 +146,8 @@ def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | 
         return "the C blocks do not run a mixture of experts"
     if config.attention_sinks or config.o_bias:  # gpt-oss' attention: NumPy's too
         return "the C blocks have no attention sinks nor output bias"
+    if config.linear_layers or config.attention_gate:  # Qwen3.5's: torch and NumPy's
+        return "the C blocks have no gated DeltaNet layers nor attention output gate"
     for name in MATRICES:
         w = weights[name]
         if block_format(w) is None and w.dtype != torch.float32:

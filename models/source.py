@@ -20,6 +20,7 @@ from models.errors import ModelError
 from models.gguf_file import GGUFFile
 from models.hf_source import _HF_LAYER as _HF_LAYER
 from models.hf_source import HFSource as HFSource
+from models.hf_source import _next_rows
 from models.hf_source import hf_layer_name as hf_layer_name
 from models.layers import EXPERT_BIAS_TENSORS, O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS
 from models.quant import FORMATS
@@ -85,13 +86,28 @@ _GGUF_LAYER = {
     ROUTER_BIAS: "ffn_gate_inp.bias",
     SINKS: "attn_sinks.weight",
     O_BIAS: "attn_output.bias",
+    # a gated DeltaNet layer's (qwen35, qwen35moe, qwen3next): llama.cpp's converter writes the
+    # decay rate as -exp(A_log) already, and qwen3next's b and a as one matrix (`_next_rows`)
+    "ssm_qkv": "attn_qkv.weight",
+    "ssm_z": "attn_gate.weight",
+    "ssm_b": "ssm_beta.weight",
+    "ssm_a": "ssm_alpha.weight",
+    "ssm_conv": "ssm_conv1d.weight",
+    "ssm_decay": "ssm_a",
+    "ssm_dt": "ssm_dt.bias",
+    "ssm_norm": "ssm_norm.weight",
+    "ssm_out": "ssm_out.weight",
 }
 # A mixture of experts' stacks, (n_experts, out, in) each: expert e's rows follow expert e - 1's.
 _GGUF_EXPERTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
                  "down": "ffn_down_exps.weight", "gate_bias": "ffn_gate_exps.bias",
                  "up_bias": "ffn_up_exps.bias", "down_bias": "ffn_down_exps.bias"}  # fmt: skip
-# gpt-oss' FFN norm, which llama.cpp names after HF's post_attention_layernorm
+# gpt-oss' FFN norm, which llama.cpp names after HF's post_attention_layernorm (Qwen3.5's too)
 _GGUF_GPT_OSS_FFN_NORM = "post_attention_norm.weight"
+_GGUF_NEXT_BA = "ssm_ba.weight"
+# What a qwen35 file holds in llama.cpp's tiled order of value heads (`_tiled_order`): rows,
+# but the out-projection's columns.
+_TILED = ("ssm_qkv", "ssm_z", "ssm_b", "ssm_a", "ssm_conv", "ssm_decay", "ssm_dt", "ssm_out")
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -103,6 +119,22 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
         .reshape(w.shape)
         .contiguous()
     )
+
+
+def _tiled_order(config: ModelConfig, name: str) -> torch.Tensor:
+    """Where a qwen35 file stores each of canonical `name`'s rows (its columns: ssm_out).
+    llama.cpp's converter puts the value heads that read one key head not side by side (as
+    transformers holds them) but a key head's r-th after every key head's (r - 1)-th, for its
+    broadcasts: value head i g + r of the g a key head is stored at r nk + i."""
+    nk, g = config.linear_k_heads, config.linear_group
+    width = 1 if name in ("ssm_b", "ssm_a", "ssm_decay", "ssm_dt") else config.linear_v_dim
+    heads = torch.arange(nk * g)
+    stored = (heads % g) * nk + heads // g  # (nv,): each grouped head's tiled place
+    values = (stored.unsqueeze(1) * width + torch.arange(width)).flatten()
+    if name in ("ssm_qkv", "ssm_conv"):  # the queries' and keys' rows, then the values'
+        keys = 2 * nk * config.linear_k_dim
+        return torch.cat((torch.arange(keys), keys + values))
+    return values
 
 
 def _gguf_name(
@@ -152,6 +184,10 @@ class GGUFSource(ModelSource):
             )
         # llama.cpp's converter permutes Q/K rows for its interleaved RoPE only for these.
         self._permuted = self.config.architecture in ("llama", "mistral", "smollm3")
+        c = self.config
+        # qwen35's value heads in the tiled order (`_tiled_order`), where heads share keys
+        self._tiled = c.architecture in ("qwen35", "qwen35moe") and c.linear_group > 1
+        self._next = c.architecture == "qwen3next"  # its b and a in one matrix
         for name in self.file.tensor_names():  # say it now, not halfway through a split
             kind = self.file.info(name).tensor_type.name
             if kind not in SOURCE_TYPES:
@@ -166,9 +202,27 @@ class GGUFSource(ModelSource):
 
     def _name(self, layer: int | None, name: str) -> str:
         c = self.config
-        return _gguf_name(layer, name, c.tied_embeddings, c.fused, c.expert_bias)
+        if layer is not None and self._next and name in ("ssm_b", "ssm_a"):
+            return f"blk.{layer}.{_GGUF_NEXT_BA}"
+        # gpt-oss' and the DeltaNet families' FFN norm is named after attention
+        after = c.expert_bias or bool(c.linear_layers)
+        return _gguf_name(layer, name, c.tied_embeddings, c.fused, after)
+
+    def _reordered(self, layer: int | None, name: str) -> torch.Tensor | None:
+        """The rows of the stored tensor, in order, that hold canonical `name` where the file
+        keeps them in another order (qwen35's tiled value heads, qwen3next's b and a); None
+        where it keeps them as they are."""
+        if layer is None or not self.config.is_linear(layer):
+            return None
+        if self._next and name in ("ssm_b", "ssm_a"):
+            return _next_rows(self.config, name)
+        if self._tiled and name in _TILED:
+            return _tiled_order(self.config, name)
+        return None
 
     def _stored_type(self, layer: int | None, name: str) -> str:
+        if self._reordered(layer, name) is not None:
+            return "F32"  # read as floats to be put back in order (blocks would cut heads)
         return self.file.info(self._name(layer, name)).tensor_type.name
 
     def _rows(
@@ -184,6 +238,11 @@ class GGUFSource(ModelSource):
             return self.file.tensor(gguf_name).view(1, -1)[start:stop]
         if expert is not None and expert[0] in EXPERT_BIAS_TENSORS:  # (E, n): a few floats
             return self.file.tensor(gguf_name).reshape(-1)[at + start : at + stop]
+        order = self._reordered(layer, name)
+        if order is not None and name == "ssm_out":  # its value heads are its columns
+            return self.file.tensor_rows(gguf_name, start, stop)[:, order].contiguous()
+        if order is not None:
+            return self.file.tensor(gguf_name)[order[start:stop]].contiguous()
         if blocks and kind in FORMATS:
             stored = self.file.stored_rows(gguf_name, at + start, at + stop)
             out = FORMATS[kind].from_bytes(stored)

@@ -93,7 +93,7 @@ class ModelSource(ABC):
     def shape(self, layer: int | None, name: str) -> tuple[int, ...]:
         c = self.config
         if layer is not None:
-            return full_layer_shapes(c)[name]
+            return full_layer_shapes(c, layer)[name]
         if name == POST_NORMS:
             return (2 * c.n_layers, c.hidden)
         if name == ROUTER:
@@ -105,10 +105,11 @@ class ModelSource(ABC):
 
     def layer(self, index: int, blocks: bool = False) -> dict[str, torch.Tensor]:
         """Layer `index`'s full tensors under canonical names."""
-        return {name: self.tensor(index, name, blocks) for name in self.layer_tensors()}
+        return {name: self.tensor(index, name, blocks) for name in self.layer_tensors(index)}
 
-    def layer_tensors(self) -> tuple[str, ...]:
-        return layer_tensor_names(self.config)  # the post norms and router are the master's
+    def layer_tensors(self, index: int | None = None) -> tuple[str, ...]:
+        # the post norms and router are the master's
+        return layer_tensor_names(self.config, index)
 
     def global_names(self) -> list[str]:
         """The tensors the master holds whole: the embedding, lm_head and norms after the
@@ -138,7 +139,7 @@ class ModelSource(ABC):
     def matrix_dtypes(self, layer: int, dtype: str) -> dict[str, str]:
         """The shard dtype of each of a layer's fused matrices (`models.layers.MATRICES`) when
         the split asks for `dtype` (`auto`: as this source stores them)."""
-        parts = slice_parts(self.config, Slice.whole(self.config))
+        parts = slice_parts(self.config, Slice.whole(self.config), layer)
         return {
             m: matrix_dtype(dtype, [self.stored_type(layer, p.source) for p in parts[m]])
             for m in MATRICES

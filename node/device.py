@@ -369,12 +369,19 @@ def plan_shapes(
     included, stored as the split stores them for `dtype`: cut from shape-only tensors by the
     one function that cuts layers."""
     config = source.config
-    full = {n: torch.empty(s, device="meta") for n, s in full_layer_shapes(config).items()}
     heads = [b - a for a, b in head_rows if b > a] or [config.vocab_size]
     shapes = [(source.head_dtype(dtype), rows, config.hidden) for rows in heads]
-    layer_dtypes = {tuple(source.matrix_dtypes(i, dtype).items()) for i in range(config.n_layers)}
-    for s in slices:
-        cut, parts = slice_layer(config, full, s), slice_parts(config, s)
+    # a layer of each kind (gated DeltaNet layers cut differently), with each's dtypes
+    kinds: dict[bool, tuple[int, set[tuple[tuple[str, str], ...]]]] = {}
+    for i in range(config.n_layers):
+        kind = kinds.setdefault(config.is_linear(i), (i, set()))
+        kind[1].add(tuple(source.matrix_dtypes(i, dtype).items()))
+    for s, (layer, layer_dtypes) in ((s, k) for s in slices for k in kinds.values()):
+        full = {
+            n: torch.empty(shape, device="meta")
+            for n, shape in full_layer_shapes(config, layer).items()
+        }
+        cut, parts = slice_layer(config, full, s, layer), slice_parts(config, s, layer)
         for dtypes in layer_dtypes:
             kept = slice_dtypes(parts, dict(dtypes))
             specs = expert_specs({n: (t.dtype, tuple(t.shape)) for n, t in cut.items()},

@@ -17,6 +17,7 @@ from models import rows_native
 from models.block_math import attention_partial, ffn_partial
 from models.block_rows import attention_rows, ffn_rows
 from models.config import ModelConfig
+from models.deltanet import deltanet_partial
 from models.kernels import SCALE_SUFFIX, leave_a_core_to_the_loader, linear_rows
 from models.layers import MATRICES, Slice, StepBatch
 from models.moe import Routing, expert_specs, moe_partial, moe_rows
@@ -119,6 +120,8 @@ class SliceExecutor:
     def begin_step(self, batch: StepBatch) -> None:
         """Positions are the same for every layer of a step: look up RoPE tables once."""
         self._batch = batch
+        if self.cache.linear is not None:
+            self.cache.linear.begin_step(batch)
         self._cos_sin_rows = self.rope.rows(batch.starts) if batch.rows else None
         self._cos_sin = self.rope.tables(batch.positions())
         if self.local_rope is not None:
@@ -144,7 +147,9 @@ class SliceExecutor:
         weights = self.weights.get(index)
         window = self.config.sliding_window if self.config.is_local(index) else None
         own_rope = self.config.own_rope(index)
-        if self.native_step:
+        if self.config.is_linear(index):
+            out = self._deltanet(index, h, weights)
+        elif self.native_step:
             assert self.native is not None
             out = self.native.attention(index, h)
         elif self._batch.rows:
@@ -178,6 +183,26 @@ class SliceExecutor:
                 ).numpy()
         self.weights.figures.compute_s += time.perf_counter() - started
         return out
+
+    def _deltanet(self, index: int, h: Hidden, weights: dict[str, torch.Tensor]) -> Hidden:
+        """A gated DeltaNet layer's partial, from and into its states beside the KV cache, in
+        torch for any step: a decode step's rows (B, D) are one token a sequence."""
+        states = self.cache.linear
+        assert states is not None and self._batch is not None
+        with torch.inference_mode():
+            states.prepare(index, weights["conv"])
+            x = _as_tensor(h)
+            out, inputs, beta, g = deltanet_partial(
+                x.unsqueeze(1) if self._batch.rows else x,
+                weights,
+                self.slice,
+                self.config,
+                states.conv[index],
+                states.states[index],
+                self._batch,
+            )
+            states.finish(index, inputs, beta, g)
+        return out.reshape(h.shape).numpy()
 
     def ffn(self, index: int, h: Hidden, routing: Routing | None = None) -> Hidden:
         """The layer's second and last block: its weights may leave the window after this.

@@ -1,11 +1,16 @@
-"""The KV cache of one device's slice: preallocated, one slot per concurrent sequence."""
+"""The KV cache of one device's slice: preallocated, one slot per concurrent sequence; beside
+it, a gated DeltaNet's fixed-size states (`LinearStates`)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from models.config import ModelConfig
-from models.layers import Slice
+from models.deltanet import channels, recur
+from models.errors import ModelError
+from models.layers import Slice, StepBatch
 
 # Keys and values stay float32 whatever the weights' dtype: they are a small part of memory at
 # edge context lengths, and the attention math on them is float32 in both paths.
@@ -37,12 +42,13 @@ class KVCache:
         self.value_arrays = [v.numpy() for v in self.values]
         self.slots = slots
         self.max_context = max_context
+        self.linear = LinearStates(config, s, slots) if config.linear_layers else None
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, s: Slice, dtype: torch.dtype = KV_DTYPE) -> int:
         """A slot's bytes per token of context: those of the layers that attend to all of it."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        full = config.n_layers - len(config.local_layers)
+        full = config.n_layers - len(config.local_layers) - len(config.linear_layers)
         return 2 * full * s.n_kv * config.head_dim * itemsize
 
     @staticmethod
@@ -50,11 +56,170 @@ class KVCache:
         """A slot's bytes for the local layers' rings, whatever the context (at most this)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         window = config.sliding_window or 0
-        return 2 * len(config.local_layers) * window * s.n_kv * config.head_dim * itemsize
+        rings = 2 * len(config.local_layers) * window * s.n_kv * config.head_dim * itemsize
+        return rings + LinearStates.slot_bytes(config, s)
 
 
 def positions(config: ModelConfig, layer: int, max_context: int) -> int:
-    """Positions a layer's cache holds: a local layer only its window, as a ring."""
+    """Positions a layer's cache holds: a local layer only its window, as a ring; a gated
+    DeltaNet layer none (its state is `LinearStates`')."""
+    if config.is_linear(layer):
+        return 0
     if config.is_local(layer) and config.sliding_window:
         return min(config.sliding_window, max_context)
     return max_context
+
+
+# Tokens of a step whose inputs a slot keeps, with its state before them, so that a later step
+# may start at any of their positions: a speculative step's drafts (master/speculate.py: at
+# most 8 after the sequence's token), rejected, are undone so. A wider step is a prompt's: its
+# end state is kept instead, for the next turn of a conversation to carry on from there.
+KEPT_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Resume:
+    """How a sequence's state is brought to its step's start: from zeros (a new sequence), as
+    it is, from the state at the end of the slot's last prompt (`prompt`), or (`rewind`) from
+    the state kept before its slot's last step, stepped forward again over `replay` of that
+    step's tokens. `keep`: this step's start state and inputs are kept; `ends_prompt`: its
+    end state is kept as the slot's prompt's."""
+
+    zero: bool = False
+    prompt: bool = False
+    rewind: bool = False
+    replay: int = 0
+    keep: bool = False
+    ends_prompt: bool = False
+
+
+class LinearStates:
+    """A gated DeltaNet slice's fixed-size state per sequence slot: for each of its layers and
+    slots, each value head's (dk, dv) recurrent state and the convolution's last K - 1 inputs.
+
+    The state holds one position: the one after the last token a slot took in. A step may
+    start there; at 0 (a new sequence, or a replay after a node was lost: the state is zeroed);
+    at a position within the slot's last step, when that step was short enough to keep its
+    inputs (`KEPT_TOKENS`): its state before that step is taken back and stepped forward over
+    the tokens before the new start, which undoes a speculative step's rejected drafts at the
+    cost of one copy of the state more (a state kept after every draft would cost eight); or
+    at the end of the slot's last prompt (a step wider than that), whose state is a copy more,
+    for a conversation's next turn, whose prompt holds the last one but seldom the answer's
+    tokens as they were sampled. Any other start is an error: its state is not known here
+    (master/reuse.py asks for none).
+    """
+
+    def __init__(self, config: ModelConfig, s: Slice, slots: int) -> None:
+        self.config, self.slice = config, s
+        c = sum(channels(config, s))
+        nv, dk, dv = s.n_linear, config.linear_k_dim, config.linear_v_dim
+        taps = max(config.linear_conv - 1, 0)
+
+        def zeros(*shape: int) -> dict[int, torch.Tensor]:
+            return {i: torch.zeros(shape) for i in config.linear_layers}
+
+        self.states, self.conv = zeros(slots, nv, dk, dv), zeros(slots, c, taps)
+        self.kept_states, self.kept_conv = zeros(slots, nv, dk, dv), zeros(slots, c, taps)
+        self.kept_x = zeros(slots, KEPT_TOKENS, c)
+        self.kept_beta, self.kept_g = zeros(slots, KEPT_TOKENS, nv), zeros(slots, KEPT_TOKENS, nv)
+        self.prompt_states, self.prompt_conv = zeros(slots, nv, dk, dv), zeros(slots, c, taps)
+        self.at = [0] * slots  # the position each slot's state is at
+        self.kept_at = [-1] * slots  # where its kept state is (-1: none)
+        self.kept_tokens = [0] * slots  # inputs kept after it
+        self.prompt_at = [-1] * slots  # where its last prompt's end state is (-1: none)
+        self._resume: list[Resume] = []
+        self._batch: StepBatch | None = None  # the step under way, until the next begins
+
+    @staticmethod
+    def slot_bytes(config: ModelConfig, s: Slice) -> int:
+        """A slot's bytes of state, whatever the context: the state and the convolution's
+        inputs, as much again kept to undo a step and for the last prompt's end, and the
+        kept step's inputs."""
+        if not config.linear_layers:
+            return 0
+        c, nv = sum(channels(config, s)), s.n_linear
+        state = nv * config.linear_k_dim * config.linear_v_dim + c * max(config.linear_conv - 1, 0)
+        kept = KEPT_TOKENS * (c + 2 * nv)
+        return 4 * len(config.linear_layers) * (3 * state + kept)
+
+    def begin_step(self, batch: StepBatch) -> None:
+        """The last step went through (each of its slots' state is past its tokens); check
+        where each of this step's sequences starts against its slot's states, and say how each
+        layer brings the state there (`prepare`)."""
+        self._end_step()
+        resume = []
+        for slot, start, n in zip(batch.slots, batch.starts, batch.lengths, strict=True):
+            kept, count = self.kept_at[slot], self.kept_tokens[slot]
+            ends = {"keep": 1 < n <= KEPT_TOKENS, "ends_prompt": n > KEPT_TOKENS}
+            if start == 0:
+                resume.append(Resume(zero=True, **ends))
+            elif start == self.at[slot]:
+                resume.append(Resume(**ends))
+            elif kept >= 0 and kept <= start <= kept + count:
+                resume.append(Resume(rewind=True, replay=start - kept, **ends))
+            elif start == self.prompt_at[slot]:
+                resume.append(Resume(prompt=True, **ends))
+            else:
+                raise ModelError(
+                    f"slot {slot}'s linear-attention state is at position {self.at[slot]}, "
+                    f"not at {start} where its step starts: a gated DeltaNet model continues a "
+                    "sequence only from where its state is (start it again from position 0)"
+                )
+        self._resume, self._batch = resume, batch
+
+    def prepare(self, layer: int, taps: torch.Tensor) -> None:
+        """Bring layer `layer`'s state of each of the step's sequences to its start (`taps`:
+        the layer's convolution, to step a kept state forward), keeping it where asked."""
+        assert self._batch is not None, "begin_step first"
+        for slot, how in zip(self._batch.slots, self._resume, strict=True):
+            state, conv = self.states[layer][slot], self.conv[layer][slot]
+            if how.zero:
+                state.zero_()
+                conv.zero_()
+            elif how.prompt:
+                state.copy_(self.prompt_states[layer][slot])
+                conv.copy_(self.prompt_conv[layer][slot])
+            elif how.rewind:
+                state.copy_(self.kept_states[layer][slot])
+                conv.copy_(self.kept_conv[layer][slot])
+                r = how.replay
+                kept = (self.kept_x[layer][slot, :r], self.kept_beta[layer][slot, :r],
+                        self.kept_g[layer][slot, :r])  # fmt: skip
+                recur(*kept, taps, conv, state, self.slice, self.config)
+            if how.keep:
+                self.kept_states[layer][slot].copy_(state)
+                self.kept_conv[layer][slot].copy_(conv)
+
+    def finish(self, layer: int, x: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> None:
+        """After layer `layer`'s step: keep its inputs (B, T, ...) for the sequences that keep
+        them, and the end state of those that end a prompt."""
+        assert self._batch is not None
+        for b, (slot, n, how) in enumerate(
+            zip(self._batch.slots, self._batch.lengths, self._resume, strict=True)
+        ):
+            if how.keep:
+                self.kept_x[layer][slot, :n] = x[b, :n]
+                self.kept_beta[layer][slot, :n] = beta[b, :n]
+                self.kept_g[layer][slot, :n] = g[b, :n]
+            if how.ends_prompt:
+                self.prompt_states[layer][slot].copy_(self.states[layer][slot])
+                self.prompt_conv[layer][slot].copy_(self.conv[layer][slot])
+
+    def _end_step(self) -> None:
+        """Each slot of the last step: its state is past the step's tokens, and its kept
+        states (where it kept them) at the step's start or end. A step that failed half-way
+        leaves layers apart: its sequences are started again from 0 (master/reuse.py)."""
+        if self._batch is None:
+            return
+        batch = self._batch
+        for slot, start, n, how in zip(
+            batch.slots, batch.starts, batch.lengths, self._resume, strict=True
+        ):
+            self.at[slot] = start + n
+            self.kept_at[slot] = start if how.keep else -1
+            self.kept_tokens[slot] = n if how.keep else 0
+            if how.ends_prompt:
+                self.prompt_at[slot] = start + n
+            elif how.zero:  # another sequence: the last prompt's end is not its
+                self.prompt_at[slot] = -1
+        self._batch = None

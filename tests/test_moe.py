@@ -554,7 +554,6 @@ def test_kernels_are_prepared_for_one_expert_at_a_time(moe):
     [
         ("DeepseekV3ForCausalLM", "multi-head latent attention (MLA)"),
         ("deepseek2", "multi-head latent attention (MLA)"),
-        ("qwen3next", "gated DeltaNet"),
     ],
 )
 def test_an_unsupported_mixture_is_refused_in_one_line_naming_what_it_lacks(arch, lacks):

@@ -220,7 +220,11 @@ def test_a_node_lost_forgets_what_the_slots_held(smollm2, smollm2_tokenizer, ste
 class _Engine:  # what a slot pool reads of an engine (a SimpleNamespace takes no weak ref)
     def __init__(self, ring: int | None, context: int = 4096) -> None:
         self.config = SimpleNamespace(
-            local_layers=(0,) if ring else (), sliding_window=ring, is_local=lambda i: i == 0
+            local_layers=(0,) if ring else (),
+            sliding_window=ring,
+            is_local=lambda i: i == 0,
+            linear_layers=(),
+            is_linear=lambda i: False,
         )
         self.max_context = context
 

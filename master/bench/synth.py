@@ -34,7 +34,7 @@ from memory.shards import write_safetensors
 from models.config import ModelConfig
 from models.errors import ModelError
 from models.gguf_vocab import bytes_to_unicode
-from models.layers import ROUTER, expert_name
+from models.layers import ROUTER, SHARED_ROUTER, expert_name
 from models.source import hf_layer_name
 
 # Key in config.json that marks a folder as synthetic, so that nobody mistakes its output for a
@@ -150,6 +150,8 @@ def synthetic_size(shape: str, layers: int, dtype: torch.dtype = torch.float16) 
 def _synthetic_config(shape: str, layers: int, dtype: torch.dtype, seed: int) -> dict[str, Any]:
     config = dict(SHAPES[shape])
     config["num_hidden_layers"] = layers
+    if "layer_types" in config:  # the first layers' kinds
+        config["layer_types"] = config["layer_types"][:layers]
     config["torch_dtype"] = _CONFIG_DTYPES[dtype]
     config[MARKER_KEY] = {"shape": shape, "seed": seed}
     return config
@@ -171,18 +173,46 @@ def _shard_plan(config: dict[str, Any], layers: int) -> dict[str, list[_TensorSp
     files: dict[str, list[_TensorSpec]] = {}
     globals_ = [
         _TensorSpec("model.embed_tokens.weight", (vocab, hidden), _WEIGHT_STD),
-        _TensorSpec("model.norm.weight", (hidden,), None),
+        _TensorSpec("model.norm.weight", (hidden,), _norm_std(config)),
     ]
     if not config.get("tie_word_embeddings", False):
         globals_.append(_TensorSpec("lm_head.weight", (vocab, hidden), _WEIGHT_STD))
     files[f"model-{1:05d}-of-{count:05d}.safetensors"] = globals_
+    model = ModelConfig.from_hf(config, "config.json")
     for i in range(layers):
         p = f"model.layers.{i}."
+        mixer = _linear_attention if model.is_linear(i) else _attention
         files[f"model-{i + 2:05d}-of-{count:05d}.safetensors"] = [
-            *_attention(p, config, residual_std),
+            *mixer(p, config, residual_std),
             *_ffn(p, config, residual_std),
         ]
     return files
+
+
+def _norm_std(config: dict[str, Any]) -> float | None:
+    """What a norm's weights are drawn with: None, ones; 0, zeros, for a family whose norms
+    scale by (1 + weight) (Qwen3.5's)."""
+    return 0.0 if ModelConfig.from_hf(config, "config.json").attention_gate else None
+
+
+def _linear_attention(p: str, config: dict[str, Any], residual_std: float) -> list[_TensorSpec]:
+    """A gated DeltaNet layer's tensors (Qwen3.5), as transformers names them."""
+    model = ModelConfig.from_hf(config, "config.json")
+    hidden, nv = model.hidden, model.linear_v_heads
+    keys, values = model.linear_k_heads * model.linear_k_dim, nv * model.linear_v_dim
+    la = p + "linear_attn."
+    return [
+        _TensorSpec(p + "input_layernorm.weight", (hidden,), _norm_std(config)),
+        _TensorSpec(la + "in_proj_qkv.weight", (2 * keys + values, hidden), _WEIGHT_STD),
+        _TensorSpec(la + "in_proj_z.weight", (values, hidden), _WEIGHT_STD),
+        _TensorSpec(la + "in_proj_b.weight", (nv, hidden), _WEIGHT_STD),
+        _TensorSpec(la + "in_proj_a.weight", (nv, hidden), _WEIGHT_STD),
+        _TensorSpec(la + "conv1d.weight", (2 * keys + values, 1, model.linear_conv), _WEIGHT_STD),
+        _TensorSpec(la + "A_log", (nv,), _WEIGHT_STD),  # decay rates near -1
+        _TensorSpec(la + "dt_bias", (nv,), None),
+        _TensorSpec(la + "norm.weight", (model.linear_v_dim,), None),  # as it is: ones
+        _TensorSpec(la + "out_proj.weight", (hidden, values), residual_std),
+    ]
 
 
 def _attention(p: str, config: dict[str, Any], residual_std: float) -> list[_TensorSpec]:
@@ -192,7 +222,9 @@ def _attention(p: str, config: dict[str, Any], residual_std: float) -> list[_Ten
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
     qk_norm = config["architectures"][0].startswith("Qwen3")
-    norms = [_TensorSpec(p + f"self_attn.{n}_norm.weight", (head_dim,), None) for n in "qk"]
+    norm_std = _norm_std(config)
+    norms = [_TensorSpec(p + f"self_attn.{n}_norm.weight", (head_dim,), norm_std) for n in "qk"]
+    gated = 2 if ModelConfig.from_hf(config, "config.json").attention_gate else 1
     biases = []
     if config.get("attention_bias"):  # gpt-oss: Q, K, V and O biases, and its sinks
         biases = [
@@ -203,8 +235,8 @@ def _attention(p: str, config: dict[str, Any], residual_std: float) -> list[_Ten
         biases.append(_TensorSpec(p + "self_attn.sinks", (heads,), _WEIGHT_STD))
     return [
         *biases,
-        _TensorSpec(p + "input_layernorm.weight", (hidden,), None),
-        _TensorSpec(p + "self_attn.q_proj.weight", (heads * head_dim, hidden), _WEIGHT_STD),
+        _TensorSpec(p + "input_layernorm.weight", (hidden,), norm_std),
+        _TensorSpec(p + "self_attn.q_proj.weight", (gated * heads * head_dim, hidden), _WEIGHT_STD),
         _TensorSpec(p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden), _WEIGHT_STD),
         _TensorSpec(p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden), _WEIGHT_STD),
         _TensorSpec(p + "self_attn.o_proj.weight", (hidden, heads * head_dim), residual_std),
@@ -216,7 +248,7 @@ def _ffn(p: str, config: dict[str, Any], residual_std: float) -> list[_TensorSpe
     """A layer's FFN tensors: one SwiGLU, or a router and its experts', under the names its
     family's files give them (`models.source.hf_layer_name`)."""
     hidden = config["hidden_size"]
-    norm = _TensorSpec(p + "post_attention_layernorm.weight", (hidden,), None)
+    norm = _TensorSpec(p + "post_attention_layernorm.weight", (hidden,), _norm_std(config))
     model = ModelConfig.from_hf(config, "config.json")
     if not model.moe:
         ffn = config["intermediate_size"]
@@ -246,6 +278,17 @@ def _ffn(p: str, config: dict[str, Any], residual_std: float) -> list[_TensorSpe
                 ("gate", (ffn, hidden), _WEIGHT_STD),
                 ("up", (ffn, hidden), _WEIGHT_STD),
                 ("down", (hidden, ffn), residual_std),
+            )
+        ]
+    if model.n_shared:  # a shared expert and its gate (Qwen2-MoE, Qwen3.5-MoE)
+        width = model.n_shared * ffn
+        out += [
+            _TensorSpec(hf_layer_name(layer, name, arch), shape, std)
+            for name, shape, std in (
+                ("shared_gate", (width, hidden), _WEIGHT_STD),
+                ("shared_up", (width, hidden), _WEIGHT_STD),
+                ("shared_down", (hidden, width), residual_std),
+                (SHARED_ROUTER, (1, hidden), _WEIGHT_STD),
             )
         ]
     return out

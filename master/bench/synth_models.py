@@ -260,6 +260,49 @@ SHAPES: dict[str, dict[str, Any]] = {
         "pad_token_id": 199999,
         "eos_token_id": 200002,
     },
+    # Qwen/Qwen3.5-35B-A3B's text model (its published folder is a vision-language one, whose
+    # text_config holds these; transformers' Qwen3_5MoeTextConfig defaults to them): 3 gated
+    # DeltaNet layers to 1 full-attention one, 256 experts a layer, 8 a token, a shared one
+    "qwen3.5-35b-a3b": {
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+        "vocab_size": 248320,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 248044,
+        "eos_token_id": 248046,
+    },
     # TinyLlama/TinyLlama-1.1B-Chat-v1.0
     "tinyllama-1.1b": {
         **_LLAMA_COMMON,
@@ -295,6 +338,9 @@ def tokenizer_style(shape: str) -> TokenizerStyle:
     """The tokenizer a model of `shape` ships with, as far as a synthetic one imitates it."""
     if shape.startswith("llama3"):
         return TokenizerStyle(_llama3_specials(), _LLAMA3_TEMPLATE, add_bos=True)
+    if shape.startswith("qwen3.5"):  # ChatML, its specials after its BPE tokens
+        specials = {248044: "<|endoftext|>", 248045: "<|im_start|>", 248046: "<|im_end|>"}
+        return TokenizerStyle(specials, _CHATML_TEMPLATE, add_bos=False)
     if shape.startswith("qwen3"):  # ChatML, its specials after the BPE tokens
         specials = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
         return TokenizerStyle(specials, _CHATML_TEMPLATE, add_bos=False)
