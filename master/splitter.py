@@ -17,6 +17,7 @@ import torch
 
 from memory.files import atomic_write
 from memory.shards import Manifest, ShardRef, ShardStore, ShardWriter, Spec
+from models import gemma4
 from models.dtypes import DTYPE_CHOICES, EXACT_WIDENING
 from models.kernels import dequantize, dtype_name, quantize
 from models.layers import (
@@ -121,6 +122,7 @@ def split_model(
     # the norms and the router stay float32; POST_NORMS and ROUTER are 2-D, hence "f32" rather
     # than a vector's None
     norm_dtypes: dict[str, str | None] = {"final_norm": None, POST_NORMS: "f32", ROUTER: "f32"}
+    norm_dtypes |= dict.fromkeys(gemma4.global_names(config), "f32")  # the master's PLE
     whole = {
         n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), norm_dtypes.get(n, head))
         for n in source.global_names()

@@ -15,9 +15,11 @@ from models.errors import ModelError
 from models.families import FAMILIES as FAMILIES  # re-exported: where callers look for it
 from models.families import GGUF_ARCHITECTURES, HF_ARCHITECTURES, unsupported
 from models.family_fields import (
+    GEMMA4_FIELDS,
     GPT_OSS_FIELDS,
     gpt_oss_fields,
     hf_gemma,
+    hf_gemma4,
     hf_gpt_oss,
     hf_moe,
     hf_unrotated,
@@ -33,7 +35,7 @@ class RopeScaling:
     """RoPE frequency scaling: Llama 3.x "llama3", YaRN "yarn" (Qwen2.5), LongRoPE "longrope"
     (Phi-3.5, Phi-4-mini) or plain "linear"."""
 
-    kind: str  # "llama3" | "yarn" | "longrope" | "linear"
+    kind: str  # "llama3" | "yarn" | "longrope" | "linear" | "proportional"
     factor: float
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
@@ -49,6 +51,9 @@ class RopeScaling:
     # longrope: per-frequency divisors for a context within original_context, and beyond it
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # proportional (Gemma 4's global layers): the leading `rotated` of each half of a head's
+    # pairs turn at base^(-2k / head_dim), the rest not at all
+    rotated: float = 1.0
 
     def __post_init__(self) -> None:  # JSON gives lists
         object.__setattr__(self, "short_factor", tuple(self.short_factor))
@@ -104,6 +109,17 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    # Gemma 4 (models/gemma4.py): values RMS-normed without a weight; the last `kv_shared`
+    # layers attend to the keys and values of the last earlier layer of their kind, holding none
+    # of their own; the global layers' values are their keys' projection (`k_eq_v`); per-layer
+    # input embeddings of `ple_dim` a layer from a vocabulary of `ple_vocab`; logits soft-capped
+    # at `final_softcap`.
+    value_norm: bool = False
+    kv_shared: int = 0
+    k_eq_v: bool = False
+    ple_dim: int = 0
+    ple_vocab: int = 0
+    final_softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("local_layers", "unrotated_layers"):  # JSON gives lists
@@ -179,11 +195,14 @@ class ModelConfig:
         if not self.moe:
             for name in ("n_experts", "n_experts_used", "norm_topk_prob"):
                 del values[name]
-        for name in ("unrotated_layers", "n_shared", *GPT_OSS_FIELDS):  # as before they existed
+        # as before they existed
+        for name in ("unrotated_layers", "n_shared", *GPT_OSS_FIELDS, *GEMMA4_FIELDS):
             if not values[name]:
                 del values[name]
         if values["rope_scaling"] is not None and values["rope_scaling"]["truncate"]:
             del values["rope_scaling"]["truncate"]
+        if values["rope_scaling"] is not None and values["rope_scaling"]["rotated"] == 1.0:
+            del values["rope_scaling"]["rotated"]
         return values
 
     @classmethod
@@ -320,6 +339,8 @@ class ModelConfig:
         n_heads = int(key("num_attention_heads"))
         head_dim = int(config.get("head_dim") or hidden // n_heads)
         partial = float(_hf_rope(config).get("partial_rotary_factor") or 1.0)
+        if _hf_rope(config).get("rope_type") == "proportional":  # RopeScaling.rotated
+            partial = 1.0
         rotary_dim = int(head_dim * partial)
         context = int(key("max_position_embeddings"))
         # Attention over only the last `sliding_window` positions (Mistral 7B v0.1, Phi-3 mini
@@ -327,12 +348,15 @@ class ModelConfig:
         # there. (Qwen2 configs name a window they do not use.)
         window = config.get("sliding_window")
         family = HF_ARCHITECTURES[arch]
-        local_layers = family.gemma or family.gpt_oss  # a window on some layers only
+        # a window on some layers only
+        local_layers = family.gemma or family.gpt_oss or family.gemma4
         if window and config.get("use_sliding_window", True) and not local_layers:
             context = min(context, int(window))
         gemma = hf_gemma(config, source) if family.gemma else {}
         if family.gpt_oss:
             gemma = hf_gpt_oss(config, source)
+        if family.gemma4:
+            gemma = hf_gemma4(config, source)
         # transformers' attention_bias gives O its bias too (Llama, Qwen3, Gemma 3, SmolLM3);
         # the families whose O has none (Mistral, Qwen2) have no such key
         o_bias = {"o_bias": True} if config.get("attention_bias") else {}
@@ -413,5 +437,11 @@ def _hf_rope_scaling(config: dict[str, Any], source: str) -> RopeScaling | None:
             float(scaling["low_freq_factor"]),
             float(scaling["high_freq_factor"]),
             int(scaling["original_max_position_embeddings"]),
+        )
+    if kind == "proportional":
+        return RopeScaling(
+            "proportional",
+            float(scaling.get("factor") or 1.0),
+            rotated=float(scaling.get("partial_rotary_factor") or 1.0),
         )
     raise ModelError(f"{source}: RoPE scaling {kind!r} is not supported")

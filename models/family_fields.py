@@ -147,3 +147,85 @@ def hf_gemma(config: dict[str, Any], source: str) -> dict[str, Any]:
             local.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0
         ),
     }
+
+
+GEMMA4_FIELDS = ("value_norm", "kv_shared", "k_eq_v", "ple_dim", "ple_vocab", "final_softcap")
+
+
+def hf_gemma4(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The Gemma 4 fields of a `Gemma4ForCausalLM` config.json, as transformers' Gemma4TextConfig
+    reads it: every 6th layer global (and the last) unless `layer_types` says, the global
+    layers `global_head_dim` wide unless `per_layer_config` says otherwise."""
+    for key, what in (
+        ("enable_moe_block", "its mixture-of-experts block"),
+        ("use_bidirectional_attention", "bidirectional attention"),
+        ("attention_bias", "attention biases"),
+    ):
+        if config.get(key):
+            raise ModelError(f"{source}: a Gemma 4 with {what} ({key}) is not supported yet")
+    activation = config.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelError(f"{source}: FFN activation {activation!r} is not supported")
+    n_layers = int(config["num_hidden_layers"])
+    types = list(config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)
+    ])  # fmt: skip
+    if len(types) != n_layers:
+        raise ModelError(f"{source}: layer_types has {len(types)} entries for {n_layers} layers")
+    types[-1] = "full_attention"  # as transformers forces it
+    _gemma4_uniform_heads(config, types, source)
+    shared = int(config.get("num_kv_shared_layers") or 0)
+    first_shared = n_layers - shared
+    if shared and set(types[:first_shared]) != set(types):
+        raise ModelError(
+            f"{source}: the {shared} layers that share KV need an earlier layer of each of their "
+            "kinds to share it from"
+        )
+    if shared and config.get("use_double_wide_mlp"):
+        raise ModelError(
+            f"{source}: a Gemma 4 whose KV-sharing layers have a double-wide FFN "
+            "(use_double_wide_mlp) is not supported yet"
+        )
+    rope = config.get("rope_parameters") or {}
+    local = rope.get("sliding_attention") or {}
+    if (local.get("rope_type") or "default") != "default":
+        raise ModelError(f"{source}: local layers' RoPE {local['rope_type']!r} is not supported")
+    ple = int(config.get("hidden_size_per_layer_input") or 0)
+    softcap = config.get("final_logit_softcapping")
+    return {
+        "embedding_multiplier": math.sqrt(int(config["hidden_size"])),
+        "post_norms": True,
+        "activation": "gelu_tanh",
+        "query_scale": 1.0,  # the query and key norms set the scores' scale
+        "sliding_window": int(config.get("sliding_window") or 512),
+        "local_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        "local_rope_theta": float(local.get("rope_theta") or 10000.0),
+        "value_norm": True,
+        "kv_shared": shared,
+        "k_eq_v": bool(config.get("attention_k_eq_v")),
+        "ple_dim": ple,
+        "ple_vocab": int(config.get("vocab_size_per_layer_input") or 262144) if ple else 0,
+        "final_softcap": None if softcap is None else float(softcap),
+    }
+
+
+def _gemma4_uniform_heads(config: dict[str, Any], types: list[str], source: str) -> None:
+    """Refuse global layers whose heads differ from the local ones': edgetp cuts every layer
+    by one head size and one count of KV heads."""
+    head_dim = int(config.get("head_dim") or 256)
+    kv_heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    overrides = config.get("per_layer_config")
+    if overrides is None:  # transformers' defaults for a config.json without it
+        kv = config.get("num_global_key_value_heads") if config.get("attention_k_eq_v") else None
+        glob = {"head_dim": config.get("global_head_dim") or 512}
+        overrides = {i: glob | ({"num_key_value_heads": kv} if kv else {})
+                     for i, t in enumerate(types) if t == "full_attention"}  # fmt: skip
+    for layer, values in overrides.items():
+        got = (int(values.get("head_dim", head_dim)),
+               int(values.get("num_key_value_heads", kv_heads)))  # fmt: skip
+        if got != (head_dim, kv_heads):
+            raise ModelError(
+                f"{source}: layer {layer} has heads of {got[0]} and {got[1]} KV heads beside "
+                f"the others' {head_dim} and {kv_heads}: layers of different head sizes are "
+                "not supported yet"
+            )

@@ -13,6 +13,7 @@ from models.bundled import check_kind
 from models.config import ModelConfig
 from models.errors import ModelError
 from models.families import HF_ARCHITECTURES
+from models.gemma4 import PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM
 from models.layers import O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS
 from models.quant import FORMATS
 from models.source_base import HF_FUSED, ModelSource, expert_of, fused_rows
@@ -39,6 +40,17 @@ _HF_LAYER = {
     "shared_up": "mlp.shared_expert.up_proj.weight",
     "shared_down": "mlp.shared_expert.down_proj.weight",
     SHARED_ROUTER: "mlp.shared_expert_gate.weight",
+    # Gemma 4's, which the master stacks (models/gemma4.py)
+    "ple_gate": "per_layer_input_gate.weight",
+    "ple_output": "per_layer_projection.weight",
+    "ple_norm": "post_per_layer_input_norm.weight",
+    "layer_scalar": "layer_scalar",
+}
+# Gemma 4's global PLE tensors
+_HF_GLOBALS = {
+    PLE_EMBEDDING: "model.embed_tokens_per_layer.weight",
+    PLE_PROJECTION: "model.per_layer_model_projection.weight",
+    PLE_PROJECTION_NORM: "model.per_layer_projection_norm.weight",
 }
 # Gemma 3 names its norms after where they sit: "post_attention" is after attention, not
 # before the FFN as in Llama.
@@ -113,7 +125,10 @@ class HFSource(ModelSource):
         except json.JSONDecodeError as exc:
             raise ModelError(f"{config_path} is not valid JSON ({exc})") from exc
         self.config = ModelConfig.from_hf(raw, str(config_path))
-        self._norm_plus_one = HF_ARCHITECTURES[self.config.architecture].gemma
+        family = HF_ARCHITECTURES[self.config.architecture]
+        self._norm_plus_one = family.gemma
+        # Gemma 3's and 4's names of their norms; Gemma 4's scale by the weight alone
+        self._gemma_norms = family.gemma or family.gemma4
         index = path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -139,12 +154,14 @@ class HFSource(ModelSource):
     def _key(self, layer: int | None, name: str) -> str:
         if layer is not None and self.config.fused and name in HF_FUSED:
             key = f"model.layers.{layer}.{HF_FUSED[name]}"
-        elif layer is not None and self._norm_plus_one and name in _HF_GEMMA_NORMS:
+        elif layer is not None and self._gemma_norms and name in _HF_GEMMA_NORMS:
             key = f"model.layers.{layer}.{_HF_GEMMA_NORMS[name]}"
         elif layer is not None:
             key = hf_layer_name(layer, name, self.config.architecture)
         elif name == "lm_head" and not self.config.tied_embeddings:
             key = "lm_head.weight"
+        elif name in _HF_GLOBALS:
+            key = _HF_GLOBALS[name]
         else:
             key = "model.norm.weight" if name == "final_norm" else "model.embed_tokens.weight"
         if key not in self._where and key + _BLOCKS in self._where:  # gpt-oss' MXFP4 experts

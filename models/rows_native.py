@@ -146,6 +146,8 @@ def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | 
         return "the C blocks do not run a mixture of experts"
     if config.attention_sinks or config.o_bias:  # gpt-oss' attention: NumPy's too
         return "the C blocks have no attention sinks nor output bias"
+    if config.value_norm:  # Gemma 4's attention: its decode steps run on torch (node.executor)
+        return "the C blocks have no value norm nor KV shared across layers"
     for name in MATRICES:
         w = weights[name]
         if block_format(w) is None and w.dtype != torch.float32:

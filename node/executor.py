@@ -13,7 +13,7 @@ import torch
 from memory.experts import ExpertPool
 from memory.shards import tensor_specs
 from memory.window import LayerWindow, ResidentLayers
-from models import rows_native
+from models import gemma4, rows_native
 from models.block_math import attention_partial, ffn_partial
 from models.block_rows import attention_rows, ffn_rows
 from models.config import ModelConfig
@@ -147,7 +147,7 @@ class SliceExecutor:
         if self.native_step:
             assert self.native is not None
             out = self.native.attention(index, h)
-        elif self._batch.rows:
+        elif self._batch.rows and not self.config.value_norm:
             cos_sin_rows = self._local_cos_sin_rows if own_rope else self._cos_sin_rows
             assert cos_sin_rows is not None
             out = attention_rows(
@@ -161,21 +161,26 @@ class SliceExecutor:
                 self._batch,
                 window,
             )
-        else:
+        else:  # Gemma 4's decode steps too: the rows path has no value norm, no shared KV
             cos_sin = self._local_cos_sin if own_rope else self._cos_sin
             assert cos_sin is not None
+            cache = gemma4.kv_source(self.config, index)  # its own, or the layer it shares
+            x = _as_tensor(h[:, None] if self._batch.rows else h)  # (B, T, D)
             with torch.inference_mode():
                 out = attention_partial(
-                    _as_tensor(h),
+                    x,
                     weights,
                     self.slice,
                     self.config,
                     cos_sin,
-                    self.cache.keys[index],
-                    self.cache.values[index],
+                    self.cache.keys[cache],
+                    self.cache.values[cache],
                     self._batch,
                     window,
+                    shared_kv=cache != index,
                 ).numpy()
+            if self._batch.rows:
+                out = out[:, 0]
         self.weights.figures.compute_s += time.perf_counter() - started
         return out
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 
 from models.config import ModelConfig
+from models.gemma4 import keeps_whole_context, shares_kv
 from models.layers import Slice
 
 # Keys and values stay float32 whatever the weights' dtype: they are a small part of memory at
 # edge context lengths, and the attention math on them is float32 in both paths.
 KV_DTYPE = torch.float32
+# A context past any window: the layers whose cache holds fewer positions keep a ring (or none)
+_UNBOUNDED = 2**62
 
 
 class KVCache:
@@ -42,7 +45,7 @@ class KVCache:
     def bytes_per_token(config: ModelConfig, s: Slice, dtype: torch.dtype = KV_DTYPE) -> int:
         """A slot's bytes per token of context: those of the layers that attend to all of it."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        full = config.n_layers - len(config.local_layers)
+        full = sum(positions(config, i, _UNBOUNDED) == _UNBOUNDED for i in range(config.n_layers))
         return 2 * full * s.n_kv * config.head_dim * itemsize
 
     @staticmethod
@@ -50,11 +53,16 @@ class KVCache:
         """A slot's bytes for the local layers' rings, whatever the context (at most this)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         window = config.sliding_window or 0
-        return 2 * len(config.local_layers) * window * s.n_kv * config.head_dim * itemsize
+        held = [positions(config, i, _UNBOUNDED) for i in range(config.n_layers)]
+        rings = sum(0 < n < _UNBOUNDED for n in held)
+        return 2 * rings * window * s.n_kv * config.head_dim * itemsize
 
 
 def positions(config: ModelConfig, layer: int, max_context: int) -> int:
-    """Positions a layer's cache holds: a local layer only its window, as a ring."""
-    if config.is_local(layer) and config.sliding_window:
+    """Positions a layer's cache holds: a local layer only its window, as a ring; a layer that
+    reads another's none, and a local layer others read all of them (models/gemma4.py)."""
+    if shares_kv(config, layer):
+        return 0
+    if config.is_local(layer) and config.sliding_window and not keeps_whole_context(config, layer):
         return min(config.sliding_window, max_context)
     return max_context

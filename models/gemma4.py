@@ -1,0 +1,160 @@
+"""What Gemma 4 (text) adds to Gemma 3's layer, as transformers' Gemma4TextModel computes it.
+
+- KV shared across layers: the last `kv_shared` layers compute queries only and attend to the
+  keys and values of the last earlier layer of their kind (local or global), which the node
+  already holds: a sharing layer keeps no cache of its own (`kv_source`). A local layer that
+  others read keeps its whole context rather than a ring of its window: a prompt's later keys
+  would overwrite in the ring what the sharing layer's earlier queries still see.
+- Per-layer input embeddings (PLE): each layer ends with a small gated block fed by a vector a
+  token from a second embedding and a projection of the first. The master holds all of it and
+  computes it between the layers' sums (`per_layer_inputs`, `ple_block`), so nothing more
+  crosses the wire than for Gemma 3 (docs/decisions.md says why).
+- Each layer's output scaled by its `layer_scalar`, and the logits soft-capped.
+
+The master's tensors are globals of their own, each layer's stacked by rows like POST_NORMS.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from models.config import ModelConfig
+from models.layers import StepBatch
+
+# The master's PLE tensors: the token embedding (ple_vocab, L P), the projection of the main
+# embedding (L P, D) and its norm (1, P); per layer, stacked: the gate (L P, D), the projection
+# back (L D, P), its norm (L, D); and every layer's output scale (L, 1).
+PLE_EMBEDDING = "ple_embedding"
+PLE_PROJECTION = "ple_projection"
+PLE_PROJECTION_NORM = "ple_projection_norm"
+PLE_GATES = "ple_gates"
+PLE_OUTPUTS = "ple_outputs"
+PLE_NORMS = "ple_norms"
+LAYER_SCALARS = "layer_scalars"
+# The per-layer tensors the stacked globals gather, by their canonical layer names.
+PLE_LAYER_TENSORS = {PLE_GATES: "ple_gate", PLE_OUTPUTS: "ple_output", PLE_NORMS: "ple_norm",
+                     LAYER_SCALARS: "layer_scalar"}  # fmt: skip
+# A sharing layer's tensors that its file does not hold: zeros stand in, never read
+SHARED_ABSENT = ("k", "v", "k_norm")
+
+
+def global_names(config: ModelConfig) -> list[str]:
+    """The Gemma 4 tensors the master holds beside Gemma 3's."""
+    if not config.value_norm:
+        return []
+    ple = [PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM, PLE_GATES, PLE_OUTPUTS, PLE_NORMS]
+    return (ple if config.ple_dim else []) + [LAYER_SCALARS]
+
+
+def global_shape(config: ModelConfig, name: str) -> tuple[int, int]:
+    L, D, P = config.n_layers, config.hidden, config.ple_dim
+    return {
+        PLE_EMBEDDING: (config.ple_vocab, L * P),
+        PLE_PROJECTION: (L * P, D),
+        PLE_PROJECTION_NORM: (1, P),
+        PLE_GATES: (L * P, D),
+        PLE_OUTPUTS: (L * D, P),
+        PLE_NORMS: (L, D),
+        LAYER_SCALARS: (L, 1),
+    }[name]
+
+
+def layer_rows(config: ModelConfig, name: str) -> int:
+    """What a stacked global's per-layer tensor holds in the file: the rows of a matrix, the
+    length of a vector (a norm, the scalar)."""
+    return {PLE_GATES: config.ple_dim, PLE_OUTPUTS: config.hidden, PLE_NORMS: config.hidden,
+            LAYER_SCALARS: 1}[name]  # fmt: skip
+
+
+def kv_source(config: ModelConfig, layer: int) -> int:
+    """The layer whose keys and values `layer` attends to: itself, or for one of the last
+    `kv_shared` layers the last earlier layer of its kind."""
+    first_shared = config.n_layers - config.kv_shared
+    if layer < first_shared:
+        return layer
+    local = config.is_local(layer)
+    return max(i for i in range(first_shared) if config.is_local(i) == local)
+
+
+def shares_kv(config: ModelConfig, layer: int) -> bool:
+    """Whether `layer` reads another layer's keys and values (and holds none)."""
+    return kv_source(config, layer) != layer
+
+
+def keeps_whole_context(config: ModelConfig, layer: int) -> bool:
+    """Whether a local `layer` keeps every position, not a ring: other layers read its KV."""
+    return config.kv_shared > 0 and any(
+        kv_source(config, i) == layer for i in range(layer + 1, config.n_layers)
+    )
+
+
+def stored_name(config: ModelConfig, layer: int, name: str) -> str:
+    """The canonical tensor a file holds `name` of `layer` as: a global layer's values are its
+    keys' projection where the model says so (`k_eq_v`)."""
+    if name == "v" and config.k_eq_v and not config.is_local(layer):
+        return "k"
+    return name
+
+
+def step_kv(
+    cache_k: torch.Tensor, cache_v: torch.Tensor, batch: StepBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a step's tokens wrote into another layer's cache, (B, nkv, T, hd)
+    right-padded as the step's queries, for a layer that shares them."""
+    shape = (batch.size, cache_k.shape[1], batch.width, cache_k.shape[3])
+    k, v = cache_k.new_zeros(shape), cache_v.new_zeros(shape)
+    for b, (slot, st, n) in enumerate(zip(batch.slots, batch.starts, batch.lengths, strict=True)):
+        k[b, :, :n] = cache_k[slot, :, st : st + n]
+        v[b, :, :n] = cache_v[slot, :, st : st + n]
+    return k, v
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x (..., n) over its root mean square, times `weight` (n,) where there is one (a value
+    head's norm has none)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def per_layer_inputs(
+    ids: torch.Tensor, embedded: torch.Tensor, t: dict[str, torch.Tensor], config: ModelConfig
+) -> torch.Tensor:
+    """Every layer's PLE input for tokens `ids` (B, T) whose scaled embedding is `embedded`
+    (B, T, D): (B, T, L, P), the token's own vector and the projection of its embedding,
+    averaged (transformers' get_per_layer_inputs and project_per_layer_inputs)."""
+    L, P, D = config.n_layers, config.ple_dim, config.hidden
+    own = t[PLE_EMBEDDING][ids] * torch.tensor(math.sqrt(P), dtype=torch.float32)
+    projected = F.linear(embedded, t[PLE_PROJECTION]) * D**-0.5
+    projected = rms_norm(projected.view(*ids.shape, L, P), t[PLE_PROJECTION_NORM][0],
+                         config.norm_eps)  # fmt: skip
+    return (projected + own.view(*ids.shape, L, P)) * 2**-0.5
+
+
+def end_of_layer(
+    h: np.ndarray,
+    layer: int,
+    inputs: torch.Tensor | None,
+    t: dict[str, torch.Tensor],
+    config: ModelConfig,
+) -> np.ndarray:
+    """The hidden state h (B, D) or (B, T, D) after layer `layer`'s two sums: its PLE block
+    (where the model has them; `inputs` as `per_layer_inputs` gives them), then its scale."""
+    x = torch.from_numpy(h)
+    if inputs is not None:
+        P, D = config.ple_dim, config.hidden
+        own = inputs[..., layer, :].view(*x.shape[:-1], P)
+        gate = F.linear(x, t[PLE_GATES][layer * P : (layer + 1) * P])  # (.., P)
+        out = t[PLE_OUTPUTS][layer * D : (layer + 1) * D]  # (D, P)
+        y = F.linear(F.gelu(gate, approximate="tanh") * own, out)
+        x = x + rms_norm(y, t[PLE_NORMS][layer], config.norm_eps)
+    return (x * t[LAYER_SCALARS][layer, 0]).numpy()
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The logits squashed into (-cap, cap) by tanh, where the model caps them."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
