@@ -17,6 +17,7 @@ from models.families import GGUF_ARCHITECTURES, HF_ARCHITECTURES, unsupported
 from models.family_fields import (
     GEMMA4_FIELDS,
     GPT_OSS_FIELDS,
+    gguf_gemma4,
     gpt_oss_fields,
     hf_gemma,
     hf_gemma4,
@@ -24,6 +25,7 @@ from models.family_fields import (
     hf_moe,
     hf_unrotated,
     shared_experts,
+    uniform,
 )
 
 # The model `edgetp` runs when none is named: a PyPI package installed by `make setup`.
@@ -277,6 +279,8 @@ class ModelConfig:
                 "local_layers": local,
                 "local_rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)),
             }
+        if GGUF_ARCHITECTURES[arch].gemma4:
+            gemma = gguf_gemma4(metadata, arch, source, n_layers, head_dim)
         moe: dict[str, Any] = {}
         family = GGUF_ARCHITECTURES[arch]
         if family.moe or metadata.get(f"{arch}.expert_count"):
@@ -296,7 +300,7 @@ class ModelConfig:
                 shared = int(shared or key("feed_forward_length"))
                 moe["n_shared"] = shared_experts(shared, width, source)
         else:
-            moe = {"ffn_hidden": int(key("feed_forward_length"))}
+            moe = {"ffn_hidden": uniform(key("feed_forward_length"), "feed_forward_length", source)}
         if family.gpt_oss:  # as llama.cpp reads it: the even layers attend to a window
             window = int(key("attention.sliding_window"))
             gemma = gpt_oss_fields(tuple(range(0, n_layers, 2)), window)  # layer kinds too
@@ -306,7 +310,7 @@ class ModelConfig:
             n_layers=n_layers,
             hidden=hidden,
             n_heads=n_heads,
-            n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+            n_kv_heads=uniform(key("attention.head_count_kv", n_heads), "head_count_kv", source),
             head_dim=head_dim,
             vocab_size=int(vocab),
             context_length=int(key("context_length")),

@@ -229,3 +229,55 @@ def _gemma4_uniform_heads(config: dict[str, Any], types: list[str], source: str)
                 f"the others' {head_dim} and {kv_heads}: layers of different head sizes are "
                 "not supported yet"
             )
+
+
+def uniform(value: int | list[int], key: str, source: str) -> int:
+    """A GGUF key that may give one value a layer (Gemma 4's head_count_kv and
+    feed_forward_length): its one value, where every layer has the same."""
+    if not isinstance(value, list):
+        return int(value)
+    if len(set(value)) != 1:
+        raise ModelError(
+            f"{source}: {key} differs between layers ({sorted(set(value))}): layers of "
+            "different shapes are not supported yet"
+        )
+    return int(value[0])
+
+
+def gguf_gemma4(
+    metadata: dict[str, Any], arch: str, source: str, n_layers: int, head_dim: int
+) -> dict[str, Any]:
+    """The Gemma 4 fields of a GGUF file, as llama.cpp's converter writes them: the global
+    layers' head size as key_length, the local ones' as key_length_swa, a flag a layer for
+    the local ones; proportional RoPE as its `rope_freqs` tensor (models.source reads it).
+    What only the file's tensors say (the PLE vocabulary, K = V) the source adds."""
+    local_dim = int(metadata.get(f"{arch}.attention.key_length_swa", head_dim))
+    if local_dim != head_dim:
+        raise ModelError(
+            f"{source}: global layers' heads of {head_dim} beside local ones' of {local_dim}: "
+            "layers of different head sizes are not supported yet"
+        )
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != n_layers:
+        raise ModelError(f"{source}: {arch}.attention.sliding_window_pattern is not a flag a layer")
+    if metadata.get(f"{arch}.expert_count"):
+        raise ModelError(
+            f"{source}: a Gemma 4 with its mixture-of-experts block is not supported yet"
+        )
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if window is None:
+        raise ModelError(f"{source}: GGUF metadata key {arch}.attention.sliding_window is missing")
+    softcap = metadata.get(f"{arch}.final_logit_softcapping")
+    return {
+        "embedding_multiplier": math.sqrt(int(metadata[f"{arch}.embedding_length"])),
+        "post_norms": True,
+        "activation": "gelu_tanh",
+        "query_scale": 1.0,
+        "sliding_window": int(window),
+        "local_layers": tuple(i for i, is_local in enumerate(pattern) if is_local),
+        "local_rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+        "value_norm": True,
+        "kv_shared": int(metadata.get(f"{arch}.attention.shared_kv_layers", 0)),
+        "ple_dim": int(metadata.get(f"{arch}.embedding_length_per_layer_input", 0)),
+        "final_softcap": None if softcap is None else float(softcap),
+    }

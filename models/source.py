@@ -7,7 +7,9 @@ a band of rows at a time, so callers never need the whole model in memory.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +18,7 @@ from models.bundled import model_path
 from models.config import ModelConfig
 from models.dtypes import AUTO, SOURCE_TYPES
 from models.errors import ModelError
+from models.gemma4 import PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM
 from models.gguf_file import GGUFFile
 from models.hf_source import _HF_LAYER as _HF_LAYER
 from models.hf_source import HFSource as HFSource
@@ -84,6 +87,17 @@ _GGUF_LAYER = {
     ROUTER_BIAS: "ffn_gate_inp.bias",
     SINKS: "attn_sinks.weight",
     O_BIAS: "attn_output.bias",
+    # Gemma 4's, which the master stacks (models/gemma4.py)
+    "ple_gate": "inp_gate.weight",
+    "ple_output": "proj.weight",
+    "ple_norm": "post_norm.weight",
+    "layer_scalar": "layer_output_scale.weight",
+}
+# Gemma 4's global PLE tensors
+_GGUF_GLOBALS = {
+    PLE_EMBEDDING: "per_layer_token_embd.weight",
+    PLE_PROJECTION: "per_layer_model_proj.weight",
+    PLE_PROJECTION_NORM: "per_layer_proj_norm.weight",
 }
 # A mixture of experts' stacks, (n_experts, out, in) each: expert e's rows follow expert e - 1's.
 _GGUF_EXPERTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
@@ -117,6 +131,8 @@ def _gguf_name(
         return f"blk.{layer}.{stored}"
     if name == "lm_head" and not tied:
         return "output.weight"
+    if name in _GGUF_GLOBALS:
+        return _GGUF_GLOBALS[name]
     return "output_norm.weight" if name == "final_norm" else "token_embd.weight"
 
 
@@ -131,7 +147,10 @@ class GGUFSource(ModelSource):
                 self.file.tensor("rope_factors_short.weight").tolist(),
                 self.file.tensor("rope_factors_long.weight").tolist(),
             )
-        self.config = ModelConfig.from_gguf(self.file.metadata, str(path), tied, longrope)
+        config = ModelConfig.from_gguf(self.file.metadata, str(path), tied, longrope)
+        if config.value_norm:  # Gemma 4: what its tensors say of it
+            config = replace(config, **self._gemma4_tensors(config))
+        self.config = config
         if self.config.moe and self.file.has_tensor("blk.0.ffn_gate_up_exps.weight"):
             raise ModelError(
                 f"{path}: its experts' gate and up are one stacked tensor (ffn_gate_up_exps), "
@@ -153,6 +172,16 @@ class GGUFSource(ModelSource):
                     f"(it reads {', '.join(SOURCE_TYPES)}); convert the model with another "
                     "quantization"
                 )
+
+    def _gemma4_tensors(self, config: ModelConfig) -> dict[str, Any]:
+        """A Gemma 4 file's PLE vocabulary (its table's rows) and whether its global layers'
+        values are their keys (no attn_v of their own, as llama.cpp's converter writes them)."""
+        fields: dict[str, Any] = {}
+        if config.ple_dim:
+            fields["ple_vocab"] = self.file.info(_GGUF_GLOBALS[PLE_EMBEDDING]).shape[0]
+        globals_ = [i for i in range(config.n_layers) if not config.is_local(i)]
+        fields["k_eq_v"] = not self.file.has_tensor(f"blk.{globals_[0]}.attn_v.weight")
+        return fields
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf_metadata(self.file.metadata, str(self.path))

@@ -1,0 +1,229 @@
+"""Gemma 4 (text) split across nodes answers as transformers' Gemma4ForCausalLM does.
+
+One small random-weight model with every feature of the family's text layer: local layers of a
+window the prompt outgrows and global ones with proportional RoPE, values that are the global
+layers' keys (K = V), the last two layers sharing the KV of earlier ones, per-layer input
+embeddings, layer scales and soft-capped logits. Saved as an HF folder and as a GGUF file under
+llama.cpp's names and keys (as the `gguf` package gives them): its logits at every position of a
+prefill and its decode steps at 1 to 4 nodes in this process and on 3 real node processes, its
+greedy continuation against `generate`, and with lookup drafts. Then what a sharing layer holds,
+and what is refused.
+"""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from gguf_copy import write_shape
+from test_families import _assert_close_logits, _ours, _randomize, _reference, _windowed
+
+from master.engine import Engine
+from master.generate import start, stream
+from master.params import SamplingParams
+from models.config import ModelConfig
+from models.errors import ModelError
+from models.gemma4 import kv_source
+from models.layers import Slice
+from models.source import open_model
+from node.kvcache import KVCache
+
+pytestmark = pytest.mark.slow
+
+PROMPT_LENGTH = 40
+NODES = (1, 2, 3, 4)
+CONTEXT = 128
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # fewer than the nodes: KV heads replicated at 3 and 4
+    "head_dim": 32,
+    "global_head_dim": 32,
+    "vocab_size": 320,
+    "vocab_size_per_layer_input": 320,
+    "hidden_size_per_layer_input": 16,
+    "max_position_embeddings": 256,
+    "sliding_window": 16,  # the 40-token prompt outgrows it
+    "layer_types": LAYER_TYPES,
+    "num_kv_shared_layers": 2,  # layer 4 reads layer 3's KV (local), layer 5 layer 2's (global)
+    "attention_k_eq_v": True,
+    "final_logit_softcapping": 30.0,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1e6,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """(transformers model, its HF folder with model.gguf beside it, a prompt), once."""
+    import transformers
+
+    config = transformers.Gemma4TextConfig(**SMALL)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    _randomize(model, seed=4)  # norms and layer scales around 1, not the initial ones
+    model.eval()
+    folder = tmp_path_factory.mktemp("gemma4")
+    model.save_pretrained(folder)
+    _write_gguf(model, folder / "model.gguf")
+    prompt = torch.randint(
+        0, config.vocab_size, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0)
+    )
+    return model, folder, prompt.tolist()
+
+
+def _write_gguf(model, path) -> None:
+    """The model as llama.cpp's converter writes a `gemma4`, f32: its keys, its norms as they
+    are (no 1 added, unlike Gemma 3's), proportional RoPE as a `rope_freqs` tensor (1 for the
+    pairs that turn, 1e30 for the rest), tensors under the names the gguf package maps."""
+    c = model.config
+    arch = gguf.MODEL_ARCH.GEMMA4
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    write_shape(writer, c)
+    writer.add_key_length_swa(c.head_dim)
+    writer.add_value_length_swa(c.head_dim)
+    writer.add_shared_kv_layers(c.num_kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(c.hidden_size_per_layer_input)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    writer.add_sliding_window(c.sliding_window)
+    rope = c.rope_parameters
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_rope_dimension_count_swa(c.head_dim)
+    writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    writer.add_vocab_size(c.vocab_size)
+    turned = int(c.head_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
+    factors = [1.0] * turned + [1e30] * (c.head_dim // 2 - turned)
+    writer.add_tensor("rope_freqs.weight", torch.tensor(factors).numpy())
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    for key, t in model.state_dict().items():
+        if key == "lm_head.weight":  # tied: the embedding
+            continue
+        base = key.removesuffix(".weight")
+        name = names.get_name(base)
+        assert name is not None, key
+        writer.add_tensor(f"{name}.weight", t.detach().float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_logits_equal_transformers_at_every_position_on_every_node_count(gemma4, source):
+    model, folder, prompt = gemma4
+    expected, continuation = _reference(model, prompt)
+    model_source = open_model(folder if source == "hf" else folder / "model.gguf")
+    config = model_source.config
+    assert config.kv_shared == 2 and config.k_eq_v and config.ple_dim == 16
+    for n in NODES:
+        engine = Engine.local(model_source, (1.0,) * n, max_context=CONTEXT)
+        ours = _ours(engine, prompt, continuation)
+        _assert_close_logits(ours, expected, f"gemma4 {source} {n} node(s)")
+
+
+def test_greedy_32_tokens_equal_transformers_generate(gemma4):
+    model, folder, prompt = gemma4
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
+        )
+    expected = out[0, len(prompt) :].tolist()
+    source = open_model(folder)
+    for n in (1, 3):
+        engine = Engine.local(source, (1.0,) * n, max_context=CONTEXT)
+        assert _greedy(engine, prompt, None) == expected, f"{n} node(s)"
+
+
+def test_greedy_tokens_are_the_same_with_lookup_drafts_and_on_every_node_count(
+    gemma4, smollm2_tokenizer
+):
+    """A prompt that repeats itself, where lookup would draft: the local layers' KV rings keep
+    Gemma 4 out of speculation (master/generate.py), and its tokens stay those of one node
+    without drafts. (SmolLM2's vocabulary stands in to detokenize: the ids are below 320.)"""
+    from test_speculate import SlowLinkSpeculator
+
+    _, folder, prompt = gemma4
+    repeating = prompt[:12] * 3
+    source = open_model(folder)
+    one = _greedy(Engine.local(source, max_context=CONTEXT), repeating, smollm2_tokenizer)
+    for n in NODES:
+        engine = Engine.local(source, (1.0,) * n, max_context=CONTEXT)
+        speculator = SlowLinkSpeculator()
+        assert _greedy(engine, repeating, smollm2_tokenizer, speculator) == one, f"{n} nodes"
+        assert _greedy(engine, repeating, smollm2_tokenizer) == one, f"{n} nodes"
+
+
+def _greedy(engine: Engine, prompt: list[int], tokenizer, speculator=None) -> list[int]:
+    """32 greedy tokens after `prompt`: by the generation loop where a tokenizer is given,
+    else by the engine's steps."""
+    if tokenizer is not None:
+        params = SamplingParams(max_tokens=32, ignore_eos=True)
+        seqs = start(engine, [prompt], [params])
+        for _ in stream(engine, tokenizer, seqs, speculator):
+            pass
+        return seqs[0].tokens
+    from models.layers import StepBatch
+
+    ids = list(prompt)
+    logits = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)))
+    for _ in range(32):
+        ids.append(int(logits[0].argmax()))
+        logits = engine.forward([[ids[-1]]], StepBatch((0,), (len(ids) - 1,), (1,)))
+    return ids[len(prompt) :]
+
+
+def test_real_nodes_streaming_f32_shards_equal_transformers(gemma4):
+    """3 real node processes, each streaming its slice a layer at a time: the master's PLE
+    tensors and layer scales go through the split's globals, the sharing layers' KV is read
+    from the node's own cache of the earlier layer."""
+    model, folder, prompt = gemma4
+    expected, continuation = _reference(model, prompt)
+    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation, CONTEXT)
+    _assert_close_logits(ours, expected, "gemma4 3 real nodes, window 1, f32 shards")
+
+
+def test_a_layer_that_shares_kv_holds_none(gemma4):
+    """Layers 4 and 5 read layers 3's and 2's KV: they hold no cache, layer 3 (local) keeps
+    its whole context for layer 4 instead of a ring of its window, and the sizes the memory
+    budget counts say so."""
+    _, folder, _ = gemma4
+    config = open_model(folder).config
+    assert [kv_source(config, i) for i in range(6)] == [0, 1, 2, 3, 3, 2]
+    s = Slice.whole(config)
+    cache = KVCache(config, s, slots=1, max_context=CONTEXT)
+    assert [k.shape[2] for k in cache.keys] == [16, 16, CONTEXT, CONTEXT, 0, 0]
+    per_position = 2 * s.n_kv * config.head_dim * 4
+    assert KVCache.bytes_per_token(config, s) == 2 * per_position  # layers 2 and 3
+    assert KVCache.window_bytes(config, s) == 2 * 16 * per_position  # layers 0 and 1
+
+
+GEMMA4_HF = {"architectures": ["Gemma4ForCausalLM"], **SMALL, "rms_norm_eps": 1e-6}
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"global_head_dim": 64}, "different head sizes"),
+        ({"enable_moe_block": True}, "mixture-of-experts"),
+        ({"use_double_wide_mlp": True}, "double-wide"),
+        ({"num_kv_shared_layers": 5}, "share KV"),
+    ],
+    ids=["global-head-dim", "moe", "double-wide", "sharing-without-source"],
+)
+def test_what_edgetp_cannot_run_yet_is_refused_with_why(change, named):
+    with pytest.raises(ModelError, match=named):
+        ModelConfig.from_hf(GEMMA4_HF | change, "config.json")
