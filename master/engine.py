@@ -165,7 +165,8 @@ class Engine:
         for i in range(config.n_layers):
             full = source.layer(i)  # one full layer in memory at a time
             for layers, s in zip(per_slice, slices, strict=True):
-                layers.append(pack(slice_layer(config, full, s)))
+                view, share = gemma4.layer_view(config, s, i)  # Gemma 4's layers differ
+                layers.append(pack(slice_layer(view, full, share)))
             if progress:
                 progress(i + 1, config.n_layers)
         factors = source.rope_freq_factors()

@@ -95,9 +95,9 @@ def split_model(
     config = source.config
     nodes: list[list[ShardRef]] = [[] for _ in slices]
     total = config.n_layers + 1
-    cuts = [slice_parts(config, s) for s in slices]
     told: set[str] = set()  # matrices whose cut through blocks was logged
     for i in range(config.n_layers):
+        cuts = [slice_parts(*gemma4.layer_view(config, s, i)) for s in slices]  # Gemma 4's differ
         dtypes = source.matrix_dtypes(i, dtype)
         shards = []
         for node, c in enumerate(cuts):

@@ -25,7 +25,6 @@ from models.family_fields import (
     hf_moe,
     hf_unrotated,
     shared_experts,
-    uniform,
 )
 
 # The model `edgetp` runs when none is named: a PyPI package installed by `make setup`.
@@ -113,10 +112,14 @@ class ModelConfig:
     swiglu_limit: float | None = None
     # Gemma 4 (models/gemma4.py): values RMS-normed without a weight; the last `kv_shared`
     # layers attend to the keys and values of the last earlier layer of their kind, holding none
-    # of their own; the global layers' values are their keys' projection (`k_eq_v`); per-layer
-    # input embeddings of `ple_dim` a layer from a vocabulary of `ple_vocab`; logits soft-capped
-    # at `final_softcap`.
+    # of their own, and with `wide_ffn` have FFNs twice as wide; the global layers' values are
+    # their keys' projection (`k_eq_v`), their heads `global_head_dim` wide and
+    # `global_kv_heads` of them (None: as the local layers'); per-layer input embeddings of
+    # `ple_dim` a layer from a vocabulary of `ple_vocab`; logits soft-capped at `final_softcap`.
     value_norm: bool = False
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    wide_ffn: bool = False
     kv_shared: int = 0
     k_eq_v: bool = False
     ple_dim: int = 0
@@ -279,8 +282,10 @@ class ModelConfig:
                 "local_layers": local,
                 "local_rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)),
             }
+        shape: dict[str, int] = {}  # Gemma 4's, read from keys of a value a layer
         if GGUF_ARCHITECTURES[arch].gemma4:
-            gemma = gguf_gemma4(metadata, arch, source, n_layers, head_dim)
+            gemma, shape = gguf_gemma4(metadata, arch, source, n_layers)
+            head_dim = rotary_dim = shape["head_dim"]  # the global layers': gemma["global_..."]
         moe: dict[str, Any] = {}
         family = GGUF_ARCHITECTURES[arch]
         if family.moe or metadata.get(f"{arch}.expert_count"):
@@ -300,7 +305,7 @@ class ModelConfig:
                 shared = int(shared or key("feed_forward_length"))
                 moe["n_shared"] = shared_experts(shared, width, source)
         else:
-            moe = {"ffn_hidden": uniform(key("feed_forward_length"), "feed_forward_length", source)}
+            moe = {"ffn_hidden": shape.get("ffn_hidden") or int(key("feed_forward_length"))}
         if family.gpt_oss:  # as llama.cpp reads it: the even layers attend to a window
             window = int(key("attention.sliding_window"))
             gemma = gpt_oss_fields(tuple(range(0, n_layers, 2)), window)  # layer kinds too
@@ -310,7 +315,7 @@ class ModelConfig:
             n_layers=n_layers,
             hidden=hidden,
             n_heads=n_heads,
-            n_kv_heads=uniform(key("attention.head_count_kv", n_heads), "head_count_kv", source),
+            n_kv_heads=shape.get("n_kv_heads") or int(key("attention.head_count_kv", n_heads)),
             head_dim=head_dim,
             vocab_size=int(vocab),
             context_length=int(key("context_length")),

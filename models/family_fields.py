@@ -149,7 +149,8 @@ def hf_gemma(config: dict[str, Any], source: str) -> dict[str, Any]:
     }
 
 
-GEMMA4_FIELDS = ("value_norm", "kv_shared", "k_eq_v", "ple_dim", "ple_vocab", "final_softcap")
+GEMMA4_FIELDS = ("value_norm", "kv_shared", "k_eq_v", "ple_dim", "ple_vocab", "final_softcap",
+                 "global_head_dim", "global_kv_heads", "wide_ffn")  # fmt: skip
 
 
 def hf_gemma4(config: dict[str, Any], source: str) -> dict[str, Any]:
@@ -173,18 +174,13 @@ def hf_gemma4(config: dict[str, Any], source: str) -> dict[str, Any]:
     if len(types) != n_layers:
         raise ModelError(f"{source}: layer_types has {len(types)} entries for {n_layers} layers")
     types[-1] = "full_attention"  # as transformers forces it
-    _gemma4_uniform_heads(config, types, source)
+    global_heads = _gemma4_global_heads(config, types, source)
     shared = int(config.get("num_kv_shared_layers") or 0)
     first_shared = n_layers - shared
     if shared and set(types[:first_shared]) != set(types):
         raise ModelError(
             f"{source}: the {shared} layers that share KV need an earlier layer of each of their "
             "kinds to share it from"
-        )
-    if shared and config.get("use_double_wide_mlp"):
-        raise ModelError(
-            f"{source}: a Gemma 4 whose KV-sharing layers have a double-wide FFN "
-            "(use_double_wide_mlp) is not supported yet"
         )
     rope = config.get("rope_parameters") or {}
     local = rope.get("sliding_attention") or {}
@@ -206,12 +202,14 @@ def hf_gemma4(config: dict[str, Any], source: str) -> dict[str, Any]:
         "ple_dim": ple,
         "ple_vocab": int(config.get("vocab_size_per_layer_input") or 262144) if ple else 0,
         "final_softcap": None if softcap is None else float(softcap),
+        "wide_ffn": bool(shared and config.get("use_double_wide_mlp")),
+        **global_heads,
     }
 
 
-def _gemma4_uniform_heads(config: dict[str, Any], types: list[str], source: str) -> None:
-    """Refuse global layers whose heads differ from the local ones': edgetp cuts every layer
-    by one head size and one count of KV heads."""
+def _gemma4_global_heads(config: dict[str, Any], types: list[str], source: str) -> dict[str, Any]:
+    """The global layers' head size and KV heads where they differ from the local ones', as
+    transformers' Gemma4TextConfig gives them to each layer (`per_layer_config`)."""
     head_dim = int(config.get("head_dim") or 256)
     kv_heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
     overrides = config.get("per_layer_config")
@@ -220,64 +218,82 @@ def _gemma4_uniform_heads(config: dict[str, Any], types: list[str], source: str)
         glob = {"head_dim": config.get("global_head_dim") or 512}
         overrides = {i: glob | ({"num_key_value_heads": kv} if kv else {})
                      for i, t in enumerate(types) if t == "full_attention"}  # fmt: skip
-    for layer, values in overrides.items():
-        got = (int(values.get("head_dim", head_dim)),
-               int(values.get("num_key_value_heads", kv_heads)))  # fmt: skip
-        if got != (head_dim, kv_heads):
-            raise ModelError(
-                f"{source}: layer {layer} has heads of {got[0]} and {got[1]} KV heads beside "
-                f"the others' {head_dim} and {kv_heads}: layers of different head sizes are "
-                "not supported yet"
-            )
-
-
-def uniform(value: int | list[int], key: str, source: str) -> int:
-    """A GGUF key that may give one value a layer (Gemma 4's head_count_kv and
-    feed_forward_length): its one value, where every layer has the same."""
-    if not isinstance(value, list):
-        return int(value)
-    if len(set(value)) != 1:
+    shapes: dict[str, set[tuple[int, int]]] = {"sliding_attention": set(), "full_attention": set()}
+    for i, kind in enumerate(types):
+        values = overrides.get(i, overrides.get(str(i), {}))
+        shapes[kind].add((int(values.get("head_dim", head_dim)),
+                          int(values.get("num_key_value_heads", kv_heads))))  # fmt: skip
+    if shapes["sliding_attention"] - {(head_dim, kv_heads)} or len(shapes["full_attention"]) > 1:
         raise ModelError(
-            f"{source}: {key} differs between layers ({sorted(set(value))}): layers of "
-            "different shapes are not supported yet"
+            f"{source}: per_layer_config gives layers of one kind different heads "
+            f"({sorted(shapes['sliding_attention'] | shapes['full_attention'])}): not supported"
         )
-    return int(value[0])
+    ((dim, kv),) = shapes["full_attention"]  # the last layer is always global
+    return {"global_head_dim": dim if dim != head_dim else None,
+            "global_kv_heads": kv if kv != kv_heads else None}  # fmt: skip
+
+
+def _per_layer(value: int | list[int], layers: list[int], key: str, source: str) -> int:
+    """The one value GGUF key `key` gives `layers` (it may give one a layer)."""
+    values = {int(value)} if not isinstance(value, list) else {int(value[i]) for i in layers}
+    if len(values) != 1:
+        raise ModelError(f"{source}: {key} differs between layers of one kind ({sorted(values)})")
+    return values.pop()
 
 
 def gguf_gemma4(
-    metadata: dict[str, Any], arch: str, source: str, n_layers: int, head_dim: int
-) -> dict[str, Any]:
-    """The Gemma 4 fields of a GGUF file, as llama.cpp's converter writes them: the global
-    layers' head size as key_length, the local ones' as key_length_swa, a flag a layer for
-    the local ones; proportional RoPE as its `rope_freqs` tensor (models.source reads it).
-    What only the file's tensors say (the PLE vocabulary, K = V) the source adds."""
-    local_dim = int(metadata.get(f"{arch}.attention.key_length_swa", head_dim))
-    if local_dim != head_dim:
-        raise ModelError(
-            f"{source}: global layers' heads of {head_dim} beside local ones' of {local_dim}: "
-            "layers of different head sizes are not supported yet"
-        )
-    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    metadata: dict[str, Any], arch: str, source: str, n_layers: int
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """The Gemma 4 fields of a GGUF file, and its local layers' head size, KV heads and FFN
+    width, as llama.cpp's converter writes them: the global layers' head size as key_length,
+    the local ones' as key_length_swa, KV heads and FFN widths one a layer where they differ, a
+    flag a layer for the local ones; proportional RoPE as its `rope_freqs` tensor
+    (models.source reads it). What only the file's tensors say (the PLE vocabulary, K = V) the
+    source adds."""
+
+    def key(name: str) -> Any:
+        if f"{arch}.{name}" not in metadata:
+            raise ModelError(f"{source}: GGUF metadata key {arch}.{name} is missing")
+        return metadata[f"{arch}.{name}"]
+
+    pattern = key("attention.sliding_window_pattern")
     if not isinstance(pattern, list) or len(pattern) != n_layers:
         raise ModelError(f"{source}: {arch}.attention.sliding_window_pattern is not a flag a layer")
     if metadata.get(f"{arch}.expert_count"):
         raise ModelError(
             f"{source}: a Gemma 4 with its mixture-of-experts block is not supported yet"
         )
-    window = metadata.get(f"{arch}.attention.sliding_window")
-    if window is None:
-        raise ModelError(f"{source}: GGUF metadata key {arch}.attention.sliding_window is missing")
+    local = [i for i in range(n_layers) if pattern[i]]
+    global_ = [i for i in range(n_layers) if not pattern[i]]
+    shared = int(metadata.get(f"{arch}.attention.shared_kv_layers", 0))
+    owners = list(range(n_layers - shared))
+    sharing = list(range(n_layers - shared, n_layers))
+    global_dim = int(key("attention.key_length"))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length_swa", global_dim))
+    kv = key("attention.head_count_kv")
+    kv_heads = _per_layer(kv, local, "head_count_kv", source) if local else None
+    global_kv = _per_layer(kv, global_, "head_count_kv", source)
+    ffn = key("feed_forward_length")
+    width = _per_layer(ffn, owners, "feed_forward_length", source)
+    wide = bool(sharing) and _per_layer(ffn, sharing, "feed_forward_length", source) != width
+    if wide and _per_layer(ffn, sharing, "feed_forward_length", source) != 2 * width:
+        raise ModelError(f"{source}: the KV-sharing layers' FFN is neither as wide nor twice")
     softcap = metadata.get(f"{arch}.final_logit_softcapping")
-    return {
-        "embedding_multiplier": math.sqrt(int(metadata[f"{arch}.embedding_length"])),
+    fields = {
+        "embedding_multiplier": math.sqrt(int(key("embedding_length"))),
         "post_norms": True,
         "activation": "gelu_tanh",
         "query_scale": 1.0,
-        "sliding_window": int(window),
-        "local_layers": tuple(i for i, is_local in enumerate(pattern) if is_local),
+        "sliding_window": int(key("attention.sliding_window")),
+        "local_layers": tuple(local),
         "local_rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)),
         "value_norm": True,
-        "kv_shared": int(metadata.get(f"{arch}.attention.shared_kv_layers", 0)),
+        "kv_shared": shared,
         "ple_dim": int(metadata.get(f"{arch}.embedding_length_per_layer_input", 0)),
         "final_softcap": None if softcap is None else float(softcap),
+        "global_head_dim": global_dim if global_dim != head_dim else None,
+        "global_kv_heads": global_kv if kv_heads not in (None, global_kv) else None,
+        "wide_ffn": wide,
     }
+    shape = {"head_dim": head_dim, "n_kv_heads": kv_heads or global_kv, "ffn_hidden": width}
+    return fields, shape

@@ -17,13 +17,14 @@ The master's tensors are globals of their own, each layer's stacked by rows like
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from models.config import ModelConfig
-from models.layers import StepBatch
+from models.layers import Slice, StepBatch, kv_heads_for
 
 # The master's PLE tensors: the token embedding (ple_vocab, L P), the projection of the main
 # embedding (L P, D) and its norm (1, P); per layer, stacked: the gate (L P, D), the projection
@@ -68,6 +69,41 @@ def layer_rows(config: ModelConfig, name: str) -> int:
     length of a vector (a norm, the scalar)."""
     return {PLE_GATES: config.ple_dim, PLE_OUTPUTS: config.hidden, PLE_NORMS: config.hidden,
             LAYER_SCALARS: 1}[name]  # fmt: skip
+
+
+def layer_config(config: ModelConfig, layer: int) -> ModelConfig:
+    """Layer `layer`'s shape: a global layer's heads of their own size and count, a sharing
+    layer's FFN twice as wide where the model says so; `config` itself for any other."""
+    wide = config.wide_ffn and shares_kv(config, layer)
+    own_heads = not config.is_local(layer) and (config.global_head_dim or config.global_kv_heads)
+    if not wide and not own_heads:
+        return config
+    return replace(
+        config,
+        head_dim=(own_heads and config.global_head_dim) or config.head_dim,
+        n_kv_heads=(own_heads and config.global_kv_heads) or config.n_kv_heads,
+        ffn_hidden=config.ffn_hidden * (2 if wide else 1),
+        global_head_dim=None,
+        global_kv_heads=None,
+        wide_ffn=False,
+    )
+
+
+def layer_view(config: ModelConfig, s: Slice, layer: int) -> tuple[ModelConfig, Slice]:
+    """Layer `layer`'s shape (`layer_config`) and slice `s`'s share of it: the same query
+    heads with the KV heads they read there, the same fraction of its FFN."""
+    view = layer_config(config, layer)
+    if view is config:
+        return config, s
+    wider = view.ffn_hidden // config.ffn_hidden
+    ffn = (s.ffn[0] * wider, s.ffn[1] * wider)
+    return view, Slice(s.q_heads, kv_heads_for(s.q_heads, view.group_size), ffn)
+
+
+def global_config(config: ModelConfig) -> ModelConfig:
+    """The global layers' shape, which their RoPE table is built for."""
+    globals_ = [i for i in range(config.n_layers) if not config.is_local(i)]
+    return layer_config(config, globals_[0]) if globals_ else config
 
 
 def kv_source(config: ModelConfig, layer: int) -> int:

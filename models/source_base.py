@@ -115,7 +115,7 @@ class ModelSource(ABC):
     def shape(self, layer: int | None, name: str) -> tuple[int, ...]:
         c = self.config
         if layer is not None:
-            return full_layer_shapes(c)[name]
+            return full_layer_shapes(gemma4.layer_config(c, layer))[name]
         if name == POST_NORMS:
             return (2 * c.n_layers, c.hidden)
         if name == ROUTER:

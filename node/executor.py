@@ -58,6 +58,8 @@ class SliceExecutor:
             raise ValueError(f"expected {config.n_layers} layers, got {weights.n_layers}")
         self.config = config
         self.slice = s
+        # each layer's shape and this slice's share of it (Gemma 4's differ by layer)
+        self._views = [gemma4.layer_view(config, s, i) for i in range(config.n_layers)]
         self.weights = weights
         # A slice that streams gives its loader a core (models/kernels.py says why).
         leave_a_core_to_the_loader(isinstance(weights, LayerWindow) and not weights.resident)
@@ -166,12 +168,13 @@ class SliceExecutor:
             assert cos_sin is not None
             cache = gemma4.kv_source(self.config, index)  # its own, or the layer it shares
             x = _as_tensor(h[:, None] if self._batch.rows else h)  # (B, T, D)
+            view, share = self._views[index]
             with torch.inference_mode():
                 out = attention_partial(
                     x,
                     weights,
-                    self.slice,
-                    self.config,
+                    share,
+                    view,
                     cos_sin,
                     self.cache.keys[cache],
                     self.cache.values[cache],
@@ -254,7 +257,7 @@ def make_executor(
     rope_freq_factors: torch.Tensor | None = None,
 ) -> SliceExecutor:
     """A slice's executor with its RoPE tables and an empty KV cache: the one way to build one."""
-    rope = Rope(config, max_context, rope_freq_factors)
+    rope = Rope(gemma4.global_config(config), max_context, rope_freq_factors)
     local_rope = None
     if config.local_layers and config.local_rope_theta is not None:  # unscaled, own base
         local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)

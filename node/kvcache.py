@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from models.config import ModelConfig
-from models.gemma4 import keeps_whole_context, shares_kv
+from models.gemma4 import keeps_whole_context, layer_view, shares_kv
 from models.layers import Slice
 
 # Keys and values stay float32 whatever the weights' dtype: they are a small part of memory at
@@ -31,7 +31,8 @@ class KVCache:
         dtype: torch.dtype = KV_DTYPE,
     ) -> None:
         def shape(layer: int) -> tuple[int, ...]:  # (S, n_kv, positions, hd)
-            return (slots, s.n_kv, positions(config, layer, max_context), config.head_dim)
+            view, share = layer_view(config, s, layer)  # Gemma 4's global layers differ
+            return (slots, share.n_kv, positions(config, layer, max_context), view.head_dim)
 
         self.keys = [torch.zeros(shape(i), dtype=dtype) for i in range(config.n_layers)]
         self.values = [torch.zeros(shape(i), dtype=dtype) for i in range(config.n_layers)]
@@ -44,18 +45,22 @@ class KVCache:
     @staticmethod
     def bytes_per_token(config: ModelConfig, s: Slice, dtype: torch.dtype = KV_DTYPE) -> int:
         """A slot's bytes per token of context: those of the layers that attend to all of it."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        full = sum(positions(config, i, _UNBOUNDED) == _UNBOUNDED for i in range(config.n_layers))
-        return 2 * full * s.n_kv * config.head_dim * itemsize
+        full = [i for i in range(config.n_layers) if positions(config, i, _UNBOUNDED) == _UNBOUNDED]
+        return sum(_position_bytes(config, s, i, dtype) for i in full)
 
     @staticmethod
     def window_bytes(config: ModelConfig, s: Slice, dtype: torch.dtype = KV_DTYPE) -> int:
         """A slot's bytes for the local layers' rings, whatever the context (at most this)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        window = config.sliding_window or 0
         held = [positions(config, i, _UNBOUNDED) for i in range(config.n_layers)]
-        rings = sum(0 < n < _UNBOUNDED for n in held)
-        return 2 * rings * window * s.n_kv * config.head_dim * itemsize
+        rings = [i for i, n in enumerate(held) if 0 < n < _UNBOUNDED]
+        window = config.sliding_window or 0
+        return window * sum(_position_bytes(config, s, i, dtype) for i in rings)
+
+
+def _position_bytes(config: ModelConfig, s: Slice, layer: int, dtype: torch.dtype) -> int:
+    """A slot's bytes of keys and values a position in `layer`'s cache."""
+    view, share = layer_view(config, s, layer)
+    return 2 * share.n_kv * view.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def positions(config: ModelConfig, layer: int, max_context: int) -> int:

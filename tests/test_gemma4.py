@@ -1,13 +1,13 @@
 """Gemma 4 (text) split across nodes answers as transformers' Gemma4ForCausalLM does.
 
-One small random-weight model with every feature of the family's text layer: local layers of a
-window the prompt outgrows and global ones with proportional RoPE, values that are the global
-layers' keys (K = V), the last two layers sharing the KV of earlier ones, per-layer input
-embeddings, layer scales and soft-capped logits. Saved as an HF folder and as a GGUF file under
-llama.cpp's names and keys (as the `gguf` package gives them): its logits at every position of a
-prefill and its decode steps at 1 to 4 nodes in this process and on 3 real node processes, its
-greedy continuation against `generate`, and with lookup drafts. Then what a sharing layer holds,
-and what is refused.
+One small random-weight model with every feature of the family's dense text layer: local layers
+of a window the prompt outgrows and global ones with proportional RoPE, heads twice as wide and
+one KV head whose values are its keys (K = V), the last two layers sharing the KV of earlier
+ones with FFNs twice as wide, per-layer input embeddings, layer scales and soft-capped logits.
+Saved as an HF folder and as a GGUF file under llama.cpp's names and keys (as the `gguf`
+package gives them): its logits at every position of a prefill and its decode steps at 1 to 4
+nodes in this process and on 3 real node processes, its greedy continuation against
+`generate`, and with lookup drafts. Then what a sharing layer holds, and what is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from gguf_copy import write_shape
 from test_families import _assert_close_logits, _ours, _randomize, _reference, _windowed
 
 from master.engine import Engine
@@ -42,7 +41,8 @@ SMALL = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,  # fewer than the nodes: KV heads replicated at 3 and 4
     "head_dim": 32,
-    "global_head_dim": 32,
+    "global_head_dim": 64,  # the global layers' heads twice as wide, and one KV head (K = V)
+    "num_global_key_value_heads": 1,
     "vocab_size": 320,
     "vocab_size_per_layer_input": 320,
     "hidden_size_per_layer_input": 16,
@@ -51,6 +51,7 @@ SMALL = {
     "layer_types": LAYER_TYPES,
     "num_kv_shared_layers": 2,  # layer 4 reads layer 3's KV (local), layer 5 layer 2's (global)
     "attention_k_eq_v": True,
+    "use_double_wide_mlp": True,  # the sharing layers' FFNs twice as wide
     "final_logit_softcapping": 30.0,
     "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -90,22 +91,36 @@ def _write_gguf(model, path) -> None:
     c = model.config
     arch = gguf.MODEL_ARCH.GEMMA4
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    write_shape(writer, c)
-    writer.add_key_length_swa(c.head_dim)
-    writer.add_value_length_swa(c.head_dim)
+    local = [t == "sliding_attention" for t in c.layer_types]
+    layers = [c.per_layer_config[i] for i in range(c.num_hidden_layers)]  # their heads differ
+    head_dim, global_head_dim = layers[local.index(True)].head_dim, layers[-1].head_dim
+    first_shared = c.num_hidden_layers - c.num_kv_shared_layers
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(
+        [c.intermediate_size * (1 if i < first_shared else 2) for i in range(len(local))]
+    )
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv([layer.num_key_value_heads for layer in layers])
+    writer.add_key_length(global_head_dim)
+    writer.add_value_length(global_head_dim)
+    writer.add_key_length_swa(head_dim)
+    writer.add_value_length_swa(head_dim)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_shared_kv_layers(c.num_kv_shared_layers)
     writer.add_embedding_length_per_layer_input(c.hidden_size_per_layer_input)
-    writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    writer.add_sliding_window_pattern(local)
     writer.add_sliding_window(c.sliding_window)
     rope = c.rope_parameters
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
     writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
-    writer.add_rope_dimension_count(c.head_dim)
-    writer.add_rope_dimension_count_swa(c.head_dim)
+    writer.add_rope_dimension_count(global_head_dim)
+    writer.add_rope_dimension_count_swa(head_dim)
     writer.add_final_logit_softcapping(c.final_logit_softcapping)
     writer.add_vocab_size(c.vocab_size)
-    turned = int(c.head_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
-    factors = [1.0] * turned + [1e30] * (c.head_dim // 2 - turned)
+    turned = int(global_head_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
+    factors = [1.0] * turned + [1e30] * (global_head_dim // 2 - turned)
     writer.add_tensor("rope_freqs.weight", torch.tensor(factors).numpy())
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
     for key, t in model.state_dict().items():
@@ -127,7 +142,8 @@ def test_logits_equal_transformers_at_every_position_on_every_node_count(gemma4,
     expected, continuation = _reference(model, prompt)
     model_source = open_model(folder if source == "hf" else folder / "model.gguf")
     config = model_source.config
-    assert config.kv_shared == 2 and config.k_eq_v and config.ple_dim == 16
+    assert config.kv_shared == 2 and config.k_eq_v and config.ple_dim == 16 and config.wide_ffn
+    assert (config.head_dim, config.global_head_dim, config.global_kv_heads) == (32, 64, 1)
     for n in NODES:
         engine = Engine.local(model_source, (1.0,) * n, max_context=CONTEXT)
         ours = _ours(engine, prompt, continuation)
@@ -198,17 +214,19 @@ def test_real_nodes_streaming_f32_shards_equal_transformers(gemma4):
 
 def test_a_layer_that_shares_kv_holds_none(gemma4):
     """Layers 4 and 5 read layers 3's and 2's KV: they hold no cache, layer 3 (local) keeps
-    its whole context for layer 4 instead of a ring of its window, and the sizes the memory
-    budget counts say so."""
+    its whole context for layer 4 instead of a ring of its window, the global layer 2 its one
+    KV head of 64, and the sizes the memory budget counts say so."""
     _, folder, _ = gemma4
     config = open_model(folder).config
     assert [kv_source(config, i) for i in range(6)] == [0, 1, 2, 3, 3, 2]
     s = Slice.whole(config)
     cache = KVCache(config, s, slots=1, max_context=CONTEXT)
-    assert [k.shape[2] for k in cache.keys] == [16, 16, CONTEXT, CONTEXT, 0, 0]
-    per_position = 2 * s.n_kv * config.head_dim * 4
-    assert KVCache.bytes_per_token(config, s) == 2 * per_position  # layers 2 and 3
-    assert KVCache.window_bytes(config, s) == 2 * 16 * per_position  # layers 0 and 1
+    assert [tuple(k.shape[1:]) for k in cache.keys] == [
+        (2, 16, 32), (2, 16, 32), (1, CONTEXT, 64), (2, CONTEXT, 32), (2, 0, 32), (1, 0, 64)
+    ]  # fmt: skip
+    local, global_ = 2 * 2 * 32 * 4, 2 * 1 * 64 * 4  # K and V, heads, head size, float32
+    assert KVCache.bytes_per_token(config, s) == local + global_  # layers 3 and 2
+    assert KVCache.window_bytes(config, s) == 2 * 16 * local  # layers 0 and 1
 
 
 GEMMA4_HF = {"architectures": ["Gemma4ForCausalLM"], **SMALL, "rms_norm_eps": 1e-6}
@@ -217,12 +235,11 @@ GEMMA4_HF = {"architectures": ["Gemma4ForCausalLM"], **SMALL, "rms_norm_eps": 1e
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"global_head_dim": 64}, "different head sizes"),
         ({"enable_moe_block": True}, "mixture-of-experts"),
-        ({"use_double_wide_mlp": True}, "double-wide"),
         ({"num_kv_shared_layers": 5}, "share KV"),
+        ({"per_layer_config": {"0": {"head_dim": 64}}}, "layers of one kind different heads"),
     ],
-    ids=["global-head-dim", "moe", "double-wide", "sharing-without-source"],
+    ids=["moe", "sharing-without-source", "one-local-layer-of-its-own"],
 )
 def test_what_edgetp_cannot_run_yet_is_refused_with_why(change, named):
     with pytest.raises(ModelError, match=named):
