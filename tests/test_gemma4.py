@@ -244,3 +244,29 @@ GEMMA4_HF = {"architectures": ["Gemma4ForCausalLM"], **SMALL, "rms_norm_eps": 1e
 def test_what_edgetp_cannot_run_yet_is_refused_with_why(change, named):
     with pytest.raises(ModelError, match=named):
         ModelConfig.from_hf(GEMMA4_HF | change, "config.json")
+
+
+@pytest.mark.parametrize("layers", [5, 10, 35])
+def test_synth_gemma4_e2b_writes_the_tensors_transformers_holds(layers):
+    """`edgetp synth --shape gemma4-e2b`'s plan: every tensor transformers' Gemma4ForCausalLM
+    holds for the written config (its kinds of layer and KV sharing cut to `layers`), at its
+    shape, and no other (built on the meta device: E2B's embeddings alone are GBs)."""
+    import transformers
+
+    from master.bench.synth import _layers_of, _shard_plan
+    from master.bench.synth_models import SHAPES
+
+    config = _layers_of(SHAPES["gemma4-e2b"], layers)
+    model = ModelConfig.from_hf(config, "config.json")
+    assert model.global_head_dim == 512 and model.wide_ffn == (layers > 5)
+    assert model.kv_shared == {5: 0, 10: 5, 35: 20}[layers]
+    values = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(
+            transformers.Gemma4TextConfig(**values)
+        )
+    expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    del expected["lm_head.weight"]  # tied: the embedding
+    written = {t.name: t.shape for specs in _shard_plan(SHAPES["gemma4-e2b"], layers).values()
+               for t in specs}  # fmt: skip
+    assert written == expected
