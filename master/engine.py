@@ -289,7 +289,11 @@ class Engine:
             for i in range(self.config.n_layers):
                 h = h + self._post_norm(2 * i, self._block(ATTENTION, i, h))
                 routing = self._route(i, h)
-                h = h + self._post_norm(2 * i + 1, self._block(FFN, i, h, routing))
+                out = self._block(FFN, i, h, routing)
+                if self.config.dense_ffn:  # Gemma 4's mixture: the dense MLP beside it
+                    assert self.gemma4 is not None
+                    out = gemma4.mixture_out(h, i, out, self.gemma4, self.config)
+                h = h + self._post_norm(2 * i + 1, out)
                 if self.gemma4 is not None:
                     h = gemma4.end_of_layer(h, i, ple, self.gemma4, self.config)
         head_started = time.perf_counter()
@@ -315,6 +319,9 @@ class Engine:
         if self.router is None:
             return None
         n = self.config.router_rows
+        if self.gemma4 is not None and self.config.dense_ffn:  # a router of its own form
+            router = self.router[i * n : (i + 1) * n]
+            return Routing(*gemma4.route(h, i, self.gemma4, router, self.config))
         norm = self.executors[0].weights.get(i)["ffn_norm"]
         return route(h, norm, self.router[i * n : (i + 1) * n], self.config)
 

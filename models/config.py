@@ -120,6 +120,9 @@ class ModelConfig:
     global_head_dim: int | None = None
     global_kv_heads: int | None = None
     wide_ffn: bool = False
+    # Gemma 4's mixture: beside the experts (`ffn_hidden` wide each), a dense GeGLU
+    # `dense_ffn` wide, the master's; each normed on its own before they add
+    dense_ffn: int = 0
     kv_shared: int = 0
     k_eq_v: bool = False
     ple_dim: int = 0
@@ -389,8 +392,7 @@ class ModelConfig:
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             unrotated_layers=hf_unrotated(config, source, family),
-            **(o_bias | gemma),
-            **moe,
+            **(o_bias | moe | gemma),  # Gemma 4's experts' width is its own
         )
 
 

@@ -150,7 +150,7 @@ def hf_gemma(config: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 GEMMA4_FIELDS = ("value_norm", "kv_shared", "k_eq_v", "ple_dim", "ple_vocab", "final_softcap",
-                 "global_head_dim", "global_kv_heads", "wide_ffn")  # fmt: skip
+                 "global_head_dim", "global_kv_heads", "wide_ffn", "dense_ffn")  # fmt: skip
 
 
 def hf_gemma4(config: dict[str, Any], source: str) -> dict[str, Any]:
@@ -158,7 +158,6 @@ def hf_gemma4(config: dict[str, Any], source: str) -> dict[str, Any]:
     reads it: every 6th layer global (and the last) unless `layer_types` says, the global
     layers `global_head_dim` wide unless `per_layer_config` says otherwise."""
     for key, what in (
-        ("enable_moe_block", "its mixture-of-experts block"),
         ("use_bidirectional_attention", "bidirectional attention"),
         ("attention_bias", "attention biases"),
     ):
@@ -204,6 +203,25 @@ def hf_gemma4(config: dict[str, Any], source: str) -> dict[str, Any]:
         "final_softcap": None if softcap is None else float(softcap),
         "wide_ffn": bool(shared and config.get("use_double_wide_mlp")),
         **global_heads,
+        **(_gemma4_experts(config, source) if config.get("enable_moe_block") else {}),
+    }
+
+
+def _gemma4_experts(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """A Gemma 4 mixture's fields: its experts, top-k renormalised, and its dense MLP."""
+    for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+        if config.get(name) is None:
+            raise ModelError(f"{source}: config.json key {name!r} is missing")
+    if config.get("num_kv_shared_layers") and config.get("use_double_wide_mlp"):
+        raise ModelError(
+            f"{source}: a Gemma 4 mixture with double-wide dense MLPs is not supported yet"
+        )
+    return {
+        "ffn_hidden": int(config["moe_intermediate_size"]),
+        "n_experts": int(config["num_experts"]),
+        "n_experts_used": int(config["top_k_experts"]),
+        "norm_topk_prob": True,
+        "dense_ffn": int(config["intermediate_size"]),
     }
 
 
@@ -259,10 +277,6 @@ def gguf_gemma4(
     pattern = key("attention.sliding_window_pattern")
     if not isinstance(pattern, list) or len(pattern) != n_layers:
         raise ModelError(f"{source}: {arch}.attention.sliding_window_pattern is not a flag a layer")
-    if metadata.get(f"{arch}.expert_count"):
-        raise ModelError(
-            f"{source}: a Gemma 4 with its mixture-of-experts block is not supported yet"
-        )
     local = [i for i in range(n_layers) if pattern[i]]
     global_ = [i for i in range(n_layers) if not pattern[i]]
     shared = int(metadata.get(f"{arch}.attention.shared_kv_layers", 0))
@@ -294,6 +308,8 @@ def gguf_gemma4(
         "global_head_dim": global_dim if global_dim != head_dim else None,
         "global_kv_heads": global_kv if kv_heads not in (None, global_kv) else None,
         "wide_ffn": wide,
+        # a mixture's dense MLP beside its experts (whose fields `ModelConfig.from_gguf` reads)
+        "dense_ffn": width if metadata.get(f"{arch}.expert_count") else 0,
     }
     shape = {"head_dim": head_dim, "n_kv_heads": kv_heads or global_kv, "ffn_hidden": width}
     return fields, shape

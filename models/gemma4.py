@@ -36,9 +36,25 @@ PLE_GATES = "ple_gates"
 PLE_OUTPUTS = "ple_outputs"
 PLE_NORMS = "ple_norms"
 LAYER_SCALARS = "layer_scalars"
+# A mixture's (`dense_ffn`), stacked likewise: its dense MLP's gate and up (L Fd, D), down
+# (L D, Fd), norm before and after it (L, D), the experts' sum's norm (L, D), and the router's
+# scale (L, D) and each expert's (L, E).
+DENSE_GATES = "dense_gates"
+DENSE_UPS = "dense_ups"
+DENSE_DOWNS = "dense_downs"
+DENSE_NORMS = "dense_norms"
+DENSE_POST_NORMS = "dense_post_norms"
+EXPERTS_POST_NORMS = "experts_post_norms"
+ROUTER_SCALES = "router_scales"
+EXPERT_SCALES = "expert_scales"
 # The per-layer tensors the stacked globals gather, by their canonical layer names.
-PLE_LAYER_TENSORS = {PLE_GATES: "ple_gate", PLE_OUTPUTS: "ple_output", PLE_NORMS: "ple_norm",
-                     LAYER_SCALARS: "layer_scalar"}  # fmt: skip
+STACKED = {PLE_GATES: "ple_gate", PLE_OUTPUTS: "ple_output", PLE_NORMS: "ple_norm",
+           LAYER_SCALARS: "layer_scalar", DENSE_GATES: "gate", DENSE_UPS: "up",
+           DENSE_DOWNS: "down", DENSE_NORMS: "dense_norm", DENSE_POST_NORMS: "dense_post_norm",
+           EXPERTS_POST_NORMS: "experts_post_norm", ROUTER_SCALES: "router_scale",
+           EXPERT_SCALES: "expert_scale"}  # fmt: skip
+MIXTURE = (DENSE_GATES, DENSE_UPS, DENSE_DOWNS, DENSE_NORMS, DENSE_POST_NORMS, EXPERTS_POST_NORMS,
+           ROUTER_SCALES, EXPERT_SCALES)  # fmt: skip
 # A sharing layer's tensors that its file does not hold: zeros stand in, never read
 SHARED_ABSENT = ("k", "v", "k_norm")
 
@@ -48,12 +64,21 @@ def global_names(config: ModelConfig) -> list[str]:
     if not config.value_norm:
         return []
     ple = [PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM, PLE_GATES, PLE_OUTPUTS, PLE_NORMS]
-    return (ple if config.ple_dim else []) + [LAYER_SCALARS]
+    mixture = list(MIXTURE) if config.dense_ffn else []
+    return (ple if config.ple_dim else []) + [LAYER_SCALARS] + mixture
 
 
 def global_shape(config: ModelConfig, name: str) -> tuple[int, int]:
-    L, D, P = config.n_layers, config.hidden, config.ple_dim
+    L, D, P, F = config.n_layers, config.hidden, config.ple_dim, config.dense_ffn
     return {
+        DENSE_GATES: (L * F, D),
+        DENSE_UPS: (L * F, D),
+        DENSE_DOWNS: (L * D, F),
+        DENSE_NORMS: (L, D),
+        DENSE_POST_NORMS: (L, D),
+        EXPERTS_POST_NORMS: (L, D),
+        ROUTER_SCALES: (L, D),
+        EXPERT_SCALES: (L, config.n_experts),
         PLE_EMBEDDING: (config.ple_vocab, L * P),
         PLE_PROJECTION: (L * P, D),
         PLE_PROJECTION_NORM: (1, P),
@@ -67,8 +92,10 @@ def global_shape(config: ModelConfig, name: str) -> tuple[int, int]:
 def layer_rows(config: ModelConfig, name: str) -> int:
     """What a stacked global's per-layer tensor holds in the file: the rows of a matrix, the
     length of a vector (a norm, the scalar)."""
-    return {PLE_GATES: config.ple_dim, PLE_OUTPUTS: config.hidden, PLE_NORMS: config.hidden,
-            LAYER_SCALARS: 1}[name]  # fmt: skip
+    rows = global_shape(config, name)[0] // config.n_layers
+    vector = name in (PLE_NORMS, LAYER_SCALARS, DENSE_NORMS, DENSE_POST_NORMS,
+                      EXPERTS_POST_NORMS, ROUTER_SCALES, EXPERT_SCALES)  # fmt: skip
+    return global_shape(config, name)[1] if vector else rows
 
 
 def layer_config(config: ModelConfig, layer: int) -> ModelConfig:
@@ -194,3 +221,34 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     if cap is None:
         return logits
     return torch.tanh(logits / cap) * cap
+
+
+def route(h: np.ndarray, layer: int, t: dict[str, torch.Tensor], router: torch.Tensor,
+          config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """A mixture's choice for h (B, D) or (B, T, D) after layer `layer`'s attention sum, as
+    transformers' Gemma4TextRouter makes it: the hidden state normed (a weight of its scale
+    over sqrt(D)), a softmax over the router's logits, the top k renormalised, each times its
+    expert's scale. Each token's experts and weights, a row a token."""
+    d = config.hidden
+    rows = torch.from_numpy(np.ascontiguousarray(h).reshape(-1, d))
+    x = rms_norm(rows, t[ROUTER_SCALES][layer] * d**-0.5, config.norm_eps)
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float)
+    top, experts = torch.topk(probs, config.n_experts_used, dim=-1)  # (N, k)
+    top = top / top.sum(dim=-1, keepdim=True) * t[EXPERT_SCALES][layer][experts]
+    return experts.numpy().astype(np.int64), top.numpy().astype(np.float32)
+
+
+def mixture_out(
+    h: np.ndarray, layer: int, experts: np.ndarray, t: dict[str, torch.Tensor], config: ModelConfig
+) -> np.ndarray:
+    """A mixture layer's FFN output before its post-FFN norm: the master's dense MLP of h (the
+    hidden state after the attention sum) and the experts' sum `experts`, each normed."""
+    F_, D, eps = config.dense_ffn, config.hidden, config.norm_eps
+    x = rms_norm(torch.from_numpy(h), t[DENSE_NORMS][layer], eps)
+    gate = F.linear(x, t[DENSE_GATES][layer * F_ : (layer + 1) * F_])
+    up = F.linear(x, t[DENSE_UPS][layer * F_ : (layer + 1) * F_])
+    dense = F.linear(
+        F.gelu(gate, approximate="tanh") * up, t[DENSE_DOWNS][layer * D : (layer + 1) * D]
+    )
+    dense = rms_norm(dense, t[DENSE_POST_NORMS][layer], eps)
+    return (dense + rms_norm(torch.from_numpy(experts), t[EXPERTS_POST_NORMS][layer], eps)).numpy()

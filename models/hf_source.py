@@ -45,6 +45,20 @@ _HF_LAYER = {
     "ple_output": "per_layer_projection.weight",
     "ple_norm": "post_per_layer_input_norm.weight",
     "layer_scalar": "layer_scalar",
+    "dense_norm": "pre_feedforward_layernorm.weight",
+    "dense_post_norm": "post_feedforward_layernorm_1.weight",
+    "experts_post_norm": "post_feedforward_layernorm_2.weight",
+    "router_scale": "router.scale",
+    "expert_scale": "router.per_expert_scale",
+}
+# A Gemma 4 mixture's: the experts' norm, router and experts, gate and up in one tensor
+# (E, 2 F, D), down (E, D, F)
+_HF_GEMMA4_MIXTURE = {
+    "ffn_norm": "pre_feedforward_layernorm_2.weight",
+    ROUTER: "router.proj.weight",
+    "gate": "experts.gate_up_proj",
+    "up": "experts.gate_up_proj",
+    "down": "experts.down_proj",
 }
 # Gemma 4's global PLE tensors
 _HF_GLOBALS = {
@@ -152,7 +166,14 @@ class HFSource(ModelSource):
             self.config = ModelConfig.from_dict({**self.config.to_dict(), "tied_embeddings": True})
 
     def _key(self, layer: int | None, name: str) -> str:
-        if layer is not None and self.config.fused and name in HF_FUSED:
+        expert = expert_of(name)
+        mixture = expert[0] if expert is not None else name
+        if layer is not None and self.config.dense_ffn and mixture in _HF_GEMMA4_MIXTURE:
+            if expert is not None or name in ("ffn_norm", ROUTER):
+                key = f"model.layers.{layer}.{_HF_GEMMA4_MIXTURE[mixture]}"
+            else:  # the dense MLP's gate, up and down
+                key = hf_layer_name(layer, name, self.config.architecture)
+        elif layer is not None and self.config.fused and name in HF_FUSED:
             key = f"model.layers.{layer}.{HF_FUSED[name]}"
         elif layer is not None and self._gemma_norms and name in _HF_GEMMA_NORMS:
             key = f"model.layers.{layer}.{_HF_GEMMA_NORMS[name]}"
@@ -195,6 +216,9 @@ class HFSource(ModelSource):
         with safe_open(str(self._where[key]), framework="pt") as handle:
             if expert is not None and self.config.expert_bias:  # gpt-oss' (E, in, out)
                 out = _gpt_oss_expert_rows(handle.get_slice(key)[expert[1]], expert[0], start, stop)
+            elif expert is not None and self.config.dense_ffn:  # Gemma 4's (E, out, in)
+                at = self.config.ffn_hidden if expert[0] == "up" else 0  # up after gate
+                out = handle.get_slice(key)[expert[1]][at + start : at + stop].to(torch.float32)
             else:
                 out = handle.get_slice(key)[at + start : at + stop].to(torch.float32)
         if self._norm_plus_one and (name.endswith("norm")):

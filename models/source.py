@@ -103,6 +103,16 @@ _GGUF_GLOBALS = {
 _GGUF_EXPERTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
                  "down": "ffn_down_exps.weight", "gate_bias": "ffn_gate_exps.bias",
                  "up_bias": "ffn_up_exps.bias", "down_bias": "ffn_down_exps.bias"}  # fmt: skip
+# A Gemma 4 mixture's (`ModelConfig.dense_ffn`): its experts' norm and gate and up in one
+# stack (E 2F, D), its dense MLP's norms and the router's and experts' scales
+_GGUF_GEMMA4_MIXTURE = {
+    "ffn_norm": "pre_ffw_norm_2.weight",
+    "dense_norm": "ffn_norm.weight",
+    "dense_post_norm": "post_ffw_norm_1.weight",
+    "experts_post_norm": "post_ffw_norm_2.weight",
+    "router_scale": "ffn_gate_inp.scale",
+    "expert_scale": "ffn_down_exps.scale",
+}
 # gpt-oss' FFN norm, which llama.cpp names after HF's post_attention_layernorm
 _GGUF_GPT_OSS_FFN_NORM = "post_attention_norm.weight"
 
@@ -119,9 +129,18 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _gguf_name(
-    layer: int | None, name: str, tied: bool, fused: bool = False, gpt_oss: bool = False
+    layer: int | None,
+    name: str,
+    tied: bool,
+    fused: bool = False,
+    gpt_oss: bool = False,
+    gemma4_mixture: bool = False,
 ) -> str:
     expert = expert_of(name)
+    if layer is not None and gemma4_mixture and expert is not None and expert[0] != "down":
+        return f"blk.{layer}.ffn_gate_up_exps.weight"
+    if layer is not None and gemma4_mixture and name in _GGUF_GEMMA4_MIXTURE:
+        return f"blk.{layer}.{_GGUF_GEMMA4_MIXTURE[name]}"
     if layer is not None and expert is not None:
         return f"blk.{layer}.{_GGUF_EXPERTS[expert[0]]}"
     if layer is not None and gpt_oss and name == "ffn_norm":
@@ -151,12 +170,21 @@ class GGUFSource(ModelSource):
         if config.value_norm:  # Gemma 4: what its tensors say of it
             config = replace(config, **self._gemma4_tensors(config))
         self.config = config
-        if self.config.moe and self.file.has_tensor("blk.0.ffn_gate_up_exps.weight"):
+        gemma4_mixture = bool(self.config.dense_ffn)  # its gate and up in one stack
+        if (
+            not gemma4_mixture
+            and self.config.moe
+            and self.file.has_tensor("blk.0.ffn_gate_up_exps.weight")
+        ):
             raise ModelError(
                 f"{path}: its experts' gate and up are one stacked tensor (ffn_gate_up_exps), "
                 "which edgetp does not read yet: convert the model without fusing them"
             )
-        if self.config.moe and not self.file.has_tensor("blk.0.ffn_gate_exps.weight"):
+        if (
+            not gemma4_mixture
+            and self.config.moe
+            and not self.file.has_tensor("blk.0.ffn_gate_exps.weight")
+        ):
             raise ModelError(
                 f"{path}: its experts are not stacked as blk.N.ffn_gate_exps.weight (an older "
                 "converter's layout, one tensor an expert): convert the model again with a "
@@ -188,7 +216,7 @@ class GGUFSource(ModelSource):
 
     def _name(self, layer: int | None, name: str) -> str:
         c = self.config
-        return _gguf_name(layer, name, c.tied_embeddings, c.fused, c.expert_bias)
+        return _gguf_name(layer, name, c.tied_embeddings, c.fused, c.expert_bias, bool(c.dense_ffn))
 
     def _stored_type(self, layer: int | None, name: str) -> str:
         return self.file.info(self._name(layer, name)).tensor_type.name
@@ -202,6 +230,8 @@ class GGUFSource(ModelSource):
         expert = expert_of(name) if layer is not None else None
         if expert is not None:  # a stack's rows: expert e's after e experts' rows
             at = expert[1] * self.shape(layer, name)[0]
+            if self.config.dense_ffn and expert[0] in ("gate", "up"):  # Gemma 4's: both
+                at = (2 * expert[1] + (expert[0] == "up")) * self.config.ffn_hidden
         if name == SHARED_ROUTER:  # a vector in the file, one row here
             return self.file.tensor(gguf_name).view(1, -1)[start:stop]
         if expert is not None and expert[0] in EXPERT_BIAS_TENSORS:  # (E, n): a few floats

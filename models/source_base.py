@@ -49,7 +49,7 @@ class ModelSource(ABC):
         """How the source stores a tensor: a GGUF type name, or F32, F16, BF16. `name` is a
         canonical layer tensor (`layer` its index) or, with `layer` None, "embedding",
         "lm_head", "final_norm", POST_NORMS or ROUTER."""
-        if layer is None and name in (POST_NORMS, ROUTER, *gemma4.PLE_LAYER_TENSORS):
+        if layer is None and name in (POST_NORMS, ROUTER, *gemma4.STACKED):
             return "F32"  # the master's, as float32
         if layer is not None and self._absent(layer, name):
             return "F32"
@@ -67,8 +67,8 @@ class ModelSource(ABC):
             return torch.stack(
                 [self.tensor(r // 2, POST_NORM_TENSORS[r % 2]) for r in range(start, stop)]
             )
-        if layer is None and name in gemma4.PLE_LAYER_TENSORS:  # layer i's rows after i's
-            per_layer, read = gemma4.PLE_LAYER_TENSORS[name], gemma4.layer_rows(self.config, name)
+        if layer is None and name in gemma4.STACKED:  # layer i's rows after i's
+            per_layer, read = gemma4.STACKED[name], gemma4.layer_rows(self.config, name)
             n = gemma4.global_shape(self.config, name)[0] // self.config.n_layers
             rows = [self._rows(i, per_layer, 0, read, False).view(n, -1)
                     for i in range(start // n, (stop - 1) // n + 1)]  # fmt: skip

@@ -1,13 +1,15 @@
 """Gemma 4 (text) split across nodes answers as transformers' Gemma4ForCausalLM does.
 
-One small random-weight model with every feature of the family's dense text layer: local layers
-of a window the prompt outgrows and global ones with proportional RoPE, heads twice as wide and
-one KV head whose values are its keys (K = V), the last two layers sharing the KV of earlier
-ones with FFNs twice as wide, per-layer input embeddings, layer scales and soft-capped logits.
-Saved as an HF folder and as a GGUF file under llama.cpp's names and keys (as the `gguf`
+Two small random-weight models. A dense one with every feature of the family's dense text layer:
+local layers of a window the prompt outgrows and global ones with proportional RoPE, heads twice
+as wide and one KV head whose values are its keys (K = V), the last two layers sharing the KV of
+earlier ones with FFNs twice as wide, per-layer input embeddings, layer scales and soft-capped
+logits. And a mixture (26B-A4B's layer): a dense MLP beside experts routed by a scaled router.
+Each saved as an HF folder and as a GGUF file under llama.cpp's names and keys (as the `gguf`
 package gives them): its logits at every position of a prefill and its decode steps at 1 to 4
 nodes in this process and on 3 real node processes, its greedy continuation against
-`generate`, and with lookup drafts. Then what a sharing layer holds, and what is refused.
+`generate`, and with lookup drafts. Then what a sharing layer holds, what is refused, and
+`synth`'s Gemma 4 E2B.
 """
 
 from __future__ import annotations
@@ -64,24 +66,51 @@ SMALL = {
 }
 
 
+# The mixture (26B-A4B's layer): beside a dense MLP, 8 experts of 64 columns (2 blocks of 32:
+# 4 nodes hold a slice of each), 2 a token, routed by its scaled router; 3 layers, no sharing.
+SMALL_MOE = {
+    **{k: v for k, v in SMALL.items() if k not in ("num_kv_shared_layers", "use_double_wide_mlp")},
+    "num_hidden_layers": 3,
+    "layer_types": LAYER_TYPES[:3],
+    "intermediate_size": 96,
+    "enable_moe_block": True,
+    "num_experts": 8,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 64,
+}
+MODELS = {"dense": SMALL, "moe": SMALL_MOE}
+_BUILT: dict[str, tuple] = {}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def gemma4(request, tmp_path_factory):
+    """(transformers model, its HF folder with model.gguf beside it, a prompt), once each."""
+    return _built(request.param, tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
-def gemma4(tmp_path_factory):
-    """(transformers model, its HF folder with model.gguf beside it, a prompt), once."""
+def dense(tmp_path_factory):
+    return _built("dense", tmp_path_factory)
+
+
+def _built(name: str, tmp_path_factory) -> tuple:
     import transformers
 
-    config = transformers.Gemma4TextConfig(**SMALL)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager", dtype=torch.float32
-    )
-    _randomize(model, seed=4)  # norms and layer scales around 1, not the initial ones
-    model.eval()
-    folder = tmp_path_factory.mktemp("gemma4")
-    model.save_pretrained(folder)
-    _write_gguf(model, folder / "model.gguf")
-    prompt = torch.randint(
-        0, config.vocab_size, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0)
-    )
-    return model, folder, prompt.tolist()
+    if name not in _BUILT:
+        config = transformers.Gemma4TextConfig(**MODELS[name])
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager", dtype=torch.float32
+        )
+        _randomize(model, seed=4)  # norms, scales and layer scales around 1, not the initial 1
+        model.eval()
+        folder = tmp_path_factory.mktemp(f"gemma4-{name}")
+        model.save_pretrained(folder)
+        _write_gguf(model, folder / "model.gguf")
+        prompt = torch.randint(
+            0, config.vocab_size, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(0)
+        )
+        _BUILT[name] = (model, folder, prompt.tolist())
+    return _BUILT[name]
 
 
 def _write_gguf(model, path) -> None:
@@ -119,17 +148,30 @@ def _write_gguf(model, path) -> None:
     writer.add_rope_dimension_count_swa(head_dim)
     writer.add_final_logit_softcapping(c.final_logit_softcapping)
     writer.add_vocab_size(c.vocab_size)
+    if c.enable_moe_block:
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.top_k_experts)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     turned = int(global_head_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
     factors = [1.0] * turned + [1e30] * (global_head_dim // 2 - turned)
     writer.add_tensor("rope_freqs.weight", torch.tensor(factors).numpy())
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    # the router's scales, which llama.cpp's converter renames itself
+    scales = {
+        "router.scale": "ffn_gate_inp.scale",
+        "router.per_expert_scale": "ffn_down_exps.scale",
+    }
     for key, t in model.state_dict().items():
         if key == "lm_head.weight":  # tied: the embedding
             continue
-        base = key.removesuffix(".weight")
-        name = names.get_name(base)
-        assert name is not None, key
-        writer.add_tensor(f"{name}.weight", t.detach().float().contiguous().numpy())
+        i, _, rest = key.removeprefix("model.layers.").partition(".")
+        if rest in scales:
+            name = f"blk.{i}.{scales[rest]}"
+        else:
+            base = names.get_name(key.removesuffix(".weight"))
+            assert base is not None, key
+            name = f"{base}.weight"
+        writer.add_tensor(name, t.detach().float().contiguous().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -142,12 +184,16 @@ def test_logits_equal_transformers_at_every_position_on_every_node_count(gemma4,
     expected, continuation = _reference(model, prompt)
     model_source = open_model(folder if source == "hf" else folder / "model.gguf")
     config = model_source.config
-    assert config.kv_shared == 2 and config.k_eq_v and config.ple_dim == 16 and config.wide_ffn
-    assert (config.head_dim, config.global_head_dim, config.global_kv_heads) == (32, 64, 1)
+    assert config.k_eq_v and config.ple_dim == 16 and config.global_head_dim == 64
+    if config.moe:
+        assert (config.n_experts, config.ffn_hidden, config.dense_ffn) == (8, 64, 96)
+    else:
+        assert config.kv_shared == 2 and config.wide_ffn and config.global_kv_heads == 1
     for n in NODES:
         engine = Engine.local(model_source, (1.0,) * n, max_context=CONTEXT)
         ours = _ours(engine, prompt, continuation)
-        _assert_close_logits(ours, expected, f"gemma4 {source} {n} node(s)")
+        what = f"gemma4 {'moe' if config.moe else 'dense'} {source} {n} node(s)"
+        _assert_close_logits(ours, expected, what)
 
 
 def test_greedy_32_tokens_equal_transformers_generate(gemma4):
@@ -165,14 +211,14 @@ def test_greedy_32_tokens_equal_transformers_generate(gemma4):
 
 
 def test_greedy_tokens_are_the_same_with_lookup_drafts_and_on_every_node_count(
-    gemma4, smollm2_tokenizer
+    dense, smollm2_tokenizer
 ):
     """A prompt that repeats itself, where lookup would draft: the local layers' KV rings keep
     Gemma 4 out of speculation (master/generate.py), and its tokens stay those of one node
     without drafts. (SmolLM2's vocabulary stands in to detokenize: the ids are below 320.)"""
     from test_speculate import SlowLinkSpeculator
 
-    _, folder, prompt = gemma4
+    _, folder, prompt = dense
     repeating = prompt[:12] * 3
     source = open_model(folder)
     one = _greedy(Engine.local(source, max_context=CONTEXT), repeating, smollm2_tokenizer)
@@ -204,19 +250,22 @@ def _greedy(engine: Engine, prompt: list[int], tokenizer, speculator=None) -> li
 
 def test_real_nodes_streaming_f32_shards_equal_transformers(gemma4):
     """3 real node processes, each streaming its slice a layer at a time: the master's PLE
-    tensors and layer scales go through the split's globals, the sharing layers' KV is read
-    from the node's own cache of the earlier layer."""
+    tensors, layer scales and a mixture's dense MLP and router scales go through the split's
+    globals, the routing crosses the wire, the sharing layers' KV is read from the node's own
+    cache of the earlier layer."""
     model, folder, prompt = gemma4
     expected, continuation = _reference(model, prompt)
-    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation, CONTEXT)
-    _assert_close_logits(ours, expected, "gemma4 3 real nodes, window 1, f32 shards")
+    source = open_model(folder)
+    ours = _windowed(source, 3, "f32", prompt, continuation, CONTEXT)
+    what = "moe" if source.config.moe else "dense"
+    _assert_close_logits(ours, expected, f"gemma4 {what} 3 real nodes, window 1, f32 shards")
 
 
-def test_a_layer_that_shares_kv_holds_none(gemma4):
+def test_a_layer_that_shares_kv_holds_none(dense):
     """Layers 4 and 5 read layers 3's and 2's KV: they hold no cache, layer 3 (local) keeps
     its whole context for layer 4 instead of a ring of its window, the global layer 2 its one
     KV head of 64, and the sizes the memory budget counts say so."""
-    _, folder, _ = gemma4
+    _, folder, _ = dense
     config = open_model(folder).config
     assert [kv_source(config, i) for i in range(6)] == [0, 1, 2, 3, 3, 2]
     s = Slice.whole(config)
@@ -235,11 +284,25 @@ GEMMA4_HF = {"architectures": ["Gemma4ForCausalLM"], **SMALL, "rms_norm_eps": 1e
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"enable_moe_block": True}, "mixture-of-experts"),
+        ({"enable_moe_block": True}, "num_experts"),
+        (
+            SMALL_MOE
+            | {
+                "layer_types": ["full_attention", *LAYER_TYPES[1:3]],
+                "num_kv_shared_layers": 1,
+                "use_double_wide_mlp": True,
+            },
+            "double-wide",
+        ),
         ({"num_kv_shared_layers": 5}, "share KV"),
         ({"per_layer_config": {"0": {"head_dim": 64}}}, "layers of one kind different heads"),
     ],
-    ids=["moe", "sharing-without-source", "one-local-layer-of-its-own"],
+    ids=[
+        "moe-without-experts",
+        "moe-double-wide",
+        "sharing-without-source",
+        "one-local-layer-of-its-own",
+    ],  # fmt: skip
 )
 def test_what_edgetp_cannot_run_yet_is_refused_with_why(change, named):
     with pytest.raises(ModelError, match=named):
