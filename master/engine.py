@@ -88,6 +88,15 @@ class Remote(Protocol):
     allreduce_seconds: deque[float]  # recent per-sum latencies (master.transport)
 
 
+def _gemma4_globals(
+    g: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor] | None:
+    """Gemma 4's globals (models/gemma4.py) of the master's shard `g`, with an int8 table's
+    scales; None for any other model."""
+    names = gemma4.global_names(config)
+    return {n: t for n, t in g.items() if n.removesuffix(SCALE_SUFFIX) in names} or None
+
+
 class Engine:
     def __init__(
         self,
@@ -242,7 +251,7 @@ class Engine:
             post_norms=g.get(POST_NORMS),
             head_split=bool(manifest.head_rows),
             router=g.get(ROUTER),
-            gemma4_tensors={n: g[n] for n in gemma4.global_names(config)} or None,
+            gemma4_tensors=_gemma4_globals(g, config),
         )
 
     @property

@@ -122,7 +122,7 @@ def split_model(
     # the norms and the router stay float32; POST_NORMS and ROUTER are 2-D, hence "f32" rather
     # than a vector's None
     norm_dtypes: dict[str, str | None] = {"final_norm": None, POST_NORMS: "f32", ROUTER: "f32"}
-    norm_dtypes |= dict.fromkeys(gemma4.global_names(config), "f32")  # the master's PLE
+    norm_dtypes |= gemma4.global_dtypes(source, dtype)  # Gemma 4's, the master's
     whole = {
         n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), norm_dtypes.get(n, head))
         for n in source.global_names()

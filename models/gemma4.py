@@ -18,13 +18,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from models.config import ModelConfig
+from models.dtypes import embedding_dtype
+from models.kernels import SCALE_SUFFIX, embed
 from models.layers import Slice, StepBatch, kv_heads_for
+
+
+class _Source(Protocol):
+    """What `global_dtypes` reads of a model source (models.source_base.ModelSource)."""
+
+    config: ModelConfig
+
+    def stored_type(self, layer: int | None, name: str) -> str: ...
+
 
 # The master's PLE tensors: the token embedding (ple_vocab, L P), the projection of the main
 # embedding (L P, D) and its norm (1, P); per layer, stacked: the gate (L P, D), the projection
@@ -66,6 +78,17 @@ def global_names(config: ModelConfig) -> list[str]:
     ple = [PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM, PLE_GATES, PLE_OUTPUTS, PLE_NORMS]
     mixture = list(MIXTURE) if config.dense_ffn else []
     return (ple if config.ple_dim else []) + [LAYER_SCALARS] + mixture
+
+
+def global_dtypes(source: _Source, dtype: str) -> dict[str, str]:
+    """How the split stores these globals when it asks for `dtype`: float32, but the table of
+    per-layer inputs, a vocabulary's rows like the embedding (E2B's is 2.3 B values), kept as
+    the embedding would be, by its own stored type."""
+    names = global_names(source.config)
+    out = dict.fromkeys(names, "f32")
+    if PLE_EMBEDDING in names:
+        out[PLE_EMBEDDING] = embedding_dtype(dtype, source.stored_type(None, PLE_EMBEDDING))
+    return out
 
 
 def global_shape(config: ModelConfig, name: str) -> tuple[int, int]:
@@ -189,7 +212,10 @@ def per_layer_inputs(
     (B, T, D): (B, T, L, P), the token's own vector and the projection of its embedding,
     averaged (transformers' get_per_layer_inputs and project_per_layer_inputs)."""
     L, P, D = config.n_layers, config.ple_dim, config.hidden
-    own = t[PLE_EMBEDDING][ids] * torch.tensor(math.sqrt(P), dtype=torch.float32)
+    table = t[PLE_EMBEDDING]  # (ple_vocab, L P) in the split's dtype for it
+    own = embed(ids, table, t.get(PLE_EMBEDDING + SCALE_SUFFIX)) * torch.tensor(
+        math.sqrt(P), dtype=torch.float32
+    )
     projected = F.linear(embedded, t[PLE_PROJECTION]) * D**-0.5
     projected = rms_norm(projected.view(*ids.shape, L, P), t[PLE_PROJECTION_NORM][0],
                          config.norm_eps)  # fmt: skip

@@ -261,6 +261,27 @@ def test_real_nodes_streaming_f32_shards_equal_transformers(gemma4):
     _assert_close_logits(ours, expected, f"gemma4 {what} 3 real nodes, window 1, f32 shards")
 
 
+def test_q8_0_shards_on_real_nodes_equal_one_node_and_keep_the_ple_table_q8_0(dense, tmp_path):
+    """Split as q8_0, the table of per-layer inputs is kept like the embedding (its blocks),
+    not float32 (E2B's is 2.3 B values), and 3 real nodes give what one does (int8 would not:
+    its scales are a slice's columns', which differ by node count)."""
+    from master.plan import plan_slices
+    from master.splitter import split_model
+    from memory.shards import ShardStore, tensor_specs
+    from models.gemma4 import PLE_EMBEDDING
+
+    model, folder, prompt = dense
+    _, continuation = _reference(model, prompt)
+    source = open_model(folder)
+    store = ShardStore(tmp_path)
+    manifest = split_model(source, plan_slices(source.config, (1.0,)), store, dtype="q8_0")
+    specs = tensor_specs(store.path(manifest.globals))
+    assert specs[PLE_EMBEDDING] == specs["embedding"][:1] + ((320, 3, 34),)  # 96 = 3 blocks
+    one = _windowed(source, 1, "q8_0", prompt, continuation, CONTEXT)
+    three = _windowed(source, 3, "q8_0", prompt, continuation, CONTEXT)
+    _assert_close_logits(three, one, "gemma4 q8_0 3 real nodes against 1")
+
+
 def test_a_layer_that_shares_kv_holds_none(dense):
     """Layers 4 and 5 read layers 3's and 2's KV: they hold no cache, layer 3 (local) keeps
     its whole context for layer 4 instead of a ring of its window, the global layer 2 its one
