@@ -341,6 +341,9 @@ class ModelConfig:
         arch = archs[0] if archs else None
         if arch not in HF_ARCHITECTURES:
             raise unsupported(source, arch)
+        if HF_ARCHITECTURES[arch].text_of:  # a multimodal folder: its text model's config
+            tied = {"tie_word_embeddings": config.get("tie_word_embeddings", True)}
+            config = tied | (config.get("text_config") or {}) | {"architectures": archs}
 
         def key(name: str) -> Any:
             if config.get(name) is None:

@@ -46,6 +46,9 @@ class Family:
     # per-layer input embeddings, KV shared by the last layers, proportional RoPE on the global
     # layers and a soft-capped final logit (models/gemma4.py)
     gemma4: bool = False
+    # the text model of a multimodal folder: its config.json's `text_config`, its tensors under
+    # `model.language_model.` (Gemma 4 as published)
+    text_of: bool = False
 
 
 FAMILIES = (
@@ -76,6 +79,14 @@ FAMILIES = (
         norm_topk=True,
     ),
     Family("Gemma 4 (text)", "gemma4", "Gemma4ForCausalLM", qk_norm=True, gemma4=True),
+    Family(
+        "Gemma 4 (its text)",
+        "gemma4",
+        "Gemma4ForConditionalGeneration",
+        qk_norm=True,
+        gemma4=True,
+        text_of=True,
+    ),
     # top-k of the router's logits, then a softmax over those: renormalised top-k weights
     Family(
         "gpt-oss",

@@ -140,6 +140,8 @@ class HFSource(ModelSource):
             raise ModelError(f"{config_path} is not valid JSON ({exc})") from exc
         self.config = ModelConfig.from_hf(raw, str(config_path))
         family = HF_ARCHITECTURES[self.config.architecture]
+        # a multimodal folder's text model's tensors are under model.language_model.
+        self._prefix = "model.language_model." if family.text_of else "model."
         self._norm_plus_one = family.gemma
         # Gemma 3's and 4's names of their norms; Gemma 4's scale by the weight alone
         self._gemma_norms = family.gemma or family.gemma4
@@ -185,6 +187,8 @@ class HFSource(ModelSource):
             key = _HF_GLOBALS[name]
         else:
             key = "model.norm.weight" if name == "final_norm" else "model.embed_tokens.weight"
+        if key.startswith("model."):
+            key = self._prefix + key.removeprefix("model.")
         if key not in self._where and key + _BLOCKS in self._where:  # gpt-oss' MXFP4 experts
             return key + _BLOCKS
         if key not in self._where:

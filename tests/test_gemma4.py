@@ -248,6 +248,28 @@ def _greedy(engine: Engine, prompt: list[int], tokenizer, speculator=None) -> li
     return ids[len(prompt) :]
 
 
+def test_a_published_multimodal_folder_runs_its_text_model(tmp_path):
+    """Gemma 4 as published, a Gemma4ForConditionalGeneration (here with a small vision tower):
+    its text model's config under text_config, its tensors under model.language_model, its
+    logits on text alone equal to its own, at 1 and 3 nodes."""
+    import transformers
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+    config = transformers.Gemma4Config(text_config=SMALL, vision_config=vision, audio_config=None)
+    model = transformers.Gemma4ForConditionalGeneration(config).to(torch.float32).eval()
+    _randomize(model, seed=5)
+    model.save_pretrained(tmp_path)
+    prompt = torch.randint(0, 320, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(1))
+    expected, continuation = _reference(model, prompt.tolist())
+    source = open_model(tmp_path)
+    assert source.config.architecture == "Gemma4ForConditionalGeneration"
+    for n in (1, 3):
+        engine = Engine.local(source, (1.0,) * n, max_context=CONTEXT)
+        ours = _ours(engine, prompt.tolist(), continuation)
+        _assert_close_logits(ours, expected, f"gemma4 multimodal folder's text, {n} node(s)")
+
+
 def test_real_nodes_streaming_f32_shards_equal_transformers(gemma4):
     """3 real node processes, each streaming its slice a layer at a time: the master's PLE
     tensors, layer scales and a mixture's dense MLP and router scales go through the split's
