@@ -196,6 +196,29 @@ def test_logits_equal_transformers_at_every_position_on_every_node_count(gemma4,
         _assert_close_logits(ours, expected, what)
 
 
+def test_a_batch_of_two_answers_as_each_alone(gemma4):
+    """Two sequences of different lengths in one step, then a decode step of both, at 3 nodes:
+    each one's logits are those it has alone (a sharing layer reads each sequence's own keys
+    from the earlier layer's cache, at its own positions)."""
+    from models.layers import StepBatch
+
+    _, folder, prompt = gemma4
+    source = open_model(folder)
+    first, second = prompt, prompt[5:29]
+    alone = []
+    engine = Engine.local(source, (1.0,) * 3, max_context=CONTEXT, slots=2)
+    for ids in (first, second):
+        prefill = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)), all_logits=True)
+        decode = engine.forward([[7]], StepBatch((0,), (len(ids),), (1,)))
+        alone.append((prefill[0, : len(ids)], decode[0]))
+    batch = StepBatch((0, 1), (0, 0), (len(first), len(second)))
+    prefill = engine.forward([first, second], batch, all_logits=True)
+    decode = engine.forward([[7], [7]], StepBatch((0, 1), (len(first), len(second)), (1, 1)))
+    for b, ids in enumerate((first, second)):
+        _assert_close_logits(prefill[b, : len(ids)], alone[b][0], f"sequence {b}'s prompt")
+        _assert_close_logits(decode[b], alone[b][1], f"sequence {b}'s decode step")
+
+
 def test_greedy_32_tokens_equal_transformers_generate(gemma4):
     model, folder, prompt = gemma4
     with torch.inference_mode():
