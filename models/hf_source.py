@@ -45,21 +45,21 @@ _HF_LAYER = {
     "ple_output": "per_layer_projection.weight",
     "ple_norm": "post_per_layer_input_norm.weight",
     "layer_scalar": "layer_scalar",
+}
+# A Gemma 4 mixture's: the experts' norm, router, the dense MLP's norms (its gate, up and down
+# are _HF_LAYER's), the experts' sum's norm and the router's scales; its experts, gate and up
+# in one tensor (E, 2 F, D), down (E, D, F)
+_HF_GEMMA4_MIXTURE = {
+    "ffn_norm": "pre_feedforward_layernorm_2.weight",
+    ROUTER: "router.proj.weight",
     "dense_norm": "pre_feedforward_layernorm.weight",
     "dense_post_norm": "post_feedforward_layernorm_1.weight",
     "experts_post_norm": "post_feedforward_layernorm_2.weight",
     "router_scale": "router.scale",
     "expert_scale": "router.per_expert_scale",
 }
-# A Gemma 4 mixture's: the experts' norm, router and experts, gate and up in one tensor
-# (E, 2 F, D), down (E, D, F)
-_HF_GEMMA4_MIXTURE = {
-    "ffn_norm": "pre_feedforward_layernorm_2.weight",
-    ROUTER: "router.proj.weight",
-    "gate": "experts.gate_up_proj",
-    "up": "experts.gate_up_proj",
-    "down": "experts.down_proj",
-}
+_HF_GEMMA4_EXPERTS = {"gate": "experts.gate_up_proj", "up": "experts.gate_up_proj",
+                      "down": "experts.down_proj"}  # fmt: skip
 # Gemma 4's global PLE tensors
 _HF_GLOBALS = {
     PLE_EMBEDDING: "model.embed_tokens_per_layer.weight",
@@ -169,12 +169,11 @@ class HFSource(ModelSource):
 
     def _key(self, layer: int | None, name: str) -> str:
         expert = expert_of(name)
-        mixture = expert[0] if expert is not None else name
-        if layer is not None and self.config.dense_ffn and mixture in _HF_GEMMA4_MIXTURE:
-            if expert is not None or name in ("ffn_norm", ROUTER):
-                key = f"model.layers.{layer}.{_HF_GEMMA4_MIXTURE[mixture]}"
-            else:  # the dense MLP's gate, up and down
-                key = hf_layer_name(layer, name, self.config.architecture)
+        mixture = layer is not None and bool(self.config.dense_ffn)  # Gemma 4's
+        if mixture and expert is not None:
+            key = f"model.layers.{layer}.{_HF_GEMMA4_EXPERTS[expert[0]]}"
+        elif mixture and name in _HF_GEMMA4_MIXTURE:
+            key = f"model.layers.{layer}.{_HF_GEMMA4_MIXTURE[name]}"
         elif layer is not None and self.config.fused and name in HF_FUSED:
             key = f"model.layers.{layer}.{HF_FUSED[name]}"
         elif layer is not None and self._gemma_norms and name in _HF_GEMMA_NORMS:
