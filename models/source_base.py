@@ -11,7 +11,13 @@ import torch
 
 from models import gemma4
 from models.config import ModelConfig
-from models.dtypes import embedding_dtype, matrix_dtype
+from models.dtypes import (
+    PLAIN_DTYPES,
+    QUANTIZABLE_BLOCK_DTYPES,
+    embedding_dtype,
+    matrix_dtype,
+    nearest_dtype,
+)
 from models.layers import (
     EXPERT_BIAS_TENSORS,
     EXPERT_TENSORS,
@@ -28,6 +34,8 @@ from models.layers import (
 )
 from models.quant import BLOCK, FORMATS
 from models.tokenizer import Tokenizer
+
+MADE_FROM_FLOAT = (*PLAIN_DTYPES, *QUANTIZABLE_BLOCK_DTYPES)
 
 
 class ModelSource(ABC):
@@ -52,7 +60,9 @@ class ModelSource(ABC):
         if layer is None and name in (POST_NORMS, ROUTER, *gemma4.STACKED):
             return "F32"  # the master's, as float32
         if layer is not None and self._absent(layer, name):
-            return "F32"
+            # zeros hold in any format made from floats: the matrix keeps its queries' format
+            queries = self._stored_type(layer, "q")
+            return queries if nearest_dtype(queries) in MADE_FROM_FLOAT else "F32"
         if layer is not None:
             name = gemma4.stored_name(self.config, layer, name)
         return self._stored_type(layer, name)

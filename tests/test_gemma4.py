@@ -102,6 +102,7 @@ def _built(name: str, tmp_path_factory) -> tuple:
             config, attn_implementation="eager", dtype=torch.float32
         )
         _randomize(model, seed=4)  # norms, scales and layer scales around 1, not the initial 1
+        _round_sharing_queries(model)
         model.eval()
         folder = tmp_path_factory.mktemp(f"gemma4-{name}")
         model.save_pretrained(folder)
@@ -111,6 +112,20 @@ def _built(name: str, tmp_path_factory) -> tuple:
         )
         _BUILT[name] = (model, folder, prompt.tolist())
     return _BUILT[name]
+
+
+def _round_sharing_queries(model) -> None:
+    """The KV-sharing layers' query projections rounded to what Q8_0 holds, which the GGUF
+    file stores them as: the HF folder and the file are the same model."""
+    c = model.config
+    first_shared = c.num_hidden_layers - c.num_kv_shared_layers
+    with torch.no_grad():
+        for layer in model.model.layers[first_shared:]:
+            w = layer.self_attn.q_proj.weight
+            blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+            w.copy_(
+                torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0))
+            )
 
 
 def _write_gguf(model, path) -> None:
@@ -171,7 +186,12 @@ def _write_gguf(model, path) -> None:
             base = names.get_name(key.removesuffix(".weight"))
             assert base is not None, key
             name = f"{base}.weight"
-        writer.add_tensor(name, t.detach().float().contiguous().numpy())
+        values = t.detach().float().contiguous().numpy()
+        if name.endswith("attn_q.weight") and int(i) >= first_shared:  # as rounded above
+            q8_0 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(values, q8_0), raw_dtype=q8_0)
+        else:
+            writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -185,6 +205,8 @@ def test_logits_equal_transformers_at_every_position_on_every_node_count(gemma4,
     model_source = open_model(folder if source == "hf" else folder / "model.gguf")
     config = model_source.config
     assert config.k_eq_v and config.ple_dim == 16 and config.global_head_dim == 64
+    if source == "gguf" and config.kv_shared:  # no K or V: the queries' Q8_0 for all three
+        assert model_source.matrix_dtypes(4, "auto")["wqkv"] == "q8_0"
     if config.moe:
         assert (config.n_experts, config.ffn_hidden, config.dense_ffn) == (8, 64, 96)
     else:
