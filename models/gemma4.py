@@ -1,5 +1,7 @@
 """What Gemma 4 (text) adds to Gemma 3's layer, as transformers' Gemma4TextModel computes it.
 
+- Layers of their own shapes: global layers' heads of `global_head_dim` and `global_kv_heads`,
+  KV-sharing layers' FFNs twice as wide; each layer is cut by its own (`layer_view`).
 - KV shared across layers: the last `kv_shared` layers compute queries only and attend to the
   keys and values of the last earlier layer of their kind (local or global), which the node
   already holds: a sharing layer keeps no cache of its own (`kv_source`). A local layer that
@@ -7,9 +9,12 @@
   would overwrite in the ring what the sharing layer's earlier queries still see.
 - Per-layer input embeddings (PLE): each layer ends with a small gated block fed by a vector a
   token from a second embedding and a projection of the first. The master holds all of it and
-  computes it between the layers' sums (`per_layer_inputs`, `ple_block`), so nothing more
+  computes it between the layers' sums (`per_layer_inputs`, `end_of_layer`), so nothing more
   crosses the wire than for Gemma 3 (docs/decisions.md says why).
 - Each layer's output scaled by its `layer_scalar`, and the logits soft-capped.
+- A mixture (`dense_ffn`): the experts split as every mixture's, routed by Gemma 4's router
+  (`route`), beside a dense MLP the master computes (`mixture_out`: the two are normed apart
+  before they add, which one sum of partials cannot carry).
 
 The master's tensors are globals of their own, each layer's stacked by rows like POST_NORMS.
 """
@@ -67,7 +72,7 @@ STACKED = {PLE_GATES: "ple_gate", PLE_OUTPUTS: "ple_output", PLE_NORMS: "ple_nor
            EXPERT_SCALES: "expert_scale"}  # fmt: skip
 MIXTURE = (DENSE_GATES, DENSE_UPS, DENSE_DOWNS, DENSE_NORMS, DENSE_POST_NORMS, EXPERTS_POST_NORMS,
            ROUTER_SCALES, EXPERT_SCALES)  # fmt: skip
-# A sharing layer's tensors that its file does not hold: zeros stand in, never read
+# A sharing layer's tensors that its file does not hold: zeros stand in (multiplied, never read)
 SHARED_ABSENT = ("k", "v", "k_norm")
 
 
