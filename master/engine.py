@@ -116,8 +116,8 @@ class Engine:
         gemma4_tensors: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.config = config
-        # Gemma 4's per-layer input embeddings and layer scales, the master's alone
-        # (models/gemma4.py)
+        # Gemma 4's per-layer input embeddings, layer scales and a mixture's dense MLPs and
+        # router scales, the master's alone (models/gemma4.py)
         self.gemma4 = gemma4_tensors
         if gemma4.global_names(config) and gemma4_tensors is None:
             raise ValueError(f"{config.architecture} needs its per-layer inputs and scales")
