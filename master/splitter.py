@@ -17,6 +17,7 @@ import torch
 
 from memory.files import atomic_write
 from memory.shards import Manifest, ShardRef, ShardStore, ShardWriter, Spec
+from models import gemma4
 from models.dtypes import DTYPE_CHOICES, EXACT_WIDENING
 from models.kernels import dequantize, dtype_name, quantize
 from models.layers import (
@@ -96,7 +97,8 @@ def split_model(
     total = config.n_layers + 1
     told: set[str] = set()  # matrices whose cut through blocks was logged
     for i in range(config.n_layers):
-        cuts = [slice_parts(config, s, i) for s in slices]  # a layer's kind cuts it
+        # a layer's kind (attention or DeltaNet) and its shape (Gemma 4's differ) cut it
+        cuts = [slice_parts(*gemma4.layer_view(config, s, i), i) for s in slices]
         dtypes = source.matrix_dtypes(i, dtype)
         shards = []
         for node, c in enumerate(cuts):
@@ -121,6 +123,7 @@ def split_model(
     # the norms and the router stay float32; POST_NORMS and ROUTER are 2-D, hence "f32" rather
     # than a vector's None
     norm_dtypes: dict[str, str | None] = {"final_norm": None, POST_NORMS: "f32", ROUTER: "f32"}
+    norm_dtypes |= gemma4.global_dtypes(source, dtype)  # Gemma 4's, the master's
     whole = {
         n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), norm_dtypes.get(n, head))
         for n in source.global_names()

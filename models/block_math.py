@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models import gemma4
 from models.config import ModelConfig
 from models.kernels import SCALE_SUFFIX, blas_threads, linear, torch_threads
 from models.layers import Slice, StepBatch
@@ -40,12 +41,16 @@ def attention_partial(
     cache_v: torch.Tensor,
     batch: StepBatch,
     window: int | None = None,
+    shared_kv: bool = False,
 ) -> torch.Tensor:
     """This slice's share of the attention block's output for h (B, T, D).
 
     cache_k/cache_v: this layer's cache, (slots, n_kv, max_ctx, hd); the step's keys and values
     are written into it before attending. A local layer (`window`: it attends to that many last
     positions) has a ring of min(window, max_ctx) positions instead (`_attend_window`).
+    `shared_kv`: the cache is another layer's, which wrote the step's keys and values already
+    (Gemma 4's KV-sharing layers, models/gemma4.py); they are read, and written again as they
+    are.
     """
     B, T, _ = h.shape
     hd, nq, nkv = config.head_dim, s.n_q, s.n_kv
@@ -65,9 +70,13 @@ def attention_partial(
     q = q.transpose(1, 2)  # (B, nq, T, hd)
     k = k.transpose(1, 2)  # (B, nkv, T, hd)
     v = v.view(B, T, nkv, hd).transpose(1, 2)
+    if config.value_norm:
+        v = gemma4.rms_norm(v, None, config.norm_eps)
     cos, sin = cos_sin
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
+    if shared_kv:
+        k, v = gemma4.step_kv(cache_k, cache_v, batch)
 
     if window is not None:
         out = _attend_window(q, k, v, cache_k, cache_v, batch, window, s, config, w.get("sinks"))

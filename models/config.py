@@ -16,11 +16,14 @@ from models.families import FAMILIES as FAMILIES  # re-exported: where callers l
 from models.families import GGUF_ARCHITECTURES, HF_ARCHITECTURES, unsupported
 from models.family_fields import (
     DELTANET_FIELDS,
+    GEMMA4_FIELDS,
     GPT_OSS_FIELDS,
     gguf_deltanet,
+    gguf_gemma4,
     gpt_oss_fields,
     hf_deltanet,
     hf_gemma,
+    hf_gemma4,
     hf_gpt_oss,
     hf_moe,
     hf_unrotated,
@@ -36,7 +39,7 @@ class RopeScaling:
     """RoPE frequency scaling: Llama 3.x "llama3", YaRN "yarn" (Qwen2.5), LongRoPE "longrope"
     (Phi-3.5, Phi-4-mini) or plain "linear"."""
 
-    kind: str  # "llama3" | "yarn" | "longrope" | "linear"
+    kind: str  # "llama3" | "yarn" | "longrope" | "linear" | "proportional"
     factor: float
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
@@ -52,6 +55,9 @@ class RopeScaling:
     # longrope: per-frequency divisors for a context within original_context, and beyond it
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # proportional (Gemma 4's global layers): the leading `rotated` of each half of a head's
+    # pairs turn at base^(-2k / head_dim), the rest not at all
+    rotated: float = 1.0
 
     def __post_init__(self) -> None:  # JSON gives lists
         object.__setattr__(self, "short_factor", tuple(self.short_factor))
@@ -119,6 +125,24 @@ class ModelConfig:
     linear_v_dim: int = 0
     linear_conv: int = 0
     attention_gate: bool = False
+    # Gemma 4 (models/gemma4.py): values RMS-normed without a weight; the last `kv_shared`
+    # layers attend to the keys and values of the last earlier layer of their kind, holding none
+    # of their own, and with `wide_ffn` have FFNs twice as wide; the global layers' values are
+    # their keys' projection (`k_eq_v`), their heads `global_head_dim` wide and
+    # `global_kv_heads` of them (None: as the local layers'); per-layer input embeddings of
+    # `ple_dim` a layer from a vocabulary of `ple_vocab`; logits soft-capped at `final_softcap`.
+    value_norm: bool = False
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    wide_ffn: bool = False
+    # Gemma 4's mixture: beside the experts (`ffn_hidden` wide each), a dense GeGLU
+    # `dense_ffn` wide, the master's; each normed on its own before they add
+    dense_ffn: int = 0
+    kv_shared: int = 0
+    k_eq_v: bool = False
+    ple_dim: int = 0
+    ple_vocab: int = 0
+    final_softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("local_layers", "unrotated_layers", "linear_layers"):  # JSON gives lists
@@ -211,11 +235,14 @@ class ModelConfig:
             for name in ("n_experts", "n_experts_used", "norm_topk_prob"):
                 del values[name]
         # as before they existed
-        for name in ("unrotated_layers", "n_shared", *GPT_OSS_FIELDS, *DELTANET_FIELDS):
+        later = ("unrotated_layers", "n_shared", *GPT_OSS_FIELDS, *DELTANET_FIELDS, *GEMMA4_FIELDS)
+        for name in later:
             if not values[name]:
                 del values[name]
         if values["rope_scaling"] is not None and values["rope_scaling"]["truncate"]:
             del values["rope_scaling"]["truncate"]
+        if values["rope_scaling"] is not None and values["rope_scaling"]["rotated"] == 1.0:
+            del values["rope_scaling"]["rotated"]
         return values
 
     @classmethod
@@ -290,6 +317,10 @@ class ModelConfig:
                 "local_layers": local,
                 "local_rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)),
             }
+        shape: dict[str, int] = {}  # Gemma 4's, read from keys of a value a layer
+        if GGUF_ARCHITECTURES[arch].gemma4:
+            gemma, shape = gguf_gemma4(metadata, arch, source, n_layers)
+            head_dim = rotary_dim = shape["head_dim"]  # the global layers': gemma["global_..."]
         moe: dict[str, Any] = {}
         family = GGUF_ARCHITECTURES[arch]
         if family.moe or metadata.get(f"{arch}.expert_count"):
@@ -309,7 +340,7 @@ class ModelConfig:
                 shared = int(shared or key("feed_forward_length"))
                 moe["n_shared"] = shared_experts(shared, width, source)
         else:
-            moe = {"ffn_hidden": int(key("feed_forward_length"))}
+            moe = {"ffn_hidden": shape.get("ffn_hidden") or int(key("feed_forward_length"))}
         if family.gpt_oss:  # as llama.cpp reads it: the even layers attend to a window
             window = int(key("attention.sliding_window"))
             gemma = gpt_oss_fields(tuple(range(0, n_layers, 2)), window)  # layer kinds too
@@ -321,7 +352,7 @@ class ModelConfig:
             n_layers=n_layers,
             hidden=hidden,
             n_heads=n_heads,
-            n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+            n_kv_heads=shape.get("n_kv_heads") or int(key("attention.head_count_kv", n_heads)),
             head_dim=head_dim,
             vocab_size=int(vocab),
             context_length=int(key("context_length")),
@@ -354,6 +385,8 @@ class ModelConfig:
         n_heads = int(key("num_attention_heads"))
         head_dim = int(config.get("head_dim") or hidden // n_heads)
         partial = float(_hf_rope(config).get("partial_rotary_factor") or 1.0)
+        if _hf_rope(config).get("rope_type") == "proportional":  # RopeScaling.rotated
+            partial = 1.0
         rotary_dim = int(head_dim * partial)
         context = int(key("max_position_embeddings"))
         # Attention over only the last `sliding_window` positions (Mistral 7B v0.1, Phi-3 mini
@@ -361,7 +394,8 @@ class ModelConfig:
         # there. (Qwen2 configs name a window they do not use.)
         window = config.get("sliding_window")
         family = HF_ARCHITECTURES[arch]
-        local_layers = family.gemma or family.gpt_oss  # a window on some layers only
+        # a window on some layers only
+        local_layers = family.gemma or family.gpt_oss or family.gemma4
         if window and config.get("use_sliding_window", True) and not local_layers:
             context = min(context, int(window))
         gemma = hf_gemma(config, source) if family.gemma else {}
@@ -369,6 +403,8 @@ class ModelConfig:
             gemma = hf_gpt_oss(config, source)
         if family.deltanet:
             gemma = hf_deltanet(config, source)
+        if family.gemma4:
+            gemma = hf_gemma4(config, source)
         # transformers' attention_bias gives O its bias too (Llama, Qwen3, Gemma 3, SmolLM3);
         # the families whose O has none (Mistral, Qwen2) have no such key
         o_bias = {"o_bias": True} if config.get("attention_bias") else {}
@@ -392,8 +428,7 @@ class ModelConfig:
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             unrotated_layers=hf_unrotated(config, source, family),
-            **(o_bias | gemma),
-            **moe,
+            **(o_bias | moe | gemma),  # Gemma 4's experts' width is its own
         )
 
 
@@ -449,5 +484,11 @@ def _hf_rope_scaling(config: dict[str, Any], source: str) -> RopeScaling | None:
             float(scaling["low_freq_factor"]),
             float(scaling["high_freq_factor"]),
             int(scaling["original_max_position_embeddings"]),
+        )
+    if kind == "proportional":
+        return RopeScaling(
+            "proportional",
+            float(scaling.get("factor") or 1.0),
+            rotated=float(scaling.get("partial_rotary_factor") or 1.0),
         )
     raise ModelError(f"{source}: RoPE scaling {kind!r} is not supported")

@@ -46,6 +46,10 @@ class Family:
     # whose queries carry an output gate; every norm but the DeltaNet's own scales by (1 +
     # weight), as Gemma's (HF files store the weight)
     deltanet: bool = False
+    # Gemma 4 (text): Gemma 3's layer with plain norms, unscaled values' norm, scores unscaled,
+    # per-layer input embeddings, KV shared by the last layers, proportional RoPE on the global
+    # layers and a soft-capped final logit (models/gemma4.py)
+    gemma4: bool = False
 
 
 FAMILIES = (
@@ -75,6 +79,7 @@ FAMILIES = (
         expert_width="intermediate_size",
         norm_topk=True,
     ),
+    Family("Gemma 4 (text)", "gemma4", "Gemma4ForCausalLM", qk_norm=True, gemma4=True),
     # top-k of the router's logits, then a softmax over those: renormalised top-k weights
     Family(
         "gpt-oss",

@@ -20,6 +20,7 @@ chose multiplies all of its tokens at once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,9 +131,12 @@ def _experts(x: np.ndarray, w: dict[str, torch.Tensor], n: int, config: ModelCon
 
 
 def _swiglu(gate: np.ndarray, up: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """silu(gate) up, as `ffn_rows`; gpt-oss' clamped one where the config has a limit:
-    (up + 1) gate sigmoid(alpha gate), gate at most the limit, up within +-limit, as
-    transformers' GptOssExperts computes it."""
+    """silu(gate) up, as `ffn_rows`, or gelu's where the model's experts are GeGLU (Gemma 4);
+    gpt-oss' clamped one where the config has a limit: (up + 1) gate sigmoid(alpha gate), gate
+    at most the limit, up within +-limit, as transformers' GptOssExperts computes it."""
+    if config.activation == "gelu_tanh":  # Gemma 4's experts: GeGLU
+        inner = np.float32(math.sqrt(2 / math.pi)) * (gate + np.float32(0.044715) * gate**3)
+        return np.float32(0.5) * gate * (1 + np.tanh(inner)) * up
     if config.swiglu_limit is None:
         return gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up  # sigmoid without overflow
     limit, alpha = np.float32(config.swiglu_limit), np.float32(config.swiglu_alpha or 1.0)

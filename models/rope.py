@@ -28,6 +28,9 @@ def rope_inv_freq(
     sc = config.rope_scaling
     if sc is not None and sc.kind == "linear":
         inv = inv / sc.factor
+    elif sc is not None and sc.kind == "proportional":  # the rest of the pairs do not turn
+        inv[int(sc.rotated * d // 2) :] = 0
+        inv = inv / sc.factor
     elif sc is not None and sc.kind == "longrope":
         long = context > sc.original_context
         inv = inv / torch.tensor(sc.long_factor if long else sc.short_factor, dtype=torch.float64)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from models.bundled import model_path
 from models.config import ModelConfig
 from models.dtypes import AUTO, SOURCE_TYPES
 from models.errors import ModelError
+from models.gemma4 import PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM
 from models.gguf_file import GGUFFile
 from models.hf_source import _HF_LAYER as _HF_LAYER
 from models.hf_source import HFSource as HFSource
@@ -97,11 +99,32 @@ _GGUF_LAYER = {
     "ssm_dt": "ssm_dt.bias",
     "ssm_norm": "ssm_norm.weight",
     "ssm_out": "ssm_out.weight",
+    # Gemma 4's, which the master stacks (models/gemma4.py)
+    "ple_gate": "inp_gate.weight",
+    "ple_output": "proj.weight",
+    "ple_norm": "post_norm.weight",
+    "layer_scalar": "layer_output_scale.weight",
+}
+# Gemma 4's global PLE tensors
+_GGUF_GLOBALS = {
+    PLE_EMBEDDING: "per_layer_token_embd.weight",
+    PLE_PROJECTION: "per_layer_model_proj.weight",
+    PLE_PROJECTION_NORM: "per_layer_proj_norm.weight",
 }
 # A mixture of experts' stacks, (n_experts, out, in) each: expert e's rows follow expert e - 1's.
 _GGUF_EXPERTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
                  "down": "ffn_down_exps.weight", "gate_bias": "ffn_gate_exps.bias",
                  "up_bias": "ffn_up_exps.bias", "down_bias": "ffn_down_exps.bias"}  # fmt: skip
+# A Gemma 4 mixture's (`ModelConfig.dense_ffn`): its experts' norm and gate and up in one
+# stack (E 2F, D), its dense MLP's norms and the router's and experts' scales
+_GGUF_GEMMA4_MIXTURE = {
+    "ffn_norm": "pre_ffw_norm_2.weight",
+    "dense_norm": "ffn_norm.weight",
+    "dense_post_norm": "post_ffw_norm_1.weight",
+    "experts_post_norm": "post_ffw_norm_2.weight",
+    "router_scale": "ffn_gate_inp.scale",
+    "expert_scale": "ffn_down_exps.scale",
+}
 # gpt-oss' FFN norm, which llama.cpp names after HF's post_attention_layernorm (Qwen3.5's too)
 _GGUF_GPT_OSS_FFN_NORM = "post_attention_norm.weight"
 _GGUF_NEXT_BA = "ssm_ba.weight"
@@ -138,18 +161,29 @@ def _tiled_order(config: ModelConfig, name: str) -> torch.Tensor:
 
 
 def _gguf_name(
-    layer: int | None, name: str, tied: bool, fused: bool = False, gpt_oss: bool = False
+    layer: int | None,
+    name: str,
+    tied: bool,
+    fused: bool = False,
+    ffn_norm_after_attention: bool = False,
+    gemma4_mixture: bool = False,
 ) -> str:
     expert = expert_of(name)
+    if layer is not None and gemma4_mixture and expert is not None and expert[0] != "down":
+        return f"blk.{layer}.ffn_gate_up_exps.weight"
+    if layer is not None and gemma4_mixture and name in _GGUF_GEMMA4_MIXTURE:
+        return f"blk.{layer}.{_GGUF_GEMMA4_MIXTURE[name]}"
     if layer is not None and expert is not None:
         return f"blk.{layer}.{_GGUF_EXPERTS[expert[0]]}"
-    if layer is not None and gpt_oss and name == "ffn_norm":
+    if layer is not None and ffn_norm_after_attention and name == "ffn_norm":
         return f"blk.{layer}.{_GGUF_GPT_OSS_FFN_NORM}"
     if layer is not None:
         stored = GGUF_FUSED[name] if fused and name in GGUF_FUSED else _GGUF_LAYER[name]
         return f"blk.{layer}.{stored}"
     if name == "lm_head" and not tied:
         return "output.weight"
+    if name in _GGUF_GLOBALS:
+        return _GGUF_GLOBALS[name]
     return "output_norm.weight" if name == "final_norm" else "token_embd.weight"
 
 
@@ -165,18 +199,29 @@ class GGUFSource(ModelSource):
                 self.file.tensor("rope_factors_long.weight").tolist(),
             )
         config = ModelConfig.from_gguf(self.file.metadata, str(path), tied, longrope)
+        if config.value_norm:  # Gemma 4: what its tensors say of it
+            config = replace(config, **self._gemma4_tensors(config))
         # a llama's attention biases have no key: llama.cpp loads the tensors where they are
         self.config = replace(
             config,
             qkv_bias=config.qkv_bias or self.file.has_tensor("blk.0.attn_q.bias"),
             o_bias=config.o_bias or self.file.has_tensor("blk.0.attn_output.bias"),
         )
-        if self.config.moe and self.file.has_tensor("blk.0.ffn_gate_up_exps.weight"):
+        gemma4_mixture = bool(self.config.dense_ffn)  # its gate and up in one stack
+        if (
+            not gemma4_mixture
+            and self.config.moe
+            and self.file.has_tensor("blk.0.ffn_gate_up_exps.weight")
+        ):
             raise ModelError(
                 f"{path}: its experts' gate and up are one stacked tensor (ffn_gate_up_exps), "
                 "which edgetp does not read yet: convert the model without fusing them"
             )
-        if self.config.moe and not self.file.has_tensor("blk.0.ffn_gate_exps.weight"):
+        if (
+            not gemma4_mixture
+            and self.config.moe
+            and not self.file.has_tensor("blk.0.ffn_gate_exps.weight")
+        ):
             raise ModelError(
                 f"{path}: its experts are not stacked as blk.N.ffn_gate_exps.weight (an older "
                 "converter's layout, one tensor an expert): convert the model again with a "
@@ -197,6 +242,16 @@ class GGUFSource(ModelSource):
                     "quantization"
                 )
 
+    def _gemma4_tensors(self, config: ModelConfig) -> dict[str, Any]:
+        """A Gemma 4 file's PLE vocabulary (its table's rows) and whether its global layers'
+        values are their keys (no attn_v of their own, as llama.cpp's converter writes them)."""
+        fields: dict[str, Any] = {}
+        if config.ple_dim:
+            fields["ple_vocab"] = self.file.info(_GGUF_GLOBALS[PLE_EMBEDDING]).shape[0]
+        globals_ = [i for i in range(config.n_layers) if not config.is_local(i)]
+        fields["k_eq_v"] = not self.file.has_tensor(f"blk.{globals_[0]}.attn_v.weight")
+        return fields
+
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf_metadata(self.file.metadata, str(self.path))
 
@@ -206,7 +261,7 @@ class GGUFSource(ModelSource):
             return f"blk.{layer}.{_GGUF_NEXT_BA}"
         # gpt-oss' and the DeltaNet families' FFN norm is named after attention
         after = c.expert_bias or bool(c.linear_layers)
-        return _gguf_name(layer, name, c.tied_embeddings, c.fused, after)
+        return _gguf_name(layer, name, c.tied_embeddings, c.fused, after, bool(c.dense_ffn))
 
     def _reordered(self, layer: int | None, name: str) -> torch.Tensor | None:
         """The rows of the stored tensor, in order, that hold canonical `name` where the file
@@ -234,6 +289,8 @@ class GGUFSource(ModelSource):
         expert = expert_of(name) if layer is not None else None
         if expert is not None:  # a stack's rows: expert e's after e experts' rows
             at = expert[1] * self.shape(layer, name)[0]
+            if self.config.dense_ffn and expert[0] in ("gate", "up"):  # Gemma 4's: both
+                at = (2 * expert[1] + (expert[0] == "up")) * self.config.ffn_hidden
         if name == SHARED_ROUTER:  # a vector in the file, one row here
             return self.file.tensor(gguf_name).view(1, -1)[start:stop]
         if expert is not None and expert[0] in EXPERT_BIAS_TENSORS:  # (E, n): a few floats

@@ -13,7 +13,7 @@ import torch
 from memory.experts import ExpertPool
 from memory.shards import tensor_specs
 from memory.window import LayerWindow, ResidentLayers
-from models import rows_native
+from models import gemma4, rows_native
 from models.block_math import attention_partial, ffn_partial
 from models.block_rows import attention_rows, ffn_rows
 from models.config import ModelConfig
@@ -59,6 +59,8 @@ class SliceExecutor:
             raise ValueError(f"expected {config.n_layers} layers, got {weights.n_layers}")
         self.config = config
         self.slice = s
+        # each layer's shape and this slice's share of it (Gemma 4's differ by layer)
+        self._views = [gemma4.layer_view(config, s, i) for i in range(config.n_layers)]
         self.weights = weights
         # A slice that streams gives its loader a core (models/kernels.py says why).
         leave_a_core_to_the_loader(isinstance(weights, LayerWindow) and not weights.resident)
@@ -152,7 +154,7 @@ class SliceExecutor:
         elif self.native_step:
             assert self.native is not None
             out = self.native.attention(index, h)
-        elif self._batch.rows:
+        elif self._batch.rows and not self.config.value_norm:
             cos_sin_rows = self._local_cos_sin_rows if own_rope else self._cos_sin_rows
             assert cos_sin_rows is not None
             out = attention_rows(
@@ -166,21 +168,27 @@ class SliceExecutor:
                 self._batch,
                 window,
             )
-        else:
+        else:  # Gemma 4's decode steps too: the rows path has no value norm, no shared KV
             cos_sin = self._local_cos_sin if own_rope else self._cos_sin
             assert cos_sin is not None
+            cache = gemma4.kv_source(self.config, index)  # its own, or the layer it shares
+            x = _as_tensor(h[:, None] if self._batch.rows else h)  # (B, T, D)
+            view, share = self._views[index]
             with torch.inference_mode():
                 out = attention_partial(
-                    _as_tensor(h),
+                    x,
                     weights,
-                    self.slice,
-                    self.config,
+                    share,
+                    view,
                     cos_sin,
-                    self.cache.keys[index],
-                    self.cache.values[index],
+                    self.cache.keys[cache],
+                    self.cache.values[cache],
                     self._batch,
                     window,
+                    shared_kv=cache != index,
                 ).numpy()
+            if self._batch.rows:
+                out = out[:, 0]
         self.weights.figures.compute_s += time.perf_counter() - started
         return out
 
@@ -288,7 +296,7 @@ def make_executor(
     rope_freq_factors: torch.Tensor | None = None,
 ) -> SliceExecutor:
     """A slice's executor with its RoPE tables and an empty KV cache: the one way to build one."""
-    rope = Rope(config, max_context, rope_freq_factors)
+    rope = Rope(gemma4.global_config(config), max_context, rope_freq_factors)
     local_rope = None
     if config.local_layers and config.local_rope_theta is not None:  # unscaled, own base
         local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)

@@ -10,11 +10,14 @@ import torch
 from models.config import ModelConfig
 from models.deltanet import channels, recur
 from models.errors import ModelError
+from models.gemma4 import keeps_whole_context, layer_view, shares_kv
 from models.layers import Slice, StepBatch
 
 # Keys and values stay float32 whatever the weights' dtype: they are a small part of memory at
 # edge context lengths, and the attention math on them is float32 in both paths.
 KV_DTYPE = torch.float32
+# A context past any window: the layers whose cache holds fewer positions keep a ring (or none)
+_UNBOUNDED = 2**62
 
 
 class KVCache:
@@ -33,7 +36,8 @@ class KVCache:
         dtype: torch.dtype = KV_DTYPE,
     ) -> None:
         def shape(layer: int) -> tuple[int, ...]:  # (S, n_kv, positions, hd)
-            return (slots, s.n_kv, positions(config, layer, max_context), config.head_dim)
+            view, share = layer_view(config, s, layer)  # Gemma 4's global layers differ
+            return (slots, share.n_kv, positions(config, layer, max_context), view.head_dim)
 
         self.keys = [torch.zeros(shape(i), dtype=dtype) for i in range(config.n_layers)]
         self.values = [torch.zeros(shape(i), dtype=dtype) for i in range(config.n_layers)]
@@ -47,25 +51,32 @@ class KVCache:
     @staticmethod
     def bytes_per_token(config: ModelConfig, s: Slice, dtype: torch.dtype = KV_DTYPE) -> int:
         """A slot's bytes per token of context: those of the layers that attend to all of it."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        full = config.n_layers - len(config.local_layers) - len(config.linear_layers)
-        return 2 * full * s.n_kv * config.head_dim * itemsize
+        full = [i for i in range(config.n_layers) if positions(config, i, _UNBOUNDED) == _UNBOUNDED]
+        return sum(_position_bytes(config, s, i, dtype) for i in full)
 
     @staticmethod
     def window_bytes(config: ModelConfig, s: Slice, dtype: torch.dtype = KV_DTYPE) -> int:
         """A slot's bytes for the local layers' rings, whatever the context (at most this)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        held = [positions(config, i, _UNBOUNDED) for i in range(config.n_layers)]
+        rings = [i for i, n in enumerate(held) if 0 < n < _UNBOUNDED]
         window = config.sliding_window or 0
-        rings = 2 * len(config.local_layers) * window * s.n_kv * config.head_dim * itemsize
-        return rings + LinearStates.slot_bytes(config, s)
+        ring_bytes = window * sum(_position_bytes(config, s, i, dtype) for i in rings)
+        return ring_bytes + LinearStates.slot_bytes(config, s)
+
+
+def _position_bytes(config: ModelConfig, s: Slice, layer: int, dtype: torch.dtype) -> int:
+    """A slot's bytes of keys and values a position in `layer`'s cache."""
+    view, share = layer_view(config, s, layer)
+    return 2 * share.n_kv * view.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def positions(config: ModelConfig, layer: int, max_context: int) -> int:
     """Positions a layer's cache holds: a local layer only its window, as a ring; a gated
-    DeltaNet layer none (its state is `LinearStates`')."""
-    if config.is_linear(layer):
+    DeltaNet layer none (its state is `LinearStates`'); a layer that reads another's none, and
+    a local layer others read all of them (models/gemma4.py)."""
+    if config.is_linear(layer) or shares_kv(config, layer):
         return 0
-    if config.is_local(layer) and config.sliding_window:
+    if config.is_local(layer) and config.sliding_window and not keeps_whole_context(config, layer):
         return min(config.sliding_window, max_context)
     return max_context
 

@@ -17,7 +17,8 @@ import zmq
 # 6: typed messages (node/messages.py): the lm_head's shard nested in WELCOME, BYE's rejoin;
 # 7: a mixture of experts: STEP's experts and expert_weights for an FFN block, the config's
 # n_experts, n_experts_used, norm_topk_prob in WELCOME; 8: the config's unrotated_layers
-# (SmolLM3) and n_shared (Qwen2-MoE): a node of 7 would stop at the keys it does not know
+# (SmolLM3), n_shared (Qwen2-MoE), its gated DeltaNet fields (Qwen3.5, Qwen3-Next) and Gemma
+# 4's: a node of 7 would stop at the keys it does not know
 PROTOCOL_VERSION = 8
 DEFAULT_PORT = 7470
 

@@ -200,12 +200,15 @@ def test_only_a_process_held_to_one_core_yields_it_after_its_sends():
 # no other (ModelConfig.from_dict): a field added without a new version would stop an older
 # node at "unknown model config keys" instead of at the version check, which says what to do.
 CONFIG_FIELDS_OF_THIS_VERSION = (8, {
-    "activation", "architecture", "attention_sinks", "context_length", "embedding_multiplier",
-    "expert_bias", "ffn_hidden", "fused", "head_dim", "hidden", "local_layers",
-    "local_rope_theta", "n_experts", "n_experts_used", "n_heads", "n_kv_heads", "n_layers",
-    "n_shared", "norm_eps", "norm_topk_prob", "o_bias", "post_norms", "qk_norm", "qkv_bias",
-    "query_scale", "rope_scaling", "rope_theta", "rotary_dim", "router_bias", "sliding_window",
-    "swiglu_alpha", "swiglu_limit", "tied_embeddings", "unrotated_layers", "vocab_size",
+    "activation", "architecture", "attention_gate", "attention_sinks", "context_length",
+    "dense_ffn", "embedding_multiplier", "expert_bias", "ffn_hidden", "final_softcap", "fused",
+    "global_head_dim", "global_kv_heads", "head_dim", "hidden", "k_eq_v", "kv_shared",
+    "linear_conv", "linear_k_dim", "linear_k_heads", "linear_layers", "linear_v_dim",
+    "linear_v_heads", "local_layers", "local_rope_theta", "n_experts", "n_experts_used", "n_heads",
+    "n_kv_heads", "n_layers", "n_shared", "norm_eps", "norm_topk_prob", "o_bias", "ple_dim",
+    "ple_vocab", "post_norms", "qk_norm", "qkv_bias", "query_scale", "rope_scaling", "rope_theta",
+    "rotary_dim", "router_bias", "sliding_window", "swiglu_alpha", "swiglu_limit",
+    "tied_embeddings", "unrotated_layers", "value_norm", "vocab_size", "wide_ffn",
 })  # fmt: skip
 
 

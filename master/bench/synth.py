@@ -148,13 +148,26 @@ def synthetic_size(shape: str, layers: int, dtype: torch.dtype = torch.float16) 
 
 
 def _synthetic_config(shape: str, layers: int, dtype: torch.dtype, seed: int) -> dict[str, Any]:
-    config = dict(SHAPES[shape])
-    config["num_hidden_layers"] = layers
-    if "layer_types" in config:  # the first layers' kinds
-        config["layer_types"] = config["layer_types"][:layers]
+    config = _layers_of(SHAPES[shape], layers)
     config["torch_dtype"] = _CONFIG_DTYPES[dtype]
     config[MARKER_KEY] = {"shape": shape, "seed": seed}
     return config
+
+
+def _layers_of(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """`config` with its first `layers` layers, their kinds cut as many (Qwen3.5's, Gemma 4's);
+    a Gemma 4's last a global one, and as large a share of them reading earlier layers' KV as
+    leaves each kind a layer to read."""
+    out = dict(config, num_hidden_layers=layers)
+    if "layer_types" not in config:
+        return out
+    out["layer_types"] = config["layer_types"][:layers]
+    if "num_kv_shared_layers" in config:
+        out["layer_types"] = out["layer_types"][:-1] + ["full_attention"]
+        shared = round(config["num_kv_shared_layers"] * layers / config["num_hidden_layers"])
+        first_global = out["layer_types"].index("full_attention")
+        out["num_kv_shared_layers"] = max(0, min(shared, layers - first_global - 1))
+    return out
 
 
 def _shard_plan(config: dict[str, Any], layers: int) -> dict[str, list[_TensorSpec]]:
@@ -177,6 +190,8 @@ def _shard_plan(config: dict[str, Any], layers: int) -> dict[str, list[_TensorSp
     ]
     if not config.get("tie_word_embeddings", False):
         globals_.append(_TensorSpec("lm_head.weight", (vocab, hidden), _WEIGHT_STD))
+    if config["architectures"][0] == "Gemma4ForCausalLM":
+        return _gemma4_plan(_layers_of(config, layers), globals_, residual_std)
     files[f"model-{1:05d}-of-{count:05d}.safetensors"] = globals_
     model = ModelConfig.from_hf(config, "config.json")
     for i in range(layers):
@@ -292,6 +307,51 @@ def _ffn(p: str, config: dict[str, Any], residual_std: float) -> list[_TensorSpe
             )
         ]
     return out
+
+
+def _gemma4_plan(
+    config: dict[str, Any], globals_: list[_TensorSpec], residual_std: float
+) -> dict[str, list[_TensorSpec]]:
+    """A Gemma 4's files (`config` with the layers written): its per-layer input embeddings
+    beside the globals, and each layer at its own shape (`models.gemma4.layer_config`): a
+    global layer's heads, a sharing layer without keys and values and with its wider FFN."""
+    from models import gemma4
+
+    model = ModelConfig.from_hf(config, "config.json")
+    d, n, ple = model.hidden, model.n_layers, model.ple_dim
+    count = n + 1
+    globals_ = globals_ + [
+        _TensorSpec("model.embed_tokens_per_layer.weight", (model.ple_vocab, n * ple), _WEIGHT_STD),
+        _TensorSpec("model.per_layer_model_projection.weight", (n * ple, d), _WEIGHT_STD),
+        _TensorSpec("model.per_layer_projection_norm.weight", (ple,), None),
+    ]
+    files = {f"model-{1:05d}-of-{count:05d}.safetensors": globals_}
+    for i in range(n):
+        c, p = gemma4.layer_config(model, i), f"model.layers.{i}."
+        q, kv = model.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        specs = [
+            _TensorSpec(p + "self_attn.q_proj.weight", (q, d), _WEIGHT_STD),
+            _TensorSpec(p + "self_attn.q_norm.weight", (c.head_dim,), None),
+            _TensorSpec(p + "self_attn.o_proj.weight", (d, q), residual_std),
+            _TensorSpec(p + "mlp.gate_proj.weight", (c.ffn_hidden, d), _WEIGHT_STD),
+            _TensorSpec(p + "mlp.up_proj.weight", (c.ffn_hidden, d), _WEIGHT_STD),
+            _TensorSpec(p + "mlp.down_proj.weight", (d, c.ffn_hidden), residual_std),
+            *(_TensorSpec(p + f"{name}.weight", (d,), None) for name in (
+                "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm", "post_per_layer_input_norm")),
+            _TensorSpec(p + "per_layer_input_gate.weight", (ple, d), _WEIGHT_STD),
+            _TensorSpec(p + "per_layer_projection.weight", (d, ple), residual_std),
+            _TensorSpec(p + "layer_scalar", (1,), None),
+        ]  # fmt: skip
+        if not gemma4.shares_kv(model, i):
+            specs += [
+                _TensorSpec(p + "self_attn.k_proj.weight", (kv, d), _WEIGHT_STD),
+                _TensorSpec(p + "self_attn.k_norm.weight", (c.head_dim,), None),
+            ]
+            if gemma4.stored_name(model, i, "v") == "v":
+                specs.append(_TensorSpec(p + "self_attn.v_proj.weight", (kv, d), _WEIGHT_STD))
+        files[f"model-{i + 2:05d}-of-{count:05d}.safetensors"] = specs
+    return files
 
 
 def _tensor_seed(seed: int, name: str) -> int:

@@ -303,6 +303,46 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 248044,
         "eos_token_id": 248046,
     },
+    # google/gemma-4-E2B-it's text_config, as Gemma4ForCausalLM: 4 local layers to 1 global, the
+    # global ones' heads 512 wide, the last 20 layers reading earlier ones' KV with FFNs twice
+    # as wide, per-layer input embeddings of 256 a layer
+    "gemma4-e2b": {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "hidden_size": 1536,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 35,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "num_global_key_value_heads": None,
+        "attention_k_eq_v": False,
+        "sliding_window": 512,
+        "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        "vocab_size": 262144,
+        "vocab_size_per_layer_input": 262144,
+        "hidden_size_per_layer_input": 256,
+        "num_kv_shared_layers": 20,
+        "use_double_wide_mlp": True,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-06,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    },
     # TinyLlama/TinyLlama-1.1B-Chat-v1.0
     "tinyllama-1.1b": {
         **_LLAMA_COMMON,
@@ -349,6 +389,10 @@ def tokenizer_style(shape: str) -> TokenizerStyle:
                     200003: "<|constrain|>", 200005: "<|channel|>", 200006: "<|start|>",
                     200007: "<|end|>", 200008: "<|message|>", 200012: "<|call|>"}  # fmt: skip
         return TokenizerStyle(specials, _HARMONY_TEMPLATE, add_bos=False)
+    if shape.startswith("gemma4"):  # Gemma's <pad>, <eos>, <bos>, <unk> and its turn markers
+        specials = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<|turn>",
+                    106: "<turn|>"}  # fmt: skip
+        return TokenizerStyle(specials, _GEMMA4_TEMPLATE, add_bos=True, unk="<unk>")
     if shape.startswith("smollm2"):
         specials = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
         return TokenizerStyle(specials, _CHATML_TEMPLATE, add_bos=False)
@@ -411,6 +455,17 @@ _HARMONY_TEMPLATE = (
     "<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}<|end|>"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+# Gemma 4's turns, without its system turn, thinking channel or tools: enough for a synthetic
+# model's prompts (the model's own template is in its files, which no package here holds).
+_GEMMA4_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<|turn>{{ role }}\n{{ message['content'] | trim }}<turn|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
 
 _LLAMA3_TEMPLATE = (
