@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import queue
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from master.prompts import chat_tokens
 from master.reuse import SlotPool, common_prefix, reusable
 from master.session import Session
 from master.transport import ClusterError
+from models.config import ModelConfig
 from models.layers import StepBatch
 from models.rows_native import NativeBlocks
 
@@ -217,15 +217,13 @@ def test_a_node_lost_forgets_what_the_slots_held(smollm2, smollm2_tokenizer, ste
     assert after.text == first.text
 
 
-class _Engine:  # what a slot pool reads of an engine (a SimpleNamespace takes no weak ref)
+class _Engine:  # what a slot pool reads of an engine, with a config of a local layer or none
     def __init__(self, ring: int | None, context: int = 4096) -> None:
-        self.config = SimpleNamespace(
-            local_layers=(0,) if ring else (),
-            sliding_window=ring,
-            is_local=lambda i: i == 0,
-            linear_layers=(),
-            is_linear=lambda i: False,
-        )
+        self.config = ModelConfig(
+            architecture="LlamaForCausalLM", n_layers=2, hidden=64, n_heads=2, n_kv_heads=1,
+            head_dim=32, ffn_hidden=64, vocab_size=100, context_length=context, norm_eps=1e-5,
+            rope_theta=1e4, local_layers=(0,) if ring else (), sliding_window=ring,
+        )  # fmt: skip
         self.max_context = context
 
 
