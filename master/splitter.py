@@ -18,7 +18,7 @@ import torch
 from memory.files import atomic_write
 from memory.shards import Manifest, ShardRef, ShardStore, ShardWriter, Spec
 from models import gemma4
-from models.dtypes import DTYPE_CHOICES, EXACT_WIDENING
+from models.dtypes import DTYPE_CHOICES, EXACT_WIDENING, STAND_INS
 from models.kernels import dequantize, dtype_name, quantize
 from models.layers import (
     POST_NORMS,
@@ -96,10 +96,16 @@ def split_model(
     nodes: list[list[ShardRef]] = [[] for _ in slices]
     total = config.n_layers + 1
     told: set[str] = set()  # matrices whose cut through blocks was logged
+    stood_in: set[str] = set()  # matrices stored in a K-quant's stand-in, logged
     for i in range(config.n_layers):
         # a layer's kind (attention or DeltaNet) and its shape (Gemma 4's differ) cut it
         cuts = [slice_parts(*gemma4.layer_view(config, s, i), i) for s in slices]
         dtypes = source.matrix_dtypes(i, dtype)
+        for m in dtypes.keys() - stood_in:
+            if dtype in STAND_INS and dtypes[m] == STAND_INS[dtype]:
+                stood_in.add(m)
+                log.warning("%s's rows are not whole blocks of %s's 256: stored as %s, as "
+                            "llama.cpp does", m, dtype, dtypes[m])  # fmt: skip
         shards = []
         for node, c in enumerate(cuts):
             kept = slice_dtypes(c, dtypes)

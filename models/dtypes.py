@@ -42,6 +42,21 @@ def nearest_dtype(stored_type: str) -> str:
     return _NEAREST[stored_type]
 
 
+# llama.cpp's stand-ins for a format of blocks of 256 where a matrix's rows are not whole blocks
+# of it (`llama_tensor_get_type`: SmolLM2's 576-wide rows, say): blocks of 32, as many bits or more
+STAND_INS = {"q2_k": "iq4_nl", "q3_k": "iq4_nl", "iq4_xs": "iq4_nl", "q4_k": "q5_0",
+             "q5_k": "q5_1", "q6_k": "q8_0"}  # fmt: skip
+SUPER_BLOCK = 256
+
+
+def fitting_dtype(dtype: str, columns: int) -> str:
+    """`dtype`, or its stand-in (`STAND_INS`) where rows of `columns` weights are not whole
+    blocks of it."""
+    if dtype in STAND_INS and columns % SUPER_BLOCK:
+        return STAND_INS[dtype]
+    return dtype
+
+
 def matrix_dtype(requested: str, stored_types: list[str]) -> str:
     """The shard dtype of a matrix fused from source tensors of these stored types."""
     if requested != AUTO:

@@ -11,7 +11,7 @@ import torch
 
 from models import gemma4
 from models.config import ModelConfig
-from models.dtypes import embedding_dtype, matrix_dtype
+from models.dtypes import embedding_dtype, fitting_dtype, matrix_dtype
 from models.layers import (
     EXPERT_BIAS_TENSORS,
     EXPERT_TENSORS,
@@ -164,10 +164,14 @@ class ModelSource(ABC):
 
     def matrix_dtypes(self, layer: int, dtype: str) -> dict[str, str]:
         """The shard dtype of each of a layer's fused matrices (`models.layers.MATRICES`) when
-        the split asks for `dtype` (`auto`: as this source stores them)."""
+        the split asks for `dtype` (`auto`: as this source stores them; a format of blocks of
+        256 whose rows are not whole blocks: its stand-in, `models.dtypes.STAND_INS`)."""
         parts = slice_parts(self.config, Slice.whole(self.config), layer)
         return {
-            m: matrix_dtype(dtype, [self.stored_type(layer, p.source) for p in parts[m]])
+            m: fitting_dtype(
+                matrix_dtype(dtype, [self.stored_type(layer, p.source) for p in parts[m]]),
+                self.shape(layer, parts[m][0].source)[-1],
+            )
             for m in MATRICES
         }
 
@@ -183,7 +187,8 @@ class ModelSource(ABC):
 
     def head_dtype(self, dtype: str) -> str:
         """The shard dtype of the embedding and lm_head when the split asks for `dtype`."""
-        return embedding_dtype(dtype, self.stored_type(None, "embedding"))
+        asked = embedding_dtype(dtype, self.stored_type(None, "embedding"))
+        return fitting_dtype(asked, self.config.hidden)
 
 
 # Where a fused family (Phi-3) stores the canonical matrices: Q, K, V one after another in one

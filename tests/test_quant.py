@@ -405,3 +405,16 @@ def test_the_c_builds_multiply_the_stored_weights_exactly(product, fmt):
             if product is native.expand_activations:  # a row's sums: the same beside any rows
                 alone = product(x[-1:].numpy(), w)
                 assert np.array_equal(alone[0], got[-1].float().numpy()), (out, inp, rows)
+
+
+def test_a_k_quant_whose_rows_are_not_whole_blocks_stands_in_as_llama_cpp_does(smollm2):
+    """SmolLM2's rows are 576 weights, not whole blocks of 256: asked for a K-quant or IQ4_XS,
+    those matrices take llama.cpp's stand-in of blocks of 32 (the down projection's 1536 fit),
+    where the split stopped with an error before."""
+    expected = {"q2_k": "iq4_nl", "q3_k": "iq4_nl", "iq4_xs": "iq4_nl", "q4_k": "q5_0",
+                "q5_k": "q5_1", "q6_k": "q8_0"}  # fmt: skip
+    for asked, stand_in in expected.items():
+        got = smollm2.matrix_dtypes(0, asked)
+        assert got == {"wqkv": stand_in, "wo": stand_in, "w_gate_up": stand_in, "w_down": asked}
+    assert smollm2.head_dtype("q4_k") == "q8_0"  # q6_k's stand-in
+    assert smollm2.matrix_dtypes(0, "q4_0")["wqkv"] == "q4_0"
