@@ -6,7 +6,9 @@ to 100. Off, every turn prefills the whole conversation; on, only what is new si
 answer. The two alternate, ROUNDS times, on one session, and each turn's median is printed, with
 the last turn's time over the first's, and whether the greedy answers are the same both ways.
 
-    PYTHONPATH=. [ROUNDS=2] .venv/bin/python -u docs/bench/prompt_reuse.py [NODES ...]   (1 3)
+    PYTHONPATH=. [ROUNDS=2] [MODEL=path] .venv/bin/python -u docs/bench/prompt_reuse.py [NODES ...]
+
+NODES defaults to 1 3; MODEL to the bundled SmolLM2 (any model with a chat template).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def conversation(
 
 
 def bench(nodes: int) -> None:
-    source = open_model(None)
+    source = open_model(os.environ.get("MODEL"))
     tokenizer = source.tokenizer()
     runs: dict[bool, list[list[tuple[int, int, float, str]]]] = {False: [], True: []}
     with local_session(source, nodes, context=2048, slots=2) as session:
@@ -97,7 +99,7 @@ def bench(nodes: int) -> None:
         for _ in range(ROUNDS):
             for reuse in (False, True):
                 runs[reuse].append(conversation(session, tokenizer, reuse))
-    print(f"\n{nodes} node(s), SmolLM2-135M-Instruct, {ROUNDS} rounds alternating, medians")
+    print(f"\n{nodes} node(s), {source.name}, {ROUNDS} rounds alternating, medians")
     print("turn  prompt  reused  ttft off (s)  ttft on (s)")
     ttft = {r: [statistics.median(run[k][2] for run in runs[r]) for k in range(len(TOPICS))]
             for r in runs}  # fmt: skip
