@@ -33,14 +33,19 @@ from test_prompt_reuse import (
 )
 from test_speculate import EDIT, PARAGRAPH, SlowLinkSpeculator, _generate
 
+from master.bench.cluster_figures import node_row
+from master.bench.cluster_report import print_nodes
 from master.bridge.client import start_server
+from master.bridge.schema import ClusterFigures
 from master.engine import Engine
+from master.figures import BatcherStats, cluster_figures
 from master.local import local_session
 from master.prompts import prompt_tokens
 from master.reuse import SlotPool, reusable
+from master.session import Session
 from models.config import DEFAULT_MODEL
 from models.errors import ModelError
-from models.layers import StepBatch
+from models.layers import Slice, StepBatch
 from models.source import open_model
 from node.kvcache import KVCache
 
@@ -451,21 +456,51 @@ def test_a_conversation_on_three_nodes_reuses_each_earlier_prompt(
     chat_folder,
     steps,  # noqa: F811 (the fixture)
     tmp_path,
+    capsys,
 ):
     """A conversation through the generation loop on 3 real nodes, the whole of it sent each
     turn: with prompt reuse each later turn starts after at least the earlier turn's prompt
-    (where every node kept the state), and every answer is the one without reuse."""
+    (where every node kept the state), and every answer is the one without reuse. What a
+    sequence costs each node, as /v1/cluster and the bench show it, is its slice's state and
+    KV per token, in the slots and context it was given."""
     source = open_model(chat_folder)
     tokenizer = source.tokenizer()
     with local_session(source, 3, context=1024, slots=2, state_dir=tmp_path) as session:
         off = converse(session, tokenizer, steps, False, QUESTIONS[:3])
         on = converse(session, tokenizer, steps, True, QUESTIONS[:3])
+        _check_sequence_figures(session, capsys)
     assert [t.text for t in on] == [t.text for t in off]
     assert all(t.reused == 0 and t.start == 0 for t in off)
     for k in range(1, len(on)):
         t = on[k]
         print(f"turn {k + 1}: {t.prompt} prompt tokens, {t.reused} reused")
         assert t.start == t.reused >= on[k - 1].prompt and t.prefilled == t.prompt - t.reused
+
+
+def _check_sequence_figures(session: Session, capsys) -> None:
+    """Each node's state per sequence and KV per token, as it reported them with its step
+    figures, in /v1/cluster's nodes and the bench's per-node table: what KVCache counts for
+    its slice."""
+    engine = session.engine
+    assert engine is not None and engine.remote is not None
+    members = list(engine.remote.members)
+    slices = [engine.slices[0], *(Slice.from_dict(m.slice) for m in members)]
+    rows = [node_row("master", engine.history), *(node_row(m.name, m.history) for m in members)]
+    stats = BatcherStats(2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    view = ClusterFigures.model_validate(cluster_figures(session, "qwen3_5", stats))
+    capsys.readouterr()
+    print_nodes({"nodes": 3, "per_node": rows})
+    table = capsys.readouterr().out.splitlines()
+    assert " ".join(table[1].split()).endswith("state MB/seq KV KB/token slots x ctx"), table
+    for s, row, node, line in zip(slices, rows, view.nodes, table[2:], strict=True):
+        state = KVCache.window_bytes(session.config, s)
+        kv = KVCache.bytes_per_token(session.config, s)
+        assert state > 0 and kv > 0, s  # DeltaNet heads, and the full layer's KV heads
+        assert (node.state_bytes_per_sequence, node.kv_bytes_per_token) == (state, kv), node
+        assert (node.slots, node.context) == (2, session.max_context), node
+        shown = (row["state_mb_per_sequence"], row["kv_kb_per_token"], row["slots"], row["context"])
+        assert shown == (round(state / 1e6, 2), round(kv / 1e3, 1), 2, session.max_context), row
+        assert line.split()[-5:] == [str(shown[0]), str(shown[1]), "2", "x", str(shown[3])]
 
 
 @pytest.mark.slow
