@@ -43,6 +43,7 @@ from master.local import local_session
 from master.prompts import prompt_tokens
 from master.reuse import SlotPool, reusable
 from master.session import Session
+from memory.budget import MemoryOptions
 from models.config import DEFAULT_MODEL
 from models.errors import ModelError
 from models.layers import Slice, StepBatch
@@ -374,9 +375,10 @@ def test_a_kept_sequence_is_carried_on_from_its_end_or_its_prompts(qwen35):
         _prefill(engine, more, 0, 20)
 
 
-def test_the_state_is_counted_beside_the_kv_cache(qwen35):
-    """Each node's state is its value heads' share, fixed whatever the context, counted with
-    the KV rings the budget takes as fixed; the DeltaNet layers hold no KV per token."""
+def test_the_state_is_counted_beside_the_kv_cache(qwen35, tmp_path):
+    """Each node's state is its value heads' share, fixed whatever the context, counted in
+    what the budget takes as fixed, under its name; the DeltaNet layers hold no KV per
+    token."""
     _, folder, _ = qwen35
     source = open_model(folder)
     config = source.config
@@ -390,6 +392,11 @@ def test_the_state_is_counted_beside_the_kv_cache(qwen35):
         assert per_slot >= 3 * held  # the state, one kept to undo a step, one at a prompt end
         assert KVCache.bytes_per_token(config, s) == 2 * 1 * s.n_kv * 32 * 4  # the full layer
         assert all(ex.cache.keys[i].shape[2] == 0 for i in config.linear_layers)
+    tiny = MemoryOptions(budget=50_000)
+    with pytest.raises(ModelError) as err, Session(source, memory=tiny, state_dir=tmp_path) as one:
+        one.start()
+    assert "the gated DeltaNet layers' state" in str(err.value), err.value
+    assert "KV rings" not in str(err.value)  # it has no local layers
 
 
 @pytest.fixture(scope="module")
