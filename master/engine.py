@@ -65,6 +65,7 @@ class Executor(Protocol):
     cache: KVCache
     native: NativeBlocks | None  # its decode blocks in C, where this device admitted them
     native_step: bool  # the current step runs on them
+    sequence_figures: dict[str, int]  # what a sequence costs its memory
 
     def matrix_shapes(self) -> list[Shape]: ...
     def admit_native(self) -> None: ...
@@ -375,7 +376,8 @@ class Engine:
         if not self.executors:
             return
         weights = self.executors[0].weights
-        self.figures = step_figures(weights, self._reported[0]) | times | {"kernels": kernel_set()}
+        own = self.executors[0].sequence_figures | {"kernels": kernel_set()}
+        self.figures = step_figures(weights, self._reported[0]) | times | own
         self._reported[0] = replace(weights.figures)
         self.history.append(self.figures)
 

@@ -155,7 +155,8 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
 
 
 def _stream(figures: dict[str, Any]) -> dict[str, Any]:
-    """A node's latest per-step figures (window, loader, memory) under the schema's names."""
+    """A node's latest per-step figures (window, loader, memory, what a sequence costs it)
+    under the schema's names."""
     if not figures:
         return {}
     return {
@@ -166,6 +167,10 @@ def _stream(figures: dict[str, Any]) -> dict[str, Any]:
         "load_ms": round(figures.get("load_s", 0.0) * 1000, 3),
         "compute_ms": round(figures.get("compute_s", 0.0) * 1000, 3),
         "kernels": figures.get("kernels"),
+        "state_bytes_per_sequence": figures.get("state_bytes_per_sequence"),
+        "kv_bytes_per_token": figures.get("kv_bytes_per_token"),
+        "slots": figures.get("slots"),
+        "context": figures.get("context"),
         "expert_hit_rate": _hit_rate(figures),
         "expert_read_hidden_ms": (
             round(figures["expert_hidden_s"] * 1000, 3) if "expert_hidden_s" in figures else None

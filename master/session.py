@@ -44,7 +44,7 @@ from models.kernels import blas_threads
 from models.layers import Slice
 from models.source import ModelSource
 from node.device import plan_shapes, prepare
-from node.kvcache import KVCache
+from node.kvcache import KVCache, LinearStates
 from node.messages import Capacity
 from node.probes import measure_capacity, measure_speed
 
@@ -141,10 +141,9 @@ def _cluster_engine(
     context = min(p.context for p in plans)
     if hub is not None:
         hub.ship(manifest, store, context, slots, windows=[p.window for p in plans])
-    engine = Engine.from_manifest(
+    return Engine.from_manifest(
         manifest, store, context, slots, hub, plans[0].window, memory.drop_cache
     )
-    return engine
 
 
 def memory_plans(
@@ -186,20 +185,23 @@ def memory_plans(
 
     def plan_node(k: int, ctx: int) -> MemoryPlan:
         s = Slice.from_dict(manifest.slices[k])
-        rings = KVCache.window_bytes(config, s) * slots  # their window, whatever the context
+        # Each sequence's, whatever the context: the local layers' rings, a DeltaNet's state
+        fixed = KVCache.window_bytes(config, s) * slots
+        state = LinearStates.slot_bytes(config, s) * slots
         return plan_memory(
             budgets[k],
             max(r.size for r in manifest.nodes[k]),
             config.n_layers,
             KVCache.bytes_per_token(config, s, torch.float32) * slots,
             ctx,
-            fixed_bytes=rings + (manifest.globals.size if k == 0 else manifest.head_size(k)),
+            fixed_bytes=fixed + (manifest.globals.size if k == 0 else manifest.head_size(k)),
             window=windows[k],
             who=names[k],
             fixed_what=" and ".join(
                 ([_master_globals(config, manifest)] if k == 0 else [])
                 + (["its rows of the lm_head"] if k and manifest.head_size(k) else [])
-                + (["the local layers' KV rings"] if rings else [])
+                + (["the local layers' KV rings"] if fixed > state else [])
+                + (["the gated DeltaNet layers' state"] if state else [])
             ),
         )
 
@@ -311,13 +313,10 @@ class Session:
         the members changed. True when the engine was rebuilt."""
         if self.hub is None or not self.hub.watch_membership(wait):
             return False
-        shipped = self.hub.shipped_bytes
+        before = self.hub.shipped_bytes
         self.replan()
-        log.warning(
-            "re-planned for %d node(s); shipped %d bytes",
-            self.nodes,
-            self.hub.shipped_bytes - shipped,
-        )
+        shipped = self.hub.shipped_bytes - before
+        log.warning("re-planned for %d node(s); shipped %d bytes", self.nodes, shipped)
         return True
 
     def answer_joins(self) -> bool:

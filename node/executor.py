@@ -69,6 +69,16 @@ class SliceExecutor:
         # their own, or the unrotated layers' (SmolLM3)
         self.local_rope = local_rope
         self.cache = cache
+        # What a sequence costs this node's memory, reported with its step figures: its fixed
+        # state whatever its length (a gated DeltaNet's, the local layers' KV rings) and its KV
+        # per token of context, in the slots and context its cache was given.
+        dtype = cache.keys[0].dtype
+        self.sequence_figures: dict[str, int] = {
+            "state_bytes_per_sequence": KVCache.window_bytes(config, s, dtype),
+            "kv_bytes_per_token": KVCache.bytes_per_token(config, s, dtype),
+            "slots": cache.slots,
+            "context": cache.max_context,
+        }
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cos_sin_rows: tuple[np.ndarray, np.ndarray] | None = None
         self._local_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None

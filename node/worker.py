@@ -410,7 +410,8 @@ class Worker:
         reply = M.Partial(step=work.step, layer=work.layer, block=work.block, compute=compute)
         if work.block == P.FFN and work.layer == executor.config.n_layers - 1:
             figures = step_figures(executor.weights, held.reported)
-            reply = msgspec.structs.replace(reply, figures={**figures, "kernels": kernel_set()})
+            figures |= executor.sequence_figures | {"kernels": kernel_set()}
+            reply = msgspec.structs.replace(reply, figures=figures)
             held.reported = replace(executor.weights.figures)
         self._send(reply, (result,))
 

@@ -25,6 +25,8 @@ from test_bridge_fields import CHAT_NO_OPS, REFUSED, TEXT_NO_OPS, TOOL
 from waiting import wait_until
 
 from master.bridge.client import ServerProcess, start_server, stream_chat
+from models.layers import Slice
+from node.kvcache import KVCache
 
 pytestmark = pytest.mark.slow
 
@@ -468,7 +470,7 @@ def test_a_new_request_joins_a_running_stream(served):
     assert cluster["generation"]["largest_batch"] >= 2
 
 
-def test_cluster_figures_and_openapi(served):
+def test_cluster_figures_and_openapi(served, smollm2):
     # An answer of its own first, so the allreduce figures exist whichever tests ran before.
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     assert served.request("POST", "/v1/chat/completions", body)[0] == 200
@@ -482,6 +484,11 @@ def test_cluster_figures_and_openapi(served):
     assert host == "127.0.0.1" and int(port) > 0
     assert cluster["allreduce"]["sums"] > 0 and cluster["allreduce"]["median_us"] > 0
     assert cluster["context"] == 512 and cluster["generation"]["slots"] == 4
+    for node in cluster["nodes"]:  # what a sequence costs each node: its slice's KV a token
+        s = Slice.from_dict(node["slices"][0])
+        assert node["kv_bytes_per_token"] == KVCache.bytes_per_token(smollm2.config, s) > 0
+        assert node["state_bytes_per_sequence"] == 0  # no DeltaNet state, no local layers
+        assert (node["slots"], node["context"]) == (4, 512), node
     assert served.request("GET", "/v1/cluster", key=None)[0] == 401
 
     status, schema = served.request("GET", "/openapi.json", key=None)

@@ -33,14 +33,20 @@ from test_prompt_reuse import (
 )
 from test_speculate import EDIT, PARAGRAPH, SlowLinkSpeculator, _generate
 
+from master.bench.cluster_figures import node_row
+from master.bench.cluster_report import print_nodes
 from master.bridge.client import start_server
+from master.bridge.schema import ClusterFigures
 from master.engine import Engine
+from master.figures import BatcherStats, cluster_figures
 from master.local import local_session
 from master.prompts import prompt_tokens
 from master.reuse import SlotPool, reusable
+from master.session import Session
+from memory.budget import MemoryOptions
 from models.config import DEFAULT_MODEL
 from models.errors import ModelError
-from models.layers import StepBatch
+from models.layers import Slice, StepBatch
 from models.source import open_model
 from node.kvcache import KVCache
 
@@ -369,9 +375,10 @@ def test_a_kept_sequence_is_carried_on_from_its_end_or_its_prompts(qwen35):
         _prefill(engine, more, 0, 20)
 
 
-def test_the_state_is_counted_beside_the_kv_cache(qwen35):
-    """Each node's state is its value heads' share, fixed whatever the context, counted with
-    the KV rings the budget takes as fixed; the DeltaNet layers hold no KV per token."""
+def test_the_state_is_counted_beside_the_kv_cache(qwen35, tmp_path):
+    """Each node's state is its value heads' share, fixed whatever the context, counted in
+    what the budget takes as fixed, under its name; the DeltaNet layers hold no KV per
+    token."""
     _, folder, _ = qwen35
     source = open_model(folder)
     config = source.config
@@ -385,6 +392,11 @@ def test_the_state_is_counted_beside_the_kv_cache(qwen35):
         assert per_slot >= 3 * held  # the state, one kept to undo a step, one at a prompt end
         assert KVCache.bytes_per_token(config, s) == 2 * 1 * s.n_kv * 32 * 4  # the full layer
         assert all(ex.cache.keys[i].shape[2] == 0 for i in config.linear_layers)
+    tiny = MemoryOptions(budget=50_000)
+    with pytest.raises(ModelError) as err, Session(source, memory=tiny, state_dir=tmp_path) as one:
+        one.start()
+    assert "the gated DeltaNet layers' state" in str(err.value), err.value
+    assert "KV rings" not in str(err.value)  # it has no local layers
 
 
 @pytest.fixture(scope="module")
@@ -451,21 +463,51 @@ def test_a_conversation_on_three_nodes_reuses_each_earlier_prompt(
     chat_folder,
     steps,  # noqa: F811 (the fixture)
     tmp_path,
+    capsys,
 ):
     """A conversation through the generation loop on 3 real nodes, the whole of it sent each
     turn: with prompt reuse each later turn starts after at least the earlier turn's prompt
-    (where every node kept the state), and every answer is the one without reuse."""
+    (where every node kept the state), and every answer is the one without reuse. What a
+    sequence costs each node, as /v1/cluster and the bench show it, is its slice's state and
+    KV per token, in the slots and context it was given."""
     source = open_model(chat_folder)
     tokenizer = source.tokenizer()
     with local_session(source, 3, context=1024, slots=2, state_dir=tmp_path) as session:
         off = converse(session, tokenizer, steps, False, QUESTIONS[:3])
         on = converse(session, tokenizer, steps, True, QUESTIONS[:3])
+        _check_sequence_figures(session, capsys)
     assert [t.text for t in on] == [t.text for t in off]
     assert all(t.reused == 0 and t.start == 0 for t in off)
     for k in range(1, len(on)):
         t = on[k]
         print(f"turn {k + 1}: {t.prompt} prompt tokens, {t.reused} reused")
         assert t.start == t.reused >= on[k - 1].prompt and t.prefilled == t.prompt - t.reused
+
+
+def _check_sequence_figures(session: Session, capsys) -> None:
+    """Each node's state per sequence and KV per token, as it reported them with its step
+    figures, in /v1/cluster's nodes and the bench's per-node table: what KVCache counts for
+    its slice."""
+    engine = session.engine
+    assert engine is not None and engine.remote is not None
+    members = list(engine.remote.members)
+    slices = [engine.slices[0], *(Slice.from_dict(m.slice) for m in members)]
+    rows = [node_row("master", engine.history), *(node_row(m.name, m.history) for m in members)]
+    stats = BatcherStats(2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    view = ClusterFigures.model_validate(cluster_figures(session, "qwen3_5", stats))
+    capsys.readouterr()
+    print_nodes({"nodes": 3, "per_node": rows})
+    table = capsys.readouterr().out.splitlines()
+    assert " ".join(table[1].split()).endswith("state MB/seq KV KB/token slots x ctx"), table
+    for s, row, node, line in zip(slices, rows, view.nodes, table[2:], strict=True):
+        state = KVCache.window_bytes(session.config, s)
+        kv = KVCache.bytes_per_token(session.config, s)
+        assert state > 0 and kv > 0, s  # DeltaNet heads, and the full layer's KV heads
+        assert (node.state_bytes_per_sequence, node.kv_bytes_per_token) == (state, kv), node
+        assert (node.slots, node.context) == (2, session.max_context), node
+        shown = (row["state_mb_per_sequence"], row["kv_kb_per_token"], row["slots"], row["context"])
+        assert shown == (round(state / 1e6, 2), round(kv / 1e3, 1), 2, session.max_context), row
+        assert line.split()[-5:] == [str(shown[0]), str(shown[1]), "2", "x", str(shown[3])]
 
 
 @pytest.mark.slow

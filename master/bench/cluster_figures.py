@@ -95,7 +95,8 @@ def where_time_goes(
 
 
 def node_row(name: str, history: Any) -> dict[str, Any]:
-    """A node's loader and memory figures, averaged over the decode steps (one token each)."""
+    """A node's loader and memory figures, averaged over the decode steps (one token each), and
+    what a sequence costs its memory."""
     steps = list(history)[1:]  # the first step is the prompt's
     if not steps:
         return {"node": name}
@@ -119,6 +120,11 @@ def node_row(name: str, history: Any) -> dict[str, Any]:
         "buffer_mb": round(steps[-1]["buffer_bytes"] / 1e6, 1),
         "rss_mb": round(steps[-1]["rss"] / 1e6, 1),
         "peak_rss_mb": round(max(s["peak_rss"] for s in steps) / 1e6, 1),
+        # what a sequence costs the node: its state whatever its length, its KV per token
+        "state_mb_per_sequence": round(steps[-1]["state_bytes_per_sequence"] / 1e6, 2),
+        "kv_kb_per_token": round(steps[-1]["kv_bytes_per_token"] / 1e3, 1),
+        "slots": steps[-1]["slots"],
+        "context": steps[-1]["context"],
         **expert_figures(steps),
     }
 

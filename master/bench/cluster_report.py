@@ -105,7 +105,9 @@ def print_time(run: dict[str, Any]) -> None:
 
 
 def print_nodes(run: dict[str, Any]) -> None:
-    """Each node's loader and memory figures per decode step, and the drafts' acceptance."""
+    """Each node's loader and memory figures per decode step, what a sequence costs its memory
+    (its state whatever its length, its KV per token, in the slots and context it was given),
+    and the drafts' acceptance."""
     spec = run.get("speculation")
     if spec:
         cost = f", {spec['draft_ms']} ms a draft forward" if "draft_ms" in spec else ""
@@ -119,14 +121,17 @@ def print_nodes(run: dict[str, Any]) -> None:
     print(
         f"  {'node':<10}{'window':>7}{'MB read':>9}{'load ms':>9}{'wait ms':>9}"
         f"{'buffers MB':>11}{'RSS MB':>9}{'peak RSS MB':>12}"
+        f"{'state MB/seq':>13}{'KV KB/token':>12}{'slots x ctx':>12}"
     )
     for r in run["per_node"]:
         if "window" not in r:
             continue
+        sequences = f"{r['slots']} x {r['context']}"
         print(
             f"  {r['node']:<10}{r['window']:>7}{r['mb_read_per_token']:>9}"
             f"{r['load_ms_per_token']:>9}{r['wait_ms_per_token']:>9}{r['buffer_mb']:>11}"
-            f"{r['rss_mb']:>9}{r['peak_rss_mb']:>12}"
+            f"{r['rss_mb']:>9}{r['peak_rss_mb']:>12}{r['state_mb_per_sequence']:>13}"
+            f"{r['kv_kb_per_token']:>12}{sequences:>12}"
         )
         if "expert_hit_rate" in r:  # a mixture's experts, streamed through a pool
             print(

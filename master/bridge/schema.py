@@ -306,6 +306,16 @@ class NodeFigures(BaseModel):
     loader_wait_ms: float | None = Field(None, description="compute waiting for the loader")
     load_ms: float | None = Field(None, description="time spent reading shards, last token")
     compute_ms: float | None = Field(None, description="time computing its partials, last step")
+    state_bytes_per_sequence: int | None = Field(
+        None,
+        description="a sequence's memory on this node whatever its length: a gated DeltaNet's "
+        "state and the local layers' KV rings",
+    )
+    kv_bytes_per_token: int | None = Field(
+        None, description="a sequence's KV cache on this node per token of its context"
+    )
+    slots: int | None = Field(None, description="sequences this node's cache holds at once")
+    context: int | None = Field(None, description="tokens of context each of them may hold")
     expert_hit_rate: float | None = Field(
         None,
         description="a mixture's experts a node streams: the share of the last step's chosen "
