@@ -19,8 +19,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from test_families import _assert_close_logits, _ours
-from test_moe import _built, _greedy
+from test_families import _assert_close_logits, _greedy, _ours
+from test_moe import _built
 from waiting import wait_until
 
 import memory.experts

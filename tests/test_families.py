@@ -321,23 +321,33 @@ def test_logits_equal_transformers_at_every_position_on_every_node_count(family,
         _assert_close_logits(ours, expected, f"{name} {source} {n} node(s)")
 
 
+@torch.inference_mode()
+def _generated(model, prompt: list[int], steps: int = 32) -> list[int]:
+    """transformers' `generate`: the greedy tokens after `prompt` (every position attended: a
+    random prompt may hold the pad id)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _greedy(engine: Engine, prompt: list[int], steps: int = 32) -> list[int]:
+    """Our greedy tokens after `prompt`: one prefill step, then a decode step a token."""
+    ids = list(prompt)
+    logits = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)))
+    for _ in range(steps):
+        ids.append(int(logits[0].argmax()))
+        logits = engine.forward([[ids[-1]]], StepBatch((0,), (len(ids) - 1,), (1,)))
+    return ids[len(prompt) :]
+
+
 def test_greedy_32_tokens_equal_transformers_generate(family):
     name, model, folder, prompt = family
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        # every position attended: the random prompt may hold the pad id
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
-        )
-    expected = out[0, len(prompt) :].tolist()
+    expected = _generated(model, prompt)
     for n in (1, 3):
         engine = Engine.local(open_model(folder), (1.0,) * n, max_context=CONTEXT.get(name))
-        ids = list(prompt)
-        logits = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)))
-        for _ in range(32):
-            ids.append(int(logits[0].argmax()))
-            logits = engine.forward([[ids[-1]]], StepBatch((0,), (len(ids) - 1,), (1,)))
-        assert ids[len(prompt) :] == expected, f"{name}, {n} node(s)"
+        assert _greedy(engine, prompt) == expected, f"{name}, {n} node(s)"
 
 
 def _windowed(

@@ -17,7 +17,15 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from test_families import _assert_close_logits, _ours, _randomize, _reference, _windowed
+from test_families import (
+    _assert_close_logits,
+    _generated,
+    _greedy,
+    _ours,
+    _randomize,
+    _reference,
+    _windowed,
+)
 
 from master.engine import Engine
 from master.generate import start, stream
@@ -243,16 +251,11 @@ def test_a_batch_of_two_answers_as_each_alone(gemma4):
 
 def test_greedy_32_tokens_equal_transformers_generate(gemma4):
     model, folder, prompt = gemma4
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
-        )
-    expected = out[0, len(prompt) :].tolist()
+    expected = _generated(model, prompt)
     source = open_model(folder)
     for n in (1, 3):
         engine = Engine.local(source, (1.0,) * n, max_context=CONTEXT)
-        assert _greedy(engine, prompt, None) == expected, f"{n} node(s)"
+        assert _greedy(engine, prompt) == expected, f"{n} node(s)"
 
 
 def test_greedy_tokens_are_the_same_with_lookup_drafts_and_on_every_node_count(
@@ -266,31 +269,21 @@ def test_greedy_tokens_are_the_same_with_lookup_drafts_and_on_every_node_count(
     _, folder, prompt = dense
     repeating = prompt[:12] * 3
     source = open_model(folder)
-    one = _greedy(Engine.local(source, max_context=CONTEXT), repeating, smollm2_tokenizer)
+    one = _looped(Engine.local(source, max_context=CONTEXT), repeating, smollm2_tokenizer)
     for n in NODES:
         engine = Engine.local(source, (1.0,) * n, max_context=CONTEXT)
         speculator = SlowLinkSpeculator()
-        assert _greedy(engine, repeating, smollm2_tokenizer, speculator) == one, f"{n} nodes"
-        assert _greedy(engine, repeating, smollm2_tokenizer) == one, f"{n} nodes"
+        assert _looped(engine, repeating, smollm2_tokenizer, speculator) == one, f"{n} nodes"
+        assert _looped(engine, repeating, smollm2_tokenizer) == one, f"{n} nodes"
 
 
-def _greedy(engine: Engine, prompt: list[int], tokenizer, speculator=None) -> list[int]:
-    """32 greedy tokens after `prompt`: by the generation loop where a tokenizer is given,
-    else by the engine's steps."""
-    if tokenizer is not None:
-        params = SamplingParams(max_tokens=32, ignore_eos=True)
-        seqs = start(engine, [prompt], [params])
-        for _ in stream(engine, tokenizer, seqs, speculator):
-            pass
-        return seqs[0].tokens
-    from models.layers import StepBatch
-
-    ids = list(prompt)
-    logits = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)))
-    for _ in range(32):
-        ids.append(int(logits[0].argmax()))
-        logits = engine.forward([[ids[-1]]], StepBatch((0,), (len(ids) - 1,), (1,)))
-    return ids[len(prompt) :]
+def _looped(engine: Engine, prompt: list[int], tokenizer, speculator=None) -> list[int]:
+    """32 greedy tokens after `prompt` by the generation loop, with drafts where given."""
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    seqs = start(engine, [prompt], [params])
+    for _ in stream(engine, tokenizer, seqs, speculator):
+        pass
+    return seqs[0].tokens
 
 
 def test_a_published_multimodal_folder_runs_its_text_model(tmp_path):

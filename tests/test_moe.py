@@ -20,7 +20,15 @@ import numpy as np
 import pytest
 import torch
 from gguf_copy import write_shape
-from test_families import _assert_close_logits, _llama_permute, _ours, _randomize, _windowed
+from test_families import (
+    _assert_close_logits,
+    _generated,
+    _greedy,
+    _llama_permute,
+    _ours,
+    _randomize,
+    _windowed,
+)
 
 from master.engine import Engine
 from models.layers import StepBatch
@@ -292,15 +300,6 @@ def _reference(model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
     return model(torch.tensor([ids])).logits[0], ids[len(prompt) :]
 
 
-def _greedy(engine: Engine, prompt: list[int], steps: int) -> list[int]:
-    ids = list(prompt)
-    logits = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)))
-    for _ in range(steps):
-        ids.append(int(logits[0].argmax()))
-        logits = engine.forward([[ids[-1]]], StepBatch((0,), (len(ids) - 1,), (1,)))
-    return ids[len(prompt) :]
-
-
 @pytest.mark.slow
 def test_logits_equal_transformers_on_every_node_count(moe):
     model, folder, prompt = moe
@@ -361,12 +360,7 @@ def test_real_nodes_equal_transformers(moe):
 @pytest.mark.slow
 def test_greedy_32_tokens_equal_transformers_generate_on_every_node_count(moe):
     model, folder, prompt = moe
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
-        )
-    expected = out[0, len(prompt) :].tolist()
+    expected = _generated(model, prompt)
     source = open_model(folder)
     for n in NODES:
         assert _greedy(Engine.local(source, (1.0,) * n), prompt, 32) == expected, f"{n} node(s)"

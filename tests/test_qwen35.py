@@ -23,8 +23,8 @@ import pytest
 import torch
 from cluster_threads import master_threads
 from local_processes import local_workers
-from test_families import _assert_close_logits, _ours, _randomize, _windowed
-from test_moe import _greedy, _reference
+from test_families import _assert_close_logits, _generated, _greedy, _ours, _randomize, _windowed
+from test_moe import _reference
 from test_moe_serving import client_of, generation, greedy, streamed
 from test_prompt_reuse import (
     QUESTIONS,
@@ -258,12 +258,7 @@ def test_gguf_logits_equal_transformers_on_every_node_count(hybrid):
 
 def test_greedy_32_tokens_equal_transformers_generate_on_every_node_count(hybrid):
     model, folder, prompt = hybrid
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
-        )
-    expected = out[0, len(prompt) :].tolist()
+    expected = _generated(model, prompt)
     source = open_model(folder)
     for n in NODES:
         assert _greedy(Engine.local(source, (1.0,) * n), prompt, 32) == expected, f"{n} node(s)"
