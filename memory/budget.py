@@ -139,7 +139,8 @@ def plan_memory(
 
     The budget covers what edgetp allocates: the window's layer buffers, the KV cache and what
     is held whatever the window and context (`fixed_bytes`, named by `fixed_what`: on the
-    master the embedding and lm_head; local layers' KV rings); not the Python runtime. The
+    master the embedding and lm_head; local layers' KV rings; a gated DeltaNet's state per
+    sequence); not the Python runtime. The
     window takes what the full KV cache leaves; if that is under two layers (one computing, one
     loading), the context shrinks instead, down to MIN_CONTEXT. A forced `window` is kept and
     the context fits around it.
