@@ -61,6 +61,9 @@ def render_chat(
         )
     compiled = _compile(template)
     switches = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    # As transformers hands them over: a key whose value is None is left out (an assistant's
+    # `content: null` beside its tool calls), which templates test for ("content" in message).
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     try:
         return compiled.render(
             messages=messages,

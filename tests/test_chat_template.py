@@ -113,6 +113,32 @@ def test_template_features_match_transformers():
     assert "after the stop" not in ours and "hidden" not in ours
 
 
+# gpt-oss' template tests an assistant message for its content as a key, then reads it as text
+NONE_TEMPLATE = """\
+{% for message in messages %}
+    {% if "content" in message %}{{ "[" + message.content + "]" }}{% endif %}
+    {% if message.tool_calls %}{{ message.tool_calls[0].function.name }}{% endif %}
+{% endfor %}"""
+
+
+@pytest.mark.slow
+def test_a_key_set_to_none_is_left_out_as_transformers_leaves_it_out(smollm2_ref):
+    """OpenAI's `content: null` beside an assistant's tool calls: transformers'
+    apply_chat_template drops the key before rendering, so "content" in message is false;
+    kept, the template failed on it (gpt-oss' failed on every tool conversation so)."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {}}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    ours = render_chat(NONE_TEMPLATE, copy.deepcopy(messages), bos_token=None, eos_token=None)
+    theirs = smollm2_ref.apply_chat_template(
+        messages, chat_template=NONE_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == theirs
+    assert "[Weather?]" in ours and "get_weather" in ours and ours.count("[") == 1
+
+
 def test_strftime_now_is_available():
     text = render_chat("{{ strftime_now('%Y') }}", [], bos_token=None, eos_token=None)
     assert re.fullmatch(r"\d{4}", text)
