@@ -33,6 +33,7 @@ from master.local import local_session
 from master.prompts import prompt_tokens
 from models.config import DEFAULT_MODEL
 from models.source import open_model
+from models.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +53,35 @@ MOE = {
     "rope_theta": 1e6,
 }
 PROMPT = "Why is the sky blue?"
+
+
+def write_tokenizer(folder: Path, tokenizer: Tokenizer) -> None:
+    """`tokenizer`'s vocabulary, special tokens and chat template as an HF folder's files."""
+    (folder / "tokenizer.json").write_text(tokenizer._engine._backend.to_str())
+    tokenizer_config = {
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "add_bos_token": tokenizer.add_bos,
+        "chat_template": tokenizer.chat_template,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+
+
+def assert_lookup_drafts_change_no_token(folder: Path, state_dir: Path) -> None:
+    """Greedy 64 tokens of a paragraph to repeat, on 3 real nodes, with prompt-lookup drafts
+    (some kept, some rejected and taken back out of every node) and without: the same."""
+    source = open_model(folder)
+    tokenizer = source.tokenizer()
+    prompts = [prompt_tokens(tokenizer, EDIT, raw=False)]
+    with local_session(source, 3, state_dir=state_dir, context=512) as session:
+        assert session.engine is not None
+        plain = _generate(session.engine, tokenizer, prompts, None)
+        speculator = SlowLinkSpeculator()
+        drafted = _generate(session.engine, tokenizer, prompts, speculator)
+    figures = speculator.figures()
+    print(f"\n{figures}\n{tokenizer.decode(plain[0])!r}")
+    assert drafted == plain
+    assert 0 < figures["accepted"] < figures["drafted"], figures
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +105,7 @@ def moe_folder(tmp_path_factory) -> Path:
         model.lm_head.weight[~kept] = 0
     folder = tmp_path_factory.mktemp("qwen3-moe")
     model.save_pretrained(folder)
-    (folder / "tokenizer.json").write_text(tokenizer._engine._backend.to_str())
-    tokenizer_config = {
-        "bos_token": tokenizer.bos_token,
-        "eos_token": tokenizer.eos_token,
-        "add_bos_token": tokenizer.add_bos,
-        "chat_template": tokenizer.chat_template,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    write_tokenizer(folder, tokenizer)
     ours = open_model(folder)
     assert ours.config.n_experts == 8 and ours.tokenizer().eos_ids == tokenizer.eos_ids
     return folder
@@ -167,17 +190,4 @@ def test_a_node_lost_mid_answer_loses_nothing_of_it(bridge):
 
 @master_threads(3)
 def test_prompt_lookup_drafts_change_no_greedy_token_on_three_nodes(moe_folder, shared_state):
-    """Greedy 64 tokens of a paragraph to repeat, with prompt-lookup drafts (some kept, some
-    rejected and taken back) and without: the same tokens."""
-    source = open_model(moe_folder)
-    tokenizer = source.tokenizer()
-    prompts = [prompt_tokens(tokenizer, EDIT, raw=False)]
-    with local_session(source, 3, state_dir=shared_state, context=512) as session:
-        assert session.engine is not None
-        plain = _generate(session.engine, tokenizer, prompts, None)
-        speculator = SlowLinkSpeculator()
-        drafted = _generate(session.engine, tokenizer, prompts, speculator)
-    figures = speculator.figures()
-    print(f"\n{figures}\n{tokenizer.decode(plain[0])!r}")
-    assert drafted == plain
-    assert 0 < figures["accepted"] < figures["drafted"], figures
+    assert_lookup_drafts_change_no_token(moe_folder, shared_state)

@@ -11,7 +11,6 @@ process and on 3 real node processes, and their greedy continuation, against tra
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from dataclasses import replace
@@ -25,13 +24,20 @@ from cluster_threads import master_threads
 from local_processes import local_workers
 from test_families import _assert_close_logits, _generated, _greedy, _ours, _randomize, _windowed
 from test_moe import _reference
-from test_moe_serving import client_of, generation, greedy, streamed
+from test_moe_serving import (
+    assert_lookup_drafts_change_no_token,
+    client_of,
+    generation,
+    greedy,
+    streamed,
+    write_tokenizer,
+)
 from test_prompt_reuse import (
     QUESTIONS,
     converse,
     steps,  # noqa: F401 (a fixture)
 )
-from test_speculate import EDIT, PARAGRAPH, SlowLinkSpeculator, _generate
+from test_speculate import PARAGRAPH
 
 from master.bench.cluster_figures import node_row
 from master.bench.cluster_report import print_nodes
@@ -40,7 +46,6 @@ from master.bridge.schema import ClusterFigures
 from master.engine import Engine
 from master.figures import BatcherStats, cluster_figures
 from master.local import local_session
-from master.prompts import prompt_tokens
 from master.reuse import SlotPool, reusable
 from master.session import Session
 from memory.budget import MemoryOptions
@@ -422,35 +427,15 @@ def chat_folder(tmp_path_factory) -> Path:
                 p.mul_(0.3)
     folder = tmp_path_factory.mktemp("qwen3_5-chat")
     model.save_pretrained(folder)
-    (folder / "tokenizer.json").write_text(tokenizer._engine._backend.to_str())
-    tokenizer_config = {
-        "bos_token": tokenizer.bos_token,
-        "eos_token": tokenizer.eos_token,
-        "add_bos_token": tokenizer.add_bos,
-        "chat_template": tokenizer.chat_template,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    write_tokenizer(folder, tokenizer)
     return folder
 
 
 @pytest.mark.slow
 @master_threads(3)
 def test_prompt_lookup_drafts_change_no_greedy_token_on_three_nodes(chat_folder, shared_state):
-    """Greedy 64 tokens of a paragraph to repeat, on 3 real nodes, with prompt-lookup drafts
-    (some kept, some rejected and taken back out of every node's state) and without: the
-    same tokens."""
-    source = open_model(chat_folder)
-    tokenizer = source.tokenizer()
-    prompts = [prompt_tokens(tokenizer, EDIT, raw=False)]
-    with local_session(source, 3, state_dir=shared_state, context=512) as session:
-        assert session.engine is not None
-        plain = _generate(session.engine, tokenizer, prompts, None)
-        speculator = SlowLinkSpeculator()
-        drafted = _generate(session.engine, tokenizer, prompts, speculator)
-    figures = speculator.figures()
-    print(f"\n{figures}\n{tokenizer.decode(plain[0])!r}")
-    assert drafted == plain
-    assert 0 < figures["accepted"] < figures["drafted"], figures
+    """A rejected draft is taken back out of every node's DeltaNet state, too."""
+    assert_lookup_drafts_change_no_token(chat_folder, shared_state)
 
 
 @pytest.mark.slow
