@@ -1,3 +1,3 @@
 """Memory: shards on disk, the budget, the sliding window and the expert pool."""
 
-import models  # noqa: F401  (first: its OpenMP setting must precede torch)
+import edgetp.models  # noqa: F401  (first: its OpenMP setting must precede torch)

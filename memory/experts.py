@@ -29,17 +29,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
-from memory.pages import DATA_ALIGN, weight_buffer
-from memory.shards import _TORCH_DTYPES, HASH_CHUNK, ShardChanged, read_into
-from models.errors import ModelError
-
-if TYPE_CHECKING:
-    from memory.window import StreamFigures
+from edgetp.memory.figures import StreamFigures
+from edgetp.memory.pages import DATA_ALIGN, weight_buffer
+from edgetp.memory.shards import _TORCH_DTYPES, HASH_CHUNK, ShardChanged, read_into
+from edgetp.models.errors import ModelError
 
 
 @dataclass(frozen=True)

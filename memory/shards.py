@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import xxhash
 
-from memory.files import atomic_write
-from memory.pages import DATA_ALIGN, weight_buffer
-from models.errors import ModelError
+from edgetp.memory.files import atomic_write
+from edgetp.memory.pages import DATA_ALIGN, weight_buffer
+from edgetp.models.errors import ModelError
 
 HASH_CHUNK = 1 << 20
 _TORCH_DTYPES = {

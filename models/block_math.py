@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models import gemma4
-from models.config import ModelConfig
-from models.kernels import SCALE_SUFFIX, blas_threads, linear, torch_threads
-from models.layers import Slice, StepBatch
-from models.quant import matrix_size
-from models.rope import apply_rope
+from edgetp.models import gemma4
+from edgetp.models.config import ModelConfig
+from edgetp.models.kernels import SCALE_SUFFIX, blas_threads, linear, torch_threads
+from edgetp.models.layers import Slice, StepBatch
+from edgetp.models.quant import matrix_size
+from edgetp.models.rope import apply_rope
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

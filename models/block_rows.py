@@ -12,11 +12,11 @@ import math
 import numpy as np
 import torch
 
-from models.config import ModelConfig
-from models.kernels import SCALE_SUFFIX, linear_rows
-from models.layers import Slice, StepBatch
-from models.quant import matrix_size
-from models.rope import rope_rows
+from edgetp.models.config import ModelConfig
+from edgetp.models.kernels import SCALE_SUFFIX, linear_rows
+from edgetp.models.layers import Slice, StepBatch
+from edgetp.models.quant import matrix_size
+from edgetp.models.rope import rope_rows
 
 
 def project_rows(

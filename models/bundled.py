@@ -10,8 +10,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from models.config import DEFAULT_MODEL
-from models.errors import ModelError
+from edgetp.models.config import DEFAULT_MODEL
+from edgetp.models.errors import ModelError
 
 
 def _smollm2_path() -> Path:

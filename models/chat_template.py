@@ -17,7 +17,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from models.errors import ModelError
+from edgetp.models.errors import ModelError
 
 
 class NoChatTemplate(ModelError):

@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from models.errors import ModelError
-from models.families import FAMILIES as FAMILIES  # re-exported: where callers look for it
-from models.families import GGUF_ARCHITECTURES, HF_ARCHITECTURES, unsupported
-from models.family_fields import (
+from edgetp.models.errors import ModelError
+from edgetp.models.families import FAMILIES as FAMILIES  # re-exported: where callers look for it
+from edgetp.models.families import GGUF_ARCHITECTURES, HF_ARCHITECTURES, unsupported
+from edgetp.models.family_fields import (
     DELTANET_FIELDS,
     GEMMA4_FIELDS,
     GPT_OSS_FIELDS,

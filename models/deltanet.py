@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.block_math import project, rms_norm
-from models.config import ModelConfig
-from models.layers import Slice, StepBatch
+from edgetp.models.block_math import project, rms_norm
+from edgetp.models.config import ModelConfig
+from edgetp.models.layers import Slice, StepBatch
 
 L2_EPS = 1e-6  # transformers' (and the FLA library's) l2norm epsilon
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from models.errors import ModelError
+from edgetp.models.errors import ModelError
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from models.errors import ModelError
-from models.families import Family
+from edgetp.models.errors import ModelError
+from edgetp.models.families import Family
 
 GPT_OSS_FIELDS = ("attention_sinks", "o_bias", "router_bias", "expert_bias", "swiglu_alpha",
                    "swiglu_limit")  # fmt: skip

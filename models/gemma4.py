@@ -29,10 +29,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.config import ModelConfig
-from models.dtypes import embedding_dtype
-from models.kernels import SCALE_SUFFIX, embed
-from models.layers import Slice, StepBatch, kv_heads_for
+from edgetp.models.config import ModelConfig
+from edgetp.models.dtypes import embedding_dtype
+from edgetp.models.kernels import SCALE_SUFFIX, embed
+from edgetp.models.layers import Slice, StepBatch, kv_heads_for
 
 
 class _Source(Protocol):

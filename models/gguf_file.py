@@ -19,9 +19,9 @@ import gguf
 import numpy as np
 import torch
 
-from models.bundled import GGUF_MAGIC, check_kind
-from models.errors import ModelError
-from models.quant import dequantize_rows
+from edgetp.models.bundled import GGUF_MAGIC, check_kind
+from edgetp.models.errors import ModelError
+from edgetp.models.quant import dequantize_rows
 
 GGUF_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32

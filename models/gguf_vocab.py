@@ -19,8 +19,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 
-from models.errors import ModelError
-from models.tokenizer_engines import TokenizersEngine, sentencepiece_pb2
+from edgetp.models.errors import ModelError
+from edgetp.models.tokenizer_engines import TokenizersEngine, sentencepiece_pb2
 
 # llama.cpp's token types (`tokenizer.ggml.token_type`), the same numbers as sentencepiece's.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6

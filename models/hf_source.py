@@ -10,15 +10,15 @@ from typing import Any
 
 import torch
 
-from models.bundled import check_kind
-from models.config import ModelConfig
-from models.errors import ModelError
-from models.families import HF_ARCHITECTURES
-from models.gemma4 import PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM
-from models.layers import O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS
-from models.quant import FORMATS
-from models.source_base import HF_FUSED, ModelSource, expert_of, fused_rows
-from models.tokenizer import Tokenizer
+from edgetp.models.bundled import check_kind
+from edgetp.models.config import ModelConfig
+from edgetp.models.errors import ModelError
+from edgetp.models.families import HF_ARCHITECTURES
+from edgetp.models.gemma4 import PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM
+from edgetp.models.layers import O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS
+from edgetp.models.quant import FORMATS
+from edgetp.models.source_base import HF_FUSED, ModelSource, expert_of, fused_rows
+from edgetp.models.tokenizer import Tokenizer
 
 _HF_LAYER = {
     "attn_norm": "input_layernorm.weight",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.kquants import clipped, half_bytes
+from edgetp.models.kquants import clipped, half_bytes
 
 IQ4NL_VALUES = np.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.quant import FORMATS, block_format, matrix_size
+from edgetp.models.quant import FORMATS, block_format, matrix_size
 
 log = logging.getLogger(__name__)
 

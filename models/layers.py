@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from models.config import ModelConfig
-from models.dtypes import EXACT_WIDENING, common_dtype
-from models.kernels import dequantize, dtype_name, quantize
-from models.quant import columns_fit, take_columns, widen
+from edgetp.models.config import ModelConfig
+from edgetp.models.dtypes import EXACT_WIDENING, common_dtype
+from edgetp.models.kernels import dequantize, dtype_name, quantize
+from edgetp.models.quant import columns_fit, take_columns, widen
 
 # Canonical per-layer tensor names, full (unsplit) and in PyTorch (out, in) order.
 LAYER_TENSORS = ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.block_math import rms_norm
-from models.block_rows import rms_norm_rows
-from models.config import ModelConfig
-from models.kernels import SCALE_SUFFIX, linear_rows
-from models.quant import matrix_size
+from edgetp.models.block_math import rms_norm
+from edgetp.models.block_rows import rms_norm_rows
+from edgetp.models.config import ModelConfig
+from edgetp.models.kernels import SCALE_SUFFIX, linear_rows
+from edgetp.models.quant import matrix_size
 
 
 @dataclass(frozen=True)

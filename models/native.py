@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.cbuild import built
-from models.dtypes import BLOCK_DTYPES
-from models.kernels import HAND_TUNED, PORTABLE, blas_threads, has_avx2
-from models.quant import block_format
+from edgetp.models.cbuild import built
+from edgetp.models.dtypes import BLOCK_DTYPES
+from edgetp.models.kernels import HAND_TUNED, PORTABLE, blas_threads, has_avx2
+from edgetp.models.quant import block_format
 
 CSRC = Path(__file__).with_name("csrc")
 COMMON = ("-O3", "-fopenmp", "-shared", "-fPIC")

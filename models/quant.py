@@ -30,9 +30,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from models.dtypes import BLOCK_DTYPES, EXACT_WIDENING
-from models.iquants import IQ4NL_VALUES, quantize_iq4_nl, quantize_iq4_xs
-from models.kquants import K_QUANTIZERS
+from edgetp.models.dtypes import BLOCK_DTYPES, EXACT_WIDENING
+from edgetp.models.iquants import IQ4NL_VALUES, quantize_iq4_nl, quantize_iq4_xs
+from edgetp.models.kquants import K_QUANTIZERS
 
 BLOCK = 32  # the smallest block, along a matrix's input dimension
 # The formats quantized here; the `gguf` package quantizes the other blocks of 32.

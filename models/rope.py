@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from models.config import ModelConfig
+from edgetp.models.config import ModelConfig
 
 
 def rope_inv_freq(

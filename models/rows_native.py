@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 import torch
 
-from models import native
-from models.block_rows import attention_rows, ffn_rows
-from models.cbuild import built
-from models.config import ModelConfig
-from models.dtypes import BLOCK_DTYPES
-from models.kernels import blas_threads, chosen_kernel, dtype_name
-from models.layers import MATRICES, Slice, StepBatch
-from models.quant import block_format, matrix_size
-from models.rope import Rope
+from edgetp.models import native
+from edgetp.models.block_rows import attention_rows, ffn_rows
+from edgetp.models.cbuild import built
+from edgetp.models.config import ModelConfig
+from edgetp.models.dtypes import BLOCK_DTYPES
+from edgetp.models.kernels import blas_threads, chosen_kernel, dtype_name
+from edgetp.models.layers import MATRICES, Slice, StepBatch
+from edgetp.models.quant import block_format, matrix_size
+from edgetp.models.rope import Rope
 
 log = logging.getLogger(__name__)
 

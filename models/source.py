@@ -13,22 +13,29 @@ from typing import Any
 
 import torch
 
-from models import native
-from models.bundled import model_path
-from models.config import ModelConfig
-from models.dtypes import AUTO, SOURCE_TYPES
-from models.errors import ModelError
-from models.gemma4 import PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM
-from models.gguf_file import GGUFFile
-from models.hf_source import _HF_LAYER as _HF_LAYER
-from models.hf_source import HFSource as HFSource
-from models.hf_source import _next_rows
-from models.hf_source import hf_layer_name as hf_layer_name
-from models.layers import EXPERT_BIAS_TENSORS, O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS
-from models.quant import FORMATS
-from models.source_base import GGUF_FUSED, expert_of, fused_rows
-from models.source_base import ModelSource as ModelSource
-from models.tokenizer import Tokenizer
+from edgetp.models import native
+from edgetp.models.bundled import model_path
+from edgetp.models.config import ModelConfig
+from edgetp.models.dtypes import AUTO, SOURCE_TYPES
+from edgetp.models.errors import ModelError
+from edgetp.models.gemma4 import PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM
+from edgetp.models.gguf_file import GGUFFile
+from edgetp.models.hf_source import _HF_LAYER as _HF_LAYER
+from edgetp.models.hf_source import HFSource as HFSource
+from edgetp.models.hf_source import _next_rows
+from edgetp.models.hf_source import hf_layer_name as hf_layer_name
+from edgetp.models.layers import (
+    EXPERT_BIAS_TENSORS,
+    O_BIAS,
+    ROUTER,
+    ROUTER_BIAS,
+    SHARED_ROUTER,
+    SINKS,
+)
+from edgetp.models.quant import FORMATS
+from edgetp.models.source_base import GGUF_FUSED, expert_of, fused_rows
+from edgetp.models.source_base import ModelSource as ModelSource
+from edgetp.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from models import gemma4
-from models.config import ModelConfig
-from models.dtypes import embedding_dtype, fitting_dtype, matrix_dtype
-from models.layers import (
+from edgetp.models import gemma4
+from edgetp.models.config import ModelConfig
+from edgetp.models.dtypes import embedding_dtype, fitting_dtype, matrix_dtype
+from edgetp.models.layers import (
     EXPERT_BIAS_TENSORS,
     EXPERT_TENSORS,
     MATRICES,
@@ -26,8 +26,8 @@ from models.layers import (
     layer_tensor_names,
     slice_parts,
 )
-from models.quant import BLOCK, FORMATS
-from models.tokenizer import Tokenizer
+from edgetp.models.quant import BLOCK, FORMATS
+from edgetp.models.tokenizer import Tokenizer
 
 
 class ModelSource(ABC):

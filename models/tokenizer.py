@@ -23,13 +23,13 @@ from typing import Any
 
 import tokenizers
 
-from models.errors import ModelError
-from models.gguf_vocab import (
+from edgetp.models.errors import ModelError
+from edgetp.models.gguf_vocab import (
     byte_level_bpe_from_gguf,
     metadata_list,
     sentencepiece_proto_from_gguf,
 )
-from models.tokenizer_engines import (
+from edgetp.models.tokenizer_engines import (
     Engine,
     SentencePieceEngine,
     TokenizersEngine,

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import sentencepiece
 import tokenizers
 
-from models.errors import ModelError
+from edgetp.models.errors import ModelError
 
 
 class Engine(Protocol):

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 # torch, NumPy, ZeroMQ and the node's modules, the kernel check's too; node.fork_server first
-PRELOAD = ["node.fork_server", "node.worker"]
+PRELOAD = ["edgetp.node.fork_server", "edgetp.node.worker"]
 _PR_SET_NAME = 15  # prctl(2): the name `ps` and `top` show (15 bytes)
 # Who the out-of-memory killer takes first (oom_score_adj): a kernel check before the node it
 # checks for, a local worker and the fork server before the master, which speaks for them all.

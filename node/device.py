@@ -40,19 +40,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from memory.files import atomic_write, default_state_dir
-from models import kernels, quant
-from models.errors import ModelError
-from models.kernels import CANDIDATES, ROW_BUCKETS, Candidate
-from models.layers import Slice, full_layer_shapes, slice_dtypes, slice_layer, slice_parts
-from models.moe import expert_specs
-from models.quant import stored_format, stored_size
-from node import children, kernel_probe, kernel_table
-from node.kernel_probe import MARK
-from node.kernel_table import Prepared, Shape, Table, entry_key, pick, read_table, table_path
+from edgetp.memory.files import atomic_write, default_state_dir
+from edgetp.models import kernels, quant
+from edgetp.models.errors import ModelError
+from edgetp.models.kernels import CANDIDATES, ROW_BUCKETS, Candidate
+from edgetp.models.layers import Slice, full_layer_shapes, slice_dtypes, slice_layer, slice_parts
+from edgetp.models.moe import expert_specs
+from edgetp.models.quant import stored_format, stored_size
+from edgetp.node import children, kernel_probe, kernel_table
+from edgetp.node.kernel_probe import MARK
+from edgetp.node.kernel_table import Prepared, Shape, Table, entry_key, pick, read_table, table_path
 
 if TYPE_CHECKING:
-    from models.source import ModelSource
+    from edgetp.models.source import ModelSource
 
 log = logging.getLogger(__name__)
 

@@ -10,22 +10,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memory.experts import ExpertPool
-from memory.shards import tensor_specs
-from memory.window import LayerWindow, ResidentLayers
-from models import gemma4, rows_native
-from models.block_math import attention_partial, ffn_partial
-from models.block_rows import attention_rows, ffn_rows
-from models.config import ModelConfig
-from models.deltanet import deltanet_partial
-from models.kernels import SCALE_SUFFIX, leave_a_core_to_the_loader, linear_rows
-from models.layers import MATRICES, Slice, StepBatch
-from models.moe import Routing, expert_specs, moe_partial, moe_rows
-from models.quant import matrix_size
-from models.rope import Rope
-from node.device import matrix_shapes, prepare
-from node.kernel_table import Shape
-from node.kvcache import KVCache
+from edgetp.memory.experts import ExpertPool
+from edgetp.memory.shards import tensor_specs
+from edgetp.memory.window import LayerWindow, ResidentLayers
+from edgetp.models import gemma4, rows_native
+from edgetp.models.block_math import attention_partial, ffn_partial
+from edgetp.models.block_rows import attention_rows, ffn_rows
+from edgetp.models.config import ModelConfig
+from edgetp.models.deltanet import deltanet_partial
+from edgetp.models.kernels import SCALE_SUFFIX, leave_a_core_to_the_loader, linear_rows
+from edgetp.models.layers import MATRICES, Slice, StepBatch
+from edgetp.models.moe import Routing, expert_specs, moe_partial, moe_rows
+from edgetp.models.quant import matrix_size
+from edgetp.models.rope import Rope
+from edgetp.node.device import matrix_shapes, prepare
+from edgetp.node.kernel_table import Shape
+from edgetp.node.kvcache import KVCache
 
 # The hidden state, from the embedding to the final norm, on every node: float32 NumPy, rows
 # (B, D) in a decode step, (B, T, D) in any other. The prefill's layer math is torch's: it

@@ -12,7 +12,7 @@ from __future__ import annotations
 import atexit
 import signal
 
-from node.children import OOM_WORKER, end_process, set_oom_score_adj
+from edgetp.node.children import OOM_WORKER, end_process, set_oom_score_adj
 
 # The server starts workers; where they do not fit beside the master, the out-of-memory killer
 # takes it before the master, which then says what happened. Set before its imports of torch.

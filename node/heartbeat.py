@@ -18,9 +18,9 @@ import time
 
 import zmq
 
-from node.messages import Heartbeat, ProtocolError, decode_heartbeat, encode
-from node.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
-from node.security import JoinToken, Keypair, secure_client, secure_server
+from edgetp.node.messages import Heartbeat, ProtocolError, decode_heartbeat, encode
+from edgetp.node.protocol import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
+from edgetp.node.security import JoinToken, Keypair, secure_client, secure_server
 
 DEAD_AFTER = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
 # A heartbeat thread wakes at least every HEARTBEAT_INTERVAL: one that has not run for this long

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from models.cbuild import built
-from models.rows_native import MAX_ROWS, NativeBlocks
+from edgetp.models.cbuild import built
+from edgetp.models.rows_native import MAX_ROWS, NativeBlocks
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from threadpoolctl import threadpool_limits
 
-from models import kernels
-from models.dtypes import BLOCK_DTYPES
-from models.kernels import Candidate, dequantize, quantize
-from node import children
+from edgetp.models import kernels
+from edgetp.models.dtypes import BLOCK_DTYPES
+from edgetp.models.kernels import Candidate, dequantize, quantize
+from edgetp.node import children
 
 PERIOD = 1021  # rows of random weights a tall probe matrix repeats
 COMPARE_COLUMNS = 4096  # outputs a check compares at a time (float64: 2 MB a block at 64 rows)

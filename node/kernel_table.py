@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.dtypes import SHARD_DTYPES
-from models.kernels import CANDIDATES, ROW_BUCKETS, Candidate
+from edgetp.models.dtypes import SHARD_DTYPES
+from edgetp.models.kernels import CANDIDATES, ROW_BUCKETS, Candidate
 
 Shape = tuple[str, int, int]  # (dtype name, out, in): one stored matrix
 

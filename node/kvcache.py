@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from models.config import ModelConfig
-from models.deltanet import channels, recur
-from models.errors import ModelError
-from models.gemma4 import keeps_whole_context, layer_view, shares_kv
-from models.layers import Slice, StepBatch
+from edgetp.models.config import ModelConfig
+from edgetp.models.deltanet import channels, recur
+from edgetp.models.errors import ModelError
+from edgetp.models.gemma4 import keeps_whole_context, layer_view, shares_kv
+from edgetp.models.layers import Slice, StepBatch
 
 # Keys and values stay float32 whatever the weights' dtype: they are a small part of memory at
 # edge context lengths, and the attention math on them is float32 in both paths.

@@ -21,10 +21,10 @@ import msgspec
 import numpy as np
 import zmq
 
-from memory.shards import ShardRef
-from models.config import ModelConfig
-from models.layers import Slice, StepBatch
-from node.protocol import PROTOCOL_VERSION, Block
+from edgetp.memory.shards import ShardRef
+from edgetp.models.config import ModelConfig
+from edgetp.models.layers import Slice, StepBatch
+from edgetp.node.protocol import PROTOCOL_VERSION, Block
 
 if TYPE_CHECKING:  # the CLI imports this module: no torch at start-up
     import torch

@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 import zmq
 
-from memory.budget import device_memory_budget
-from memory.files import measure_disk_read
-from memory.pages import weight_buffer
-from models.kernels import compute_clock, cpu_quota_cores, linear
-from node.messages import Capacity
-from node.security import Keypair, secure_server
+from edgetp.memory.budget import device_memory_budget
+from edgetp.memory.files import measure_disk_read
+from edgetp.memory.pages import weight_buffer
+from edgetp.models.kernels import compute_clock, cpu_quota_cores, linear
+from edgetp.node.messages import Capacity
+from edgetp.node.security import Keypair, secure_server
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,9 @@ def spin_seconds() -> float:
     none under a CPU quota (a container, an emulated device), where the loop would spend the
     quota the compute needs and the throttling it brings costs more than a wake-up. Read when a
     socket's owner starts: the master of a local cluster enters its device's cgroup first."""
-    from models.kernels import cgroup_cpu_quota  # torch-free callers of this module never ask
+    from edgetp.models.kernels import (
+        cgroup_cpu_quota,  # torch-free callers of this module never ask
+    )
 
     return SPIN_SECONDS if cgroup_cpu_quota() == "none" else 0.0
 

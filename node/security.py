@@ -22,7 +22,7 @@ from pathlib import Path
 import zmq
 from zmq.utils import z85
 
-from memory.files import atomic_write
+from edgetp.memory.files import atomic_write
 
 TOKEN_PREFIX = "etp1-"
 TOKEN_ENV = "EDGETP_TOKEN"  # where `edgetp join` also looks for the token

@@ -12,14 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from models.config import ModelConfig
-from models.layers import StepBatch
-from models.moe import Routing
-from node import messages as M
-from node import protocol as P
-from node.executor import Hidden, SliceExecutor
-from node.kvcache import KVCache
-from node.messages import ProtocolError, Step
+from edgetp.models.config import ModelConfig
+from edgetp.models.layers import StepBatch
+from edgetp.models.moe import Routing
+from edgetp.node import messages as M
+from edgetp.node import protocol as P
+from edgetp.node.executor import Hidden, SliceExecutor
+from edgetp.node.kvcache import KVCache
+from edgetp.node.messages import ProtocolError, Step
 
 
 @dataclass(frozen=True)

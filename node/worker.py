@@ -24,27 +24,27 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from memory.files import default_state_dir
-from memory.shards import ShardRef, ShardStore, file_digests
-from memory.window import (
+from edgetp.memory.figures import StreamFigures
+from edgetp.memory.files import default_state_dir
+from edgetp.memory.shards import ShardRef, ShardStore, file_digests
+from edgetp.memory.window import (
     LayerWindow,
     ShardChanged,
-    StreamFigures,
     return_freed_memory,
     step_figures,
 )
-from models.kernels import kernel_set
-from models.layers import StepBatch
-from node import messages as M
-from node import protocol as P
-from node.executor import Hidden, SliceExecutor, check_kernels_before_loading, make_executor
-from node.heartbeat import DEAD_AFTER, HeartbeatClient
-from node.hop import ERROR, FOREIGN, WorkerHop
-from node.hop import available as hop_available
-from node.messages import Capacity
-from node.probes import measure_speed
-from node.security import JoinToken, fingerprint, save_node_token, secure_client
-from node.steps import Work, partial, read_serving
+from edgetp.models.kernels import kernel_set
+from edgetp.models.layers import StepBatch
+from edgetp.node import messages as M
+from edgetp.node import protocol as P
+from edgetp.node.executor import Hidden, SliceExecutor, check_kernels_before_loading, make_executor
+from edgetp.node.heartbeat import DEAD_AFTER, HeartbeatClient
+from edgetp.node.hop import ERROR, FOREIGN, WorkerHop
+from edgetp.node.hop import available as hop_available
+from edgetp.node.messages import Capacity
+from edgetp.node.probes import measure_speed
+from edgetp.node.security import JoinToken, fingerprint, save_node_token, secure_client
+from edgetp.node.steps import Work, partial, read_serving
 
 log = logging.getLogger(__name__)
 

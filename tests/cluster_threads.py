@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from master.local import thread_share
-from models.kernels import set_threads
+from edgetp.master.cluster.local import thread_share
+from edgetp.models.kernels import set_threads
 
 
 @contextlib.contextmanager

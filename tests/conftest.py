@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # isort: off
-import models  # noqa: F401  (before torch: its OpenMP setting, models/__init__.py)
+import edgetp.models  # noqa: F401  (before torch: its OpenMP setting, models/__init__.py)
 
 # isort: on
 import os
@@ -15,10 +15,10 @@ import pytest
 from gguf_copy import transformers_model
 from hypothesis import settings
 
-from models.config import DEFAULT_MODEL
-from models.kernels import CORES_ENV, set_threads
-from models.source import GGUFSource, ModelSource, open_model
-from node import children
+from edgetp.models.config import DEFAULT_MODEL
+from edgetp.models.kernels import CORES_ENV, set_threads
+from edgetp.models.source import GGUFSource, ModelSource, open_model
+from edgetp.node import children
 
 set_threads()
 

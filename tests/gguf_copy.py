@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from models.gguf_file import DEFAULT_ALIGNMENT, GGUF_MAGIC, _Cursor
+from edgetp.models.gguf_file import DEFAULT_ALIGNMENT, GGUF_MAGIC, _Cursor
 
 VOCABULARY_ARRAYS = (
     "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",

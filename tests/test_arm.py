@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from models.kernels import PORTABLE
-from models.native import CSRC
-from models.quant import FORMATS, random_blocks
+from edgetp.models.kernels import PORTABLE
+from edgetp.models.native import CSRC
+from edgetp.models.quant import FORMATS, random_blocks
 
 HARNESS = Path(__file__).with_name("csrc") / "arm_check.c"
 COMPILER, EMULATOR = "aarch64-linux-gnu-gcc", "qemu-aarch64"

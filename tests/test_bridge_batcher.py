@@ -19,15 +19,15 @@ from serving import served_app
 from test_speculate import EDIT, SlowLinkSpeculator
 from waiting import wait_until
 
-from master.batcher import Batcher, Delta, Event, Failed, Finished
-from master.bridge.app import Served, create_app
-from master.cluster import Hub
-from master.engine import Engine
-from master.params import SamplingParams
-from master.prompts import prompt_tokens
-from master.session import Session
-from master.transport import ClusterError
-from models.rows_native import NativeBlocks
+from edgetp.master.bridge.app import Served, create_app
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.hub import Hub
+from edgetp.master.cluster.session import Session
+from edgetp.master.cluster.transport import ClusterError
+from edgetp.master.generation.batcher import Batcher, Delta, Event, Failed, Finished
+from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.prompts import prompt_tokens
+from edgetp.models.rows_native import NativeBlocks
 
 pytestmark = pytest.mark.slow
 
@@ -175,7 +175,7 @@ def test_a_request_whose_logits_are_not_a_number_fails_alone(batcher, prompts, s
 
 
 def test_the_waiting_line_is_bounded(batcher, prompts):
-    from master.batcher import BusyError
+    from edgetp.master.generation.batcher import BusyError
 
     clients, refused = [], None
     for _ in range(8):  # 2 slots + 4 waiting

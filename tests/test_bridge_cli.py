@@ -14,7 +14,7 @@ import openai
 import pytest
 from test_cli import assert_clear_error, run
 
-from master.bridge.client import start_server
+from edgetp.master.bridge.client import start_server
 
 
 def test_a_taken_port_is_a_clear_error():
@@ -53,7 +53,7 @@ def test_option_errors_come_before_the_weights_code_is_imported():
         "assert main(['run', '--top-p', '0', 'hi']) == 1\n"
         "import os; os.environ['EDGETP_API_KEY'] = ' '\n"
         "assert main(['serve']) == 1\n"
-        "print(sorted({'torch', 'master.session', 'uvicorn'} & set(sys.modules)))\n"
+        "print(sorted({'torch', 'edgetp.master.cluster.session', 'uvicorn'} & set(sys.modules)))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ

@@ -26,7 +26,7 @@ from llama_index.core.tools import FunctionTool
 from llama_index.llms.openai_like import OpenAILike
 from pydantic import BaseModel
 
-from master.bridge.client import start_server
+from edgetp.master.bridge.client import start_server
 
 pytestmark = pytest.mark.slow
 

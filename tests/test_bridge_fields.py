@@ -27,8 +27,13 @@ from openai.types.chat import (
 from openai.types.chat import completion_create_params as chat_params
 from pydantic import BaseModel
 
-from master.bridge.request import ChatCompletionRequest, CompletionRequest, narrowed, warn_ignored
-from master.bridge.request_parts import ChatMessage, StreamOptions, TextPart
+from edgetp.master.bridge.request import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    narrowed,
+    warn_ignored,
+)
+from edgetp.master.bridge.request_parts import ChatMessage, StreamOptions, TextPart
 
 TOOL = {
     "type": "function",

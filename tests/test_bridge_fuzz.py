@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from master.bridge.client import start_server
+from edgetp.master.bridge.client import start_server
 
 pytestmark = pytest.mark.slow
 

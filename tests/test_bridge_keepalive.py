@@ -19,11 +19,11 @@ import pytest
 from serving import served_app
 from waiting import wait_until
 
-from master.batcher import Batcher, Delta, Event
-from master.bridge.app import KEEPALIVE, Served, create_app
-from master.params import SamplingParams
-from master.prompts import prompt_tokens
-from master.session import Session
+from edgetp.master.bridge.app import KEEPALIVE, Served, create_app
+from edgetp.master.cluster.session import Session
+from edgetp.master.generation.batcher import Batcher, Delta, Event
+from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.prompts import prompt_tokens
 
 pytestmark = pytest.mark.slow
 

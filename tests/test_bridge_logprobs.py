@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from master.bridge.client import start_server
+from edgetp.master.bridge.client import start_server
 
 pytestmark = pytest.mark.slow
 

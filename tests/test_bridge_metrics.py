@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from master.bridge.client import start_server
+from edgetp.master.bridge.client import start_server
 
 ORIGIN = "http://localhost:3000"
 

@@ -14,12 +14,18 @@ import json
 
 import pytest
 
-from master.batcher import Delta, Finished, Ticket
-from master.bridge.answers import Answer, Choice, sse, whole
-from master.bridge.output import Part, Split, Splitter
-from master.bridge.request import ChatCompletionRequest
-from master.bridge.tool_calls import FORMATS, Function, Hermes, Llama3Json, Mistral, format_for
-from master.bridge.tools import (
+from edgetp.master.bridge.answers import Answer, Choice, sse, whole
+from edgetp.master.bridge.output import Part, Split, Splitter
+from edgetp.master.bridge.request import ChatCompletionRequest
+from edgetp.master.bridge.tool_calls import (
+    FORMATS,
+    Function,
+    Hermes,
+    Llama3Json,
+    Mistral,
+    format_for,
+)
+from edgetp.master.bridge.tools import (
     TOOLS_PROMPT,
     answer_grammar,
     call_format,
@@ -29,8 +35,9 @@ from master.bridge.tools import (
     renders_tools,
     tool_use,
 )
-from master.grammar import Constraint
-from master.prompts import chat_tokens
+from edgetp.master.generation.batcher import Delta, Finished, Ticket
+from edgetp.master.generation.grammar import Constraint
+from edgetp.master.generation.prompts import chat_tokens
 
 WEATHER = {
     "type": "object",

@@ -24,9 +24,9 @@ from openai.types.chat import completion_create_params as chat_params
 from test_bridge_fields import CHAT_NO_OPS, REFUSED, TEXT_NO_OPS, TOOL
 from waiting import wait_until
 
-from master.bridge.client import ServerProcess, start_server, stream_chat
-from models.layers import Slice
-from node.kvcache import KVCache
+from edgetp.master.bridge.client import ServerProcess, start_server, stream_chat
+from edgetp.models.layers import Slice
+from edgetp.node.kvcache import KVCache
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ EDGETP = Path(sys.executable).parent / "edgetp"
 
 
 def edgetp_run(*args: str) -> subprocess.Popen[str]:
-    cmd = [str(EDGETP)] if EDGETP.exists() else [sys.executable, "-m", "tui.cli"]
+    cmd = [str(EDGETP)] if EDGETP.exists() else [sys.executable, "-m", "edgetp.tui.cli"]
     return subprocess.Popen(
         [*cmd, "run", "--max-tokens", str(MAX_TOKENS), *args],
         stdout=subprocess.PIPE,

@@ -28,16 +28,16 @@ from textual.pilot import Pilot
 from textual.widgets import Static
 from waiting import until_shown, wait_until
 
-from master.bridge.client import Reasoning, StreamEnd, start_server
-from master.plan import plan_slices
-from master.splitter import split_model
-from memory.shards import ShardStore
-from models.source import default_dtype
-from node.device import plan_shapes, prepare
-from tui.chat.app import ChatApp
-from tui.chat.client import BridgeClient, Sampling
-from tui.chat.store import ConversationStore
-from tui.chat.widgets import Answer, ConversationsScreen, Note, SettingsScreen, Thinking
+from edgetp.master.bridge.client import Reasoning, StreamEnd, start_server
+from edgetp.master.cluster.plan import plan_slices
+from edgetp.master.cluster.splitter import split_model
+from edgetp.memory.shards import ShardStore
+from edgetp.models.source import default_dtype
+from edgetp.node.device import plan_shapes, prepare
+from edgetp.tui.chat.app import ChatApp
+from edgetp.tui.chat.client import BridgeClient, Sampling
+from edgetp.tui.chat.store import ConversationStore
+from edgetp.tui.chat.widgets import Answer, ConversationsScreen, Note, SettingsScreen, Thinking
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 

@@ -23,11 +23,11 @@ from textual.app import App, ComposeResult
 from textual.pilot import Pilot
 from waiting import until_shown
 
-from master.bridge.client import Reasoning, StreamEnd
-from tui.chat.app import ChatApp
-from tui.chat.client import BridgeClient, Sampling
-from tui.chat.store import Conversation, ConversationStore, Message
-from tui.chat.widgets import Answer, ClusterPanel, Thinking
+from edgetp.master.bridge.client import Reasoning, StreamEnd
+from edgetp.tui.chat.app import ChatApp
+from edgetp.tui.chat.client import BridgeClient, Sampling
+from edgetp.tui.chat.store import Conversation, ConversationStore, Message
+from edgetp.tui.chat.widgets import Answer, ClusterPanel, Thinking
 
 BASE = "http://127.0.0.1:8000"
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -300,7 +300,7 @@ def test_cluster_panel_when_the_cluster_is_down(snap_compare):
 
 def test_the_figures_served_today_parse(tmp_path):
     """The fixtures above are what the bridge's schema accepts (a drifted fixture fails)."""
-    from master.bridge.schema import ClusterFigures
+    from edgetp.master.bridge.schema import ClusterFigures
 
     for figures in (TODAY, FULL, _down()):
         ClusterFigures.model_validate(json.loads(json.dumps(figures)))

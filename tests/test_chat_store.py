@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from tui.chat.client import Sampling
-from tui.chat.store import Conversation, ConversationStore, Message
+from edgetp.tui.chat.client import Sampling
+from edgetp.tui.chat.store import Conversation, ConversationStore, Message
 
 
 def test_a_conversation_round_trips_and_lists_latest_first(tmp_path):
@@ -77,7 +77,7 @@ def test_an_unreadable_file_is_skipped_and_named(tmp_path, caplog):
 )
 def test_chat_start_up_errors_are_one_clear_message(args, needle, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "tui.cli", "chat", "--state-dir", str(tmp_path), *args],
+        [sys.executable, "-m", "edgetp.tui.cli", "chat", "--state-dir", str(tmp_path), *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from gguf_copy import transformers_tokenizer
 
-from master.prompts import prompt_tokens
-from models.chat_template import NoChatTemplate, render_chat
-from models.errors import ModelError
-from models.gguf_file import GGUFFile
+from edgetp.master.generation.prompts import prompt_tokens
+from edgetp.models.chat_template import NoChatTemplate, render_chat
+from edgetp.models.errors import ModelError
+from edgetp.models.gguf_file import GGUFFile
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from waiting import wait_until
 
-from node import children
+from edgetp.node import children
 
 CODE = 3
 
@@ -46,7 +46,7 @@ INTERRUPTED = """
 import os, signal, sys, threading, time
 from pathlib import Path
 
-from node import children
+from edgetp.node import children
 
 
 def child(marker: str) -> None:
@@ -94,7 +94,7 @@ def test_a_child_asked_for_in_the_server_s_first_seconds_is_not_forked_after_a_c
 SERVER_SIGNALS = """
 from pathlib import Path
 
-from node import children
+from edgetp.node import children
 
 children.start_server()
 pid = children.forkserver._forkserver._forkserver_pid

@@ -12,13 +12,13 @@ import gguf
 import pytest
 import torch
 
-from models.config import FAMILIES
+from edgetp.models.config import FAMILIES
 
 EDGETP = Path(sys.executable).parent / "edgetp"
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [str(EDGETP)] if EDGETP.exists() else [sys.executable, "-m", "tui.cli"]
+    cmd = [str(EDGETP)] if EDGETP.exists() else [sys.executable, "-m", "edgetp.tui.cli"]
     return subprocess.run(
         cmd + list(args), capture_output=True, text=True, timeout=180, cwd=cwd, env=os.environ
     )
@@ -68,7 +68,7 @@ def test_a_gguf_file_keeps_its_own_weights_unless_no_compiler_can_build_their_ke
     bare = tmp_path / "tmp"  # no kernel built before, and no compiler on the PATH to build one
     bare.mkdir()
     env = {**os.environ, "PATH": str(Path(sys.executable).parent), "TMPDIR": str(bare)}
-    cmd = [str(EDGETP)] if EDGETP.exists() else [sys.executable, "-m", "tui.cli"]
+    cmd = [str(EDGETP)] if EDGETP.exists() else [sys.executable, "-m", "edgetp.tui.cli"]
     f32 = subprocess.run(
         [*cmd, *args, "--state-dir", str(tmp_path / "f32")],
         capture_output=True, text=True, timeout=180, env=env,
@@ -179,7 +179,7 @@ def test_a_bad_core_count_is_a_clear_error(monkeypatch):
 )
 def test_a_port_devices_cannot_join_on_is_refused_by_the_parser(args, capsys):
     """ZeroMQ and the LAN announcement took such a port only to fail with a traceback."""
-    from tui.arguments import build_parser
+    from edgetp.tui.arguments import build_parser
 
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(args)
@@ -196,8 +196,8 @@ def test_a_thread_count_under_one_is_refused_before_any_kernel_is_checked(args, 
     """`--threads -1` once reached the kernel check, whose child crashed on it (libgomp asked
     for 928 GB); the crash was kept against the kernel, and every later run on that device
     was refused for want of a working kernel."""
-    from models.kernels import set_threads
-    from tui.arguments import build_parser
+    from edgetp.models.kernels import set_threads
+    from edgetp.tui.arguments import build_parser
 
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(args)
@@ -210,7 +210,7 @@ def test_a_thread_count_under_one_is_refused_before_any_kernel_is_checked(args, 
 
 def test_no_local_nodes_is_refused_by_the_parser(capsys):
     """`run --local-nodes 0` ran on one node without a word (`serve` refused it)."""
-    from tui.arguments import build_parser
+    from edgetp.tui.arguments import build_parser
 
     for command in (["run", "hi"], ["serve"], ["kernels"]):
         with pytest.raises(SystemExit):
@@ -234,8 +234,8 @@ def test_the_parser_and_the_chat_app_start_without_torch():
 def test_bench_hands_threads_to_every_node_count(monkeypatch):
     """`edgetp bench --local-nodes ... --threads N` runs every node with N BLAS threads (it was
     once dropped on the way, and each node took its share of the cores)."""
-    import master.bench.cluster as cluster
-    from tui.cli import main
+    import edgetp.master.bench.cluster as cluster
+    from edgetp.tui.cli import main
 
     taken: dict[str, object] = {}
     monkeypatch.setattr(cluster, "run_cluster_bench", lambda *a: taken.update(args=a))

@@ -18,21 +18,21 @@ from cluster_threads import master_threads
 from local_processes import parent_pid, process_state
 from waiting import wait_until
 
-from master.cluster import Hub
-from master.engine import Engine
-from master.generate import start, stream
-from master.local import LocalWorkers
-from master.params import SamplingParams
-from master.plan import plan_slices
-from master.session import Session
-from master.splitter import split_model
-from master.transport import ClusterError
-from memory.budget import MemoryOptions
-from memory.shards import Manifest, ShardStore
-from models.layers import StepBatch
-from node import messages as M
-from node import protocol as P
-from node.security import TOKEN_ENV, secure_client
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.hub import Hub
+from edgetp.master.cluster.local import LocalWorkers
+from edgetp.master.cluster.plan import plan_slices
+from edgetp.master.cluster.session import Session
+from edgetp.master.cluster.splitter import split_model
+from edgetp.master.cluster.transport import ClusterError
+from edgetp.master.generation.generate import start, stream
+from edgetp.master.generation.params import SamplingParams
+from edgetp.memory.budget import MemoryOptions
+from edgetp.memory.shards import Manifest, ShardStore
+from edgetp.models.layers import StepBatch
+from edgetp.node import messages as M
+from edgetp.node import protocol as P
+from edgetp.node.security import TOKEN_ENV, secure_client
 
 pytestmark = pytest.mark.slow
 
@@ -325,7 +325,7 @@ def test_join_with_another_model_exits_with_a_clear_error(smollm2, tmp_path):
     import sys
 
     hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
-    cmd = [sys.executable, "-m", "tui.cli", "join", f"127.0.0.1:{hub.port}"]
+    cmd = [sys.executable, "-m", "edgetp.tui.cli", "join", f"127.0.0.1:{hub.port}"]
     proc = subprocess.Popen(
         cmd + ["--model", "other.gguf", "--state-dir", str(tmp_path)],
         stdout=subprocess.PIPE,

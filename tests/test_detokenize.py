@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from master.generate import Generation, _accept
-from master.params import SamplingParams
-from master.sampling import Sampler
-from models.source import open_model
+from edgetp.master.generation.generate import Generation, _accept
+from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.sampling import Sampler
+from edgetp.models.source import open_model
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

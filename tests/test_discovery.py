@@ -7,10 +7,10 @@ import subprocess
 import sys
 import uuid
 
-from master.cluster import Hub
-from node.discovery import Announcer, MasterAd, browse
-from node.protocol import PROTOCOL_VERSION
-from node.security import TOKEN_ENV, fingerprint
+from edgetp.master.cluster.hub import Hub
+from edgetp.node.discovery import Announcer, MasterAd, browse
+from edgetp.node.protocol import PROTOCOL_VERSION
+from edgetp.node.security import TOKEN_ENV, fingerprint
 
 LOOPBACK = "127.0.0.1"
 
@@ -19,7 +19,7 @@ def _join(*args: str, token: str | None, state) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     if token:
         env[TOKEN_ENV] = token
-    cmd = [sys.executable, "-m", "tui.cli", "join", "--interface", LOOPBACK, "--state-dir"]
+    cmd = [sys.executable, "-m", "edgetp.tui.cli", "join", "--interface", LOOPBACK, "--state-dir"]
     return subprocess.Popen(
         [*cmd, str(state), *args],
         stdout=subprocess.PIPE,

@@ -21,22 +21,22 @@ import pytest
 from rich.console import Console
 from waiting import wait_until
 
-from master.bench.cluster_figures import cpu_floor_ms
-from master.bench.greedy import time_greedy
-from master.bench.memory_bus import stream_rates
-from master.bench.round_trips import raw_tcp_round_trips
-from master.bridge.schema import ClusterFigures
-from master.emulate import host
-from master.emulate.devices import EmulatedDevices, emulated
-from master.emulate.host import remove_leftovers
-from master.emulate.relay import start_relay, stop_relay
-from master.emulate.spec import DeviceSpec, device_specs, parse_device
-from master.figures import BatcherStats, cluster_figures
-from master.local import local_engine, local_session
-from master.transport import ClusterError
-from memory.budget import RESERVE_BYTES
-from tui.chat.widgets import node_block
-from tui.cli import main
+from edgetp.master.bench.cluster_figures import cpu_floor_ms
+from edgetp.master.bench.greedy import time_greedy
+from edgetp.master.bench.memory_bus import stream_rates
+from edgetp.master.bench.round_trips import raw_tcp_round_trips
+from edgetp.master.bridge.schema import ClusterFigures
+from edgetp.master.cluster.figures import BatcherStats, cluster_figures
+from edgetp.master.cluster.local import local_engine, local_session
+from edgetp.master.cluster.transport import ClusterError
+from edgetp.master.emulate import host
+from edgetp.master.emulate.devices import EmulatedDevices, emulated
+from edgetp.master.emulate.host import remove_leftovers
+from edgetp.master.emulate.relay import start_relay, stop_relay
+from edgetp.master.emulate.spec import DeviceSpec, device_specs, parse_device
+from edgetp.memory.budget import RESERVE_BYTES
+from edgetp.tui.chat.widgets import node_block
+from edgetp.tui.cli import main
 
 PROMPT = "The capital of France is"
 
@@ -68,8 +68,8 @@ def test_device_specs_read_as_people_write_them():
 _BUDGET_PROBE = """
 import os, sys
 from pathlib import Path
-from node.probes import measure_capacity  # torch and all: charged where this process started
-from memory.budget import RESERVE_BYTES, device_memory_budget
+from edgetp.node.probes import measure_capacity  # torch and all: charged where this process started
+from edgetp.memory.budget import RESERVE_BYTES, device_memory_budget
 Path(sys.argv[1], "cgroup.procs").write_text(str(os.getpid()))  # as an emulated master enters
 entered = device_memory_budget()
 held = bytearray(int(sys.argv[2]))  # charged in the cgroup, page by page
@@ -104,7 +104,8 @@ def test_a_kernel_check_that_does_not_fit_beside_its_node_is_the_one_killed(tmp_
     mem=150MB` ended with the shell's "Killed" (rc 137) and no word of why. The check is
     killed first now, and the node says so, its devices removed."""
     host.check_host([DeviceSpec(mem=150 * 10**6)])
-    run = [sys.executable, "-m", "tui.cli", "run", "--device", "mem=150MB", "--max-tokens", "2"]
+    run = [sys.executable, "-m", "edgetp.tui.cli", "run", "--device", "mem=150MB",
+           "--max-tokens", "2"]  # fmt: skip
     env = dict(os.environ, EDGETP_HOME=str(tmp_path / "home"))  # no kernel table yet
     with subprocess.Popen([*run, PROMPT], stderr=subprocess.PIPE, text=True, env=env) as node:
         _, err = node.communicate(timeout=120)
@@ -125,7 +126,8 @@ def test_local_nodes_that_do_not_fit_in_their_container_say_so(tmp_path):
     try:
         (folder / "memory.limit_in_bytes").write_text(str(350 * 2**20))
         enter = f'echo $$ > {folder}/cgroup.procs && exec "$@"'
-        run = [sys.executable, "-m", "tui.cli", "run", "--local-nodes", "2", "--max-tokens", "2"]
+        run = [sys.executable, "-m", "edgetp.tui.cli", "run", "--local-nodes", "2",
+               "--max-tokens", "2"]  # fmt: skip
         env = dict(os.environ, EDGETP_HOME=str(tmp_path / "home"))
         done = subprocess.run(["sh", "-c", enter, "sh", *run, PROMPT], capture_output=True,
                               text=True, env=env, timeout=180)  # fmt: skip
@@ -147,7 +149,7 @@ def test_local_nodes_that_do_not_fit_in_their_container_say_so(tmp_path):
 _DISK_PROBE = """
 import os, sys
 from pathlib import Path
-from memory.files import measure_disk_read
+from edgetp.memory.files import measure_disk_read
 Path(sys.argv[1], "cgroup.procs").write_text(str(os.getpid()))
 for _ in range(3):
     print("probing", flush=True)
@@ -248,7 +250,7 @@ def test_two_devices_hold_their_limits_and_leave_nothing_behind(
     with emulated([DeviceSpec(), DeviceSpec(cpu=0.5, rtt=rtt)], 2, tmp_path) as devices:
         assert devices is not None and _ours() != []
         with (
-            caplog.at_level(logging.WARNING, "master.session"),
+            caplog.at_level(logging.WARNING, "edgetp.master.cluster.session"),
             local_session(
                 smollm2, 2, state_dir=tmp_path, context=64, devices=devices, standby=False
             ) as session,

@@ -23,24 +23,24 @@ from test_families import _assert_close_logits, _greedy, _ours
 from test_moe import _built
 from waiting import wait_until
 
-import memory.experts
-from master.bench.cluster_figures import node_row
-from master.bridge.schema import ClusterFigures
-from master.engine import Engine
-from master.figures import BatcherStats, cluster_figures
-from master.local import local_session
-from master.plan import plan_slices
-from master.splitter import split_model
-from master.transport import ClusterError
-from memory.budget import MemoryOptions
-from memory.experts import layer_parts
-from memory.shards import Manifest, ShardStore
-from memory.window import LayerWindow, ShardChanged
-from models.errors import ModelError
-from models.layers import StepBatch
-from models.moe import EXPERT_TENSORS, Routing, moe_partial, moe_rows
-from models.source import open_model
-from node.executor import make_executor
+from edgetp.master.bench.cluster_figures import node_row
+from edgetp.master.bridge.schema import ClusterFigures
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.figures import BatcherStats, cluster_figures
+from edgetp.master.cluster.local import local_session
+from edgetp.master.cluster.plan import plan_slices
+from edgetp.master.cluster.splitter import split_model
+from edgetp.master.cluster.transport import ClusterError
+from edgetp.memory import experts as expert_reads
+from edgetp.memory.budget import MemoryOptions
+from edgetp.memory.experts import layer_parts
+from edgetp.memory.shards import Manifest, ShardStore
+from edgetp.memory.window import LayerWindow, ShardChanged
+from edgetp.models.errors import ModelError
+from edgetp.models.layers import StepBatch
+from edgetp.models.moe import EXPERT_TENSORS, Routing, moe_partial, moe_rows
+from edgetp.models.source import open_model
+from edgetp.node.executor import make_executor
 
 EXPERTS = 8
 DECODE = 16
@@ -180,14 +180,14 @@ def read_gates(monkeypatch) -> list[threading.Event]:
     """Events the expert reader's reads wait for before they read the disk (as they do then),
     so that a compute that sets one knows the reads are under way, not done. The disk's read
     is the seam: reads this small are not caught in flight otherwise."""
-    read, gates = memory.experts.pread_into, []
+    read, gates = expert_reads.pread_into, []
 
     def gated(fd: int, view: memoryview, offset: int) -> int:
         if threading.current_thread().name == "expert-reader":
             assert all(gate.wait(30) for gate in gates), "no compute began"
         return read(fd, view, offset)
 
-    monkeypatch.setattr(memory.experts, "pread_into", gated)
+    monkeypatch.setattr(expert_reads, "pread_into", gated)
     return gates
 
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from gguf_copy import write_shape
 
-from master.engine import Engine
-from master.local import local_engine
-from memory.budget import MemoryOptions
-from models.layers import StepBatch
-from models.source import _GGUF_LAYER, _HF_LAYER, open_model
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.local import local_engine
+from edgetp.memory.budget import MemoryOptions
+from edgetp.models.layers import StepBatch
+from edgetp.models.source import _GGUF_LAYER, _HF_LAYER, open_model
 
 pytestmark = pytest.mark.slow
 
@@ -388,7 +388,7 @@ def test_block_shards_split_across_real_nodes_equal_one_node(qwen3, dtype):
 def test_smollm3_leaves_unrotated_the_layers_transformers_does(values):
     import transformers
 
-    from models.config import ModelConfig
+    from edgetp.models.config import ModelConfig
 
     values = SMALL | {"num_hidden_layers": 8, **PHI_TOKENS} | values
     flags = transformers.SmolLM3Config(**values).no_rope_layers
@@ -398,8 +398,8 @@ def test_smollm3_leaves_unrotated_the_layers_transformers_does(values):
 
 
 def test_smollm3_flags_for_other_layers_are_refused():
-    from models.config import ModelConfig
-    from models.errors import ModelError
+    from edgetp.models.config import ModelConfig
+    from edgetp.models.errors import ModelError
 
     values = {"architectures": ["SmolLM3ForCausalLM"], **SMALL, "no_rope_layers": [1, 0, 1]}
     with pytest.raises(ModelError, match="no_rope_layers has 3 flags for 2 layers"):

@@ -11,13 +11,13 @@ import torch
 from gguf_copy import transformers_model
 from test_cli import run
 
-from master.engine import Engine
-from master.plan import head_rows, plan_slices
-from master.splitter import split_model
-from memory.shards import ShardStore
-from models.bundled import BUNDLED_MODELS
-from models.layers import StepBatch
-from models.source import open_model
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.plan import head_rows, plan_slices
+from edgetp.master.cluster.splitter import split_model
+from edgetp.memory.shards import ShardStore
+from edgetp.models.bundled import BUNDLED_MODELS
+from edgetp.models.layers import StepBatch
+from edgetp.models.source import open_model
 
 pytestmark = pytest.mark.slow
 

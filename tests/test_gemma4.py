@@ -27,15 +27,15 @@ from test_families import (
     _windowed,
 )
 
-from master.engine import Engine
-from master.generate import start, stream
-from master.params import SamplingParams
-from models.config import ModelConfig
-from models.errors import ModelError
-from models.gemma4 import kv_source
-from models.layers import Slice
-from models.source import open_model
-from node.kvcache import KVCache
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.generation.generate import start, stream
+from edgetp.master.generation.params import SamplingParams
+from edgetp.models.config import ModelConfig
+from edgetp.models.errors import ModelError
+from edgetp.models.gemma4 import kv_source
+from edgetp.models.layers import Slice
+from edgetp.models.source import open_model
+from edgetp.node.kvcache import KVCache
 
 pytestmark = pytest.mark.slow
 
@@ -230,7 +230,7 @@ def test_a_batch_of_two_answers_as_each_alone(gemma4):
     """Two sequences of different lengths in one step, then a decode step of both, at 3 nodes:
     each one's logits are those it has alone (a sharing layer reads each sequence's own keys
     from the earlier layer's cache, at its own positions)."""
-    from models.layers import StepBatch
+    from edgetp.models.layers import StepBatch
 
     _, folder, prompt = gemma4
     source = open_model(folder)
@@ -325,10 +325,10 @@ def test_q8_0_shards_on_real_nodes_equal_one_node_and_keep_the_ple_table_q8_0(de
     """Split as q8_0, the table of per-layer inputs is kept like the embedding (its blocks),
     not float32 (E2B's is 2.3 B values), and 3 real nodes give what one does (int8 would not:
     its scales are a slice's columns', which differ by node count)."""
-    from master.plan import plan_slices
-    from master.splitter import split_model
-    from memory.shards import ShardStore, tensor_specs
-    from models.gemma4 import PLE_EMBEDDING
+    from edgetp.master.cluster.plan import plan_slices
+    from edgetp.master.cluster.splitter import split_model
+    from edgetp.memory.shards import ShardStore, tensor_specs
+    from edgetp.models.gemma4 import PLE_EMBEDDING
 
     model, folder, prompt = dense
     _, continuation = _reference(model, prompt)
@@ -397,8 +397,8 @@ def test_synth_gemma4_e2b_writes_the_tensors_transformers_holds(layers):
     shape, and no other (built on the meta device: E2B's embeddings alone are GBs)."""
     import transformers
 
-    from master.bench.synth import _layers_of, _shard_plan
-    from master.bench.synth_models import SHAPES
+    from edgetp.master.bench.synth import _layers_of, _shard_plan
+    from edgetp.master.bench.synth_models import SHAPES
 
     config = _layers_of(SHAPES["gemma4-e2b"], layers)
     model = ModelConfig.from_hf(config, "config.json")

@@ -6,8 +6,8 @@ import gguf
 import numpy as np
 import pytest
 
-from models.errors import ModelError
-from models.gguf_file import GGUFFile
+from edgetp.models.errors import ModelError
+from edgetp.models.gguf_file import GGUFFile
 
 METADATA = {
     "general.name": "tiny",

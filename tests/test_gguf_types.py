@@ -12,14 +12,14 @@ import pytest
 import torch
 from test_window import POSITIONS_PER_TEXT, TEXTS
 
-from master.local import local_engine
-from memory.budget import MemoryOptions
-from models import kernels
-from models.bundled import BUNDLED_MODELS
-from models.config import DEFAULT_MODEL
-from models.layers import StepBatch
-from models.quant import FORMATS
-from models.source import GGUFSource, ModelSource, open_model
+from edgetp.master.cluster.local import local_engine
+from edgetp.memory.budget import MemoryOptions
+from edgetp.models import kernels
+from edgetp.models.bundled import BUNDLED_MODELS
+from edgetp.models.config import DEFAULT_MODEL
+from edgetp.models.layers import StepBatch
+from edgetp.models.quant import FORMATS
+from edgetp.models.source import GGUFSource, ModelSource, open_model
 
 pytestmark = pytest.mark.slow
 

@@ -20,15 +20,20 @@ import numpy as np
 import pytest
 import torch
 
-from master.batcher import Batcher, Delta, Event, Failed, Finished
-from master.grammar import Constraint, GrammarError, grammar_error, json_schema_grammar
-from master.local import local_session
-from master.params import SamplingParams
-from master.prompts import chat_tokens
-from master.sampling import Sampler, sampler_for
-from master.session import Session
-from master.speculate import Speculator
-from models.source import open_model
+from edgetp.master.cluster.local import local_session
+from edgetp.master.cluster.session import Session
+from edgetp.master.generation.batcher import Batcher, Delta, Event, Failed, Finished
+from edgetp.master.generation.grammar import (
+    Constraint,
+    GrammarError,
+    grammar_error,
+    json_schema_grammar,
+)
+from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.prompts import chat_tokens
+from edgetp.master.generation.sampling import Sampler, sampler_for
+from edgetp.master.generation.speculate import Speculator
+from edgetp.models.source import open_model
 
 TEXTS = [
     'Hello, world! {"a": [1, 2.5e3, "\u00fc\u20ac\U0001f600"]}\n  indented\ttab',

@@ -8,9 +8,9 @@ import time
 import zmq
 from waiting import wait_until
 
-from node import heartbeat
-from node.heartbeat import DEAD_AFTER, HeartbeatClient, HeartbeatServer
-from node.security import JoinToken, Keypair
+from edgetp.node import heartbeat
+from edgetp.node.heartbeat import DEAD_AFTER, HeartbeatClient, HeartbeatServer
+from edgetp.node.security import JoinToken, Keypair
 
 
 def test_a_pause_of_this_process_is_not_its_peer_s_silence(monkeypatch):

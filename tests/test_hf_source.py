@@ -10,10 +10,10 @@ import torch
 from gguf_copy import transformers_tokenizer
 from safetensors.torch import save_file
 
-from master.engine import Engine
-from models.errors import ModelError
-from models.layers import StepBatch
-from models.source import HFSource, hf_layer_name, open_model
+from edgetp.master.cluster.engine import Engine
+from edgetp.models.errors import ModelError
+from edgetp.models.layers import StepBatch
+from edgetp.models.source import HFSource, hf_layer_name, open_model
 
 pytestmark = pytest.mark.slow
 

@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 import torch
 
-from master.generate import start, stream
-from master.params import SamplingParams
-from models import kernels
-from models.dtypes import SHARD_DTYPES
-from models.kernels import SCALE_SUFFIX, Candidate, linear, quantize
-from models.quant import FORMATS
-from node.device import CHECK_FOLDER, CHILD_TIMEOUT, KernelError, prepare
-from node.kernel_probe import TOLERANCE, Probe
-from node.kernel_table import entry_key
+from edgetp.master.generation.generate import start, stream
+from edgetp.master.generation.params import SamplingParams
+from edgetp.models import kernels
+from edgetp.models.dtypes import SHARD_DTYPES
+from edgetp.models.kernels import SCALE_SUFFIX, Candidate, linear, quantize
+from edgetp.models.quant import FORMATS
+from edgetp.node.device import CHECK_FOLDER, CHILD_TIMEOUT, KernelError, prepare
+from edgetp.node.kernel_probe import TOLERANCE, Probe
+from edgetp.node.kernel_table import entry_key
 
 TESTS = Path(__file__).parent
 FAKES = (
@@ -166,7 +166,7 @@ def test_a_check_s_folder_left_by_a_killed_caller_is_removed_by_the_next_check(
 def test_a_fallback_timed_fastest_by_a_fluke_is_not_chosen_over_a_native_kernel():
     """Under load a native kernel can time slower than the float expansion once; the
     expansion is the last resort all the same."""
-    from node.kernel_table import Table, pick
+    from edgetp.node.kernel_table import Table, pick
 
     native, fallback = kernels.CANDIDATES["q4_1"][0], kernels.CANDIDATES["q4_1"][-1]
     assert fallback.fallback and not native.fallback
@@ -226,7 +226,7 @@ def test_a_node_whose_fastest_candidates_are_broken_still_answers_right(
     """The master is a node: with a wrong and a crashing kernel first in line for every f32
     product, it admits neither, and its greedy answer is the one the plain reference product
     gives (tests/test_reference.py holds that one to transformers)."""
-    from master.engine import Engine
+    from edgetp.master.cluster.engine import Engine
 
     monkeypatch.setenv("EDGETP_HOME", str(tmp_path))
     monkeypatch.setitem(kernels.CANDIDATES, "f32", (*FAKES, *kernels.CANDIDATES["f32"]))
@@ -250,12 +250,12 @@ def test_a_node_checks_its_kernels_before_its_slice_loads(smollm2, tmp_path, cap
     """A check's child needs a few hundred MB of its own: a node checks from its shards'
     headers before it loads anything, and those are the shapes the loaded slice multiplies, so
     the engine's own check afterwards finds every one of them in the table."""
-    from master.engine import Engine
-    from master.plan import head_rows, plan_slices
-    from master.splitter import split_model
-    from memory.shards import ShardStore
-    from memory.window import LayerWindow
-    from node.executor import check_kernels_before_loading, make_executor
+    from edgetp.master.cluster.engine import Engine
+    from edgetp.master.cluster.plan import head_rows, plan_slices
+    from edgetp.master.cluster.splitter import split_model
+    from edgetp.memory.shards import ShardStore
+    from edgetp.memory.window import LayerWindow
+    from edgetp.node.executor import check_kernels_before_loading, make_executor
 
     config = smollm2.config
     slices = plan_slices(config, [1.0, 1.0])
@@ -272,7 +272,7 @@ def test_a_node_checks_its_kernels_before_its_slice_loads(smollm2, tmp_path, cap
     worker.close()
 
     alone = split_model(smollm2, plan_slices(config, [1.0]), store, dtype="auto")
-    with caplog.at_level(logging.INFO, "node.device"):
+    with caplog.at_level(logging.INFO, "edgetp.node.device"):
         engine = Engine.from_manifest(alone, store, 64, 1)  # the whole head: the embedding's
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels for")]
     assert len(said) == 2 and "read from the cache" in said[1], said
@@ -283,7 +283,7 @@ def test_the_kernels_command_shows_every_candidate_and_one_choice_per_row():
     """`edgetp kernels`: for each of the model's matrices and row buckets, each candidate's
     time or why it was rejected, and one chosen (the suite's engines may have filled the
     device's cache already: the command then reads it)."""
-    cmd = [sys.executable, "-m", "tui.cli", "kernels", "--dtype", "f32"]
+    cmd = [sys.executable, "-m", "edgetp.tui.cli", "kernels", "--dtype", "f32"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=os.environ)
     assert first.returncode == 0, first.stderr
     assert "checked and timed now" in first.stdout or "read from the cache" in first.stdout

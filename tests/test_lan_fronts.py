@@ -20,10 +20,10 @@ from rich.console import Console
 from textual.widgets import Static
 from waiting import until_shown, wait_until
 
-from master.bridge.client import start_server
-from tui.chat.app import ChatApp
-from tui.chat.client import BridgeClient, Sampling
-from tui.chat.store import ConversationStore
+from edgetp.master.bridge.client import start_server
+from edgetp.tui.chat.app import ChatApp
+from edgetp.tui.chat.client import BridgeClient, Sampling
+from edgetp.tui.chat.store import ConversationStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
@@ -38,7 +38,7 @@ def anyio_backend() -> str:
 
 
 def edgetp(*args: str, **kw) -> subprocess.Popen:
-    cmd = [str(EDGETP)] if EDGETP.exists() else [sys.executable, "-m", "tui.cli"]
+    cmd = [str(EDGETP)] if EDGETP.exists() else [sys.executable, "-m", "edgetp.tui.cli"]
     return subprocess.Popen([*cmd, *args], env=os.environ, **kw)
 
 

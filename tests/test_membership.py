@@ -12,13 +12,13 @@ import time
 import pytest
 from cluster_threads import master_threads
 
-from master.cluster import Hub
-from master.generate import start, stream
-from master.local import LocalWorkers
-from master.params import SamplingParams
-from master.session import Session
-from memory.budget import MemoryOptions
-from node.security import TOKEN_ENV
+from edgetp.master.cluster.hub import Hub
+from edgetp.master.cluster.local import LocalWorkers
+from edgetp.master.cluster.session import Session
+from edgetp.master.generation.generate import start, stream
+from edgetp.master.generation.params import SamplingParams
+from edgetp.memory.budget import MemoryOptions
+from edgetp.node.security import TOKEN_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -127,8 +127,8 @@ def test_a_worker_started_with_sigint_ignored_still_leaves_on_sigint(tmp_path):
     ignored = next(line for line in status.stdout.splitlines() if line.startswith("SigIgn"))
     assert int(ignored.split()[1], 16) & 1 << (signal.SIGINT - 1), ignored  # the trap holds
     hub = Hub("127.0.0.1", 0)
-    join = [sys.executable, "-m", "tui.cli", "join", f"127.0.0.1:{hub.port}", "--name", "ignoring",
-            "--state-dir", str(tmp_path)]  # fmt: skip
+    join = [sys.executable, "-m", "edgetp.tui.cli", "join", f"127.0.0.1:{hub.port}",
+            "--name", "ignoring", "--state-dir", str(tmp_path)]  # fmt: skip
     env = os.environ | {TOKEN_ENV: str(hub.token)}
     worker = subprocess.Popen([*ignoring, *join], env=env, stderr=subprocess.PIPE, text=True)
     try:

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from master import membership as S
-from master.membership import State
+from edgetp.master.cluster import membership as S
+from edgetp.master.cluster.membership import State
 
 EVENTS = {
     "taken_in": S.TakenIn(),

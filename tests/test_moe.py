@@ -30,13 +30,13 @@ from test_families import (
     _windowed,
 )
 
-from master.engine import Engine
-from models.layers import StepBatch
-from models.moe import Routing, route
-from models.source import _GGUF_LAYER, _HF_LAYER, open_model
-from node import messages as M
-from node import protocol as P
-from node.steps import check_step
+from edgetp.master.cluster.engine import Engine
+from edgetp.models.layers import StepBatch
+from edgetp.models.moe import Routing, route
+from edgetp.models.source import _GGUF_LAYER, _HF_LAYER, open_model
+from edgetp.node import messages as M
+from edgetp.node import protocol as P
+from edgetp.node.steps import check_step
 
 PROMPT_LENGTH = 40
 DECODE_STEPS = 16
@@ -390,7 +390,7 @@ def test_batched_prefill_and_decode_equal_one_sequence_at_a_time(moe):
 
 
 def test_router_picks_the_top_experts_with_renormalised_weights():
-    from models.config import ModelConfig
+    from edgetp.models.config import ModelConfig
 
     config = ModelConfig(
         architecture="Qwen3MoeForCausalLM", n_layers=1, hidden=4, n_heads=1, n_kv_heads=1,
@@ -408,7 +408,7 @@ def test_router_picks_the_top_experts_with_renormalised_weights():
 def test_a_shared_expert_joins_every_token_at_its_gate_weight():
     """Qwen2-MoE: the shared expert, cut as n_shared more experts, is every token's at the
     weight sigmoid(x @ its gate), beside the routed experts' raw softmax values."""
-    from models.config import ModelConfig
+    from edgetp.models.config import ModelConfig
 
     config = ModelConfig(
         architecture="Qwen2MoeForCausalLM", n_layers=1, hidden=4, n_heads=1, n_kv_heads=1,
@@ -433,7 +433,7 @@ class _Cache:
 
 
 def _config():
-    from models.config import ModelConfig
+    from edgetp.models.config import ModelConfig
 
     values = {"architectures": ["Qwen3MoeForCausalLM"], **SMALL_MOE}
     return ModelConfig.from_hf(values, "config.json")
@@ -461,7 +461,7 @@ def test_a_step_with_bad_routing_is_a_protocol_error(experts, weights, why):
 
 
 def test_a_step_of_a_shared_expert_carries_its_pieces():
-    from models.config import ModelConfig
+    from edgetp.models.config import ModelConfig
 
     values = {"architectures": ["Qwen2MoeForCausalLM"], **MODELS["qwen2moe"][1]}
     config = ModelConfig.from_hf(values, "config.json")
@@ -525,8 +525,8 @@ def test_block_experts_split_across_real_nodes_equal_one_node(block_moe, dtype):
 def test_kernels_are_prepared_for_one_expert_at_a_time(moe):
     """The stacked matrices are multiplied an expert's rows at a time: those are the products
     a device checks kernels for, whichever way it is asked (a plan, a loaded slice)."""
-    from master.plan import plan_slices
-    from node.device import plan_shapes
+    from edgetp.master.cluster.plan import plan_slices
+    from edgetp.node.device import plan_shapes
 
     _, folder, _ = moe
     source = open_model(folder)
@@ -551,8 +551,8 @@ def test_kernels_are_prepared_for_one_expert_at_a_time(moe):
     ],
 )
 def test_an_unsupported_mixture_is_refused_in_one_line_naming_what_it_lacks(arch, lacks):
-    from models.config import ModelConfig
-    from models.errors import ModelError
+    from edgetp.models.config import ModelConfig
+    from edgetp.models.errors import ModelError
 
     with pytest.raises(ModelError) as refused:
         if arch[0].isupper():
@@ -567,7 +567,7 @@ def test_an_unsupported_mixture_is_refused_in_one_line_naming_what_it_lacks(arch
 def test_a_gguf_mixtral_with_one_tensor_an_expert_is_refused(tmp_path):
     """Older converters wrote blk.N.ffn_gate.E.weight, an expert a tensor: say to convert
     again rather than fail on a missing tensor halfway through."""
-    from models.errors import ModelError
+    from edgetp.models.errors import ModelError
 
     path = tmp_path / "old.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -593,11 +593,11 @@ def test_synth_gpt_oss_20b_writes_every_tensor_its_reader_takes():
     """`edgetp synth --shape gpt-oss-20b`: every tensor `HFSource` reads for a gpt-oss, under
     transformers' names and shapes (its experts one (E, in, out) tensor each: a layer is GBs,
     so its plan is checked, not written), and the published config read as gpt-oss."""
-    from master.bench.synth import _shard_plan
-    from master.bench.synth_models import SHAPES
-    from models.config import ModelConfig
-    from models.layers import ROUTER, ROUTER_BIAS, full_layer_shapes, layer_tensor_names
-    from models.source import hf_layer_name
+    from edgetp.master.bench.synth import _shard_plan
+    from edgetp.master.bench.synth_models import SHAPES
+    from edgetp.models.config import ModelConfig
+    from edgetp.models.layers import ROUTER, ROUTER_BIAS, full_layer_shapes, layer_tensor_names
+    from edgetp.models.source import hf_layer_name
 
     shape = SHAPES["gpt-oss-20b"]
     config = ModelConfig.from_hf(shape, "gpt-oss-20b")
@@ -624,8 +624,8 @@ def test_synth_gpt_oss_20b_writes_every_tensor_its_reader_takes():
 def test_the_c_blocks_are_not_admitted_for_gpt_oss():
     """gpt-oss decodes on the NumPy rows: the C blocks have neither its experts nor its sinks
     and O bias (a dense layer with them would be turned away as well)."""
-    from models import rows_native
-    from models.config import ModelConfig
+    from edgetp.models import rows_native
+    from edgetp.models.config import ModelConfig
 
     values = {"architectures": ["GptOssForCausalLM"], **MODELS["gpt_oss"][1]}
     config = ModelConfig.from_hf(values, "config.json")
@@ -640,7 +640,7 @@ def test_a_gpt_oss_gguf_vocabulary_splits_words_as_o200k_does(monkeypatch):
     import regex
     from tiktoken_ext import openai_public
 
-    from models.gguf_vocab import byte_level_bpe_from_gguf, bytes_to_unicode
+    from edgetp.models.gguf_vocab import byte_level_bpe_from_gguf, bytes_to_unicode
 
     monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *_, **__: {})
     pattern = openai_public.o200k_base()["pat_str"]
@@ -662,9 +662,9 @@ def test_a_harmony_vocabulary_ends_a_turn_on_return_not_on_end(tmp_path):
     """gpt-oss ends each message with <|end|>, its reasoning's too: it stops on <|return|>,
     <|call|> and <|endoftext|>, the ids its generation_config lists (200002, 200012, 199999),
     as the synthetic gpt-oss' tokenizer has them."""
-    from master.bench.synth import _write_tokenizer
-    from models.chat_template import render_chat
-    from models.tokenizer import Tokenizer
+    from edgetp.master.bench.synth import _write_tokenizer
+    from edgetp.models.chat_template import render_chat
+    from edgetp.models.tokenizer import Tokenizer
 
     _write_tokenizer(tmp_path, "gpt-oss-20b")
     tokenizer = Tokenizer.from_hf_folder(tmp_path)

@@ -28,12 +28,12 @@ from local_processes import local_workers
 from test_families import _randomize
 from test_speculate import EDIT, PARAGRAPH, SlowLinkSpeculator, _generate
 
-from master.bridge.client import ServerProcess, start_server
-from master.local import local_session
-from master.prompts import prompt_tokens
-from models.config import DEFAULT_MODEL
-from models.source import open_model
-from models.tokenizer import Tokenizer
+from edgetp.master.bridge.client import ServerProcess, start_server
+from edgetp.master.cluster.local import local_session
+from edgetp.master.generation.prompts import prompt_tokens
+from edgetp.models.config import DEFAULT_MODEL
+from edgetp.models.source import open_model
+from edgetp.models.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -12,19 +12,19 @@ import pytest
 import torch
 import zmq
 
-from models import kernels
-from models.block_rows import attention_rows, ffn_rows
-from models.config import ModelConfig
-from models.dtypes import BLOCK_DTYPES
-from models.layers import MATRICES, Slice, StepBatch, full_layer_shapes
-from models.layers import slice_layer as cut_layer
-from models.quant import FORMATS, matrix_size
-from models.rope import Rope
-from models.rows_native import MAX_ROWS, NativeBlocks, admit
-from node import messages as M
-from node import protocol as P
-from node.hop import FOREIGN, TIMEOUT, WorkerHop
-from node.kvcache import KVCache
+from edgetp.models import kernels
+from edgetp.models.block_rows import attention_rows, ffn_rows
+from edgetp.models.config import ModelConfig
+from edgetp.models.dtypes import BLOCK_DTYPES
+from edgetp.models.layers import MATRICES, Slice, StepBatch, full_layer_shapes
+from edgetp.models.layers import slice_layer as cut_layer
+from edgetp.models.quant import FORMATS, matrix_size
+from edgetp.models.rope import Rope
+from edgetp.models.rows_native import MAX_ROWS, NativeBlocks, admit
+from edgetp.node import messages as M
+from edgetp.node import protocol as P
+from edgetp.node.hop import FOREIGN, TIMEOUT, WorkerHop
+from edgetp.node.kvcache import KVCache
 
 BASE = ModelConfig(
     architecture="llama", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -275,7 +275,7 @@ def test_the_worker_loop_answers_steps_and_hands_back_the_rest(link):
 def test_a_device_without_the_native_loop_says_why_and_serves_from_python(monkeypatch, caplog):
     """No libzmq to call (pyzmq built with it inside its own module, say): the loop is not
     available, once logged, and the engine and the worker keep their Python path."""
-    import node.hop as hop
+    import edgetp.node.hop as hop
 
     def missing() -> str:
         raise RuntimeError("cannot find the libzmq pyzmq loaded")
@@ -283,7 +283,7 @@ def test_a_device_without_the_native_loop_says_why_and_serves_from_python(monkey
     monkeypatch.setattr(hop, "_lib", None)
     monkeypatch.setattr(hop, "_unavailable", None)
     monkeypatch.setattr(hop, "_libzmq_path", missing)
-    with caplog.at_level("INFO", logger="node.hop"):
+    with caplog.at_level("INFO", logger="edgetp.node.hop"):
         assert not hop.available() and not hop.available()
     assert [r.getMessage() for r in caplog.records] == [
         "decode steps' messages go through Python: cannot find the libzmq pyzmq loaded"

@@ -12,7 +12,7 @@ import zmq
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from master.plan import (
+from edgetp.master.cluster.plan import (
     head_row_cost,
     head_rows,
     head_run,
@@ -23,14 +23,14 @@ from master.plan import (
     with_messages,
     workers_to_plan,
 )
-from master.session import WorkerTooSmall, keep_last_plan, memory_plans
-from master.splitter import split_model
-from memory.budget import MemoryOptions
-from memory.files import measure_disk_read
-from memory.shards import ShardStore
-from models.config import ModelConfig
-from node.kvcache import KVCache
-from node.probes import measure_message_cost
+from edgetp.master.cluster.session import WorkerTooSmall, keep_last_plan, memory_plans
+from edgetp.master.cluster.splitter import split_model
+from edgetp.memory.budget import MemoryOptions
+from edgetp.memory.files import measure_disk_read
+from edgetp.memory.shards import ShardStore
+from edgetp.models.config import ModelConfig
+from edgetp.node.kvcache import KVCache
+from edgetp.node.probes import measure_message_cost
 
 SMOLLM2 = ModelConfig(
     architecture="llama",
@@ -321,7 +321,7 @@ def test_local_workers_in_the_master_s_memory_cgroup_split_what_its_limit_leaves
         smollm2.config, slices, caps))  # fmt: skip
     layer = max(r.size for r in manifest.nodes[1])
     limit_leaves = manifest.globals.size + manifest.head_size(1) + 26 * layer  # 20 layers each
-    monkeypatch.setattr("master.session.device_memory_budget", lambda: limit_leaves)
+    monkeypatch.setattr("edgetp.master.cluster.session.device_memory_budget", lambda: limit_leaves)
     worker = SimpleNamespace(name="w", capacity=SimpleNamespace(memory_budget=limit_leaves,
                                                                 window=None))  # fmt: skip
     hub = SimpleNamespace(members=[worker])

@@ -15,18 +15,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from master.batcher import Batcher, Delta, Event, Failed, Finished
-from master.cluster import Hub
-from master.engine import Engine
-from master.local import local_session
-from master.params import SamplingParams
-from master.prompts import chat_tokens
-from master.reuse import SlotPool, common_prefix, reusable
-from master.session import Session
-from master.transport import ClusterError
-from models.config import ModelConfig
-from models.layers import StepBatch
-from models.rows_native import NativeBlocks
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.hub import Hub
+from edgetp.master.cluster.local import local_session
+from edgetp.master.cluster.session import Session
+from edgetp.master.cluster.transport import ClusterError
+from edgetp.master.generation.batcher import Batcher, Delta, Event, Failed, Finished
+from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.prompts import chat_tokens
+from edgetp.master.generation.reuse import SlotPool, common_prefix, reusable
+from edgetp.models.config import ModelConfig
+from edgetp.models.layers import StepBatch
+from edgetp.models.rows_native import NativeBlocks
 
 pytestmark = pytest.mark.slow
 

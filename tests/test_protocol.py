@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from memory.shards import ShardRef
-from models.config import ModelConfig
-from models.layers import Slice, StepBatch
-from node import hop
-from node import messages as M
-from node import protocol as P
-from node.messages import Capacity
+from edgetp.memory.shards import ShardRef
+from edgetp.models.config import ModelConfig
+from edgetp.models.layers import Slice, StepBatch
+from edgetp.node import hop
+from edgetp.node import messages as M
+from edgetp.node import protocol as P
+from edgetp.node.messages import Capacity
 
 CONFIG = ModelConfig("llama", 2, 64, 4, 2, 16, 128, 100, 256, 1e-5, 10000.0)
 SHARD = ShardRef("ab" * 32, 10)

@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from master.plan import head_rows, plan_slices
-from master.splitter import split_model
-from memory.shards import ShardStore
-from models import native, quant
-from models.bundled import BUNDLED_MODELS
-from models.errors import ModelError
-from models.gguf_file import GGUFFile
-from models.kernels import dequantize, dtype_name, embed, linear_rows, quantize
-from models.layers import MATRICES, slice_layer
-from models.quant import FORMATS, block_format, matrix_size
-from models.source import GGUFSource
+from edgetp.master.cluster.plan import head_rows, plan_slices
+from edgetp.master.cluster.splitter import split_model
+from edgetp.memory.shards import ShardStore
+from edgetp.models import native, quant
+from edgetp.models.bundled import BUNDLED_MODELS
+from edgetp.models.errors import ModelError
+from edgetp.models.gguf_file import GGUFFile
+from edgetp.models.kernels import dequantize, dtype_name, embed, linear_rows, quantize
+from edgetp.models.layers import MATRICES, slice_layer
+from edgetp.models.quant import FORMATS, block_format, matrix_size
+from edgetp.models.source import GGUFSource
 
 FILE_FORMATS = {gguf.GGMLQuantizationType.Q4_1: "q4_1", gguf.GGMLQuantizationType.Q8_0: "q8_0"}
 

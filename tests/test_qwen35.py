@@ -39,21 +39,21 @@ from test_prompt_reuse import (
 )
 from test_speculate import PARAGRAPH
 
-from master.bench.cluster_figures import node_row
-from master.bench.cluster_report import print_nodes
-from master.bridge.client import start_server
-from master.bridge.schema import ClusterFigures
-from master.engine import Engine
-from master.figures import BatcherStats, cluster_figures
-from master.local import local_session
-from master.reuse import SlotPool, reusable
-from master.session import Session
-from memory.budget import MemoryOptions
-from models.config import DEFAULT_MODEL
-from models.errors import ModelError
-from models.layers import Slice, StepBatch
-from models.source import open_model
-from node.kvcache import KVCache
+from edgetp.master.bench.cluster_figures import node_row
+from edgetp.master.bench.cluster_report import print_nodes
+from edgetp.master.bridge.client import start_server
+from edgetp.master.bridge.schema import ClusterFigures
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.figures import BatcherStats, cluster_figures
+from edgetp.master.cluster.local import local_session
+from edgetp.master.cluster.session import Session
+from edgetp.master.generation.reuse import SlotPool, reusable
+from edgetp.memory.budget import MemoryOptions
+from edgetp.models.config import DEFAULT_MODEL
+from edgetp.models.errors import ModelError
+from edgetp.models.layers import Slice, StepBatch
+from edgetp.models.source import open_model
+from edgetp.node.kvcache import KVCache
 
 PROMPT_LENGTH = 40
 NODES = (1, 2, 3, 4)
@@ -521,11 +521,11 @@ def test_the_synthetic_qwen35_shape_writes_every_tensor_its_layers_are_read_by()
     """`edgetp synth --shape qwen3.5-35b-a3b`: a DeltaNet layer's and a full layer's tensors,
     experts and shared expert under the names and shapes `HFSource` reads (a layer is GBs:
     its plan is checked, not written)."""
-    from master.bench.synth import _shard_plan
-    from master.bench.synth_models import SHAPES
-    from models.config import ModelConfig
-    from models.layers import ROUTER, SHARED_ROUTER, full_layer_shapes, layer_tensor_names
-    from models.source import hf_layer_name
+    from edgetp.master.bench.synth import _shard_plan
+    from edgetp.master.bench.synth_models import SHAPES
+    from edgetp.models.config import ModelConfig
+    from edgetp.models.layers import ROUTER, SHARED_ROUTER, full_layer_shapes, layer_tensor_names
+    from edgetp.models.source import hf_layer_name
 
     shape = SHAPES["qwen3.5-35b-a3b"]
     config = ModelConfig.from_hf(shape, "qwen3.5-35b-a3b")
@@ -542,8 +542,8 @@ def test_the_synthetic_qwen35_shape_writes_every_tensor_its_layers_are_read_by()
 
 def test_a_small_synthetic_qwen35_runs_on_three_nodes(tmp_path, monkeypatch):
     """The shape's writer end to end on a narrow copy of it: a folder that reads and runs."""
-    from master.bench import synth_models
-    from master.bench.synth import write_synthetic_model
+    from edgetp.master.bench import synth_models
+    from edgetp.master.bench.synth import write_synthetic_model
 
     narrow = SMALL | EXPERTS | {"num_experts": 4, "num_hidden_layers": 40}
     shape = synth_models.SHAPES["qwen3.5-35b-a3b"] | narrow

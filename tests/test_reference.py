@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from master.engine import Engine
-from master.generate import start, stream
-from master.params import SamplingParams
-from master.prompts import prompt_tokens
-from models.layers import StepBatch
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.generation.generate import start, stream
+from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.prompts import prompt_tokens
+from edgetp.models.layers import StepBatch
 
 pytestmark = pytest.mark.slow
 

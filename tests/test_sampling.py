@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from master.bridge.schema import SEED_LIMIT
-from master.engine import Engine
-from master.generate import start, stream
-from master.params import GREEDY_BELOW, TEMPERATURE_MAX, SamplingParams
-from master.sampling import DRAW_BLOCK, LOGPROB_FLOOR, TOP_P_CANDIDATES, Sampler
-from master.speculate import Speculator
-from models.errors import ModelError
-from models.layers import StepBatch
+from edgetp.master.bridge.schema import SEED_LIMIT
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.generation.generate import start, stream
+from edgetp.master.generation.params import GREEDY_BELOW, TEMPERATURE_MAX, SamplingParams
+from edgetp.master.generation.sampling import DRAW_BLOCK, LOGPROB_FLOOR, TOP_P_CANDIDATES, Sampler
+from edgetp.master.generation.speculate import Speculator
+from edgetp.models.errors import ModelError
+from edgetp.models.layers import StepBatch
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, -1.0, 0.5])
 
@@ -327,7 +327,7 @@ def test_stop_string_cuts_the_answer(engine, smollm2_tokenizer):
 
 @pytest.mark.slow
 def test_end_of_sequence_finishes_with_stop(engine, smollm2_tokenizer):
-    from master.prompts import prompt_tokens
+    from edgetp.master.generation.prompts import prompt_tokens
 
     ids = prompt_tokens(smollm2_tokenizer, "Say only the word yes.", raw=False)
     (g,) = start(engine, [ids], [SamplingParams(max_tokens=64)])

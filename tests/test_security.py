@@ -16,16 +16,16 @@ import zmq
 from cluster_threads import master_threads
 from waiting import wait_until
 
-from master.cluster import Hub
-from master.generate import start, stream
-from master.local import LocalWorkers
-from master.params import SamplingParams
-from master.session import Session
-from master.transport import ClusterError
-from node import messages as M
-from node import protocol as P
-from node.messages import Capacity
-from node.security import (
+from edgetp.master.cluster.hub import Hub
+from edgetp.master.cluster.local import LocalWorkers
+from edgetp.master.cluster.session import Session
+from edgetp.master.cluster.transport import ClusterError
+from edgetp.master.generation.generate import start, stream
+from edgetp.master.generation.params import SamplingParams
+from edgetp.node import messages as M
+from edgetp.node import protocol as P
+from edgetp.node.messages import Capacity
+from edgetp.node.security import (
     TOKEN_ENV,
     JoinToken,
     TokenError,
@@ -55,7 +55,8 @@ def _join(port: int, state, token: str | None) -> subprocess.Popen[str]:
     if token:
         env[TOKEN_ENV] = token
     return subprocess.Popen(
-        [sys.executable, "-m", "tui.cli", "join", f"127.0.0.1:{port}", "--state-dir", str(state)],
+        [sys.executable, "-m", "edgetp.tui.cli", "join", f"127.0.0.1:{port}",
+         "--state-dir", str(state)],  # fmt: skip
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

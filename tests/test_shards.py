@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memory.shards import ShardStore, ShardWriter, file_digests
+from edgetp.memory.shards import ShardStore, ShardWriter, file_digests
 
 
 def test_a_held_file_is_checked_against_the_xxh3_recorded_with_its_sha256(tmp_path):

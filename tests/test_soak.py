@@ -24,7 +24,7 @@ import pytest
 from local_processes import local_workers
 from waiting import wait_until
 
-from master.bridge.client import start_server
+from edgetp.master.bridge.client import start_server
 
 pytestmark = pytest.mark.slow
 

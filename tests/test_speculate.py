@@ -8,14 +8,14 @@ import pytest
 from cluster_threads import master_threads
 from test_sampling import SIX_HISTORY, SIX_LOGITS, assert_distributed_as
 
-from master.engine import Engine
-from master.generate import start, stream
-from master.local import local_session
-from master.params import SamplingParams
-from master.prompts import prompt_tokens
-from master.sampling import Sampler
-from master.session import Session
-from master.speculate import (
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.local import local_session
+from edgetp.master.cluster.session import Session
+from edgetp.master.generation.generate import start, stream
+from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.prompts import prompt_tokens
+from edgetp.master.generation.sampling import Sampler
+from edgetp.master.generation.speculate import (
     DRAFT_MAX,
     DraftModel,
     DraftState,
@@ -24,8 +24,8 @@ from master.speculate import (
     lookup,
     open_speculator,
 )
-from models.config import DEFAULT_MODEL
-from models.errors import ModelError
+from edgetp.models.config import DEFAULT_MODEL
+from edgetp.models.errors import ModelError
 
 PARAGRAPH = (
     "The committee met on Tuesday to discuss the budget for the coming year. After a long "

@@ -7,13 +7,13 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from master.plan import plan_slices
-from models import kernels
-from models.block_math import attention_partial, ffn_partial
-from models.block_rows import attention_rows, ffn_rows
-from models.config import ModelConfig
-from models.layers import Slice, StepBatch, cast_layer, slice_layer
-from models.rope import Rope
+from edgetp.master.cluster.plan import plan_slices
+from edgetp.models import kernels
+from edgetp.models.block_math import attention_partial, ffn_partial
+from edgetp.models.block_rows import attention_rows, ffn_rows
+from edgetp.models.config import ModelConfig
+from edgetp.models.layers import Slice, StepBatch, cast_layer, slice_layer
+from edgetp.models.rope import Rope
 
 
 def _config(n_kv: int, group: int, head_dim: int, ffn: int, bias: bool) -> ModelConfig:

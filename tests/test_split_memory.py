@@ -16,10 +16,10 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from master.plan import plan_slices
-    from master.splitter import split_model
-    from memory.shards import ShardStore
-    from models.source import open_model
+    from edgetp.master.cluster.plan import plan_slices
+    from edgetp.master.cluster.splitter import split_model
+    from edgetp.memory.shards import ShardStore
+    from edgetp.models.source import open_model
 
     def status(field):
         for line in open("/proc/self/status"):

@@ -11,20 +11,20 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from master.bench.synth import MARKER_KEY, _write_tokenizer, write_synthetic_model
-from master.bench.synth_models import SHAPES, tokenizer_style
-from master.engine import Engine
-from master.generate import start, stream
-from master.params import SamplingParams
-from master.plan import head_rows, plan_slices
-from master.prompts import prompt_tokens
-from master.splitter import split_model
-from memory.shards import ShardStore
-from models.config import ModelConfig
-from models.errors import ModelError
-from models.layers import StepBatch
-from models.source import HFSource, open_model
-from models.tokenizer import Tokenizer
+from edgetp.master.bench.synth import MARKER_KEY, _write_tokenizer, write_synthetic_model
+from edgetp.master.bench.synth_models import SHAPES, tokenizer_style
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.plan import head_rows, plan_slices
+from edgetp.master.cluster.splitter import split_model
+from edgetp.master.generation.generate import start, stream
+from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.prompts import prompt_tokens
+from edgetp.memory.shards import ShardStore
+from edgetp.models.config import ModelConfig
+from edgetp.models.errors import ModelError
+from edgetp.models.layers import StepBatch
+from edgetp.models.source import HFSource, open_model
+from edgetp.models.tokenizer import Tokenizer
 
 SHAPE = "tinyllama-1.1b"
 SMALL = "smollm2-135m"  # a real shape whose files are small, where only the writing is tested
@@ -227,10 +227,10 @@ def test_every_shape_is_a_config_edgetp_reads(name):
 
 
 def test_refuses_to_start_without_the_disk_space(tmp_path, monkeypatch):
-    import master.bench.synth
+    import edgetp.master.bench.synth as synth
 
     full = shutil.disk_usage(tmp_path)._replace(free=1)
-    monkeypatch.setattr(master.bench.synth.shutil, "disk_usage", lambda _: full)
+    monkeypatch.setattr(synth.shutil, "disk_usage", lambda _: full)
     with pytest.raises(ModelError, match="free"):
         write_synthetic_model("llama2-70b", 80, tmp_path / "x")
     assert list(tmp_path.iterdir()) == []
@@ -240,9 +240,9 @@ def test_refuses_to_start_without_the_disk_space(tmp_path, monkeypatch):
 def test_a_mixture_shape_writes_every_tensor_its_family_is_read_by(name):
     """The experts and router under the names and shapes `HFSource` reads for the family (a
     layer of either is GBs: its plan is checked, not written)."""
-    from master.bench.synth import _shard_plan
-    from models.layers import ROUTER, full_layer_shapes, layer_tensor_names
-    from models.source import hf_layer_name
+    from edgetp.master.bench.synth import _shard_plan
+    from edgetp.models.layers import ROUTER, full_layer_shapes, layer_tensor_names
+    from edgetp.models.source import hf_layer_name
 
     config = ModelConfig.from_hf(SHAPES[name], name)
     written = {t.name: t.shape for specs in _shard_plan(SHAPES[name], 1).values() for t in specs}

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from gguf_copy import transformers_tokenizer
 
-from models.errors import ModelError
-from models.gguf_file import GGUFFile
-from models.gguf_vocab import sentencepiece_model_from_gguf
-from models.tokenizer import Tokenizer
+from edgetp.models.errors import ModelError
+from edgetp.models.gguf_file import GGUFFile
+from edgetp.models.gguf_vocab import sentencepiece_model_from_gguf
+from edgetp.models.tokenizer import Tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

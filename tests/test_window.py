@@ -10,18 +10,18 @@ import pytest
 import torch
 from waiting import returns_within
 
-from master.generate import start, stream
-from master.local import local_engine
-from master.params import SamplingParams
-from master.plan import plan_slices
-from master.splitter import split_model
-from master.transport import ClusterError
-from memory.budget import MIN_CONTEXT, BudgetError, MemoryOptions, plan_memory
-from memory.pages import DATA_ALIGN, HUGE_PAGE, pack
-from memory.shards import ShardStore
-from memory.window import LayerWindow, ShardChanged
-from models.errors import ModelError
-from models.layers import StepBatch
+from edgetp.master.cluster.local import local_engine
+from edgetp.master.cluster.plan import plan_slices
+from edgetp.master.cluster.splitter import split_model
+from edgetp.master.cluster.transport import ClusterError
+from edgetp.master.generation.generate import start, stream
+from edgetp.master.generation.params import SamplingParams
+from edgetp.memory.budget import MIN_CONTEXT, BudgetError, MemoryOptions, plan_memory
+from edgetp.memory.pages import DATA_ALIGN, HUGE_PAGE, pack
+from edgetp.memory.shards import ShardStore
+from edgetp.memory.window import LayerWindow, ShardChanged
+from edgetp.models.errors import ModelError
+from edgetp.models.layers import StepBatch
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three reasons to learn Rust:"]
 
@@ -96,7 +96,7 @@ def test_window_of_two_gives_the_all_resident_tokens_on_three_nodes(
 
 
 def _manifest(state_dir, nodes):
-    from memory.shards import Manifest
+    from edgetp.memory.shards import Manifest
 
     for path in (state_dir / "shards" / "manifests").glob("*.json"):
         manifest = Manifest.from_json(path.read_text())
@@ -177,7 +177,7 @@ def test_the_cli_refuses_a_budget_too_small(smollm2, tmp_path):
         [
             sys.executable,
             "-m",
-            "tui.cli",
+            "edgetp.tui.cli",
             "run",
             "--memory-budget",
             "25MB",  # the file's own 4-bit weights need 37.5 MB (f32: 120 MB)

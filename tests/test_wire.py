@@ -16,25 +16,25 @@ from cluster_threads import master_threads
 from waiting import wait_until
 from wire_garbage import to_master, to_node
 
-from master.cluster import (
+from edgetp.master.cluster.hub import (
     LINK_PROBE_BYTES,
     LINK_PROBE_ROUNDS,
     LINK_PROBE_WARMUP,
     LINK_RATE_ROUNDS,
     Hub,
 )
-from master.generate import start, stream
-from master.local import LocalWorkers
-from master.membership import State
-from master.params import SamplingParams
-from master.session import Session
-from models.layers import Slice, StepBatch
-from node import messages as M
-from node import protocol as P
-from node.kvcache import KVCache
-from node.messages import Capacity
-from node.security import secure_client
-from node.steps import read_serving
+from edgetp.master.cluster.local import LocalWorkers
+from edgetp.master.cluster.membership import State
+from edgetp.master.cluster.session import Session
+from edgetp.master.generation.generate import start, stream
+from edgetp.master.generation.params import SamplingParams
+from edgetp.models.layers import Slice, StepBatch
+from edgetp.node import messages as M
+from edgetp.node import protocol as P
+from edgetp.node.kvcache import KVCache
+from edgetp.node.messages import Capacity
+from edgetp.node.security import secure_client
+from edgetp.node.steps import read_serving
 
 MESSAGES = 2000
 SLOTS, CONTEXT = 1, 128  # the live node's, as its master plans it below

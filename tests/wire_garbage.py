@@ -9,7 +9,7 @@ import random
 import msgpack
 import numpy as np
 
-from node import protocol as P
+from edgetp.node import protocol as P
 
 WRONG = [None, "x", -1, 2**62, 1.5, [], {}, b"\xff", {"a": [1, {"b": None}]}]
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from master.emulate.spec import DeviceSpec, parse_device
-from memory.budget import MemoryOptions, parse_size
-from models.config import DEFAULT_MODEL
-from models.dtypes import AUTO, DTYPE_CHOICES
-from node.protocol import DEFAULT_PORT
-from tui.chat.command import add_arguments as add_chat_arguments
+from edgetp.master.emulate.spec import DeviceSpec, parse_device
+from edgetp.memory.budget import MemoryOptions, parse_size
+from edgetp.models.config import DEFAULT_MODEL
+from edgetp.models.dtypes import AUTO, DTYPE_CHOICES
+from edgetp.node.protocol import DEFAULT_PORT
+from edgetp.tui.chat.command import add_arguments as add_chat_arguments
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -162,7 +162,7 @@ def _dtype(args: argparse.Namespace) -> str:
     nothing (a worker is told the master's)."""
     if not hasattr(args, "dtype"):
         return "f32"
-    from models.source import default_dtype  # torch: not for `--help`
+    from edgetp.models.source import default_dtype  # torch: not for `--help`
 
     return args.dtype or default_dtype(getattr(args, "model", None))
 

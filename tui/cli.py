@@ -16,20 +16,20 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from models.dtypes import DTYPE_CHOICES
-from models.errors import ModelError
-from tui.arguments import build_parser, memory_options
-from tui.join import join
+from edgetp.models.dtypes import DTYPE_CHOICES
+from edgetp.models.errors import ModelError
+from edgetp.tui.arguments import build_parser, memory_options
+from edgetp.tui.join import join
 
 if TYPE_CHECKING:
-    from master.lan import LanOptions
-    from master.session import Session
-    from models.source import ModelSource
+    from edgetp.master.cluster.lan import LanOptions
+    from edgetp.master.cluster.session import Session
+    from edgetp.models.source import ModelSource
 
 
 def _run(args: argparse.Namespace) -> None:
-    from master.params import SamplingParams
-    from models.bundled import model_path
+    from edgetp.master.generation.params import SamplingParams
+    from edgetp.models.bundled import model_path
 
     # A wrong path, an empty prompt, a sampling value out of range: said before the slow imports.
     model_path(args.model)
@@ -44,10 +44,10 @@ def _run(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
     )
-    from master.engine import context_size
-    from master.generate import check_prompt, start, stream
-    from master.prompts import open_with_tokenizer, prompt_tokens
-    from master.speculate import draft_source, open_speculator
+    from edgetp.master.cluster.engine import context_size
+    from edgetp.master.generation.generate import check_prompt, start, stream
+    from edgetp.master.generation.prompts import open_with_tokenizer, prompt_tokens
+    from edgetp.master.generation.speculate import draft_source, open_speculator
 
     source, tokenizer = open_with_tokenizer(args.model)
     tokens = prompt_tokens(tokenizer, args.prompt, args.raw, args.system, args.enable_thinking)
@@ -71,9 +71,9 @@ def _run(args: argparse.Namespace) -> None:
 def _local_session(
     args: argparse.Namespace, source: ModelSource, slots: int, nodes: int
 ) -> Iterator[Session]:
-    from master.emulate.devices import emulated
-    from master.local import local_session
-    from memory.files import default_state_dir
+    from edgetp.master.cluster.local import local_session
+    from edgetp.master.emulate.devices import emulated
+    from edgetp.memory.files import default_state_dir
 
     state_dir = args.state_dir or default_state_dir()
     with (
@@ -103,10 +103,10 @@ def _session(
 ) -> contextlib.AbstractContextManager[Session]:
     """The cluster a long-running command serves: `local` processes of this machine, or
     (None) a LAN master that devices join."""
-    from master.lan import lan_session
-    from memory.files import default_state_dir
-    from models.kernels import set_threads
-    from tui.progress import StageBars
+    from edgetp.master.cluster.lan import lan_session
+    from edgetp.memory.files import default_state_dir
+    from edgetp.models.kernels import set_threads
+    from edgetp.tui.progress import StageBars
 
     if local is not None:
         return _local_session(args, source, slots, local)
@@ -140,7 +140,7 @@ def _local_nodes(args: argparse.Namespace) -> int | None:
 
 
 def _lan(args: argparse.Namespace) -> LanOptions:
-    from master.lan import LanOptions
+    from edgetp.master.cluster.lan import LanOptions
 
     if args.workers < 0:
         raise ValueError(f"--workers must be at least 0, got {args.workers}")
@@ -155,10 +155,10 @@ def _lan(args: argparse.Namespace) -> LanOptions:
 
 
 def _master(args: argparse.Namespace) -> None:
-    from master.generate import start, stream
-    from master.params import SamplingParams
-    from master.prompts import open_with_tokenizer, prompt_tokens
-    from master.transport import ClusterError
+    from edgetp.master.cluster.transport import ClusterError
+    from edgetp.master.generation.generate import start, stream
+    from edgetp.master.generation.params import SamplingParams
+    from edgetp.master.generation.prompts import open_with_tokenizer, prompt_tokens
 
     source, tokenizer = open_with_tokenizer(args.model)
     with _session(args, source, 1, "edgetp master") as session:
@@ -217,8 +217,8 @@ def _until_stopped(session: Session) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from master.bench.cluster import run_cluster_bench
-    from master.bench.reference import run_bench
+    from edgetp.master.bench.cluster import run_cluster_bench
+    from edgetp.master.bench.reference import run_bench
 
     if args.local_nodes:
         run_cluster_bench(
@@ -243,7 +243,7 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from master.bridge.listen import bind, check_api_key
+    from edgetp.master.bridge.listen import bind, check_api_key
 
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
@@ -251,12 +251,12 @@ def _serve(args: argparse.Namespace) -> None:
     check_api_key(api_key)
     sock = bind(args.host, args.port)  # before the slow imports and load: a taken port fails now
     try:  # until serve owns the socket
-        from models.bundled import model_path
+        from edgetp.models.bundled import model_path
 
         model_path(args.model)
-        from master.bridge.server import serve
-        from master.prompts import open_with_tokenizer
-        from master.speculate import draft_source
+        from edgetp.master.bridge.server import serve
+        from edgetp.master.generation.prompts import open_with_tokenizer
+        from edgetp.master.generation.speculate import draft_source
 
         source, tokenizer = open_with_tokenizer(args.model)
         draft_source(args.draft, tokenizer)  # before the slow load
@@ -279,13 +279,13 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _chat(args: argparse.Namespace) -> None:
-    from tui.chat.command import run
+    from edgetp.tui.chat.command import run
 
     run(args)
 
 
 def _bench_serve(args: argparse.Namespace) -> None:
-    from master.bench.serve import run_serve_bench
+    from edgetp.master.bench.serve import run_serve_bench
 
     run_serve_bench(
         args.model,
@@ -300,10 +300,10 @@ def _bench_serve(args: argparse.Namespace) -> None:
 
 
 def _synth(args: argparse.Namespace) -> None:
-    from master.bench.synth import synthetic_size, write_synthetic_model
-    from memory.budget import format_size
-    from models.kernels import DTYPES
-    from tui.progress import progress_bar
+    from edgetp.master.bench.synth import synthetic_size, write_synthetic_model
+    from edgetp.memory.budget import format_size
+    from edgetp.models.kernels import DTYPES
+    from edgetp.tui.progress import progress_bar
 
     dtype = DTYPES[args.dtype]
     size = synthetic_size(args.shape, args.layers, dtype)
@@ -318,13 +318,13 @@ def _synth(args: argparse.Namespace) -> None:
 
 
 def _kernels(args: argparse.Namespace) -> None:
-    from master.local import thread_share
-    from master.plan import plan_slices
-    from memory.files import default_state_dir
-    from models.kernels import set_threads
-    from models.source import open_model
-    from node.device import plan_shapes, prepare
-    from node.kernel_table import describe
+    from edgetp.master.cluster.local import thread_share
+    from edgetp.master.cluster.plan import plan_slices
+    from edgetp.memory.files import default_state_dir
+    from edgetp.models.kernels import set_threads
+    from edgetp.models.source import open_model
+    from edgetp.node.device import plan_shapes, prepare
+    from edgetp.node.kernel_table import describe
 
     source = open_model(args.model)
     threads = set_threads(args.threads or thread_share(args.local_nodes))
@@ -359,9 +359,9 @@ COMMANDS = {
 # cannot be what it raised, and importing those modules (torch under them) would make every
 # early error, a bad option, wait seconds for its line.
 CLEAR_ERRORS = (
-    ("master.transport", "ClusterError"),
-    ("node.worker", "NodeError"),
-    ("master.emulate.host", "DeviceError"),
+    ("edgetp.master.cluster.transport", "ClusterError"),
+    ("edgetp.node.worker", "NodeError"),
+    ("edgetp.master.emulate.host", "DeviceError"),
 )
 
 
@@ -405,7 +405,7 @@ def run() -> NoReturn:
     """The `edgetp` program: `main`, and out without the interpreter's teardown
     (node.children.exit_now says why)."""
     code = main()
-    from node.children import exit_now
+    from edgetp.node.children import exit_now
 
     exit_now(code)
 

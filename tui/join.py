@@ -14,23 +14,23 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from node.protocol import DEFAULT_PORT
+from edgetp.node.protocol import DEFAULT_PORT
 
 if TYPE_CHECKING:
-    from node.security import JoinToken
+    from edgetp.node.security import JoinToken
 
 
 def join(args: argparse.Namespace) -> None:
     """Join the master `args` names (or one found on the LAN) and serve it; join again
     whenever the master drops this node from its plan."""
     given = None if args.master is None else _master_address(args.master)  # before torch loads
-    from memory.budget import parse_size
-    from memory.files import default_state_dir
-    from models.kernels import set_threads
-    from node.probes import measure_capacity
-    from node.security import TOKEN_ENV, JoinToken, load_node_token
-    from node.worker import Worker
-    from tui.progress import progress_bar
+    from edgetp.memory.budget import parse_size
+    from edgetp.memory.files import default_state_dir
+    from edgetp.models.kernels import set_threads
+    from edgetp.node.probes import measure_capacity
+    from edgetp.node.security import TOKEN_ENV, JoinToken, load_node_token
+    from edgetp.node.worker import Worker
+    from edgetp.tui.progress import progress_bar
 
     threads = set_threads(args.threads)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
@@ -79,8 +79,8 @@ BROWSE_SECONDS = 3.0
 
 def _find_master(cluster: str | None, interface: str | None, token: JoinToken | None) -> str:
     """HOST:PORT of the master found on the LAN, asking when there are several."""
-    from node.discovery import browse
-    from node.security import fingerprint
+    from edgetp.node.discovery import browse
+    from edgetp.node.security import fingerprint
 
     print(f"edgetp: looking for masters on the LAN ({BROWSE_SECONDS:.0f} s)...", file=sys.stderr)
     ads = browse(BROWSE_SECONDS, interface)

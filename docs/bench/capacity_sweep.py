@@ -12,14 +12,14 @@ from __future__ import annotations
 import statistics
 import sys
 
-from master.bench.greedy import PROMPT, time_greedy
-from master.emulate.devices import emulated
-from master.emulate.spec import DeviceSpec, parse_device
-from master.local import local_session
-from master.prompts import open_with_tokenizer, prompt_tokens
-from memory.files import default_state_dir
-from models.source import ModelSource
-from models.tokenizer import Tokenizer
+from edgetp.master.bench.greedy import PROMPT, time_greedy
+from edgetp.master.cluster.local import local_session
+from edgetp.master.emulate.devices import emulated
+from edgetp.master.emulate.spec import DeviceSpec, parse_device
+from edgetp.master.generation.prompts import open_with_tokenizer, prompt_tokens
+from edgetp.memory.files import default_state_dir
+from edgetp.models.source import ModelSource
+from edgetp.models.tokenizer import Tokenizer
 
 TOKENS = 32
 HAND_SET = {

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "tests"))
 from gguf_copy import transformers_tokenizer  # noqa: E402
 from test_chat_template import CONVERSATIONS, SMOLLM2_FILE  # noqa: E402
 
-from models.chat_template import render_chat  # noqa: E402
+from edgetp.models.chat_template import render_chat  # noqa: E402
 
 TOOLS = [
     {

@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 from test_window import _teacher_forced_top1  # noqa: E402
 
-from master.local import local_engine  # noqa: E402
-from models.bundled import model_path  # noqa: E402
-from models.source import open_model  # noqa: E402
+from edgetp.master.cluster.local import local_engine  # noqa: E402
+from edgetp.models.bundled import model_path  # noqa: E402
+from edgetp.models.source import open_model  # noqa: E402
 
 path = open_model(model_path(None))
 tok = path.tokenizer()

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from master.local import local_engine
-from memory.budget import MemoryOptions
-from models import block_rows, kernels
-from models.bundled import BUNDLED_MODELS
-from models.layers import StepBatch
-from models.quant import FORMATS, block_format
-from models.source import ModelSource, open_model
+from edgetp.master.cluster.local import local_engine
+from edgetp.memory.budget import MemoryOptions
+from edgetp.models import block_rows, kernels
+from edgetp.models.bundled import BUNDLED_MODELS
+from edgetp.models.layers import StepBatch
+from edgetp.models.quant import FORMATS, block_format
+from edgetp.models.source import ModelSource, open_model
 
 sys.path.insert(0, "tests")
 from test_window import POSITIONS_PER_TEXT, TEXTS  # noqa: E402 (the check's own texts)

@@ -21,8 +21,8 @@ CGROUP = Path("/sys/fs/cgroup/cpu/edgetp-kernel-clock")
 def child(out: int, inp: int, rounds: int) -> None:
     import numpy as np
 
-    from models import kernels
-    from node.kernel_probe import Probe
+    from edgetp.models import kernels
+    from edgetp.node.kernel_probe import Probe
 
     kernels.limit_blas(1)
     probe = Probe("f32", out, inp, np.random.default_rng(0))

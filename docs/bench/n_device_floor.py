@@ -38,13 +38,13 @@ from typing import Any
 import numpy as np
 import zmq
 
-from master.bench.round_trips import zmq_echo
-from master.emulate.relay import start_relay, stop_relay
-from master.engine import Engine
-from models.layers import StepBatch
-from models.source import open_model
-from node import messages as M
-from node import protocol as P
+from edgetp.master.bench.round_trips import zmq_echo
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.emulate.relay import start_relay, stop_relay
+from edgetp.models.layers import StepBatch
+from edgetp.models.source import open_model
+from edgetp.node import messages as M
+from edgetp.node import protocol as P
 
 SECONDS = 4.0  # each timed compute loop
 SUMS = 3000

@@ -7,8 +7,8 @@ import time
 import numpy as np
 import torch
 
-from models import native, quant
-from models.kernels import set_threads
+from edgetp.models import native, quant
+from edgetp.models.kernels import set_threads
 
 set_threads(2)
 rng = np.random.default_rng(0)

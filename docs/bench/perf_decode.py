@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import master.bench.cluster as cluster
+import edgetp.master.bench.cluster as cluster
 
 _time_greedy = cluster.time_greedy
 _runs = [0]
@@ -53,6 +53,6 @@ def _recorded(
 
 if __name__ == "__main__":  # the echo process of the bench's round trips imports this module
     cluster.time_greedy = _recorded
-    from tui.cli import main
+    from edgetp.tui.cli import main
 
     sys.exit(main(sys.argv[1:]))

@@ -21,12 +21,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import master.session as session_module
-from master.bench.greedy import PROMPT, time_greedy
-from master.emulate.devices import emulated
-from master.emulate.spec import parse_device
-from master.local import local_session
-from master.prompts import open_with_tokenizer, prompt_tokens
+import edgetp.master.cluster.session as session_module
+from edgetp.master.bench.greedy import PROMPT, time_greedy
+from edgetp.master.cluster.local import local_session
+from edgetp.master.emulate.devices import emulated
+from edgetp.master.emulate.spec import parse_device
+from edgetp.master.generation.prompts import open_with_tokenizer, prompt_tokens
 
 TOKENS = 32
 SPECS = [parse_device("cpu=0.5")] * 2

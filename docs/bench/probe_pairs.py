@@ -23,8 +23,8 @@ CGROUPS = Path("/sys/fs/cgroup/cpu")
 def child(core: int, group: str, start: float, pairs: int, shapes: list[str]) -> None:
     (CGROUPS / group / "tasks").write_text(str(os.getpid()))
     os.sched_setaffinity(0, {core})
-    from models.kernels import limit_blas
-    from node.probes import measure_speed
+    from edgetp.models.kernels import limit_blas
+    from edgetp.node.probes import measure_speed
 
     limit_blas(1)
     measure_speed(1)

@@ -20,13 +20,13 @@ import subprocess
 import sys
 import time
 
-from master.batcher import Batcher, Delta, Event, Failed, Finished
-from master.local import local_session
-from master.params import SamplingParams
-from master.prompts import chat_tokens
-from master.session import Session
-from models.source import open_model
-from models.tokenizer import Tokenizer
+from edgetp.master.cluster.local import local_session
+from edgetp.master.cluster.session import Session
+from edgetp.master.generation.batcher import Batcher, Delta, Event, Failed, Finished
+from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.prompts import chat_tokens
+from edgetp.models.source import open_model
+from edgetp.models.tokenizer import Tokenizer
 
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
 ANSWER_TOKENS = 100

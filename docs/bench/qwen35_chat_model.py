@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from models.config import DEFAULT_MODEL
-from models.source import open_model
+from edgetp.models.config import DEFAULT_MODEL
+from edgetp.models.source import open_model
 
 PARAGRAPH = (
     "The history of the bicycle begins in the early nineteenth century, when inventors in "

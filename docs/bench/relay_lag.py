@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from master.bench.round_trips import raw_tcp_round_trips
+from edgetp.master.bench.round_trips import raw_tcp_round_trips
 
 
 def main() -> None:

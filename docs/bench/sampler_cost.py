@@ -17,12 +17,12 @@ import time
 from types import ModuleType
 from typing import Any
 
-import master.generate as generate
-import master.sampling as current
-from master.engine import Engine
-from master.params import SamplingParams
-from models.kernels import set_threads
-from models.source import open_model
+import edgetp.master.generation.generate as generate
+import edgetp.master.generation.sampling as current
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.generation.params import SamplingParams
+from edgetp.models.kernels import set_threads
+from edgetp.models.source import open_model
 
 SETTINGS = {
     "chat app (t 0.7, top-p 0.95)": {"temperature": 0.7, "top_p": 0.95},

@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 
-from master.engine import Engine
-from models.layers import StepBatch
-from models.source import open_model
+from edgetp.master.cluster.engine import Engine
+from edgetp.models.layers import StepBatch
+from edgetp.models.source import open_model
 
 PROMPT = 40  # tokens in the KV cache before the timed decode blocks
 LAYERS_TIMED = 300

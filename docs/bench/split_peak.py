@@ -13,10 +13,10 @@ from pathlib import Path
 model, nodes, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 state = tempfile.mkdtemp()
 code = f"""
-from master.plan import plan_slices
-from master.splitter import split_model
-from memory.shards import ShardStore
-from models.source import open_model
+from edgetp.master.cluster.plan import plan_slices
+from edgetp.master.cluster.splitter import split_model
+from edgetp.memory.shards import ShardStore
+from edgetp.models.source import open_model
 src = open_model({model!r})
 slices = plan_slices(src.config, [1.0] * {nodes})
 split_model(src, slices, ShardStore({state!r} + '/shards'), dtype={dtype!r})

@@ -15,11 +15,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from master.bench.greedy import time_greedy
-from master.emulate.devices import emulated
-from master.emulate.spec import parse_device
-from master.local import local_session
-from master.prompts import open_with_tokenizer, prompt_tokens
+from edgetp.master.bench.greedy import time_greedy
+from edgetp.master.cluster.local import local_session
+from edgetp.master.emulate.devices import emulated
+from edgetp.master.emulate.spec import parse_device
+from edgetp.master.generation.prompts import open_with_tokenizer, prompt_tokens
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from master.bench.cluster_figures import (
+from edgetp.master.bench.cluster_figures import (
     cpu_floor_ms,
     estimate_figures,
     link_figures,
@@ -32,29 +32,29 @@ from master.bench.cluster_figures import (
     overlap,
     where_time_goes,
 )
-from master.bench.cluster_report import (
+from edgetp.master.bench.cluster_report import (
     describe_memory,
     print_devices,
     print_nodes,
     print_overlap,
     print_time,
 )
-from master.bench.greedy import PROMPT, time_greedy
-from master.bench.memory_bus import stream_rates
-from master.bench.round_trips import raw_round_trips, raw_tcp_round_trips
-from master.emulate.devices import emulated
-from master.emulate.spec import DeviceSpec, device_specs
-from master.figures import percentile
-from master.local import local_engine, local_session
-from master.prompts import open_with_tokenizer, prompt_tokens
-from master.speculate import open_speculator
-from memory.budget import ALL_RESIDENT, MemoryOptions
-from memory.files import default_state_dir
-from models.chat_template import NoChatTemplate
-from models.dtypes import AUTO
-from models.layers import Slice
-from models.source import ModelSource
-from node.kvcache import KVCache
+from edgetp.master.bench.greedy import PROMPT, time_greedy
+from edgetp.master.bench.memory_bus import stream_rates
+from edgetp.master.bench.round_trips import raw_round_trips, raw_tcp_round_trips
+from edgetp.master.cluster.figures import percentile
+from edgetp.master.cluster.local import local_engine, local_session
+from edgetp.master.emulate.devices import emulated
+from edgetp.master.emulate.spec import DeviceSpec, device_specs
+from edgetp.master.generation.prompts import open_with_tokenizer, prompt_tokens
+from edgetp.master.generation.speculate import open_speculator
+from edgetp.memory.budget import ALL_RESIDENT, MemoryOptions
+from edgetp.memory.files import default_state_dir
+from edgetp.models.chat_template import NoChatTemplate
+from edgetp.models.dtypes import AUTO
+from edgetp.models.layers import Slice
+from edgetp.models.source import ModelSource
+from edgetp.node.kvcache import KVCache
 
 
 def run_cluster_bench(

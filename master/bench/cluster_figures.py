@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from master.cluster import Link
-from master.plan import SplitEstimate
+from edgetp.master.cluster.hub import Link
+from edgetp.master.cluster.plan import SplitEstimate
 
 
 def link_figures(link: Link | None) -> dict[str, float | None]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memory.budget import MemoryOptions, format_size
+from edgetp.memory.budget import MemoryOptions, format_size
 
 
 def _probe_text(m: dict[str, Any]) -> str:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from master.engine import Engine
-from master.generate import start, step
-from master.params import SamplingParams
-from master.speculate import Speculator
-from models.tokenizer import Tokenizer
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.generation.generate import start, step
+from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.speculate import Speculator
+from edgetp.models.tokenizer import Tokenizer
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from master.bench.greedy import PROMPT, time_greedy
-from master.engine import Engine
-from master.prompts import open_with_tokenizer, prompt_tokens
-from models.errors import ModelError
-from models.kernels import set_threads
-from models.source import GGUFSource, ModelSource
+from edgetp.master.bench.greedy import PROMPT, time_greedy
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.generation.prompts import open_with_tokenizer, prompt_tokens
+from edgetp.models.errors import ModelError
+from edgetp.models.kernels import set_threads
+from edgetp.models.source import GGUFSource, ModelSource
 
 
 def _reference_model(source: ModelSource) -> Any:

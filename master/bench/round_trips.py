@@ -14,9 +14,9 @@ import time
 import torch
 import zmq
 
-from master.emulate.relay import start_relay, stop_relay
-from node import messages as M
-from node import protocol as P
+from edgetp.master.emulate.relay import start_relay, stop_relay
+from edgetp.node import messages as M
+from edgetp.node import protocol as P
 
 
 def zmq_echo(endpoint: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx2 as httpx
 
-from master.bridge.client import StreamResult, bridge_http, start_server, timed_chat
+from edgetp.master.bridge.client import StreamResult, bridge_http, start_server, timed_chat
 
 PROMPTS = (
     "Why is the sky blue?",

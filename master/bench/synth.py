@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from master.bench.synth_models import SHAPES, tokenizer_style
-from memory.shards import write_safetensors
-from models.config import ModelConfig
-from models.errors import ModelError
-from models.gguf_vocab import bytes_to_unicode
-from models.layers import ROUTER, SHARED_ROUTER, expert_name
-from models.source import hf_layer_name
+from edgetp.master.bench.synth_models import SHAPES, tokenizer_style
+from edgetp.memory.shards import write_safetensors
+from edgetp.models.config import ModelConfig
+from edgetp.models.errors import ModelError
+from edgetp.models.gguf_vocab import bytes_to_unicode
+from edgetp.models.layers import ROUTER, SHARED_ROUTER, expert_name
+from edgetp.models.source import hf_layer_name
 
 # Key in config.json that marks a folder as synthetic, so that nobody mistakes its output for a
 # model's.
@@ -315,7 +315,7 @@ def _gemma4_plan(
     """A Gemma 4's files (`config` with the layers written): its per-layer input embeddings
     beside the globals, and each layer at its own shape (`models.gemma4.layer_config`): a
     global layer's heads, a sharing layer without keys and values and with its wider FFN."""
-    from models import gemma4
+    from edgetp.models import gemma4
 
     model = ModelConfig.from_hf(config, "config.json")
     d, n, ple = model.hidden, model.n_layers, model.ple_dim

@@ -15,10 +15,9 @@ from typing import Literal, TypedDict, cast
 
 from pydantic import BaseModel
 
-from master.batcher import Delta, Event, Finished, Ticket
-from master.bridge.errors import failure
-from master.bridge.output import Part, Split
-from master.bridge.schema import (
+from edgetp.master.bridge.errors import failure
+from edgetp.master.bridge.output import Part, Split
+from edgetp.master.bridge.schema import (
     AssistantMessage,
     CalledFunction,
     ChatChoice,
@@ -40,9 +39,10 @@ from master.bridge.schema import (
     TopLogprob,
     Usage,
 )
-from master.bridge.tool_calls import ToolCall as Called
-from master.sampling import TokenLogprob
-from models.tokenizer import Tokenizer
+from edgetp.master.bridge.tool_calls import ToolCall as Called
+from edgetp.master.generation.batcher import Delta, Event, Finished, Ticket
+from edgetp.master.generation.sampling import TokenLogprob
+from edgetp.models.tokenizer import Tokenizer
 
 ChoiceEvent = tuple[int, Event]
 

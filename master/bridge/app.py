@@ -23,19 +23,18 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from master.batcher import Batcher, BusyError, Delta, Event, Failed, Ticket
-from master.bridge.answers import Answer, Choice, ChoiceEvent, sse, whole
-from master.bridge.errors import APIError, documented, failure, install_handlers
-from master.bridge.metrics import add_metrics
-from master.bridge.output import Split
-from master.bridge.request import (
+from edgetp.master.bridge.answers import Answer, Choice, ChoiceEvent, sse, whole
+from edgetp.master.bridge.errors import APIError, documented, failure, install_handlers
+from edgetp.master.bridge.metrics import add_metrics
+from edgetp.master.bridge.output import Split
+from edgetp.master.bridge.request import (
     ChatCompletionRequest,
     ChatTemplateKwargs,
     CompletionRequest,
     SamplingFields,
     warn_ignored,
 )
-from master.bridge.schema import (
+from edgetp.master.bridge.schema import (
     ChatCompletion,
     ChatCompletionChunk,
     ClusterFigures,
@@ -48,14 +47,15 @@ from master.bridge.schema import (
     finish_openapi,
     stream_content,
 )
-from master.bridge.tools import Grammar, chat_prompt, constraints, tool_use
-from master.figures import cluster_figures, generation_figures
-from master.grammar import GrammarError
-from master.params import SamplingParams
-from master.transport import ClusterError
-from models.chat_template import NoChatTemplate, NoThinkingSwitch
-from models.errors import ModelError
-from models.tokenizer import Tokenizer
+from edgetp.master.bridge.tools import Grammar, chat_prompt, constraints, tool_use
+from edgetp.master.cluster.figures import cluster_figures, generation_figures
+from edgetp.master.cluster.transport import ClusterError
+from edgetp.master.generation.batcher import Batcher, BusyError, Delta, Event, Failed, Ticket
+from edgetp.master.generation.grammar import GrammarError
+from edgetp.master.generation.params import SamplingParams
+from edgetp.models.chat_template import NoChatTemplate, NoThinkingSwitch
+from edgetp.models.errors import ModelError
+from edgetp.models.tokenizer import Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # A streamed request that waits this long for its first token (a long prefill, a turn for a

@@ -261,7 +261,7 @@ def start_server(
     """
     args = [*(["-v"] if verbose else []), "serve", "--port", "0", *serve_args]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tui.cli", *args],  # the `edgetp` console script's module
+        [sys.executable, "-m", "edgetp.tui.cli", *args],  # the `edgetp` console script's module
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from master.batcher import Failed, NodeLost, ShuttingDown
-from master.bridge.request import REQUESTS, declared, narrowed
-from master.bridge.schema import ErrorBody, ErrorResponse
-from master.transport import ClusterError
+from edgetp.master.bridge.request import REQUESTS, declared, narrowed
+from edgetp.master.bridge.schema import ErrorBody, ErrorResponse
+from edgetp.master.cluster.transport import ClusterError
+from edgetp.master.generation.batcher import Failed, NodeLost, ShuttingDown
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from master.batcher import Batcher
-from master.membership import State
+from edgetp.master.cluster.membership import State
+from edgetp.master.generation.batcher import Batcher
 
 
 class BridgeCollector(Collector):

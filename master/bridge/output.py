@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from master.bridge.tool_calls import CallFormat, Llama3Json, ToolCall
+from edgetp.master.bridge.tool_calls import CallFormat, Llama3Json, ToolCall
 
 THINK, END_THINK = "<think>", "</think>"
 Mode = Literal["content", "reasoning", "calls"]

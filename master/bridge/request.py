@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, Field, model_validator
 from pydantic.fields import FieldInfo
 
-from master.bridge.request_parts import (
+from edgetp.master.bridge.request_parts import (
     NARROWED,
     AllowedToolChoice,
     ChatMessage,
@@ -45,8 +45,8 @@ from master.bridge.request_parts import (
     ToolChoice,
     _Request,
 )
-from master.bridge.schema import MAX_STOP_STRINGS, SEED_LIMIT, AnyText, Text
-from master.params import (
+from edgetp.master.bridge.schema import MAX_STOP_STRINGS, SEED_LIMIT, AnyText, Text
+from edgetp.master.generation.params import (
     GREEDY_BELOW,
     PENALTY_LIMIT,
     REPETITION_PENALTY_MAX,

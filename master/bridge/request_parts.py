@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from master.bridge.schema import AnyText, Text
+from edgetp.master.bridge.schema import AnyText, Text
 
 
 def _a_bool(value: Any) -> Any:

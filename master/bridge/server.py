@@ -19,14 +19,14 @@ from types import FrameType
 
 import uvicorn
 
-from master.batcher import Batcher
-from master.bridge.app import Served, create_app
-from master.session import Session
-from master.speculate import open_speculator
-from models.config import DEFAULT_MODEL
-from models.dtypes import AUTO
-from models.source import ModelSource
-from models.tokenizer import Tokenizer
+from edgetp.master.bridge.app import Served, create_app
+from edgetp.master.cluster.session import Session
+from edgetp.master.generation.batcher import Batcher
+from edgetp.master.generation.speculate import open_speculator
+from edgetp.models.config import DEFAULT_MODEL
+from edgetp.models.dtypes import AUTO
+from edgetp.models.source import ModelSource
+from edgetp.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

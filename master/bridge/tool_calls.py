@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.tokenizer import Tokenizer
+from edgetp.models.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -20,21 +20,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from master.bridge.errors import APIError
-from master.bridge.output import Split
-from master.bridge.request import ChatCompletionRequest, called_names, reasons
-from master.bridge.request_parts import (
+from edgetp.master.bridge.errors import APIError
+from edgetp.master.bridge.output import Split
+from edgetp.master.bridge.request import ChatCompletionRequest, called_names, reasons
+from edgetp.master.bridge.request_parts import (
     AllowedToolChoice,
     ChatMessage,
     FunctionDefinition,
     ResponseFormatJSONObject,
     ResponseFormatJSONSchema,
 )
-from master.bridge.tool_calls import HERMES, CallFormat, Function, format_for
-from master.grammar import GrammarError, grammar_error, json_schema_grammar
-from master.prompts import chat_tokens
-from models.chat_template import render_chat
-from models.tokenizer import Tokenizer
+from edgetp.master.bridge.tool_calls import HERMES, CallFormat, Function, format_for
+from edgetp.master.generation.grammar import GrammarError, grammar_error, json_schema_grammar
+from edgetp.master.generation.prompts import chat_tokens
+from edgetp.models.chat_template import render_chat
+from edgetp.models.tokenizer import Tokenizer
 
 # The system prompt that describes tools to a model whose template does not (Qwen2.5's words,
 # which Hermes-trained models know).

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from master.emulate.host import (
+from edgetp.master.emulate.host import (
     CONTROLLERS,
     DeviceError,
     block_device,
@@ -44,8 +44,8 @@ from master.emulate.host import (
     run_tool,
     threads_cpu_seconds,
 )
-from master.emulate.relay import start_relay, stop_relay
-from master.emulate.spec import DeviceSpec, device_specs
+from edgetp.master.emulate.relay import start_relay, stop_relay
+from edgetp.master.emulate.spec import DeviceSpec, device_specs
 
 log = logging.getLogger(__name__)
 

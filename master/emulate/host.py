@@ -21,8 +21,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from master.emulate.spec import DeviceSpec
-from node.children import alive
+from edgetp.master.emulate.spec import DeviceSpec
+from edgetp.node.children import alive
 
 log = logging.getLogger(__name__)
 

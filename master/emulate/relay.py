@@ -13,8 +13,8 @@ import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from master.emulate.host import DeviceError, in_cgroups
-from models.cbuild import built
+from edgetp.master.emulate.host import DeviceError, in_cgroups
+from edgetp.models.cbuild import built
 
 RELAY_SOURCE = Path(__file__).with_name("relay.c")
 RELAY_READY_TIMEOUT = 10.0  # s

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from memory.budget import RESERVE_BYTES, format_size, parse_size
+from edgetp.memory.budget import RESERVE_BYTES, format_size, parse_size
 
 _BITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _SECONDS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}

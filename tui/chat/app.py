@@ -23,10 +23,10 @@ from textual.css.query import NoMatches
 from textual.widgets import Footer, Header, Input, Markdown, Static
 from textual.worker import Worker
 
-from master.bridge.client import BridgeError, Reasoning, StreamEnd
-from tui.chat.client import BridgeClient, Sampling
-from tui.chat.store import Conversation, ConversationStore, Message
-from tui.chat.widgets import (
+from edgetp.master.bridge.client import BridgeError, Reasoning, StreamEnd
+from edgetp.tui.chat.client import BridgeClient, Sampling
+from edgetp.tui.chat.store import Conversation, ConversationStore, Message
+from edgetp.tui.chat.widgets import (
     Answer,
     ClusterPanel,
     ConversationsScreen,
@@ -306,6 +306,6 @@ class ChatApp(App[None]):
 
 def conversations_dir(state_dir: Path | None) -> Path:
     """Where conversations live: `<state>/conversations` ($EDGETP_HOME, ~/.cache/edgetp)."""
-    from memory.files import default_state_dir
+    from edgetp.memory.files import default_state_dir
 
     return (state_dir or default_state_dir()) / "conversations"

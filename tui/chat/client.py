@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx2 as httpx
 
-from master.bridge.client import (
+from edgetp.master.bridge.client import (
     BridgeError,
     Reasoning,
     StreamEnd,
@@ -22,8 +22,8 @@ from master.bridge.client import (
     read_chat_stream,
     response_error,
 )
-from master.bridge.schema import ClusterFigures
-from master.params import TEMPERATURE_MAX
+from edgetp.master.bridge.schema import ClusterFigures
+from edgetp.master.generation.params import TEMPERATURE_MAX
 
 
 @dataclass(frozen=True)

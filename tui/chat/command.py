@@ -43,11 +43,11 @@ def run(args: argparse.Namespace) -> None:
 
     from textual.logging import TextualHandler
 
-    from master.bridge.client import BridgeError, ServerProcess, start_server
-    from models.errors import ModelError
-    from tui.chat.app import ChatApp, conversations_dir
-    from tui.chat.client import BridgeClient, Sampling, check_bridge
-    from tui.chat.store import ConversationStore
+    from edgetp.master.bridge.client import BridgeError, ServerProcess, start_server
+    from edgetp.models.errors import ModelError
+    from edgetp.tui.chat.app import ChatApp, conversations_dir
+    from edgetp.tui.chat.client import BridgeClient, Sampling, check_bridge
+    from edgetp.tui.chat.store import ConversationStore
 
     sampling = Sampling(args.temperature, args.top_p, args.max_tokens)
     store = ConversationStore(conversations_dir(args.state_dir))

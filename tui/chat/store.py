@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from memory.files import atomic_write
-from tui.chat.client import Sampling
+from edgetp.memory.files import atomic_write
+from edgetp.tui.chat.client import Sampling
 
 log = logging.getLogger(__name__)
 

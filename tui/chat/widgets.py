@@ -28,9 +28,9 @@ from textual.widgets import (
 from textual.widgets.markdown import MarkdownStream
 from textual.widgets.option_list import Option
 
-from master.bridge.schema import ClusterFigures, NodeFigures
-from tui.chat.client import Sampling
-from tui.chat.store import Conversation, Message
+from edgetp.master.bridge.schema import ClusterFigures, NodeFigures
+from edgetp.tui.chat.client import Sampling
+from edgetp.tui.chat.store import Conversation, Message
 
 NONE = "—"
 LABELS = {"user": "you", "assistant": "assistant", "error": "error"}

@@ -12,12 +12,12 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from master.engine import Executor
-from master.membership import State
-from master.session import Session
-from memory.window import process_memory
-from models.config import ModelConfig
-from models.layers import Slice
+from edgetp.master.cluster.engine import Executor
+from edgetp.master.cluster.membership import State
+from edgetp.master.cluster.session import Session
+from edgetp.memory.window import process_memory
+from edgetp.models.config import ModelConfig
+from edgetp.models.layers import Slice
 
 ALLREDUCE_WINDOW = 1024  # latest sums summarized
 

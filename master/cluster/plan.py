@@ -19,10 +19,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from models.config import ModelConfig
-from models.layers import MATRICES, Slice, full_layer_shapes, kv_heads_for, slice_parts
-from models.quant import BLOCK, FORMATS
-from models.source import ModelSource
+from edgetp.models.config import ModelConfig
+from edgetp.models.layers import MATRICES, Slice, full_layer_shapes, kv_heads_for, slice_parts
+from edgetp.models.quant import BLOCK, FORMATS
+from edgetp.models.source import ModelSource
 
 FFN_ALIGN = BLOCK
 HEAD_ALIGN = 64  # a run of lm_head rows is a multiple of this many

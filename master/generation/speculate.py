@@ -33,14 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from master.engine import Engine
-from master.reuse import common_prefix
-from master.session import Session
-from memory.budget import MemoryOptions
-from models.errors import ModelError
-from models.layers import StepBatch
-from models.source import ModelSource, open_model
-from models.tokenizer import Tokenizer
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.session import Session
+from edgetp.master.generation.reuse import common_prefix
+from edgetp.memory.budget import MemoryOptions
+from edgetp.models.errors import ModelError
+from edgetp.models.layers import StepBatch
+from edgetp.models.source import ModelSource, open_model
+from edgetp.models.tokenizer import Tokenizer
 
 DRAFT_MAX = 8  # tokens drafted at most in one step
 NGRAMS = (3, 2)  # suffix lengths looked up, longest first

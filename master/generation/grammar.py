@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 import numpy as np
 
-from models.tokenizer import Tokenizer
+from edgetp.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

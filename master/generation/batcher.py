@@ -21,17 +21,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from master.engine import Engine
-from master.figures import BatcherStats, CancelRecord, ReuseRecord
-from master.generate import Generation, check_prompt, step
-from master.params import SamplingParams
-from master.reuse import SlotPool
-from master.sampling import TokenLogprob, sampler_for
-from master.session import Session
-from master.speculate import Speculator
-from master.transport import ClusterError
-from models.config import ModelConfig
-from models.tokenizer import Tokenizer
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.figures import BatcherStats, CancelRecord, ReuseRecord
+from edgetp.master.cluster.session import Session
+from edgetp.master.cluster.transport import ClusterError
+from edgetp.master.generation.generate import Generation, check_prompt, step
+from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.reuse import SlotPool
+from edgetp.master.generation.sampling import TokenLogprob, sampler_for
+from edgetp.master.generation.speculate import Speculator
+from edgetp.models.config import ModelConfig
+from edgetp.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

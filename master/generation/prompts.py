@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from models.chat_template import NoChatTemplate, render_chat
-from models.errors import ModelError
-from models.source import ModelSource, open_model
-from models.tokenizer import Tokenizer
+from edgetp.models.chat_template import NoChatTemplate, render_chat
+from edgetp.models.errors import ModelError
+from edgetp.models.source import ModelSource, open_model
+from edgetp.models.tokenizer import Tokenizer
 
 
 def open_with_tokenizer(model: str | None) -> tuple[ModelSource, Tokenizer]:

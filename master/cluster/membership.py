@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-from memory.window import FIGURES_KEPT
-from node.messages import Capacity
+from edgetp.memory.window import FIGURES_KEPT
+from edgetp.node.messages import Capacity
 
 
 class State(Enum):

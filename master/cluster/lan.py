@@ -13,13 +13,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from master.cluster import Hub
-from master.session import Session
-from memory.budget import ALL_RESIDENT, MemoryOptions
-from models.source import ModelSource
-from node.discovery import Announcer, MasterAd, announce_addresses
-from node.protocol import PROTOCOL_VERSION
-from node.security import fingerprint, master_keys, master_token
+from edgetp.master.cluster.hub import Hub
+from edgetp.master.cluster.session import Session
+from edgetp.memory.budget import ALL_RESIDENT, MemoryOptions
+from edgetp.models.source import ModelSource
+from edgetp.node.discovery import Announcer, MasterAd, announce_addresses
+from edgetp.node.protocol import PROTOCOL_VERSION
+from edgetp.node.security import fingerprint, master_keys, master_token
 
 
 @dataclass(frozen=True)

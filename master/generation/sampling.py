@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from master.grammar import Constraint
-from master.params import GREEDY_BELOW, SamplingParams
-from models.errors import ModelError
-from models.tokenizer import Tokenizer
+from edgetp.master.generation.grammar import Constraint
+from edgetp.master.generation.params import GREEDY_BELOW, SamplingParams
+from edgetp.models.errors import ModelError
+from edgetp.models.tokenizer import Tokenizer
 
 # Top-k and top-p look among this many of the likeliest tokens (or top-k's k) first; top-p
 # sorts the whole vocabulary only when they hold less than top_p: sorting SmolLM2's 49,152

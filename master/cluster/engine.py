@@ -17,32 +17,32 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from master.plan import plan_slices
-from memory.pages import pack
-from memory.shards import Manifest, ShardStore, tensor_specs
-from memory.window import (
+from edgetp.master.cluster.plan import plan_slices
+from edgetp.memory.figures import StreamFigures
+from edgetp.memory.pages import pack
+from edgetp.memory.shards import Manifest, ShardStore, tensor_specs
+from edgetp.memory.window import (
     FIGURES_KEPT,
     LayerWindow,
     ResidentLayers,
-    StreamFigures,
     step_figures,
 )
-from models import gemma4
-from models.block_math import rms_norm
-from models.block_rows import rms_norm_rows
-from models.config import ModelConfig
-from models.errors import ModelError
-from models.kernels import SCALE_SUFFIX, embed, kernel_set, linear, linear_rows
-from models.layers import POST_NORMS, ROUTER, Slice, StepBatch, slice_layer
-from models.moe import Routing, route
-from models.rows_native import NativeBlocks
-from models.source import ModelSource
-from node import hop
-from node.device import matrix_shapes, prepare
-from node.executor import Hidden, check_kernels_before_loading, make_executor
-from node.kernel_table import Shape
-from node.kvcache import KVCache
-from node.protocol import ATTENTION, FFN, HEAD, Block
+from edgetp.models import gemma4
+from edgetp.models.block_math import rms_norm
+from edgetp.models.block_rows import rms_norm_rows
+from edgetp.models.config import ModelConfig
+from edgetp.models.errors import ModelError
+from edgetp.models.kernels import SCALE_SUFFIX, embed, kernel_set, linear, linear_rows
+from edgetp.models.layers import POST_NORMS, ROUTER, Slice, StepBatch, slice_layer
+from edgetp.models.moe import Routing, route
+from edgetp.models.rows_native import NativeBlocks
+from edgetp.models.source import ModelSource
+from edgetp.node import hop
+from edgetp.node.device import matrix_shapes, prepare
+from edgetp.node.executor import Hidden, check_kernels_before_loading, make_executor
+from edgetp.node.kernel_table import Shape
+from edgetp.node.kvcache import KVCache
+from edgetp.node.protocol import ATTENTION, FFN, HEAD, Block
 
 log = logging.getLogger(__name__)
 

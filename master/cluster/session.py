@@ -10,10 +10,10 @@ from pathlib import Path
 import msgspec
 import torch
 
-from master.cluster import Hub
-from master.engine import Engine, context_size
-from master.membership import Failed, Member
-from master.plan import (
+from edgetp.master.cluster.engine import Engine, context_size
+from edgetp.master.cluster.hub import Hub
+from edgetp.master.cluster.membership import Failed, Member
+from edgetp.master.cluster.plan import (
     SplitEstimate,
     head_row_cost,
     head_rows,
@@ -25,9 +25,9 @@ from master.plan import (
     with_messages,
     workers_to_plan,
 )
-from master.splitter import model_identity, split_model
-from master.transport import ClusterError
-from memory.budget import (
+from edgetp.master.cluster.splitter import model_identity, split_model
+from edgetp.master.cluster.transport import ClusterError
+from edgetp.memory.budget import (
     ALL_RESIDENT,
     BudgetError,
     MemoryOptions,
@@ -35,18 +35,18 @@ from memory.budget import (
     device_memory_budget,
     plan_memory,
 )
-from memory.files import atomic_write, default_state_dir
-from memory.shards import Manifest, ShardStore
-from memory.window import return_freed_memory
-from models.config import ModelConfig
-from models.errors import ModelError
-from models.kernels import blas_threads
-from models.layers import Slice
-from models.source import ModelSource
-from node.device import plan_shapes, prepare
-from node.kvcache import KVCache, LinearStates
-from node.messages import Capacity
-from node.probes import measure_capacity, measure_speed
+from edgetp.memory.files import atomic_write, default_state_dir
+from edgetp.memory.shards import Manifest, ShardStore
+from edgetp.memory.window import return_freed_memory
+from edgetp.models.config import ModelConfig
+from edgetp.models.errors import ModelError
+from edgetp.models.kernels import blas_threads
+from edgetp.models.layers import Slice
+from edgetp.models.source import ModelSource
+from edgetp.node.device import plan_shapes, prepare
+from edgetp.node.kvcache import KVCache, LinearStates
+from edgetp.node.messages import Capacity
+from edgetp.node.probes import measure_capacity, measure_speed
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from master.engine import Engine
-from node.kvcache import KEPT_TOKENS, positions
+from edgetp.master.cluster.engine import Engine
+from edgetp.node.kvcache import KEPT_TOKENS, positions
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from memory.files import atomic_write
-from memory.shards import Manifest, ShardRef, ShardStore, ShardWriter, Spec
-from models import gemma4
-from models.dtypes import DTYPE_CHOICES, EXACT_WIDENING, STAND_INS
-from models.kernels import dequantize, dtype_name, quantize
-from models.layers import (
+from edgetp.memory.files import atomic_write
+from edgetp.memory.shards import Manifest, ShardRef, ShardStore, ShardWriter, Spec
+from edgetp.models import gemma4
+from edgetp.models.dtypes import DTYPE_CHOICES, EXACT_WIDENING, STAND_INS
+from edgetp.models.kernels import dequantize, dtype_name, quantize
+from edgetp.models.layers import (
     POST_NORMS,
     ROUTER,
     Part,
@@ -30,8 +30,8 @@ from models.layers import (
     slice_dtypes,
     slice_parts,
 )
-from models.quant import columns_fit
-from models.source import ModelSource
+from edgetp.models.quant import columns_fit
+from edgetp.models.source import ModelSource
 
 log = logging.getLogger(__name__)
 

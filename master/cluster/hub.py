@@ -18,19 +18,19 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from master import membership as S
-from master.membership import Link, Member
-from master.transport import ClusterError, Malformed, NodeDown, Received, Transport
-from memory.shards import Manifest, ShardStore
-from models.config import ModelConfig
-from models.layers import Slice, StepBatch
-from models.moe import Routing
-from models.rows_native import NativeBlocks
-from node import messages as M
-from node import protocol as P
-from node.executor import Hidden
-from node.heartbeat import DEAD_AFTER
-from node.security import JoinToken, Keypair
+from edgetp.master.cluster import membership as S
+from edgetp.master.cluster.membership import Link, Member
+from edgetp.master.cluster.transport import ClusterError, Malformed, NodeDown, Received, Transport
+from edgetp.memory.shards import Manifest, ShardStore
+from edgetp.models.config import ModelConfig
+from edgetp.models.layers import Slice, StepBatch
+from edgetp.models.moe import Routing
+from edgetp.models.rows_native import NativeBlocks
+from edgetp.node import messages as M
+from edgetp.node import protocol as P
+from edgetp.node.executor import Hidden
+from edgetp.node.heartbeat import DEAD_AFTER
+from edgetp.node.security import JoinToken, Keypair
 
 log = logging.getLogger(__name__)
 

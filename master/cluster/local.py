@@ -20,20 +20,20 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from master.cluster import Hub
-from master.engine import Engine
-from master.session import Session
-from master.transport import ClusterError
-from memory.budget import ALL_RESIDENT, MemoryOptions, oom_kills
-from memory.files import default_state_dir
-from models.kernels import device_cores, set_threads
-from models.source import ModelSource
-from node import children
-from node.children import Child
-from node.security import TOKEN_ENV, JoinToken
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.hub import Hub
+from edgetp.master.cluster.session import Session
+from edgetp.master.cluster.transport import ClusterError
+from edgetp.memory.budget import ALL_RESIDENT, MemoryOptions, oom_kills
+from edgetp.memory.files import default_state_dir
+from edgetp.models.kernels import device_cores, set_threads
+from edgetp.models.source import ModelSource
+from edgetp.node import children
+from edgetp.node.children import Child
+from edgetp.node.security import TOKEN_ENV, JoinToken
 
 if TYPE_CHECKING:
-    from master.emulate.devices import EmulatedDevices
+    from edgetp.master.emulate.devices import EmulatedDevices
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class LocalWorkers:
             host = devices.worker_host(node) if devices else "127.0.0.1"
             own_threads = (devices.threads(node) if devices else None) or threads
             cmd = [
-                sys.executable, "-m", "tui.cli", *(["-v"] if verbose else []), "join",
+                sys.executable, "-m", "edgetp.tui.cli", *(["-v"] if verbose else []), "join",
                 f"{host}:{port}", "--threads", str(own_threads), "--name", f"local-{node}",
                 # Same machine, same disk: workers read the master's shard store, nothing ships.
                 "--state-dir", str(state_dir), *memory.node_args(),
@@ -198,8 +198,8 @@ class LocalWorkers:
 def _run_worker(argv: list[str], log: str) -> None:
     """A local worker in a forked child: what `python -m tui.cli *argv` runs, logging to `log`."""
     children.redirect_output(None, log)
-    sys.argv = ["tui.cli", *argv]
-    runpy.run_module("tui.cli", run_name="__main__", alter_sys=True)
+    sys.argv = ["edgetp.tui.cli", *argv]
+    runpy.run_module("edgetp.tui.cli", run_name="__main__", alter_sys=True)
 
 
 def _last_line(path: Path) -> str:

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from master.engine import Engine
-from master.params import SamplingParams
-from master.sampling import Sampler, TokenLogprob, sampler_for
-from master.speculate import DraftState, Speculator
-from models.errors import ModelError
-from models.layers import StepBatch
-from models.tokenizer import Tokenizer
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.sampling import Sampler, TokenLogprob, sampler_for
+from edgetp.master.generation.speculate import DraftState, Speculator
+from edgetp.models.errors import ModelError
+from edgetp.models.layers import StepBatch
+from edgetp.models.tokenizer import Tokenizer
 
 
 @dataclass

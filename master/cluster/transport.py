@@ -23,16 +23,16 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from models.layers import StepBatch
-from models.moe import Routing
-from models.rows_native import NativeBlocks
-from node import hop as hop_codes
-from node import messages as M
-from node import protocol as P
-from node.executor import Hidden
-from node.heartbeat import DEAD_AFTER, HeartbeatServer
-from node.hop import HubHop
-from node.security import JoinToken, Keypair, secure_server
+from edgetp.models.layers import StepBatch
+from edgetp.models.moe import Routing
+from edgetp.models.rows_native import NativeBlocks
+from edgetp.node import hop as hop_codes
+from edgetp.node import messages as M
+from edgetp.node import protocol as P
+from edgetp.node.executor import Hidden
+from edgetp.node.heartbeat import DEAD_AFTER, HeartbeatServer
+from edgetp.node.hop import HubHop
+from edgetp.node.security import JoinToken, Keypair, secure_server
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Generation over a cluster's engine: batching, sampling, grammars, prompt reuse, speculation."""
