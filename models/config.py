@@ -229,7 +229,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """As a plain dict; a dense model's without the experts' fields, so that its split's
-        identity (master.splitter.model_identity) is what it was before they existed."""
+        identity (master.cluster.splitter.model_identity) is what it was before they existed."""
         values = dataclasses.asdict(self)
         if not self.moe:
             for name in ("n_experts", "n_experts_used", "norm_topk_prob"):

@@ -133,7 +133,7 @@ def start(
             _end_server()
             raise
     started = subprocess.Popen(
-        [sys.executable, "-c", "from node.children import _main; _main()", str(oom_score_adj)],
+        [sys.executable, "-c", "from edgetp.node.children import _main; _main()", str(oom_score_adj)],
         stdin=subprocess.PIPE,
         env=call[2],
     )

@@ -87,7 +87,7 @@ class SliceExecutor:
         # A decode step's blocks in one C call each, where this device admitted them.
         self.native: rows_native.NativeBlocks | None = None
         self.native_step = False  # the current step runs on them
-        # This node's rows of the lm_head, where the plan splits it (master.plan.head_rows).
+        # This node's rows of the lm_head, where the plan splits it (master.cluster.plan.head_rows).
         self.lm_head: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def hold_head(self, tensors: dict[str, torch.Tensor], rows: tuple[int, int]) -> None:

@@ -82,7 +82,7 @@ def positions(config: ModelConfig, layer: int, max_context: int) -> int:
 
 
 # Tokens of a step whose inputs a slot keeps, with its state before them, so that a later step
-# may start at any of their positions: a speculative step's drafts (master/speculate.py: at
+# may start at any of their positions: a speculative step's drafts (master/generation/speculate.py: at
 # most 8 after the sequence's token), rejected, are undone so. A wider step is a prompt's: its
 # end state is kept instead, for the next turn of a conversation to carry on from there.
 KEPT_TOKENS = 16
@@ -117,7 +117,7 @@ class LinearStates:
     at the end of the slot's last prompt (a step wider than that), whose state is a copy more,
     for a conversation's next turn, whose prompt holds the last one but seldom the answer's
     tokens as they were sampled. Any other start is an error: its state is not known here
-    (master/reuse.py asks for none).
+    (master/generation/reuse.py asks for none).
     """
 
     def __init__(self, config: ModelConfig, s: Slice, slots: int) -> None:
@@ -219,7 +219,7 @@ class LinearStates:
     def _end_step(self) -> None:
         """Each slot of the last step: its state is past the step's tokens, and its kept
         states (where it kept them) at the step's start or end. A step that failed half-way
-        leaves layers apart: its sequences are started again from 0 (master/reuse.py)."""
+        leaves layers apart: its sequences are started again from 0 (master/generation/reuse.py)."""
         if self._batch is None:
             return
         batch = self._batch

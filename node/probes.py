@@ -118,7 +118,7 @@ def measure_message_cost() -> float:
     A round trip between a ROUTER and a DEALER of one context, over TCP on the loopback, is
     four such messages (two sends, two receives), all on this device. On emulated cpu=0.5
     devices this is what a node's share of the sums costs it, next to its weights: the master
-    handles every worker's messages of every sum, a worker one exchange (master.plan
+    handles every worker's messages of every sum, a worker one exchange (master.cluster.plan
     `with_messages`). Taken in CPU seconds: wall time would count the link and the quota's
     throttled periods. Free, it counts both threads as if on one core: a bound, where the I/O
     thread has a core of its own. Python's calls around each message count too (a few us of

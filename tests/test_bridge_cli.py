@@ -44,7 +44,7 @@ def test_option_errors_come_before_the_weights_code_is_imported():
     so a mistyped option or model path is answered at once."""
     code = (
         "import sys\n"
-        "from tui.cli import main\n"
+        "from edgetp.tui.cli import main\n"
         "assert main(['serve', '--port', '70000']) == 1\n"
         "assert main(['serve', '--api-key', ' ']) == 1\n"
         "assert main(['serve', '--model', '/nonexistent.gguf']) == 1\n"

@@ -260,7 +260,7 @@ def request(**fields) -> ChatCompletionRequest:
 
 
 def test_a_request_without_tools_has_the_prompt_it_had(smollm2_tokenizer):
-    """Token for token what master.prompts.chat_tokens renders, as before tools."""
+    """Token for token what master.generation.prompts.chat_tokens renders, as before tools."""
     turns = [
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hi "},

@@ -100,8 +100,8 @@ def test_a_path_that_is_no_model_is_said_before_torch_loads(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     code = (
         "import sys\n"
-        "from models.bundled import model_path\n"
-        "from models.errors import ModelError\n"
+        "from edgetp.models.bundled import model_path\n"
+        "from edgetp.models.errors import ModelError\n"
         "for path, said in ((sys.argv[1], 'not a GGUF file'), (sys.argv[2], 'no config.json')):\n"
         "    try:\n"
         "        model_path(path)\n"
@@ -222,8 +222,9 @@ def test_no_local_nodes_is_refused_by_the_parser(capsys):
 def test_the_parser_and_the_chat_app_start_without_torch():
     """`edgetp --help` and the chat app (a bridge client) load in a fraction of torch's time."""
     probe = (
-        "import sys, tui.cli, tui.chat.app, tui.chat.command, master.bridge.client\n"
-        "tui.arguments.build_parser().format_help()\n"
+        "import sys, edgetp.tui.cli, edgetp.tui.chat.app, edgetp.tui.chat.command\n"
+        "import edgetp.master.bridge.client\n"
+        "edgetp.tui.arguments.build_parser().format_help()\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)

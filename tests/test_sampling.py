@@ -244,7 +244,7 @@ def test_logprobs_are_the_log_softmax_after_penalties_and_temperature(params):
 
 def test_a_masked_token_reports_openais_floor_not_minus_infinity():
     """A masked token's own log probability is OpenAI's floor; as an alternative it is left
-    out: it cannot be drawn (a grammar's mask, master/grammar.py)."""
+    out: it cannot be drawn (a grammar's mask, master/generation/grammar.py)."""
     logits = torch.tensor([1.0, -torch.inf, 0.0])
     got = Sampler(SamplingParams(logprobs=3)).logprob(logits, [], 1)
     assert got.logprob == LOGPROB_FLOOR
@@ -295,7 +295,10 @@ def test_out_of_range_params_are_rejected(bad):
 
 def test_the_limits_load_without_torch():
     """The chat app checks its settings against them and must not load torch."""
-    code = "import sys, master.params, master.bridge.schema; assert 'torch' not in sys.modules"
+    code = (
+        "import sys, edgetp.master.generation.params, edgetp.master.bridge.schema\n"
+        "assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -23,7 +23,7 @@ def link_figures(link: Link | None) -> dict[str, float | None]:
 
 
 def estimate_figures(estimate: SplitEstimate | None) -> dict[str, float] | None:
-    """The probes' estimate of a token (`master.plan.split_estimate`), in ms, for the record."""
+    """The probes' estimate of a token (`master.cluster.plan.split_estimate`), in ms, for the record."""
     if estimate is None:
         return None
     return {
@@ -112,7 +112,7 @@ def node_row(name: str, history: Any) -> dict[str, Any]:
         "own_compute_ms_per_token": round(
             sum(s["compute_s"] - s["wait_s"] for s in steps) / n * 1000, 2
         ),
-        **{  # the master's own: where its step's time went (master.engine)
+        **{  # the master's own: where its step's time went (master.cluster.engine)
             f"{key}_ms_per_token": round(sum(s[f"{key}_s"] for s in steps) / n * 1000, 2)
             for key in ("blocks", "head")
             if f"{key}_s" in steps[0]

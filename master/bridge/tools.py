@@ -190,7 +190,7 @@ def answer_grammar(
     body: ChatCompletionRequest, use: ToolUse | None, fmt: CallFormat, tokenizer: Tokenizer
 ) -> tuple[str | None, str]:
     """(the grammar the answer must match or None, the request field it comes from). Raises
-    master.grammar.GrammarError for a JSON schema llguidance cannot use."""
+    master.generation.grammar.GrammarError for a JSON schema llguidance cannot use."""
     form = body.response_format
     schema: dict[str, Any] | None = None
     if isinstance(form, ResponseFormatJSONSchema):

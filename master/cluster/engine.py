@@ -86,7 +86,7 @@ class Remote(Protocol):
     def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]: ...
     def gather_rows(self, layer: int, local_compute: float = 0.0) -> list[np.ndarray]: ...
 
-    allreduce_seconds: deque[float]  # recent per-sum latencies (master.transport)
+    allreduce_seconds: deque[float]  # recent per-sum latencies (master.cluster.transport)
 
 
 def _gemma4_globals(
@@ -128,7 +128,7 @@ class Engine:
         if config.moe and router is None:
             raise ValueError(f"{config.architecture} needs its experts' router")
         # `lm_head` holds this process's rows of the head and the workers hold the rest
-        # (master.plan.head_rows): the head's logits are gathered like a block's partials.
+        # (master.cluster.plan.head_rows): the head's logits are gathered like a block's partials.
         self.head_split = head_split
         if head_split and remote is None:
             raise ValueError("a split lm_head needs the workers that hold the rest of it")
@@ -222,7 +222,7 @@ class Engine:
         paths = [store.path(ref) for ref in manifest.nodes[0]]
         globals_path = store.path(manifest.globals)
         # Tied: the embedding is the head. The globals hold just the master's rows of an untied
-        # head (master.splitter), all of a tied one, of which it takes its rows.
+        # head (master.cluster.splitter), all of a tied one, of which it takes its rows.
         specs = tensor_specs(globals_path)
         head = "lm_head" if "lm_head" in specs else "embedding"
         a, b = manifest.head_rows[0] if manifest.head_rows else (0, specs[head][1][0])

@@ -1,7 +1,7 @@
 """A worker's membership of the cluster, as a pure state machine: `apply(status, event)`; and
 what the master knows of each worker (`Member`).
 
-The Hub (master/cluster.py) is the I/O around it: it turns messages, silences and plans into
+The Hub (master/cluster/hub.py) is the I/O around it: it turns messages, silences and plans into
 events, applies them, and carries out the effects (the BYE or STANDBY to send, the heartbeat to
 forget). Every rule of who is in the plan, who waits and who is dropped is here, and
 tests/test_membership_states.py checks every (state, event) pair.

@@ -3,7 +3,7 @@
 Every worker connects a DEALER. Per layer block `send_step` hands the hidden state to every
 worker, the master computes its own partial meanwhile, and `gather` adds the workers' partials:
 two hops per sum, whatever the node count. Whatever else arrives (a join, a shard fetch, a
-leave) goes to the caller's handler: who is a member, and what it holds, is master/cluster.py's.
+leave) goes to the caller's handler: who is a member, and what it holds, is master/cluster/hub.py's.
 """
 
 from __future__ import annotations

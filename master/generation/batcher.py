@@ -8,7 +8,7 @@ starts at once instead of waiting for the others to finish, and decodes in the s
 they do. A cancelled request is dropped before the next step and its slot freed: at most the
 step already running when the cancel came still computes its token. A finished request's slot
 keeps its KV cache, and a new request takes the free slot whose tokens begin like its own and
-prefills only the rest (master/reuse.py).
+prefills only the rest (master/generation/reuse.py).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class Batcher:
     ) -> None:
         """`prompt_reuse`: a request prefills only what no free slot's cache holds already."""
         self.session = session
-        self.speculator = speculator  # drafts checked in each step (master/speculate.py)
+        self.speculator = speculator  # drafts checked in each step (master/generation/speculate.py)
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
         self._cond = threading.Condition()

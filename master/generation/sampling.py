@@ -206,7 +206,7 @@ class Sampler:
 
 def sampler_for(params: SamplingParams, tokenizer: Tokenizer) -> Sampler:
     """A sequence's sampler, with its grammar (if any) compiled for `tokenizer`'s vocabulary.
-    Raises master.grammar.GrammarError for a grammar that cannot be compiled."""
+    Raises master.generation.grammar.GrammarError for a grammar that cannot be compiled."""
     if params.grammar is None:
         return Sampler(params)
     return Sampler(params, Constraint(tokenizer, params.grammar))
