@@ -51,7 +51,7 @@ def open_model(spec: str | Path | None = None) -> ModelSource:
 def default_dtype(spec: str | Path | None = None) -> str:
     """The shard dtype when none is asked for: a GGUF file's weights as the file stores them
     (`auto`: 4-bit decode measured at 1.26x llama.cpp's time on the same file,
-    docs/bench/smollm2-q4_1-vs-llamacpp.txt), an HF folder's as float32 (their bf16 or f16
+    docs/bench/README.md), an HF folder's as float32 (their bf16 or f16
     would decode on torch's kernels, which round the input). Where the block formats' C kernels
     cannot be built (no compiler), float32, saying so: the default command runs anywhere."""
     path = model_path(spec)

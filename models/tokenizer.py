@@ -135,7 +135,8 @@ class Tokenizer:
 
     def token_bytes(self) -> list[bytes]:
         """Every token's bytes as it adds them to the text, by id; a special token's are its
-        name's. What a grammar matches tokens with (master/generation/grammar.py), and the bytes of a
+        name's. What a grammar matches tokens with (master/generation/grammar.py), and the bytes of
+        a
         token that holds part of a character (logprobs)."""
         if self._token_bytes is None:
             self._token_bytes = self._engine.token_bytes()[: self.vocab_size]

@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 
 # torch, NumPy, ZeroMQ and the node's modules, the kernel check's too; node.fork_server first
 PRELOAD = ["edgetp.node.fork_server", "edgetp.node.worker"]
+CHILD_MAIN = "from edgetp.node.children import _main; _main()"  # a child interpreter's code
 _PR_SET_NAME = 15  # prctl(2): the name `ps` and `top` show (15 bytes)
 # Who the out-of-memory killer takes first (oom_score_adj): a kernel check before the node it
 # checks for, a local worker and the fork server before the master, which speaks for them all.
@@ -133,7 +134,7 @@ def start(
             _end_server()
             raise
     started = subprocess.Popen(
-        [sys.executable, "-c", "from edgetp.node.children import _main; _main()", str(oom_score_adj)],
+        [sys.executable, "-c", CHILD_MAIN, str(oom_score_adj)],
         stdin=subprocess.PIPE,
         env=call[2],
     )

@@ -82,7 +82,8 @@ def positions(config: ModelConfig, layer: int, max_context: int) -> int:
 
 
 # Tokens of a step whose inputs a slot keeps, with its state before them, so that a later step
-# may start at any of their positions: a speculative step's drafts (master/generation/speculate.py: at
+# may start at any of their positions: a speculative step's drafts (master/generation/speculate.py:
+# at
 # most 8 after the sequence's token), rejected, are undone so. A wider step is a prompt's: its
 # end state is kept instead, for the next turn of a conversation to carry on from there.
 KEPT_TOKENS = 16

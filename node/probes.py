@@ -82,7 +82,7 @@ def measure_speed(
     measured up to 1.35x apart in one 0.1 s run (their ratio's standard deviation 0.09-0.11
     over 40 pairs), and a plan made on such a pair is kept for as long as no other would be
     1.5x faster: the median of five runs of 0.05 s, 0.05-0.07 and 1.16x at the furthest
-    (`docs/bench/probe_pairs.py`, docs/bench/probe-pairs-cpu0.5.txt).
+    (`docs/bench/probe_pairs.py`, docs/bench/README.md).
     """
     rows = _probe_bytes() // (4 * PROBE_WIDTH)
     # In the pages weights live in (memory.pages): the probe reads memory as a decode step does.

@@ -1,4 +1,5 @@
-"""The generation loop decodes an answer a few tokens at a time (master/generation/generate.py): the text it
+"""The generation loop decodes an answer a few tokens at a time (master/generation/generate.py):
+the text it
 hands out equals the whole answer decoded at once, for byte-level BPE and sentencepiece, with
 characters split across tokens, and a stop string is found wherever it ends."""
 

@@ -262,7 +262,8 @@ def test_greedy_tokens_are_the_same_with_lookup_drafts_and_on_every_node_count(
     dense, smollm2_tokenizer
 ):
     """A prompt that repeats itself, where lookup would draft: the local layers' KV rings keep
-    Gemma 4 out of speculation (master/generation/generate.py), and its tokens stay those of one node
+    Gemma 4 out of speculation (master/generation/generate.py), and its tokens stay those of one
+    node
     without drafts. (SmolLM2's vocabulary stands in to detokenize: the ids are below 320.)"""
     from test_speculate import SlowLinkSpeculator
 

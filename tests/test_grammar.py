@@ -1,4 +1,5 @@
-"""Grammar-constrained decoding (master/generation/grammar.py): the master's sampler masks every token of a
+"""Grammar-constrained decoding (master/generation/grammar.py): the master's sampler masks every
+token of a
 sequence with its grammar, so what the bundled model writes always follows it.
 
 The vocabulary llguidance matches bytes with is the model's own (`Tokenizer.token_bytes`): the

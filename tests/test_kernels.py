@@ -301,7 +301,8 @@ def test_a_process_pinned_to_one_core_uses_one_thread():
     """A node started under taskset or a cpuset of one core (docker --cpuset-cpus) runs one BLAS
     thread: two take turns on that core, spinning (a SmolLM2 FFN block: 7.5 ms against 0.43)."""
     probe = (
-        "from edgetp.models.kernels import device_cores, set_threads; print(device_cores(), set_threads())"
+        "from edgetp.models.kernels import device_cores, set_threads\n"
+        "print(device_cores(), set_threads())"
     )
     env = {k: v for k, v in os.environ.items() if k != "EDGETP_CORES"}
     one_core = min(os.sched_getaffinity(0))
@@ -341,7 +342,8 @@ def test_a_process_in_a_cpu_quota_uses_the_cores_of_its_quota(quota, cores):
     """A node run in a cgroup of one CPU (a container, an emulated small device) starts one
     BLAS thread, not one per core of the host."""
     code = (
-        "from edgetp.models.kernels import device_cores, set_threads\nprint(device_cores(), set_threads())"
+        "from edgetp.models.kernels import device_cores, set_threads\n"
+        "print(device_cores(), set_threads())"
     )
     assert _in_cpu_quota(quota, code) == [str(cores), str(cores)]
 
@@ -354,8 +356,11 @@ def test_a_process_in_a_cpu_quota_uses_the_cores_of_its_quota(quota, cores):
 def test_kernels_under_a_cpu_quota_are_timed_in_cpu_seconds(quota, clocks):
     """A kernel check in a cgroup of half a core times in CPU seconds: by the wall clock, where
     a call lands in the quota's period picked torch's product for an lm_head 2 times in 6, ~30%
-    slower than NumPy's in CPU (docs/bench/kernel-clock-cpu0.5.txt). Free, the wall clock."""
-    code = "from edgetp.models.kernels import compute_clock as c\nprint(c(1).__name__, c(2).__name__)"
+    slower than NumPy's in CPU (docs/bench/README.md, Kernels). Free, the wall clock."""
+    code = (
+        "from edgetp.models.kernels import compute_clock as c\n"
+        "print(c(1).__name__, c(2).__name__)"
+    )
     assert _in_cpu_quota(quota, code) == clocks
 
 

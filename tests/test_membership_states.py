@@ -1,4 +1,5 @@
-"""Membership as a state machine (master/cluster/membership.py): every (state, event) pair, written out
+"""Membership as a state machine (master/cluster/membership.py): every (state, event) pair, written
+out
 as a table, against `apply`; and a node's life through the Hub's events in order."""
 
 from __future__ import annotations

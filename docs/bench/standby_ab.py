@@ -4,7 +4,7 @@
     .venv/bin/python docs/bench/standby_ab.py "cpu=0.5,rtt=2ms" ROUNDS TOKENS [NODES]
 
 One spec for every node, or one per node separated by ";" (the master first), e.g.
-"cpu=0.5;cpu=0.5;cpu=0.5,rtt=2ms" 2 32 3. Results: docs/bench/standby-ab.txt.
+"cpu=0.5;cpu=0.5;cpu=0.5,rtt=2ms" 2 32 3. Results: docs/bench/README.md.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ def link_figures(link: Link | None) -> dict[str, float | None]:
 
 
 def estimate_figures(estimate: SplitEstimate | None) -> dict[str, float] | None:
-    """The probes' estimate of a token (`master.cluster.plan.split_estimate`), in ms, for the record."""
+    """The probes' estimate of a token (`master.cluster.plan.split_estimate`), in ms, for the
+    record."""
     if estimate is None:
         return None
     return {

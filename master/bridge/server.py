@@ -49,7 +49,8 @@ def serve(
     `master.bridge.listen.bind`, closed here) until interrupted.
 
     `model` is the name the model was asked for, accepted in requests besides its own;
-    `draft` is `--draft` and `--draft-dtype` (master/generation/speculate.py); `cors_origins` the pages
+    `draft` is `--draft` and `--draft-dtype` (master/generation/speculate.py); `cors_origins` the
+    pages
     (`--cors-origin`) a browser may call the API from; `prompt_reuse` off (`--no-prompt-reuse`)
     prefills every request whole.
     """

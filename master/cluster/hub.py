@@ -1,7 +1,8 @@
 """The master's side of the cluster: who is a member, what each holds, and shipping its shards.
 
 The sockets and the star allreduce are master/cluster/transport.py's; the rules of membership are
-master/cluster/membership.py's state machine. The `Hub` is the I/O around both: workers join (HELLO),
+master/cluster/membership.py's state machine. The `Hub` is the I/O around both: workers join
+(HELLO),
 are planned in and sent their slice (WELCOME), fetch their shards (FETCH/CHUNK), and leave or go
 silent; each of those is an event it applies, and it sends what the transition says.
 """
@@ -54,7 +55,8 @@ class Hub:
     Every worker the hub knows is in `nodes`, in the order they joined; its status says where
     it stands (master/cluster/membership.py): `members` are the plan's (or the plan being made's),
     `pending` joined since and wait for the next plan, `standby` were left out of this one
-    (their link would slow every token: `master.cluster.plan.workers_to_plan`) and are weighed again at
+    (their link would slow every token: `master.cluster.plan.workers_to_plan`) and are weighed
+    again at
     the next. As the engine's `Remote`, it runs the allreduce on the members and marks one lost
     when the transport says so.
     """

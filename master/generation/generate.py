@@ -1,7 +1,8 @@
 """The generation loop: sequences advance together, one engine step at a time.
 
 A step carries every active sequence: a new one feeds its prompt (prefill; past the tokens whose
-keys and values its slot already holds, master/generation/reuse.py), a running one its last token (decode).
+keys and values its slot already holds, master/generation/reuse.py), a running one its last token
+(decode).
 So a sequence can join a running batch at any step, and all of them share the same trip through
 the layers.
 """
@@ -44,7 +45,8 @@ class Generation:
     detok_text: str = ""  # those characters, stop strings not removed
     detok_window: tuple[int, int] = (0, 0)  # tokens decoded again, and the last of them kept
     logprobs_sent: int = 0  # of `logprobs`, handed out
-    reused: int = 0  # prompt tokens whose KV its slot held when it started (master/generation/reuse.py)
+    # prompt tokens whose KV its slot held when it started (master/generation/reuse.py)
+    reused: int = 0
     sampled: int = 0  # tokens sampled so far (an end-of-sequence token included)
 
     @property

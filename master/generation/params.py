@@ -37,7 +37,8 @@ class SamplingParams:
     ignore_eos: bool = False  # decode exactly max_tokens (benchmarks)
     logprobs: int | None = None
     stream: int = 0
-    # What the output must match, in llguidance's form (master/generation/grammar.py): JSON mode, a JSON
+    # What the output must match, in llguidance's form (master/generation/grammar.py): JSON mode, a
+    # JSON
     # schema, a forced tool call. None: anything.
     grammar: str | None = None
 
