@@ -269,7 +269,8 @@ def split_estimate(
 # How much faster the probes must put a token on fewer devices before the plan leaves the
 # others on standby. Their estimates run under what the devices then take, the master alone's
 # more than a split's: at 2 x cpu=0.5, 64.0 ms alone and 52.8 split, where one device took 99.1
-# and two 64.2 (in git: docs/bench/bars-cpu0.5-s42.json). The margin covers that and the probes' noise.
+# and two 64.2 (docs/bench/bars-cpu0.5-s42.json, in git's history). The margin covers that and
+# the probes' noise.
 STANDBY_GAIN = 1.5
 
 
