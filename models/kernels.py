@@ -132,7 +132,8 @@ def has_avx2() -> bool:
 # The portable C build of the block products (ARM boards, x86 without AVX2) is 14x slower than
 # the AVX2 one where both run: a candidate only where the AVX2 build cannot be (checking and
 # timing it would lengthen every first start for nothing).
-_PORTABLE = () if has_avx2() else (Candidate("c-portable", "models.native:portable_activations"),)
+NATIVE = "edgetp.models.native"  # the block kernels' module, where a fresh process finds them
+_PORTABLE = () if has_avx2() else (Candidate("c-portable", f"{NATIVE}:portable_activations"),)
 
 # models/csrc/blocks.c's formats (as models/native.py builds it) and blocks_portable.c's
 HAND_TUNED = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "iq4_nl")
@@ -160,10 +161,10 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
     # for a prefill's rows a band expanded for BLAS.
     **{
         name: (
-            *((Candidate("c-f32", "models.native:f32_activations"),) if name in HAND_TUNED else ()),
+            *((Candidate("c-f32", f"{NATIVE}:f32_activations"),) if name in HAND_TUNED else ()),
             *(_PORTABLE if name in PORTABLE else ()),
-            Candidate("c-expand", "models.native:expand_activations"),
-            Candidate("c-expand-blas", "models.native:expand_blas", min_rows=ROW_BUCKETS[-1][0]),
+            Candidate("c-expand", f"{NATIVE}:expand_activations"),
+            Candidate("c-expand-blas", f"{NATIVE}:expand_blas", min_rows=ROW_BUCKETS[-1][0]),
             _own("dequant-f32", "reference", fallback=True),
         )
         for name in FORMATS
