@@ -5,6 +5,7 @@ here runs the packages but the install check."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from functools import cache
@@ -128,3 +129,40 @@ def test_the_runtime_loads_no_tooling_at_module_level():
         loaded += [(m, t) for s, t in _imports(ast.Module(body=top, type_ignores=[]))
                    if t.startswith(TOOLING)]  # fmt: skip
     assert not loaded, loaded
+
+
+FAMILY = re.compile(r"gemma|qwen|deltanet|llama|mixtral|gpt_?oss|smollm|phi", re.IGNORECASE)
+
+
+def _identifiers(tree: ast.AST) -> set[str]:
+    """The names a module's code binds or reads: variables, attributes, functions, classes,
+    parameters, keyword arguments and what it imports (not its strings or comments)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)
+        elif isinstance(node, ast.alias):
+            names.update(n for n in (node.name, node.asname) if n)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_runtime_names_no_model_family():
+    """What a family does differently is its module's under models/ (models/families.py's
+    registry): the cluster, the generation loop, the bridge and the node name none."""
+    runtime = [m for m in MODULES if m.startswith(("edgetp.master", "edgetp.node"))]
+    named = {
+        m: sorted(n for n in _identifiers(_tree(m)) if FAMILY.search(n))
+        for m in runtime
+        if not m.startswith(TOOLING)
+    }
+    assert not {m: n for m, n in named.items() if n}, named
