@@ -21,7 +21,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help=f"a .gguf file, an HF folder, or a bundled name (default: {DEFAULT_MODEL})",
+        help="a .gguf file, an HF folder, a bundled name, or OWNER/REPO[:QUANT] on the Hugging "
+        f"Face hub, pulled on first use (default: {DEFAULT_MODEL})",
     )
     p.add_argument(
         "--context", type=int, default=None, help="tokens of context to allocate (default 2048)"
@@ -385,4 +386,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians")
     bench_serve.add_argument("--json", default=None, help="also write the results to this file")
     bench_serve.add_argument("--state-dir", type=Path, default=None)
+
+    pull = sub.add_parser(
+        "pull", help="fetch a model from the Hugging Face hub into the cache: OWNER/REPO[:QUANT]"
+    )
+    pull.add_argument(
+        "name",
+        help="e.g. bartowski/Qwen3-8B-GGUF:Q4_K_M (a GGUF repository's quant; default Q4_K_M, "
+        "else its first) or an HF safetensors repository",
+    )
+    sub.add_parser("models", help="list the models in the cache: name, size, format, family")
+    rm = sub.add_parser("rm", help="remove a model from the cache: OWNER/REPO[:QUANT]")
+    rm.add_argument("name", help="without :QUANT, every quant and revision of the repository")
     return parser

@@ -24,6 +24,7 @@ from edgetp.tui.join import join
 if TYPE_CHECKING:
     from edgetp.master.cluster.lan import LanOptions
     from edgetp.master.cluster.session import Session
+    from edgetp.models.hub import Name
     from edgetp.models.source import ModelSource
 
 
@@ -269,7 +270,7 @@ def _serve(args: argparse.Namespace) -> None:
         source,
         tokenizer,
         sock,
-        args.model,
+        args.model_name,
         api_key,
         args.verbose,
         (args.draft, args.draft_dtype),
@@ -317,6 +318,69 @@ def _synth(args: argparse.Namespace) -> None:
     print(f"edgetp synth: done; run it with --model {args.out}", file=sys.stderr)
 
 
+def _pull(args: argparse.Namespace) -> None:
+    from edgetp.memory.budget import format_size
+    from edgetp.models.hub import model_files, pull
+
+    name = _hub_name(args.name)
+    path = pull(name)
+    size = sum(p.stat().st_size for p in model_files(path))
+    print(f"edgetp pull: {name}: {format_size(size)} in {path}", file=sys.stderr)
+    print(path)  # for scripts: --model "$(edgetp pull NAME)"
+
+
+def _hub_name(text: str) -> Name:
+    from edgetp.models.hub import parse_name
+
+    name = parse_name(text)
+    if name is None:
+        raise ModelError(f"{text!r} is not a model on the hub: give OWNER/REPO[:QUANT]")
+    return name
+
+
+def _models(args: argparse.Namespace) -> None:
+    from edgetp.memory.budget import format_size
+    from edgetp.models.hub import local_models
+
+    models = local_models()
+    if not models:
+        print("edgetp models: none in the cache; fetch one with `edgetp pull OWNER/REPO[:QUANT]`",
+              file=sys.stderr)  # fmt: skip
+        return
+    rows = [("NAME", "SIZE", "FORMAT", "FAMILY", "QUANT")] + [
+        (m.name, format_size(m.size), m.format, m.family, m.quant) for m in models
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _rm(args: argparse.Namespace) -> None:
+    from edgetp.memory.budget import format_size
+    from edgetp.models.hub import remove
+
+    name = _hub_name(args.name)
+    freed = remove(name)
+    print(f"edgetp rm: removed {name} ({format_size(freed)} freed)", file=sys.stderr)
+
+
+def _resolve_names(args: argparse.Namespace) -> None:
+    """A model named OWNER/REPO[:QUANT] becomes its local path, pulled first if the cache lacks
+    it: every command that opens a model (and a draft model) gets a path, whatever the front.
+    `model_name` keeps what was asked for (the bridge accepts it in requests)."""
+    from edgetp.models.hub import resolve_model
+
+    if args.command in ("join", "node") or not hasattr(args, "model"):
+        return  # join's --model is a name to compare with the master's, not a file
+    args.model_name = args.model
+    args.model = resolve_model(args.model)
+    draft = getattr(args, "draft", None)
+    if isinstance(draft, list):
+        args.draft = [d if d in ("lookup", "off") else resolve_model(d) for d in draft]
+    elif draft not in (None, "lookup", "off"):
+        args.draft = resolve_model(draft)
+
+
 def _kernels(args: argparse.Namespace) -> None:
     from edgetp.master.cluster.local import thread_share
     from edgetp.master.cluster.plan import plan_slices
@@ -351,6 +415,9 @@ COMMANDS = {
     "synth": _synth,
     "chat": _chat,
     "kernels": _kernels,
+    "pull": _pull,
+    "models": _models,
+    "rm": _rm,
 }
 
 
@@ -385,6 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
+        _resolve_names(args)
         COMMANDS[args.command](args)
     except BrokenPipeError:
         return 0
