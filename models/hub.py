@@ -273,8 +273,7 @@ def pull(name: Name) -> Path:
         expected = {f: _checksum(siblings[f]) for f in selection.files}
         _check_room(name, storage, {f: siblings[f].size or 0 for f in selection.files}, expected)
         for filename in selection.files:
-            blob = storage / "blobs" / expected[filename][1] if expected[filename] else None
-            fetched = blob is None or not blob.exists()
+            fetched = not _has_blob(storage, expected[filename])
             path = Path(
                 hf_hub_download(
                     name.repo,
@@ -302,6 +301,12 @@ def _checksum(sibling: Any) -> tuple[str, str] | None:
     if sibling.blob_id:
         return "git", sibling.blob_id
     return None
+
+
+def _has_blob(storage: Path, checksum: tuple[str, str] | None) -> bool:
+    """Whether the cache holds a file's bytes already (blobs are named by the hub's etag: an LFS
+    file's sha256, a small file's git blob id)."""
+    return checksum is not None and (storage / "blobs" / checksum[1]).exists()
 
 
 def _digest(path: Path, kind: str) -> str:
@@ -340,11 +345,7 @@ def _check_room(
     expected: dict[str, tuple[str, str] | None],
 ) -> None:
     """Refuse, before a byte is fetched, a pull that the cache's disk cannot hold."""
-    needed = sum(
-        size
-        for f, size in sizes.items()
-        if not (expected[f] and (storage / "blobs" / expected[f][1]).exists())  # type: ignore[index]
-    )
+    needed = sum(size for f, size in sizes.items() if not _has_blob(storage, expected[f]))
     at = storage
     while not at.exists():
         at = at.parent
