@@ -251,7 +251,9 @@ def pull(name: Name) -> Path:
     """Fetch what `name` needs from the hub into the cache (what is there already is kept) and
     return its path; huggingface_hub draws a progress bar a file."""
     from huggingface_hub import HfApi, constants, hf_hub_download
+    from huggingface_hub.utils.logging import disable_propagation
 
+    disable_propagation()  # its warnings (a download resumed) once, by its own handler
     if constants.HF_HUB_OFFLINE:
         local = cached(name)
         if local is not None:

@@ -294,6 +294,13 @@ def test_pull_a_gguf_quant_list_it_and_remove_it(at_hub, tmp_path, capsys):
     code, out, err = edgetp(capsys, "pull", "test/Tiny-GGUF:q8_0")  # case-insensitive
     assert code == 0 and Path(out.strip()).name == "Tiny-Q8_0.gguf", err
     assert not any("mmproj" in f or "README" in f for f in cache_files(tmp_path))
+    from huggingface_hub import constants
+
+    with pytest.MonkeyPatch.context() as offline:  # HF_HUB_OFFLINE: from the cache only
+        offline.setattr(constants, "HF_HUB_OFFLINE", True)
+        offline.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+        code, out, err = edgetp(capsys, "pull", "test/Tiny-GGUF:Q8_0")
+        assert code == 0 and Path(out.strip()).name == "Tiny-Q8_0.gguf", err
 
     code, out, _ = edgetp(capsys, "models")
     assert out.split()[:5] == ["NAME", "SIZE", "FORMAT", "FAMILY", "QUANT"]
