@@ -102,10 +102,18 @@ def resolve_model(spec: str | None) -> str | None:
     name = parse_name(spec)
     if name is None:
         return spec
+    from huggingface_hub import constants
+
     local = cached(name)
-    if local is not None:
+    # no quant: the cache's first GGUF is the name's only if it is the default one, or if the
+    # hub, which may hold the default, is not to be asked
+    if local is not None and (name.quant or _is_default(local) or constants.HF_HUB_OFFLINE):
         return str(local)
     return str(pull(name))
+
+
+def _is_default(path: Path) -> bool:
+    return path.is_dir() or _quant_matches(path.name, DEFAULT_QUANT)
 
 
 def quant_of(filename: str) -> str:

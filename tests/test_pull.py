@@ -30,7 +30,7 @@ import pytest
 
 from edgetp.models.bundled import model_path
 from edgetp.models.errors import ModelError
-from edgetp.models.hub import Name, cached, pull, quants, select
+from edgetp.models.hub import Name, cached, pull, quants, resolve_model, select
 from edgetp.tui.cli import main
 
 EDGETP = Path(sys.executable).parent / "edgetp"
@@ -286,13 +286,16 @@ def test_a_quant_is_a_tag_of_its_own_in_the_file_name_and_q4_k_m_is_the_default(
 
 
 def test_pull_a_gguf_quant_list_it_and_remove_it(at_hub, tmp_path, capsys):
+    code, out, err = edgetp(capsys, "pull", "test/Tiny-GGUF:q8_0")  # case-insensitive
+    assert code == 0 and Path(out.strip()).name == "Tiny-Q8_0.gguf", err
+    # the bare name means the hub's Q4_K_M, though the cache holds another quant
+    assert Path(resolve_model("test/Tiny-GGUF") or "").name == "Tiny-Q4_K_M.gguf"
+    assert resolve_model("test/Tiny-GGUF:Q8_0") == out.strip()  # from the cache
     code, out, err = edgetp(capsys, "pull", "test/Tiny-GGUF")
     assert code == 0, err
     path = Path(out.strip())
     assert path.name == "Tiny-Q4_K_M.gguf"
     assert path.read_bytes() == at_hub.repos["test/Tiny-GGUF"].data("Tiny-Q4_K_M.gguf")
-    code, out, err = edgetp(capsys, "pull", "test/Tiny-GGUF:q8_0")  # case-insensitive
-    assert code == 0 and Path(out.strip()).name == "Tiny-Q8_0.gguf", err
     assert not any("mmproj" in f or "README" in f for f in cache_files(tmp_path))
     from huggingface_hub import constants
 
