@@ -14,8 +14,8 @@ every file it fetched against the hub's checksum (an LFS file's sha256, a small 
 id), which huggingface_hub does not. A name is resolved from the cache without asking the hub
 when the cache holds every file the name needs (HF_HUB_OFFLINE: never asks).
 
-Everything here but `select` and `quant_of` imports huggingface_hub, on first use only: the
-command line names a model by path far more often than by name.
+huggingface_hub is imported by what reaches the hub or its cache, when it is called: the command
+line names a model by path far more often than by name, and a path never imports it.
 """
 
 from __future__ import annotations
