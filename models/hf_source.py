@@ -13,7 +13,6 @@ import torch
 from edgetp.models.bundled import check_kind
 from edgetp.models.config import ModelConfig
 from edgetp.models.errors import ModelError
-from edgetp.models.families import HF_ARCHITECTURES
 from edgetp.models.gemma4 import PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM
 from edgetp.models.layers import O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS
 from edgetp.models.quant import FORMATS
@@ -118,7 +117,7 @@ def hf_layer_name(index: int, canonical: str, architecture: str = "") -> str:
     """The config.json `architecture`'s name of layer `index`'s canonical tensor."""
     expert = expert_of(canonical)
     mixtral = architecture == "MixtralForCausalLM"
-    gpt_oss = architecture in HF_ARCHITECTURES and HF_ARCHITECTURES[architecture].gpt_oss
+    gpt_oss = architecture == "GptOssForCausalLM"
     if gpt_oss and (expert is not None or canonical in _HF_GPT_OSS):
         stored = _HF_GPT_OSS[expert[0] if expert is not None else canonical]
     elif expert is not None and mixtral:
@@ -198,11 +197,11 @@ class HFSource(ModelSource):
             raise ModelError(f"{config_path} is not valid JSON ({exc})") from exc
         raw, self._prefix = text_model_config(raw)
         self.config = ModelConfig.from_hf(raw, str(config_path))
-        family = HF_ARCHITECTURES[self.config.architecture]
-        self._norm_plus_one = family.gemma or family.deltanet
+        family = self.config.family
+        self._norm_plus_one = family.norm_plus_one
         self._next = self.config.architecture == "Qwen3NextForCausalLM"
         # Gemma 3's and 4's names of their norms; Gemma 4's scale by the weight alone
-        self._gemma_norms = family.gemma or family.gemma4
+        self._gemma_norms = family.norms_by_place
         index = path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
