@@ -15,8 +15,8 @@ from edgetp.models.errors import ModelError
 from edgetp.models.family import Family
 
 FAMILIES: tuple[Family, ...] = (
-    Family("Llama 2, 3.x", "llama", "LlamaForCausalLM"),
-    Family("Mistral", "mistral", "MistralForCausalLM"),
+    Family("Llama 2, 3.x", "llama", "LlamaForCausalLM", gguf_permuted=True),
+    Family("Mistral", "mistral", "MistralForCausalLM", gguf_permuted=True),
     Family("Qwen2, 2.5", "qwen2", "Qwen2ForCausalLM", qkv_bias=True),
     Family("Qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True),
     Family("Phi-3, 3.5, 4-mini", "phi3", "Phi3ForCausalLM", fused=True),
@@ -40,6 +40,7 @@ FAMILIES: tuple[Family, ...] = (
         moe=True,
         expert_width="intermediate_size",
         norm_topk=True,
+        gguf_permuted=True,
     ),
     gemma4.FAMILY,
     gpt_oss.FAMILY,

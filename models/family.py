@@ -23,6 +23,7 @@ from edgetp.models.errors import ModelError
 
 if TYPE_CHECKING:  # models.config builds itself with the families: no import at run time
     from edgetp.models.config import ModelConfig
+    from edgetp.models.gguf_file import GGUFFile
     from edgetp.models.layers import Slice, StepBatch
 
 
@@ -69,6 +70,8 @@ class Family:
     # A yarn RoPE of a GGUF file ramps between whole pairs (transformers' default), unless the
     # family's published configs say not (a GGUF file has no key for it).
     gguf_yarn_truncate: bool = True
+    # llama.cpp's converter permutes a GGUF file's Q and K rows for its interleaved RoPE
+    gguf_permuted: bool = False
     # Some layers attend to a window (an HF file's `sliding_window` does not cut the context).
     windowed_layers: bool = False
 
@@ -110,6 +113,19 @@ class Family:
     def keeps_whole_context(self, config: ModelConfig, layer: int) -> bool:
         """Whether a local `layer` keeps every position, not a ring of its window."""
         return False
+
+    def gguf_name(self, config: ModelConfig, layer: int | None, name: str) -> str | None:
+        """The GGUF name of a tensor of the family's own layout (`layer` None: a global);
+        None for the name every family shares (models/source.py)."""
+        return None
+
+    def hf_name(self, config: ModelConfig, layer: int | None, name: str) -> str | None:
+        """Likewise in an HF folder, "model."-prefixed (models/hf_source.py)."""
+        return None
+
+    def gguf_tensor_fields(self, config: ModelConfig, file: GGUFFile) -> dict[str, Any]:
+        """The family's fields that a GGUF file's tensors say rather than its keys."""
+        return {}
 
     def stored_name(self, config: ModelConfig, layer: int, name: str) -> str:
         """The canonical tensor a file holds layer `layer`'s `name` as: itself."""

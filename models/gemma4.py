@@ -33,10 +33,12 @@ from edgetp.models.dtypes import embedding_dtype
 from edgetp.models.errors import ModelError
 from edgetp.models.family import Family, Source
 from edgetp.models.kernels import SCALE_SUFFIX, embed
-from edgetp.models.layers import Slice, StepBatch, kv_heads_for
+from edgetp.models.layers import ROUTER, Slice, StepBatch, kv_heads_for
+from edgetp.models.source_base import expert_of
 
 if TYPE_CHECKING:
     from edgetp.models.config import ModelConfig
+    from edgetp.models.gguf_file import GGUFFile
 
 # The master's PLE tensors: the token embedding (ple_vocab, L P), the projection of the main
 # embedding (L P, D) and its norm (1, P); per layer, stacked: the gate (L P, D), the projection
@@ -69,6 +71,86 @@ MIXTURE = (DENSE_GATES, DENSE_UPS, DENSE_DOWNS, DENSE_NORMS, DENSE_POST_NORMS, E
            ROUTER_SCALES, EXPERT_SCALES)  # fmt: skip
 # A sharing layer's tensors that its file does not hold: zeros stand in (multiplied, never read)
 SHARED_ABSENT = ("k", "v", "k_norm")
+
+# How files name these tensors: llama.cpp's GGUF names, transformers' HF names. Per layer: the
+# PLE block's; in a mixture the experts' norm, the dense MLP's norms (its gate, up and down are
+# the dense FFN's), the experts' sum's norm and the router's scales, the experts' gate and up
+# in one stack (GGUF (E 2F, D), HF (E, 2F, D)), down (E, D, F); and the PLE globals.
+_GGUF_LAYER = {
+    "ple_gate": "inp_gate.weight",
+    "ple_output": "proj.weight",
+    "ple_norm": "post_norm.weight",
+    "layer_scalar": "layer_output_scale.weight",
+}
+_GGUF_MIXTURE = {
+    "ffn_norm": "pre_ffw_norm_2.weight",
+    "dense_norm": "ffn_norm.weight",
+    "dense_post_norm": "post_ffw_norm_1.weight",
+    "experts_post_norm": "post_ffw_norm_2.weight",
+    "router_scale": "ffn_gate_inp.scale",
+    "expert_scale": "ffn_down_exps.scale",
+}
+_GGUF_EXPERTS = {"gate": "ffn_gate_up_exps.weight", "up": "ffn_gate_up_exps.weight"}
+_GGUF_GLOBALS = {
+    PLE_EMBEDDING: "per_layer_token_embd.weight",
+    PLE_PROJECTION: "per_layer_model_proj.weight",
+    PLE_PROJECTION_NORM: "per_layer_proj_norm.weight",
+}
+_HF_LAYER = {
+    "ple_gate": "per_layer_input_gate.weight",
+    "ple_output": "per_layer_projection.weight",
+    "ple_norm": "post_per_layer_input_norm.weight",
+    "layer_scalar": "layer_scalar",
+}
+_HF_MIXTURE = {
+    "ffn_norm": "pre_feedforward_layernorm_2.weight",
+    ROUTER: "router.proj.weight",
+    "dense_norm": "pre_feedforward_layernorm.weight",
+    "dense_post_norm": "post_feedforward_layernorm_1.weight",
+    "experts_post_norm": "post_feedforward_layernorm_2.weight",
+    "router_scale": "router.scale",
+    "expert_scale": "router.per_expert_scale",
+}
+_HF_EXPERTS = {"gate": "experts.gate_up_proj", "up": "experts.gate_up_proj",
+               "down": "experts.down_proj"}  # fmt: skip
+_HF_GLOBALS = {
+    PLE_EMBEDDING: "model.embed_tokens_per_layer.weight",
+    PLE_PROJECTION: "model.per_layer_model_projection.weight",
+    PLE_PROJECTION_NORM: "model.per_layer_projection_norm.weight",
+}
+
+
+def gguf_name(config: ModelConfig, layer: int | None, name: str) -> str | None:
+    """The GGUF name of one of Gemma 4's own tensors; None for any other."""
+    if layer is None:
+        return _GGUF_GLOBALS.get(name)
+    expert = expert_of(name)
+    own = _GGUF_LAYER.get(name)
+    if config.dense_ffn:
+        own = _GGUF_EXPERTS.get(expert[0]) if expert is not None else _GGUF_MIXTURE.get(name, own)
+    return None if own is None else f"blk.{layer}.{own}"
+
+
+def hf_name(config: ModelConfig, layer: int | None, name: str) -> str | None:
+    """The HF name of one of Gemma 4's own tensors; None for any other."""
+    if layer is None:
+        return _HF_GLOBALS.get(name)
+    expert = expert_of(name)
+    own = _HF_LAYER.get(name)
+    if config.dense_ffn:
+        own = _HF_EXPERTS[expert[0]] if expert is not None else _HF_MIXTURE.get(name, own)
+    return None if own is None else f"model.layers.{layer}.{own}"
+
+
+def gguf_tensor_fields(config: ModelConfig, file: GGUFFile) -> dict[str, Any]:
+    """A Gemma 4 file's PLE vocabulary (its table's rows) and whether its global layers'
+    values are their keys (no attn_v of their own, as llama.cpp's converter writes them)."""
+    fields: dict[str, Any] = {}
+    if config.ple_dim:
+        fields["ple_vocab"] = file.info(_GGUF_GLOBALS[PLE_EMBEDDING]).shape[0]
+    globals_ = [i for i in range(config.n_layers) if not config.is_local(i)]
+    fields["k_eq_v"] = not file.has_tensor(f"blk.{globals_[0]}.attn_v.weight")
+    return fields
 
 
 def global_names(config: ModelConfig) -> list[str]:
@@ -488,6 +570,15 @@ class Gemma4(Family):
 
     def keeps_whole_context(self, config: ModelConfig, layer: int) -> bool:
         return keeps_whole_context(config, layer)
+
+    def gguf_name(self, config: ModelConfig, layer: int | None, name: str) -> str | None:
+        return gguf_name(config, layer, name)
+
+    def hf_name(self, config: ModelConfig, layer: int | None, name: str) -> str | None:
+        return hf_name(config, layer, name)
+
+    def gguf_tensor_fields(self, config: ModelConfig, file: GGUFFile) -> dict[str, Any]:
+        return gguf_tensor_fields(config, file)
 
     def stored_name(self, config: ModelConfig, layer: int, name: str) -> str:
         return stored_name(config, layer, name)

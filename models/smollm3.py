@@ -40,4 +40,4 @@ class SmolLM3(Family):
         return {"unrotated_layers": unrotated}, {}
 
 
-FAMILY = SmolLM3("SmolLM3", "smollm3", "SmolLM3ForCausalLM")
+FAMILY = SmolLM3("SmolLM3", "smollm3", "SmolLM3ForCausalLM", gguf_permuted=True)

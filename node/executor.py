@@ -177,7 +177,7 @@ class SliceExecutor:
                 self._batch,
                 window,
             )
-        else:  # Gemma 4's decode steps too: the rows path has no value norm, no shared KV
+        else:  # value-normed or KV-sharing layers' decode steps too: the rows path has neither
             cos_sin = self._local_cos_sin if own_rope else self._cos_sin
             assert cos_sin is not None
             cache = self.config.family.kv_source(self.config, index)  # its own, or a shared one
