@@ -7,28 +7,15 @@ support (another architecture, a missing key) is a `ModelError` naming it.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgetp.models.errors import ModelError
-from edgetp.models.families import FAMILIES as FAMILIES  # re-exported: where callers look for it
-from edgetp.models.families import GGUF_ARCHITECTURES, HF_ARCHITECTURES, unsupported
-from edgetp.models.family_fields import (
-    DELTANET_FIELDS,
-    GEMMA4_FIELDS,
-    GPT_OSS_FIELDS,
-    gguf_deltanet,
-    gguf_gemma4,
-    gpt_oss_fields,
-    hf_deltanet,
-    hf_gemma,
-    hf_gemma4,
-    hf_gpt_oss,
-    hf_moe,
-    hf_unrotated,
-    shared_experts,
-)
+from edgetp.models.family import gguf_key
+from edgetp.models.family_fields import hf_moe, shared_experts
+
+if TYPE_CHECKING:
+    from edgetp.models.family import Family
 
 # The model `edgetp` runs when none is named: a PyPI package installed by `make setup`.
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -166,6 +153,11 @@ class ModelConfig:
             )
 
     @property
+    def family(self) -> Family:
+        """The family of this model: what it does differently, reached only through it."""
+        return _families().family_of(self.architecture)
+
+    @property
     def moe(self) -> bool:
         """Whether every layer's FFN is a mixture of experts."""
         return self.n_experts > 0
@@ -235,7 +227,7 @@ class ModelConfig:
             for name in ("n_experts", "n_experts_used", "norm_topk_prob"):
                 del values[name]
         # as before they existed
-        later = ("unrotated_layers", "n_shared", *GPT_OSS_FIELDS, *DELTANET_FIELDS, *GEMMA4_FIELDS)
+        later = _LATER_FIELDS
         for name in later:
             if not values[name]:
                 del values[name]
@@ -254,17 +246,15 @@ class ModelConfig:
         longrope: tuple[list[float], list[float]] | None = None,
     ) -> ModelConfig:
         """`longrope`: the file's short and long RoPE factor tensors, where it has them."""
+        families = _families()
         arch = metadata.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
-            raise unsupported(source, arch)
+        if arch not in families.GGUF_ARCHITECTURES:
+            raise families.unsupported(source, arch)
+        family: Family = families.GGUF_ARCHITECTURES[arch]
+        arch = family.gguf
 
         def key(name: str, default: Any = None) -> Any:
-            full = f"{arch}.{name}"
-            if full in metadata:
-                return metadata[full]
-            if default is None:
-                raise ModelError(f"{source}: GGUF metadata key {full!r} is missing")
-            return default
+            return gguf_key(metadata, arch, source, name, default)
 
         hidden = int(key("embedding_length"))
         n_heads = int(key("attention.head_count"))
@@ -280,8 +270,7 @@ class ModelConfig:
                 "yarn",
                 float(key("rope.scaling.factor")),
                 original_context=int(key("rope.scaling.original_context_length")),
-                # gpt-oss' published config does not truncate; a GGUF file has no key for it
-                truncate=not GGUF_ARCHITECTURES[arch].gpt_oss,
+                truncate=family.gguf_yarn_truncate,
             )
         elif scaling_type not in (None, "none"):
             raise ModelError(f"{source}: RoPE scaling {scaling_type!r} is not supported")
@@ -298,31 +287,11 @@ class ModelConfig:
         head_dim = int(key("attention.key_length", hidden // n_heads))
         rotary_dim = int(key("rope.dimension_count", head_dim))
         n_layers = int(key("block_count"))
-        gemma = {}
-        if GGUF_ARCHITECTURES[arch].gemma:
-            # As llama.cpp reads Gemma 3: every 6th layer global unless the file says otherwise,
-            # local RoPE base 10000, scores scaled by head_dim (27B: hidden / heads).
-            pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", 6)
-            if isinstance(pattern, list):  # one flag a layer: local or not
-                local = tuple(i for i, is_local in enumerate(pattern) if is_local)
-            else:
-                local = tuple(i for i in range(n_layers) if (i + 1) % int(pattern))
-            scalar = hidden // n_heads if n_layers == 62 else head_dim
-            gemma = {
-                "embedding_multiplier": math.sqrt(hidden),
-                "post_norms": True,
-                "activation": "gelu_tanh",
-                "query_scale": scalar**-0.5,
-                "sliding_window": int(key("attention.sliding_window")),
-                "local_layers": local,
-                "local_rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)),
-            }
-        shape: dict[str, int] = {}  # Gemma 4's, read from keys of a value a layer
-        if GGUF_ARCHITECTURES[arch].gemma4:
-            gemma, shape = gguf_gemma4(metadata, arch, source, n_layers)
-            head_dim = rotary_dim = shape["head_dim"]  # the global layers': gemma["global_..."]
+        # the family's own fields, and its shape where its keys give it (one a layer)
+        own, shape = family.gguf_fields(metadata, arch, source, n_layers)
+        if "head_dim" in shape:  # most layers' where the key gives another kind's
+            head_dim = rotary_dim = shape["head_dim"]
         moe: dict[str, Any] = {}
-        family = GGUF_ARCHITECTURES[arch]
         if family.moe or metadata.get(f"{arch}.expert_count"):
             # llama.cpp's converter: a qwen3moe's experts' own width, a Mixtral's the FFN's
             width = int(metadata.get(f"{arch}.expert_feed_forward_length") or 0)
@@ -341,12 +310,6 @@ class ModelConfig:
                 moe["n_shared"] = shared_experts(shared, width, source)
         else:
             moe = {"ffn_hidden": shape.get("ffn_hidden") or int(key("feed_forward_length"))}
-        if family.gpt_oss:  # as llama.cpp reads it: the even layers attend to a window
-            window = int(key("attention.sliding_window"))
-            gemma = gpt_oss_fields(tuple(range(0, n_layers, 2)), window)  # layer kinds too
-        if family.deltanet:
-            gemma = gguf_deltanet(metadata, arch, source, n_layers)
-        every = GGUF_ARCHITECTURES[arch].unrotated_every
         return cls(
             architecture=arch,
             n_layers=n_layers,
@@ -359,22 +322,24 @@ class ModelConfig:
             norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
-            qkv_bias=GGUF_ARCHITECTURES[arch].qkv_bias,
-            qk_norm=GGUF_ARCHITECTURES[arch].qk_norm,
-            fused=GGUF_ARCHITECTURES[arch].fused,
+            qkv_bias=family.qkv_bias,
+            qk_norm=family.qk_norm,
+            fused=family.fused,
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=tied,
-            unrotated_layers=tuple(i for i in range(n_layers) if every and (i + 1) % every == 0),
-            **gemma,
+            **own,
             **moe,
         )
 
     @classmethod
     def from_hf(cls, config: dict[str, Any], source: str) -> ModelConfig:
+        families = _families()
         archs = config.get("architectures") or []
         arch = archs[0] if archs else None
-        if arch not in HF_ARCHITECTURES:
-            raise unsupported(source, arch)
+        if arch not in families.HF_ARCHITECTURES:
+            raise families.unsupported(source, arch)
+        family: Family = families.HF_ARCHITECTURES[arch]
+        arch = family.hf
 
         def key(name: str) -> Any:
             if config.get(name) is None:
@@ -393,18 +358,10 @@ class ModelConfig:
         # 4k) equals full attention while the sequence fits in the window: the context stops
         # there. (Qwen2 configs name a window they do not use.)
         window = config.get("sliding_window")
-        family = HF_ARCHITECTURES[arch]
-        # a window on some layers only
-        local_layers = family.gemma or family.gpt_oss or family.gemma4
-        if window and config.get("use_sliding_window", True) and not local_layers:
+        # (not a family's whose window is on some layers only)
+        if window and config.get("use_sliding_window", True) and not family.windowed_layers:
             context = min(context, int(window))
-        gemma = hf_gemma(config, source) if family.gemma else {}
-        if family.gpt_oss:
-            gemma = hf_gpt_oss(config, source)
-        if family.deltanet:
-            gemma = hf_deltanet(config, source)
-        if family.gemma4:
-            gemma = hf_gemma4(config, source)
+        own = family.hf_fields(config, source)
         # transformers' attention_bias gives O its bias too (Llama, Qwen3, Gemma 3, SmolLM3);
         # the families whose O has none (Mistral, Qwen2) have no such key
         o_bias = {"o_bias": True} if config.get("attention_bias") else {}
@@ -422,14 +379,33 @@ class ModelConfig:
             norm_eps=float(key("rms_norm_eps")),
             rope_theta=float(_hf_rope(config).get("rope_theta") or 10000.0),
             rope_scaling=_hf_rope_scaling(config, source),
-            qkv_bias=HF_ARCHITECTURES[arch].qkv_bias or bool(config.get("attention_bias")),
-            qk_norm=HF_ARCHITECTURES[arch].qk_norm,
-            fused=HF_ARCHITECTURES[arch].fused,
+            qkv_bias=family.qkv_bias or bool(config.get("attention_bias")),
+            qk_norm=family.qk_norm,
+            fused=family.fused,
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            unrotated_layers=hf_unrotated(config, source, family),
-            **(o_bias | moe | gemma),  # Gemma 4's experts' width is its own
+            **(o_bias | moe | own),  # a family's own experts' width (Gemma 4's) is its own
         )
+
+
+# Fields a model that does not use them leaves out of its dict, as before they existed (so that
+# a split's identity, master.cluster.splitter.model_identity, stays what it was)
+_LATER_FIELDS = (
+    "unrotated_layers", "n_shared",
+    "attention_sinks", "o_bias", "router_bias", "expert_bias", "swiglu_alpha", "swiglu_limit",
+    "linear_layers", "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim",
+    "linear_conv", "attention_gate",
+    "value_norm", "kv_shared", "k_eq_v", "ple_dim", "ple_vocab", "final_softcap",
+    "global_head_dim", "global_kv_heads", "wide_ffn", "dense_ffn",
+)  # fmt: skip
+
+
+def _families() -> Any:
+    """The registry (models/families.py), imported when first asked for: the families'
+    modules import this one."""
+    from edgetp.models import families
+
+    return families
 
 
 def _hf_rope(config: dict[str, Any]) -> dict[str, Any]:

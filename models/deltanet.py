@@ -19,12 +19,19 @@ of the same sums), and a decode step is one token anyway.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.nn.functional as F
 
 from edgetp.models.block_math import project, rms_norm
-from edgetp.models.config import ModelConfig
+from edgetp.models.errors import ModelError
+from edgetp.models.family import Family
 from edgetp.models.layers import Slice, StepBatch
+
+if TYPE_CHECKING:
+    from edgetp.models.config import ModelConfig
 
 L2_EPS = 1e-6  # transformers' (and the FLA library's) l2norm epsilon
 
@@ -124,3 +131,123 @@ def deltanet_partial(
     normed = rms_norm(out, w["ssm_norm"], config.norm_eps) * F.silu(z)
     # row-parallel: sum over slices
     return project(normed.reshape(B, T, -1), w, "wo"), x, beta, g
+
+
+def hf_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The gated DeltaNet fields of a Qwen3.5 or Qwen3-Next config.json: which layers are
+    linear attention (`layer_types`, else all but every `full_attention_interval`-th, as
+    transformers reads it), their heads and convolution, and the full layers' output gate."""
+    n_layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if not types:
+        every = int(config.get("full_attention_interval") or 4)
+        types = ["linear_attention" if (i + 1) % every else "full_attention"
+                 for i in range(n_layers)]  # fmt: skip
+    if len(types) != n_layers:
+        raise ModelError(f"{source}: layer_types has {len(types)} entries for {n_layers} layers")
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ModelError(f"{source}: layer types {unknown} are not supported")
+    fields: dict[str, Any] = {"attention_gate": True}
+    names = {
+        "linear_k_heads": "linear_num_key_heads",
+        "linear_v_heads": "linear_num_value_heads",
+        "linear_k_dim": "linear_key_head_dim",
+        "linear_v_dim": "linear_value_head_dim",
+        "linear_conv": "linear_conv_kernel_dim",
+    }
+    for field, key in names.items():
+        if config.get(key) is None:
+            raise ModelError(f"{source}: config.json key {key!r} is missing")
+        fields[field] = int(config[key])
+    if (config.get("hidden_act") or "silu") != "silu":
+        raise ModelError(f"{source}: activation {config['hidden_act']!r} is not supported")
+    linear = tuple(i for i, t in enumerate(types) if t == "linear_attention")
+    return fields | {"linear_layers": linear}
+
+
+def gguf_fields(metadata: dict[str, Any], arch: str, source: str, n_layers: int) -> dict[str, Any]:
+    """The gated DeltaNet fields of a qwen35, qwen35moe or qwen3next GGUF file, under the keys
+    llama.cpp's converter writes: every `full_attention_interval`-th layer is attention."""
+
+    def key(name: str) -> int:
+        if f"{arch}.{name}" not in metadata:
+            raise ModelError(f"{source}: GGUF metadata key '{arch}.{name}' is missing")
+        return int(metadata[f"{arch}.{name}"])
+
+    every = int(metadata.get(f"{arch}.full_attention_interval", 4))
+    v_heads = key("ssm.time_step_rank")
+    return {
+        "attention_gate": True,
+        "linear_layers": tuple(i for i in range(n_layers) if (i + 1) % every),
+        "linear_k_heads": key("ssm.group_count"),
+        "linear_v_heads": v_heads,
+        "linear_k_dim": key("ssm.state_size"),
+        "linear_v_dim": key("ssm.inner_size") // max(v_heads, 1),
+        "linear_conv": key("ssm.conv_kernel"),
+    }
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet(Family):
+    """Qwen3.5, Qwen3-Next: gated DeltaNet (linear attention) layers among full-attention ones
+    whose queries carry an output gate; every norm but the DeltaNet's own scales by (1 +
+    weight), as Gemma's (HF files store the weight)."""
+
+    norm_plus_one: bool = True
+
+    def hf_fields(self, config: dict[str, Any], source: str) -> dict[str, Any]:
+        return hf_fields(config, source)
+
+    def gguf_fields(
+        self, metadata: dict[str, Any], arch: str, source: str, n_layers: int
+    ) -> tuple[dict[str, Any], dict[str, int]]:
+        return gguf_fields(metadata, arch, source, n_layers), {}
+
+    def linear_channels(self, config: ModelConfig, s: Slice) -> tuple[int, int, int]:
+        return channels(config, s)
+
+    def linear_recur(
+        self,
+        x: torch.Tensor,
+        beta: torch.Tensor,
+        g: torch.Tensor,
+        taps: torch.Tensor,
+        conv_state: torch.Tensor,
+        state: torch.Tensor,
+        s: Slice,
+        config: ModelConfig,
+    ) -> torch.Tensor:
+        return recur(x, beta, g, taps, conv_state, state, s, config)
+
+    def linear_partial(
+        self,
+        h: torch.Tensor,
+        w: dict[str, torch.Tensor],
+        s: Slice,
+        config: ModelConfig,
+        conv_states: torch.Tensor,
+        states: torch.Tensor,
+        batch: StepBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return deltanet_partial(h, w, s, config, conv_states, states, batch)
+
+
+QWEN35 = GatedDeltaNet("Qwen3.5", "qwen35", "Qwen3_5ForCausalLM", qk_norm=True)
+QWEN35_MOE = GatedDeltaNet(
+    "Qwen3.5-MoE",
+    "qwen35moe",
+    "Qwen3_5MoeForCausalLM",
+    qk_norm=True,
+    moe=True,
+    norm_topk=True,  # its router renormalises its top-k weights always
+    shared_expert=True,
+)
+QWEN3_NEXT = GatedDeltaNet(
+    "Qwen3-Next",
+    "qwen3next",
+    "Qwen3NextForCausalLM",
+    qk_norm=True,
+    moe=True,
+    shared_expert=True,
+)

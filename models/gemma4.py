@@ -22,26 +22,23 @@ The master's tensors are globals of their own, each layer's stacked by rows like
 from __future__ import annotations
 
 import math
-from dataclasses import replace
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edgetp.models.config import ModelConfig
 from edgetp.models.dtypes import embedding_dtype
+from edgetp.models.errors import ModelError
+from edgetp.models.family import Family, Source
 from edgetp.models.kernels import SCALE_SUFFIX, embed
-from edgetp.models.layers import Slice, StepBatch, kv_heads_for
+from edgetp.models.layers import ROUTER, Slice, StepBatch, kv_heads_for
+from edgetp.models.source_base import expert_of
 
-
-class _Source(Protocol):
-    """What `global_dtypes` reads of a model source (models.source_base.ModelSource)."""
-
-    config: ModelConfig
-
-    def stored_type(self, layer: int | None, name: str) -> str: ...
-
+if TYPE_CHECKING:
+    from edgetp.models.config import ModelConfig
+    from edgetp.models.gguf_file import GGUFFile
 
 # The master's PLE tensors: the token embedding (ple_vocab, L P), the projection of the main
 # embedding (L P, D) and its norm (1, P); per layer, stacked: the gate (L P, D), the projection
@@ -75,6 +72,86 @@ MIXTURE = (DENSE_GATES, DENSE_UPS, DENSE_DOWNS, DENSE_NORMS, DENSE_POST_NORMS, E
 # A sharing layer's tensors that its file does not hold: zeros stand in (multiplied, never read)
 SHARED_ABSENT = ("k", "v", "k_norm")
 
+# How files name these tensors: llama.cpp's GGUF names, transformers' HF names. Per layer: the
+# PLE block's; in a mixture the experts' norm, the dense MLP's norms (its gate, up and down are
+# the dense FFN's), the experts' sum's norm and the router's scales, the experts' gate and up
+# in one stack (GGUF (E 2F, D), HF (E, 2F, D)), down (E, D, F); and the PLE globals.
+_GGUF_LAYER = {
+    "ple_gate": "inp_gate.weight",
+    "ple_output": "proj.weight",
+    "ple_norm": "post_norm.weight",
+    "layer_scalar": "layer_output_scale.weight",
+}
+_GGUF_MIXTURE = {
+    "ffn_norm": "pre_ffw_norm_2.weight",
+    "dense_norm": "ffn_norm.weight",
+    "dense_post_norm": "post_ffw_norm_1.weight",
+    "experts_post_norm": "post_ffw_norm_2.weight",
+    "router_scale": "ffn_gate_inp.scale",
+    "expert_scale": "ffn_down_exps.scale",
+}
+_GGUF_EXPERTS = {"gate": "ffn_gate_up_exps.weight", "up": "ffn_gate_up_exps.weight"}
+_GGUF_GLOBALS = {
+    PLE_EMBEDDING: "per_layer_token_embd.weight",
+    PLE_PROJECTION: "per_layer_model_proj.weight",
+    PLE_PROJECTION_NORM: "per_layer_proj_norm.weight",
+}
+_HF_LAYER = {
+    "ple_gate": "per_layer_input_gate.weight",
+    "ple_output": "per_layer_projection.weight",
+    "ple_norm": "post_per_layer_input_norm.weight",
+    "layer_scalar": "layer_scalar",
+}
+_HF_MIXTURE = {
+    "ffn_norm": "pre_feedforward_layernorm_2.weight",
+    ROUTER: "router.proj.weight",
+    "dense_norm": "pre_feedforward_layernorm.weight",
+    "dense_post_norm": "post_feedforward_layernorm_1.weight",
+    "experts_post_norm": "post_feedforward_layernorm_2.weight",
+    "router_scale": "router.scale",
+    "expert_scale": "router.per_expert_scale",
+}
+_HF_EXPERTS = {"gate": "experts.gate_up_proj", "up": "experts.gate_up_proj",
+               "down": "experts.down_proj"}  # fmt: skip
+_HF_GLOBALS = {
+    PLE_EMBEDDING: "model.embed_tokens_per_layer.weight",
+    PLE_PROJECTION: "model.per_layer_model_projection.weight",
+    PLE_PROJECTION_NORM: "model.per_layer_projection_norm.weight",
+}
+
+
+def gguf_name(config: ModelConfig, layer: int | None, name: str) -> str | None:
+    """The GGUF name of one of Gemma 4's own tensors; None for any other."""
+    if layer is None:
+        return _GGUF_GLOBALS.get(name)
+    expert = expert_of(name)
+    own = _GGUF_LAYER.get(name)
+    if config.dense_ffn:
+        own = _GGUF_EXPERTS.get(expert[0]) if expert is not None else _GGUF_MIXTURE.get(name, own)
+    return None if own is None else f"blk.{layer}.{own}"
+
+
+def hf_name(config: ModelConfig, layer: int | None, name: str) -> str | None:
+    """The HF name of one of Gemma 4's own tensors; None for any other."""
+    if layer is None:
+        return _HF_GLOBALS.get(name)
+    expert = expert_of(name)
+    own = _HF_LAYER.get(name)
+    if config.dense_ffn:
+        own = _HF_EXPERTS[expert[0]] if expert is not None else _HF_MIXTURE.get(name, own)
+    return None if own is None else f"model.layers.{layer}.{own}"
+
+
+def gguf_tensor_fields(config: ModelConfig, file: GGUFFile) -> dict[str, Any]:
+    """A Gemma 4 file's PLE vocabulary (its table's rows) and whether its global layers'
+    values are their keys (no attn_v of their own, as llama.cpp's converter writes them)."""
+    fields: dict[str, Any] = {}
+    if config.ple_dim:
+        fields["ple_vocab"] = file.info(_GGUF_GLOBALS[PLE_EMBEDDING]).shape[0]
+    globals_ = [i for i in range(config.n_layers) if not config.is_local(i)]
+    fields["k_eq_v"] = not file.has_tensor(f"blk.{globals_[0]}.attn_v.weight")
+    return fields
+
 
 def global_names(config: ModelConfig) -> list[str]:
     """The Gemma 4 tensors the master holds beside Gemma 3's."""
@@ -85,7 +162,7 @@ def global_names(config: ModelConfig) -> list[str]:
     return (ple if config.ple_dim else []) + [LAYER_SCALARS] + mixture
 
 
-def global_dtypes(source: _Source, dtype: str) -> dict[str, str]:
+def global_dtypes(source: Source, dtype: str) -> dict[str, str]:
     """How the split stores these globals when it asks for `dtype`: float32, but the table of
     per-layer inputs, a vocabulary's rows like the embedding (E2B's is 2.3 B values), kept as
     the embedding would be, by its own stored type."""
@@ -124,6 +201,21 @@ def layer_rows(config: ModelConfig, name: str) -> int:
     vector = name in (PLE_NORMS, LAYER_SCALARS, DENSE_NORMS, DENSE_POST_NORMS,
                       EXPERTS_POST_NORMS, ROUTER_SCALES, EXPERT_SCALES)  # fmt: skip
     return global_shape(config, name)[1] if vector else rows
+
+
+def global_rows(source: Source, name: str, start: int, stop: int) -> torch.Tensor | None:
+    """Rows [start, stop) of a stacked global, layer i's rows after i's, read from each
+    layer's tensor (float32); the projection's norm, a vector in the file, as one row."""
+    config = source.config
+    if name in STACKED:
+        per_layer, read = STACKED[name], layer_rows(config, name)
+        n = global_shape(config, name)[0] // config.n_layers
+        rows = [source._rows(i, per_layer, 0, read, False).view(n, -1)
+                for i in range(start // n, (stop - 1) // n + 1)]  # fmt: skip
+        return torch.cat(rows)[start % n : start % n + stop - start]
+    if name == PLE_PROJECTION_NORM:
+        return source._rows(None, name, 0, config.ple_dim, False).view(1, -1)[start:stop]
+    return None
 
 
 def layer_config(config: ModelConfig, layer: int) -> ModelConfig:
@@ -283,3 +375,273 @@ def mixture_out(
     )
     dense = rms_norm(dense, t[DENSE_POST_NORMS][layer], eps)
     return (dense + rms_norm(torch.from_numpy(experts), t[EXPERTS_POST_NORMS][layer], eps)).numpy()
+
+
+def hf_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The Gemma 4 fields of a `Gemma4ForCausalLM` config.json, as transformers' Gemma4TextConfig
+    reads it: every 6th layer global (and the last) unless `layer_types` says, the global
+    layers `global_head_dim` wide unless `per_layer_config` says otherwise."""
+    for key, what in (
+        ("use_bidirectional_attention", "bidirectional attention"),
+        ("attention_bias", "attention biases"),
+    ):
+        if config.get(key):
+            raise ModelError(f"{source}: a Gemma 4 with {what} ({key}) is not supported yet")
+    activation = config.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelError(f"{source}: FFN activation {activation!r} is not supported")
+    n_layers = int(config["num_hidden_layers"])
+    types = list(config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)
+    ])  # fmt: skip
+    if len(types) != n_layers:
+        raise ModelError(f"{source}: layer_types has {len(types)} entries for {n_layers} layers")
+    types[-1] = "full_attention"  # as transformers forces it
+    global_heads = _global_heads(config, types, source)
+    shared = int(config.get("num_kv_shared_layers") or 0)
+    first_shared = n_layers - shared
+    if shared and set(types[:first_shared]) != set(types):
+        raise ModelError(
+            f"{source}: the {shared} layers that share KV need an earlier layer of each of their "
+            "kinds to share it from"
+        )
+    rope = config.get("rope_parameters") or {}
+    local = rope.get("sliding_attention") or {}
+    if (local.get("rope_type") or "default") != "default":
+        raise ModelError(f"{source}: local layers' RoPE {local['rope_type']!r} is not supported")
+    ple = int(config.get("hidden_size_per_layer_input") or 0)
+    softcap = config.get("final_logit_softcapping")
+    return {
+        "embedding_multiplier": math.sqrt(int(config["hidden_size"])),
+        "post_norms": True,
+        "activation": "gelu_tanh",
+        "query_scale": 1.0,  # the query and key norms set the scores' scale
+        "sliding_window": int(config.get("sliding_window") or 512),
+        "local_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        "local_rope_theta": float(local.get("rope_theta") or 10000.0),
+        "value_norm": True,
+        "kv_shared": shared,
+        "k_eq_v": bool(config.get("attention_k_eq_v")),
+        "ple_dim": ple,
+        "ple_vocab": int(config.get("vocab_size_per_layer_input") or 262144) if ple else 0,
+        "final_softcap": None if softcap is None else float(softcap),
+        "wide_ffn": bool(shared and config.get("use_double_wide_mlp")),
+        **global_heads,
+        **(_experts(config, source) if config.get("enable_moe_block") else {}),
+    }
+
+
+def _experts(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """A Gemma 4 mixture's fields: its experts, top-k renormalised, and its dense MLP."""
+    for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+        if config.get(name) is None:
+            raise ModelError(f"{source}: config.json key {name!r} is missing")
+    if config.get("num_kv_shared_layers") and config.get("use_double_wide_mlp"):
+        raise ModelError(
+            f"{source}: a Gemma 4 mixture with double-wide dense MLPs is not supported yet"
+        )
+    return {
+        "ffn_hidden": int(config["moe_intermediate_size"]),
+        "n_experts": int(config["num_experts"]),
+        "n_experts_used": int(config["top_k_experts"]),
+        "norm_topk_prob": True,
+        "dense_ffn": int(config["intermediate_size"]),
+    }
+
+
+def _global_heads(config: dict[str, Any], types: list[str], source: str) -> dict[str, Any]:
+    """The global layers' head size and KV heads where they differ from the local ones', as
+    transformers' Gemma4TextConfig gives them to each layer (`per_layer_config`)."""
+    head_dim = int(config.get("head_dim") or 256)
+    kv_heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    overrides = config.get("per_layer_config")
+    if overrides is None:  # transformers' defaults for a config.json without it
+        kv = config.get("num_global_key_value_heads") if config.get("attention_k_eq_v") else None
+        glob = {"head_dim": config.get("global_head_dim") or 512}
+        overrides = {i: glob | ({"num_key_value_heads": kv} if kv else {})
+                     for i, t in enumerate(types) if t == "full_attention"}  # fmt: skip
+    shapes: dict[str, set[tuple[int, int]]] = {"sliding_attention": set(), "full_attention": set()}
+    for i, kind in enumerate(types):
+        values = overrides.get(i, overrides.get(str(i), {}))
+        shapes[kind].add((int(values.get("head_dim", head_dim)),
+                          int(values.get("num_key_value_heads", kv_heads))))  # fmt: skip
+    if shapes["sliding_attention"] - {(head_dim, kv_heads)} or len(shapes["full_attention"]) > 1:
+        raise ModelError(
+            f"{source}: per_layer_config gives layers of one kind different heads "
+            f"({sorted(shapes['sliding_attention'] | shapes['full_attention'])}): not supported"
+        )
+    ((dim, kv),) = shapes["full_attention"]  # the last layer is always global
+    return {"global_head_dim": dim if dim != head_dim else None,
+            "global_kv_heads": kv if kv != kv_heads else None}  # fmt: skip
+
+
+def _per_layer(value: int | list[int], layers: list[int], key: str, source: str) -> int:
+    """The one value GGUF key `key` gives `layers` (it may give one a layer)."""
+    values = {int(value)} if not isinstance(value, list) else {int(value[i]) for i in layers}
+    if len(values) != 1:
+        raise ModelError(f"{source}: {key} differs between layers of one kind ({sorted(values)})")
+    return values.pop()
+
+
+def gguf_fields(
+    metadata: dict[str, Any], arch: str, source: str, n_layers: int
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """The Gemma 4 fields of a GGUF file, and its local layers' head size, KV heads and FFN
+    width, as llama.cpp's converter writes them: the global layers' head size as key_length,
+    the local ones' as key_length_swa, KV heads and FFN widths one a layer where they differ, a
+    flag a layer for the local ones; proportional RoPE as its `rope_freqs` tensor
+    (models.source reads it). What only the file's tensors say (the PLE vocabulary, K = V) the
+    source adds."""
+
+    def key(name: str) -> Any:
+        if f"{arch}.{name}" not in metadata:
+            raise ModelError(f"{source}: GGUF metadata key {arch}.{name} is missing")
+        return metadata[f"{arch}.{name}"]
+
+    pattern = key("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != n_layers:
+        raise ModelError(f"{source}: {arch}.attention.sliding_window_pattern is not a flag a layer")
+    local = [i for i in range(n_layers) if pattern[i]]
+    global_ = [i for i in range(n_layers) if not pattern[i]]
+    shared = int(metadata.get(f"{arch}.attention.shared_kv_layers", 0))
+    owners = list(range(n_layers - shared))
+    sharing = list(range(n_layers - shared, n_layers))
+    global_dim = int(key("attention.key_length"))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length_swa", global_dim))
+    kv = key("attention.head_count_kv")
+    kv_heads = _per_layer(kv, local, "head_count_kv", source) if local else None
+    global_kv = _per_layer(kv, global_, "head_count_kv", source)
+    ffn = key("feed_forward_length")
+    width = _per_layer(ffn, owners, "feed_forward_length", source)
+    wide = bool(sharing) and _per_layer(ffn, sharing, "feed_forward_length", source) != width
+    if wide and _per_layer(ffn, sharing, "feed_forward_length", source) != 2 * width:
+        raise ModelError(f"{source}: the KV-sharing layers' FFN is neither as wide nor twice")
+    softcap = metadata.get(f"{arch}.final_logit_softcapping")
+    fields = {
+        "embedding_multiplier": math.sqrt(int(key("embedding_length"))),
+        "post_norms": True,
+        "activation": "gelu_tanh",
+        "query_scale": 1.0,
+        "sliding_window": int(key("attention.sliding_window")),
+        "local_layers": tuple(local),
+        "local_rope_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+        "value_norm": True,
+        "kv_shared": shared,
+        "ple_dim": int(metadata.get(f"{arch}.embedding_length_per_layer_input", 0)),
+        "final_softcap": None if softcap is None else float(softcap),
+        "global_head_dim": global_dim if global_dim != head_dim else None,
+        "global_kv_heads": global_kv if kv_heads not in (None, global_kv) else None,
+        "wide_ffn": wide,
+        # a mixture's dense MLP beside its experts (whose fields `ModelConfig.from_gguf` reads)
+        "dense_ffn": width if metadata.get(f"{arch}.expert_count") else 0,
+    }
+    shape = {"head_dim": head_dim, "n_kv_heads": kv_heads or global_kv, "ffn_hidden": width}
+    return fields, shape
+
+
+@dataclass(frozen=True)
+class Gemma4(Family):
+    """Gemma 4 (text): Gemma 3's layer with plain norms, unscaled values' norm, scores unscaled,
+    per-layer input embeddings, KV shared by the last layers, proportional RoPE on the global
+    layers, a soft-capped final logit, and a mixture of its own; all of it this module's."""
+
+    norms_by_place: bool = True
+    windowed_layers: bool = True
+
+    def hf_fields(self, config: dict[str, Any], source: str) -> dict[str, Any]:
+        return hf_fields(config, source)
+
+    def gguf_fields(
+        self, metadata: dict[str, Any], arch: str, source: str, n_layers: int
+    ) -> tuple[dict[str, Any], dict[str, int]]:
+        return gguf_fields(metadata, arch, source, n_layers)
+
+    def layer_config(self, config: ModelConfig, layer: int) -> ModelConfig:
+        return layer_config(config, layer)
+
+    def layer_view(self, config: ModelConfig, s: Slice, layer: int) -> tuple[ModelConfig, Slice]:
+        return layer_view(config, s, layer)
+
+    def rope_config(self, config: ModelConfig) -> ModelConfig:
+        return global_config(config)
+
+    def kv_source(self, config: ModelConfig, layer: int) -> int:
+        return kv_source(config, layer)
+
+    def keeps_whole_context(self, config: ModelConfig, layer: int) -> bool:
+        return keeps_whole_context(config, layer)
+
+    def gguf_name(self, config: ModelConfig, layer: int | None, name: str) -> str | None:
+        return gguf_name(config, layer, name)
+
+    def hf_name(self, config: ModelConfig, layer: int | None, name: str) -> str | None:
+        return hf_name(config, layer, name)
+
+    def gguf_tensor_fields(self, config: ModelConfig, file: GGUFFile) -> dict[str, Any]:
+        return gguf_tensor_fields(config, file)
+
+    def stored_name(self, config: ModelConfig, layer: int, name: str) -> str:
+        return stored_name(config, layer, name)
+
+    def absent(self, config: ModelConfig, layer: int, name: str) -> bool:
+        return name in SHARED_ABSENT and shares_kv(config, layer)
+
+    def global_names(self, config: ModelConfig) -> list[str]:
+        return global_names(config)
+
+    def global_dtypes(self, source: Source, dtype: str) -> dict[str, str]:
+        return global_dtypes(source, dtype)
+
+    def global_shape(self, config: ModelConfig, name: str) -> tuple[int, int]:
+        return global_shape(config, name)
+
+    def gathered(self, name: str) -> bool:
+        return name in STACKED
+
+    def global_rows(self, source: Source, name: str, start: int, stop: int) -> torch.Tensor | None:
+        return global_rows(source, name, start, stop)
+
+    def layer_inputs(
+        self,
+        ids: torch.Tensor,
+        embedded: torch.Tensor,
+        t: dict[str, torch.Tensor],
+        config: ModelConfig,
+    ) -> torch.Tensor | None:
+        return per_layer_inputs(ids, embedded, t, config) if config.ple_dim else None
+
+    def route(
+        self,
+        h: np.ndarray,
+        layer: int,
+        t: dict[str, torch.Tensor],
+        router: torch.Tensor,
+        config: ModelConfig,
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        return route(h, layer, t, router, config) if config.dense_ffn else None
+
+    def ffn_out(
+        self,
+        h: np.ndarray,
+        layer: int,
+        out: np.ndarray,
+        t: dict[str, torch.Tensor],
+        config: ModelConfig,
+    ) -> np.ndarray:
+        return mixture_out(h, layer, out, t, config) if config.dense_ffn else out
+
+    def end_of_layer(
+        self,
+        h: np.ndarray,
+        layer: int,
+        inputs: torch.Tensor | None,
+        t: dict[str, torch.Tensor],
+        config: ModelConfig,
+    ) -> np.ndarray:
+        return end_of_layer(h, layer, inputs, t, config) if global_names(config) else h
+
+    def logits(self, logits: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+        return softcap(logits, config.final_softcap)
+
+
+FAMILY = Gemma4("Gemma 4 (text)", "gemma4", "Gemma4ForCausalLM", qk_norm=True)

@@ -13,8 +13,6 @@ import torch
 from edgetp.models.bundled import check_kind
 from edgetp.models.config import ModelConfig
 from edgetp.models.errors import ModelError
-from edgetp.models.families import HF_ARCHITECTURES
-from edgetp.models.gemma4 import PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM
 from edgetp.models.layers import O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS
 from edgetp.models.quant import FORMATS
 from edgetp.models.source_base import HF_FUSED, ModelSource, expert_of, fused_rows
@@ -51,11 +49,6 @@ _HF_LAYER = {
     "ssm_dt": "linear_attn.dt_bias",
     "ssm_norm": "linear_attn.norm.weight",
     "ssm_out": "linear_attn.out_proj.weight",
-    # Gemma 4's, which the master stacks (models/gemma4.py)
-    "ple_gate": "per_layer_input_gate.weight",
-    "ple_output": "per_layer_projection.weight",
-    "ple_norm": "post_per_layer_input_norm.weight",
-    "layer_scalar": "layer_scalar",
 }
 # Qwen3-Next's in-projections: per key head, its query, key, values and z rows in one matrix,
 # its b and a rows in another (transformers' `fix_query_key_value_ordering` takes them apart)
@@ -64,26 +57,6 @@ _HF_NEXT = {
     "ssm_z": "linear_attn.in_proj_qkvz.weight",
     "ssm_b": "linear_attn.in_proj_ba.weight",
     "ssm_a": "linear_attn.in_proj_ba.weight",
-}
-# A Gemma 4 mixture's: the experts' norm, router, the dense MLP's norms (its gate, up and down
-# are _HF_LAYER's), the experts' sum's norm and the router's scales; its experts, gate and up
-# in one tensor (E, 2 F, D), down (E, D, F)
-_HF_GEMMA4_MIXTURE = {
-    "ffn_norm": "pre_feedforward_layernorm_2.weight",
-    ROUTER: "router.proj.weight",
-    "dense_norm": "pre_feedforward_layernorm.weight",
-    "dense_post_norm": "post_feedforward_layernorm_1.weight",
-    "experts_post_norm": "post_feedforward_layernorm_2.weight",
-    "router_scale": "router.scale",
-    "expert_scale": "router.per_expert_scale",
-}
-_HF_GEMMA4_EXPERTS = {"gate": "experts.gate_up_proj", "up": "experts.gate_up_proj",
-                      "down": "experts.down_proj"}  # fmt: skip
-# Gemma 4's global PLE tensors
-_HF_GLOBALS = {
-    PLE_EMBEDDING: "model.embed_tokens_per_layer.weight",
-    PLE_PROJECTION: "model.per_layer_model_projection.weight",
-    PLE_PROJECTION_NORM: "model.per_layer_projection_norm.weight",
 }
 # Gemma 3 names its norms after where they sit: "post_attention" is after attention, not
 # before the FFN as in Llama.
@@ -118,7 +91,7 @@ def hf_layer_name(index: int, canonical: str, architecture: str = "") -> str:
     """The config.json `architecture`'s name of layer `index`'s canonical tensor."""
     expert = expert_of(canonical)
     mixtral = architecture == "MixtralForCausalLM"
-    gpt_oss = architecture in HF_ARCHITECTURES and HF_ARCHITECTURES[architecture].gpt_oss
+    gpt_oss = architecture == "GptOssForCausalLM"
     if gpt_oss and (expert is not None or canonical in _HF_GPT_OSS):
         stored = _HF_GPT_OSS[expert[0] if expert is not None else canonical]
     elif expert is not None and mixtral:
@@ -198,11 +171,11 @@ class HFSource(ModelSource):
             raise ModelError(f"{config_path} is not valid JSON ({exc})") from exc
         raw, self._prefix = text_model_config(raw)
         self.config = ModelConfig.from_hf(raw, str(config_path))
-        family = HF_ARCHITECTURES[self.config.architecture]
-        self._norm_plus_one = family.gemma or family.deltanet
+        family = self.config.family
+        self._norm_plus_one = family.norm_plus_one
         self._next = self.config.architecture == "Qwen3NextForCausalLM"
         # Gemma 3's and 4's names of their norms; Gemma 4's scale by the weight alone
-        self._gemma_norms = family.gemma or family.gemma4
+        self._gemma_norms = family.norms_by_place
         index = path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -226,12 +199,9 @@ class HFSource(ModelSource):
             self.config = ModelConfig.from_dict({**self.config.to_dict(), "tied_embeddings": True})
 
     def _key(self, layer: int | None, name: str) -> str:
-        expert = expert_of(name)
-        mixture = layer is not None and bool(self.config.dense_ffn)  # Gemma 4's
-        if mixture and expert is not None:
-            key = f"model.layers.{layer}.{_HF_GEMMA4_EXPERTS[expert[0]]}"
-        elif mixture and name in _HF_GEMMA4_MIXTURE:
-            key = f"model.layers.{layer}.{_HF_GEMMA4_MIXTURE[name]}"
+        own = self.config.family.hf_name(self.config, layer, name)
+        if own is not None:
+            key = own
         elif layer is not None and self.config.fused and name in HF_FUSED:
             key = f"model.layers.{layer}.{HF_FUSED[name]}"
         elif layer is not None and self._next and name in _HF_NEXT:
@@ -242,8 +212,6 @@ class HFSource(ModelSource):
             key = hf_layer_name(layer, name, self.config.architecture)
         elif name == "lm_head" and not self.config.tied_embeddings:
             key = "lm_head.weight"
-        elif name in _HF_GLOBALS:
-            key = _HF_GLOBALS[name]
         else:
             key = "model.norm.weight" if name == "final_norm" else "model.embed_tokens.weight"
         if self._prefix != "model." and key.startswith("model."):  # a vision-language folder's

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -18,7 +17,6 @@ from edgetp.models.bundled import model_path
 from edgetp.models.config import ModelConfig
 from edgetp.models.dtypes import AUTO, SOURCE_TYPES
 from edgetp.models.errors import ModelError
-from edgetp.models.gemma4 import PLE_EMBEDDING, PLE_PROJECTION, PLE_PROJECTION_NORM
 from edgetp.models.gguf_file import GGUFFile
 from edgetp.models.hf_source import _HF_LAYER as _HF_LAYER
 from edgetp.models.hf_source import HFSource as HFSource
@@ -106,32 +104,11 @@ _GGUF_LAYER = {
     "ssm_dt": "ssm_dt.bias",
     "ssm_norm": "ssm_norm.weight",
     "ssm_out": "ssm_out.weight",
-    # Gemma 4's, which the master stacks (models/gemma4.py)
-    "ple_gate": "inp_gate.weight",
-    "ple_output": "proj.weight",
-    "ple_norm": "post_norm.weight",
-    "layer_scalar": "layer_output_scale.weight",
-}
-# Gemma 4's global PLE tensors
-_GGUF_GLOBALS = {
-    PLE_EMBEDDING: "per_layer_token_embd.weight",
-    PLE_PROJECTION: "per_layer_model_proj.weight",
-    PLE_PROJECTION_NORM: "per_layer_proj_norm.weight",
 }
 # A mixture of experts' stacks, (n_experts, out, in) each: expert e's rows follow expert e - 1's.
 _GGUF_EXPERTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
                  "down": "ffn_down_exps.weight", "gate_bias": "ffn_gate_exps.bias",
                  "up_bias": "ffn_up_exps.bias", "down_bias": "ffn_down_exps.bias"}  # fmt: skip
-# A Gemma 4 mixture's (`ModelConfig.dense_ffn`): its experts' norm and gate and up in one
-# stack (E 2F, D), its dense MLP's norms and the router's and experts' scales
-_GGUF_GEMMA4_MIXTURE = {
-    "ffn_norm": "pre_ffw_norm_2.weight",
-    "dense_norm": "ffn_norm.weight",
-    "dense_post_norm": "post_ffw_norm_1.weight",
-    "experts_post_norm": "post_ffw_norm_2.weight",
-    "router_scale": "ffn_gate_inp.scale",
-    "expert_scale": "ffn_down_exps.scale",
-}
 # gpt-oss' FFN norm, which llama.cpp names after HF's post_attention_layernorm (Qwen3.5's too)
 _GGUF_GPT_OSS_FFN_NORM = "post_attention_norm.weight"
 _GGUF_NEXT_BA = "ssm_ba.weight"
@@ -173,13 +150,8 @@ def _gguf_name(
     tied: bool,
     fused: bool = False,
     ffn_norm_after_attention: bool = False,
-    gemma4_mixture: bool = False,
 ) -> str:
     expert = expert_of(name)
-    if layer is not None and gemma4_mixture and expert is not None and expert[0] != "down":
-        return f"blk.{layer}.ffn_gate_up_exps.weight"
-    if layer is not None and gemma4_mixture and name in _GGUF_GEMMA4_MIXTURE:
-        return f"blk.{layer}.{_GGUF_GEMMA4_MIXTURE[name]}"
     if layer is not None and expert is not None:
         return f"blk.{layer}.{_GGUF_EXPERTS[expert[0]]}"
     if layer is not None and ffn_norm_after_attention and name == "ffn_norm":
@@ -189,8 +161,6 @@ def _gguf_name(
         return f"blk.{layer}.{stored}"
     if name == "lm_head" and not tied:
         return "output.weight"
-    if name in _GGUF_GLOBALS:
-        return _GGUF_GLOBALS[name]
     return "output_norm.weight" if name == "final_norm" else "token_embd.weight"
 
 
@@ -206,8 +176,8 @@ class GGUFSource(ModelSource):
                 self.file.tensor("rope_factors_long.weight").tolist(),
             )
         config = ModelConfig.from_gguf(self.file.metadata, str(path), tied, longrope)
-        if config.value_norm:  # Gemma 4: what its tensors say of it
-            config = replace(config, **self._gemma4_tensors(config))
+        # what the file's tensors, not its keys, say of its family's fields
+        config = replace(config, **config.family.gguf_tensor_fields(config, self.file))
         # a llama's attention biases have no key: llama.cpp loads the tensors where they are
         self.config = replace(
             config,
@@ -234,8 +204,8 @@ class GGUFSource(ModelSource):
                 "converter's layout, one tensor an expert): convert the model again with a "
                 "current llama.cpp"
             )
-        # llama.cpp's converter permutes Q/K rows for its interleaved RoPE only for these.
-        self._permuted = self.config.architecture in ("llama", "mistral", "smollm3")
+        # llama.cpp's converter permutes Q/K rows for its interleaved RoPE for some families
+        self._permuted = self.config.family.gguf_permuted
         c = self.config
         # qwen35's value heads in the tiled order (`_tiled_order`), where heads share keys
         self._tiled = c.architecture in ("qwen35", "qwen35moe") and c.linear_group > 1
@@ -249,26 +219,19 @@ class GGUFSource(ModelSource):
                     "quantization"
                 )
 
-    def _gemma4_tensors(self, config: ModelConfig) -> dict[str, Any]:
-        """A Gemma 4 file's PLE vocabulary (its table's rows) and whether its global layers'
-        values are their keys (no attn_v of their own, as llama.cpp's converter writes them)."""
-        fields: dict[str, Any] = {}
-        if config.ple_dim:
-            fields["ple_vocab"] = self.file.info(_GGUF_GLOBALS[PLE_EMBEDDING]).shape[0]
-        globals_ = [i for i in range(config.n_layers) if not config.is_local(i)]
-        fields["k_eq_v"] = not self.file.has_tensor(f"blk.{globals_[0]}.attn_v.weight")
-        return fields
-
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf_metadata(self.file.metadata, str(self.path))
 
     def _name(self, layer: int | None, name: str) -> str:
         c = self.config
+        own = c.family.gguf_name(c, layer, name)
+        if own is not None:
+            return own
         if layer is not None and self._next and name in ("ssm_b", "ssm_a"):
             return f"blk.{layer}.{_GGUF_NEXT_BA}"
         # gpt-oss' and the DeltaNet families' FFN norm is named after attention
         after = c.expert_bias or bool(c.linear_layers)
-        return _gguf_name(layer, name, c.tied_embeddings, c.fused, after, bool(c.dense_ffn))
+        return _gguf_name(layer, name, c.tied_embeddings, c.fused, after)
 
     def _reordered(self, layer: int | None, name: str) -> torch.Tensor | None:
         """The rows of the stored tensor, in order, that hold canonical `name` where the file

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from edgetp.models import gemma4
 from edgetp.models.config import ModelConfig
 from edgetp.models.dtypes import embedding_dtype, fitting_dtype, matrix_dtype
 from edgetp.models.layers import (
@@ -49,13 +48,16 @@ class ModelSource(ABC):
         """How the source stores a tensor: a GGUF type name, or F32, F16, BF16. `name` is a
         canonical layer tensor (`layer` its index) or, with `layer` None, "embedding",
         "lm_head", "final_norm", POST_NORMS or ROUTER."""
-        if layer is None and name in (POST_NORMS, ROUTER, *gemma4.STACKED):
+        family = self.config.family
+        if layer is None and name in (POST_NORMS, ROUTER):
             return "F32"  # the master's, as float32
-        if layer is not None and self._absent(layer, name):
+        if layer is None and family.gathered(name):
+            return "F32"  # the master's, gathered from each layer's, as float32
+        if layer is not None and family.absent(self.config, layer, name):
             # zeros hold in any format (each has a quantizer): the matrix keeps its queries'
             return self._stored_type(layer, "q")
         if layer is not None:
-            name = gemma4.stored_name(self.config, layer, name)
+            name = family.stored_name(self.config, layer, name)
         return self._stored_type(layer, name)
 
     def rows(
@@ -68,18 +70,14 @@ class ModelSource(ABC):
             return torch.stack(
                 [self.tensor(r // 2, POST_NORM_TENSORS[r % 2]) for r in range(start, stop)]
             )
-        if layer is None and name in gemma4.STACKED:  # layer i's rows after i's
-            per_layer, read = gemma4.STACKED[name], gemma4.layer_rows(self.config, name)
-            n = gemma4.global_shape(self.config, name)[0] // self.config.n_layers
-            rows = [self._rows(i, per_layer, 0, read, False).view(n, -1)
-                    for i in range(start // n, (stop - 1) // n + 1)]  # fmt: skip
-            return torch.cat(rows)[start % n : start % n + stop - start]
-        if name == gemma4.PLE_PROJECTION_NORM:  # a vector in the file, one row here
-            return self._rows(None, name, 0, self.config.ple_dim, False).view(1, -1)[start:stop]
-        if layer is not None and self._absent(layer, name):
+        family = self.config.family
+        gathered = family.global_rows(self, name, start, stop) if layer is None else None
+        if gathered is not None:
+            return gathered
+        if layer is not None and family.absent(self.config, layer, name):
             return torch.zeros(self.shape(layer, name))[start:stop]
         if layer is not None:
-            name = gemma4.stored_name(self.config, layer, name)
+            name = family.stored_name(self.config, layer, name)
         if layer is None and name == ROUTER:  # rows e of layer i at i router_rows + e
             n = self.config.router_rows
             layers = range(start // n, (stop - 1) // n + 1)
@@ -100,11 +98,6 @@ class ModelSource(ABC):
             rows = torch.cat((rows, bias.view(-1, 1)), dim=1)
         return rows
 
-    def _absent(self, layer: int, name: str) -> bool:
-        """Whether `layer` lacks `name` in the file: a Gemma 4 layer that shares another's KV
-        has no keys or values of its own (zeros stand in, never read)."""
-        return name in gemma4.SHARED_ABSENT and gemma4.shares_kv(self.config, layer)
-
     @abstractmethod
     def _stored_type(self, layer: int | None, name: str) -> str: ...
 
@@ -116,13 +109,13 @@ class ModelSource(ABC):
     def shape(self, layer: int | None, name: str) -> tuple[int, ...]:
         c = self.config
         if layer is not None:
-            return full_layer_shapes(gemma4.layer_config(c, layer), layer)[name]
+            return full_layer_shapes(c.family.layer_config(c, layer), layer)[name]
         if name == POST_NORMS:
             return (2 * c.n_layers, c.hidden)
         if name == ROUTER:
             return (c.n_layers * c.router_rows, c.router_columns)
-        if name in gemma4.global_names(c):
-            return gemma4.global_shape(c, name)
+        if name in c.family.global_names(c):
+            return c.family.global_shape(c, name)
         return (c.hidden,) if name == "final_norm" else (c.vocab_size, c.hidden)
 
     def tensor(self, layer: int | None, name: str, blocks: bool = False) -> torch.Tensor:
@@ -145,7 +138,7 @@ class ModelSource(ABC):
             + ([] if c.tied_embeddings else ["lm_head"])
             + ([POST_NORMS] if c.post_norms else [])
             + ([ROUTER] if c.moe else [])
-            + gemma4.global_names(c)
+            + c.family.global_names(c)
         )
 
     def embedding(self) -> torch.Tensor:

@@ -13,11 +13,10 @@ import torch
 from edgetp.memory.experts import ExpertPool
 from edgetp.memory.shards import tensor_specs
 from edgetp.memory.window import LayerWindow, ResidentLayers
-from edgetp.models import gemma4, rows_native
+from edgetp.models import rows_native
 from edgetp.models.block_math import attention_partial, ffn_partial
 from edgetp.models.block_rows import attention_rows, ffn_rows
 from edgetp.models.config import ModelConfig
-from edgetp.models.deltanet import deltanet_partial
 from edgetp.models.kernels import SCALE_SUFFIX, leave_a_core_to_the_loader, linear_rows
 from edgetp.models.layers import MATRICES, Slice, StepBatch
 from edgetp.models.moe import Routing, expert_specs, moe_partial, moe_rows
@@ -59,8 +58,8 @@ class SliceExecutor:
             raise ValueError(f"expected {config.n_layers} layers, got {weights.n_layers}")
         self.config = config
         self.slice = s
-        # each layer's shape and this slice's share of it (Gemma 4's differ by layer)
-        self._views = [gemma4.layer_view(config, s, i) for i in range(config.n_layers)]
+        # each layer's shape and this slice's share of it (a family's may differ by layer)
+        self._views = [config.family.layer_view(config, s, i) for i in range(config.n_layers)]
         self.weights = weights
         # A slice that streams gives its loader a core (models/kernels.py says why).
         leave_a_core_to_the_loader(isinstance(weights, LayerWindow) and not weights.resident)
@@ -160,7 +159,7 @@ class SliceExecutor:
         window = self.config.sliding_window if self.config.is_local(index) else None
         own_rope = self.config.own_rope(index)
         if self.config.is_linear(index):
-            out = self._deltanet(index, h, weights)
+            out = self._linear(index, h, weights)
         elif self.native_step:
             assert self.native is not None
             out = self.native.attention(index, h)
@@ -178,10 +177,10 @@ class SliceExecutor:
                 self._batch,
                 window,
             )
-        else:  # Gemma 4's decode steps too: the rows path has no value norm, no shared KV
+        else:  # value-normed or KV-sharing layers' decode steps too: the rows path has neither
             cos_sin = self._local_cos_sin if own_rope else self._cos_sin
             assert cos_sin is not None
-            cache = gemma4.kv_source(self.config, index)  # its own, or the layer it shares
+            cache = self.config.family.kv_source(self.config, index)  # its own, or a shared one
             x = _as_tensor(h[:, None] if self._batch.rows else h)  # (B, T, D)
             view, share = self._views[index]
             with torch.inference_mode():
@@ -202,15 +201,15 @@ class SliceExecutor:
         self.weights.figures.compute_s += time.perf_counter() - started
         return out
 
-    def _deltanet(self, index: int, h: Hidden, weights: dict[str, torch.Tensor]) -> Hidden:
-        """A gated DeltaNet layer's partial, from and into its states beside the KV cache, in
+    def _linear(self, index: int, h: Hidden, weights: dict[str, torch.Tensor]) -> Hidden:
+        """A linear-attention layer's partial, from and into its states beside the KV cache, in
         torch for any step: a decode step's rows (B, D) are one token a sequence."""
         states = self.cache.linear
         assert states is not None and self._batch is not None
         with torch.inference_mode():
             states.prepare(index, weights["conv"])
             x = _as_tensor(h)
-            out, inputs, beta, g = deltanet_partial(
+            out, inputs, beta, g = self.config.family.linear_partial(
                 x.unsqueeze(1) if self._batch.rows else x,
                 weights,
                 self.slice,
@@ -306,7 +305,7 @@ def make_executor(
     rope_freq_factors: torch.Tensor | None = None,
 ) -> SliceExecutor:
     """A slice's executor with its RoPE tables and an empty KV cache: the one way to build one."""
-    rope = Rope(gemma4.global_config(config), max_context, rope_freq_factors)
+    rope = Rope(config.family.rope_config(config), max_context, rope_freq_factors)
     local_rope = None
     if config.local_layers and config.local_rope_theta is not None:  # unscaled, own base
         local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)

@@ -1,5 +1,5 @@
 """The KV cache of one device's slice: preallocated, one slot per concurrent sequence; beside
-it, a gated DeltaNet's fixed-size states (`LinearStates`)."""
+it, the linear-attention layers' fixed-size states (`LinearStates`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from edgetp.models.config import ModelConfig
-from edgetp.models.deltanet import channels, recur
 from edgetp.models.errors import ModelError
-from edgetp.models.gemma4 import keeps_whole_context, layer_view, shares_kv
 from edgetp.models.layers import Slice, StepBatch
 
 # Keys and values stay float32 whatever the weights' dtype: they are a small part of memory at
@@ -36,7 +34,7 @@ class KVCache:
         dtype: torch.dtype = KV_DTYPE,
     ) -> None:
         def shape(layer: int) -> tuple[int, ...]:  # (S, n_kv, positions, hd)
-            view, share = layer_view(config, s, layer)  # Gemma 4's global layers differ
+            view, share = config.family.layer_view(config, s, layer)  # layers may differ
             return (slots, share.n_kv, positions(config, layer, max_context), view.head_dim)
 
         self.keys = [torch.zeros(shape(i), dtype=dtype) for i in range(config.n_layers)]
@@ -66,17 +64,19 @@ class KVCache:
 
 def _position_bytes(config: ModelConfig, s: Slice, layer: int, dtype: torch.dtype) -> int:
     """A slot's bytes of keys and values a position in `layer`'s cache."""
-    view, share = layer_view(config, s, layer)
+    view, share = config.family.layer_view(config, s, layer)
     return 2 * share.n_kv * view.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def positions(config: ModelConfig, layer: int, max_context: int) -> int:
-    """Positions a layer's cache holds: a local layer only its window, as a ring; a gated
-    DeltaNet layer none (its state is `LinearStates`'); a layer that reads another's none, and
-    a local layer others read all of them (models/gemma4.py)."""
-    if config.is_linear(layer) or shares_kv(config, layer):
+    """Positions a layer's cache holds: a local layer only its window, as a ring; a
+    linear-attention layer none (its state is `LinearStates`'); a layer that reads another's
+    none, and a local layer others read all of them (`Family.kv_source`)."""
+    family = config.family
+    if config.is_linear(layer) or family.shares_kv(config, layer):
         return 0
-    if config.is_local(layer) and config.sliding_window and not keeps_whole_context(config, layer):
+    whole = family.keeps_whole_context(config, layer)
+    if config.is_local(layer) and config.sliding_window and not whole:
         return min(config.sliding_window, max_context)
     return max_context
 
@@ -106,7 +106,7 @@ class Resume:
 
 
 class LinearStates:
-    """A gated DeltaNet slice's fixed-size state per sequence slot: for each of its layers and
+    """A linear-attention slice's fixed-size state per sequence slot: for each of its layers and
     slots, each value head's (dk, dv) recurrent state and the convolution's last K - 1 inputs.
 
     The state holds one position: the one after the last token a slot took in. A step may
@@ -123,7 +123,7 @@ class LinearStates:
 
     def __init__(self, config: ModelConfig, s: Slice, slots: int) -> None:
         self.config, self.slice = config, s
-        c = sum(channels(config, s))
+        c = sum(config.family.linear_channels(config, s))
         nv, dk, dv = s.n_linear, config.linear_k_dim, config.linear_v_dim
         taps = max(config.linear_conv - 1, 0)
 
@@ -149,7 +149,7 @@ class LinearStates:
         kept step's inputs."""
         if not config.linear_layers:
             return 0
-        c, nv = sum(channels(config, s)), s.n_linear
+        c, nv = sum(config.family.linear_channels(config, s)), s.n_linear
         state = nv * config.linear_k_dim * config.linear_v_dim + c * max(config.linear_conv - 1, 0)
         kept = KEPT_TOKENS * (c + 2 * nv)
         return 4 * len(config.linear_layers) * (3 * state + kept)
@@ -174,7 +174,7 @@ class LinearStates:
             else:
                 raise ModelError(
                     f"slot {slot}'s linear-attention state is at position {self.at[slot]}, "
-                    f"not at {start} where its step starts: a gated DeltaNet model continues a "
+                    f"not at {start} where its step starts: a linear-attention model continues a "
                     "sequence only from where its state is (start it again from position 0)"
                 )
         self._resume, self._batch = resume, batch
@@ -197,7 +197,7 @@ class LinearStates:
                 r = how.replay
                 kept = (self.kept_x[layer][slot, :r], self.kept_beta[layer][slot, :r],
                         self.kept_g[layer][slot, :r])  # fmt: skip
-                recur(*kept, taps, conv, state, self.slice, self.config)
+                self.config.family.linear_recur(*kept, taps, conv, state, self.slice, self.config)
             if how.keep:
                 self.kept_states[layer][slot].copy_(state)
                 self.kept_conv[layer][slot].copy_(conv)

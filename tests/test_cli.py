@@ -12,7 +12,7 @@ import gguf
 import pytest
 import torch
 
-from edgetp.models.config import FAMILIES
+from edgetp.models.families import FAMILIES
 
 EDGETP = Path(sys.executable).parent / "edgetp"
 

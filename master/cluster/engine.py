@@ -27,7 +27,6 @@ from edgetp.memory.window import (
     ResidentLayers,
     step_figures,
 )
-from edgetp.models import gemma4
 from edgetp.models.block_math import rms_norm
 from edgetp.models.block_rows import rms_norm_rows
 from edgetp.models.config import ModelConfig
@@ -89,13 +88,11 @@ class Remote(Protocol):
     allreduce_seconds: deque[float]  # recent per-sum latencies (master.cluster.transport)
 
 
-def _gemma4_globals(
-    g: dict[str, torch.Tensor], config: ModelConfig
-) -> dict[str, torch.Tensor] | None:
-    """Gemma 4's globals (models/gemma4.py) of the master's shard `g`, with an int8 table's
-    scales; None for any other model."""
-    names = gemma4.global_names(config)
-    return {n: t for n, t in g.items() if n.removesuffix(SCALE_SUFFIX) in names} or None
+def _family_globals(g: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors of the model's family of the master's shard `g` (`Family.global_names`),
+    with an int8 table's scales."""
+    names = config.family.global_names(config)
+    return {n: t for n, t in g.items() if n.removesuffix(SCALE_SUFFIX) in names}
 
 
 class Engine:
@@ -114,14 +111,16 @@ class Engine:
         post_norms: torch.Tensor | None = None,
         head_split: bool = False,
         router: torch.Tensor | None = None,
-        gemma4_tensors: dict[str, torch.Tensor] | None = None,
+        family_tensors: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.config = config
-        # Gemma 4's per-layer input embeddings, layer scales and a mixture's dense MLPs and
-        # router scales, the master's alone (models/gemma4.py)
-        self.gemma4 = gemma4_tensors
-        if gemma4.global_names(config) and gemma4_tensors is None:
-            raise ValueError(f"{config.architecture} needs its per-layer inputs and scales")
+        # what the model's family computes between the layers' sums (models/family.py), with
+        # the tensors it needs for it, the master's alone (Gemma 4's per-layer inputs, ...)
+        self.family = config.family
+        self.family_tensors = family_tensors or {}
+        missing = set(self.family.global_names(config)) - set(self.family_tensors)
+        if missing:
+            raise ValueError(f"{config.architecture} needs its {', '.join(sorted(missing))}")
         # (n_layers router_rows, D): a mixture of experts' routers (and shared experts' gates),
         # the master's alone (models/moe.py)
         self.router = router
@@ -175,7 +174,7 @@ class Engine:
         for i in range(config.n_layers):
             full = source.layer(i)  # one full layer in memory at a time
             for layers, s in zip(per_slice, slices, strict=True):
-                view, share = gemma4.layer_view(config, s, i)  # Gemma 4's layers differ
+                view, share = config.family.layer_view(config, s, i)  # layers may differ
                 layers.append(pack(slice_layer(view, full, share, i)))
             if progress:
                 progress(i + 1, config.n_layers)
@@ -188,7 +187,7 @@ class Engine:
         lm_head = embedding if config.tied_embeddings else pack({"head": source.lm_head()})["head"]
         post_norms = source.tensor(None, POST_NORMS) if config.post_norms else None
         router = source.tensor(None, ROUTER) if config.moe else None
-        extra = {n: source.tensor(None, n) for n in gemma4.global_names(config)}
+        extra = {n: source.tensor(None, n) for n in config.family.global_names(config)}
         return cls(
             config,
             embedding,
@@ -199,7 +198,7 @@ class Engine:
             slots,
             post_norms=post_norms,
             router=router,
-            gemma4_tensors=extra or None,
+            family_tensors=extra,
         )
 
     @classmethod
@@ -252,7 +251,7 @@ class Engine:
             post_norms=g.get(POST_NORMS),
             head_split=bool(manifest.head_rows),
             router=g.get(ROUTER),
-            gemma4_tensors=_gemma4_globals(g, config),
+            family_tensors=_family_globals(g, config),
         )
 
     @property
@@ -275,9 +274,8 @@ class Engine:
         embedded = embed(ids, self.embedding, self.embedding_scale)  # (B, T, D)
         if self.config.embedding_multiplier != 1.0:
             embedded = embedded * self.config.embedding_multiplier
-        ple = None
-        if self.gemma4 is not None and self.config.ple_dim:
-            ple = gemma4.per_layer_inputs(ids, embedded, self.gemma4, self.config)
+        extra = self.family_tensors
+        inputs = self.family.layer_inputs(ids, embedded, extra, self.config)
         h: Hidden = embedded.numpy()  # the one type of the hidden state (node.executor.Hidden)
         if batch.rows:
             h = h.reshape(batch.size, -1)
@@ -300,14 +298,11 @@ class Engine:
                 h = h + self._post_norm(2 * i, self._block(ATTENTION, i, h))
                 routing = self._route(i, h)
                 out = self._block(FFN, i, h, routing)
-                if self.config.dense_ffn:  # Gemma 4's mixture: the dense MLP beside it
-                    assert self.gemma4 is not None
-                    out = gemma4.mixture_out(h, i, out, self.gemma4, self.config)
+                out = self.family.ffn_out(h, i, out, extra, self.config)
                 h = h + self._post_norm(2 * i + 1, out)
-                if self.gemma4 is not None:
-                    h = gemma4.end_of_layer(h, i, ple, self.gemma4, self.config)
+                h = self.family.end_of_layer(h, i, inputs, extra, self.config)
         head_started = time.perf_counter()
-        logits = gemma4.softcap(self._head(h, batch, all_logits), self.config.final_softcap)
+        logits = self.family.logits(self._head(h, batch, all_logits), self.config)
         head_s = time.perf_counter() - head_started
         self._record_figures({"blocks_s": self._blocks_s, "head_s": head_s})
         return logits
@@ -329,11 +324,12 @@ class Engine:
         if self.router is None:
             return None
         n = self.config.router_rows
-        if self.gemma4 is not None and self.config.dense_ffn:  # a router of its own form
-            router = self.router[i * n : (i + 1) * n]
-            return Routing(*gemma4.route(h, i, self.gemma4, router, self.config))
+        router = self.router[i * n : (i + 1) * n]
+        own = self.family.route(h, i, self.family_tensors, router, self.config)
+        if own is not None:  # a router of the family's own form
+            return Routing(*own)
         norm = self.executors[0].weights.get(i)["ffn_norm"]
-        return route(h, norm, self.router[i * n : (i + 1) * n], self.config)
+        return route(h, norm, router, self.config)
 
     def _post_norm(self, row: int, out: Hidden) -> Hidden:
         """A block's summed output, normed by POST_NORMS row `row` where the model has them."""

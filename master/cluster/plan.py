@@ -86,9 +86,9 @@ def plan_slices(
 
 
 def _linear_ranges(config: ModelConfig, capacities: Sequence[float]) -> list[tuple[int, int]]:
-    """A gated DeltaNet's value heads for each slice, cut as attention's query heads: by whole
-    key-head groups while there are enough of them, else by value heads (their key heads then
-    replicated). (0, 0) for all when the model has no such layers."""
+    """A linear-attention layer's value heads for each slice, cut as attention's query heads:
+    by whole key-head groups while there are enough of them, else by value heads (their key
+    heads then replicated). (0, 0) for all when the model has no such layers."""
     n = len(capacities)
     if not config.linear_layers:
         return [(0, 0)] * n

@@ -185,7 +185,7 @@ def memory_plans(
 
     def plan_node(k: int, ctx: int) -> MemoryPlan:
         s = Slice.from_dict(manifest.slices[k])
-        # Each sequence's, whatever the context: the local layers' rings, a DeltaNet's state
+        # Each sequence's, whatever the context: the local layers' rings, a linear attention's state
         fixed = KVCache.window_bytes(config, s) * slots
         state = LinearStates.slot_bytes(config, s) * slots
         return plan_memory(

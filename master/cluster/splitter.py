@@ -17,7 +17,6 @@ import torch
 
 from edgetp.memory.files import atomic_write
 from edgetp.memory.shards import Manifest, ShardRef, ShardStore, ShardWriter, Spec
-from edgetp.models import gemma4
 from edgetp.models.dtypes import DTYPE_CHOICES, EXACT_WIDENING, STAND_INS
 from edgetp.models.kernels import dequantize, dtype_name, quantize
 from edgetp.models.layers import (
@@ -98,8 +97,8 @@ def split_model(
     told: set[str] = set()  # matrices whose cut through blocks was logged
     stood_in: set[str] = set()  # matrices stored in a K-quant's stand-in, logged
     for i in range(config.n_layers):
-        # a layer's kind (attention or DeltaNet) and its shape (Gemma 4's differ) cut it
-        cuts = [slice_parts(*gemma4.layer_view(config, s, i), i) for s in slices]
+        # a layer's kind (attention or linear attention) and its shape (the family's) cut it
+        cuts = [slice_parts(*config.family.layer_view(config, s, i), i) for s in slices]
         dtypes = source.matrix_dtypes(i, dtype)
         for m in dtypes.keys() - stood_in:
             if dtype in STAND_INS and dtypes[m] == STAND_INS[dtype]:
@@ -129,7 +128,7 @@ def split_model(
     # the norms and the router stay float32; POST_NORMS and ROUTER are 2-D, hence "f32" rather
     # than a vector's None
     norm_dtypes: dict[str, str | None] = {"final_norm": None, POST_NORMS: "f32", ROUTER: "f32"}
-    norm_dtypes |= gemma4.global_dtypes(source, dtype)  # Gemma 4's, the master's
+    norm_dtypes |= config.family.global_dtypes(source, dtype)  # the family's, the master's
     whole = {
         n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), norm_dtypes.get(n, head))
         for n in source.global_names()
@@ -176,7 +175,7 @@ class _Fused:
 
     def specs(self, source: ModelSource, layer: int | None) -> dict[str, Spec]:
         rows = sum(p.n_rows for p in self.parts)
-        if self.dtype is None:  # a vector, or a DeltaNet's convolution taps (rows, taps)
+        if self.dtype is None:  # a vector, or a linear attention's convolution taps (rows, taps)
             tail = source.shape(layer, self.parts[0].source)[1:]
             return {self.name: (torch.float32, (rows, *tail))}
         first = self.parts[0]

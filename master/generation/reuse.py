@@ -12,12 +12,12 @@ A local layer's ring (Gemma 3) holds only the last `ring` positions a slot wrote
 sequence outgrew its ring, the positions before its last `ring` are gone, and only a request
 that carries on from its end (at most its last token different) can start past 0.
 
-A gated DeltaNet layer (Qwen3.5) keeps no keys and values but a state a slot, known at two
-positions only (node.kvcache.LinearStates): after the last token the slot took in, and at the
-end of its last prompt, when that prompt's prefill was wider than KEPT_TOKENS (the node keeps
-the state there). A request reuses the longer of those that its tokens carry on from: a
-conversation's next turn holds the last prompt, if not always the answer's tokens as they were
-sampled. Any other prefills from 0, which zeroes the state.
+A linear-attention layer (Qwen3.5's gated DeltaNet) keeps no keys and values but a state a
+slot, known at two positions only (node.kvcache.LinearStates): after the last token the slot
+took in, and at the end of its last prompt, when that prompt's prefill was wider than
+KEPT_TOKENS (the node keeps the state there). A request reuses the longer of those that its
+tokens carry on from: a conversation's next turn holds the last prompt, if not always the
+answer's tokens as they were sampled. Any other prefills from 0, which zeroes the state.
 
 A re-plan builds a new engine with empty caches: what the pool knew belongs to the engine it was
 told of (`bind`), and is forgotten when another one runs.
@@ -56,7 +56,7 @@ def reusable(
     """Tokens of `tokens` whose keys and values a slot holding `kept` can give: their common
     prefix, less the last token of `tokens` (its logits are the first token's), and none when a
     ring of `ring` positions has lost positions that the first new token would read. `known`:
-    the only positions the slot's state is known at (a gated DeltaNet's), of which the
+    the only positions the slot's state is known at (a linear-attention layer's), of which the
     furthest within that prefix, or none."""
     n = min(common_prefix(kept, tokens), len(tokens) - 1)
     if known is not None:

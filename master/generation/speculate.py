@@ -12,8 +12,8 @@ The step feeds the last token and the drafts; the logits at each position say wh
 there is what the sequence would have sampled (`Sampler.verify`), so the output is exactly the
 non-speculative one: the same greedy tokens, the same distribution when sampling. Rejected
 drafts' keys and values stay in the KV cache past the sequence's position, where nothing reads
-them and the next step overwrites them (in the draft model's cache too). A gated DeltaNet's
-state (Qwen3.5) cannot leave them behind: each node keeps its state from before a step of a few
+them and the next step overwrites them (in the draft model's cache too). A linear-attention
+layer's state cannot leave them behind: each node keeps its state from before a step of a few
 tokens and the step's inputs, and the next step, starting after the accepted drafts, steps that
 state forward over them again (node.kvcache.LinearStates).
 
@@ -349,7 +349,7 @@ def draft_source(draft: str, tokenizer: Tokenizer) -> ModelSource | None:
         )
     if source.config.linear_layers:  # it would go back past its last step's tokens
         raise ModelError(
-            f"the draft model {source.name} has gated DeltaNet layers, whose state cannot "
+            f"the draft model {source.name} has linear-attention layers, whose state cannot "
             f"take back its own rejected drafts: pick another draft model, or --draft lookup"
         )
     return source
