@@ -149,7 +149,7 @@ def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | 
         return "the C blocks have no attention sinks nor output bias"
     if config.linear_layers or config.attention_gate:  # Qwen3.5's: torch and NumPy's
         return "the C blocks have no gated DeltaNet layers nor attention output gate"
-    if config.value_norm:  # Gemma 4's attention: its decode steps run on torch (node.executor)
+    if config.value_norm:  # Gemma 4's attention: its decode steps run on torch (models.backends)
         return "the C blocks have no value norm nor KV shared across layers"
     for name in MATRICES:
         w = weights[name]
