@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgetp.models import deltanet, gemma3, gemma4, gpt_oss, smollm3
+from edgetp.models.config import ModelConfig
 from edgetp.models.errors import ModelError
 from edgetp.models.family import Family
 
@@ -49,18 +50,20 @@ FAMILIES: tuple[Family, ...] = (
     deltanet.QWEN3_NEXT,
 )
 # A GGUF architecture's family is its first: a `llama` file with experts is read as Mixtral
-# by `ModelConfig.from_gguf`.
+# by `config_files.config_from_gguf`.
 GGUF_ARCHITECTURES: dict[str, Family] = {}
 for _family in FAMILIES:
     GGUF_ARCHITECTURES.setdefault(_family.gguf, _family)
 HF_ARCHITECTURES = {f.hf: f for f in FAMILIES}
 
 
-def family_of(architecture: str) -> Family:
-    """The family of a config's `architecture`, a GGUF or an HF name."""
-    family = GGUF_ARCHITECTURES.get(architecture) or HF_ARCHITECTURES.get(architecture)
+def family_of(config: ModelConfig) -> Family:
+    """What `config`'s model does differently: the family of its architecture (a GGUF or an HF
+    name). The one way the runtime reaches a family."""
+    arch = config.architecture
+    family = GGUF_ARCHITECTURES.get(arch) or HF_ARCHITECTURES.get(arch)
     if family is None:
-        raise unsupported("model config", architecture)
+        raise unsupported("model config", arch)
     return family
 
 

@@ -5,8 +5,8 @@ A family that only switches parts of the layer on (biases, query and key norms, 
 matrices, a mixture's experts) is a `Family` with its flags set, one line of the registry
 (models/families.py). A family that computes something of its own subclasses `Family` in its
 module (models/gemma4.py, models/deltanet.py, ...) and overrides the methods below; the engine,
-the executor, the KV cache and the splitter reach it only through `ModelConfig.family`, and
-never ask which family it is.
+the executor, the KV cache and the splitter reach it only through `families.family_of(config)`,
+and never ask which family it is.
 
 Every method takes the model's config: a family is one object for all its models.
 """

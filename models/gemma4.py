@@ -33,8 +33,7 @@ from edgetp.models.dtypes import embedding_dtype
 from edgetp.models.errors import ModelError
 from edgetp.models.family import Family, Source
 from edgetp.models.kernels import SCALE_SUFFIX, embed
-from edgetp.models.layers import ROUTER, Slice, StepBatch, kv_heads_for
-from edgetp.models.source_base import expert_of
+from edgetp.models.layers import ROUTER, Slice, StepBatch, expert_of, kv_heads_for
 
 if TYPE_CHECKING:
     from edgetp.models.config import ModelConfig

@@ -12,10 +12,12 @@ import torch
 
 from edgetp.models.bundled import check_kind
 from edgetp.models.config import ModelConfig
+from edgetp.models.config_files import config_from_hf
 from edgetp.models.errors import ModelError
-from edgetp.models.layers import O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS
+from edgetp.models.families import family_of
+from edgetp.models.layers import O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS, expert_of
 from edgetp.models.quant import FORMATS
-from edgetp.models.source_base import HF_FUSED, ModelSource, expert_of, fused_rows
+from edgetp.models.source_base import HF_FUSED, ModelSource, fused_rows
 from edgetp.models.tokenizer import Tokenizer
 
 _HF_LAYER = {
@@ -170,8 +172,8 @@ class HFSource(ModelSource):
         except json.JSONDecodeError as exc:
             raise ModelError(f"{config_path} is not valid JSON ({exc})") from exc
         raw, self._prefix = text_model_config(raw)
-        self.config = ModelConfig.from_hf(raw, str(config_path))
-        family = self.config.family
+        self.config = config_from_hf(raw, str(config_path))
+        family = family_of(self.config)
         self._norm_plus_one = family.norm_plus_one
         self._next = self.config.architecture == "Qwen3NextForCausalLM"
         # Gemma 3's and 4's names of their norms; Gemma 4's scale by the weight alone
@@ -199,7 +201,7 @@ class HFSource(ModelSource):
             self.config = ModelConfig.from_dict({**self.config.to_dict(), "tied_embeddings": True})
 
     def _key(self, layer: int | None, name: str) -> str:
-        own = self.config.family.hf_name(self.config, layer, name)
+        own = family_of(self.config).hf_name(self.config, layer, name)
         if own is not None:
             key = own
         elif layer is not None and self.config.fused and name in HF_FUSED:

@@ -64,6 +64,14 @@ LINEAR_TENSORS = ("ssm_qkv", "ssm_z", "ssm_b", "ssm_a", "ssm_conv", "ssm_decay",
 ATTENTION_ONLY = ("q", "k", "v", "o")  # what a DeltaNet layer holds none of
 
 
+def expert_of(name: str) -> tuple[str, int] | None:
+    """("gate", 3) for canonical "gate.3": an expert's tensor; None for any other."""
+    base, _, expert = name.partition(".")
+    kinds = EXPERT_TENSORS + EXPERT_BIAS_TENSORS
+    return (base, int(expert)) if base in kinds and expert.isdigit() else None
+
+
+
 def expert_name(name: str, expert: int) -> str:
     """The canonical name of expert `expert`'s `name` ("gate", "up" or "down")."""
     return f"{name}.{expert}"

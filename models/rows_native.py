@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from edgetp.models import native
+from edgetp.models.backends import Block, BlockBackend, Hidden, StepTables, Weights
 from edgetp.models.block_rows import attention_rows, ffn_rows
 from edgetp.models.cbuild import built
 from edgetp.models.config import ModelConfig
@@ -148,7 +149,7 @@ def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | 
         return "the C blocks have no attention sinks nor output bias"
     if config.linear_layers or config.attention_gate:  # Qwen3.5's: torch and NumPy's
         return "the C blocks have no gated DeltaNet layers nor attention output gate"
-    if config.value_norm:  # Gemma 4's attention: its decode steps run on torch (node.executor)
+    if config.value_norm:  # Gemma 4's attention: its decode steps run on torch (models.backends)
         return "the C blocks have no value norm nor KV shared across layers"
     for name in MATRICES:
         w = weights[name]
@@ -201,9 +202,13 @@ def _float_ptr(t: torch.Tensor | np.ndarray) -> FloatPointer:
     return a.ctypes.data_as(c_float_p)
 
 
-class NativeBlocks:
+class NativeBlocks(BlockBackend):
     """Every layer's block arguments for one slice (resident float32 weights) and its KV cache;
-    `begin_step` points them at a step's sequences."""
+    `begin_step` points them at a step's sequences. As a `BlockBackend`: a decode step's
+    attention and FFN, of up to MAX_ROWS sequences (`admit` turns away any model with other
+    blocks)."""
+
+    name = "c"
 
     def __init__(
         self,
@@ -287,7 +292,16 @@ class NativeBlocks:
         st.cos, st.sin = _ptr(cos), _ptr(sin)
         st.local_cos, st.local_sin = _ptr(lcos), _ptr(lsin)
 
-    def attention(self, index: int, h: np.ndarray) -> np.ndarray:
+    def supports(self, block: Block, batch: StepBatch) -> bool:
+        return block in ("attention", "ffn") and batch.rows and batch.size <= MAX_ROWS
+
+    def start_step(self, step: StepTables) -> None:
+        assert step.cos_sin_rows is not None, "a decode step's"
+        self.begin_step(step.batch, step.cos_sin_rows, step.local_cos_sin_rows)
+
+    def attention(self, index: int, h: Hidden, w: Weights | None = None) -> Hidden:
+        """Layer `index`'s attention partial for rows h (B, D); its weights are the ones this
+        was built on (`w` is not read)."""
         out = np.empty_like(h)
         self.lib.rows_attention(
             ctypes.byref(self.attention_args[index]), ctypes.byref(self.step),
@@ -295,7 +309,7 @@ class NativeBlocks:
         )  # fmt: skip
         return out
 
-    def ffn(self, index: int, h: np.ndarray) -> np.ndarray:
+    def ffn(self, index: int, h: Hidden, w: Weights | None = None) -> Hidden:
         out = np.empty_like(h)
         self.lib.rows_ffn(
             ctypes.byref(self.ffn_args[index]), ctypes.byref(self.step),

@@ -15,8 +15,10 @@ import torch
 from edgetp.models import native
 from edgetp.models.bundled import model_path
 from edgetp.models.config import ModelConfig
+from edgetp.models.config_files import config_from_gguf
 from edgetp.models.dtypes import AUTO, SOURCE_TYPES
 from edgetp.models.errors import ModelError
+from edgetp.models.families import family_of
 from edgetp.models.gguf_file import GGUFFile
 from edgetp.models.hf_source import _HF_LAYER as _HF_LAYER
 from edgetp.models.hf_source import HFSource as HFSource
@@ -29,9 +31,10 @@ from edgetp.models.layers import (
     ROUTER_BIAS,
     SHARED_ROUTER,
     SINKS,
+    expert_of,
 )
 from edgetp.models.quant import FORMATS
-from edgetp.models.source_base import GGUF_FUSED, expert_of, fused_rows
+from edgetp.models.source_base import GGUF_FUSED, fused_rows
 from edgetp.models.source_base import ModelSource as ModelSource
 from edgetp.models.tokenizer import Tokenizer
 
@@ -175,9 +178,9 @@ class GGUFSource(ModelSource):
                 self.file.tensor("rope_factors_short.weight").tolist(),
                 self.file.tensor("rope_factors_long.weight").tolist(),
             )
-        config = ModelConfig.from_gguf(self.file.metadata, str(path), tied, longrope)
+        config = config_from_gguf(self.file.metadata, str(path), tied, longrope)
         # what the file's tensors, not its keys, say of its family's fields
-        config = replace(config, **config.family.gguf_tensor_fields(config, self.file))
+        config = replace(config, **family_of(config).gguf_tensor_fields(config, self.file))
         # a llama's attention biases have no key: llama.cpp loads the tensors where they are
         self.config = replace(
             config,
@@ -205,7 +208,7 @@ class GGUFSource(ModelSource):
                 "current llama.cpp"
             )
         # llama.cpp's converter permutes Q/K rows for its interleaved RoPE for some families
-        self._permuted = self.config.family.gguf_permuted
+        self._permuted = family_of(self.config).gguf_permuted
         c = self.config
         # qwen35's value heads in the tiled order (`_tiled_order`), where heads share keys
         self._tiled = c.architecture in ("qwen35", "qwen35moe") and c.linear_group > 1
@@ -224,7 +227,7 @@ class GGUFSource(ModelSource):
 
     def _name(self, layer: int | None, name: str) -> str:
         c = self.config
-        own = c.family.gguf_name(c, layer, name)
+        own = family_of(c).gguf_name(c, layer, name)
         if own is not None:
             return own
         if layer is not None and self._next and name in ("ssm_b", "ssm_a"):

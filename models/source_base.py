@@ -11,9 +11,8 @@ import torch
 
 from edgetp.models.config import ModelConfig
 from edgetp.models.dtypes import embedding_dtype, fitting_dtype, matrix_dtype
+from edgetp.models.families import family_of
 from edgetp.models.layers import (
-    EXPERT_BIAS_TENSORS,
-    EXPERT_TENSORS,
     MATRICES,
     POST_NORM_TENSORS,
     POST_NORMS,
@@ -48,7 +47,7 @@ class ModelSource(ABC):
         """How the source stores a tensor: a GGUF type name, or F32, F16, BF16. `name` is a
         canonical layer tensor (`layer` its index) or, with `layer` None, "embedding",
         "lm_head", "final_norm", POST_NORMS or ROUTER."""
-        family = self.config.family
+        family = family_of(self.config)
         if layer is None and name in (POST_NORMS, ROUTER):
             return "F32"  # the master's, as float32
         if layer is None and family.gathered(name):
@@ -70,7 +69,7 @@ class ModelSource(ABC):
             return torch.stack(
                 [self.tensor(r // 2, POST_NORM_TENSORS[r % 2]) for r in range(start, stop)]
             )
-        family = self.config.family
+        family = family_of(self.config)
         gathered = family.global_rows(self, name, start, stop) if layer is None else None
         if gathered is not None:
             return gathered
@@ -109,13 +108,13 @@ class ModelSource(ABC):
     def shape(self, layer: int | None, name: str) -> tuple[int, ...]:
         c = self.config
         if layer is not None:
-            return full_layer_shapes(c.family.layer_config(c, layer), layer)[name]
+            return full_layer_shapes(family_of(c).layer_config(c, layer), layer)[name]
         if name == POST_NORMS:
             return (2 * c.n_layers, c.hidden)
         if name == ROUTER:
             return (c.n_layers * c.router_rows, c.router_columns)
-        if name in c.family.global_names(c):
-            return c.family.global_shape(c, name)
+        if name in family_of(c).global_names(c):
+            return family_of(c).global_shape(c, name)
         return (c.hidden,) if name == "final_norm" else (c.vocab_size, c.hidden)
 
     def tensor(self, layer: int | None, name: str, blocks: bool = False) -> torch.Tensor:
@@ -138,7 +137,7 @@ class ModelSource(ABC):
             + ([] if c.tied_embeddings else ["lm_head"])
             + ([POST_NORMS] if c.post_norms else [])
             + ([ROUTER] if c.moe else [])
-            + c.family.global_names(c)
+            + family_of(c).global_names(c)
         )
 
     def embedding(self) -> torch.Tensor:
@@ -200,13 +199,6 @@ HF_FUSED = {
     "gate": "mlp.gate_up_proj.weight",
     "up": "mlp.gate_up_proj.weight",
 }
-
-
-def expert_of(name: str) -> tuple[str, int] | None:
-    """("gate", 3) for canonical "gate.3": an expert's tensor; None for any other."""
-    base, _, expert = name.partition(".")
-    kinds = EXPERT_TENSORS + EXPERT_BIAS_TENSORS
-    return (base, int(expert)) if base in kinds and expert.isdigit() else None
 
 
 def fused_rows(config: ModelConfig, layer: int | None, name: str) -> int:

@@ -14,28 +14,26 @@ from edgetp.memory.experts import ExpertPool
 from edgetp.memory.shards import tensor_specs
 from edgetp.memory.window import LayerWindow, ResidentLayers
 from edgetp.models import rows_native
-from edgetp.models.block_math import attention_partial, ffn_partial
-from edgetp.models.block_rows import attention_rows, ffn_rows
+from edgetp.models.backends import (
+    BLOCKS,
+    Block,
+    BlockBackend,
+    Hidden,
+    RowBlocks,
+    StepTables,
+    TorchBlocks,
+    first_capable,
+)
 from edgetp.models.config import ModelConfig
+from edgetp.models.families import family_of
 from edgetp.models.kernels import SCALE_SUFFIX, leave_a_core_to_the_loader, linear_rows
 from edgetp.models.layers import MATRICES, Slice, StepBatch
-from edgetp.models.moe import Routing, expert_specs, moe_partial, moe_rows
+from edgetp.models.moe import Routing, expert_specs
 from edgetp.models.quant import matrix_size
 from edgetp.models.rope import Rope
 from edgetp.node.device import matrix_shapes, prepare
 from edgetp.node.kernel_table import Shape
 from edgetp.node.kvcache import KVCache
-
-# The hidden state, from the embedding to the final norm, on every node: float32 NumPy, rows
-# (B, D) in a decode step, (B, T, D) in any other. The prefill's layer math is torch's: it
-# converts at its edge (`_as_tensor`), without a copy where it may.
-Hidden = np.ndarray
-
-
-def _as_tensor(h: Hidden) -> torch.Tensor:
-    """A step's (B, T, D) for torch's layer math; a received message's read-only memory is
-    copied (torch may not share memory it must not write)."""
-    return torch.from_numpy(h if h.flags.writeable else h.copy())
 
 
 class SliceExecutor:
@@ -59,7 +57,7 @@ class SliceExecutor:
         self.config = config
         self.slice = s
         # each layer's shape and this slice's share of it (a family's may differ by layer)
-        self._views = [config.family.layer_view(config, s, i) for i in range(config.n_layers)]
+        self._views = [family_of(config).layer_view(config, s, i) for i in range(config.n_layers)]
         self.weights = weights
         # A slice that streams gives its loader a core (models/kernels.py says why).
         leave_a_core_to_the_loader(isinstance(weights, LayerWindow) and not weights.resident)
@@ -78,11 +76,14 @@ class SliceExecutor:
             "slots": cache.slots,
             "context": cache.max_context,
         }
-        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._cos_sin_rows: tuple[np.ndarray, np.ndarray] | None = None
-        self._local_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._local_cos_sin_rows: tuple[np.ndarray, np.ndarray] | None = None
         self._batch: StepBatch | None = None
+        # This device's ways of computing the blocks, the preferred first (models/backends.py):
+        # the C blocks where it admits them (`admit_native`), NumPy rows, torch for the rest.
+        self.backends: list[BlockBackend] = [
+            RowBlocks(config, s, cache.key_arrays, cache.value_arrays),
+            TorchBlocks(config, s, self._views, cache.keys, cache.values, cache.linear),
+        ]
+        self._chosen: dict[Block, BlockBackend] = {}  # the current step's backend of each block
         # A decode step's blocks in one C call each, where this device admitted them.
         self.native: rows_native.NativeBlocks | None = None
         self.native_step = False  # the current step runs on them
@@ -115,6 +116,8 @@ class SliceExecutor:
         self.native = rows_native.admit(
             self.config, self.slice, layers, self.cache.key_arrays, self.cache.value_arrays
         )
+        if self.native is not None:
+            self.backends.insert(0, self.native)
 
     def matrix_shapes(self) -> list[Shape]:
         """The (dtype, out, in) of the matrices this slice multiplies: what needs a kernel."""
@@ -129,97 +132,35 @@ class SliceExecutor:
         return shapes
 
     def begin_step(self, batch: StepBatch) -> None:
-        """Positions are the same for every layer of a step: look up RoPE tables once."""
+        """Positions are the same for every layer of a step: look up RoPE tables once; and
+        which backend computes each block in this step."""
         self._batch = batch
         if self.cache.linear is not None:
             self.cache.linear.begin_step(batch)
-        self._cos_sin_rows = self.rope.rows(batch.starts) if batch.rows else None
-        self._cos_sin = self.rope.tables(batch.positions())
-        if self.local_rope is not None:
-            self._local_cos_sin_rows = self.local_rope.rows(batch.starts) if batch.rows else None
-            self._local_cos_sin = self.local_rope.tables(batch.positions())
-        self.native_step = (
-            self.native is not None and batch.rows and batch.size <= rows_native.MAX_ROWS
+        local = self.local_rope
+        step = StepTables(
+            batch,
+            self.rope.tables(batch.positions()),
+            local.tables(batch.positions()) if local is not None else None,
+            self.rope.rows(batch.starts) if batch.rows else None,
+            local.rows(batch.starts) if local is not None and batch.rows else None,
         )
-        if self.native_step:
-            assert self.native is not None and self._cos_sin_rows is not None
-            local = self._local_cos_sin_rows if self.local_rope is not None else None
-            self.native.begin_step(batch, self._cos_sin_rows, local)
-
-    @property
-    def rows(self) -> bool:
-        """Whether the current step's hidden states are NumPy rows."""
-        assert self._batch is not None, "begin_step first"
-        return self._batch.rows
+        self._chosen = {block: first_capable(self.backends, block, batch) for block in BLOCKS}
+        for backend in dict.fromkeys(self._chosen.values()):
+            backend.start_step(step)
+        self.native_step = self.native is not None and self._chosen["ffn"] is self.native
 
     def attention(self, index: int, h: Hidden) -> Hidden:
-        assert self._batch is not None and self._cos_sin is not None, "begin_step first"
+        """The layer's first block: its attention, or its gated DeltaNet."""
+        assert self._batch is not None, "begin_step first"
         started = time.perf_counter()
         weights = self.weights.get(index)
-        window = self.config.sliding_window if self.config.is_local(index) else None
-        own_rope = self.config.own_rope(index)
         if self.config.is_linear(index):
-            out = self._linear(index, h, weights)
-        elif self.native_step:
-            assert self.native is not None
-            out = self.native.attention(index, h)
-        elif self._batch.rows and not self.config.value_norm:
-            cos_sin_rows = self._local_cos_sin_rows if own_rope else self._cos_sin_rows
-            assert cos_sin_rows is not None
-            out = attention_rows(
-                h,
-                weights,
-                self.slice,
-                self.config,
-                cos_sin_rows,
-                self.cache.key_arrays[index],
-                self.cache.value_arrays[index],
-                self._batch,
-                window,
-            )
-        else:  # value-normed or KV-sharing layers' decode steps too: the rows path has neither
-            cos_sin = self._local_cos_sin if own_rope else self._cos_sin
-            assert cos_sin is not None
-            cache = self.config.family.kv_source(self.config, index)  # its own, or a shared one
-            x = _as_tensor(h[:, None] if self._batch.rows else h)  # (B, T, D)
-            view, share = self._views[index]
-            with torch.inference_mode():
-                out = attention_partial(
-                    x,
-                    weights,
-                    share,
-                    view,
-                    cos_sin,
-                    self.cache.keys[cache],
-                    self.cache.values[cache],
-                    self._batch,
-                    window,
-                    shared_kv=cache != index,
-                ).numpy()
-            if self._batch.rows:
-                out = out[:, 0]
+            out = self._chosen["linear"].linear_attention(index, h, weights)
+        else:
+            out = self._chosen["attention"].attention(index, h, weights)
         self.weights.figures.compute_s += time.perf_counter() - started
         return out
-
-    def _linear(self, index: int, h: Hidden, weights: dict[str, torch.Tensor]) -> Hidden:
-        """A linear-attention layer's partial, from and into its states beside the KV cache, in
-        torch for any step: a decode step's rows (B, D) are one token a sequence."""
-        states = self.cache.linear
-        assert states is not None and self._batch is not None
-        with torch.inference_mode():
-            states.prepare(index, weights["conv"])
-            x = _as_tensor(h)
-            out, inputs, beta, g = self.config.family.linear_partial(
-                x.unsqueeze(1) if self._batch.rows else x,
-                weights,
-                self.slice,
-                self.config,
-                states.conv[index],
-                states.states[index],
-                self._batch,
-            )
-            states.finish(index, inputs, beta, g)
-        return out.reshape(h.shape).numpy()
 
     def ffn(self, index: int, h: Hidden, routing: Routing | None = None) -> Hidden:
         """The layer's second and last block: its weights may leave the window after this.
@@ -231,19 +172,10 @@ class SliceExecutor:
                 raise ValueError(f"layer {index}'s experts need the step's routing")
             if self.weights.experts is not None:
                 out = self._pooled_experts(index, h, weights, routing, self.weights.experts)
-            elif self.rows:
-                out = moe_rows(h, weights, self.config, routing)
             else:
-                with torch.inference_mode():
-                    out = moe_partial(_as_tensor(h), weights, self.config, routing).numpy()
-        elif self.native_step:
-            assert self.native is not None
-            out = self.native.ffn(index, h)
-        elif self.rows:
-            out = ffn_rows(h, weights, self.config)
+                out = self._chosen["experts"].experts(index, h, weights, routing)
         else:
-            with torch.inference_mode():
-                out = ffn_partial(_as_tensor(h), weights, self.config).numpy()
+            out = self._chosen["ffn"].ffn(index, h, weights)
         self.weights.release(index)
         self.weights.figures.compute_s += time.perf_counter() - started
         return out
@@ -261,6 +193,7 @@ class SliceExecutor:
         slot. Each partial is added once those of the experts below it are, so the sums are in
         the order of the experts held in memory (`models.moe`), whatever order the reads end
         in, and only partials computed ahead of that order are kept."""
+        backend = self._chosen["experts"]
         chosen = [int(e) for e in np.unique(routing.experts)]
         w = dense | pool.tensors[index]
         rows = h.reshape(-1, self.config.hidden)  # (N, D), the routing's tokens in order
@@ -278,12 +211,7 @@ class SliceExecutor:
                 routing.weights[tokens, which][:, None],
             )
             x = np.ascontiguousarray(rows[tokens])  # (n, D)
-            if self.rows:
-                ahead[e] = moe_rows(x, w, self.config, one)
-            else:
-                with torch.inference_mode():
-                    got = moe_partial(torch.from_numpy(x)[None], w, self.config, one)
-                ahead[e] = got[0].numpy()
+            ahead[e] = backend.experts(index, x, w, one)
             while next_e in ahead:
                 out[picked[next_e][0]] += ahead.pop(next_e)
                 next_e = next(to_add, None)
@@ -293,6 +221,7 @@ class SliceExecutor:
 
     def close(self) -> None:
         self.weights.close()
+        self.backends = [b for b in self.backends if b is not self.native]
         self.native = None  # its blocks hold the weights too
 
 
@@ -305,7 +234,7 @@ def make_executor(
     rope_freq_factors: torch.Tensor | None = None,
 ) -> SliceExecutor:
     """A slice's executor with its RoPE tables and an empty KV cache: the one way to build one."""
-    rope = Rope(config.family.rope_config(config), max_context, rope_freq_factors)
+    rope = Rope(family_of(config).rope_config(config), max_context, rope_freq_factors)
     local_rope = None
     if config.local_layers and config.local_rope_theta is not None:  # unscaled, own base
         local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)

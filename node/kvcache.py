@@ -9,6 +9,7 @@ import torch
 
 from edgetp.models.config import ModelConfig
 from edgetp.models.errors import ModelError
+from edgetp.models.families import family_of
 from edgetp.models.layers import Slice, StepBatch
 
 # Keys and values stay float32 whatever the weights' dtype: they are a small part of memory at
@@ -34,7 +35,7 @@ class KVCache:
         dtype: torch.dtype = KV_DTYPE,
     ) -> None:
         def shape(layer: int) -> tuple[int, ...]:  # (S, n_kv, positions, hd)
-            view, share = config.family.layer_view(config, s, layer)  # layers may differ
+            view, share = family_of(config).layer_view(config, s, layer)  # layers may differ
             return (slots, share.n_kv, positions(config, layer, max_context), view.head_dim)
 
         self.keys = [torch.zeros(shape(i), dtype=dtype) for i in range(config.n_layers)]
@@ -64,7 +65,7 @@ class KVCache:
 
 def _position_bytes(config: ModelConfig, s: Slice, layer: int, dtype: torch.dtype) -> int:
     """A slot's bytes of keys and values a position in `layer`'s cache."""
-    view, share = config.family.layer_view(config, s, layer)
+    view, share = family_of(config).layer_view(config, s, layer)
     return 2 * share.n_kv * view.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -72,7 +73,7 @@ def positions(config: ModelConfig, layer: int, max_context: int) -> int:
     """Positions a layer's cache holds: a local layer only its window, as a ring; a
     linear-attention layer none (its state is `LinearStates`'); a layer that reads another's
     none, and a local layer others read all of them (`Family.kv_source`)."""
-    family = config.family
+    family = family_of(config)
     if config.is_linear(layer) or family.shares_kv(config, layer):
         return 0
     whole = family.keeps_whole_context(config, layer)
@@ -123,7 +124,7 @@ class LinearStates:
 
     def __init__(self, config: ModelConfig, s: Slice, slots: int) -> None:
         self.config, self.slice = config, s
-        c = sum(config.family.linear_channels(config, s))
+        c = sum(family_of(config).linear_channels(config, s))
         nv, dk, dv = s.n_linear, config.linear_k_dim, config.linear_v_dim
         taps = max(config.linear_conv - 1, 0)
 
@@ -149,7 +150,7 @@ class LinearStates:
         kept step's inputs."""
         if not config.linear_layers:
             return 0
-        c, nv = sum(config.family.linear_channels(config, s)), s.n_linear
+        c, nv = sum(family_of(config).linear_channels(config, s)), s.n_linear
         state = nv * config.linear_k_dim * config.linear_v_dim + c * max(config.linear_conv - 1, 0)
         kept = KEPT_TOKENS * (c + 2 * nv)
         return 4 * len(config.linear_layers) * (3 * state + kept)
@@ -197,7 +198,8 @@ class LinearStates:
                 r = how.replay
                 kept = (self.kept_x[layer][slot, :r], self.kept_beta[layer][slot, :r],
                         self.kept_g[layer][slot, :r])  # fmt: skip
-                self.config.family.linear_recur(*kept, taps, conv, state, self.slice, self.config)
+                family = family_of(self.config)
+                family.linear_recur(*kept, taps, conv, state, self.slice, self.config)
             if how.keep:
                 self.kept_states[layer][slot].copy_(state)
                 self.kept_conv[layer][slot].copy_(conv)

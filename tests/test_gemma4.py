@@ -30,7 +30,7 @@ from test_families import (
 from edgetp.master.cluster.engine import Engine
 from edgetp.master.generation.generate import start, stream
 from edgetp.master.generation.params import SamplingParams
-from edgetp.models.config import ModelConfig
+from edgetp.models.config_files import config_from_hf
 from edgetp.models.errors import ModelError
 from edgetp.models.gemma4 import kv_source
 from edgetp.models.layers import Slice
@@ -388,7 +388,7 @@ GEMMA4_HF = {"architectures": ["Gemma4ForCausalLM"], **SMALL, "rms_norm_eps": 1e
 )
 def test_what_edgetp_cannot_run_yet_is_refused_with_why(change, named):
     with pytest.raises(ModelError, match=named):
-        ModelConfig.from_hf(GEMMA4_HF | change, "config.json")
+        config_from_hf(GEMMA4_HF | change, "config.json")
 
 
 @pytest.mark.parametrize("layers", [5, 10, 35])
@@ -402,7 +402,7 @@ def test_synth_gemma4_e2b_writes_the_tensors_transformers_holds(layers):
     from edgetp.master.bench.synth_models import SHAPES
 
     config = _layers_of(SHAPES["gemma4-e2b"], layers)
-    model = ModelConfig.from_hf(config, "config.json")
+    model = config_from_hf(config, "config.json")
     assert model.global_head_dim == 512 and model.wide_ffn == (layers > 5)
     assert model.kv_shared == {5: 0, 10: 5, 35: 20}[layers]
     values = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}

@@ -31,6 +31,7 @@ from test_families import (
 )
 
 from edgetp.master.cluster.engine import Engine
+from edgetp.models.config_files import config_from_gguf, config_from_hf
 from edgetp.models.layers import StepBatch
 from edgetp.models.moe import Routing, route
 from edgetp.models.source import _GGUF_LAYER, _HF_LAYER, open_model
@@ -433,10 +434,9 @@ class _Cache:
 
 
 def _config():
-    from edgetp.models.config import ModelConfig
 
     values = {"architectures": ["Qwen3MoeForCausalLM"], **SMALL_MOE}
-    return ModelConfig.from_hf(values, "config.json")
+    return config_from_hf(values, "config.json")
 
 
 @pytest.mark.parametrize(
@@ -461,10 +461,9 @@ def test_a_step_with_bad_routing_is_a_protocol_error(experts, weights, why):
 
 
 def test_a_step_of_a_shared_expert_carries_its_pieces():
-    from edgetp.models.config import ModelConfig
 
     values = {"architectures": ["Qwen2MoeForCausalLM"], **MODELS["qwen2moe"][1]}
-    config = ModelConfig.from_hf(values, "config.json")
+    config = config_from_hf(values, "config.json")
     assert (config.n_shared, config.n_stacked) == (2, 10)
     batch = StepBatch((0, 1), (3, 4), (1, 1))
     h = [np.zeros((2, config.hidden), np.float32)]
@@ -551,14 +550,13 @@ def test_kernels_are_prepared_for_one_expert_at_a_time(moe):
     ],
 )
 def test_an_unsupported_mixture_is_refused_in_one_line_naming_what_it_lacks(arch, lacks):
-    from edgetp.models.config import ModelConfig
     from edgetp.models.errors import ModelError
 
     with pytest.raises(ModelError) as refused:
         if arch[0].isupper():
-            ModelConfig.from_hf({"architectures": [arch]}, "config.json")
+            config_from_hf({"architectures": [arch]}, "config.json")
         else:
-            ModelConfig.from_gguf({"general.architecture": arch}, "model.gguf", tied=False)
+            config_from_gguf({"general.architecture": arch}, "model.gguf", tied=False)
     message = str(refused.value)
     assert f"{arch!r} is not supported (it needs {lacks}" in message
     assert "Mixtral (llama / MixtralForCausalLM)" in message and "\n" not in message
@@ -595,12 +593,11 @@ def test_synth_gpt_oss_20b_writes_every_tensor_its_reader_takes():
     so its plan is checked, not written), and the published config read as gpt-oss."""
     from edgetp.master.bench.synth import _shard_plan
     from edgetp.master.bench.synth_models import SHAPES
-    from edgetp.models.config import ModelConfig
     from edgetp.models.layers import ROUTER, ROUTER_BIAS, full_layer_shapes, layer_tensor_names
     from edgetp.models.source import hf_layer_name
 
     shape = SHAPES["gpt-oss-20b"]
-    config = ModelConfig.from_hf(shape, "gpt-oss-20b")
+    config = config_from_hf(shape, "gpt-oss-20b")
     assert (config.n_experts, config.n_experts_used, config.ffn_hidden) == (32, 4, 2880)
     assert config.local_layers == tuple(range(0, 24, 2)) and config.sliding_window == 128
     assert config.rope_scaling is not None and not config.rope_scaling.truncate
@@ -625,10 +622,9 @@ def test_the_c_blocks_are_not_admitted_for_gpt_oss():
     """gpt-oss decodes on the NumPy rows: the C blocks have neither its experts nor its sinks
     and O bias (a dense layer with them would be turned away as well)."""
     from edgetp.models import rows_native
-    from edgetp.models.config import ModelConfig
 
     values = {"architectures": ["GptOssForCausalLM"], **MODELS["gpt_oss"][1]}
-    config = ModelConfig.from_hf(values, "config.json")
+    config = config_from_hf(values, "config.json")
     assert "mixture of experts" in str(rows_native.unsupported(config, {}))
     dense = replace(config, n_experts=0, n_experts_used=0, router_bias=False, expert_bias=False)
     assert "attention sinks" in str(rows_native.unsupported(dense, {}))

@@ -20,7 +20,7 @@ from edgetp.master.generation.generate import start, stream
 from edgetp.master.generation.params import SamplingParams
 from edgetp.master.generation.prompts import prompt_tokens
 from edgetp.memory.shards import ShardStore
-from edgetp.models.config import ModelConfig
+from edgetp.models.config_files import config_from_hf
 from edgetp.models.errors import ModelError
 from edgetp.models.layers import StepBatch
 from edgetp.models.source import HFSource, open_model
@@ -218,7 +218,7 @@ def test_interrupted_write_leaves_nothing(tmp_path):
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_every_shape_is_a_config_edgetp_reads(name):
     shape = SHAPES[name]
-    config = ModelConfig.from_hf(shape, name)
+    config = config_from_hf(shape, name)
     assert config.n_layers == shape["num_hidden_layers"]
     assert config.head_dim == shape.get("head_dim", shape["hidden_size"] // config.n_heads)
     specials = tokenizer_style(name).specials
@@ -244,7 +244,7 @@ def test_a_mixture_shape_writes_every_tensor_its_family_is_read_by(name):
     from edgetp.models.layers import ROUTER, full_layer_shapes, layer_tensor_names
     from edgetp.models.source import hf_layer_name
 
-    config = ModelConfig.from_hf(SHAPES[name], name)
+    config = config_from_hf(SHAPES[name], name)
     written = {t.name: t.shape for specs in _shard_plan(SHAPES[name], 1).values() for t in specs}
     shapes = full_layer_shapes(config)
     for tensor in (*layer_tensor_names(config), ROUTER):

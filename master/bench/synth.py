@@ -31,7 +31,7 @@ import torch
 
 from edgetp.master.bench.synth_models import SHAPES, tokenizer_style
 from edgetp.memory.shards import write_safetensors
-from edgetp.models.config import ModelConfig
+from edgetp.models.config_files import config_from_hf
 from edgetp.models.errors import ModelError
 from edgetp.models.gguf_vocab import bytes_to_unicode
 from edgetp.models.layers import ROUTER, SHARED_ROUTER, expert_name
@@ -193,7 +193,7 @@ def _shard_plan(config: dict[str, Any], layers: int) -> dict[str, list[_TensorSp
     if config["architectures"][0] == "Gemma4ForCausalLM":
         return _gemma4_plan(_layers_of(config, layers), globals_, residual_std)
     files[f"model-{1:05d}-of-{count:05d}.safetensors"] = globals_
-    model = ModelConfig.from_hf(config, "config.json")
+    model = config_from_hf(config, "config.json")
     for i in range(layers):
         p = f"model.layers.{i}."
         mixer = _linear_attention if model.is_linear(i) else _attention
@@ -207,12 +207,12 @@ def _shard_plan(config: dict[str, Any], layers: int) -> dict[str, list[_TensorSp
 def _norm_std(config: dict[str, Any]) -> float | None:
     """What a norm's weights are drawn with: None, ones; 0, zeros, for a family whose norms
     scale by (1 + weight) (Qwen3.5's)."""
-    return 0.0 if ModelConfig.from_hf(config, "config.json").attention_gate else None
+    return 0.0 if config_from_hf(config, "config.json").attention_gate else None
 
 
 def _linear_attention(p: str, config: dict[str, Any], residual_std: float) -> list[_TensorSpec]:
     """A gated DeltaNet layer's tensors (Qwen3.5), as transformers names them."""
-    model = ModelConfig.from_hf(config, "config.json")
+    model = config_from_hf(config, "config.json")
     hidden, nv = model.hidden, model.linear_v_heads
     keys, values = model.linear_k_heads * model.linear_k_dim, nv * model.linear_v_dim
     la = p + "linear_attn."
@@ -239,7 +239,7 @@ def _attention(p: str, config: dict[str, Any], residual_std: float) -> list[_Ten
     qk_norm = config["architectures"][0].startswith("Qwen3")
     norm_std = _norm_std(config)
     norms = [_TensorSpec(p + f"self_attn.{n}_norm.weight", (head_dim,), norm_std) for n in "qk"]
-    gated = 2 if ModelConfig.from_hf(config, "config.json").attention_gate else 1
+    gated = 2 if config_from_hf(config, "config.json").attention_gate else 1
     biases = []
     if config.get("attention_bias"):  # gpt-oss: Q, K, V and O biases, and its sinks
         biases = [
@@ -264,7 +264,7 @@ def _ffn(p: str, config: dict[str, Any], residual_std: float) -> list[_TensorSpe
     family's files give them (`models.source.hf_layer_name`)."""
     hidden = config["hidden_size"]
     norm = _TensorSpec(p + "post_attention_layernorm.weight", (hidden,), _norm_std(config))
-    model = ModelConfig.from_hf(config, "config.json")
+    model = config_from_hf(config, "config.json")
     if not model.moe:
         ffn = config["intermediate_size"]
         return [
@@ -317,7 +317,7 @@ def _gemma4_plan(
     global layer's heads, a sharing layer without keys and values and with its wider FFN."""
     from edgetp.models import gemma4
 
-    model = ModelConfig.from_hf(config, "config.json")
+    model = config_from_hf(config, "config.json")
     d, n, ple = model.hidden, model.n_layers, model.ple_dim
     count = n + 1
     globals_ = globals_ + [

@@ -31,6 +31,7 @@ from edgetp.models.block_math import rms_norm
 from edgetp.models.block_rows import rms_norm_rows
 from edgetp.models.config import ModelConfig
 from edgetp.models.errors import ModelError
+from edgetp.models.families import family_of
 from edgetp.models.kernels import SCALE_SUFFIX, embed, kernel_set, linear, linear_rows
 from edgetp.models.layers import POST_NORMS, ROUTER, Slice, StepBatch, slice_layer
 from edgetp.models.moe import Routing, route
@@ -91,7 +92,7 @@ class Remote(Protocol):
 def _family_globals(g: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """The tensors of the model's family of the master's shard `g` (`Family.global_names`),
     with an int8 table's scales."""
-    names = config.family.global_names(config)
+    names = family_of(config).global_names(config)
     return {n: t for n, t in g.items() if n.removesuffix(SCALE_SUFFIX) in names}
 
 
@@ -116,7 +117,7 @@ class Engine:
         self.config = config
         # what the model's family computes between the layers' sums (models/family.py), with
         # the tensors it needs for it, the master's alone (Gemma 4's per-layer inputs, ...)
-        self.family = config.family
+        self.family = family_of(config)
         self.family_tensors = family_tensors or {}
         missing = set(self.family.global_names(config)) - set(self.family_tensors)
         if missing:
@@ -174,7 +175,7 @@ class Engine:
         for i in range(config.n_layers):
             full = source.layer(i)  # one full layer in memory at a time
             for layers, s in zip(per_slice, slices, strict=True):
-                view, share = config.family.layer_view(config, s, i)  # layers may differ
+                view, share = family_of(config).layer_view(config, s, i)  # layers may differ
                 layers.append(pack(slice_layer(view, full, share, i)))
             if progress:
                 progress(i + 1, config.n_layers)
@@ -187,7 +188,7 @@ class Engine:
         lm_head = embedding if config.tied_embeddings else pack({"head": source.lm_head()})["head"]
         post_norms = source.tensor(None, POST_NORMS) if config.post_norms else None
         router = source.tensor(None, ROUTER) if config.moe else None
-        extra = {n: source.tensor(None, n) for n in config.family.global_names(config)}
+        extra = {n: source.tensor(None, n) for n in family_of(config).global_names(config)}
         return cls(
             config,
             embedding,

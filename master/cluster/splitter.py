@@ -18,6 +18,7 @@ import torch
 from edgetp.memory.files import atomic_write
 from edgetp.memory.shards import Manifest, ShardRef, ShardStore, ShardWriter, Spec
 from edgetp.models.dtypes import DTYPE_CHOICES, EXACT_WIDENING, STAND_INS
+from edgetp.models.families import family_of
 from edgetp.models.kernels import dequantize, dtype_name, quantize
 from edgetp.models.layers import (
     POST_NORMS,
@@ -98,7 +99,7 @@ def split_model(
     stood_in: set[str] = set()  # matrices stored in a K-quant's stand-in, logged
     for i in range(config.n_layers):
         # a layer's kind (attention or linear attention) and its shape (the family's) cut it
-        cuts = [slice_parts(*config.family.layer_view(config, s, i), i) for s in slices]
+        cuts = [slice_parts(*family_of(config).layer_view(config, s, i), i) for s in slices]
         dtypes = source.matrix_dtypes(i, dtype)
         for m in dtypes.keys() - stood_in:
             if dtype in STAND_INS and dtypes[m] == STAND_INS[dtype]:
@@ -128,7 +129,7 @@ def split_model(
     # the norms and the router stay float32; POST_NORMS and ROUTER are 2-D, hence "f32" rather
     # than a vector's None
     norm_dtypes: dict[str, str | None] = {"final_norm": None, POST_NORMS: "f32", ROUTER: "f32"}
-    norm_dtypes |= config.family.global_dtypes(source, dtype)  # the family's, the master's
+    norm_dtypes |= family_of(config).global_dtypes(source, dtype)  # the family's, the master's
     whole = {
         n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), norm_dtypes.get(n, head))
         for n in source.global_names()

@@ -1,0 +1,83 @@
+"""Which backend computes each block (models/backends.py): the first of a device's order that
+says it does, the C blocks for a decode batch they hold, NumPy rows for the rest of a decode
+step, torch for any other step and for what the others lack."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from edgetp.memory.window import ResidentLayers
+from edgetp.models.backends import BLOCKS, BlockBackend, RowBlocks, TorchBlocks, first_capable
+from edgetp.models.config import ModelConfig
+from edgetp.models.layers import Slice, StepBatch, full_layer_shapes, slice_layer
+from edgetp.models.rows_native import MAX_ROWS, NativeBlocks
+from edgetp.node.executor import make_executor
+from edgetp.node.kvcache import KVCache
+
+BASE = ModelConfig(
+    architecture="llama", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16,
+    ffn_hidden=96, vocab_size=100, context_length=64, norm_eps=1e-5, rope_theta=10000.0,
+)  # fmt: skip
+WHOLE = Slice((0, 4), (0, 2), (0, 96))
+
+
+def _slice(config: ModelConfig, s: Slice, seed: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = full_layer_shapes(config)
+    full = [{n: torch.randn(shape, generator=gen) * 0.3 for n, shape in shapes.items()}
+            for _ in range(config.n_layers)]  # fmt: skip
+    return [slice_layer(config, layer, s) for layer in full]
+
+
+def _decode(rows: int) -> StepBatch:
+    return StepBatch(tuple(range(rows)), (3,) * rows, (1,) * rows)
+
+
+def _chosen(backends: list[BlockBackend], batch: StepBatch) -> dict[str, str]:
+    return {block: first_capable(backends, block, batch).name for block in BLOCKS}
+
+
+def test_each_block_runs_on_the_first_backend_that_computes_it() -> None:
+    cache = KVCache(BASE, WHOLE, MAX_ROWS + 1, 16)
+    layers = _slice(BASE, WHOLE, seed=0)
+    views = [(BASE, WHOLE)] * BASE.n_layers
+    device = [
+        NativeBlocks(BASE, WHOLE, layers, cache.key_arrays, cache.value_arrays),
+        RowBlocks(BASE, WHOLE, cache.key_arrays, cache.value_arrays),
+        TorchBlocks(BASE, WHOLE, views, cache.keys, cache.values, None),
+    ]
+    assert _chosen(device, _decode(MAX_ROWS)) == {
+        "attention": "c", "ffn": "c", "experts": "numpy", "linear": "torch",
+    }  # fmt: skip
+    assert _chosen(device, _decode(MAX_ROWS + 1)) == {
+        "attention": "numpy", "ffn": "numpy", "experts": "numpy", "linear": "torch",
+    }  # fmt: skip
+    prompt = StepBatch((0,), (0,), (5,))
+    assert set(_chosen(device, prompt).values()) == {"torch"}
+    # Gemma 4's attention (a value norm, KV shared across layers): torch's, in a decode step too
+    gemma4_like = replace(BASE, value_norm=True)
+    rows = RowBlocks(gemma4_like, WHOLE, cache.key_arrays, cache.value_arrays)
+    assert _chosen([rows, device[2]], _decode(1))["attention"] == "torch"
+
+
+def test_a_decode_step_computes_as_its_backends_do() -> None:
+    """The executor's partials for a decode step are those of the backend it chose: the same
+    numbers as calling that backend's math on the same state."""
+    layers = _slice(BASE, WHOLE, seed=1)
+    ours = make_executor(BASE, WHOLE, ResidentLayers(layers), 16, 2)
+    theirs = make_executor(BASE, WHOLE, ResidentLayers(layers), 16, 2)
+    rng = np.random.default_rng(0)
+    for pos in range(3):
+        batch = StepBatch((0, 1), (pos, pos), (1, 1))
+        ours.begin_step(batch)
+        theirs.begin_step(batch)
+        rows = theirs.backends[0]
+        assert isinstance(rows, RowBlocks)  # no C blocks admitted: NumPy's rows
+        for i in range(BASE.n_layers):
+            h = rng.standard_normal((2, BASE.hidden), dtype=np.float32)
+            w = layers[i]
+            assert np.array_equal(ours.attention(i, h), rows.attention(i, h, w))
+            assert np.array_equal(ours.ffn(i, h), rows.ffn(i, h, w))
