@@ -531,7 +531,7 @@ def gguf_fields(
         "global_head_dim": global_dim if global_dim != head_dim else None,
         "global_kv_heads": global_kv if kv_heads not in (None, global_kv) else None,
         "wide_ffn": wide,
-        # a mixture's dense MLP beside its experts (whose fields `ModelConfig.from_gguf` reads)
+        # a mixture's dense MLP beside its experts (whose fields config_from_gguf reads)
         "dense_ffn": width if metadata.get(f"{arch}.expert_count") else 0,
     }
     shape = {"head_dim": head_dim, "n_kv_heads": kv_heads or global_kv, "ffn_hidden": width}

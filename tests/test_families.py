@@ -18,6 +18,7 @@ from gguf_copy import write_shape
 from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.local import local_engine
 from edgetp.memory.budget import MemoryOptions
+from edgetp.models.config_files import config_from_hf
 from edgetp.models.layers import StepBatch
 from edgetp.models.source import _GGUF_LAYER, _HF_LAYER, open_model
 
@@ -388,19 +389,17 @@ def test_block_shards_split_across_real_nodes_equal_one_node(qwen3, dtype):
 def test_smollm3_leaves_unrotated_the_layers_transformers_does(values):
     import transformers
 
-    from edgetp.models.config import ModelConfig
 
     values = SMALL | {"num_hidden_layers": 8, **PHI_TOKENS} | values
     flags = transformers.SmolLM3Config(**values).no_rope_layers
-    config = ModelConfig.from_hf({"architectures": ["SmolLM3ForCausalLM"], **values}, "c.json")
+    config = config_from_hf({"architectures": ["SmolLM3ForCausalLM"], **values}, "c.json")
     assert config.unrotated_layers == tuple(i for i, rotated in enumerate(flags) if not rotated)
     assert config.unrotated_layers  # each case leaves some
 
 
 def test_smollm3_flags_for_other_layers_are_refused():
-    from edgetp.models.config import ModelConfig
     from edgetp.models.errors import ModelError
 
     values = {"architectures": ["SmolLM3ForCausalLM"], **SMALL, "no_rope_layers": [1, 0, 1]}
     with pytest.raises(ModelError, match="no_rope_layers has 3 flags for 2 layers"):
-        ModelConfig.from_hf(values, "config.json")
+        config_from_hf(values, "config.json")

@@ -50,6 +50,7 @@ from edgetp.master.cluster.session import Session
 from edgetp.master.generation.reuse import SlotPool, reusable
 from edgetp.memory.budget import MemoryOptions
 from edgetp.models.config import DEFAULT_MODEL
+from edgetp.models.config_files import config_from_hf
 from edgetp.models.errors import ModelError
 from edgetp.models.layers import Slice, StepBatch
 from edgetp.models.source import open_model
@@ -523,12 +524,11 @@ def test_the_synthetic_qwen35_shape_writes_every_tensor_its_layers_are_read_by()
     its plan is checked, not written)."""
     from edgetp.master.bench.synth import _shard_plan
     from edgetp.master.bench.synth_models import SHAPES
-    from edgetp.models.config import ModelConfig
     from edgetp.models.layers import ROUTER, SHARED_ROUTER, full_layer_shapes, layer_tensor_names
     from edgetp.models.source import hf_layer_name
 
     shape = SHAPES["qwen3.5-35b-a3b"]
-    config = ModelConfig.from_hf(shape, "qwen3.5-35b-a3b")
+    config = config_from_hf(shape, "qwen3.5-35b-a3b")
     assert len(config.linear_layers) == 30 and config.n_experts == 256 and config.n_shared == 1
     written = {t.name: t.shape for specs in _shard_plan(shape, 4).values() for t in specs}
     for layer in (0, 3):  # a DeltaNet layer, a full one
