@@ -513,10 +513,10 @@ def test_one_greedy_request_gives_the_same_text_through_every_api(oai, claude, o
 
 def test_a_forced_call_parses_through_every_api_for_prompts_of_one_batch(oai, claude):
     """Chat completions' required and named calls have the 50-prompt test above; here each
-    other API's forced choice (Responses required and named, Messages any and tool), five
+    other API's forced choice (Responses required and named, Messages any and tool), three
     prompts each, in one batch: the same grammar, so every call parses and validates."""
     prompts = [f"Will I need an umbrella in {c} in {i % 7 + 1} days?"
-               for i, c in enumerate(CITIES[:20])]  # fmt: skip
+               for i, c in enumerate(CITIES[:12])]  # fmt: skip
     named = {"type": "function", "name": "get_weather"}
     ways = [
         lambda p: next(o for o in oai.responses.create(
@@ -541,7 +541,7 @@ def test_a_forced_call_parses_through_every_api_for_prompts_of_one_batch(oai, cl
         calls = list(pool.map(lambda ip: ways[ip[0] % len(ways)](ip[1]), enumerate(prompts)))
     for arguments in calls:
         jsonschema.validate(json.loads(arguments), WEATHER)
-    assert len({json.loads(a)["city"] for a in calls}) > 15  # each prompt's own city, mostly
+    assert len({json.loads(a)["city"] for a in calls}) > 9  # each prompt's own city, mostly
 
 
 # -- malformed bodies, metrics ------------------------------------------------------------------
@@ -592,7 +592,7 @@ def test_the_fuzzed_routes_never_answer_5xx(base):
     sent = []
 
     @given(path=paths, body=st.dictionaries(keys, values, max_size=5))
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck),
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck),
               derandomize=True, database=None)  # fmt: skip
     def fuzz(path, body):
         body = {**body, "stream": False}  # what is generated is a few tokens at most
@@ -610,7 +610,7 @@ def test_the_fuzzed_routes_never_answer_5xx(base):
         assert reply.status_code < 500, (path, body, reply.text)
 
     fuzz()
-    assert len(sent) == 60
+    assert len(sent) == 40
 
 
 def test_metrics_count_each_route(base, ollama_client):
