@@ -14,8 +14,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from edgetp.master.bridge.auth import guard
@@ -27,11 +27,11 @@ from edgetp.master.bridge.core import (
     Text,
     chat_request,
     check_model,
-    collect,
     generate,
     prepare_chat,
     started,
     tool_definitions,
+    whole,
 )
 from edgetp.master.bridge.errors import ROUTE_REQUESTS, APIError
 from edgetp.master.bridge.request import warn_ignored
@@ -268,7 +268,7 @@ def router(served: Served, api_key: str | None) -> APIRouter:
     api = APIRouter(dependencies=guard(api_key, x_api_key=True), tags=["anthropic"])
 
     @api.post("/v1/messages")
-    async def messages(body: MessagesRequest) -> Any:
+    async def messages(body: MessagesRequest, request: Request) -> Any:
         """Anthropic's Messages: a reply to a conversation, in content blocks."""
         check_model(served, body.model)
         warn_ignored(body, "/v1/messages")
@@ -283,7 +283,10 @@ def router(served: Served, api_key: str | None) -> APIRouter:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        out, finish = await collect(parts)
+        collected = await whole(parts, request)
+        if collected is None:
+            return Response(status_code=499)
+        out, finish = collected
         content = [_block(p) for p in out if not isinstance(p, Text) or p.text.strip()]
         return JSONResponse({
             **head, "content": content, "stop_reason": STOP_REASONS[finish.reason],

@@ -29,6 +29,7 @@ from edgetp.master.bridge.answers import Answer, Choice, ChoiceEvent, sse, whole
 from edgetp.master.bridge.core import (
     Prepared,
     check_model,
+    disconnected,
     prepare_chat,
     prepare_text,
     queued,
@@ -241,7 +242,7 @@ async def _generate(
     queue, on_event = queued(served)
     ticket = submit(served, prepared, n, rid, on_event)
 
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -287,12 +288,6 @@ async def _generate(
         raise
     finally:
         gone.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read by then)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _next(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 
 from edgetp.master.bridge.errors import APIError, failure
 from edgetp.master.bridge.output import Part, Split
@@ -314,6 +315,26 @@ async def started(parts: AsyncGenerator[Out, None]) -> AsyncGenerator[Out, None]
             await parts.aclose()
 
     return rest()
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def whole(parts: AsyncIterator[Out], request: Request) -> tuple[list[Out], Finish] | None:
+    """`collect`, or None once the client has gone (its request is dropped then)."""
+    task = asyncio.ensure_future(collect(parts))
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()  # the generation's finally drops it from the batch
+        return None
+    finally:
+        gone.cancel()
 
 
 async def collect(parts: AsyncIterator[Out]) -> tuple[list[Out], Finish]:

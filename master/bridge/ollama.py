@@ -14,8 +14,8 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from edgetp.master.bridge.auth import guard
@@ -27,11 +27,11 @@ from edgetp.master.bridge.core import (
     Text,
     chat_request,
     check_model,
-    collect,
     generate,
     prepare_chat,
     prepare_text,
     started,
+    whole,
 )
 from edgetp.master.bridge.errors import ROUTE_REQUESTS, APIError
 from edgetp.master.bridge.request import CompletionRequest, warn_ignored
@@ -234,7 +234,7 @@ def router(served: Served, api_key: str | None) -> APIRouter:
             return
         check_model(served, model)
 
-    async def answer(body: Common, prepared: Any, chat: bool) -> Any:
+    async def answer(body: Common, prepared: Any, chat: bool, request: Request) -> Any:
         started_ns = time.perf_counter_ns()
         rid = f"ollama-{started_ns}"
         parts = await started(generate(served, prepared, rid))
@@ -242,7 +242,10 @@ def router(served: Served, api_key: str | None) -> APIRouter:
             return StreamingResponse(
                 _ndjson(body.model, parts, chat, started_ns), media_type="application/x-ndjson"
             )
-        out, finish = await collect(parts)
+        collected = await whole(parts, request)
+        if collected is None:
+            return Response(status_code=499)
+        out, finish = collected
         text = "".join(p.text for p in out if isinstance(p, Text))
         thinking = "".join(p.text for p in out if isinstance(p, Reasoning))
         head = {"model": body.model, "created_at": _now(), "done": True,
@@ -259,16 +262,16 @@ def router(served: Served, api_key: str | None) -> APIRouter:
         return JSONResponse({**head, "message": message})
 
     @api.post("/api/chat")
-    async def chat(body: ChatRequest) -> Any:
+    async def chat(body: ChatRequest, request: Request) -> Any:
         """Ollama's chat: a reply to messages, streamed as NDJSON unless stream is false."""
         check(body.model)
         warn_ignored(body, "/api/chat")
         fields = chat_fields(body, served.tokenizer.chat_template)
         prepared = await prepare_chat(served, chat_request(fields, "messages"))
-        return await answer(body, prepared, True)
+        return await answer(body, prepared, True, request)
 
     @api.post("/api/generate")
-    async def generate_(body: GenerateRequest) -> Any:
+    async def generate_(body: GenerateRequest, request: Request) -> Any:
         """Ollama's generate: a prompt under the chat template (or raw), its continuation."""
         check(body.model)
         warn_ignored(body, "/api/generate")
@@ -284,13 +287,13 @@ def router(served: Served, api_key: str | None) -> APIRouter:
             if "max_tokens" not in fields:  # Ollama's default: up to the context
                 room = served.batcher.max_context - len(prepared.prompt)
                 prepared = replace(prepared, params=replace(prepared.params, max_tokens=room))
-            return await answer(body, prepared, False)
+            return await answer(body, prepared, False, request)
         messages = [{"role": "user", "content": body.prompt}]
         if body.system:
             messages.insert(0, {"role": "system", "content": body.system})
         fields = {"messages": messages, **_sampling(body), **_format(body)}
         prepared = await prepare_chat(served, chat_request(fields, "prompt"))
-        return await answer(body, prepared, False)
+        return await answer(body, prepared, False, request)
 
     def details() -> dict[str, Any]:
         return {"parent_model": "", "format": "gguf", "family": "", "families": [],

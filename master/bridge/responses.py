@@ -22,8 +22,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from edgetp.master.bridge.auth import guard
@@ -35,11 +35,11 @@ from edgetp.master.bridge.core import (
     Text,
     chat_request,
     check_model,
-    collect,
     generate,
     prepare_chat,
     started,
     tool_definitions,
+    whole,
 )
 from edgetp.master.bridge.errors import ROUTE_REQUESTS, APIError
 from edgetp.master.bridge.request import warn_ignored
@@ -446,7 +446,7 @@ def router(served: Served, api_key: str | None) -> APIRouter:
             yield event("error", code=error.code, message=error.message, param=error.param)
 
     @api.post("/v1/responses")
-    async def create(body: ResponsesRequest) -> Any:
+    async def create(body: ResponsesRequest, request: Request) -> Any:
         """OpenAI's Responses: a reply to input items, as output items."""
         check_model(served, body.model)
         warn_ignored(body, "/v1/responses")
@@ -465,7 +465,10 @@ def router(served: Served, api_key: str | None) -> APIRouter:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        out, finish = await collect(parts)
+        collected = await whole(parts, request)
+        if collected is None:
+            return Response(status_code=499)
+        out, finish = collected
         kept = [p for p in out if not isinstance(p, Text) or p.text.strip()]
         output = [_item(p, rid, i) for i, p in enumerate(kept)]
         done = response(body, rid, created, "completed", output, finish)
