@@ -1,7 +1,9 @@
 """Structured output and tools through the clients people use, unmodified, against a real
-`edgetp serve` on the bundled SmolLM2: the `openai` client (create, parse, stream), instructor,
-LangChain's ChatOpenAI and LlamaIndex's OpenAILike. One node: what is tested is the bridge and
-the master's grammar mask, which a split does not change.
+`edgetp serve` on the bundled SmolLM2: the `openai` client (chat completions create, parse,
+stream; Responses create and stream), instructor, LangChain's ChatOpenAI, LlamaIndex's
+OpenAILike, the `anthropic` client (Messages) and the `ollama` client. One node: what is tested
+is the bridge and the master's grammar mask, which a split does not change. One server for the
+module, small max_tokens: the suite's time is a budget.
 
 SmolLM2's chat template shows no tools, so these run the Hermes system prompt and format
 (master/bridge/tools.py); a forced call and a JSON schema are grammars, so even this 135M model
@@ -15,8 +17,11 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
+import anthropic
+import httpx
 import instructor
 import jsonschema
+import ollama
 import openai
 import pytest
 from langchain_core.tools import tool
@@ -24,6 +29,7 @@ from langchain_openai import ChatOpenAI
 from llama_index.core.llms import ChatMessage as LlamaMessage
 from llama_index.core.tools import FunctionTool
 from llama_index.llms.openai_like import OpenAILike
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from edgetp.master.bridge.client import start_server
@@ -331,3 +337,290 @@ def test_llama_index_calls_a_required_tool_and_fills_a_model(llama_index_llm):
     structured = llama_index_llm.as_structured_llm(Person)
     answer = structured.chat([LlamaMessage(role="user", content=ANN[0]["content"])])
     assert answer.raw == Person(name="Ann", age=31, role="engineer")
+
+
+# -- the other APIs: Anthropic's Messages, OpenAI's Responses, Ollama's /api -------------------
+# Each through its own client against the same server. They share one generation core
+# (master/bridge/core.py): one greedy request gives the same text through each, and a forced
+# call (required, any, a named tool) is the grammar's through each.
+ASKED = "What is the weather in Oslo?"
+# The anthropic client has no sampling arguments any more (Anthropic's API keeps temperature,
+# top_p and top_k): greedy goes in the body.
+GREEDY = {"temperature": 0}
+WEATHER_DESCRIPTION = GET_WEATHER["function"]["description"]
+
+
+@pytest.fixture(scope="module")
+def base(bridge):
+    return bridge.base
+
+
+@pytest.fixture(scope="module")
+def claude(base):
+    return anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def oai(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ollama_client(base):
+    return ollama.Client(host=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+
+ANTHROPIC_TOOL = {
+    "name": "get_weather",
+    "description": WEATHER_DESCRIPTION,
+    "input_schema": WEATHER,
+}
+RESPONSES_TOOL = {"type": "function", **GET_WEATHER["function"]}
+
+
+# -- Anthropic's Messages -----------------------------------------------------------------------
+def test_anthropic_messages_create_and_stream_a_tool_call_and_its_result(claude):
+    asked = [{"role": "user", "content": ASKED}]
+    fields = {"model": MODEL, "max_tokens": CALL_TOKENS, "tools": [ANTHROPIC_TOOL],
+              "extra_body": GREEDY, "messages": asked}  # fmt: skip
+    made = claude.messages.create(**fields, tool_choice={"type": "any"})
+    assert made.stop_reason == "tool_use" and made.role == "assistant"
+    [use] = [b for b in made.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.id.startswith("toolu_")
+    jsonschema.validate(use.input, WEATHER)
+    assert use.input["city"] == "Oslo"
+    assert made.usage.input_tokens > 20 and made.usage.output_tokens > 5
+    with claude.messages.stream(**fields, tool_choice={"type": "tool", "name": "get_weather"}) as s:
+        kinds = [e.type for e in s]
+        streamed = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_start" in kinds and "input_json" in kinds
+    [streamed_use] = [b for b in streamed.content if b.type == "tool_use"]
+    assert streamed_use.input == use.input and streamed.stop_reason == "tool_use"
+    # The call and its result go back; the model answers in text (system as blocks).
+    answer = claude.messages.create(
+        model=MODEL, max_tokens=16, extra_body=GREEDY, tools=[ANTHROPIC_TOOL],
+        system=[{"type": "text", "text": "You are brief."}],
+        messages=[*asked, {"role": "assistant", "content": made.content},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                "content": "18 C and sunny"}]}],
+    )  # fmt: skip
+    assert answer.content[0].type == "text" and answer.content[0].text
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    assert answer.usage.input_tokens > made.usage.input_tokens + 20
+    counted = claude.messages.count_tokens(model=MODEL, messages=asked, tools=[ANTHROPIC_TOOL])
+    assert counted.input_tokens == made.usage.input_tokens
+
+
+def test_anthropic_errors_and_key_are_anthropics(base):
+    reply = httpx.post(f"{base}/v1/messages", json={"model": MODEL, "messages": []},
+                       headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"})  # fmt: skip
+    body = reply.json()
+    assert reply.status_code == 400 and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in body["error"]["message"] or "messages" in body["error"]["message"]
+    wrong = httpx.post(f"{base}/v1/messages", json={}, headers={"x-api-key": "nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    assert "x-api-key" in wrong.json()["error"]["message"]
+
+
+# -- OpenAI's Responses -------------------------------------------------------------------------
+def test_responses_create_and_stream_a_function_call_then_go_on_from_it(oai):
+    fields = {"model": MODEL, "input": ASKED, "tools": [RESPONSES_TOOL], "temperature": 0,
+              "max_output_tokens": CALL_TOKENS}  # fmt: skip
+    made = oai.responses.create(**fields, tool_choice="required")
+    [call] = [o for o in made.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    arguments = json.loads(call.arguments)
+    jsonschema.validate(arguments, WEATHER)
+    assert made.status == "completed" and made.usage.input_tokens > 20
+    named = {"type": "function", "name": "get_weather"}
+    with oai.responses.stream(**fields, tool_choice=named) as stream:
+        kinds = [e.type for e in stream]
+        streamed = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in kinds
+    assert "response.output_item.added" in kinds and "response.output_item.done" in kinds
+    [streamed_call] = [o for o in streamed.output if o.type == "function_call"]
+    assert streamed_call.arguments == call.arguments
+    # The result, on top of the stored response; instructions; a text answer.
+    answer = oai.responses.create(
+        model=MODEL, previous_response_id=made.id, instructions="Answer briefly.",
+        input=[{"type": "function_call_output", "call_id": call.call_id,
+                "output": "18 C and sunny"}],
+        tools=[RESPONSES_TOOL], max_output_tokens=12, temperature=0,
+    )  # fmt: skip
+    assert answer.output_text and answer.output[0].type == "message"
+    assert answer.usage.input_tokens > made.usage.input_tokens + 20
+    assert oai.responses.retrieve(answer.id).output_text == answer.output_text
+    oai.responses.delete(answer.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(answer.id)
+
+
+def test_responses_text_format_is_json_that_validates(oai):
+    person = {"type": "object", "properties": {"name": {"type": "string"},
+              "age": {"type": "integer"}}, "required": ["name", "age"]}  # fmt: skip
+    made = oai.responses.create(
+        model=MODEL, input="Ann is 31. Give her name and age.", max_output_tokens=30,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "person", "schema": person}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(made.output_text), person)
+
+
+# -- Ollama -------------------------------------------------------------------------------------
+def test_ollama_chat_streams_and_calls_a_tool(ollama_client):
+    asked = [{"role": "user", "content": "Say hello."}]
+    options = {"num_predict": 8, "temperature": 0}
+    whole = ollama_client.chat(model=MODEL, messages=asked, options=options)
+    assert whole.done and whole.message.role == "assistant" and whole.message.content
+    assert whole.eval_count == 8 and whole.done_reason == "length"
+    pieces = list(ollama_client.chat(model=MODEL, messages=asked, options=options, stream=True))
+    assert pieces[-1].done and all(not p.done for p in pieces[:-1])
+    assert "".join(p.message.content for p in pieces) == whole.message.content
+    person = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    shaped = ollama_client.chat(
+        model=MODEL,
+        format=person,
+        options={"num_predict": 20, "temperature": 0},
+        messages=[{"role": "user", "content": "Ann is 31. Her name?"}],
+    )
+    jsonschema.validate(json.loads(shaped.message.content), person)
+    generated = ollama_client.generate(model=MODEL, prompt="Say hello.", options=options)
+    assert generated.response == whole.message.content
+    [listed] = ollama_client.list().models
+    assert listed.model.endswith(".gguf")
+    assert "tools" in ollama_client.show(MODEL).capabilities and ollama_client.ps().models
+
+
+# -- one core -----------------------------------------------------------------------------------
+def test_one_greedy_request_gives_the_same_text_through_every_api(oai, claude, ollama_client):
+    asked = [{"role": "user", "content": "Name three colors."}]
+    tokens = 12
+    chat = oai.chat.completions.create(model=MODEL, messages=asked, max_tokens=tokens,
+                                       temperature=0).choices[0].message.content  # fmt: skip
+    responses = oai.responses.create(model=MODEL, input=asked, max_output_tokens=tokens,
+                                     temperature=0).output_text  # fmt: skip
+    messages = claude.messages.create(model=MODEL, messages=asked, max_tokens=tokens,
+                                      extra_body=GREEDY).content[0].text  # fmt: skip
+    ollama_chat = ollama_client.chat(
+        model=MODEL, messages=asked, options={"num_predict": tokens, "temperature": 0}
+    ).message.content
+    assert chat and chat == responses == messages == ollama_chat
+
+
+def test_a_forced_call_parses_through_every_api_for_prompts_of_one_batch(oai, claude):
+    """Chat completions' required and named calls have the 50-prompt test above; here each
+    other API's forced choice (Responses required and named, Messages any and tool), three
+    prompts each, in one batch: the same grammar, so every call parses and validates."""
+    prompts = [f"Will I need an umbrella in {c} in {i % 7 + 1} days?"
+               for i, c in enumerate(CITIES[:12])]  # fmt: skip
+    named = {"type": "function", "name": "get_weather"}
+    ways = [
+        lambda p: next(o for o in oai.responses.create(
+            model=MODEL, input=p, max_output_tokens=CALL_TOKENS, temperature=0,
+            tools=[RESPONSES_TOOL], tool_choice=named,
+        ).output if o.type == "function_call").arguments,
+        lambda p: next(o for o in oai.responses.create(
+            model=MODEL, input=p, max_output_tokens=CALL_TOKENS, temperature=0,
+            tools=[RESPONSES_TOOL], tool_choice="required",
+        ).output if o.type == "function_call").arguments,
+        lambda p: json.dumps(next(b for b in claude.messages.create(
+            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=CALL_TOKENS,
+            extra_body=GREEDY, tools=[ANTHROPIC_TOOL], tool_choice={"type": "any"},
+        ).content if b.type == "tool_use").input),
+        lambda p: json.dumps(next(b for b in claude.messages.create(
+            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=CALL_TOKENS,
+            extra_body=GREEDY, tools=[ANTHROPIC_TOOL],
+            tool_choice={"type": "tool", "name": "get_weather"},
+        ).content if b.type == "tool_use").input),
+    ]  # fmt: skip
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        calls = list(pool.map(lambda ip: ways[ip[0] % len(ways)](ip[1]), enumerate(prompts)))
+    for arguments in calls:
+        jsonschema.validate(json.loads(arguments), WEATHER)
+    assert len({json.loads(a)["city"] for a in calls}) > 9  # each prompt's own city, mostly
+
+
+# -- malformed bodies, metrics ------------------------------------------------------------------
+MALFORMED = [
+    ("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+     "max_tokens"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]},
+     "messages.0.role"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                      "tool_choice": {"type": "maybe"}}, "tool_choice"),
+    ("/v1/messages/count_tokens", {"messages": "hi"}, "messages"),
+    ("/v1/responses", {"model": MODEL}, "input"),
+    ("/v1/responses", {"input": [{"type": "image_call"}]}, "input.0.type"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ("/v1/responses", {"input": [{"role": "user", "content": 5}]}, "input.0.content"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_gone"},
+     "previous_response_id"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ("/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                   "options": {"top_p": 2}}, "options.top_p"),
+    ("/api/generate", {"model": MODEL, "prompt": 5}, "prompt"),
+    ("/api/chat", {"model": MODEL, "messages": [{"role": "user"}], "format": 7}, "format"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "field"), MALFORMED)
+def test_a_malformed_body_is_a_4xx_that_names_the_field(base, path, body, field):
+    reply = httpx.post(f"{base}{path}", json=body,
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30)  # fmt: skip
+    assert 400 <= reply.status_code < 500, reply.text
+    assert field in reply.text, reply.text
+
+
+def test_the_fuzzed_routes_never_answer_5xx(base):
+    """Bodies of every JSON shape at the new routes: a 4xx or an answer, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    leaf = st.none() | st.booleans() | st.integers(-3, 3) | st.floats(-2, 2) | st.text(max_size=4)
+    values = st.recursive(leaf, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                          max_leaves=8)  # fmt: skip
+    keys = st.sampled_from(["model", "messages", "input", "max_tokens", "max_output_tokens",
+                            "tools", "tool_choice", "system", "options", "format", "prompt",
+                            "text", "stream", "stop_sequences", "instructions"])  # fmt: skip
+    paths = st.sampled_from(["/v1/messages", "/v1/responses", "/api/chat", "/api/generate",
+                             "/v1/messages/count_tokens"])  # fmt: skip
+    sent = []
+
+    @given(path=paths, body=st.dictionaries(keys, values, max_size=5))
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck),
+              derandomize=True, database=None)  # fmt: skip
+    def fuzz(path, body):
+        body = {**body, "stream": False}  # what is generated is a few tokens at most
+        if not (isinstance(body.get("max_output_tokens"), int) and body["max_output_tokens"] < 3):
+            body["max_output_tokens"] = 2
+        options = body.get("options")
+        body["options"] = {**(options if isinstance(options, dict) else {}), "num_predict": 2}
+        sent.append(path)
+        reply = httpx.post(
+            f"{base}{path}",
+            json=body,
+            timeout=30,
+            headers={"Authorization": f"Bearer {KEY}", "x-api-key": KEY},
+        )
+        assert reply.status_code < 500, (path, body, reply.text)
+
+    fuzz()
+    assert len(sent) == 40
+
+
+def test_metrics_count_each_route(base, ollama_client):
+    ollama_client.list()
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    counted = {
+        (s.labels["route"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "edgetp_http_requests_total"
+    }
+    assert counted[("/api/tags", "200")] >= 1
+    assert any(route == "/v1/messages" and status == "400" for route, status in counted)

@@ -77,11 +77,29 @@ OPERATIONS = [
 ]
 
 
+# Anthropic's, Responses' and Ollama's routes: fuzzed with their clients' server in
+# tests/test_bridge_apis.py (bodies of every JSON shape, never a 5xx; malformed ones name the
+# field), where a valid body is not refused for lack of a schema here.
+FUZZED_WITH_THEIR_CLIENTS = {
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
+    ("POST", "/api/chat"),
+    ("POST", "/api/generate"),
+    ("POST", "/api/show"),
+    ("GET", "/api/tags"),
+    ("GET", "/api/ps"),
+    ("GET", "/api/version"),
+}
+
+
 def test_every_operation_is_fuzzed(api_schema):
     served = {
         (m.upper(), path) for path, ops in api_schema.raw_schema["paths"].items() for m in ops
     }
-    assert served == {(method, path) for method, path, _ in OPERATIONS}
+    assert served - FUZZED_WITH_THEIR_CLIENTS == {(method, path) for method, path, _ in OPERATIONS}
 
 
 @pytest.mark.parametrize(

@@ -19,10 +19,10 @@ from edgetp.master.bridge.output import Part, Split, Splitter
 from edgetp.master.bridge.request import ChatCompletionRequest
 from edgetp.master.bridge.tool_calls import (
     FORMATS,
+    BareJsonCall,
+    BracketedCalls,
     Function,
-    Hermes,
-    Llama3Json,
-    Mistral,
+    TaggedCalls,
     format_for,
 )
 from edgetp.master.bridge.tools import (
@@ -148,11 +148,11 @@ LLAMA_CALLS = (
 @pytest.mark.parametrize(
     ("fmt", "text", "content"),
     [
-        (Hermes(), HERMES_CALLS, "Let me look.\n"),
-        (Hermes(), f"<tool_call>\n{json.dumps(WEATHER_CALL)}\n</tool_", ""),
-        (Llama3Json(), LLAMA_CALLS, ""),
-        (Mistral(), f"[TOOL_CALLS]{json.dumps([WEATHER_CALL, TIME_CALL])}", ""),
-        (Mistral(), f"[TOOL_CALLS]get_weather[ARGS]{json.dumps(ARGS)}"
+        (TaggedCalls(), HERMES_CALLS, "Let me look.\n"),
+        (TaggedCalls(), f"<tool_call>\n{json.dumps(WEATHER_CALL)}\n</tool_", ""),
+        (BareJsonCall(), LLAMA_CALLS, ""),
+        (BracketedCalls(), f"[TOOL_CALLS]{json.dumps([WEATHER_CALL, TIME_CALL])}", ""),
+        (BracketedCalls(), f"[TOOL_CALLS]get_weather[ARGS]{json.dumps(ARGS)}"
                     "[TOOL_CALLS]get_time[ARGS]{}", ""),
     ],
     ids=["hermes", "hermes-cut-in-its-closing-mark", "llama3", "mistral", "mistral-v11"],
@@ -168,10 +168,10 @@ def test_each_family_calls_are_read_as_they_stream(smollm2_tokenizer, fmt, text,
 @pytest.mark.parametrize(
     ("fmt", "text"),
     [
-        (Hermes(), "<tool_call>\nnot json\n</tool_call> and more"),
-        (Llama3Json(), '{"a json answer": "not a call"}'),
-        (Llama3Json(), '{"name": "Ann", "age": 31}'),
-        (Mistral(), "[TOOL_CALLS] never mind"),
+        (TaggedCalls(), "<tool_call>\nnot json\n</tool_call> and more"),
+        (BareJsonCall(), '{"a json answer": "not a call"}'),
+        (BareJsonCall(), '{"name": "Ann", "age": 31}'),
+        (BracketedCalls(), "[TOOL_CALLS] never mind"),
     ],
 )
 def test_what_looks_like_a_call_but_does_not_parse_stays_text(smollm2_tokenizer, fmt, text):
@@ -181,13 +181,13 @@ def test_what_looks_like_a_call_but_does_not_parse_stays_text(smollm2_tokenizer,
 def test_a_call_written_while_reasoning_is_reasoning(smollm2_tokenizer):
     call = json.dumps({"name": "get_weather", "arguments": ARGS})
     text = f"<think>Maybe <tool_call>{call}</tool_call>?</think>\n<tool_call>{call}</tool_call>"
-    parts = split_every_way(smollm2_tokenizer, text, calls=Hermes(), reasoning=True)
+    parts = split_every_way(smollm2_tokenizer, text, calls=TaggedCalls(), reasoning=True)
     assert parts == {
         "content": "",
         "reasoning": f"Maybe <tool_call>{call}</tool_call>?",
         "calls": [("get_weather", ARGS)],
     }
-    assert Llama3Json().read(' {"name": "f", "parameters": {}} x') is None  # text after a call
+    assert BareJsonCall().read(' {"name": "f", "parameters": {}} x') is None  # text after a call
 
 
 def test_a_prompt_that_opens_a_think_block_starts_the_answer_in_it(smollm2_tokenizer):
@@ -200,10 +200,10 @@ def test_a_prompt_that_opens_a_think_block_starts_the_answer_in_it(smollm2_token
 @pytest.mark.parametrize(
     ("template", "family"),
     [
-        ("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}", Mistral),
-        ("{% if tools %}<tool_call>{% endif %}", Hermes),
-        ('<|start_header_id|>ipython{{ "parameters" }}<|python_tag|>', Llama3Json),
-        ("{{ messages }}", Hermes),  # shows no format: the one edgetp describes
+        ("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}", BracketedCalls),
+        ("{% if tools %}<tool_call>{% endif %}", TaggedCalls),
+        ('<|start_header_id|>ipython{{ "parameters" }}<|python_tag|>', BareJsonCall),
+        ("{{ messages }}", TaggedCalls),  # shows no format: the one edgetp describes
     ],
 )
 def test_the_family_is_the_templates(template, family):
@@ -278,7 +278,7 @@ def test_a_request_without_tools_has_the_prompt_it_had(smollm2_tokenizer):
     ]
     ours = chat_prompt(smollm2_tokenizer, body.messages, None, None)
     assert ours == chat_tokens(smollm2_tokenizer, as_before)
-    assert answer_grammar(body, None, Hermes(), smollm2_tokenizer) == (None, "response_format")
+    assert answer_grammar(body, None, TaggedCalls(), smollm2_tokenizer) == (None, "response_format")
 
 
 ROUND_TRIP = [
@@ -336,7 +336,7 @@ def test_a_template_with_tools_renders_them_as_transformers_does(smollm2_tokeniz
     chat_utils = pytest.importorskip("transformers.utils.chat_template_utils")
     tokenizer = copy.copy(smollm2_tokenizer)
     tokenizer.chat_template = TOOLS_TEMPLATE
-    assert renders_tools(TOOLS_TEMPLATE) and isinstance(call_format(TOOLS_TEMPLATE), Hermes)
+    assert renders_tools(TOOLS_TEMPLATE) and isinstance(call_format(TOOLS_TEMPLATE), TaggedCalls)
     body = request(messages=ROUND_TRIP, tools=[TOOL])
     ours = tokenizer.decode(chat_prompt(tokenizer, body.messages, tool_use(body), None))
     theirs = copy.deepcopy(ROUND_TRIP)
@@ -355,16 +355,16 @@ def test_auto_with_a_response_format_takes_the_json_or_a_call(smollm2_tokenizer)
     form = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
     body = request(tools=[TOOL], response_format=form)
     use = tool_use(body)
-    grammar, field = answer_grammar(body, use, Hermes(), smollm2_tokenizer)
+    grammar, field = answer_grammar(body, use, TaggedCalls(), smollm2_tokenizer)
     assert field == "tools" and grammar is not None
 
     def takes(text: str) -> bool:
         tokens = smollm2_tokenizer.encode(text, add_bos=False)
         return Constraint(smollm2_tokenizer, grammar).allowed_prefix(tokens) == tokens
 
-    assert takes('{"answer": "18 C"}') and takes(Hermes().write([("get_weather", ARGS)]))
+    assert takes('{"answer": "18 C"}') and takes(TaggedCalls().write([("get_weather", ARGS)]))
     assert not takes('{"answer": "18 C", "more": 1}')  # closed, as the schema lists its keys
     assert not takes("It is 18 C.")
     required = request(tools=[TOOL], response_format=form, tool_choice="required")
-    forced, _ = answer_grammar(required, tool_use(required), Hermes(), smollm2_tokenizer)
+    forced, _ = answer_grammar(required, tool_use(required), TaggedCalls(), smollm2_tokenizer)
     assert forced is not None and forced.startswith("start: calls\n")

@@ -1,4 +1,6 @@
-"""The REST bridge: OpenAI's chat and completions API over the master's generation loop.
+"""The REST bridge: OpenAI's chat completions and completions (here), Responses (responses.py),
+Anthropic's Messages (anthropic.py) and Ollama's /api (ollama.py), each a thin router over one
+generation core (core.py) and the master's generation loop.
 
 Handlers run on the event loop; the engine runs on the batcher's thread. Each request gets an
 asyncio queue that the batcher feeds through `call_soon_threadsafe`. A client that goes away
@@ -13,7 +15,7 @@ import asyncio
 import hmac
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -21,15 +23,22 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.concurrency import run_in_threadpool
 
+from edgetp.master.bridge import anthropic, ollama, responses
 from edgetp.master.bridge.answers import Answer, Choice, ChoiceEvent, sse, whole
+from edgetp.master.bridge.core import (
+    Prepared,
+    check_model,
+    disconnected,
+    prepare_chat,
+    prepare_text,
+    queued,
+    submit,
+)
 from edgetp.master.bridge.errors import APIError, documented, failure, install_handlers
 from edgetp.master.bridge.metrics import add_metrics
-from edgetp.master.bridge.output import Split
 from edgetp.master.bridge.request import (
     ChatCompletionRequest,
-    ChatTemplateKwargs,
     CompletionRequest,
     SamplingFields,
     warn_ignored,
@@ -47,17 +56,10 @@ from edgetp.master.bridge.schema import (
     finish_openapi,
     stream_content,
 )
-from edgetp.master.bridge.tools import Grammar, chat_prompt, constraints, tool_use
 from edgetp.master.cluster.figures import cluster_figures, generation_figures
-from edgetp.master.cluster.transport import ClusterError
-from edgetp.master.generation.batcher import Batcher, BusyError, Delta, Event, Failed, Ticket
-from edgetp.master.generation.grammar import GrammarError
-from edgetp.master.generation.params import SamplingParams
-from edgetp.models.chat_template import NoChatTemplate, NoThinkingSwitch
-from edgetp.models.errors import ModelError
+from edgetp.master.generation.batcher import Batcher, Delta, Failed, Ticket
 from edgetp.models.tokenizer import Tokenizer
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # A streamed request that waits this long for its first token (a long prefill, a turn for a
 # slot) is answered at once, and then sent an SSE comment every as many seconds until its first
 # chunk: proxies and clients drop a connection silent for their read timeout (nginx's 60 s,
@@ -87,7 +89,7 @@ def create_app(
     app = FastAPI(
         title="edgetp REST bridge",
         version=_version(),
-        description="OpenAI-compatible chat and completions over an edgetp cluster.",
+        description="OpenAI-, Anthropic- and Ollama-compatible APIs over an edgetp cluster.",
     )
     if cors_origins:
         app.add_middleware(
@@ -143,7 +145,7 @@ def create_app(
         tags=["openai"],
     )
     async def retrieve_model(model: str) -> ModelCard:
-        _check_model(served, model)
+        check_model(served, model)
         return _card(served)
 
     @app.get(
@@ -170,29 +172,10 @@ def create_app(
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         """A reply to a conversation, rendered with the model's own chat template."""
-        _check_model(served, body.model)
-        unserved = body.unserved(served.tokenizer.chat_template)
-        if unserved:  # what the schema cannot say
-            raise APIError(400, unserved[1], param=unserved[0], code="unsupported_value")
+        check_model(served, body.model)
         warn_ignored(body, "/v1/chat/completions")
-        use = tool_use(body)
-        try:
-            switches = body.chat_template_kwargs or ChatTemplateKwargs()
-            prompt = await run_in_threadpool(
-                chat_prompt, served.tokenizer, body.messages, use, switches.enable_thinking
-            )
-        except NoChatTemplate as exc:
-            message = f"{exc}: send the text to /v1/completions, which takes it as it is"
-            raise APIError(400, message, param="messages") from exc
-        except NoThinkingSwitch as exc:
-            raise APIError(400, str(exc), param="chat_template_kwargs") from exc
-        except ModelError as exc:  # the template's own verdict on the messages
-            raise APIError(400, str(exc), param="messages") from exc
-        grammar, split = await run_in_threadpool(constraints, served.tokenizer, body, use, prompt)
-        limit = body.max_completion_tokens or body.max_tokens
-        return await _generate(
-            served, request, "chat", body, prompt, limit, "messages", "", grammar, split
-        )
+        prepared = await prepare_chat(served, body)
+        return await _generate(served, request, "chat", body, prepared)
 
     @app.post(
         "/v1/completions",
@@ -206,18 +189,14 @@ def create_app(
     )
     async def completions(body: CompletionRequest, request: Request) -> Any:
         """The continuation of a text (or of token ids), without a chat template."""
-        _check_model(served, body.model)
+        check_model(served, body.model)
         warn_ignored(body, "/v1/completions")
-        vocab = min(served.tokenizer.vocab_size, served.batcher.config.vocab_size)
-        prompt, text = await run_in_threadpool(
-            _completion_prompt, served.tokenizer, body.prompt, vocab
-        )
-        unserved = body.unserved()
-        if unserved:  # what the schema cannot say
-            raise APIError(400, unserved[1], param=unserved[0], code="unsupported_value")
-        limit = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        echo = text if body.echo else ""
-        return await _generate(served, request, "text", body, prompt, limit, "prompt", echo)
+        prepared = await prepare_text(served, body)
+        return await _generate(served, request, "text", body, prepared)
+
+    app.include_router(anthropic.router(served, api_key))
+    app.include_router(responses.router(served, api_key))
+    app.include_router(ollama.router(served, api_key))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -249,138 +228,21 @@ def _card(served: Served) -> ModelCard:
     return ModelCard(id=served.model_id, created=served.created, owned_by="edgetp")
 
 
-def _check_model(served: Served, model: str | None) -> None:
-    if model is None or model == served.model_id or model in served.aliases:
-        return
-    raise APIError(
-        404,
-        f"model {model!r} is not served here: use {served.model_id!r} (GET /v1/models), or "
-        f"leave the field out",
-        param="model",
-        code="model_not_found",
-    )
-
-
-def _completion_prompt(tokenizer: Tokenizer, prompt: Any, vocab: int) -> tuple[list[int], str]:
-    """(token ids, text) for the one prompt a completions request carries."""
-    if isinstance(prompt, list) and isinstance(prompt[0], str | list):  # a list of one
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt), prompt
-    bad = [t for t in prompt if t >= vocab]
-    if bad:
-        raise APIError(
-            400,
-            f"token id {bad[0]} is outside the vocabulary: ids must be below {vocab}",
-            param="prompt",
-        )
-    return list(prompt), tokenizer.decode(prompt)
-
-
-def _params(
-    body: SamplingFields, prompt_len: int, limit: int | None, context: int, prompt_param: str
-) -> SamplingParams:
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    room = context - prompt_len
-    if room < 1:
-        raise APIError(
-            400,
-            f"the prompt has {prompt_len} tokens but the context holds {context}: shorten it, "
-            f"or restart edgetp serve with a larger --context",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    if limit is not None and limit > room:
-        raise APIError(
-            400,
-            f"the prompt has {prompt_len} tokens and max_tokens asks for {limit} more, but the "
-            f"context holds {context}: ask for at most {room} tokens, shorten the prompt, or "
-            f"restart edgetp serve with a larger --context",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    try:
-        return SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_k=body.top_k or 0,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            repetition_penalty=body.repetition_penalty or 1.0,
-            min_p=body.min_p or 0.0,
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            logprobs=_logprobs(body),
-            seed=body.seed,
-            max_tokens=limit or room,
-            stop=stop,
-            ignore_eos=bool(body.ignore_eos),
-        )
-    except ValueError as exc:  # the schema's ranges should have caught it first
-        raise APIError(400, str(exc)) from exc
-
-
-def _logprobs(body: SamplingFields) -> int | None:
-    """Alternatives to report per token (None: no log probabilities at all)."""
-    if isinstance(body, ChatCompletionRequest):
-        return (body.top_logprobs or 0) if body.logprobs else None
-    if isinstance(body, CompletionRequest):
-        return body.logprobs
-    return None
-
-
 async def _generate(
-    served: Served,
-    request: Request,
-    kind: str,
-    body: SamplingFields,
-    prompt: list[int],
-    limit: int | None,
-    prompt_param: str,
-    echo: str,
-    grammar: Grammar | None = None,
-    split: Split | None = None,
+    served: Served, request: Request, kind: str, body: SamplingFields, prepared: Prepared
 ) -> Response:
     """Submit the request's n choices to the batcher; answer with one JSON object or a stream
     of server-sent events."""
-    context = served.batcher.max_context
-    params = _params(body, len(prompt), limit, context, prompt_param)
-    if grammar is not None:
-        params = replace(params, grammar=grammar.text)
     n = body.n or 1
-    if n > served.batcher.max_waiting:
-        raise APIError(
-            400,
-            f"n: {n} choices would not fit the line of {served.batcher.max_waiting} waiting "
-            f"sequences; ask for at most {served.batcher.max_waiting}",
-            param="n",
-            code="unsupported_value",
-        )
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    logprobs = params.logprobs is not None
-    answer = Answer(kind, rid, served.model_id, served.tokenizer, logprobs, echo, split)
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+    logprobs = prepared.params.logprobs is not None
+    answer = Answer(
+        kind, rid, served.model_id, served.tokenizer, logprobs, prepared.echo, prepared.split
+    )
+    queue, on_event = queued(served)
+    ticket = submit(served, prepared, n, rid, on_event)
 
-    def on_event(index: int, event: Event) -> None:  # on the batcher's thread
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, (index, event))
-        except RuntimeError:  # the event loop has closed (shutdown): nobody is waiting
-            pass
-
-    # Choice i > 0 draws from the seed's i-th child stream: each is repeatable, none repeats.
-    choices = [replace(params, stream=i) for i in range(n)]
-    try:
-        ticket = served.batcher.submit_choices(prompt, choices, on_event, rid)
-    except ModelError as exc:
-        raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from exc
-    except BusyError as exc:
-        raise APIError(429, str(exc), type="server_error", code="busy") from exc
-    except GrammarError as exc:  # a grammar that passed the check yet does not compile
-        field = grammar.field if grammar else "response_format"
-        raise APIError(400, f"{field}: {exc}", param=field, code="invalid_value") from exc
-    except ClusterError as exc:
-        raise failure(Failed(exc)) from exc
-
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -426,12 +288,6 @@ async def _generate(
         raise
     finally:
         gone.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read by then)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _next(

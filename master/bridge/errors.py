@@ -1,4 +1,7 @@
-"""The REST bridge's errors, in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
+"""The REST bridge's errors: one `APIError` whatever the API, sent in the shape of the API the
+request came by: OpenAI's `{"error": {"message", "type", "param", "code"}}` (chat completions,
+completions, Responses), Anthropic's `{"type": "error", "error": {"type", "message"}}` (under
+/v1/messages), Ollama's `{"error": "message"}` (under /api/).
 
 Every failure ends here as one such body with a message that says what to change: a request the
 schema refuses, a request the handlers refuse, a generation that failed, or a bug.
@@ -49,8 +52,33 @@ class APIError(Exception):
             error=ErrorBody(message=message, type=type, param=param, code=code)
         )
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body.model_dump(), status_code=self.status)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error in the shape of the API that `path` belongs to."""
+        return JSONResponse(self.shaped(path), status_code=self.status)
+
+    def shaped(self, path: str = "") -> dict[str, Any]:
+        error = self.body.error
+        if path.startswith("/v1/messages"):
+            kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+            return {"type": "error", "error": {"type": kind, "message": error.message}}
+        if path.startswith("/api/"):
+            return {"error": error.message}
+        return self.body.model_dump()
+
+
+# Anthropic's error types by status (its errors page).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+# The request models of routes other than request.py's, for what a 400 says of a field.
+ROUTE_REQUESTS: dict[str, type[BaseModel]] = {}
 
 
 def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -62,26 +90,29 @@ def install_handlers(app: FastAPI) -> None:
     """Answer every error, FastAPI's own included, in OpenAI's shape."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        model = REQUESTS.get(request.url.path)
-        return validation_error(exc.errors(), model, exc.body).response()
+        path = request.url.path
+        model = REQUESTS.get(path) or ROUTE_REQUESTS.get(path)
+        return validation_error(exc.errors(), model, exc.body).response(path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        path = request.url.path
         if exc.status_code == 400:  # FastAPI could not read the body at all (not UTF-8 JSON)
             message = "the request body is not UTF-8 JSON: send one JSON object"
-            return APIError(400, message, code="invalid_json").response()
+            return APIError(400, message, code="invalid_json").response(path)
         kind = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), code=kind).response()
+        return APIError(exc.status_code, str(exc.detail), code=kind).response(path)
 
     @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        return APIError(500, f"internal error: {exc}", type="server_error").response()
+        error = APIError(500, f"internal error: {exc}", type="server_error")
+        return error.response(request.url.path)
 
 
 def failure(event: Failed) -> APIError:

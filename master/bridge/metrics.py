@@ -6,8 +6,10 @@ nodes and its allreduce latencies), so nothing on the generation path counts twi
 
 from __future__ import annotations
 
+import collections
 import statistics
 from collections.abc import Iterator
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -25,8 +27,16 @@ class BridgeCollector(Collector):
     def __init__(self, batcher: Batcher, model: str) -> None:
         self.batcher = batcher
         self.model = model
+        self.routes: collections.Counter[tuple[str, str, str]] = collections.Counter()
 
     def collect(self) -> Iterator[Metric]:
+        routes = CounterMetricFamily(
+            "edgetp_http_requests", "HTTP requests answered, by route and status",
+            labels=["method", "route", "status"],
+        )  # fmt: skip
+        for labels, count in sorted(self.routes.items()):
+            routes.add_metric(list(labels), count)
+        yield routes
         stats = self.batcher.stats()
         up = GaugeMetricFamily("edgetp_up", "1 while the cluster serves, 0 once it is down")
         up.add_metric([], 0.0 if stats.down else 1.0)
@@ -93,8 +103,37 @@ def add_metrics(app: FastAPI, batcher: Batcher, model: str) -> None:
     """Serve `/metrics` on `app` (outside the OpenAPI document: it is for scrapers, not
     clients; like /health it needs no key)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(BridgeCollector(batcher, model))
+    collector = BridgeCollector(batcher, model)
+    registry.register(collector)
+    app.add_middleware(_RouteCounter, counts=collector.routes)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _RouteCounter:
+    """Counts each answered request under its route's path template (e.g.
+    /v1/responses/{response_id}), so every API's traffic shows apart. Plain ASGI: a
+    BaseHTTPMiddleware would stand between a handler and the client's disconnect."""
+
+    def __init__(self, app: Any, counts: collections.Counter[tuple[str, str, str]]) -> None:
+        self.app = app
+        self.counts = counts
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [0]
+
+        async def sending(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unrouted"
+            self.counts[(scope["method"], route, str(status[0]))] += 1

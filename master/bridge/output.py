@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from edgetp.master.bridge.tool_calls import CallFormat, Llama3Json, ToolCall
+from edgetp.master.bridge.tool_calls import BareJsonCall, CallFormat, ToolCall
 
 THINK, END_THINK = "<think>", "</think>"
 Mode = Literal["content", "reasoning", "calls"]
@@ -107,7 +107,7 @@ class Splitter:
             return [(END_THINK, False)]
         marks = [(THINK, True)] if self._reasoning and not self._said else []
         fmt = self._format
-        if isinstance(fmt, Llama3Json):
+        if isinstance(fmt, BareJsonCall):
             marks += [(fmt.start, True), (fmt.PYTHON_TAG, True)] if not self._said else []
         elif fmt is not None:
             marks.append((fmt.start, False))

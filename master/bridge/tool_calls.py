@@ -1,15 +1,15 @@
-"""Tool calls as each model family writes them: how to read them out of the model's text, how to
-write them back into a conversation, and the grammar that makes the model write one.
+"""Tool calls as models write them: how to read them out of the model's text, how to write them
+back into a conversation, and the grammar that makes the model write one.
 
-One class per family behind one interface (`CallFormat`), chosen by what the model's chat
-template contains (`format_for`):
-- Hermes / Qwen: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block a
-  call; also the format edgetp describes to a model whose template does not render tools
-  (master/bridge/tools.py);
-- Llama 3.x: the whole answer is `{"name": ..., "parameters": {...}}` (after an optional
-  `<|python_tag|>`), several separated by `;`;
-- Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the newer
-  `[TOOL_CALLS]name[ARGS]{...}` a call.
+One class per shape of call behind one interface (`CallFormat`), named by what the model writes,
+not by who writes it, and chosen by what the model's chat template contains (`format_for`):
+- TaggedCalls: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block a
+  call (Hermes-trained models, Qwen); also the format edgetp describes to a model whose template
+  does not render tools (master/bridge/tools.py);
+- BareJsonCall: the whole answer is `{"name": ..., "parameters": {...}}` (after an optional
+  `<|python_tag|>`), several separated by `;` (Llama 3.x);
+- BracketedCalls: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the newer
+  `[TOOL_CALLS]name[ARGS]{...}` a call (Mistral's models).
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ class CallFormat:
         return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-class Hermes(CallFormat):
-    name = "hermes"
+class TaggedCalls(CallFormat):
+    name = "tagged"
     start = "<tool_call>"
     closed = "</tool_call>"
 
@@ -130,8 +130,8 @@ class Hermes(CallFormat):
         )
 
 
-class Llama3Json(CallFormat):
-    name = "llama3_json"
+class BareJsonCall(CallFormat):
+    name = "bare_json"
     start = "{"
     arguments_key = "parameters"
     PYTHON_TAG = "<|python_tag|>"
@@ -162,8 +162,8 @@ class Llama3Json(CallFormat):
         return f"calls: call{more}\ncall: %json {json.dumps(self._call_schema(functions))}\n"
 
 
-class Mistral(CallFormat):
-    name = "mistral"
+class BracketedCalls(CallFormat):
+    name = "bracketed"
     start = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
 
@@ -197,23 +197,23 @@ class Mistral(CallFormat):
         return f"calls: {marker} call_list\ncall_list: %json {json.dumps(schema)}\n"
 
 
-MISTRAL, HERMES, LLAMA3_JSON = Mistral(), Hermes(), Llama3Json()
-FORMATS: tuple[CallFormat, ...] = (MISTRAL, HERMES, LLAMA3_JSON)
+BRACKETED, TAGGED, BARE_JSON = BracketedCalls(), TaggedCalls(), BareJsonCall()
+FORMATS: tuple[CallFormat, ...] = (BRACKETED, TAGGED, BARE_JSON)
 
 
 def format_for(chat_template: str | None) -> CallFormat:
     """The family whose calls the template's model writes: its own marks tell (a template that
     shows none gets the Hermes format described to it)."""
     template = chat_template or ""
-    if Mistral.start in template:
-        return MISTRAL
-    if Hermes.start in template:
-        return HERMES
-    if Llama3Json.PYTHON_TAG in template or (
+    if BracketedCalls.start in template:
+        return BRACKETED
+    if TaggedCalls.start in template:
+        return TAGGED
+    if BareJsonCall.PYTHON_TAG in template or (
         "<|start_header_id|>" in template and '"parameters"' in template
     ):
-        return LLAMA3_JSON
-    return HERMES
+        return BARE_JSON
+    return TAGGED
 
 
 def _first_json(text: str) -> tuple[Any, str]:

@@ -30,7 +30,7 @@ from edgetp.master.bridge.request_parts import (
     ResponseFormatJSONObject,
     ResponseFormatJSONSchema,
 )
-from edgetp.master.bridge.tool_calls import HERMES, CallFormat, Function, format_for
+from edgetp.master.bridge.tool_calls import TAGGED, CallFormat, Function, format_for
 from edgetp.master.generation.grammar import GrammarError, grammar_error, json_schema_grammar
 from edgetp.master.generation.prompts import chat_tokens
 from edgetp.models.chat_template import render_chat
@@ -95,7 +95,7 @@ def tool_use(body: ChatCompletionRequest) -> ToolUse | None:
 
 def call_format(chat_template: str | None) -> CallFormat:
     """The format the model writes calls in: its template's, or Hermes if it shows none."""
-    return format_for(chat_template) if renders_tools(chat_template) else HERMES
+    return format_for(chat_template) if renders_tools(chat_template) else TAGGED
 
 
 @functools.lru_cache(maxsize=8)
