@@ -19,7 +19,8 @@ from serving import served_app
 from test_speculate import EDIT, SlowLinkSpeculator
 from waiting import wait_until
 
-from edgetp.master.bridge.app import Served, create_app
+from edgetp.master.bridge.app import create_app
+from edgetp.master.bridge.core import Served
 from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.hub import Hub
 from edgetp.master.cluster.session import Session

@@ -19,7 +19,8 @@ import pytest
 from serving import served_app
 from waiting import wait_until
 
-from edgetp.master.bridge.app import KEEPALIVE, Served, create_app
+from edgetp.master.bridge.app import KEEPALIVE, create_app
+from edgetp.master.bridge.core import Served
 from edgetp.master.cluster.session import Session
 from edgetp.master.generation.batcher import Batcher, Delta, Event
 from edgetp.master.generation.params import SamplingParams

@@ -131,7 +131,8 @@ def test_the_runtime_loads_no_tooling_at_module_level():
     assert not loaded, loaded
 
 
-FAMILY = re.compile(r"gemma|qwen|deltanet|llama|mixtral|gpt_?oss|smollm|phi", re.IGNORECASE)
+# Ollama, an API the bridge speaks, is not the Llama family
+FAMILY = re.compile(r"gemma|qwen|deltanet|(?<!o)llama|mixtral|gpt_?oss|smollm|phi", re.IGNORECASE)
 
 
 def _identifiers(tree: ast.AST) -> set[str]:

@@ -12,7 +12,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,6 +24,7 @@ from edgetp.master.bridge.core import (
     Finish,
     Out,
     Reasoning,
+    Served,
     Text,
     chat_request,
     check_model,
@@ -38,9 +39,6 @@ from edgetp.master.bridge.request import warn_ignored
 from edgetp.master.bridge.request_parts import _Request
 from edgetp.master.bridge.schema import MAX_STOP_STRINGS, AnyText
 from edgetp.master.bridge.schema import Text as TextField
-
-if TYPE_CHECKING:
-    from edgetp.master.bridge.app import Served
 
 log = logging.getLogger(__name__)
 

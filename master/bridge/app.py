@@ -15,7 +15,6 @@ import asyncio
 import hmac
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -28,6 +27,7 @@ from edgetp.master.bridge import anthropic, ollama, responses
 from edgetp.master.bridge.answers import Answer, Choice, ChoiceEvent, sse, whole
 from edgetp.master.bridge.core import (
     Prepared,
+    Served,
     check_model,
     disconnected,
     prepare_chat,
@@ -57,28 +57,9 @@ from edgetp.master.bridge.schema import (
     stream_content,
 )
 from edgetp.master.cluster.figures import cluster_figures, generation_figures
-from edgetp.master.generation.batcher import Batcher, Delta, Failed, Ticket
-from edgetp.models.tokenizer import Tokenizer
+from edgetp.master.generation.batcher import Delta, Failed, Ticket
 
-# A streamed request that waits this long for its first token (a long prefill, a turn for a
-# slot) is answered at once, and then sent an SSE comment every as many seconds until its first
-# chunk: proxies and clients drop a connection silent for their read timeout (nginx's 60 s,
-# many clients' 30 s or less). 5 s keeps well inside those for a few bytes, and a request
-# answered within it starts as before, its errors still an HTTP status.
-KEEPALIVE_S = 5.0
 KEEPALIVE = ": keep-alive\n\n"
-
-
-@dataclass
-class Served:
-    """What the bridge serves: one model, its tokenizer, and the loop that owns the engine."""
-
-    batcher: Batcher
-    tokenizer: Tokenizer
-    model_id: str
-    aliases: tuple[str, ...] = ()  # other names a request may use for the model
-    created: int = 0  # the model file's time, for /v1/models
-    keepalive_s: float = KEEPALIVE_S  # a streamed request's silence before a comment
 
 
 def create_app(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -37,6 +37,7 @@ from edgetp.master.bridge.tool_calls import ToolCall
 from edgetp.master.bridge.tools import Grammar, chat_prompt, constraints, tool_use
 from edgetp.master.cluster.transport import ClusterError
 from edgetp.master.generation.batcher import (
+    Batcher,
     BusyError,
     Delta,
     Event,
@@ -50,8 +51,25 @@ from edgetp.models.chat_template import NoChatTemplate, NoThinkingSwitch
 from edgetp.models.errors import ModelError
 from edgetp.models.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from edgetp.master.bridge.app import Served
+# A streamed request that waits this long for its first token (a long prefill, a turn for a
+# slot) is answered at once, and then sent an SSE comment every as many seconds until its first
+# chunk: proxies and clients drop a connection silent for their read timeout (nginx's 60 s,
+# many clients' 30 s or less). 5 s keeps well inside those for a few bytes, and a request
+# answered within it starts as before, its errors still an HTTP status.
+KEEPALIVE_S = 5.0
+
+
+@dataclass
+class Served:
+    """What the bridge serves: one model, its tokenizer, and the loop that owns the engine."""
+
+    batcher: Batcher
+    tokenizer: Tokenizer
+    model_id: str
+    aliases: tuple[str, ...] = ()  # other names a request may use for the model
+    created: int = 0  # the model file's time, for /v1/models
+    keepalive_s: float = KEEPALIVE_S  # a streamed request's silence before a comment
+
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ChoiceEvent = tuple[int, Event]

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,6 +24,7 @@ from edgetp.master.bridge.core import (
     Finish,
     Out,
     Reasoning,
+    Served,
     Text,
     chat_request,
     check_model,
@@ -38,9 +39,6 @@ from edgetp.master.bridge.request import CompletionRequest, warn_ignored
 from edgetp.master.bridge.request_parts import _Request
 from edgetp.master.bridge.schema import MAX_STOP_STRINGS, SEED_LIMIT, AnyText
 from edgetp.master.bridge.schema import Text as TextField
-
-if TYPE_CHECKING:
-    from edgetp.master.bridge.app import Served
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API this follows (its clients check the version)
 

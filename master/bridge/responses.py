@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +32,7 @@ from edgetp.master.bridge.core import (
     Finish,
     Out,
     Reasoning,
+    Served,
     Text,
     chat_request,
     check_model,
@@ -46,9 +47,6 @@ from edgetp.master.bridge.request import warn_ignored
 from edgetp.master.bridge.request_parts import _Request
 from edgetp.master.bridge.schema import AnyText
 from edgetp.master.bridge.schema import Text as TextField
-
-if TYPE_CHECKING:
-    from edgetp.master.bridge.app import Served
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from types import FrameType
 
 import uvicorn
 
-from edgetp.master.bridge.app import Served, create_app
+from edgetp.master.bridge.app import create_app
+from edgetp.master.bridge.core import Served
 from edgetp.master.cluster.session import Session
 from edgetp.master.generation.batcher import Batcher
 from edgetp.master.generation.speculate import open_speculator
