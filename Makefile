@@ -66,7 +66,7 @@ durations: setup cross
 	EDGETP_DURATIONS=write $(PYTEST_SUITE)
 
 # The tests that start no cluster, load no reference implementation and run no model end to
-# end: under two minutes, for the edit-test loop. `make test` is what must pass.
+# end: about three minutes, for the edit-test loop. `make test` is what must pass.
 test-fast: setup cross
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
