@@ -69,6 +69,7 @@ LONGEST_FIRST = (
     "test_cli.py",
     "test_bridge_fuzz.py",
     "test_reference.py",
+    "test_embeddings.py",
     "test_bridge_batcher.py",
     "test_membership.py",
     "test_kernels.py",

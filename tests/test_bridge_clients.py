@@ -12,6 +12,7 @@ answers with JSON that parses and validates.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ import anthropic
 import httpx
 import instructor
 import jsonschema
+import numpy as np
 import ollama
 import openai
 import pytest
@@ -544,6 +546,81 @@ def test_a_forced_call_parses_through_every_api_for_prompts_of_one_batch(oai, cl
     assert len({json.loads(a)["city"] for a in calls}) > 9  # each prompt's own city, mostly
 
 
+# -- OpenAI's embeddings ------------------------------------------------------------------------
+# The final norm's output mean-pooled, length 1 (master/generation/embedding.py; held to
+# transformers' hidden states and across node counts in tests/test_embeddings.py).
+EMBEDDED = ["The cat sat on the mat.", "A cat was sitting on a mat.",
+            "Interest rates rose by half a point."]  # fmt: skip
+HIDDEN = 576  # SmolLM2-135M's width
+
+
+def same_vectors(a, b) -> bool:
+    """Equal but for the last bits: each request is a step of its own, in its own batch shape."""
+    return np.allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def test_embeddings_through_the_openai_client_as_floats_and_base64(oai, smollm2_tokenizer):
+    floats = oai.embeddings.create(model=MODEL, input=EMBEDDED, encoding_format="float")
+    [served] = oai.models.list().data  # MODEL is one of its aliases
+    assert floats.object == "list" and floats.model == served.id
+    assert [(d.object, d.index) for d in floats.data] == [("embedding", i) for i in range(3)]
+    vectors = np.array([d.embedding for d in floats.data])
+    assert vectors.shape == (3, HIDDEN)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+    assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2]  # the paraphrase is nearer
+    ids = [smollm2_tokenizer.encode(t) for t in EMBEDDED]
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(map(len, ids))
+    # The client's default: base64, which it decodes itself with numpy; and base64 asked for.
+    decoded = oai.embeddings.create(model=MODEL, input=EMBEDDED)
+    assert same_vectors(np.array([d.embedding for d in decoded.data]), vectors)
+    packed = oai.embeddings.create(model=MODEL, input=EMBEDDED, encoding_format="base64")
+    raw = np.array([np.frombuffer(base64.b64decode(d.embedding), "<f4") for d in packed.data])
+    assert same_vectors(raw, vectors)
+    # One string, one list of token ids, lists of them: the same vectors.
+    one = oai.embeddings.create(model=MODEL, input=EMBEDDED[2], encoding_format="float")
+    assert same_vectors(one.data[0].embedding, vectors[2])
+    single_ids = oai.embeddings.create(model=MODEL, input=ids[1], encoding_format="float")
+    assert same_vectors(single_ids.data[0].embedding, vectors[1])
+    listed = oai.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    assert same_vectors(np.array([d.embedding for d in listed.data]), vectors)
+    same = oai.embeddings.create(model=MODEL, input=EMBEDDED, dimensions=HIDDEN)
+    assert same_vectors(np.array([d.embedding for d in same.data]), vectors)
+    with pytest.raises(openai.BadRequestError, match="576 dimensions"):
+        oai.embeddings.create(model=MODEL, input=EMBEDDED, dimensions=256)
+
+
+def test_langchain_embeds_documents_and_a_query(base):
+    from langchain_openai import OpenAIEmbeddings
+
+    # Strings as they are: LangChain's own token counting (tiktoken) would fetch OpenAI's
+    # vocabulary, and send ids of a vocabulary that is not this model's.
+    embedder = OpenAIEmbeddings(model=MODEL, base_url=f"{base}/v1", api_key=KEY,
+                                check_embedding_ctx_length=False, max_retries=0)  # fmt: skip
+    documents = np.array(embedder.embed_documents(EMBEDDED))
+    query = np.array(embedder.embed_query(EMBEDDED[0]))
+    assert documents.shape == (3, HIDDEN) and np.allclose(query, documents[0], atol=1e-6)
+    assert int(np.argmax(documents @ embedder.embed_query("Where did the cat sit?"))) in (0, 1)
+
+
+def test_embeddings_between_the_steps_of_an_answer_leave_it_as_it_was(oai):
+    """An embedding is a step of its own in a free slot, on the batcher's thread: an answer
+    generated meanwhile is the same, token for token, as one generated alone."""
+    asked = [{"role": "user", "content": "Tell me about the sea."}]
+
+    def answer():
+        return oai.chat.completions.create(model=MODEL, messages=asked, max_tokens=40,
+                                           temperature=0).choices[0].message.content  # fmt: skip
+
+    alone = answer()
+    with ThreadPoolExecutor(5) as pool:
+        answered = pool.submit(answer)
+        embedded = [pool.submit(oai.embeddings.create, model=MODEL, input=EMBEDDED * 4,
+                                encoding_format="float") for _ in range(4)]  # fmt: skip
+        assert answered.result() == alone
+        for done in embedded:
+            assert len(done.result().data) == 12
+
+
 # -- malformed bodies, metrics ------------------------------------------------------------------
 MALFORMED = [
     ("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
@@ -564,6 +641,16 @@ MALFORMED = [
                    "options": {"top_p": 2}}, "options.top_p"),
     ("/api/generate", {"model": MODEL, "prompt": 5}, "prompt"),
     ("/api/chat", {"model": MODEL, "messages": [{"role": "user"}], "format": 7}, "format"),
+    ("/v1/embeddings", {"model": MODEL}, "input"),
+    ("/v1/embeddings", {"input": 5}, "input"),
+    ("/v1/embeddings", {"input": ""}, "input"),
+    ("/v1/embeddings", {"input": []}, "input"),
+    ("/v1/embeddings", {"input": [[1, 2], [-3]]}, "input"),
+    ("/v1/embeddings", {"input": [1, 10_000_000]}, "input"),
+    ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+    ("/v1/embeddings", {"input": "hi", "dimensions": 3}, "dimensions"),
+    ("/v1/embeddings", {"input": "hi", "model": "gpt-4"}, "model"),
+    ("/v1/embeddings", {"input": "hi " * 2000}, "input"),
 ]  # fmt: skip
 
 
@@ -588,7 +675,7 @@ def test_the_fuzzed_routes_never_answer_5xx(base):
                             "tools", "tool_choice", "system", "options", "format", "prompt",
                             "text", "stream", "stop_sequences", "instructions"])  # fmt: skip
     paths = st.sampled_from(["/v1/messages", "/v1/responses", "/api/chat", "/api/generate",
-                             "/v1/messages/count_tokens"])  # fmt: skip
+                             "/v1/messages/count_tokens", "/v1/embeddings"])  # fmt: skip
     sent = []
 
     @given(path=paths, body=st.dictionaries(keys, values, max_size=5))
@@ -623,4 +710,5 @@ def test_metrics_count_each_route(base, ollama_client):
         if s.name == "edgetp_http_requests_total"
     }
     assert counted[("/api/tags", "200")] >= 1
+    assert counted[("/v1/embeddings", "200")] >= 1
     assert any(route == "/v1/messages" and status == "400" for route, status in counted)

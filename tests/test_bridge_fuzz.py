@@ -74,6 +74,7 @@ OPERATIONS = [
     ("GET", "/v1/cluster", ["positive"]),
     ("POST", "/v1/chat/completions", ["positive", "negative"]),
     ("POST", "/v1/completions", ["positive", "negative"]),
+    ("POST", "/v1/embeddings", ["positive", "negative"]),
 ]
 
 

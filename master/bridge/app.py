@@ -1,6 +1,6 @@
 """The REST bridge: OpenAI's chat completions and completions (here), Responses (responses.py),
-Anthropic's Messages (anthropic.py) and Ollama's /api (ollama.py), each a thin router over one
-generation core (core.py) and the master's generation loop.
+embeddings (embeddings.py), Anthropic's Messages (anthropic.py) and Ollama's /api (ollama.py),
+each a thin router over one generation core (core.py) and the master's generation loop.
 
 Handlers run on the event loop; the engine runs on the batcher's thread. Each request gets an
 asyncio queue that the batcher feeds through `call_soon_threadsafe`. A client that goes away
@@ -23,7 +23,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from edgetp.master.bridge import anthropic, ollama, responses
+from edgetp.master.bridge import anthropic, embeddings, ollama, responses
 from edgetp.master.bridge.answers import Answer, Choice, ChoiceEvent, sse, whole
 from edgetp.master.bridge.core import (
     Prepared,
@@ -178,6 +178,7 @@ def create_app(
     app.include_router(anthropic.router(served, api_key))
     app.include_router(responses.router(served, api_key))
     app.include_router(ollama.router(served, api_key))
+    app.include_router(embeddings.router(served, api_key))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -186,7 +187,7 @@ def create_app(
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
         vocab = min(served.tokenizer.vocab_size, served.batcher.config.vocab_size)
-        finish_openapi(schema, served.batcher.max_context, vocab)
+        finish_openapi(schema, served.batcher.max_context, vocab, served.batcher.config.hidden)
         app.openapi_schema = schema
         return schema
 

@@ -374,9 +374,11 @@ def stream_content(chunk: type[BaseModel]) -> dict[str, Any]:
     }
 
 
-def finish_openapi(document: dict[str, Any], context: int, vocab: int) -> None:
-    """Make FastAPI's OpenAPI document say what the bridge does, for a model with this context
-    and vocabulary size."""
+def finish_openapi(
+    document: dict[str, Any], context: int, vocab: int, hidden: int | None = None
+) -> None:
+    """Make FastAPI's OpenAPI document say what the bridge does, for a model with this context,
+    vocabulary size and (for its embeddings) hidden size."""
     # Validation errors are OpenAI-style 400s here, not FastAPI's 422s.
     for path in document.get("paths", {}).values():
         for op in path.values():
@@ -397,6 +399,11 @@ def finish_openapi(document: dict[str, Any], context: int, vocab: int) -> None:
         for field in ("max_tokens", "max_completion_tokens"):
             _set_maximum(props.get(field), context - 1)
         _set_maximum(props.get("prompt"), vocab - 1)
+    embedding = schemas.get("EmbeddingRequest", {}).get("properties", {})
+    _set_maximum(embedding.get("input"), vocab - 1)
+    if hidden is not None:  # the one size of its vectors
+        _set_maximum(embedding.get("dimensions"), hidden)
+        _set_minimum(embedding.get("dimensions"), hidden)
 
 
 def _set_maximum(schema: Any, maximum: int) -> None:
@@ -408,3 +415,12 @@ def _set_maximum(schema: Any, maximum: int) -> None:
             sub = schema.get(key)
             for s in sub if isinstance(sub, list) else [sub]:
                 _set_maximum(s, maximum)
+
+
+def _set_minimum(schema: Any, minimum: int) -> None:
+    """Give the integers in a JSON schema (and its anyOf) a lower bound."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            schema["minimum"] = minimum
+        for sub in schema.get("anyOf", []):
+            _set_minimum(sub, minimum)

@@ -264,6 +264,28 @@ class Engine:
         self, tokens: Sequence[Sequence[int]], batch: StepBatch, all_logits: bool = False
     ) -> torch.Tensor:
         """Logits for the step: (B, V) at each sequence's last new token, or (B, T, V)."""
+        h = self._layers(tokens, batch)
+        head_started = time.perf_counter()
+        logits = self.family.logits(self._head(h, batch, all_logits), self.config)
+        head_s = time.perf_counter() - head_started
+        self._record_figures({"blocks_s": self._blocks_s, "head_s": head_s})
+        return logits
+
+    @torch.inference_mode()
+    def final_hidden(self, tokens: Sequence[Sequence[int]], batch: StepBatch) -> torch.Tensor:
+        """(B, T, D): the final norm's output at every new token of the step, the lm_head left
+        out (what an embedding pools). The step writes its tokens' KV as any step does."""
+        h = self._layers(tokens, batch)
+        eps = self.config.norm_eps
+        if batch.rows:  # (B, D)
+            x = torch.from_numpy(rms_norm_rows(h, self.final_norm, eps)).unsqueeze(1)
+        else:
+            x = rms_norm(torch.from_numpy(h), self.final_norm, eps)
+        self._record_figures({"blocks_s": self._blocks_s, "head_s": 0.0})
+        return x
+
+    def _layers(self, tokens: Sequence[Sequence[int]], batch: StepBatch) -> Hidden:
+        """The hidden state after the last layer: (B, D) in a decode step, else (B, T, D)."""
         for n, st in zip(batch.lengths, batch.starts, strict=True):
             if st + n > self.max_context:
                 raise ModelError(
@@ -302,11 +324,7 @@ class Engine:
                 out = self.family.ffn_out(h, i, out, extra, self.config)
                 h = h + self._post_norm(2 * i + 1, out)
                 h = self.family.end_of_layer(h, i, inputs, extra, self.config)
-        head_started = time.perf_counter()
-        logits = self.family.logits(self._head(h, batch, all_logits), self.config)
-        head_s = time.perf_counter() - head_started
-        self._record_figures({"blocks_s": self._blocks_s, "head_s": head_s})
-        return logits
+        return h
 
     def _native_layers(self) -> NativeBlocks | None:
         """This step's layers run as one native loop (with the workers, node/hop.py, if any)

@@ -8,7 +8,8 @@ starts at once instead of waiting for the others to finish, and decodes in the s
 they do. A cancelled request is dropped before the next step and its slot freed: at most the
 step already running when the cancel came still computes its token. A finished request's slot
 keeps its KV cache, and a new request takes the free slot whose tokens begin like its own and
-prefills only the rest (master/generation/reuse.py).
+prefills only the rest (master/generation/reuse.py). Embeddings (`embed`) are steps of their own
+between two generation steps, in slots free at the time (master/generation/embedding.py).
 """
 
 from __future__ import annotations
@@ -19,18 +20,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.figures import BatcherStats, CancelRecord, ReuseRecord
 from edgetp.master.cluster.session import Session
 from edgetp.master.cluster.transport import ClusterError
+from edgetp.master.generation.embedding import chunk, embed_step
 from edgetp.master.generation.generate import Generation, check_prompt, step
 from edgetp.master.generation.params import SamplingParams
 from edgetp.master.generation.reuse import SlotPool
 from edgetp.master.generation.sampling import TokenLogprob, sampler_for
 from edgetp.master.generation.speculate import Speculator
 from edgetp.models.config import ModelConfig
+from edgetp.models.errors import ModelError
 from edgetp.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -89,6 +95,15 @@ class _Job:
     cancel_step: int = -1  # steps started when the cancel came (the one running included)
 
 
+@dataclass
+class _Embedding:
+    """An embeddings request: its inputs, the vectors of those computed so far, its future."""
+
+    inputs: list[list[int]]
+    future: Future[list[np.ndarray]]
+    vectors: list[np.ndarray] = field(default_factory=list)
+
+
 class Ticket:
     """A submitted request (all of its choices): cancel it when its client goes away."""
 
@@ -126,6 +141,8 @@ class Batcher:
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._active: list[_Job] = []
+        self._embeddings: collections.deque[_Embedding] = collections.deque()
+        self._embedded_last = False  # the last step was an embedding's: answers go next
         self._slots = SlotPool(session.slots, prompt_reuse)
         self._closed = False
         self._down: str | None = None
@@ -215,6 +232,33 @@ class Batcher:
             self._cond.notify()
         return Ticket(self, jobs, rid)
 
+    def embed(self, inputs: Sequence[Sequence[int]]) -> Future[list[np.ndarray]]:
+        """Each input's unit vector (master/generation/embedding.py), in order, computed on the
+        loop's thread in steps of their own between generation steps, in the slots free then;
+        cancel the future when its client goes away. Raises ModelError for an input that is
+        empty or longer than the context, ClusterError when the cluster is down, BusyError
+        when the waiting line is full."""
+        for i, tokens in enumerate(inputs):
+            if not tokens or len(tokens) > self.max_context:
+                raise ModelError(
+                    f"input {i} has {len(tokens)} tokens; an input takes 1 to "
+                    f"{self.max_context} (the context): shorten it or raise --context"
+                )
+        with self._cond:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down")
+            if self._down:
+                raise ClusterError(self._down)
+            if len(self._waiting) + len(self._embeddings) >= self.max_waiting:
+                raise BusyError(
+                    f"{len(self._waiting) + len(self._embeddings)} requests are waiting; retry "
+                    f"later"
+                )
+            job = _Embedding([list(t) for t in inputs], Future())
+            self._embeddings.append(job)
+            self._cond.notify()
+        return job.future
+
     def _cancel(self, job: _Job) -> None:
         with self._cond:
             if job.cancelled or job.generation.finished:
@@ -270,7 +314,7 @@ class Batcher:
         poll = IDLE_POLL_S if self.session.can_replan else None
         while True:
             with self._cond:
-                while not self._closed and not self._active and not self._waiting:
+                while not self._closed and not self._work():
                     if not self._cond.wait(poll):
                         break  # idle a while: time to see who joined or left
                 if self._closed:
@@ -285,12 +329,20 @@ class Batcher:
             with self._cond:
                 if self._closed:
                     return
-                self._admit()
-                batch = self._next_batch()
-                if not batch:
-                    continue
-                self._steps += 1
-                number = self._steps
+                # Embeddings first to the free slots, and answers' steps between theirs.
+                turn = not (self._embedded_last and self._active)
+                embedding = self._next_embedding() if turn else None
+                self._embedded_last = embedding is not None
+                if embedding is None:
+                    self._admit()
+                    batch = self._next_batch()
+                    self._steps += bool(batch)
+                    number = self._steps
+            if embedding is not None:
+                self._run_embedding(*embedding)
+                continue
+            if not batch:
+                continue
             before = sum(len(j.generation.tokens) for j in batch)
             started = time.perf_counter()
             try:
@@ -316,6 +368,53 @@ class Batcher:
                 self._largest_batch = max(self._largest_batch, len(batch))
                 for job in batch:
                     self._deliver(job)
+
+    def _work(self) -> bool:
+        """Whether anything waits for the loop (lock held)."""
+        return bool(self._active or self._waiting or self._embeddings)
+
+    def _next_embedding(self) -> tuple[_Embedding, list[list[int]], list[int]] | None:
+        """The first embeddings request's next inputs and the free slots they take, if any are
+        free (lock held). Requests whose client went away are dropped."""
+        while self._embeddings and self._embeddings[0].future.cancelled():
+            self._embeddings.popleft()
+        if not self._embeddings or not self._slots or self.engine is None:
+            return None
+        self._slots.bind(self.engine)  # another engine than the last (a re-plan): no KV
+        job = self._embeddings[0]
+        rest = job.inputs[len(job.vectors) :]
+        n = chunk([len(t) for t in rest], len(self._slots))
+        return job, rest[:n], [self._slots.borrow() for _ in range(n)]
+
+    def _run_embedding(self, job: _Embedding, inputs: list[list[int]], slots: list[int]) -> None:
+        """One step of an embeddings request; the slots go back holding nothing known, as an
+        embedding's input is rarely the beginning of a later prompt (no chat template)."""
+        try:
+            assert self.engine is not None  # only None while the loop itself re-plans
+            vectors = embed_step(self.engine, inputs, slots)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the loop serves on
+            lost = isinstance(exc, ClusterError)
+            if lost:
+                log.error("an embedding step failed: %s", exc)
+                exc.with_traceback(None)  # its frames hold the failed engine's slices
+            else:
+                log.exception("an embedding step failed")
+            with self._cond:
+                for slot in slots:
+                    self._slots.give_back(slot, None)
+                if job in self._embeddings:
+                    self._embeddings.remove(job)
+                _settle(job.future, exc)
+            if lost:
+                self._replan_running(str(exc), loss=True)
+            return
+        with self._cond:
+            for slot in slots:
+                self._slots.give_back(slot, None)
+            job.vectors.extend(vectors)
+            if len(job.vectors) == len(job.inputs):
+                self._embeddings.remove(job)
+                _settle(job.future, job.vectors)
 
     def _replan_running(self, cause: str, loss: bool) -> None:
         """Re-plan on the nodes here now, and every running request goes on where it was: a
@@ -478,6 +577,9 @@ class Batcher:
             if not job.cancelled:
                 _emit(job, Failed(exc))
         self._waiting.clear()
+        for embedding in self._embeddings:
+            _settle(embedding.future, exc)
+        self._embeddings.clear()
 
 
 def _for(on_event: Callable[[int, Event], None], index: int) -> Callable[[Event], None]:
@@ -490,3 +592,14 @@ def _emit(job: _Job, event: Event) -> None:
         job.on_event(event)
     except Exception:
         log.exception("request %s: delivering %s failed", job.id, type(event).__name__)
+
+
+def _settle(future: Future[list[np.ndarray]], outcome: list[np.ndarray] | Exception) -> None:
+    """Give an embeddings request its vectors or its error, unless its client has gone."""
+    try:
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+    except InvalidStateError:  # cancelled meanwhile
+        pass

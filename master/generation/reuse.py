@@ -118,6 +118,14 @@ class SlotPool:
             self._prompt_end.pop(best, None)
         return Taken(best, start)
 
+    def borrow(self) -> int:
+        """The least recently used free slot, for a step that writes it from position 0 and
+        keeps nothing (an embedding's): give it back with None."""
+        slot = self._free.pop(0)
+        self._kept.pop(slot, None)
+        self._prompt_end.pop(slot, None)
+        return slot
+
     def _known(self, slot: int) -> list[int] | None:
         """Where a free slot's state is known (None: its model has none): after its kept
         tokens, and at its last prompt's end."""
