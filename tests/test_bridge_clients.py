@@ -1,9 +1,10 @@
 """Structured output and tools through the clients people use, unmodified, against a real
 `edgetp serve` on the bundled SmolLM2: the `openai` client (chat completions create, parse,
-stream; Responses create and stream), instructor, LangChain's ChatOpenAI, LlamaIndex's
-OpenAILike, the `anthropic` client (Messages) and the `ollama` client. One node: what is tested
-is the bridge and the master's grammar mask, which a split does not change. One server for the
-module, small max_tokens: the suite's time is a budget.
+stream; Responses create and stream; embeddings), instructor, LangChain's ChatOpenAI and
+OpenAIEmbeddings, LlamaIndex's OpenAILike, the OpenAI Agents SDK (its Responses and chat
+completions models), pydantic-ai, the `anthropic` client (Messages) and the `ollama` client.
+One node: what is tested is the bridge and the master's grammar mask, which a split does not
+change. One server for the module, small max_tokens: the suite's time is a budget.
 
 SmolLM2's chat template shows no tools, so these run the Hermes system prompt and format
 (master/bridge/tools.py); a forced call and a JSON schema are grammars, so even this 135M model
@@ -619,6 +620,61 @@ def test_embeddings_between_the_steps_of_an_answer_leave_it_as_it_was(oai):
         assert answered.result() == alone
         for done in embedded:
             assert len(done.result().data) == 12
+
+
+# -- agent frameworks ---------------------------------------------------------------------------
+# Imported in the tests: they are heavy, and the suite's collection time counts.
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+def test_an_openai_agent_calls_a_function_tool_and_answers_from_its_result(base, api):
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # it would post traces to OpenAI
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+    kind = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+    asked = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the weather forecast for a city."""
+        asked.append(city)
+        return f"18 C and sunny in {city}"
+
+    # A forced first call (the SDK then sets tool_choice back to auto, so the loop ends in a
+    # text answer): greedy SmolLM2 is too small to be relied on to choose a tool itself.
+    agent = Agent(
+        name="weather", instructions="You answer questions about the weather.",
+        tools=[get_weather], model=kind(model=MODEL, openai_client=client),
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=64),
+    )  # fmt: skip
+    result = Runner.run_sync(agent, ASKED, max_turns=4)
+    assert asked == ["Oslo"]
+    kinds = [item.type for item in result.new_items]
+    assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+@pytest.mark.parametrize("way", ["chat-tool", "chat-native", "responses-tool"])
+def test_pydantic_ai_gets_its_structured_output(base, way):
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    provider = OpenAIProvider(base_url=f"{base}/v1", api_key=KEY)
+    kind = OpenAIResponsesModel if way.startswith("responses") else OpenAIChatModel
+    # Its default output is a tool it forces; NativeOutput is a response_format JSON schema.
+    output = NativeOutput(Person) if way.endswith("native") else Person
+    agent = Agent(kind(MODEL, provider=provider), output_type=output,
+                  model_settings={"temperature": 0, "max_tokens": 60})  # fmt: skip
+    result = agent.run_sync(ANN[0]["content"])
+    assert result.output == Person(name="Ann", age=31, role="engineer")
 
 
 # -- malformed bodies, metrics ------------------------------------------------------------------

@@ -103,6 +103,8 @@ class ResponsesRequest(_Request):
     stream: bool | None = False
     metadata: dict[str, AnyText] | None = None
     user: AnyText | None = None
+    # The Agents SDK sends it on every turn; edgetp has no extra output data to add.
+    include: list[AnyText] | None = Field(None, description="accepted, changes nothing")
 
 
 ROUTE_REQUESTS["/v1/responses"] = ResponsesRequest
