@@ -28,6 +28,7 @@ from edgetp.master.cluster.transport import ClusterError
 from edgetp.master.generation.batcher import Batcher, Delta, Event, Failed, Finished
 from edgetp.master.generation.params import SamplingParams
 from edgetp.master.generation.prompts import prompt_tokens
+from edgetp.models.errors import ModelError
 from edgetp.models.rows_native import NativeBlocks
 
 pytestmark = pytest.mark.slow
@@ -140,6 +141,32 @@ def test_requests_wait_for_a_free_slot_and_then_join(batcher, prompts, solo):
     assert [c.text for c in clients] == solo
     # The third started only once one of the first two had finished and freed its slot.
     assert clients[2].steps_seen[0] > min(clients[0].steps_seen[-1], clients[1].steps_seen[-1])
+
+
+def test_embeddings_wait_for_a_free_slot_and_leave_the_answers_as_they_were(
+    batcher, prompts, solo, smollm2_tokenizer
+):
+    texts = [smollm2_tokenizer.encode(p) for p in PROMPTS]
+    alone = batcher.embed(texts).result(TIMEOUT)
+    clients = [Client(batcher, prompts[i], greedy(24)) for i in (0, 1)]  # both slots
+    for c in clients:
+        while not c.text:
+            c.next()
+    assert batcher.stats().active == 2
+    gone = batcher.embed(texts)
+    gone.cancel()  # its client went away: the loop drops it and goes on to the next
+    during = batcher.embed(texts)
+    assert not during.done()  # no slot is free while both answers run
+    for c in clients:
+        c.finish()
+    assert [c.text for c in clients] == solo[:2]  # their KV slots untouched
+    for a, b in zip(alone, during.result(TIMEOUT), strict=True):
+        assert np.allclose(a, b, rtol=0, atol=1e-6)
+    with pytest.raises(ModelError, match="input 1 has 0 tokens"):
+        batcher.embed([texts[0], []])
+    with pytest.raises(ModelError, match="input 0 has 257 tokens"):
+        batcher.embed([[1] * 257])  # the context is 256
+    wait_until(lambda: batcher.stats().active == 0, TIMEOUT, "the slots freed")
 
 
 def test_a_request_whose_logits_are_not_a_number_fails_alone(batcher, prompts, solo, monkeypatch):
