@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 from openai.types import completion_create_params as text_params
@@ -25,6 +26,8 @@ from test_bridge_fields import CHAT_NO_OPS, REFUSED, TEXT_NO_OPS, TOOL
 from waiting import wait_until
 
 from edgetp.master.bridge.client import ServerProcess, start_server, stream_chat
+from edgetp.master.cluster.engine import Engine
+from edgetp.master.generation.embedding import embed_step
 from edgetp.models.layers import Slice
 from edgetp.node.kvcache import KVCache
 
@@ -372,6 +375,23 @@ def test_fields_outside_openais_api_are_answered_and_logged_once(served):
     assert "'typical_p'" in chat_line and "'messages.0.edgetp_note'" in chat_line
     [text_line] = lines("edgetp_unknown_2")
     assert "/v1/completions" in text_line
+
+
+def test_embeddings_of_two_nodes_equal_one_engine_s(served, smollm2, smollm2_tokenizer):
+    """The route's vectors at two nodes (each layer a sum across the wire) are one in-process
+    engine's (tests/test_embeddings.py holds that engine to transformers)."""
+    texts = ["The quick brown fox.", "Paris", "Tensor parallelism sums partials across nodes."]
+    model = served.client.models.list().data[0].id
+    made = served.client.embeddings.create(model=model, input=texts, encoding_format="float")
+    engine = Engine.local(smollm2, max_context=64, slots=len(texts))
+    try:
+        ids = [smollm2_tokenizer.encode(t) for t in texts]
+        ref = embed_step(engine, ids, range(len(ids)))
+    finally:
+        engine.close()
+    assert made.usage.prompt_tokens == sum(map(len, ids))
+    for got, want in zip(made.data, ref, strict=True):
+        assert np.allclose(got.embedding, want, rtol=0, atol=1e-5)
 
 
 def test_a_wrong_or_missing_api_key_is_401(served):
