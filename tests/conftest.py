@@ -6,6 +6,7 @@ from __future__ import annotations
 import edgetp.models  # noqa: F401  (before torch: its OpenMP setting, models/__init__.py)
 
 # isort: on
+import json
 import os
 import shutil
 import tempfile
@@ -50,46 +51,59 @@ def pytest_configure(config):
         os.environ[CORES_ENV] = str(max(1, (os.cpu_count() or 1) // processes))
 
 
-# The files that take longest (18-146 s each in a whole run at 2 x 2 processes on a Zen 3 core
-# pair, 2026-11-27), longest first: the two test processes take files in this order (the
-# Makefile turns off xdist's reordering by test count, which put the files of one or two long
-# tests last), and a long file taken last leaves one of them working alone at the end (62 s of
-# a 13-minute run).
-LONGEST_FIRST = (
-    "test_cluster.py",
-    "test_chat_app.py",
-    "test_grammar.py",
-    "test_bridge_clients.py",
-    "test_window.py",
-    "test_speculate.py",
-    "test_emulate.py",
-    "test_lan_fronts.py",
-    "test_gemma3.py",
-    "test_soak.py",
-    "test_cli.py",
-    "test_bridge_fuzz.py",
-    "test_reference.py",
-    "test_embeddings.py",
-    "test_bridge_batcher.py",
-    "test_membership.py",
-    "test_kernels.py",
-    "test_bridge_server.py",
-    "test_families.py",
-    "test_tokenizer.py",
-    "test_synth.py",
-    "test_sampling.py",
-    "test_wire.py",
-    "test_hf_source.py",
-    "test_discovery.py",
-)
+# Test order: the files that take longest first. The two test processes take files in this
+# order (the Makefile turns off xdist's reordering by test count, which put the files of one or
+# two long tests last), and a long file taken last leaves one of them working alone at the end.
+# The seconds are a real run's, per file (setup, call and teardown of its tests), kept in
+# tests/durations.json; the files it does not name yet come after those it names, in their
+# folder's order. `make durations` runs the whole suite and writes them anew
+# (EDGETP_DURATIONS=write: a run writes what it timed).
+TESTS = Path(__file__).parent
+DURATIONS = TESTS / "durations.json"
+WRITE_DURATIONS = "EDGETP_DURATIONS"
+
+
+def recorded_durations() -> dict[str, float]:
+    """File (relative to tests/) -> seconds, as the last `make durations` measured them."""
+    try:
+        return json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def file_of(item_or_nodeid: pytest.Item | str) -> str:
+    """The test file of an item or a report's node id, relative to tests/."""
+    if isinstance(item_or_nodeid, str):
+        path = Path(item_or_nodeid.split("::", 1)[0])
+        return path.name if path.parent.name == TESTS.name else path.as_posix()
+    return item_or_nodeid.path.relative_to(TESTS).as_posix()
 
 
 def pytest_collection_modifyitems(items):
-    def rank(item):
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    seconds = recorded_durations()
+    items.sort(key=lambda item: -seconds.get(file_of(item), 0.0))  # stable: files stay whole
 
-    items.sort(key=rank)  # stable: each file's tests keep their order
+
+_timed: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Times every file's tests where the reports arrive: the one test process, or xdist's
+    controller (a worker's own reports are also sent there)."""
+    if os.environ.get(WRITE_DURATIONS) == "write" and "PYTEST_XDIST_WORKER" not in os.environ:
+        file = file_of(report.nodeid)
+        _timed[file] = _timed.get(file, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """EDGETP_DURATIONS=write: the files this run timed replace their seconds in
+    tests/durations.json; files that are gone leave it."""
+    if not _timed or exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        return  # an interrupted run's times are short of the files' own
+    seconds = {f: s for f, s in recorded_durations().items() if (TESTS / f).exists()}
+    seconds.update({f: round(t, 1) for f, t in _timed.items()})
+    ranked = dict(sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0])))
+    DURATIONS.write_text(json.dumps(ranked, indent=1) + "\n")
 
 
 # What a run holds on disk at its peak (shards of the model in several splits, the test folders

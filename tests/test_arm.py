@@ -20,6 +20,8 @@ from edgetp.models.quant import FORMATS, random_blocks
 HARNESS = Path(__file__).with_name("csrc") / "arm_check.c"
 COMPILER, EMULATOR = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 
+pytestmark = pytest.mark.slow  # a cross build, and every check run under an emulator
+
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, Path]:

@@ -53,6 +53,7 @@ def _shard_dtype_and_bytes(state_dir: Path) -> tuple[str, int]:
     return json.loads(manifest.read_text())["extra"]["dtype"], sum(p.stat().st_size for p in shards)
 
 
+@pytest.mark.slow  # runs the model end to end, twice
 def test_a_gguf_file_keeps_its_own_weights_unless_no_compiler_can_build_their_kernels(
     tmp_path,
 ):
