@@ -4,7 +4,14 @@ give the same top-1 token, teacher-forced, at no fewer than 999 of every 1,000 p
 shard dtypes' 258-position check (tests/test_window.py). Gemma 3 270M's file brings Q4_K, Q6_K,
 Q5_0 and Q8_0; SmolLM2's Q4_1 and Q8_0; SmolLM2's layers stored again in each of the other
 formats (no bundled file stores them) bring Q4_0, Q5_0, Q5_1, MXFP4, IQ4_NL, Q2_K, Q3_K, Q5_K
-and IQ4_XS."""
+and IQ4_XS.
+
+Both sides compute the same values in other orders of summation, so their logits differ by float
+rounding only (at most 1.4e-4 on SmolLM2's Q2_K layers, where the kernels a device may choose
+differ). A position whose two best float32 logits are within `TIE` is a tie that either order
+may break either way (SmolLM2's Q2_K layers have one, 1.1e-5 apart, the next closest 2.5e-3): it
+counts as agreeing when the block products choose one of the tied tokens. Every logit is held to
+`LOGIT_TOLERANCE` besides, which a wrong product exceeds by far."""
 
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ from edgetp.models.source import GGUFSource, ModelSource, open_model
 pytestmark = pytest.mark.slow
 
 AGREEMENT = 0.999
+LOGIT_TOLERANCE = 1e-3  # float32 rounding of the same products in another order, any logit
+TIE = 1e-4  # two best float32 logits this close: either order of summation may pick either
 LAYER_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -58,11 +67,12 @@ class StoredAs(GGUFSource):
         return stored if blocks else self.fmt.dequantize(stored)
 
 
-def _top1(source: ModelSource, dtype: str, state_dir, formats: set[str]) -> torch.Tensor:
-    """Teacher-forced top-1 tokens, the engine's products on `formats` (their kernels used)."""
+def _logits(source: ModelSource, dtype: str, state_dir, formats: set[str]) -> torch.Tensor:
+    """Teacher-forced logits (positions, vocab), the engine's products on `formats` (their
+    kernels used)."""
     tokenizer = source.tokenizer()
     memory = MemoryOptions(dtype=dtype)
-    tops = []
+    rows = []
     kernels.uninstall()  # the kernel table this process holds is only this engine's
     with local_engine(source, 1, state_dir=state_dir, context=128, memory=memory) as engine:
         used = {part.split(":")[0] for part in kernels.kernel_set().split("; ")}
@@ -71,16 +81,26 @@ def _top1(source: ModelSource, dtype: str, state_dir, formats: set[str]) -> torc
             ids = tokenizer.encode(text)[:POSITIONS_PER_TEXT]
             assert len(ids) == POSITIONS_PER_TEXT
             logits = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)), all_logits=True)
-            tops.append(logits[0].argmax(-1))
+            rows.append(logits[0])
         engine.close()
-    return torch.cat(tops)
+    return torch.cat(rows)
 
 
 def _agreement(source: ModelSource, tmp_path, formats: set[str]) -> float:
-    kept = _top1(source, "auto", tmp_path / "auto", formats)
-    exact = _top1(source, "f32", tmp_path / "f32", {"f32"})
-    assert kept.numel() >= 256
-    return (kept == exact).float().mean().item()
+    """Top-1 agreement of the block products with the float32 products; a float32 tie (module
+    docstring) agrees when the block products pick one of its tokens."""
+    kept = _logits(source, "auto", tmp_path / "auto", formats)
+    exact = _logits(source, "f32", tmp_path / "f32", {"f32"})
+    assert kept.shape[0] >= 256
+    largest = (kept - exact).abs().max().item()
+    assert largest <= LOGIT_TOLERANCE, ("logits apart by", largest)
+    chosen = kept.argmax(-1)
+    best = exact.max(-1).values
+    tied = exact.gather(-1, chosen[:, None])[:, 0] >= best - TIE
+    agree = chosen == exact.argmax(-1)
+    ties = int((tied & ~agree).sum())
+    print(f"\nlogits at most {largest:.2e} apart; {ties} float32 tie(s) broken the other way")
+    return (agree | tied).float().mean().item()
 
 
 @pytest.mark.parametrize(
