@@ -9,6 +9,9 @@ change. One server for the module, small max_tokens: the suite's time is a budge
 SmolLM2's chat template shows no tools, so these run the Hermes system prompt and format
 (master/bridge/tools.py); a forced call and a JSON schema are grammars, so even this 135M model
 answers with JSON that parses and validates.
+
+The clients other than openai are imported where they are used: together they take 10-15 s to
+import, which every test process would pay at collection, for the one that runs this file.
 """
 
 from __future__ import annotations
@@ -19,19 +22,11 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
-import anthropic
 import httpx
-import instructor
 import jsonschema
 import numpy as np
-import ollama
 import openai
 import pytest
-from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
-from llama_index.core.llms import ChatMessage as LlamaMessage
-from llama_index.core.tools import FunctionTool
-from llama_index.llms.openai_like import OpenAILike
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
@@ -153,11 +148,13 @@ def test_the_openai_client_parses_into_a_pydantic_model(bridge):
     assert done.choices[0].message.parsed == Person(name="Ann", age=31, role="engineer")
 
 
-@pytest.mark.parametrize("mode", [instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA])
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
 def test_instructor_gets_its_model(bridge, mode):
     """TOOLS forces a call of the model's function (tool_choice by name); JSON_SCHEMA asks for
     a response_format."""
-    client = instructor.from_openai(bridge.client, mode=mode)
+    import instructor
+
+    client = instructor.from_openai(bridge.client, mode=instructor.Mode[mode])
     person = client.chat.completions.create(
         model=MODEL, response_model=Person, messages=ANN, temperature=0, max_tokens=60,
         max_retries=0,
@@ -274,14 +271,15 @@ def test_functions_the_older_form_call_by_function_call(bridge):
 
 
 # -- LangChain ----------------------------------------------------------------------------------
-@tool
 def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
     """Get the weather forecast for a city."""
     return "18 C"
 
 
 @pytest.fixture(scope="module")
-def chat_model(bridge) -> ChatOpenAI:
+def chat_model(bridge):
+    from langchain_openai import ChatOpenAI
+
     # The bridge's address: nothing leaves this machine.
     return ChatOpenAI(
         base_url=f"{bridge.base}/v1", api_key=KEY, model=MODEL, temperature=0,
@@ -290,7 +288,9 @@ def chat_model(bridge) -> ChatOpenAI:
 
 
 def test_langchain_binds_tools_and_gets_a_call(chat_model):
-    said = chat_model.bind_tools([get_weather], tool_choice="required").invoke(
+    from langchain_core.tools import tool
+
+    said = chat_model.bind_tools([tool(get_weather)], tool_choice="required").invoke(
         "What is the weather in Oslo?"
     )
     [call] = said.tool_calls
@@ -306,7 +306,9 @@ def test_langchain_structured_output(chat_model, method):
 
 
 @pytest.fixture(scope="module")
-def llama_index_llm(bridge) -> OpenAILike:
+def llama_index_llm(bridge):
+    from llama_index.llms.openai_like import OpenAILike
+
     # LlamaIndex's class for a server that speaks OpenAI's API; the bridge's address.
     return OpenAILike(
         model=MODEL, api_base=f"{bridge.base}/v1", api_key=KEY, is_chat_model=True,
@@ -317,6 +319,8 @@ def llama_index_llm(bridge) -> OpenAILike:
 
 def test_llama_index_chats_streams_and_completes(llama_index_llm, bridge):
     """LlamaIndex's chat, streamed chat and completion give what the openai client gets."""
+    from llama_index.core.llms import ChatMessage as LlamaMessage
+
     messages = [LlamaMessage(role="user", content="Name a colour.")]
     said = llama_index_llm.chat(messages).message.content
     expected = ask(bridge, [{"role": "user", "content": "Name a colour."}], max_tokens=CALL_TOKENS)
@@ -331,6 +335,9 @@ def weather_in(city: str) -> str:  # LlamaIndex reads the annotations: plain one
 
 
 def test_llama_index_calls_a_required_tool_and_fills_a_model(llama_index_llm):
+    from llama_index.core.llms import ChatMessage as LlamaMessage
+    from llama_index.core.tools import FunctionTool
+
     tool = FunctionTool.from_defaults(fn=weather_in, name="get_weather")
     said = llama_index_llm.chat_with_tools(
         [tool], user_msg="What is the weather in Oslo?", tool_required=True
@@ -360,6 +367,8 @@ def base(bridge):
 
 @pytest.fixture(scope="module")
 def claude(base):
+    import anthropic
+
     return anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0, timeout=120)
 
 
@@ -370,6 +379,8 @@ def oai(base):
 
 @pytest.fixture(scope="module")
 def ollama_client(base):
+    import ollama
+
     return ollama.Client(host=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
 
 
