@@ -60,13 +60,15 @@ test: setup cross
 	$(MAKE) --no-print-directory typecheck
 	$(PYTEST_SUITE) --durations=12
 
-# The whole suite, which writes the seconds each file took into tests/durations.json, the order
-# `make test` takes them in: after a file is added, or a file's time has changed much.
+# The whole suite, which writes the seconds each test took into tests/durations.json: the order
+# `make test` takes files in, and which tests `make test-fast` leaves out. After tests are added,
+# or their times have changed much.
 durations: setup cross
 	EDGETP_DURATIONS=write $(PYTEST_SUITE)
 
-# The tests that start no cluster, load no reference implementation and run no model end to
-# end: about three minutes, for the edit-test loop. `make test` is what must pass.
+# The tests that start no cluster, load no reference implementation, run no model end to end and
+# took under a second in the last `make durations` (tests/conftest.py): for the edit-test loop.
+# `make test` is what must pass.
 test-fast: setup cross
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck

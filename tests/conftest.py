@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -51,59 +52,124 @@ def pytest_configure(config):
         os.environ[CORES_ENV] = str(max(1, (os.cpu_count() or 1) // processes))
 
 
-# Test order: the files that take longest first. The two test processes take files in this
-# order (the Makefile turns off xdist's reordering by test count, which put the files of one or
-# two long tests last), and a long file taken last leaves one of them working alone at the end.
-# The seconds are a real run's, per file (setup, call and teardown of its tests), kept in
-# tests/durations.json; the files it does not name yet come after those it names, in their
-# folder's order. `make durations` runs the whole suite and writes them anew
-# (EDGETP_DURATIONS=write: a run writes what it timed).
+# Test order and `make test-fast` come from a real run's seconds, kept in tests/durations.json:
+# per test (setup, call and teardown), as pytest-split keeps them, and per shared fixture (the
+# setup of a module or session fixture: the model loaded, a synthetic model written, a server
+# started). `make durations` runs the whole suite and writes them anew (EDGETP_DURATIONS=write:
+# a run writes what it timed).
+# - The files that take longest go first. The two test processes take files in this order (the
+#   Makefile turns off xdist's reordering by test count, which put the files of one or two long
+#   tests last), and a long file taken last leaves one of them working alone at the end. Files
+#   it does not name yet come after those it names, in their folder's order.
+# - A test that took `FAST_TEST_S` or more, or needs a shared fixture that did, is marked slow,
+#   as are those that start a cluster or a server, run a model end to end, load a reference or
+#   cross-build (marked in their files): `make test-fast` leaves them out. A test not timed yet
+#   runs in both.
 TESTS = Path(__file__).parent
 DURATIONS = TESTS / "durations.json"
 WRITE_DURATIONS = "EDGETP_DURATIONS"
+FAST_TEST_S = 0.5
+SHARED_SCOPES = ("module", "package", "session")
 
 
-def recorded_durations() -> dict[str, float]:
-    """File (relative to tests/) -> seconds, as the last `make durations` measured them."""
+def recorded_durations() -> dict[str, dict[str, float]]:
+    """{"tests": test id -> seconds, "fixtures": fixture key -> seconds}, as the last `make
+    durations` measured them (ids and keys name files relative to tests/)."""
     try:
-        return json.loads(DURATIONS.read_text())
+        recorded = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
-        return {}
+        recorded = {}
+    return {"tests": recorded.get("tests", {}), "fixtures": recorded.get("fixtures", {})}
 
 
-def file_of(item_or_nodeid: pytest.Item | str) -> str:
-    """The test file of an item or a report's node id, relative to tests/."""
-    if isinstance(item_or_nodeid, str):
-        path = Path(item_or_nodeid.split("::", 1)[0])
-        return path.name if path.parent.name == TESTS.name else path.as_posix()
-    return item_or_nodeid.path.relative_to(TESTS).as_posix()
+def short_id(nodeid: str) -> str:
+    """A test's node id with its file relative to tests/, wherever pytest was started."""
+    path, _, rest = nodeid.partition("::")
+    file = Path(path)
+    name = file.name if file.parent.name == TESTS.name else file.as_posix()
+    return f"{name}::{rest}"
+
+
+def fixture_key(where: str, name: str) -> str:
+    """A fixture by the file that defines it (`where`: a node id's file part, or a folder for
+    a conftest's fixture) and its name."""
+    return f"{Path(where).name if where.endswith('.py') else 'conftest'}::{name}"
 
 
 def pytest_collection_modifyitems(items):
-    seconds = recorded_durations()
-    items.sort(key=lambda item: -seconds.get(file_of(item), 0.0))  # stable: files stay whole
+    recorded = recorded_durations()
+    seconds, fixtures = recorded["tests"], recorded["fixtures"]
+    per_file: dict[str, float] = {}
+    for test, s in seconds.items():
+        file = test.split("::", 1)[0]
+        per_file[file] = per_file.get(file, 0.0) + s
+    for item in items:
+        file = item.nodeid.partition("::")[0]
+        shared = [
+            fixtures.get(fixture_key(file, name), fixtures.get(fixture_key("", name), 0.0))
+            for name in item.fixturenames
+        ]
+        if max([seconds.get(short_id(item.nodeid), 0.0), *shared]) >= FAST_TEST_S:
+            item.add_marker(pytest.mark.slow)
+    # stable: files stay whole, their tests in their order
+    items.sort(key=lambda item: -per_file.get(short_id(item.nodeid).split("::", 1)[0], 0.0))
 
 
 _timed: dict[str, float] = {}
+_fixtures_timed: dict[str, float] = {}
+_fixtures_set_up: list[tuple[str, float]] = []  # in a test process, until its test's report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    if os.environ.get(WRITE_DURATIONS) != "write" or fixturedef.scope not in SHARED_SCOPES:
+        return (yield)
+    started = time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        key = fixture_key(fixturedef.baseid, fixturedef.argname)
+        _fixtures_set_up.append((key, time.perf_counter() - started))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The shared fixtures a test's setup made travel with its report (to xdist's controller)."""
+    report = yield
+    if call.when == "setup" and _fixtures_set_up:
+        report.user_properties += [("fixture_s", key, s) for key, s in _fixtures_set_up]
+        _fixtures_set_up.clear()
+    return report
 
 
 def pytest_runtest_logreport(report):
-    """Times every file's tests where the reports arrive: the one test process, or xdist's
-    controller (a worker's own reports are also sent there)."""
+    """Times every test where the reports arrive: the one test process, or xdist's controller
+    (a worker's own reports are also sent there)."""
     if os.environ.get(WRITE_DURATIONS) == "write" and "PYTEST_XDIST_WORKER" not in os.environ:
-        file = file_of(report.nodeid)
-        _timed[file] = _timed.get(file, 0.0) + report.duration
+        test = short_id(report.nodeid)
+        _timed[test] = _timed.get(test, 0.0) + report.duration
+        for kind, *rest in report.user_properties:
+            if kind == "fixture_s":
+                key, s = rest
+                _fixtures_timed[key] = max(_fixtures_timed.get(key, 0.0), s)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """EDGETP_DURATIONS=write: the files this run timed replace their seconds in
-    tests/durations.json; files that are gone leave it."""
+    """EDGETP_DURATIONS=write: the tests and fixtures this run timed replace their seconds in
+    tests/durations.json; those whose file is gone leave it."""
     if not _timed or exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
-        return  # an interrupted run's times are short of the files' own
-    seconds = {f: s for f, s in recorded_durations().items() if (TESTS / f).exists()}
-    seconds.update({f: round(t, 1) for f, t in _timed.items()})
-    ranked = dict(sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0])))
-    DURATIONS.write_text(json.dumps(ranked, indent=1) + "\n")
+        return  # an interrupted run's times are short of the tests' own
+    recorded = recorded_durations()
+    kept = {}
+    for kind, timed in (("tests", _timed), ("fixtures", _fixtures_timed)):
+        seconds = {
+            k: s
+            for k, s in recorded[kind].items()
+            if k.startswith("conftest::") or (TESTS / k.split("::", 1)[0]).exists()
+        }
+        seconds.update({k: round(s, 2) for k, s in timed.items()})
+        kept[kind] = dict(sorted(seconds.items()))
+    DURATIONS.write_text(json.dumps(kept, indent=1) + "\n")
 
 
 # What a run holds on disk at its peak (shards of the model in several splits, the test folders
