@@ -207,30 +207,8 @@ class GatedDeltaNet(Family):
     def linear_channels(self, config: ModelConfig, s: Slice) -> tuple[int, int, int]:
         return channels(config, s)
 
-    def linear_recur(
-        self,
-        x: torch.Tensor,
-        beta: torch.Tensor,
-        g: torch.Tensor,
-        taps: torch.Tensor,
-        conv_state: torch.Tensor,
-        state: torch.Tensor,
-        s: Slice,
-        config: ModelConfig,
-    ) -> torch.Tensor:
-        return recur(x, beta, g, taps, conv_state, state, s, config)
-
-    def linear_partial(
-        self,
-        h: torch.Tensor,
-        w: dict[str, torch.Tensor],
-        s: Slice,
-        config: ModelConfig,
-        conv_states: torch.Tensor,
-        states: torch.Tensor,
-        batch: StepBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return deltanet_partial(h, w, s, config, conv_states, states, batch)
+    linear_recur = staticmethod(recur)
+    linear_partial = staticmethod(deltanet_partial)
 
 
 QWEN35 = GatedDeltaNet("Qwen3.5", "qwen35", "Qwen3_5ForCausalLM", qk_norm=True)
