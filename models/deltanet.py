@@ -12,9 +12,10 @@ A slice holds some value heads and the key heads they read (`models.layers.linea
 
 S, a head's (dk, dv) recurrent state, and the convolution's last `linear_conv - 1` inputs are
 what a sequence keeps instead of a KV cache: fixed in size, one per sequence slot on the node
-that holds the heads (node.kvcache.LinearStates). The recurrence runs token by token, a prompt's
-too: its state after each token is exactly transformers' (whose prompt path is a chunked form
-of the same sums), and a decode step is one token anyway.
+that holds the heads (node.kvcache.LinearStates). A decode step's token runs the recurrence as
+written (`by_token`); a step of several tokens (a prompt, drafts) runs the same sums `CHUNK`
+tokens at a time in matmuls (`chunked`, the form of transformers' and llama.cpp's prompt path),
+whose end state matches the token-by-token one to float rounding.
 """
 
 from __future__ import annotations
@@ -89,15 +90,81 @@ def recur(
     q = _l2norm(q.reshape(T, -1, dk))[:, heads] * dk**-0.5  # (T, nv, dk)
     k = _l2norm(k.reshape(T, -1, dk))[:, heads]
     v = v.reshape(T, -1, dv)
-    out = x.new_empty(T, s.n_linear, dv)
+    # a decode step's token as written; from 2 tokens on, chunks cost less (docs/bench/README.md)
+    rule = chunked if T > 1 else by_token
+    return rule(q, k, v, beta, g, state)
+
+
+def by_token(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """The gated delta rule one token at a time: q, k (T, nv, dk), v (T, nv, dv), beta and the
+    log decay g (T, nv); `state` (nv, dk, dv) carried on in place. Returns o (T, nv, dv)."""
+    out = v.new_empty(v.shape)
     decay = g.exp()
-    for t in range(T):
+    for t in range(v.shape[0]):
         state.mul_(decay[t].view(-1, 1, 1))
         remembered = torch.einsum("hkv,hk->hv", state, k[t])  # what S recalls for k
         delta = (v[t] - remembered) * beta[t].unsqueeze(-1)  # (nv, dv)
         state.add_(k[t].unsqueeze(-1) * delta.unsqueeze(-2))
         out[t] = torch.einsum("hkv,hk->hv", state, q[t])
     return out
+
+
+# Tokens a chunk: transformers', FLA's and llama.cpp's. Within a chunk the work is (C, C)
+# matrices a head; across chunks the state is read and written once a chunk, not a token.
+CHUNK = 64
+
+
+def chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """`by_token`'s sums, `CHUNK` tokens at a time (same arguments, same result).
+
+    Within a chunk that starts from state S0, with G_t the sum of g from its start to token t
+    and u_s the delta token s writes (beta_s (v_s - S_{s-1}^T k_s), S_{s-1} decayed to s):
+
+        S_t = e^G_t S0 + sum_{s<=t} e^(G_t - G_s) k_s u_s^T
+        u_t = beta_t (v_t - e^G_t S0^T k_t - sum_{s<t} e^(G_t - G_s) (k_t . k_s) u_s)
+        o_t = S_t^T q_t
+
+    so U = (I + A)^-1 (beta V - beta e^G K S0), A_ts = beta_t e^(G_t - G_s) k_t . k_s for s < t:
+    one triangular solve a chunk gives U, and each chunk reads and writes S once. Every
+    exponent is <= 0, so nothing overflows however long the chunk or strong the decay."""
+    T = v.shape[0]
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # (nv, T, d): heads are the batch
+    beta, g = beta.T, g.T  # (nv, T)
+    out = v.new_empty(v.shape)
+    for a in range(0, T, CHUNK):
+        c = slice(a, min(a + CHUNK, T))
+        qc, kc, vc, bc = q[:, c], k[:, c], v[:, c], beta[:, c].unsqueeze(-1)
+        G = g[:, c].cumsum(-1)  # (nv, C)
+        n = G.shape[1]
+        later = torch.ones(n, n, dtype=torch.bool, device=G.device).triu(1)  # s > t
+        # e^(G_t - G_s) for s <= t, 0 else; -inf before exp so nothing above overflows
+        decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(later, float("-inf")).exp()
+        from_start = G.exp().unsqueeze(-1)  # e^G_t, (nv, C, 1)
+        kb = kc * bc
+        # unitriangular: the solve reads only A's strictly lower part, its diagonal is 1
+        A = (kb @ kc.mT) * decay  # (nv, C, C)
+        rhs = torch.cat((vc * bc, kb * from_start), dim=-1)
+        solved = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+        u = solved[..., : vc.shape[-1]] - solved[..., vc.shape[-1] :] @ state  # (nv, C, dv)
+        scores = (qc @ kc.mT) * decay  # o_t's sum over s <= t
+        out[:, c] = (qc * from_start) @ state + scores @ u
+        to_end = (G[:, -1:] - G).exp().unsqueeze(-1)  # e^(G_C - G_s), (nv, C, 1)
+        state.mul_(G[:, -1].exp().view(-1, 1, 1)).add_((kc * to_end).mT @ u)
+    return out.transpose(0, 1)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -207,30 +274,8 @@ class GatedDeltaNet(Family):
     def linear_channels(self, config: ModelConfig, s: Slice) -> tuple[int, int, int]:
         return channels(config, s)
 
-    def linear_recur(
-        self,
-        x: torch.Tensor,
-        beta: torch.Tensor,
-        g: torch.Tensor,
-        taps: torch.Tensor,
-        conv_state: torch.Tensor,
-        state: torch.Tensor,
-        s: Slice,
-        config: ModelConfig,
-    ) -> torch.Tensor:
-        return recur(x, beta, g, taps, conv_state, state, s, config)
-
-    def linear_partial(
-        self,
-        h: torch.Tensor,
-        w: dict[str, torch.Tensor],
-        s: Slice,
-        config: ModelConfig,
-        conv_states: torch.Tensor,
-        states: torch.Tensor,
-        batch: StepBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return deltanet_partial(h, w, s, config, conv_states, states, batch)
+    linear_recur = staticmethod(recur)
+    linear_partial = staticmethod(deltanet_partial)
 
 
 QWEN35 = GatedDeltaNet("Qwen3.5", "qwen35", "Qwen3_5ForCausalLM", qk_norm=True)
