@@ -103,6 +103,7 @@ def config_from_gguf(
         **moe,
     )
 
+
 def config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None

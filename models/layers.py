@@ -71,7 +71,6 @@ def expert_of(name: str) -> tuple[str, int] | None:
     return (base, int(expert)) if base in kinds and expert.isdigit() else None
 
 
-
 def expert_name(name: str, expert: int) -> str:
     """The canonical name of expert `expert`'s `name` ("gate", "up" or "down")."""
     return f"{name}.{expert}"

@@ -1,8 +1,8 @@
 """The wire protocol's constants and socket habits, in one place; its messages are node/messages.py.
 
-    node -> master: HELLO, FETCH, READY, PARTIAL, MEASURED, ECHOED, LEAVE, ERROR
-    master -> node: WELCOME, REFUSE, ACCEPTED, CHUNK, STEP, STANDBY, MEASURE, ECHO, BYE
-    both ways, on the heartbeat sockets: HEARTBEAT
+node -> master: HELLO, FETCH, READY, PARTIAL, MEASURED, ECHOED, LEAVE, ERROR
+master -> node: WELCOME, REFUSE, ACCEPTED, CHUNK, STEP, STANDBY, MEASURE, ECHO, BYE
+both ways, on the heartbeat sockets: HEARTBEAT
 """
 
 from __future__ import annotations

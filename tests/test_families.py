@@ -389,7 +389,6 @@ def test_block_shards_split_across_real_nodes_equal_one_node(qwen3, dtype):
 def test_smollm3_leaves_unrotated_the_layers_transformers_does(values):
     import transformers
 
-
     values = SMALL | {"num_hidden_layers": 8, **PHI_TOKENS} | values
     flags = transformers.SmolLM3Config(**values).no_rope_layers
     config = config_from_hf({"architectures": ["SmolLM3ForCausalLM"], **values}, "c.json")

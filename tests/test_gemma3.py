@@ -134,6 +134,8 @@ def test_a_split_keeps_the_file_s_size(gemma3_path, tmp_path):
         manifest = split_model(source, slices, store, dtype="auto", head_rows=heads)
         total = sum(r.size for node in manifest.nodes for r in node) + manifest.globals.size
         copies = sum(r.size for r in manifest.heads)
-        print(f"\n{n} node(s): shards {total / 1e6:.1f} MB and the workers' lm_head rows "
-              f"{copies / 1e6:.1f} MB, file {file / 1e6:.1f} MB: {total / file:.3f}")
+        print(
+            f"\n{n} node(s): shards {total / 1e6:.1f} MB and the workers' lm_head rows "
+            f"{copies / 1e6:.1f} MB, file {file / 1e6:.1f} MB: {total / file:.3f}"
+        )
         assert abs(total / file - 1) <= 0.05, (n, total, file)

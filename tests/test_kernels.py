@@ -358,8 +358,7 @@ def test_kernels_under_a_cpu_quota_are_timed_in_cpu_seconds(quota, clocks):
     a call lands in the quota's period picked torch's product for an lm_head 2 times in 6, ~30%
     slower than NumPy's in CPU (docs/bench/README.md, Kernels). Free, the wall clock."""
     code = (
-        "from edgetp.models.kernels import compute_clock as c\n"
-        "print(c(1).__name__, c(2).__name__)"
+        "from edgetp.models.kernels import compute_clock as c\nprint(c(1).__name__, c(2).__name__)"
     )
     assert _in_cpu_quota(quota, code) == clocks
 

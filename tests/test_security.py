@@ -55,8 +55,15 @@ def _join(port: int, state, token: str | None) -> subprocess.Popen[str]:
     if token:
         env[TOKEN_ENV] = token
     return subprocess.Popen(
-        [sys.executable, "-m", "edgetp.tui.cli", "join", f"127.0.0.1:{port}",
-         "--state-dir", str(state)],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "edgetp.tui.cli",
+            "join",
+            f"127.0.0.1:{port}",
+            "--state-dir",
+            str(state),
+        ],  # fmt: skip
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
