@@ -1,8 +1,9 @@
 """A node lost mid-stream through every API the bridge speaks: `edgetp serve --local-nodes 3`,
 one worker SIGKILLed after the first deltas of a streamed greedy answer, through each API's own
 client (the `openai` client's Responses and completions streams, the `anthropic` client's
-Messages stream, the `ollama` client's chat stream). Chat completions has the same test in
-tests/test_chat_app.py (a worker killed mid-answer), and the soak many of them.
+Messages stream, the `ollama` client's chat stream), and an embeddings request of many inputs.
+Chat completions has the same test in tests/test_chat_app.py (a worker killed mid-answer), and
+the soak many of them.
 
 The batcher's recovery (`_replan_running`) re-plans on the nodes left and replays each running
 answer's prompt and tokens so far into the new plan's cache, then samples on as the
@@ -19,9 +20,12 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import httpx2 as httpx
+import numpy as np
 import openai
 import pytest
 from local_processes import local_workers
@@ -212,3 +216,36 @@ def test_completions_stream_recovers_from_a_lost_node(server, oai):
     assert end == "finish_reason=length", end
     assert killed_mid_stream(server, "local-2", stream) == (healthy, end)
     assert stream(lambda: None) == (healthy, end)
+
+
+def test_embeddings_recover_from_a_node_lost_mid_request(server, oai):
+    """An embeddings request of many inputs runs as several steps (a step's inputs take the
+    free slots): a worker killed while it runs costs it nothing. The inputs not yet computed
+    run on the re-planned cluster, and every vector equals the healthy cluster's (to float
+    rounding: two nodes sum the partials in another order than three)."""
+    texts = [f"{PROMPT} Chapter {k}: the knight rides north through the rain." * 3
+             for k in range(16)]  # fmt: skip
+
+    def embed() -> tuple[np.ndarray, float]:
+        started = time.perf_counter()
+        data = oai.embeddings.create(model=MODEL, input=texts).data
+        return np.array([d.embedding for d in data]), time.perf_counter() - started
+
+    healthy, first_s = embed()
+    again, healthy_s = embed()
+    assert np.allclose(again, healthy, rtol=0, atol=1e-6)  # the same split: the same sums
+    before = planned_on_three(server.base)
+    pid = local_workers(server.proc.pid)["local-2"]
+    killer = threading.Timer(min(first_s, healthy_s) / 4, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    try:
+        after_loss, _ = embed()
+    finally:
+        killer.cancel()
+    figures = cluster(server.base)["generation"]
+    assert figures["last_loss"] != before["generation"]["last_loss"], figures
+    assert "node local-2 " in figures["last_loss"], figures
+    assert np.allclose(after_loss, healthy, rtol=0, atol=1e-5), abs(after_loss - healthy).max()
+    back = planned_on_three(server.base)
+    assert restarts(back) == {**restarts(before), "local-2": restarts(before)["local-2"] + 1}
+    assert np.allclose(embed()[0], healthy, rtol=0, atol=1e-5)

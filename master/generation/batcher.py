@@ -388,7 +388,10 @@ class Batcher:
 
     def _run_embedding(self, job: _Embedding, inputs: list[list[int]], slots: list[int]) -> None:
         """One step of an embeddings request; the slots go back holding nothing known, as an
-        embedding's input is rarely the beginning of a later prompt (no chat template)."""
+        embedding's input is rarely the beginning of a later prompt (no chat template). A node
+        lost mid-step costs the request nothing, as it costs an answer nothing: the cluster
+        re-plans and the inputs not yet computed run on the nodes here now (the vectors do not
+        depend on the split); if it cannot re-plan, the request fails with the others."""
         try:
             assert self.engine is not None  # only None while the loop itself re-plans
             vectors = embed_step(self.engine, inputs, slots)
@@ -402,9 +405,10 @@ class Batcher:
             with self._cond:
                 for slot in slots:
                     self._slots.give_back(slot, None)
-                if job in self._embeddings:
-                    self._embeddings.remove(job)
-                _settle(job.future, exc)
+                if not lost:
+                    if job in self._embeddings:
+                        self._embeddings.remove(job)
+                    _settle(job.future, exc)
             if lost:
                 self._replan_running(str(exc), loss=True)
             return
