@@ -426,6 +426,27 @@ def test_anthropic_messages_create_and_stream_a_tool_call_and_its_result(claude)
     assert counted.input_tokens == made.usage.input_tokens
 
 
+def test_anthropic_names_the_stop_sequence_that_ended_the_answer(claude):
+    """A stop sequence met mid-answer ends it before the sequence, with stop_reason
+    "stop_sequence" and the sequence named, created and streamed; an answer that meets none of
+    its stop sequences ends as it would without them."""
+    said = [{"role": "user", "content": "Describe the sea in one sentence."}]
+    asked = {"model": MODEL, "max_tokens": 24, "extra_body": GREEDY, "messages": said}
+    whole = claude.messages.create(**asked).content[0].text
+    word = whole.split()[3]  # one the greedy answer writes, mid-answer
+    stops = ["no such sequence here", word]
+    made = claude.messages.create(**asked, stop_sequences=stops)
+    assert (made.stop_reason, made.stop_sequence) == ("stop_sequence", word)
+    assert made.content[0].text == whole[: whole.index(word)]
+    with claude.messages.stream(**asked, stop_sequences=stops) as stream:
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", word)
+    assert streamed.content[0].text == made.content[0].text
+    unmet = claude.messages.create(**asked, stop_sequences=["no such sequence here"])
+    assert unmet.stop_sequence is None and unmet.stop_reason in ("end_turn", "max_tokens")
+    assert unmet.content[0].text == whole
+
+
 def test_anthropic_errors_and_key_are_anthropics(base):
     reply = httpx.post(f"{base}/v1/messages", json={"model": MODEL, "messages": []},
                        headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"})  # fmt: skip

@@ -45,6 +45,14 @@ log = logging.getLogger(__name__)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
+def _stop_reason(finish: Finish) -> str:
+    """Anthropic's stop_reason: "stop_sequence" when one of the request's stop_sequences ended
+    the answer (named beside it in `stop_sequence`), else the end's own."""
+    if finish.reason == "stop" and finish.stop_string is not None:
+        return "stop_sequence"
+    return STOP_REASONS[finish.reason]
+
+
 # -- the request ------------------------------------------------------------------------------
 class TextBlock(_Request):
     type: Literal["text"]
@@ -231,7 +239,7 @@ async def _events(
             if isinstance(part, Finish):
                 if open_kind:
                     yield _event("content_block_stop", {"index": index})
-                delta = {"stop_reason": STOP_REASONS[part.reason], "stop_sequence": None}
+                delta = {"stop_reason": _stop_reason(part), "stop_sequence": part.stop_string}
                 yield _event("message_delta", {"delta": delta, "usage": _usage(part)})
                 yield _event("message_stop", {})
                 return
@@ -287,8 +295,8 @@ def router(served: Served, api_key: str | None) -> APIRouter:
         out, finish = collected
         content = [_block(p) for p in out if not isinstance(p, Text) or p.text.strip()]
         return JSONResponse({
-            **head, "content": content, "stop_reason": STOP_REASONS[finish.reason],
-            "stop_sequence": None, "usage": _usage(finish),
+            **head, "content": content, "stop_reason": _stop_reason(finish),
+            "stop_sequence": finish.stop_string, "usage": _usage(finish),
         })  # fmt: skip
 
     @api.post("/v1/messages/count_tokens")

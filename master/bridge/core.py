@@ -274,11 +274,13 @@ class Call:
 
 @dataclass(frozen=True)
 class Finish:
-    """The answer's end: "stop", "length" or "tool_calls" (it ended with calls), and usage."""
+    """The answer's end: "stop", "length" or "tool_calls" (it ended with calls), and usage;
+    the stop string that ended it, if one did (Anthropic's API names it)."""
 
     reason: str
     prompt_tokens: int
     completion_tokens: int
+    stop_string: str | None = None
 
 
 Out = Text | Reasoning | Call | Finish
@@ -312,7 +314,10 @@ async def generate(served: Served, prepared: Prepared, rid: str) -> AsyncGenerat
             if isinstance(event, Finished):
                 reason = "tool_calls" if calls and event.finish_reason == "stop" else None
                 yield Finish(
-                    reason or event.finish_reason, event.prompt_tokens, event.completion_tokens
+                    reason or event.finish_reason,
+                    event.prompt_tokens,
+                    event.completion_tokens,
+                    event.stop_string,
                 )
                 return
     finally:

@@ -62,6 +62,7 @@ class Finished:
     finish_reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int  # tokens sampled, an end-of-sequence token included
+    stop_string: str | None = None  # the request's stop string that ended it, if one did
 
 
 @dataclass(frozen=True)
@@ -564,7 +565,8 @@ class Batcher:
             self._completed += 1
             sampled = g.sampled
             self._completion_tokens += sampled
-            _emit(job, Finished(g.finish_reason or "stop", len(g.prompt), sampled))
+            reason = g.finish_reason or "stop"
+            _emit(job, Finished(reason, len(g.prompt), sampled, g.stop_string))
 
     def _drop(self, job: _Job, keep: bool = True) -> None:
         """Free the job's slot; unless not `keep`, with what its KV cache holds now, for a

@@ -36,6 +36,7 @@ class Generation:
     text: str = ""  # decoded output, stop strings removed
     emitted: int = 0  # characters of `text` already handed out
     finish_reason: str | None = None  # "stop" | "length" | "error" (see `failure`)
+    stop_string: str | None = None  # the one of params.stop that ended it, if one did
     failure: ModelError | None = None  # why it ended without its answer (NaN logits)
     position: int = 0  # tokens already in the KV cache
     drafts: DraftState = field(default_factory=DraftState)  # speculation's figures for it
@@ -227,7 +228,7 @@ def _accept(
         cut = text.find(stop, max(0, before - len(stop) + 1))
         if cut != -1:
             g.text = text[:cut]
-            g.finish_reason = "stop"
+            g.finish_reason, g.stop_string = "stop", stop
             return
     g.text = text
     if len(g.tokens) >= g.params.max_tokens or g.position + 1 >= max_context:
