@@ -24,12 +24,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-import httpx2 as httpx
 import numpy as np
 import openai
 import pytest
 from local_processes import local_workers
-from waiting import wait_until
+from test_soak import cluster, planned_on_all_three
 
 from edgetp.master.bridge.client import ServerProcess, start_server
 
@@ -59,20 +58,9 @@ def server(shared_state) -> Iterator[ServerProcess]:
         print("\n".join(line for line in local.log if "WARNING" in line or "ERROR" in line))
 
 
-def cluster(base: str) -> dict:
-    return httpx.get(f"{base}/v1/cluster", timeout=10).json()
-
-
 def planned_on_three(base: str) -> dict:
     """/v1/cluster once the master and both workers are planned, alive and ready."""
-
-    def planned() -> dict | None:
-        figures = cluster(base)
-        nodes = figures["nodes"]
-        ready = len(nodes) == 3 and all(n["ready"] and n["alive"] and n["slices"] for n in nodes)
-        return figures if ready else None
-
-    return wait_until(planned, BACK_S, lambda: f"three nodes planned: {cluster(base)['nodes']}")
+    return planned_on_all_three(base, BACK_S)
 
 
 def restarts(figures: dict) -> dict[str, int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_qwen35 import SMALL
 
 from edgetp.models import deltanet
 from edgetp.models.config_files import config_from_hf
@@ -59,21 +60,11 @@ def test_a_prompt_in_two_steps_then_decode_carries_on_as_token_by_token():
     state), then 3 decode steps, gives what 133 steps of one token give."""
     config = config_from_hf(
         {
+            **SMALL,
             "architectures": ["Qwen3_5ForCausalLM"],
             "model_type": "qwen3_5_text",
-            "hidden_size": 64,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
             "intermediate_size": 128,
             "vocab_size": 320,
-            "max_position_embeddings": 256,
-            "rms_norm_eps": 1e-6,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
             "linear_conv_kernel_dim": 4,
         },
         "a small Qwen3.5",
