@@ -70,7 +70,7 @@ def greedy_answer(base_url: str, tokens: int = 24) -> str:
         messages=[{"role": "user", "content": QUESTION}],
         max_tokens=tokens,
         temperature=0,
-        timeout=120,
+        timeout=300,  # a hang guard: 300 tokens on three processes sharing two busy cores
         extra_body={"ignore_eos": True},
     )
     return reply.choices[0].message.content or ""
@@ -93,11 +93,13 @@ async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp
     processes join it while it answers (they are told they are in at once, and planned in once
     the answer is done), the panel shows them with their addresses once re-planned, and the
     greedy answer over the openai client equals the master's alone.
-    (One thread a process: the three share this machine's two cores.)"""
+    (One thread a process: the three share this machine's two cores. `--every-device`: on a
+    busy host the probes time loopback's round trips long enough that the plan would leave the
+    devices on standby, a choice test_emulate checks, not this test.)"""
     bridge = await asyncio.to_thread(
         start_server,
         ["--cluster-port", "0", "--no-announce", "--context", "512", "--threads", "1",
-         "--state-dir", str(tmp_path / "master")],
+         "--every-device", "--state-dir", str(tmp_path / "master")],
         timeout=240,
     )  # fmt: skip
     devices: list[subprocess.Popen] = []
@@ -130,7 +132,16 @@ async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp
                 text = panel_text(app)
                 return text.count("● up") == 3 and "dev-1" in text and "dev-2" in text
 
-            await until_shown(pilot, both_up, 180, "devices up in the panel")
+            def state() -> str:
+                logs = [(tmp_path / f"dev-{k}" / "join.log").read_text()[-2000:] for k in (1, 2)]
+                return (
+                    f"devices up in the panel:\n{panel_text(app)}\nthe master's log:\n"
+                    + "\n".join(list(bridge.log)[-40:])
+                    + "\nthe devices' logs:\n"
+                    + "\n".join(logs)
+                )
+
+            await until_shown(pilot, both_up, 180, state)
             text = panel_text(app)
         assert text.count("127.0.0.1") >= 2, text  # each device's address
         figures = httpx.get(f"{bridge.base}/v1/cluster", timeout=10).json()

@@ -37,13 +37,18 @@ def wait_until(condition: Callable[[], T], timeout: float, what: str | Callable[
 
 
 async def until_shown(
-    pilot: Pilot, condition: Callable[[], object], timeout: float, what: str
+    pilot: Pilot,
+    condition: Callable[[], object],
+    timeout: float,
+    what: str | Callable[[], object],
 ) -> float:
     """Seconds until `condition()` holds in a Textual app, which runs its events meanwhile (the
-    seconds are a figure to print, not one to bound). AssertionError after `timeout` s."""
+    seconds are a figure to print, not one to bound). AssertionError naming `what` (as
+    `wait_until`'s) after `timeout` s."""
     started = time.monotonic()
     while not condition():
-        assert time.monotonic() - started < timeout, f"no {what} within {timeout:g} s"
+        if time.monotonic() - started >= timeout:
+            raise AssertionError(f"no {_said(what)} within {timeout:g} s")
         await pilot.pause(POLL_S)
     return time.monotonic() - started
 

@@ -93,6 +93,12 @@ def _add_lan_args(p: argparse.ArgumentParser, flag: str, workers: int) -> None:
     p.add_argument("--cluster", default=None, help="cluster name to announce (default: host)")
     p.add_argument("--interface", default=None, help="IPv4 address to announce mDNS on")
     p.add_argument("--no-announce", action="store_true", help="do not announce on the LAN")
+    p.add_argument(
+        "--every-device",
+        action="store_true",
+        help="plan in every device that joins (default: one whose link would slow every token "
+        "waits on standby)",
+    )
 
 
 def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:

@@ -152,6 +152,7 @@ def _lan(args: argparse.Namespace) -> LanOptions:
         announce=not args.no_announce,
         cluster=args.cluster,
         interface=args.interface,
+        every_device=args.every_device,
     )
 
 

@@ -32,6 +32,9 @@ class LanOptions:
     announce: bool = True  # on mDNS, so that `edgetp join` finds the master without an address
     cluster: str | None = None  # the name announced (default: this host's)
     interface: str | None = None  # the IPv4 address to announce on (default: every one)
+    # Plan in every device that joins, also one whose link the probes say would slow every
+    # token (`workers_to_plan`): its owner may know the link better than probes on a busy host.
+    every_device: bool = False
 
 
 @contextlib.contextmanager
@@ -57,7 +60,15 @@ def lan_session(
     hub = Hub(lan.bind, lan.port, model_names=(source.name,), keys=keys, token=token)
     announcer = None
     session = Session(
-        source, hub, master_dir, context, slots, memory, capacities, progress=progress
+        source,
+        hub,
+        master_dir,
+        context,
+        slots,
+        memory,
+        capacities,
+        progress=progress,
+        standby=not lan.every_device,
     )
     try:
         if lan.announce:
