@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx2 as httpx
 import numpy as np
 import openai
 import pytest
@@ -488,6 +489,46 @@ def test_a_new_request_joins_a_running_stream(served):
     status, cluster = served.request("GET", "/v1/cluster")
     assert status == 200
     assert cluster["generation"]["largest_batch"] >= 2
+
+
+def test_four_streams_at_once_share_their_sums(served):
+    """A step pays one sum a block whatever its batch: four streams at once pay about a quarter
+    of one stream's sums a token (each prompt's prefill may be a step of its own)."""
+
+    def sums() -> int:
+        allreduce = served.request("GET", "/v1/cluster")[1]["allreduce"]
+        return allreduce["sums"] if allreduce else 0  # none yet: no step has run
+
+    def sums_a_token(streams: int) -> float:
+        before = sums()
+        start = threading.Barrier(streams)
+
+        def one() -> int:
+            start.wait()
+            reply = served.client.chat.completions.create(
+                model="smollm2-135m-instruct",
+                messages=[{"role": "user", "content": "Write a story about a lighthouse."}],
+                temperature=0,
+                max_tokens=32,
+                extra_body={"ignore_eos": True},
+            )
+            return reply.usage.completion_tokens
+
+        threads = [threading.Thread(target=lambda: tokens.append(one())) for _ in range(streams)]
+        tokens: list[int] = []
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert tokens == [32] * streams
+        return (sums() - before) / sum(tokens)
+
+    alone, together = sums_a_token(1), sums_a_token(4)
+    print(f"sums a token: one stream {alone:.1f}, four at once {together:.1f}")
+    scraped = httpx.get(f"{served.server.base}/metrics", timeout=30).text
+    assert f"edgetp_allreduce_sums_total {float(sums())}" in scraped.splitlines()
+    assert alone == 2 * 30  # SmolLM2's 30 layers, two sums each, a step a token
+    assert alone / together > 3
 
 
 def test_cluster_figures_and_openapi(served, smollm2):

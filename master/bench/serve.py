@@ -45,13 +45,16 @@ async def _measure(
         solo = [await timed_chat(http, p, n_tokens, IGNORE_EOS) for p in PROMPTS]
         for _ in range(rounds):  # alternating, so drift on a shared machine hits all alike
             for c in clients:
+                sums = await _sums(http)
                 wall, results = await _concurrent(http, PROMPTS[:c], n_tokens)
                 tokens = sum(r.completion_tokens for r in results)
+                sums = await _sums(http) - sums
                 runs[c].append(
                     {
                         "tokens": tokens,
                         "seconds": wall,
                         "tokens_per_s": tokens / wall,
+                        "sums_per_token": sums / tokens,
                         "ttft_ms_median": statistics.median(r.first_token_s for r in results)
                         * 1000,
                         "identical_to_solo": [
@@ -60,6 +63,15 @@ async def _measure(
                     }
                 )
     return solo, runs
+
+
+async def _sums(http: httpx.AsyncClient) -> int:
+    """The star allreduce's sums so far (none on one node): a step pays one a block whatever
+    its batch, so concurrent clients share them."""
+    reply = await http.get("/v1/cluster")
+    reply.raise_for_status()
+    allreduce = reply.json()["allreduce"]
+    return allreduce["sums"] if allreduce else 0
 
 
 async def _concurrent(
@@ -112,6 +124,7 @@ def run_serve_bench(
                 "seconds": round(statistics.median(r["seconds"] for r in runs[c]), 3),
                 "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs[c]), 1),
                 "ttft_ms_median": round(statistics.median(r["ttft_ms_median"] for r in runs[c]), 1),
+                "sums_per_token": round(statistics.median(r["sums_per_token"] for r in runs[c]), 1),
                 "identical_to_solo": all(all(r["identical_to_solo"]) for r in runs[c]),
                 "tokens_per_s_rounds": [round(r["tokens_per_s"], 1) for r in runs[c]],
             }
@@ -126,11 +139,12 @@ def run_serve_bench(
     )
     vs = f"vs {clients[0]}"
     print(f"{'clients':>7}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{vs:>7}{'TTFT ms':>9}", end="")
-    print("  identical to solo")
+    print(f"{'sums/token':>11}  identical to solo")
     for r in rows:
         print(
             f"{r['clients']:>7}{r['tokens']:>8}{r['seconds']:>9}{r['tokens_per_s']:>10}"
-            f"{r['vs_first']:>7}{r['ttft_ms_median']:>9}  {r['identical_to_solo']}"
+            f"{r['vs_first']:>7}{r['ttft_ms_median']:>9}{r['sums_per_token']:>11}"
+            f"  {r['identical_to_solo']}"
         )
     ratio = None
     if 1 in clients and 8 in clients:

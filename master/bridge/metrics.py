@@ -87,6 +87,13 @@ class BridgeCollector(Collector):
             if state is not State.GONE:
                 nodes.add_metric([state.value], sum(s is state for s in states))
         yield nodes
+        if hub is not None:
+            yield CounterMetricFamily(
+                "edgetp_allreduce_sums",
+                "star allreduce sums since the start: a step pays one a block whatever its "
+                "batch, so concurrent sequences share them",
+                hub.sums,
+            )
         recent = sorted(hub.allreduce_seconds) if hub is not None else []
         if recent:
             allreduce = GaugeMetricFamily(

@@ -333,7 +333,10 @@ class NodeFigures(BaseModel):
 
 
 class AllreduceFigures(BaseModel):
-    sums: int = Field(description="sums measured (the latest are summarized)")
+    sums: int = Field(
+        description="sums since the start (the latest are summarized); a step pays one a "
+        "block whatever its batch, so concurrent sequences share them"
+    )
     median_us: float
     p99_us: float
 

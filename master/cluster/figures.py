@@ -139,7 +139,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
         recent = list(hub.allreduce_seconds.copy())[-ALLREDUCE_WINDOW:]
         if recent:
             allreduce = {
-                "sums": len(hub.allreduce_seconds),
+                "sums": hub.sums,
                 "median_us": round(statistics.median(recent) * 1e6, 1),
                 "p99_us": round(percentile(recent, 0.99) * 1e6, 1),
             }

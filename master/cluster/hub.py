@@ -400,6 +400,13 @@ class Hub:
             self._next(100)
 
     # -- the engine's Remote: the star allreduce on the members ------------------------------
+
+    @property
+    def sums(self) -> int:
+        """Every sum since the start: a step pays one a block whatever its batch, so
+        concurrent sequences share them (`/v1/cluster`, `/metrics`)."""
+        return self.transport.sums
+
     def begin_step(self, batch: StepBatch) -> None:
         self.transport.begin_step(batch)
 

@@ -130,6 +130,7 @@ class Transport:
         # longest compute of any node (master included): the latency the allreduce adds.
         # (bounded: a server runs 60 sums a token for days)
         self.allreduce_seconds: deque[float] = deque(maxlen=ALLREDUCE_KEPT)
+        self.sums = 0  # every sum since the start (the deque keeps the latest): one a block a step
         self.spin = P.spin_seconds()
         self.one_core = P.on_one_core()
         self._hop: HubHop | None = None  # the native loop, for the members it was made for
@@ -287,6 +288,7 @@ class Transport:
                 slowest = max(slowest, message.compute)
         if names and widths is None:  # a sum's (the head's logits are not summed)
             self.allreduce_seconds.append(time.perf_counter() - self._sent_at - slowest)
+            self.sums += 1
         return [partials[identity] for identity in names], figures
 
     def _arrived(
@@ -386,6 +388,7 @@ class Transport:
                 if message.figures is not None:
                     figures[identity] = message.figures
         self.allreduce_seconds.extend(hop.allreduce.tolist())
+        self.sums += len(hop.allreduce)
         return hop.h, figures, float(hop.state.own_compute_s)
 
     def _check_silence(self, waiting: Mapping[bytes, str]) -> None:
