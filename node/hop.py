@@ -85,6 +85,7 @@ class Hub(ctypes.Structure):
         ("partials", ctypes.c_void_p),
         ("received", ctypes.c_void_p),
         ("allreduce", ctypes.c_void_p),
+        ("hops", ctypes.c_void_p),
         ("layer", ctypes.c_int64),
         ("ffn", ctypes.c_int64),
         ("gathering", ctypes.c_int64),
@@ -267,6 +268,7 @@ class HubHop:
         self.partials = np.zeros((max(n, 1), MAX_ROWS, config.hidden), np.float32)
         self.received = np.zeros(max(n, 1), np.uint8)
         self.allreduce = np.zeros(2 * config.n_layers, np.float64)
+        self.hops = np.zeros((2 * config.n_layers, max(n, 1)), np.float64)
         self.h = np.zeros((1, config.hidden), np.float32)
         self._first = ctypes.create_string_buffer(0)
         self.state = Hub(
@@ -282,6 +284,7 @@ class HubHop:
             own=self.own.ctypes.data,
             received=self.received.ctypes.data,
             allreduce=self.allreduce.ctypes.data,
+            hops=self.hops.ctypes.data,
             one_core=int(one_core),
         )
 

@@ -541,6 +541,8 @@ def test_cluster_figures_and_openapi(served, smollm2):
     master, worker = cluster["nodes"]
     assert worker["alive"] and worker["ready"] and worker["name"] == "local-1"
     assert worker["address"] == "127.0.0.1"  # where it connected from, as the master saw it
+    # its partials' hop (local nodes split equally: no probe timed its link; test_lan_fronts')
+    assert 0 < worker["hop_us_median"] <= worker["hop_us_p99"] and worker["link_rtt_us"] is None
     host, port = master["address"].split(":")
     assert host == "127.0.0.1" and int(port) > 0
     assert cluster["allreduce"]["sums"] > 0 and cluster["allreduce"]["median_us"] > 0

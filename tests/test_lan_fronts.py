@@ -158,6 +158,11 @@ async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp
         together = await asyncio.to_thread(greedy_answer, bridge.base)
         print(f"alone: {alone!r}\n3 nodes: {together!r}")
         assert together == alone and alone.strip()
+        # each device's link as the plan timed it, and what its partials' hops took
+        figures = httpx.get(f"{bridge.base}/v1/cluster", timeout=10).json()
+        workers = [n for n in figures["nodes"] if n["role"] == "worker"]
+        assert all(n["link_rtt_us"] > 0 and n["hop_us_median"] > 0 for n in workers), workers
+        print([(n["name"], n["link_rtt_us"], n["hop_us_median"], n["hop_us_p99"]) for n in workers])
         bridge.stop()
         # told BYE, they leave cleanly (a moment after the master has gone)
         assert [d.wait(30) for d in devices] == [0, 0]

@@ -329,6 +329,15 @@ class NodeFigures(BaseModel):
     kernels: str | None = Field(
         None, description="the kernels this device admitted and chose, per weight dtype"
     )
+    link_rtt_us: float | None = Field(
+        None, description="a worker: the round trip of a sum-sized message, as its link was timed"
+    )
+    hop_us_median: float | None = Field(
+        None,
+        description="a worker: its partials' return after the step went, less its compute, "
+        "over recent sums (median): the hop's cost beside link_rtt_us",
+    )
+    hop_us_p99: float | None = None
     restarts: int = Field(0, description="times this machine restarted the node's process")
 
 

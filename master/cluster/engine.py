@@ -87,7 +87,9 @@ class Remote(Protocol):
     def gather_rows(self, layer: int, local_compute: float = 0.0) -> list[np.ndarray]: ...
 
     allreduce_seconds: deque[float]  # recent per-sum latencies (master.cluster.transport)
-    sums: int  # every sum since the start
+
+    @property
+    def sums(self) -> int: ...  # every sum since the start
 
 
 def _family_globals(g: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from edgetp.master.cluster.engine import Executor
-from edgetp.master.cluster.membership import State
+from edgetp.master.cluster.hub import Hub
+from edgetp.master.cluster.membership import Member, State
 from edgetp.master.cluster.session import Session
 from edgetp.memory.window import process_memory
 from edgetp.models.config import ModelConfig
@@ -85,6 +86,21 @@ def generation_figures(stats: BatcherStats) -> dict[str, Any]:
     return out
 
 
+def _hops(hub: Hub, m: Member) -> dict[str, Any]:
+    """A worker's link as timed (a sum-sized message's round trip) beside what its partials
+    took to come back, less its compute, over its recent sums: the hop's cost over the raw
+    round trip. (A partial that arrives while the master computes its own is seen as that ends.)"""
+    out: dict[str, Any] = {}
+    if m.link is not None:
+        out["link_rtt_us"] = round(m.link.rtt_s * 1e6, 1)
+    hops = hub.transport.hop_seconds.get(m.identity)
+    if hops:
+        recent = list(hops.copy())  # one C call: safe while the loop thread appends
+        out["hop_us_median"] = round(statistics.median(recent) * 1e6, 1)
+        out["hop_us_p99"] = round(percentile(recent, 0.99) * 1e6, 1)
+    return out
+
+
 def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[str, Any]:
     """The master and every worker (those that joined since the plan too), the allreduce
     latency, and the generation counters."""
@@ -127,6 +143,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
                     "speed_gb_s": m.capacity.speed,
                     "disk_gb_s": m.capacity.disk,
                     "message_us": round(m.capacity.message_s * 1e6, 1),
+                    **_hops(hub, m),
                     "heartbeat_silence_s": round(silence, 3) if silence != float("inf") else None,
                     "address": m.address or None,
                     "restarts": hub.restarts.get(m.name, 0),

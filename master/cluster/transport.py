@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 STEP_TIMEOUT = 300.0  # s: a hard cap on one block's gather, beyond heartbeat liveness
 ALLREDUCE_KEPT = 20_000  # recent per-sum latencies kept for the figures
+HOPS_KEPT = 1024  # recent hops kept per worker for its figures
 
 
 class ClusterError(Exception):
@@ -131,6 +132,9 @@ class Transport:
         # (bounded: a server runs 60 sums a token for days)
         self.allreduce_seconds: deque[float] = deque(maxlen=ALLREDUCE_KEPT)
         self.sums = 0  # every sum since the start (the deque keeps the latest): one a block a step
+        # Per worker: each sum's partial's arrival after its STEP went, less the worker's own
+        # compute: what its link and hop cost, beside the round trip its link was timed at.
+        self.hop_seconds: dict[bytes, deque[float]] = {}
         self.spin = P.spin_seconds()
         self.one_core = P.on_one_core()
         self._hop: HubHop | None = None  # the native loop, for the members it was made for
@@ -286,6 +290,9 @@ class Transport:
                 if message.figures is not None:
                     figures[identity] = message.figures
                 slowest = max(slowest, message.compute)
+                if widths is None:
+                    hop_s = time.perf_counter() - self._sent_at - message.compute
+                    self._hops(identity).append(hop_s)
         if names and widths is None:  # a sum's (the head's logits are not summed)
             self.allreduce_seconds.append(time.perf_counter() - self._sent_at - slowest)
             self.sums += 1
@@ -384,12 +391,20 @@ class Transport:
                 k = identities.index(identity)
                 hop.partials[k] = partial
                 hop.received[k] = 1
+                hop.hops[2 * layer + int(state.ffn), k] = (
+                    time.perf_counter() - state.sent_at - message.compute
+                )
                 state.slowest = max(state.slowest, message.compute)
                 if message.figures is not None:
                     figures[identity] = message.figures
         self.allreduce_seconds.extend(hop.allreduce.tolist())
         self.sums += len(hop.allreduce)
+        for k, identity in enumerate(identities):
+            self._hops(identity).extend(hop.hops[:, k].tolist())
         return hop.h, figures, float(hop.state.own_compute_s)
+
+    def _hops(self, identity: bytes) -> deque[float]:
+        return self.hop_seconds.setdefault(identity, deque(maxlen=HOPS_KEPT))
 
     def _check_silence(self, waiting: Mapping[bytes, str]) -> None:
         """NodeDown for a node whose partial is due and whose heartbeats stopped."""

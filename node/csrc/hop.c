@@ -346,6 +346,8 @@ typedef struct {
     float *partials;           // (n_workers, B, D)
     uint8_t *received;         // (n_workers)
     double *allreduce;         // (2 L): each sum's latency beyond the slowest compute
+    double *hops;              // (2 L, n_workers): each partial's arrival after its STEP went,
+                               // less the worker's compute: what its link and hop cost
     int64_t layer, ffn, gathering;
     double sent_at, slowest, own_compute_s;
     int64_t failed;            // the worker a send failed to
@@ -409,6 +411,8 @@ int hop_run(hop_hub *hb, long timeout_ms) {
                 return HOP_FOREIGN;
             memcpy(hb->partials + who * hb->B * hb->D, msg_data(&m->frames[2]), bytes);
             hb->received[who] = 1;
+            hb->hops[(2 * hb->layer + hb->ffn) * hb->n_workers + who] =
+                now() - hb->sent_at - p.compute;
             if (p.compute > hb->slowest) hb->slowest = p.compute;
             release(m);
         }
