@@ -402,3 +402,41 @@ def test_smollm3_flags_for_other_layers_are_refused():
     values = {"architectures": ["SmolLM3ForCausalLM"], **SMALL, "no_rope_layers": [1, 0, 1]}
     with pytest.raises(ModelError, match="no_rope_layers has 3 flags for 2 layers"):
         config_from_hf(values, "config.json")
+
+
+# A long-context configuration as Qwen2.5's are served past 32k: YaRN stretching an original
+# context of 8,192 four times. Its prompt runs past the original context, where the stretched
+# rotations are the only ones the model has (a tiny model: the length is what is under test).
+YARN_32K = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 320,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
+}
+YARN_PROMPT = 8192 + 256
+
+
+@torch.inference_mode()
+def test_a_32k_yarn_config_equals_transformers_past_its_original_context(tmp_path):
+    """The logits of the positions past the original 8,192 (a split's equal one node's: the
+    tests above)."""
+    import transformers
+
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**YARN_32K)).eval()
+    _randomize(model, seed=32)
+    model.save_pretrained(tmp_path)
+    prompt = torch.randint(0, 320, (YARN_PROMPT,), generator=torch.Generator().manual_seed(1))
+    past = slice(8192, YARN_PROMPT)
+    expected = model(prompt[None]).logits[0, past]  # SDPA: no T x T matrix of its own
+    source = open_model(tmp_path)
+    assert source.config.rope_scaling is not None and source.config.rope_scaling.kind == "yarn"
+    engine = Engine.local(source, max_context=YARN_PROMPT)
+    batch = StepBatch((0,), (0,), (YARN_PROMPT,))
+    ours = engine.forward([prompt.tolist()], batch, all_logits=True)[0][past]
+    _assert_close_logits(ours, expected, f"yarn 32k, positions 8192-{YARN_PROMPT}")
