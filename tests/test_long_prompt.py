@@ -53,7 +53,7 @@ def test_bench_reports_prefill_decode_and_each_nodes_kv(smollm2, shared_state, c
     assert sum(runs[1]["long_prompt"]["kv_mb"].values()) >= alone - 0.02
     out = capsys.readouterr().out
     assert "a prompt of 40 tokens of generated prose" in out
-    assert "KV at depth 43: master" in out
+    assert "KV for 43 tokens of context: master" in out
 
 
 def test_a_prompt_past_the_context_is_one_line(capsys):

@@ -15,148 +15,52 @@ from typing import Any
 from edgetp.models.errors import ModelError
 from edgetp.models.tokenizer import Tokenizer
 
+# Several phrases to a line: the lists are data, not code to read line by line.
+# fmt: off
 _SUBJECTS = (
-    "The old ferryman",
-    "A young engineer",
-    "The village council",
-    "Our neighbour",
-    "The archivist",
-    "A travelling musician",
-    "The harbour master",
-    "Her younger brother",
-    "The night nurse",
-    "A retired teacher",
-    "The baker on the corner",
-    "The survey team",
-    "A careful gardener",
-    "The lighthouse keeper",
-    "Two students",
-    "The museum guide",
-    "A tired courier",
-    "The mapmaker",
-    "The orchestra",
-    "A quiet librarian",
-    "The railway clerk",
-    "The beekeeper",
+    "The old ferryman", "A young engineer", "The village council", "Our neighbour", "The archivist",
+    "A travelling musician", "The harbour master", "Her younger brother", "The night nurse",
+    "A retired teacher", "The baker on the corner", "The survey team", "A careful gardener",
+    "The lighthouse keeper", "Two students", "The museum guide", "A tired courier", "The mapmaker",
+    "The orchestra", "A quiet librarian", "The railway clerk", "The beekeeper",
 )
 _VERBS = (
-    "repaired",
-    "described",
-    "carried",
-    "measured",
-    "painted",
-    "forgot",
-    "discovered",
-    "sold",
-    "borrowed",
-    "studied",
-    "buried",
-    "translated",
-    "rebuilt",
-    "questioned",
-    "photographed",
-    "counted",
-    "explained",
-    "polished",
-    "returned",
-    "copied",
-    "weighed",
-    "catalogued",
+    "repaired", "described", "carried", "measured", "painted", "forgot", "discovered", "sold",
+    "borrowed", "studied", "buried", "translated", "rebuilt", "questioned", "photographed",
+    "counted", "explained", "polished", "returned", "copied", "weighed", "catalogued",
 )
 _ADJECTIVES = (
-    "rusty",
-    "narrow",
-    "forgotten",
-    "brightly painted",
-    "heavy",
-    "fragile",
-    "crooked",
-    "ancient",
-    "borrowed",
-    "silver",
-    "water-stained",
-    "hand-drawn",
-    "enormous",
-    "delicate",
-    "weathered",
-    "curious",
-    "unfinished",
-    "wooden",
-    "faded",
-    "copper",
-    "misplaced",
-    "crowded",
+    "rusty", "narrow", "forgotten", "brightly painted", "heavy", "fragile", "crooked", "ancient",
+    "borrowed", "silver", "water-stained", "hand-drawn", "enormous", "delicate", "weathered",
+    "curious", "unfinished", "wooden", "faded", "copper", "misplaced", "crowded",
 )
 _THINGS = (
-    "clock",
-    "bridge",
-    "ledger",
-    "map of the coast",
-    "violin",
-    "greenhouse",
-    "telescope",
-    "bicycle",
-    "letter",
-    "staircase",
-    "lantern",
-    "fishing boat",
-    "set of keys",
-    "window frame",
-    "photograph",
-    "recipe book",
-    "weather vane",
-    "piano",
-    "garden wall",
-    "compass",
-    "kettle",
-    "signal box",
+    "clock", "bridge", "ledger", "map of the coast", "violin", "greenhouse", "telescope", "bicycle",
+    "letter", "staircase", "lantern", "fishing boat", "set of keys", "window frame", "photograph",
+    "recipe book", "weather vane", "piano", "garden wall", "compass", "kettle", "signal box",
 )
 _PLACES = (
-    "near the river",
-    "behind the station",
-    "in the attic",
-    "at the edge of the forest",
-    "under the old oak",
-    "beside the harbour",
-    "on the hill above the town",
-    "in the market square",
-    "inside the lighthouse",
-    "along the canal",
-    "at the back of the library",
-    "in a rented room",
-    "by the mill",
-    "across the valley",
-    "in the school yard",
-    "outside the post office",
+    "near the river", "behind the station", "in the attic", "at the edge of the forest",
+    "under the old oak", "beside the harbour", "on the hill above the town", "in the market square",
+    "inside the lighthouse", "along the canal", "at the back of the library", "in a rented room",
+    "by the mill", "across the valley", "in the school yard", "outside the post office",
 )
 _TIMES = (
-    "early one winter morning",
-    "after the storm had passed",
-    "during the long summer",
-    "before the festival began",
-    "late on a Sunday",
-    "in the spring of that year",
-    "while the town slept",
-    "just after lunch",
-    "on the first day of autumn",
-    "a week before the wedding",
-    "when the snow finally melted",
-    "as the tide went out",
+    "early one winter morning", "after the storm had passed", "during the long summer",
+    "before the festival began", "late on a Sunday", "in the spring of that year",
+    "while the town slept", "just after lunch", "on the first day of autumn",
+    "a week before the wedding", "when the snow finally melted", "as the tide went out",
 )
 _AFTERS = (
-    "and nobody could say why it mattered so much",
-    "because the old plans had been lost years ago",
+    "and nobody could say why it mattered so much", "because the old plans had been lost years ago",
     "although the work took far longer than expected",
-    "so that the children could see how it once worked",
-    "while a small crowd gathered to watch",
-    "and wrote down every detail in a notebook",
-    "but kept the reason a secret for many years",
-    "since no one else in the town knew how",
-    "and afterwards the whole street seemed different",
-    "even though the weather was against them",
-    "as their grandparents had done before them",
+    "so that the children could see how it once worked", "while a small crowd gathered to watch",
+    "and wrote down every detail in a notebook", "but kept the reason a secret for many years",
+    "since no one else in the town knew how", "and afterwards the whole street seemed different",
+    "even though the weather was against them", "as their grandparents had done before them",
     "and the story was told at every dinner that winter",
 )
+# fmt: on
 
 
 def prose_tokens(tokenizer: Tokenizer, n_tokens: int, seed: int = 0) -> list[int]:
@@ -168,7 +72,7 @@ def prose_tokens(tokenizer: Tokenizer, n_tokens: int, seed: int = 0) -> list[int
     sentences: list[str] = []
     ids: list[int] = []
     while len(ids) < n_tokens:
-        # Each round adds about as many sentences again (~25 tokens each): a few encodes.
+        # Sentences for the tokens still missing (~25 tokens each): one encode, rarely two.
         for _ in range(max(8, (n_tokens - len(ids)) // 20)):
             sentences.append(_sentence(rng))
             if len(sentences) % 6 == 0:  # paragraphs, as prose has
@@ -220,7 +124,8 @@ def kv_mb(node: dict[str, Any], depth: int) -> float:
 def long_prompt_row(runs: list[dict[str, Any]], n_prompt: int) -> dict[str, Any]:
     """One node count's long-prompt figures over its rounds: prefill tokens/s (the prompt over
     its time to first token), the time to first token and decode ms a token at that depth (each
-    the median of the rounds), and each node's KV MB after the last token."""
+    the median of the rounds), and each node's KV MB for the context the run fills, the prompt
+    and its decoded tokens (what `/v1/cluster`'s kv_cache_bytes counts of a cache that long)."""
     ttft = statistics.median(r["ttft_ms"] for r in runs)
     depth = n_prompt + len(runs[0]["tokens"])
     return {
@@ -247,4 +152,4 @@ def print_long_prompt(rows: list[dict[str, Any]]) -> None:
             f"{lp['ttft_ms']:>10}{lp['decode_ms_per_token']:>17}  {lp['depth']}"
         )
         kv = ", ".join(f"{name} {mb:g} MB" for name, mb in lp["kv_mb"].items())
-        print(f"      KV at depth {lp['depth']}: {kv}")
+        print(f"      KV for {lp['depth']} tokens of context: {kv}")
