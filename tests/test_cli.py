@@ -240,7 +240,7 @@ def test_bench_hands_threads_to_every_node_count(monkeypatch):
     from edgetp.tui.cli import main
 
     taken: dict[str, object] = {}
-    monkeypatch.setattr(cluster, "run_cluster_bench", lambda *a: taken.update(args=a))
+    monkeypatch.setattr(cluster, "run_cluster_bench", lambda *a, **_: taken.update(args=a))
     main(["bench", "--local-nodes", "1,2", "--threads", "1", "--tokens", "4"])
     _model, node_counts, *_, threads = taken["args"]
     configs = cluster.bench_configs(node_counts, threads=threads)

@@ -296,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_draft_arg(bench, bench=True)
     bench.add_argument("--prompt", default=None, help="with --local-nodes: the prompt to time")
     bench.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="time a prompt of N tokens of generated prose: prefill tokens/s, decode at that "
+        "depth, each node's KV (local nodes: 1 unless --local-nodes says)",
+    )
+    bench.add_argument(
         "--rss-tokens",
         type=int,
         default=0,

@@ -222,10 +222,10 @@ def _bench(args: argparse.Namespace) -> None:
     from edgetp.master.bench.cluster import run_cluster_bench
     from edgetp.master.bench.reference import run_bench
 
-    if args.local_nodes:
+    if args.local_nodes or args.prompt_tokens is not None:
         run_cluster_bench(
             args.model,
-            args.local_nodes,
+            args.local_nodes or [1],
             args.tokens,
             args.json,
             args.context,
@@ -239,6 +239,7 @@ def _bench(args: argparse.Namespace) -> None:
             args.prompt,
             args.draft_dtype,
             args.threads,
+            prompt_length=args.prompt_tokens,
         )
     else:
         run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)

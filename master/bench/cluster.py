@@ -40,6 +40,12 @@ from edgetp.master.bench.cluster_report import (
     print_time,
 )
 from edgetp.master.bench.greedy import PROMPT, time_greedy
+from edgetp.master.bench.long_prompt import (
+    check_depth,
+    long_prompt_row,
+    print_long_prompt,
+    prose_tokens,
+)
 from edgetp.master.bench.memory_bus import stream_rates
 from edgetp.master.bench.round_trips import raw_round_trips, raw_tcp_round_trips
 from edgetp.master.cluster.figures import percentile
@@ -55,6 +61,8 @@ from edgetp.models.dtypes import AUTO
 from edgetp.models.layers import Slice
 from edgetp.models.source import ModelSource
 from edgetp.node.kvcache import KVCache
+
+WARM_UP_TOKENS = 512  # at most, of the timed prompt
 
 
 def run_cluster_bench(
@@ -73,6 +81,7 @@ def run_cluster_bench(
     prompt_text: str | None = None,
     draft_dtype: str = AUTO,
     threads: int | None = None,
+    prompt_length: int | None = None,
 ) -> dict[str, Any]:
     """ms/token, TTFT, allreduce latency and every node's loader and memory figures, for each
     node count, with a raw ZeroMQ floor. `threads`: each node's BLAS threads (default: its
@@ -84,24 +93,31 @@ def run_cluster_bench(
     `rss_tokens` adds a long generation with each node's memory at its first and last token.
     `drafts` ("off", "lookup", a draft model) times each node count with each, alternating
     (speculation; a draft model's shards at `draft_dtype`).
+    `prompt_length` times a prompt of that many tokens of generated prose instead
+    (master/bench/long_prompt.py): prefill tokens/s, decode at that depth, each node's KV.
     """
     if baseline and not devices:
         raise ValueError("--baseline compares emulated devices with one free node: give --device")
     state_dir = state_dir or default_state_dir()
     configs = bench_configs(node_counts, devices, baseline, drafts, draft_dtype, threads)
     source, tokenizer = open_with_tokenizer(model)
-    try:
-        prompt = prompt_tokens(tokenizer, prompt_text or PROMPT, raw=False)
-    except NoChatTemplate:  # a base model: the prompt as it is
-        prompt = prompt_tokens(tokenizer, prompt_text or PROMPT, raw=True)
+    if prompt_length is not None:
+        if prompt_text is not None:
+            raise ValueError("give --prompt or --prompt-tokens, not both")
+        # Before any node starts: a prompt past the context is one line, not a run's failure.
+        context = check_depth(
+            prompt_length, n_tokens, source.config.context_length, context, source.path.name
+        )
+        prompt = prose_tokens(tokenizer, prompt_length)
+    else:
+        try:
+            prompt = prompt_tokens(tokenizer, prompt_text or PROMPT, raw=False)
+        except NoChatTemplate:  # a base model: the prompt as it is
+            prompt = prompt_tokens(tokenizer, prompt_text or PROMPT, raw=True)
     hidden = source.config.hidden
-    raw = raw_round_trips((1, 1, hidden), 2000)
-    raw_med, raw_p99 = statistics.median(raw) * 1e6, percentile(raw, 0.99) * 1e6
-    tcp_med = statistics.median(raw_tcp_round_trips(hidden * 4, 2000)) * 1e6
-    # As many streams as the largest run has nodes, up to the cores: what N devices' products
-    # share here that N real devices would not.
-    cores = sorted(os.sched_getaffinity(0))[: max(node_counts)]
-    alone, together = stream_rates(cores) if len(cores) > 1 else (None, [])
+    # The floors a token's hops and products are set against; a long prompt's figures are the
+    # prompt's, and these took a minute and a half of a loaded 2-core host.
+    floors = _floors(hidden, node_counts) if prompt_length is None else {}
     # Node counts alternate for `rounds` rounds and each keeps its median run: these shared
     # machines drift by 20% between minutes, and a ratio of runs taken minutes apart would
     # measure the drift.
@@ -131,18 +147,13 @@ def run_cluster_bench(
         median["rounds_cpu_ms_per_token"] = [
             [d["cpu_ms_per_token"] for d in r["devices"]] for r in kept
         ]
+        if prompt_length is not None:
+            median["long_prompt"] = long_prompt_row(kept, prompt_length)
         rows.append(median)
     print(f"model {source.path}  prompt {len(prompt)} tokens  {n_tokens} greedy tokens")
     print(f"memory: {describe_memory(memory)}; medians of {rounds} alternating rounds")
-    print(f"raw ZeroMQ round trip, {hidden * 4} B payload: median {raw_med:.0f} us, ", end="")
-    print(f"p99 {raw_p99:.0f} us; plain TCP, no ZeroMQ: median {tcp_med:.0f} us")
-    if together and alone:
-        each = ", ".join(f"{x:.1f}" for x in together)
-        print(
-            f"memory, shared by this machine's cores: one core streams {alone:.1f} GB/s alone, "
-            f"{len(together)} at once {each} GB/s each "
-            f"({statistics.mean(together) / alone:.2f} of alone; separate devices: 1.00)"
-        )
+    if floors:
+        _print_floors(hidden, floors)
     base = rows[0]["ms_per_token"]
     title = "allreduce us (med/p99 per sum)"
     print(f"{'nodes':>5}{'ms/token':>9}{'vs first':>9}{'TTFT ms':>9}{title:>33}  devices")
@@ -170,6 +181,9 @@ def run_cluster_bench(
         print_time(r)
         print_devices(r)
         print_overlap(r)
+    if prompt_length is not None:
+        print(f"a prompt of {prompt_length} tokens of generated prose, medians of {rounds}:")
+        print_long_prompt(rows)
     same = all(  # every round of every node count, not just the medians
         r["tokens"] == rows[0]["tokens"] for kept in runs.values() for r in kept
     )
@@ -185,14 +199,7 @@ def run_cluster_bench(
         "tokens": n_tokens,
         "memory": dataclasses.asdict(memory),
         "device_specs": [d.as_json() for d in devices or []],
-        "raw_round_trip_us_median": round(raw_med, 1),
-        "raw_round_trip_us_p99": round(raw_p99, 1),
-        "raw_tcp_round_trip_us_median": round(tcp_med, 1),
-        "memory_stream_gb_s": {
-            "cores": cores,
-            "alone": round(alone, 2) if alone else None,
-            "together": [round(x, 2) for x in together],
-        },
+        **floors,
         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
         "greedy_tokens_identical": same,
         "rss_runs": long_runs,
@@ -200,6 +207,44 @@ def run_cluster_bench(
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _floors(hidden: int, node_counts: list[int]) -> dict[str, Any]:
+    """A raw ZeroMQ and a plain TCP round trip of a hidden state, and how fast this machine's
+    cores stream memory alone and together, as the report records them."""
+    raw = raw_round_trips((1, 1, hidden), 2000)
+    tcp = raw_tcp_round_trips(hidden * 4, 2000)
+    # As many streams as the largest run has nodes, up to the cores: what N devices' products
+    # share here that N real devices would not.
+    cores = sorted(os.sched_getaffinity(0))[: max(node_counts)]
+    alone, together = stream_rates(cores) if len(cores) > 1 else (None, [])
+    return {
+        "raw_round_trip_us_median": round(statistics.median(raw) * 1e6, 1),
+        "raw_round_trip_us_p99": round(percentile(raw, 0.99) * 1e6, 1),
+        "raw_tcp_round_trip_us_median": round(statistics.median(tcp) * 1e6, 1),
+        "memory_stream_gb_s": {
+            "cores": cores,
+            "alone": round(alone, 2) if alone else None,
+            "together": [round(x, 2) for x in together],
+        },
+    }
+
+
+def _print_floors(hidden: int, floors: dict[str, Any]) -> None:
+    print(
+        f"raw ZeroMQ round trip, {hidden * 4} B payload: median "
+        f"{floors['raw_round_trip_us_median']:.0f} us, p99 {floors['raw_round_trip_us_p99']:.0f} "
+        f"us; plain TCP, no ZeroMQ: median {floors['raw_tcp_round_trip_us_median']:.0f} us"
+    )
+    stream = floors["memory_stream_gb_s"]
+    alone, together = stream["alone"], stream["together"]
+    if together and alone:
+        each = ", ".join(f"{x:.1f}" for x in together)
+        print(
+            f"memory, shared by this machine's cores: one core streams {alone:.1f} GB/s alone, "
+            f"{len(together)} at once {each} GB/s each "
+            f"({statistics.mean(together) / alone:.2f} of alone; separate devices: 1.00)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +335,9 @@ def _cluster_run(
             # Left to choose (run, serve), the plan would have left these on standby.
             "standby": session.standby_choice,
         }
-        time_greedy(engine, tokenizer, prompt, 4)  # warm-up
+        # A warm-up pays the first call's costs; of a long prompt, its start: a prompt of 8k
+        # tokens prefilled twice would double the run for nothing the timed run does not redo.
+        time_greedy(engine, tokenizer, prompt[:WARM_UP_TOKENS], 4)
         members = _clear_figures(engine)
         speculator = open_speculator(config.draft, config.draft_dtype, session, tokenizer)
         cpu_before: list[float] = []  # each device's CPU time as the decode steps start

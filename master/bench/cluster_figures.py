@@ -124,6 +124,8 @@ def node_row(name: str, history: Any) -> dict[str, Any]:
         # what a sequence costs the node: its state whatever its length, its KV per token
         "state_mb_per_sequence": round(steps[-1]["state_bytes_per_sequence"] / 1e6, 2),
         "kv_kb_per_token": round(steps[-1]["kv_bytes_per_token"] / 1e3, 1),
+        "kv_bytes_per_token": steps[-1]["kv_bytes_per_token"],
+        "state_bytes_per_sequence": steps[-1]["state_bytes_per_sequence"],
         "slots": steps[-1]["slots"],
         "context": steps[-1]["context"],
         **expert_figures(steps),
