@@ -233,9 +233,9 @@ class GenerationFigures(BaseModel):
 
     slots: int = Field(description="KV-cache slots: requests generated at once")
     active: int = Field(description="requests in the running batch")
-    waiting: int = Field(description="requests waiting for a slot")
+    waiting: int = Field(description="requests waiting for a slot (embeddings' too)")
     steps: int = Field(description="engine steps started since the server started")
-    submitted: int
+    submitted: int = Field(description="requests taken, answers and embeddings alike")
     completed: int
     cancelled: int = Field(description="requests whose client went away")
     failed: int
