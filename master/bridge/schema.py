@@ -374,6 +374,11 @@ def stream_content(chunk: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+# Ids 0 to 100255 are OpenAI's cl100k_base tokens of text (/v1/embeddings' token arrays);
+# the special ones after them are not text.
+CL100K_TOKENS = 100256
+
+
 def finish_openapi(
     document: dict[str, Any], context: int, vocab: int, hidden: int | None = None
 ) -> None:
@@ -400,7 +405,7 @@ def finish_openapi(
             _set_maximum(props.get(field), context - 1)
         _set_maximum(props.get("prompt"), vocab - 1)
     embedding = schemas.get("EmbeddingRequest", {}).get("properties", {})
-    _set_maximum(embedding.get("input"), vocab - 1)
+    _set_maximum(embedding.get("input"), CL100K_TOKENS - 1)  # OpenAI's ids, not the model's
     if hidden is not None:  # the one size of its vectors
         _set_maximum(embedding.get("dimensions"), hidden)
         _set_minimum(embedding.get("dimensions"), hidden)
