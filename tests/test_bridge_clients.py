@@ -213,6 +213,52 @@ def test_a_required_call_parses_and_validates_for_50_prompts_of_one_batch(bridge
     assert bridge.largest_batch() > 8  # submitted together, batched together
 
 
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_a_forced_call_parses_and_validates_for_50_prompts_through_each_api(bridge, api):
+    """A forced call is the grammar's whatever the API: the 50 prompts above through Responses
+    (required and named) and through Messages (any and tool), every call read by the API's own
+    client and valid against the tool's schema. One API a test, so that each fits the time a
+    test may take on a loaded machine."""
+    import anthropic
+
+    # A request may wait for an answer's time in the line: the clients' hang guard is long.
+    oai = bridge.client.with_options(timeout=300)
+    claude = anthropic.Anthropic(base_url=bridge.base, api_key=KEY, max_retries=0, timeout=300)
+    prompts = [f"Will I need an umbrella in {c} in {i % 7 + 1} days?" for i, c in enumerate(CITIES)]
+    assert len(set(prompts)) == 50
+
+    def responses(i: int, prompt: str) -> dict:
+        named = {"type": "function", "name": "get_weather"}
+        made = oai.responses.create(
+            model=MODEL, input=prompt, max_output_tokens=CALL_TOKENS, temperature=0,
+            tools=[RESPONSES_TOOL], tool_choice=named if i % 2 else "required",
+        )  # fmt: skip
+        assert made.status == "completed", made
+        [call] = made.output
+        assert call.type == "function_call" and call.name == "get_weather", call
+        return json.loads(call.arguments)
+
+    def messages(i: int, prompt: str) -> dict:
+        named = {"type": "tool", "name": "get_weather"}
+        made = claude.messages.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=CALL_TOKENS,
+            extra_body=GREEDY, tools=[ANTHROPIC_TOOL],
+            tool_choice=named if i % 2 else {"type": "any"},
+        )  # fmt: skip
+        assert made.stop_reason == "tool_use", made
+        [use] = made.content
+        assert use.type == "tool_use" and use.name == "get_weather", use
+        return use.input
+
+    call = responses if api == "responses" else messages
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        arguments = list(pool.map(call, range(len(prompts)), prompts))
+    for each in arguments:
+        jsonschema.validate(each, WEATHER)
+    assert len({a["city"] for a in arguments}) > 40  # each prompt's own city, mostly
+    assert bridge.largest_batch() > 8  # submitted together, batched together
+
+
 def test_a_call_its_result_and_the_answer_round_trip(bridge):
     asked = [{"role": "user", "content": "What is the weather in Oslo?"}]
     called = ask(bridge, asked, max_tokens=CALL_TOKENS, tools=[GET_WEATHER, GET_TIME],
@@ -546,39 +592,6 @@ def test_one_greedy_request_gives_the_same_text_through_every_api(oai, claude, o
         model=MODEL, messages=asked, options={"num_predict": tokens, "temperature": 0}
     ).message.content
     assert chat and chat == responses == messages == ollama_chat
-
-
-def test_a_forced_call_parses_through_every_api_for_prompts_of_one_batch(oai, claude):
-    """Chat completions' required and named calls have the 50-prompt test above; here each
-    other API's forced choice (Responses required and named, Messages any and tool), three
-    prompts each, in one batch: the same grammar, so every call parses and validates."""
-    prompts = [f"Will I need an umbrella in {c} in {i % 7 + 1} days?"
-               for i, c in enumerate(CITIES[:12])]  # fmt: skip
-    named = {"type": "function", "name": "get_weather"}
-    ways = [
-        lambda p: next(o for o in oai.responses.create(
-            model=MODEL, input=p, max_output_tokens=CALL_TOKENS, temperature=0,
-            tools=[RESPONSES_TOOL], tool_choice=named,
-        ).output if o.type == "function_call").arguments,
-        lambda p: next(o for o in oai.responses.create(
-            model=MODEL, input=p, max_output_tokens=CALL_TOKENS, temperature=0,
-            tools=[RESPONSES_TOOL], tool_choice="required",
-        ).output if o.type == "function_call").arguments,
-        lambda p: json.dumps(next(b for b in claude.messages.create(
-            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=CALL_TOKENS,
-            extra_body=GREEDY, tools=[ANTHROPIC_TOOL], tool_choice={"type": "any"},
-        ).content if b.type == "tool_use").input),
-        lambda p: json.dumps(next(b for b in claude.messages.create(
-            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=CALL_TOKENS,
-            extra_body=GREEDY, tools=[ANTHROPIC_TOOL],
-            tool_choice={"type": "tool", "name": "get_weather"},
-        ).content if b.type == "tool_use").input),
-    ]  # fmt: skip
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        calls = list(pool.map(lambda ip: ways[ip[0] % len(ways)](ip[1]), enumerate(prompts)))
-    for arguments in calls:
-        jsonschema.validate(json.loads(arguments), WEATHER)
-    assert len({json.loads(a)["city"] for a in calls}) > 9  # each prompt's own city, mostly
 
 
 # -- OpenAI's embeddings ------------------------------------------------------------------------
