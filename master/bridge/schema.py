@@ -233,9 +233,9 @@ class GenerationFigures(BaseModel):
 
     slots: int = Field(description="KV-cache slots: requests generated at once")
     active: int = Field(description="requests in the running batch")
-    waiting: int = Field(description="requests waiting for a slot")
+    waiting: int = Field(description="requests waiting for a slot (embeddings' too)")
     steps: int = Field(description="engine steps started since the server started")
-    submitted: int
+    submitted: int = Field(description="requests taken, answers and embeddings alike")
     completed: int
     cancelled: int = Field(description="requests whose client went away")
     failed: int
@@ -386,6 +386,11 @@ def stream_content(chunk: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+# Ids 0 to 100255 are OpenAI's cl100k_base tokens of text (/v1/embeddings' token arrays);
+# the special ones after them are not text.
+CL100K_TOKENS = 100256
+
+
 def finish_openapi(
     document: dict[str, Any], context: int, vocab: int, hidden: int | None = None
 ) -> None:
@@ -412,7 +417,7 @@ def finish_openapi(
             _set_maximum(props.get(field), context - 1)
         _set_maximum(props.get("prompt"), vocab - 1)
     embedding = schemas.get("EmbeddingRequest", {}).get("properties", {})
-    _set_maximum(embedding.get("input"), vocab - 1)
+    _set_maximum(embedding.get("input"), CL100K_TOKENS - 1)  # OpenAI's ids, not the model's
     if hidden is not None:  # the one size of its vectors
         _set_maximum(embedding.get("dimensions"), hidden)
         _set_minimum(embedding.get("dimensions"), hidden)

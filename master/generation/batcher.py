@@ -257,6 +257,7 @@ class Batcher:
                 )
             job = _Embedding([list(t) for t in inputs], Future())
             self._embeddings.append(job)
+            self._submitted += 1  # a request as an answer is: the counters count it alike
             self._cond.notify()
         return job.future
 
@@ -275,7 +276,7 @@ class Batcher:
             return BatcherStats(
                 slots=self.session.slots,
                 active=len(self._active),
-                waiting=len(self._waiting),
+                waiting=len(self._waiting) + len(self._embeddings),  # the line they share
                 steps=self._steps,
                 submitted=self._submitted,
                 completed=self._completed,
@@ -379,6 +380,7 @@ class Batcher:
         free (lock held). Requests whose client went away are dropped."""
         while self._embeddings and self._embeddings[0].future.cancelled():
             self._embeddings.popleft()
+            self._cancelled += 1
         if not self._embeddings or not self._slots or self.engine is None:
             return None
         self._slots.bind(self.engine)  # another engine than the last (a re-plan): no KV
@@ -409,6 +411,7 @@ class Batcher:
                 if not lost:
                     if job in self._embeddings:
                         self._embeddings.remove(job)
+                        self._failed += 1
                     _settle(job.future, exc)
             if lost:
                 self._replan_running(str(exc), loss=True)
@@ -417,8 +420,13 @@ class Batcher:
             for slot in slots:
                 self._slots.give_back(slot, None)
             job.vectors.extend(vectors)
+            self._prompt_tokens += sum(len(t) for t in inputs)
             if len(job.vectors) == len(job.inputs):
                 self._embeddings.remove(job)
+                if job.future.cancelled():  # its client went away during its last step
+                    self._cancelled += 1
+                else:
+                    self._completed += 1
                 _settle(job.future, job.vectors)
 
     def _replan_running(self, cause: str, loss: bool) -> None:
@@ -584,6 +592,10 @@ class Batcher:
                 _emit(job, Failed(exc))
         self._waiting.clear()
         for embedding in self._embeddings:
+            if embedding.future.cancelled():
+                self._cancelled += 1
+            else:
+                self._failed += 1
             _settle(embedding.future, exc)
         self._embeddings.clear()
 
