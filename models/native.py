@@ -45,11 +45,21 @@ class Build:
     x86_only: bool
     formats: tuple[str, ...]
     expands: bool = False  # has `<format>_expand`, whole rows to float32
+    integer: tuple[str, ...] = ()  # formats with `<format>_q8`, int8 activations
 
 
 BUILDS = {
-    "avx2": Build(CSRC / "blocks.c", ("-mavx2", "-mfma", "-mf16c", *COMMON), True, HAND_TUNED),
-    "portable": Build(CSRC / "blocks_portable.c", ("-march=native", *COMMON), False, PORTABLE),
+    "avx2": Build(
+        CSRC / "blocks.c",
+        ("-mavx2", "-mfma", "-mf16c", *COMMON),
+        True,
+        HAND_TUNED,
+        False,
+        HAND_TUNED,
+    ),
+    "portable": Build(
+        CSRC / "blocks_portable.c", ("-march=native", *COMMON), False, PORTABLE, False, PORTABLE
+    ),
     "expand": Build(CSRC / "expand.c", ("-march=native", *COMMON), False, BLOCK_DTYPES, True),
 }
 # Multiply-adds (rows x out x in) below which one thread beats waking a second. Measured on a
@@ -74,22 +84,20 @@ def load(build: str = "avx2") -> ctypes.CDLL:
             raise RuntimeError(f"{spec.source.name} is for x86, this is {os.uname().machine}")
         lib = ctypes.CDLL(str(built(spec.source, spec.flags, ".so")))
         pointer, number = ctypes.c_void_p, ctypes.c_int
-        for fmt in spec.formats:
-            fn = getattr(lib, f"{fmt}_f32")
+        names = [f"{fmt}_f32" for fmt in spec.formats] + [f"{fmt}_q8" for fmt in spec.integer]
+        names += [f"{fmt}_gemm" for fmt in spec.formats] if spec.expands else []
+        for name in names:
+            fn = getattr(lib, name)
             fn.argtypes = [pointer, number, number, pointer, number, pointer, number]
             fn.restype = None
-            if spec.expands:
-                fn = getattr(lib, f"{fmt}_gemm")
-                fn.argtypes = [pointer, number, number, pointer, number, pointer, number]
-                fn.restype = None
         if spec.expands:
             lib.expand_set_blas.argtypes = [pointer, pointer, pointer]
         _libs[build] = lib
     return _libs[build]
 
 
-# (build, element dtype, block bytes), which name a format (models.quant) -> its product
-_functions: dict[tuple[str, torch.dtype, int], Callable[..., None]] = {}
+# (build, suffix, element dtype, block bytes), which name a format (models.quant) -> its product
+_functions: dict[tuple[str, str, torch.dtype, int], Callable[..., None]] = {}
 
 
 def f32_activations(
@@ -105,6 +113,23 @@ def portable_activations(
 ) -> np.ndarray:
     """The candidate "c-portable": the same product on the portable build."""
     return _product("portable", x, w)
+
+
+def int8_activations(
+    x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None
+) -> np.ndarray:
+    """The candidate "c-int8": each row of x rounded to int8 a block of 32 (d = max|x| / 127,
+    as llama.cpp's Q8_0 and Q8_1 activations), then integer dot products a block, on the AVX2
+    build (models/csrc/blocks.c; models/activations.py is its reference)."""
+    return _product("avx2", x, w, "q8")
+
+
+def portable_int8_activations(
+    x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None
+) -> np.ndarray:
+    """The candidate "c-portable-int8": the same rounding and integer sums on the portable
+    build."""
+    return _product("portable", x, w, "q8")
 
 
 def expand_activations(
@@ -161,15 +186,15 @@ def numpy_blas(symbols: tuple[str, ...]) -> int:
     raise RuntimeError(f"NumPy's BLAS has none of {', '.join(symbols)} to call from C")
 
 
-def _product(build: str, x: np.ndarray, w: torch.Tensor) -> np.ndarray:
+def _product(build: str, x: np.ndarray, w: torch.Tensor, suffix: str = "f32") -> np.ndarray:
     """A decode step calls this ~120 times a token, so the lookups are cached and the pointers
     read the cheap way (`.ctypes` builds an object per access)."""
-    layout = (build, w.dtype, w.shape[-1])
+    layout = (build, suffix, w.dtype, w.shape[-1])
     fn = _functions.get(layout)
     if fn is None:
         fmt = block_format(w)
         assert fmt is not None, "a block-format kernel needs a block matrix"
-        fn = _functions[layout] = getattr(load(build), f"{fmt.name}_f32")
+        fn = _functions[layout] = getattr(load(build), f"{fmt.name}_{suffix}")
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
     blocks = w if w.is_contiguous() else w.contiguous()  # held until the call returns
