@@ -329,6 +329,11 @@ class NodeFigures(BaseModel):
     kernels: str | None = Field(
         None, description="the kernels this device admitted and chose, per weight dtype"
     )
+    activations: Literal["exact", "int8"] | None = Field(
+        None,
+        description="how its block-format products take their input: exact float32, or int8 "
+        "a block of 32 (llama.cpp's Q8_0 rounding), where the device has an integer kernel",
+    )
     restarts: int = Field(0, description="times this machine restarted the node's process")
 
 

@@ -159,6 +159,7 @@ def node_block(node: NodeFigures) -> RenderableType:
     table.add_row("compute", _ms(node.compute_ms))
     table.add_row("loader wait", _ms(node.loader_wait_ms))
     table.add_row("kernels", node.kernels or NONE)
+    table.add_row("activations", node.activations or NONE)
     if node.heartbeat_silence_s is not None:
         table.add_row("heartbeat", f"{node.heartbeat_silence_s:.2f} s ago")
     return Group(Text(""), title, table)
