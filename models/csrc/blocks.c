@@ -229,7 +229,7 @@ void iq4_nl_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y,
 // (llama.cpp stores them as f16: they are transient here). A block's sum of products is then an
 // exact int32 (vpmaddubsw: unsigned weights times signed activations, pairs summed in int16,
 // which no format here can overflow: at most 2 x 128 x 127), scaled once by dw * dx:
-// y = sum_b dw dx sum_i qw qx (+ mw s for Q4_1, Q5_1).
+// y = sum_b dw dx sum_i qw qx (+ mw s for Q4_1, Q5_1; - offset dw s for Q4_0, Q5_0).
 
 typedef struct {
     const int8_t *q;  // (R, K)
@@ -266,8 +266,12 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
     }
 }
 
-// one weight block's 32 integers as bytes, in element order: signed for the formats without a
-// minimum (their offset taken off), unsigned 0-15 or 0-31 for Q4_1 and Q5_1
+// Q4_0's and Q5_0's w = d (q - offset) is taken as Q4_1's w = d q + m, m = -offset d: their
+// unsigned q then multiply x in one vpmaddubsw, without the two sign flips a signed one needs.
+AI int unsigned_q(int kind) { return kind != Q8_0 && kind != IQ4_NL; }
+
+// one weight block's 32 integers as bytes, in element order: unsigned 0-15 or 0-31 (unsigned_q),
+// else signed (Q8_0's as stored, IQ4_NL's table entries)
 AI __m256i block_i8(int kind, const uint8_t *blk) {
     if (kind == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
     const __m128i b = _mm_loadu_si128((const __m128i *)(blk + nibbles_at(kind)));
@@ -288,23 +292,23 @@ AI __m256i block_i8(int kind, const uint8_t *blk) {
         const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
         q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
     }
-    return offset(kind) ? _mm256_sub_epi8(q, _mm256_set1_epi8((char)offset(kind))) : q;
+    return q;
 }
 
-// a block's 8 partial sums of qw * qx as int32
-AI __m256i dot_i8(int kind, __m256i w, __m256i x) {
-    const __m256i pairs = has_min(kind) ? _mm256_maddubs_epi16(w, x)  // w unsigned
-                                        : _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+// a block's 8 partial sums of qw * qx as int32; `aw` is |w| for a signed w (unused otherwise)
+AI __m256i dot_i8(int kind, __m256i w, __m256i aw, __m256i x) {
+    const __m256i pairs = unsigned_q(kind) ? _mm256_maddubs_epi16(w, x) : _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
 // G weight rows x RT rows of x, as tile_f32: each accumulator sums its blocks in order, so the
 // result does not depend on the tiling
 AI void tile_i8(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int nb, Rows8 x, int K, float *y, int ldy) {
-    __m256 acc[4][4];
-    float mins[4][4];
-    for (int g = 0; g < G; g++)
-        for (int r = 0; r < RT; r++) acc[g][r] = _mm256_setzero_ps(), mins[g][r] = 0.0f;
+    __m256 acc[4][4], mins[4];  // lane g of mins[r]: the sum of m s of weight row g, x row r
+    for (int r = 0; r < RT; r++) {
+        mins[r] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) acc[g][r] = _mm256_setzero_ps();
+    }
     const int bs = bsize(kind);
     for (int b = 0; b < nb; b++) {
         prefetch_next(G, w, rowbytes, b, bs);
@@ -312,21 +316,26 @@ AI void tile_i8(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int 
         for (int g = 0; g < G; g++) blk[g] = w + g * rowbytes + (size_t)b * bs;
         const __m256 dm = heads(kind, G, blk);
         const __m256 dd = _mm256_insertf128_ps(dm, _mm256_castps256_ps128(dm), 1);
-        float m[4];
-        if (has_min(kind)) _mm_storeu_ps(m, _mm256_extractf128_ps(dm, 1));
+        const __m256 m = has_min(kind) ? _mm256_permute2f128_ps(dm, dm, 0x11)  // minima, or -offset d
+                                       : _mm256_mul_ps(dm, _mm256_set1_ps(-(float)offset(kind)));
+        if (unsigned_q(kind))
+            for (int r = 0; r < RT; r++) mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[(size_t)r * nb + b]), mins[r]);
         for (int g = 0; g < G; g++) {
             const __m256i wq = block_i8(kind, blk[g]);
+            const __m256i aw = unsigned_q(kind) ? wq : _mm256_sign_epi8(wq, wq);
             for (int r = 0; r < RT; r++) {
                 const size_t at = (size_t)r * nb + b;
                 const __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q + (size_t)r * K + 32 * b));
                 const __m256 scale = _mm256_mul_ps(lane(dd, g), _mm256_set1_ps(x.d[at]));
-                acc[g][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_i8(kind, wq, xq)), acc[g][r]);
-                if (has_min(kind)) mins[g][r] += m[g] * x.s[at];
+                acc[g][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_i8(kind, wq, aw, xq)), acc[g][r]);
             }
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int r = 0; r < RT; r++) y[(size_t)r * ldy + g] = hsum(acc[g][r]) + mins[g][r];
+    for (int r = 0; r < RT; r++) {
+        float m[8];
+        _mm256_storeu_ps(m, mins[r]);
+        for (int g = 0; g < G; g++) y[(size_t)r * ldy + g] = hsum(acc[g][r]) + m[g];
+    }
 }
 
 // weight rows [0, G) against all R rows of x: 4 rows of x a tile (2 weight rows), the rest
