@@ -2,13 +2,16 @@
 
 NumPy and torch have no product for GGUF's blocks; expanding a matrix to float32 for every
 product costs 30 times a float32 token. So the C sources ship with the package and the system's
-C compiler builds them at first use (models/cbuild.py). Three builds, four candidates:
+C compiler builds them at first use (models/cbuild.py). Three builds, six candidates:
 
 - "c-f32" (models/csrc/blocks.c): x86 with AVX2, FMA and F16C, tuned by hand (the blocks of 32
   but MXFP4);
 - "c-portable" (models/csrc/blocks_portable.c): plain C the compiler vectorises for this CPU
   (-march=native), for ARM boards and x86 without AVX2 (a candidate only there: 14x slower than
   "c-f32" where both run, 4x faster than expanding to float32);
+- "c-int8" (blocks.c) and "c-portable-int8" (blocks_portable.c): the same formats with x rounded
+  to int8 a block of 32 and integer dot products (models/activations.py), chosen only under
+  `--activations int8`;
 - "c-expand" (models/csrc/expand.c): every block format, the K-quants included, in plain C
   with the compiler's vector types (-march=native: AVX-512, AVX2 or NEON); and "c-expand-blas",
   bands of rows expanded there and multiplied by NumPy's BLAS, for a prefill's many rows.

@@ -35,8 +35,8 @@ CHECK_ROWS = ((1,), (2,), (3, 4), (5, 8), (9, 64))
 # accumulates exactly enough for 1e-4; the others round the input to 8 (bf16, int8's bf16
 # input) or 11 (f16) bits first. Garbage (1e13, nan) fails any of these by far.
 # Of |x| |w|, per shard dtype. The block formats are held to float32's: their products use the
-# stored weights exactly, in float32 (rounding the input to 8 bits moved the top token; see
-# models/csrc/blocks.c).
+# stored weights exactly, in float32; an int8-activation candidate is held to the same, against
+# the product of the rows as it rounds them (`Probe.rounded_case`).
 TOLERANCE = {
     "f32": 1e-4,
     "f16": 1e-2,

@@ -74,6 +74,7 @@ TODAY: dict[str, Any] = {
             "load_ms": 0.0,
             "compute_ms": 31.667,
             "kernels": "f32: numpy-gemm, numpy-gemv",
+            "activations": "exact",
         },
         {
             "name": "local-1",
@@ -95,6 +96,7 @@ TODAY: dict[str, Any] = {
             "load_ms": 0.0,
             "compute_ms": 29.006,
             "kernels": "f32: numpy-gemm, numpy-gemv",
+            "activations": "exact",
         },
     ],
     "allreduce": {"sums": 600, "median_us": 330.1, "p99_us": 1102.7},
@@ -123,7 +125,8 @@ def _node(name: str, address: str, share: float, rss: int, window: int, wait: fl
         "loader_wait_ms": wait,
         "load_ms": 9.5,
         "compute_ms": 11.25,
-        "kernels": "int8: dequant-f32",
+        "kernels": "q4_1: c-int8",
+        "activations": "int8",
     }
 
 

@@ -5,10 +5,10 @@
 // Built for x86 with AVX2, FMA and F16C by models/native.py; a CPU without them rejects the
 // kernels in the on-device check (node/device.py), never at a user's request.
 //
-// Float activations: each block is expanded in registers (w = d*q + m) and multiplied in
-// float32, the stored weights' exact product to float rounding. (Rounding the activations to
-// int8 a block, as llama.cpp does, was measured too: no faster in a decode step, which reads the
-// weights from memory, and it moved SmolLM2's top token at 3 % of teacher-forced positions.)
+// Float activations (`<format>_f32`): each block is expanded in registers (w = d*q + m) and
+// multiplied in float32, the stored weights' exact product to float rounding. Int8 activations
+// (`<format>_q8`, `--activations int8`, after these): x rounded to int8 a block as llama.cpp
+// rounds it, integer dot products.
 // Tiles of up to 4 weight rows x up to 8 rows of x: independent accumulators (a single one would
 // wait on the fmadd's latency every block), each weight block unpacked once for the tile's x rows
 // and each x block loaded once for its weight rows; threads split W by groups of 4 rows. Any tile
