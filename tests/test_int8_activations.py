@@ -101,4 +101,4 @@ def test_int8_greedy_tokens_are_the_same_on_every_node_count(
             answers.append(seqs[0].tokens)
         assert len(figures) == nodes
         assert all(f["activations"] == "int8" and "c-int8" in f["kernels"] for f in figures)
-    assert answers[0] == answers[1]
+    assert answers[0] == answers[1], answers
