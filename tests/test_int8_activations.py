@@ -77,9 +77,13 @@ def test_the_check_refuses_an_int8_candidate_that_rounds_otherwise():
 
 @pytest.fixture
 def int8_activations():
+    """Int8 from a table of no choices (what earlier tests installed stays otherwise, and
+    `kernel_set` names it)."""
+    kernels.uninstall()
     kernels.set_activations("int8")
     yield
     kernels.set_activations("exact")
+    kernels.uninstall()
 
 
 def test_int8_greedy_tokens_are_the_same_on_every_node_count(
