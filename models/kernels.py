@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edgetp.models.activations import ACTIVATIONS, Activations
 from edgetp.models.quant import FORMATS, block_format, matrix_size
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class Candidate:
     max_rows: int | None = None
     fallback: bool = False  # expands the weights to float32 at every product: used only if asked
     min_rows: int = 1  # a band expanded for BLAS pays off only over many rows
+    activations: str = "exact"  # "int8": rounds x to int8 a block first (models/activations.py)
 
     def load(self) -> Kernel:
         import importlib
@@ -134,6 +136,12 @@ def has_avx2() -> bool:
 # timing it would lengthen every first start for nothing).
 NATIVE = "edgetp.models.native"  # the block kernels' module, where a fresh process finds them
 _PORTABLE = () if has_avx2() else (Candidate("c-portable", f"{NATIVE}:portable_activations"),)
+_PORTABLE_INT8 = (
+    ()
+    if has_avx2()
+    else (Candidate("c-portable-int8", f"{NATIVE}:portable_int8_activations", activations="int8"),)
+)
+_INT8 = (Candidate("c-int8", f"{NATIVE}:int8_activations", activations="int8"),)
 
 # models/csrc/blocks.c's formats (as models/native.py builds it) and blocks_portable.c's
 HAND_TUNED = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "iq4_nl")
@@ -163,6 +171,8 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
         name: (
             *((Candidate("c-f32", f"{NATIVE}:f32_activations"),) if name in HAND_TUNED else ()),
             *(_PORTABLE if name in PORTABLE else ()),
+            *(_INT8 if name in HAND_TUNED else ()),
+            *(_PORTABLE_INT8 if name in PORTABLE else ()),
             Candidate("c-expand", f"{NATIVE}:expand_activations"),
             Candidate("c-expand-blas", f"{NATIVE}:expand_blas", min_rows=ROW_BUCKETS[-1][0]),
             _own("dequant-f32", "reference", fallback=True),
@@ -174,6 +184,27 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
 
 def row_bucket(rows: int) -> int:
     return 0 if rows <= 1 else 1 if rows == 2 else 2 if rows <= 4 else 3 if rows <= 8 else 4
+
+
+# -- exact or int8 activations ---------------------------------------------------------------------
+
+_activations: Activations = "exact"  # which candidates `node.device.prepare` chooses among
+
+
+def set_activations(mode: str) -> None:
+    """Choose among the candidates of `mode` ("exact" or "int8", models/activations.py) from the
+    next `node.device.prepare` on; a shape without an int8 one keeps an exact one."""
+    global _activations
+    for known in ACTIVATIONS:
+        if mode == known:
+            _activations = known
+            return
+    raise ValueError(f"activations {mode!r}: choose {' or '.join(ACTIVATIONS)}")
+
+
+def activations() -> Activations:
+    """The activations this process's products are chosen for."""
+    return _activations
 
 
 # -- the table this process uses -----------------------------------------------------------------

@@ -2,13 +2,16 @@
 
 NumPy and torch have no product for GGUF's blocks; expanding a matrix to float32 for every
 product costs 30 times a float32 token. So the C sources ship with the package and the system's
-C compiler builds them at first use (models/cbuild.py). Three builds, four candidates:
+C compiler builds them at first use (models/cbuild.py). Three builds, six candidates:
 
 - "c-f32" (models/csrc/blocks.c): x86 with AVX2, FMA and F16C, tuned by hand (the blocks of 32
   but MXFP4);
 - "c-portable" (models/csrc/blocks_portable.c): plain C the compiler vectorises for this CPU
   (-march=native), for ARM boards and x86 without AVX2 (a candidate only there: 14x slower than
   "c-f32" where both run, 4x faster than expanding to float32);
+- "c-int8" (blocks.c) and "c-portable-int8" (blocks_portable.c): the same formats with x rounded
+  to int8 a block of 32 and integer dot products (models/activations.py), chosen only under
+  `--activations int8`;
 - "c-expand" (models/csrc/expand.c): every block format, the K-quants included, in plain C
   with the compiler's vector types (-march=native: AVX-512, AVX2 or NEON); and "c-expand-blas",
   bands of rows expanded there and multiplied by NumPy's BLAS, for a prefill's many rows.
@@ -45,11 +48,21 @@ class Build:
     x86_only: bool
     formats: tuple[str, ...]
     expands: bool = False  # has `<format>_expand`, whole rows to float32
+    integer: tuple[str, ...] = ()  # formats with `<format>_q8`, int8 activations
 
 
 BUILDS = {
-    "avx2": Build(CSRC / "blocks.c", ("-mavx2", "-mfma", "-mf16c", *COMMON), True, HAND_TUNED),
-    "portable": Build(CSRC / "blocks_portable.c", ("-march=native", *COMMON), False, PORTABLE),
+    "avx2": Build(
+        CSRC / "blocks.c",
+        ("-mavx2", "-mfma", "-mf16c", *COMMON),
+        True,
+        HAND_TUNED,
+        False,
+        HAND_TUNED,
+    ),
+    "portable": Build(
+        CSRC / "blocks_portable.c", ("-march=native", *COMMON), False, PORTABLE, False, PORTABLE
+    ),
     "expand": Build(CSRC / "expand.c", ("-march=native", *COMMON), False, BLOCK_DTYPES, True),
 }
 # Multiply-adds (rows x out x in) below which one thread beats waking a second. Measured on a
@@ -74,22 +87,20 @@ def load(build: str = "avx2") -> ctypes.CDLL:
             raise RuntimeError(f"{spec.source.name} is for x86, this is {os.uname().machine}")
         lib = ctypes.CDLL(str(built(spec.source, spec.flags, ".so")))
         pointer, number = ctypes.c_void_p, ctypes.c_int
-        for fmt in spec.formats:
-            fn = getattr(lib, f"{fmt}_f32")
+        names = [f"{fmt}_f32" for fmt in spec.formats] + [f"{fmt}_q8" for fmt in spec.integer]
+        names += [f"{fmt}_gemm" for fmt in spec.formats] if spec.expands else []
+        for name in names:
+            fn = getattr(lib, name)
             fn.argtypes = [pointer, number, number, pointer, number, pointer, number]
             fn.restype = None
-            if spec.expands:
-                fn = getattr(lib, f"{fmt}_gemm")
-                fn.argtypes = [pointer, number, number, pointer, number, pointer, number]
-                fn.restype = None
         if spec.expands:
             lib.expand_set_blas.argtypes = [pointer, pointer, pointer]
         _libs[build] = lib
     return _libs[build]
 
 
-# (build, element dtype, block bytes), which name a format (models.quant) -> its product
-_functions: dict[tuple[str, torch.dtype, int], Callable[..., None]] = {}
+# (build, suffix, element dtype, block bytes), which name a format (models.quant) -> its product
+_functions: dict[tuple[str, str, torch.dtype, int], Callable[..., None]] = {}
 
 
 def f32_activations(
@@ -105,6 +116,23 @@ def portable_activations(
 ) -> np.ndarray:
     """The candidate "c-portable": the same product on the portable build."""
     return _product("portable", x, w)
+
+
+def int8_activations(
+    x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None
+) -> np.ndarray:
+    """The candidate "c-int8": each row of x rounded to int8 a block of 32 (d = max|x| / 127,
+    as llama.cpp's Q8_0 and Q8_1 activations), then integer dot products a block, on the AVX2
+    build (models/csrc/blocks.c; models/activations.py is its reference)."""
+    return _product("avx2", x, w, "q8")
+
+
+def portable_int8_activations(
+    x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None
+) -> np.ndarray:
+    """The candidate "c-portable-int8": the same rounding and integer sums on the portable
+    build."""
+    return _product("portable", x, w, "q8")
 
 
 def expand_activations(
@@ -161,15 +189,15 @@ def numpy_blas(symbols: tuple[str, ...]) -> int:
     raise RuntimeError(f"NumPy's BLAS has none of {', '.join(symbols)} to call from C")
 
 
-def _product(build: str, x: np.ndarray, w: torch.Tensor) -> np.ndarray:
+def _product(build: str, x: np.ndarray, w: torch.Tensor, suffix: str = "f32") -> np.ndarray:
     """A decode step calls this ~120 times a token, so the lookups are cached and the pointers
     read the cheap way (`.ctypes` builds an object per access)."""
-    layout = (build, w.dtype, w.shape[-1])
+    layout = (build, suffix, w.dtype, w.shape[-1])
     fn = _functions.get(layout)
     if fn is None:
         fmt = block_format(w)
         assert fmt is not None, "a block-format kernel needs a block matrix"
-        fn = _functions[layout] = getattr(load(build), f"{fmt.name}_f32")
+        fn = _functions[layout] = getattr(load(build), f"{fmt.name}_{suffix}")
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
     blocks = w if w.is_contiguous() else w.contiguous()  # held until the call returns

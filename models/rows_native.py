@@ -55,7 +55,9 @@ F32 = -1
 BLOCK_KINDS = {name: i for i, name in enumerate(BLOCK_DTYPES)}
 assert len(BLOCK_KINDS) <= 16, "rows.c has room for 16 formats (N_FORMATS)"
 # The admitted block-product kernels the C blocks can call, and the build each one is.
-BLOCK_BUILDS = {"c-f32": "avx2", "c-portable": "portable", "c-expand": "expand"}
+BLOCK_BUILDS = {"c-f32": "avx2", "c-portable": "portable", "c-expand": "expand", "c-int8": "avx2"}
+BLOCK_BUILDS["c-portable-int8"] = "portable"
+INTEGER = {"c-int8", "c-portable-int8"}  # their products are `<format>_q8`, the others' `_f32`
 
 c_float_p = ctypes.POINTER(ctypes.c_float)
 c_int64_p = ctypes.POINTER(ctypes.c_int64)
@@ -178,7 +180,7 @@ def _block_product(w: torch.Tensor) -> tuple[int, int]:
     builds = [BLOCK_BUILDS[name] for name in names if name is not None and name in BLOCK_BUILDS]
     if len(builds) < len(names):
         raise RuntimeError(f"{dtype} {out}x{inp} runs on {sorted(set(map(str, names)))}, not C")
-    fn = getattr(native.load(builds[0]), f"{fmt.name}_f32")
+    fn = getattr(native.load(builds[0]), f"{fmt.name}_{'q8' if names[0] in INTEGER else 'f32'}")
     return BLOCK_KINDS[fmt.name], ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 

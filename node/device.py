@@ -95,7 +95,11 @@ def _code_fingerprint() -> str:
     time) is about the code that earned it, so a new version of either checks again."""
     digest = hashlib.sha256()
     models = Path(kernels.__file__).parent
-    sources = [models / "native.py", *sorted((models / "csrc").glob("*.c"))]
+    sources = [
+        models / "native.py",
+        models / "activations.py",
+        *sorted((models / "csrc").glob("*.c")),
+    ]
     checks = (sys.modules[__name__], kernel_probe, kernel_table)
     for path in [Path(str(m.__file__)) for m in (kernels, quant, *checks)] + sources:
         digest.update(path.read_bytes())
@@ -149,7 +153,7 @@ def prepare(
     for s in wanted:
         for b in range(len(ROW_BUCKETS)):
             key = entry_key(s, b, threads)
-            chosen = pick(table, key, candidates[s[0]])
+            chosen = pick(table, key, candidates[s[0]], kernels.activations())
             if chosen is None or (chosen.fallback and not allow_fallback):
                 names = [c.name for c in candidates[s[0]]]
                 raise KernelError(_unservable(s[0], key, table, names, chosen))
@@ -179,9 +183,16 @@ def _unchecked(
             if fallbacks and table.chosen(key, others):
                 continue
             todo += [
-                {"candidate": c.name, "target": c.target, "shape": list(s), "bucket": b}
+                {
+                    "candidate": c.name,
+                    "target": c.target,
+                    "activations": c.activations,
+                    "shape": list(s),
+                    "bucket": b,
+                }
                 for c in candidates[s[0]]
                 if c.fallback == fallbacks
+                and c.activations in ("exact", kernels.activations())  # the others' unused
                 and c.name not in table.crashed
                 and (c.max_rows is None or ROW_BUCKETS[b][0] <= c.max_rows)
                 and ROW_BUCKETS[b][1] >= c.min_rows

@@ -19,6 +19,7 @@ import torch
 from threadpoolctl import threadpool_limits
 
 from edgetp.models import kernels
+from edgetp.models.activations import rounded_rows
 from edgetp.models.dtypes import BLOCK_DTYPES
 from edgetp.models.kernels import Candidate, dequantize, quantize
 from edgetp.node import children
@@ -34,8 +35,8 @@ CHECK_ROWS = ((1,), (2,), (3, 4), (5, 8), (9, 64))
 # accumulates exactly enough for 1e-4; the others round the input to 8 (bf16, int8's bf16
 # input) or 11 (f16) bits first. Garbage (1e13, nan) fails any of these by far.
 # Of |x| |w|, per shard dtype. The block formats are held to float32's: their products use the
-# stored weights exactly, in float32 (rounding the input to 8 bits moved the top token; see
-# models/csrc/blocks.c).
+# stored weights exactly, in float32; an int8-activation candidate is held to the same, against
+# the product of the rows as it rounds them (`Probe.rounded_case`).
 TOLERANCE = {
     "f32": 1e-4,
     "f16": 1e-2,
@@ -64,6 +65,7 @@ class Probe:
         self.norms = np.linalg.norm(self.wd, axis=1)  # of the period's rows
         self.gen = gen
         self.cases: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.rounded: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # the same for int8 rows
         self.best: dict[int, float] = {}  # bucket -> fastest time so far (s)
 
     def case(self, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -78,7 +80,19 @@ class Probe:
             self.cases[rows] = (x, products, np.linalg.norm(x64, axis=1))
         return self.cases[rows]
 
-    def error(self, got: np.ndarray, rows: int) -> str | None:
+    def rounded_case(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The products and norms an int8-activation kernel is held to: of the case's rows as
+        it rounds them (models/activations.py). Its error is that rounding's, which is no
+        float noise (~0.5 % of a product); held to the rounded rows' product, it is again
+        float32's, and a kernel that rounds another way, or not at all, fails by far."""
+        if rows not in self.rounded:
+            x = rounded_rows(self.case(rows)[0])
+            with threadpool_limits(1, user_api="blas"):
+                products = x @ self.wd.T
+            self.rounded[rows] = (products, np.linalg.norm(x, axis=1))
+        return self.rounded[rows]
+
+    def error(self, got: np.ndarray, rows: int, activations: str = "exact") -> str | None:
         """Why `got` is not the product of the case of `rows` with this matrix, or None. An
         element may be off by TOLERANCE of |x| |w| (by Cauchy-Schwarz, norms bound the sum of
         |x_i w_i|). Compared COMPARE_COLUMNS outputs at a time: a tall matrix's product, its
@@ -86,7 +100,10 @@ class Probe:
         SmolLM2's q8_0 lm_head peaked at 305 MB, 153 of them beyond the interpreter's)."""
         if got.shape != (rows, self.out):
             return f"wrong shape {got.shape} at {rows} rows"
-        _, products, x_norms = self.case(rows)
+        if activations == "int8":
+            products, x_norms = self.rounded_case(rows)
+        else:
+            _, products, x_norms = self.case(rows)
         wrong, worst = False, math.nan  # the largest error that is a number, as nanmax
         for first in range(0, self.out, COMPARE_COLUMNS):
             period_rows = self.tile[first : first + COMPARE_COLUMNS]
@@ -102,7 +119,11 @@ class Probe:
         return f"wrong: |error| up to {worst:.3g} at {rows} rows"
 
     def check(
-        self, kernel: kernels.Kernel, bucket: int, clock: Callable[[], float]
+        self,
+        kernel: kernels.Kernel,
+        bucket: int,
+        clock: Callable[[], float],
+        activations: str = "exact",
     ) -> tuple[str | None, float | None]:
         """(error or None, median microseconds per call at the bucket's largest check rows, by
         `clock`: `kernels.compute_clock`'s)."""
@@ -112,7 +133,7 @@ class Probe:
             started = clock()
             got = np.asarray(kernel(x, w, scale))
             took = clock() - started
-            if (error := self.error(got, rows)) is not None:
+            if (error := self.error(got, rows, activations)) is not None:
                 return error, None
         # The warm-up ran at the rows timed. A call longer than the timing's budget is timed by
         # it (a tall lm_head: 10-400 ms a call, at every bucket and candidate: two calls more
@@ -149,7 +170,8 @@ def run(job: dict[str, Any], out: str, err: str) -> None:
             loaded[item["candidate"]] = Candidate(item["candidate"], item["target"]).load()
         print(MARK + json.dumps({"begin": item["id"]}), flush=True)
         try:
-            error, us = probe.check(loaded[item["candidate"]], item["bucket"], clock)
+            kernel, activations = loaded[item["candidate"]], item.get("activations", "exact")
+            error, us = probe.check(kernel, item["bucket"], clock, activations)
         except Exception as exc:  # a kernel that raises is a rejected kernel
             error, us = f"raised {type(exc).__name__}: {exc}"[:300], None
         result = {

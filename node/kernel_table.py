@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from edgetp.models.dtypes import SHARD_DTYPES
-from edgetp.models.kernels import CANDIDATES, ROW_BUCKETS, Candidate
+from edgetp.models.kernels import CANDIDATES, ROW_BUCKETS, Candidate, activations
 
 Shape = tuple[str, int, int]  # (dtype name, out, in): one stored matrix
 
@@ -69,10 +69,19 @@ class Prepared:
     seconds: float
 
 
-def pick(table: Table, key: str, candidates: Sequence[Candidate]) -> Candidate | None:
-    """The fastest candidate that passed; a fallback only when no other did (never the fastest
-    by a fluke of timing)."""
-    name = table.chosen(key, (c.name for c in candidates if not c.fallback)) or table.chosen(key)
+def pick(
+    table: Table, key: str, candidates: Sequence[Candidate], activations: str = "exact"
+) -> Candidate | None:
+    """The fastest candidate of `activations` that passed, else the fastest exact one; a
+    fallback only when no other did (never the fastest by a fluke of timing)."""
+    usable = [c for c in candidates if c.activations in (activations, "exact")]
+    name = (
+        table.chosen(
+            key, (c.name for c in usable if c.activations == activations and not c.fallback)
+        )
+        or table.chosen(key, (c.name for c in usable if not c.fallback))
+        or table.chosen(key, (c.name for c in usable))
+    )
     return next((c for c in candidates if c.name == name), None)
 
 
@@ -106,7 +115,7 @@ def describe(prepared: Prepared, shapes: Iterable[Shape], threads: int) -> str:
         for shape in sorted(s for s in shapes if s[0] == dtype):
             for b in range(len(ROW_BUCKETS)):
                 key = entry_key(shape, b, threads)
-                picked = pick(t, key, CANDIDATES[dtype])
+                picked = pick(t, key, CANDIDATES[dtype], activations())
                 chosen, results = picked and picked.name, t.results.get(key, {})
                 row = f"{shape[1]:>6}x{shape[2]:<5} {key.split(' rows ')[1].split()[0]:>5}"
                 for n in names:

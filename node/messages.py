@@ -158,6 +158,9 @@ class Welcome(_Message, tag="welcome"):
     window: Positive | None = None  # layers of its slice in memory; None: all
     rope_freq_factors: list[float] | None = None
     head: HeadRows | None = None  # where the plan splits the lm_head
+    # the master's choice of activations (models/activations.py): every node's products round
+    # the same way, so a token does not depend on the node count
+    activations: Literal["exact", "int8"] = "exact"
 
     def __post_init__(self) -> None:
         if len(self.shards) != self.config.n_layers:

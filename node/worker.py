@@ -33,7 +33,7 @@ from edgetp.memory.window import (
     return_freed_memory,
     step_figures,
 )
-from edgetp.models.kernels import kernel_set
+from edgetp.models.kernels import activations, kernel_set, set_activations
 from edgetp.models.layers import StepBatch
 from edgetp.node import messages as M
 from edgetp.node import protocol as P
@@ -282,6 +282,7 @@ class Worker:
         window = welcome.window or config.n_layers
         rows = welcome.head.rows[1] - welcome.head.rows[0] if welcome.head else 0
         head = (self.store.path(welcome.head.shard), "lm_head", rows) if welcome.head else None
+        set_activations(welcome.activations)
         check_kernels_before_loading(paths, window, head, config.n_stacked)
         weights = LayerWindow(paths, window, self.drop_cache, verified, config.n_stacked)
         executor = make_executor(config, s, weights, welcome.context, welcome.slots, freq)
@@ -410,7 +411,10 @@ class Worker:
         reply = M.Partial(step=work.step, layer=work.layer, block=work.block, compute=compute)
         if work.block == P.FFN and work.layer == executor.config.n_layers - 1:
             figures = step_figures(executor.weights, held.reported)
-            figures |= executor.sequence_figures | {"kernels": kernel_set()}
+            figures |= executor.sequence_figures | {
+                "kernels": kernel_set(),
+                "activations": activations(),
+            }
             reply = msgspec.structs.replace(reply, figures=figures)
             held.reported = replace(executor.weights.figures)
         self._send(reply, (result,))

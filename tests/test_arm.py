@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from edgetp.models.activations import rounded_rows
 from edgetp.models.kernels import PORTABLE
 from edgetp.models.native import CSRC
 from edgetp.models.quant import FORMATS, random_blocks
@@ -74,4 +75,21 @@ def test_the_aarch64_builds_multiply_the_stored_weights_exactly(builds, build, f
             assert np.array_equal(values, exact.astype(np.float32)), (fmt, out, inp)
         want = x.astype(np.float64) @ exact.T
         bound = 1e-4 * np.outer(np.linalg.norm(x, axis=1), np.linalg.norm(exact, axis=1)) + 1e-6
+        assert (np.abs(y - want) <= bound).all(), (fmt, out, inp, rows)
+
+
+@pytest.mark.parametrize("fmt", PORTABLE)
+def test_the_aarch64_int8_products_equal_the_integer_reference(builds, fmt):
+    """The portable build's int8 activations (models/activations.py) on aarch64: the rows
+    rounded as NumPy rounds them, each block's integer sum exact, only the float sum over the
+    blocks apart (1e-5 of |x| |w|)."""
+    rng = np.random.default_rng(len(fmt))
+    for out, inp, rows in ((7, 64, 1), (33, 640, 3), (5, 160, 9)):
+        w = random_blocks(FORMATS[fmt], out, inp, rng).numpy()
+        x = rng.standard_normal((rows, inp), dtype=np.float32)
+        y, _ = _run(builds["portable"], f"{fmt}_q8", w, x, expands=False)
+        exact = FORMATS[fmt].dequantize(torch.from_numpy(w)).double().numpy()
+        rounded = rounded_rows(x)
+        want = rounded @ exact.T
+        bound = 1e-5 * np.outer(np.linalg.norm(rounded, axis=1), np.linalg.norm(exact, axis=1))
         assert (np.abs(y - want) <= bound).all(), (fmt, out, inp, rows)

@@ -74,6 +74,7 @@ TODAY: dict[str, Any] = {
             "load_ms": 0.0,
             "compute_ms": 31.667,
             "kernels": "f32: numpy-gemm, numpy-gemv",
+            "activations": "exact",
         },
         {
             "name": "local-1",
@@ -98,6 +99,7 @@ TODAY: dict[str, Any] = {
             "link_rtt_us": 447.9,
             "hop_us_median": 440.9,
             "hop_us_p99": 3302.8,
+            "activations": "exact",
         },
     ],
     "allreduce": {"sums": 600, "median_us": 330.1, "p99_us": 1102.7},
@@ -126,7 +128,8 @@ def _node(name: str, address: str, share: float, rss: int, window: int, wait: fl
         "loader_wait_ms": wait,
         "load_ms": 9.5,
         "compute_ms": 11.25,
-        "kernels": "int8: dequant-f32",
+        "kernels": "q4_1: c-int8",
+        "activations": "int8",
     }
 
 

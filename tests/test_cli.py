@@ -220,6 +220,21 @@ def test_no_local_nodes_is_refused_by_the_parser(capsys):
         assert "argument --local-nodes: '0' is not a whole number of at least 1" in said, said
 
 
+def test_activations_are_a_choice_of_every_command_that_runs_a_model():
+    """`--activations int8` on run, serve, chat, master and bench; the chat app hands it to the
+    server it starts. (That the master's choice reaches every node: test_int8_activations.)"""
+    from edgetp.tui.arguments import build_parser
+    from edgetp.tui.chat.command import _serve_args
+
+    for command in (["run", "hi"], ["serve"], ["chat"], ["master"], ["bench"]):
+        args = build_parser().parse_args([command[0], "--activations", "int8", *command[1:]])
+        assert args.activations == "int8", command
+        assert build_parser().parse_args(command).activations == "exact", command
+    chat = build_parser().parse_args(["chat", "--activations", "int8"])
+    served = _serve_args(chat)
+    assert served[served.index("--activations") + 1] == "int8"
+
+
 def test_the_parser_and_the_chat_app_start_without_torch():
     """`edgetp --help` and the chat app (a bridge client) load in a fraction of torch's time."""
     probe = (

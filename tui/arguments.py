@@ -115,6 +115,14 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
         p.add_argument(
             "--memory-budget", default=None, help="memory for weights and KV cache, e.g. 2GB"
         )
+        p.add_argument(
+            "--activations",
+            choices=("exact", "int8"),
+            default="exact",
+            help="how the block formats' products take their input: exact (float32, default) "
+            "or int8 (rounded to int8 a block of 32 as llama.cpp does, integer dot products; "
+            "every node follows the master)",
+        )
     p.add_argument(
         "--window", type=_positive, default=None, help="layers of the slice in memory (forced)"
     )

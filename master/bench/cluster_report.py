@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgetp.memory.budget import MemoryOptions, format_size
+from edgetp.models.kernels import activations
 
 
 def _probe_text(m: dict[str, Any]) -> str:
@@ -73,7 +74,7 @@ def describe_memory(memory: MemoryOptions) -> str:
     budget = format_size(memory.budget) if memory.budget else "none"
     window = memory.window or "from the budget"
     return (
-        f"dtype {memory.dtype}, budget {budget}, window {window}, "
+        f"dtype {memory.dtype}, activations {activations()}, budget {budget}, window {window}, "
         f"page cache {'dropped after each read' if memory.drop_cache else 'kept'}"
     )
 

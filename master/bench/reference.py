@@ -18,7 +18,7 @@ from edgetp.master.bench.greedy import PROMPT, time_greedy
 from edgetp.master.cluster.engine import Engine
 from edgetp.master.generation.prompts import open_with_tokenizer, prompt_tokens
 from edgetp.models.errors import ModelError
-from edgetp.models.kernels import set_threads
+from edgetp.models.kernels import activations, set_threads
 from edgetp.models.source import GGUFSource, ModelSource
 
 
@@ -117,7 +117,10 @@ def run_bench(
         "greedy_tokens_identical": same,
         "all_rounds": {k: [round(x, 4) for x in v] for k, v in results.items()},
     }
-    print(f"model {report['model']}  threads {threads}  prompt {len(prompt)} tokens")
+    print(
+        f"model {report['model']}  threads {threads}  activations {activations()}  "
+        f"prompt {len(prompt)} tokens"
+    )
     print(f"{'':14}{'ms/token':>10}{'TTFT ms':>10}")
     print(f"{'edgetp':14}{report['edgetp_ms_per_token']:>10}{report['edgetp_ttft_ms']:>10}")
     print(

@@ -338,6 +338,11 @@ class NodeFigures(BaseModel):
         "over recent sums (median): the hop's cost beside link_rtt_us",
     )
     hop_us_p99: float | None = None
+    activations: Literal["exact", "int8"] | None = Field(
+        None,
+        description="how its block-format products take their input: exact float32, or int8 "
+        "a block of 32 (llama.cpp's Q8_0 rounding), where the device has an integer kernel",
+    )
     restarts: int = Field(0, description="times this machine restarted the node's process")
 
 

@@ -32,7 +32,14 @@ from edgetp.models.block_rows import rms_norm_rows
 from edgetp.models.config import ModelConfig
 from edgetp.models.errors import ModelError
 from edgetp.models.families import family_of
-from edgetp.models.kernels import SCALE_SUFFIX, embed, kernel_set, linear, linear_rows
+from edgetp.models.kernels import (
+    SCALE_SUFFIX,
+    activations,
+    embed,
+    kernel_set,
+    linear,
+    linear_rows,
+)
 from edgetp.models.layers import POST_NORMS, ROUTER, Slice, StepBatch, slice_layer
 from edgetp.models.moe import Routing, route
 from edgetp.models.rows_native import NativeBlocks
@@ -394,7 +401,10 @@ class Engine:
         if not self.executors:
             return
         weights = self.executors[0].weights
-        own = self.executors[0].sequence_figures | {"kernels": kernel_set()}
+        own = self.executors[0].sequence_figures | {
+            "kernels": kernel_set(),
+            "activations": activations(),
+        }
         self.figures = step_figures(weights, self._reported[0]) | times | own
         self._reported[0] = replace(weights.figures)
         self.history.append(self.figures)

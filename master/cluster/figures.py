@@ -184,6 +184,7 @@ def _stream(figures: dict[str, Any]) -> dict[str, Any]:
         "load_ms": round(figures.get("load_s", 0.0) * 1000, 3),
         "compute_ms": round(figures.get("compute_s", 0.0) * 1000, 3),
         "kernels": figures.get("kernels"),
+        "activations": figures.get("activations"),
         "state_bytes_per_sequence": figures.get("state_bytes_per_sequence"),
         "kv_bytes_per_token": figures.get("kv_bytes_per_token"),
         "slots": figures.get("slots"),

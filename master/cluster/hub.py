@@ -24,6 +24,7 @@ from edgetp.master.cluster.membership import Link, Member
 from edgetp.master.cluster.transport import ClusterError, Malformed, NodeDown, Received, Transport
 from edgetp.memory.shards import Manifest, ShardStore
 from edgetp.models.config import ModelConfig
+from edgetp.models.kernels import activations
 from edgetp.models.layers import Slice, StepBatch
 from edgetp.models.moe import Routing
 from edgetp.models.rows_native import NativeBlocks
@@ -376,6 +377,7 @@ class Hub:
                 window=member.window,
                 rope_freq_factors=manifest.extra.get("rope_freq_factors"),
                 head=head,
+                activations=activations(),
             )
             self.apply(member, S.Welcomed())
             self._send(member.identity, welcome)

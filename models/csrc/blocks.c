@@ -5,16 +5,17 @@
 // Built for x86 with AVX2, FMA and F16C by models/native.py; a CPU without them rejects the
 // kernels in the on-device check (node/device.py), never at a user's request.
 //
-// Float activations: each block is expanded in registers (w = d*q + m) and multiplied in
-// float32, the stored weights' exact product to float rounding. (Rounding the activations to
-// int8 a block, as llama.cpp does, was measured too: no faster in a decode step, which reads the
-// weights from memory, and it moved SmolLM2's top token at 3 % of teacher-forced positions.)
+// Float activations (`<format>_f32`): each block is expanded in registers (w = d*q + m) and
+// multiplied in float32, the stored weights' exact product to float rounding. Int8 activations
+// (`<format>_q8`, `--activations int8`, after these): x rounded to int8 a block as llama.cpp
+// rounds it, integer dot products.
 // Tiles of up to 4 weight rows x up to 8 rows of x: independent accumulators (a single one would
 // wait on the fmadd's latency every block), each weight block unpacked once for the tile's x rows
 // and each x block loaded once for its weight rows; threads split W by groups of 4 rows. Any tile
 // sums each output in the same order, so the result does not depend on the tiling.
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -218,3 +219,206 @@ void q8_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, i
 void q5_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q5_0, x, R, K, W, N, y, nth); }
 void q5_1_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q5_1, x, R, K, W, N, y, nth); }
 void iq4_nl_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(IQ4_NL, x, R, K, W, N, y, nth); }
+
+// ---- int8 activations --------------------------------------------------------------------------
+//
+// The same products with each row of x rounded first to int8 a block of 32, as llama.cpp's
+// quantize_row_q8_0 rounds it: d = max|x| / 127, q = x * (1/d) rounded to the nearest (ties to
+// even, as vroundps does: NumPy's rint in models/int8_activations.py gives the same bytes), and
+// for the formats with a minimum also s = d * sum(q) (llama.cpp's Q8_1). d and s stay float32
+// (llama.cpp stores them as f16: they are transient here). A block's sum of products is then an
+// exact int32 (vpmaddubsw: unsigned weights times signed activations, pairs summed in int16,
+// which no format here can overflow: at most 2 x 128 x 127), scaled once by dw * dx:
+// y = sum_b dw dx sum_i qw qx (+ mw s for Q4_1, Q5_1; - offset dw s for Q4_0, Q5_0).
+
+typedef struct {
+    const int8_t *q;  // (R, K)
+    const float *d, *s;  // (R, K/32) each
+} Rows8;
+
+// one row of x as int8 blocks
+static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < K / 32; b++) {
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float db = _mm_cvtss_f32(m) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        __m256i n[4];
+        for (int i = 0; i < 4; i++)
+            n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        // packs interleave the lanes: a final dword permutation puts the 32 bytes in order
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+        const __m256i bytes = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), bytes);
+        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        t = _mm_hadd_epi32(t, t);
+        t = _mm_hadd_epi32(t, t);
+        d[b] = db;
+        s[b] = db * (float)_mm_cvtsi128_si32(t);
+    }
+}
+
+// Q4_0's and Q5_0's w = d (q - offset) is taken as Q4_1's w = d q + m, m = -offset d: their
+// unsigned q then multiply x in one vpmaddubsw, without the two sign flips a signed one needs.
+AI int unsigned_q(int kind) { return kind != Q8_0 && kind != IQ4_NL; }
+
+// one weight block's 32 integers as bytes, in element order: unsigned 0-15 or 0-31 (unsigned_q),
+// else signed (Q8_0's as stored, IQ4_NL's table entries)
+AI __m256i block_i8(int kind, const uint8_t *blk) {
+    if (kind == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const __m128i b = _mm_loadu_si128((const __m128i *)(blk + nibbles_at(kind)));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+    __m256i q = _mm256_and_si256(both, _mm256_set1_epi8(15));  // low nibbles 0-15, high 16-31
+    if (kind == IQ4_NL) {
+        const __m256i table = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                               -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+        return _mm256_shuffle_epi8(table, q);
+    }
+    if (kind == Q5_0 || kind == Q5_1) {  // bit i of qh is element i's fifth bit: byte i gets qh's byte i/8
+        int32_t qh;
+        memcpy(&qh, blk + (kind == Q5_0 ? 2 : 4), 4);
+        const __m256i spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(qh), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                    2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    return q;
+}
+
+// a block's 8 partial sums of qw * qx as int32; `aw` is |w| for a signed w (unused otherwise)
+AI __m256i dot_i8(int kind, __m256i w, __m256i aw, __m256i x) {
+    const __m256i pairs = unsigned_q(kind) ? _mm256_maddubs_epi16(w, x) : _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+// G weight rows x RT rows of x, as tile_f32: each accumulator sums its blocks in order, so the
+// result does not depend on the tiling
+AI void tile_i8(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int nb, Rows8 x, int K, float *y, int ldy) {
+    __m256 acc[4][4], mins[4];  // lane g of mins[r]: the sum of m s of weight row g, x row r
+    for (int r = 0; r < RT; r++) {
+        mins[r] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) acc[g][r] = _mm256_setzero_ps();
+    }
+    const int bs = bsize(kind);
+    for (int b = 0; b < nb; b++) {
+        prefetch_next(G, w, rowbytes, b, bs);
+        const uint8_t *blk[4];
+        for (int g = 0; g < G; g++) blk[g] = w + g * rowbytes + (size_t)b * bs;
+        const __m256 dm = heads(kind, G, blk);
+        const __m256 dd = _mm256_insertf128_ps(dm, _mm256_castps256_ps128(dm), 1);
+        const __m256 m = has_min(kind) ? _mm256_permute2f128_ps(dm, dm, 0x11)  // minima, or -offset d
+                                       : _mm256_mul_ps(dm, _mm256_set1_ps(-(float)offset(kind)));
+        if (unsigned_q(kind))
+            for (int r = 0; r < RT; r++) mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[(size_t)r * nb + b]), mins[r]);
+        for (int g = 0; g < G; g++) {
+            const __m256i wq = block_i8(kind, blk[g]);
+            const __m256i aw = unsigned_q(kind) ? wq : _mm256_sign_epi8(wq, wq);
+            for (int r = 0; r < RT; r++) {
+                const size_t at = (size_t)r * nb + b;
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q + (size_t)r * K + 32 * b));
+                const __m256 scale = _mm256_mul_ps(lane(dd, g), _mm256_set1_ps(x.d[at]));
+                acc[g][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_i8(kind, wq, aw, xq)), acc[g][r]);
+            }
+        }
+    }
+    for (int r = 0; r < RT; r++) {
+        float m[8];
+        _mm256_storeu_ps(m, mins[r]);
+        for (int g = 0; g < G; g++) y[(size_t)r * ldy + g] = hsum(acc[g][r]) + m[g];
+    }
+}
+
+// weight rows [0, G) against all R rows of x: 4 rows of x a tile (2 weight rows), the rest
+// with 4 weight rows a tile for one row of x, 2 for 2 or 3
+AI void rows_i8(int kind, int G, const uint8_t *w, size_t rowbytes, int nb, Rows8 x, int R, int K, float *y, int ldy) {
+    int r0 = 0;
+#define T(GT, RT) for (int g = 0; g < G; g += (G == 4 ? GT : 1)) {                                     \
+        const Rows8 at = {x.q + (size_t)r0 * K, x.d + (size_t)r0 * nb, x.s + (size_t)r0 * nb};          \
+        tile_i8(kind, G == 4 ? GT : 1, RT, w + g * rowbytes, rowbytes, nb, at, K, y + (size_t)r0 * ldy + g, ldy); }
+    for (; r0 + 4 <= R; r0 += 4) T(2, 4);
+    switch (R - r0) {
+    case 1: T(4, 1); break;
+    case 2: T(2, 2); break;
+    case 3: T(2, 3); break;
+    default: break;
+    }
+#undef T
+}
+
+typedef struct {
+    Rows8 x;
+    int R, K;
+    const uint8_t *W;
+    int N;
+    float *y;
+} Job8;
+
+AI void group_i8(int kind, const Job8 *j, int i) {
+    const int nb = j->K / 32;
+    const size_t rowbytes = (size_t)nb * bsize(kind);
+    const int G = 4 * i + 4 <= j->N ? 4 : 1;
+    for (int o = 4 * i; o < 4 * i + 4 && o < j->N; o += G)
+        rows_i8(kind, G, j->W + o * rowbytes, rowbytes, nb, j->x, j->R, j->K, j->y + o, j->N);
+}
+
+static void run_i8(int kind, const Job8 *j, int nth) {
+    const int ng = (j->N + 3) / 4;
+    if (kind == Q4_0) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group_i8(Q4_0, j, i);
+    } else if (kind == Q4_1) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group_i8(Q4_1, j, i);
+    } else if (kind == Q5_0) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group_i8(Q5_0, j, i);
+    } else if (kind == Q5_1) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group_i8(Q5_1, j, i);
+    } else if (kind == IQ4_NL) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group_i8(IQ4_NL, j, i);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group_i8(Q8_0, j, i);
+    }
+}
+
+// A decode step's few rows fit on the stack; a prompt's are allocated.
+enum { STACK_VALUES = 16384 };
+
+static void gemm_i8(int kind, const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) {
+    const int nb = K / 32;
+    const size_t n = (size_t)R * K;
+    int8_t stack_q[STACK_VALUES];
+    float stack_ds[2 * STACK_VALUES / 32];
+    int8_t *q = n <= STACK_VALUES ? stack_q : malloc(n + 2 * sizeof(float) * (n / 32));
+    float *d = n <= STACK_VALUES ? stack_ds : (float *)(q + n);
+    if (q == NULL) return;  // (the check holds y's garbage against the product: rejected)
+    for (int r = 0; r < R; r++)
+        quantize_row(x + (size_t)r * K, K, q + (size_t)r * K, d + (size_t)r * nb, d + (size_t)R * nb + (size_t)r * nb);
+    const Job8 j = {{q, d, d + (size_t)R * nb}, R, K, W, N, y};
+    run_i8(kind, &j, nth);
+    if (q != stack_q) free(q);
+}
+
+void q4_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q4_0, x, R, K, W, N, y, nth); }
+void q4_1_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q4_1, x, R, K, W, N, y, nth); }
+void q8_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q8_0, x, R, K, W, N, y, nth); }
+void q5_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q5_0, x, R, K, W, N, y, nth); }
+void q5_1_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q5_1, x, R, K, W, N, y, nth); }
+void iq4_nl_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(IQ4_NL, x, R, K, W, N, y, nth); }
+// The quantized rows themselves, for the tests' reference: q (R, K), d and s (R, K/32)
+void quantize_rows_q8(const float *x, int R, int K, int8_t *q, float *d, float *s) {
+    for (int r = 0; r < R; r++) quantize_row(x + (size_t)r * K, K, q + (size_t)r * K, d + (size_t)r * (K / 32), s + (size_t)r * (K / 32));
+}

@@ -70,3 +70,72 @@ static void gemm(int kind, const float *x, int R, int K, const uint8_t *W, int N
 void q4_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm(Q4_0, x, R, K, W, N, y, nth); }
 void q4_1_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm(Q4_1, x, R, K, W, N, y, nth); }
 void q8_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm(Q8_0, x, R, K, W, N, y, nth); }
+
+// ---- int8 activations: models/csrc/blocks.c's rounding and sums, in plain C ------------------
+
+#include <math.h>
+#include <stdlib.h>
+
+// one row of x as int8 blocks: d = max|x| / 127, q = x * (1/d) to the nearest (ties to even),
+// s = d * sum(q)
+static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
+    for (int b = 0; b < K / 32; b++) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[32 * b + j]));
+        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            const int v = (int)nearbyintf(x[32 * b + j] * id);
+            q[32 * b + j] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = db;
+        s[b] = db * (float)sum;
+    }
+}
+
+// one block's integers: signed (Q4_0's offset taken off, Q8_0's as stored) or Q4_1's 0-15
+static void block_i8(int kind, const uint8_t *blk, int8_t w[32]) {
+    if (kind == Q8_0) {
+        memcpy(w, blk + 2, 32);
+        return;
+    }
+    const uint8_t *q = blk + (kind == Q4_1 ? 4 : 2);
+    const int off = kind == Q4_0 ? 8 : 0;
+    for (int j = 0; j < 16; j++) {
+        w[j] = (int8_t)((q[j] & 15) - off);
+        w[j + 16] = (int8_t)((q[j] >> 4) - off);
+    }
+}
+
+static void gemm_i8(int kind, const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) {
+    const int nb = K / 32, bs = bsize(kind);
+    int8_t *q = malloc((size_t)R * K + 2 * sizeof(float) * (size_t)R * nb);
+    if (q == NULL) return;
+    float *d = (float *)(q + (size_t)R * K), *s = d + (size_t)R * nb;
+    for (int r = 0; r < R; r++) quantize_row(x + (size_t)r * K, K, q + (size_t)r * K, d + (size_t)r * nb, s + (size_t)r * nb);
+#pragma omp parallel for schedule(static) num_threads(nth)
+    for (int o = 0; o < N; o++) {
+        const uint8_t *wr = W + (size_t)o * nb * bs;
+        int8_t w[32];
+        for (int r = 0; r < R; r++) {
+            float sum = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *blk = wr + (size_t)b * bs;
+                block_i8(kind, blk, w);
+                const int8_t *xq = q + (size_t)r * K + 32 * b;
+                int dot = 0;
+                for (int j = 0; j < 32; j++) dot += w[j] * xq[j];
+                const size_t at = (size_t)r * nb + b;
+                sum += h2f(blk) * d[at] * (float)dot;
+                if (kind == Q4_1) sum += h2f(blk + 2) * s[at];
+            }
+            y[(size_t)r * N + o] = sum;
+        }
+    }
+    free(q);
+}
+
+void q4_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q4_0, x, R, K, W, N, y, nth); }
+void q4_1_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q4_1, x, R, K, W, N, y, nth); }
+void q8_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q8_0, x, R, K, W, N, y, nth); }

@@ -1,5 +1,6 @@
 // The block formats' products and expansions on another architecture (tests/test_arm.py builds
-// this for aarch64 and runs it under qemu-user): reads "format R K N" and then the blocks (N rows
+// this for aarch64 and runs it under qemu-user): reads "format R K N" ("format_q8" for the
+// product with int8 activations) and then the blocks (N rows
 // of K weights) and x (R x K float32) from standard input, writes y (R x N float32) and, where
 // the build has them, the expanded weights (N x K float32).
 #include <stdint.h>
@@ -15,8 +16,11 @@ typedef void (*expand_fn)(const uint8_t *, int, int, float *, int);
     void name##_expand(const uint8_t *, int, int, float *, int);
 
 DECLARE(q4_0) DECLARE(q4_1) DECLARE(q8_0)
-#ifdef PORTABLE  // models/csrc/blocks_portable.c: products only
-#define ENTRY(name) {#name, name##_f32, NULL}
+#ifdef PORTABLE  // models/csrc/blocks_portable.c: products only, float and int8 activations
+void q4_0_q8(const float *, int, int, const uint8_t *, int, float *, int);
+void q4_1_q8(const float *, int, int, const uint8_t *, int, float *, int);
+void q8_0_q8(const float *, int, int, const uint8_t *, int, float *, int);
+#define ENTRY(name) {#name, name##_f32, NULL}, {#name "_q8", name##_q8, NULL}
 static const struct { const char *name; product_fn product; expand_fn expand; } FORMATS[] = {
     ENTRY(q4_0), ENTRY(q4_1), ENTRY(q8_0)};
 #else  // models/csrc/expand.c

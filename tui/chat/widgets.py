@@ -162,6 +162,7 @@ def node_block(node: NodeFigures) -> RenderableType:
     if node.hop_us_median is not None and node.hop_us_p99 is not None:
         link = "" if node.link_rtt_us is None else f" · link {_us(node.link_rtt_us)}"
         table.add_row("hop", f"{_us(node.hop_us_median)} · p99 {_us(node.hop_us_p99)}{link}")
+    table.add_row("activations", node.activations or NONE)
     if node.heartbeat_silence_s is not None:
         table.add_row("heartbeat", f"{node.heartbeat_silence_s:.2f} s ago")
     return Group(Text(""), title, table)
