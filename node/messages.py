@@ -158,6 +158,7 @@ class Welcome(_Message, tag="welcome"):
     window: Positive | None = None  # layers of its slice in memory; None: all
     rope_freq_factors: list[float] | None = None
     head: HeadRows | None = None  # where the plan splits the lm_head
+    kv_format: str = "f32"  # how its KV cache stores keys and values (models/kvformat.py)
 
     def __post_init__(self) -> None:
         if len(self.shards) != self.config.n_layers:
