@@ -21,6 +21,10 @@ from edgetp.models.errors import ModelError
 KV_FORMATS = ("f32", "f16", "q8_0")
 DEFAULT_KV_FORMAT = "f32"
 Q8_BLOCK = 32  # values a q8_0 scale covers
+# One step of a format's rounding, relative to what it stores (q8_0: to its block's largest
+# value): two paths that compute a key a float32 rounding apart may store it a step apart, and
+# their attention differ by about as much (models/rows_native.py's check allows for it).
+ROUNDING = {"f32": 0.0, "f16": 2.0**-10, "q8_0": 1 / 127}
 
 
 def row_bytes(kv_format: str, head_dim: int) -> int:
@@ -115,6 +119,13 @@ def kv_arrays(t: KVTensor) -> KVArrays:
     if isinstance(t, Q8Tensor):
         return Q8Arrays(t.codes.numpy(), t.scales.numpy())
     return t.numpy()
+
+
+def format_of(a: KVArrays) -> str:
+    """The format a cache's arrays store."""
+    if isinstance(a, Q8Arrays):
+        return "q8_0"
+    return "f16" if a.dtype == np.float16 else "f32"
 
 
 def kv_parts(a: KVArrays) -> tuple[np.ndarray, ...]:

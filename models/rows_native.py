@@ -31,7 +31,7 @@ from edgetp.models.cbuild import built
 from edgetp.models.config import ModelConfig
 from edgetp.models.dtypes import BLOCK_DTYPES
 from edgetp.models.kernels import blas_threads, chosen_kernel, dtype_name
-from edgetp.models.kvformat import KVArrays, Q8Arrays, kv_parts
+from edgetp.models.kvformat import ROUNDING, KVArrays, Q8Arrays, format_of, kv_parts
 from edgetp.models.layers import MATRICES, Slice, StepBatch
 from edgetp.models.quant import block_format, matrix_size
 from edgetp.models.rope import Rope
@@ -371,11 +371,11 @@ class NativeBlocks(BlockBackend):
                 )  # fmt: skip
                 self.begin_step(batch, cos_sin, None)
                 got = self.attention(0, h)
-                for name, a, b in (
-                    ("attention", got, want),
-                    ("ffn", self.ffn(0, h), ffn_rows(h, self.layers[0], config)),
+                for name, a, b, rounding in (
+                    ("attention", got, want, ROUNDING[format_of(keys[0])]),
+                    ("ffn", self.ffn(0, h), ffn_rows(h, self.layers[0], config), 0.0),
                 ):
-                    limit = TOLERANCE * max(1.0, float(np.abs(b).max()))
+                    limit = (TOLERANCE + rounding) * max(1.0, float(np.abs(b).max()))
                     worst = float(np.abs(a - b).max())
                     if not worst <= limit:
                         return f"{name} at position {pos} differs by {worst:.3g} (> {limit:.3g})"
