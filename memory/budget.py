@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 _UNITS = {
@@ -175,11 +175,13 @@ class MemoryOptions:
     window: int | None = None  # layers in memory, forced; None: derived from the budget
     dtype: str = "f32"  # shard dtype, chosen at split time (master only)
     drop_cache: bool = False  # drop each shard from the page cache after reading it
+    kv_cache: str = "f32"  # how every node's KV cache stores keys and values (models/kvformat.py)
 
     @property
     def streaming(self) -> bool:
-        """Whether weights must come from shard files rather than straight from the model."""
-        return self != ALL_RESIDENT
+        """Whether weights must come from shard files rather than straight from the model (how
+        the KV cache is stored has no say in it)."""
+        return replace(self, kv_cache=ALL_RESIDENT.kv_cache) != ALL_RESIDENT
 
     def node_args(self) -> list[str]:
         """The same options for a local worker's command line."""

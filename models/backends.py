@@ -22,6 +22,7 @@ from edgetp.models.block_math import attention_partial, ffn_partial
 from edgetp.models.block_rows import attention_rows, ffn_rows
 from edgetp.models.config import ModelConfig
 from edgetp.models.families import family_of
+from edgetp.models.kvformat import KVArrays, KVTensor
 from edgetp.models.layers import Slice, StepBatch
 from edgetp.models.moe import Routing, moe_partial, moe_rows
 
@@ -115,7 +116,7 @@ class RowBlocks(BlockBackend):
     name = "numpy"
 
     def __init__(
-        self, config: ModelConfig, s: Slice, keys: list[np.ndarray], values: list[np.ndarray]
+        self, config: ModelConfig, s: Slice, keys: list[KVArrays], values: list[KVArrays]
     ) -> None:
         self.config, self.slice = config, s
         self.keys, self.values = keys, values  # each layer's cache as arrays
@@ -160,8 +161,8 @@ class TorchBlocks(BlockBackend):
         config: ModelConfig,
         s: Slice,
         views: list[tuple[ModelConfig, Slice]],
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
+        keys: list[KVTensor],
+        values: list[KVTensor],
         linear: RecurrentStates | None,
     ) -> None:
         self.config, self.slice = config, s

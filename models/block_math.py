@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from edgetp.models import gemma4
 from edgetp.models.config import ModelConfig
 from edgetp.models.kernels import SCALE_SUFFIX, blas_threads, linear, torch_threads
+from edgetp.models.kvformat import KVTensor
 from edgetp.models.layers import Slice, StepBatch
 from edgetp.models.quant import matrix_size
 from edgetp.models.rope import apply_rope
@@ -37,16 +38,17 @@ def attention_partial(
     s: Slice,
     config: ModelConfig,
     cos_sin: tuple[torch.Tensor, torch.Tensor],
-    cache_k: torch.Tensor,
-    cache_v: torch.Tensor,
+    cache_k: KVTensor,
+    cache_v: KVTensor,
     batch: StepBatch,
     window: int | None = None,
     shared_kv: bool = False,
 ) -> torch.Tensor:
     """This slice's share of the attention block's output for h (B, T, D).
 
-    cache_k/cache_v: this layer's cache, (slots, n_kv, max_ctx, hd); the step's keys and values
-    are written into it before attending. A local layer (`window`: it attends to that many last
+    cache_k/cache_v: this layer's cache, (slots, n_kv, max_ctx, hd), in any of
+    models/kvformat.py's formats, read back as float32; the step's keys and values are written
+    into it before attending. A local layer (`window`: it attends to that many last
     positions) has a ring of min(window, max_ctx) positions instead (`_attend_window`).
     `shared_kv`: the cache is another layer's, which wrote the step's keys and values already
     (Gemma 4's KV-sharing layers, models/gemma4.py); they are read, and written again as they
@@ -85,7 +87,8 @@ def attention_partial(
         end = start + T
         cache_k[slot, :, start:end] = k[0]
         cache_v[slot, :, start:end] = v[0]
-        keys, values = cache_k[slot : slot + 1, :, :end], cache_v[slot : slot + 1, :, :end]
+        keys = cache_k[slot : slot + 1, :, :end].float()
+        values = cache_v[slot : slot + 1, :, :end].float()
         mask = None
         causal = T > 1 and start == 0
         if T > 1 and start > 0:  # a continued prompt: attend to the past and causally within
@@ -100,7 +103,7 @@ def attention_partial(
             cache_v[slot, :, st : st + n] = v[b, :, :n]
         L = max(ends)
         slots = torch.tensor(batch.slots)
-        keys, values = cache_k[slots, :, :L], cache_v[slots, :, :L]
+        keys, values = cache_k[slots, :, :L].float(), cache_v[slots, :, :L].float()
         qpos = batch.positions()  # (B, T)
         kpos = torch.arange(L)
         mask = (kpos <= qpos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
@@ -176,8 +179,8 @@ def _attend_window(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cache_k: torch.Tensor,
-    cache_v: torch.Tensor,
+    cache_k: KVTensor,
+    cache_v: KVTensor,
     batch: StepBatch,
     window: int,
     s: Slice,
@@ -194,16 +197,16 @@ def _attend_window(
     for b, (slot, st, n) in enumerate(zip(batch.slots, batch.starts, batch.lengths, strict=True)):
         past = torch.arange(max(0, st - window + 1), st)
         kpos = torch.cat((past, torch.arange(st, st + n)))
-        keys = torch.cat((cache_k[slot][:, past % W], k[b, :, :n]), dim=1).unsqueeze(0)
-        values = torch.cat((cache_v[slot][:, past % W], v[b, :, :n]), dim=1).unsqueeze(0)
+        keys = torch.cat((cache_k[slot, :, past % W].float(), k[b, :, :n]), dim=1).unsqueeze(0)
+        values = torch.cat((cache_v[slot, :, past % W].float(), v[b, :, :n]), dim=1).unsqueeze(0)
         qpos = torch.arange(st, st + n).unsqueeze(1)
         mask = (kpos <= qpos) & (kpos > qpos - window)  # (n, L)
         out[b : b + 1, :, :n] = _attend(
             q[b : b + 1, :, :n], keys, values, mask, False, s, config, sinks
         )
         kept = torch.arange(max(st, st + n - W), st + n)
-        cache_k[slot][:, kept % W] = k[b][:, kept - st]
-        cache_v[slot][:, kept % W] = v[b][:, kept - st]
+        cache_k[slot, :, kept % W] = k[b][:, kept - st]
+        cache_v[slot, :, kept % W] = v[b][:, kept - st]
     return out
 
 

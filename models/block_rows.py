@@ -14,6 +14,7 @@ import torch
 
 from edgetp.models.config import ModelConfig
 from edgetp.models.kernels import SCALE_SUFFIX, linear_rows
+from edgetp.models.kvformat import KVArrays
 from edgetp.models.layers import Slice, StepBatch
 from edgetp.models.quant import matrix_size
 from edgetp.models.rope import rope_rows
@@ -45,14 +46,14 @@ def attention_rows(
     s: Slice,
     config: ModelConfig,
     cos_sin: tuple[np.ndarray, np.ndarray],
-    cache_k: np.ndarray,
-    cache_v: np.ndarray,
+    cache_k: KVArrays,
+    cache_v: KVArrays,
     batch: StepBatch,
     window: int | None = None,
 ) -> np.ndarray:
     """`attention_partial` for a decode step: h (B, D), one new token per sequence at
     `batch.starts`; cos_sin from `Rope.rows`; the cache as arrays (slots, n_kv, max_ctx, hd),
-    or a local layer's ring (`window`).
+    or a local layer's ring (`window`), in any of models/kvformat.py's formats.
 
     Why NumPy: a decode step's slice of a layer is a few MB of weights, and between messages
     every torch call runs cold. Measured on SmolLM2 (a third of a layer, one thread): attention
@@ -93,7 +94,8 @@ def attention_rows(
         cache_k[slot, :, at] = k[b]
         cache_v[slot, :, at] = v[b]
         seen = min(pos + 1, W)
-        keys, values = cache_k[slot, :, :seen], cache_v[slot, :, :seen]  # (nkv, L, hd)
+        keys = cache_k[slot, :, :seen].astype(np.float32, copy=False)  # (nkv, L, hd)
+        values = cache_v[slot, :, :seen].astype(np.float32, copy=False)
         if grouped:  # each KV head serves `group` query heads
             queries = q[b].reshape(nkv, group, hd)
         else:  # query heads split within a group: each reads its own KV head

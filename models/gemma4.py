@@ -33,6 +33,7 @@ from edgetp.models.dtypes import embedding_dtype
 from edgetp.models.errors import ModelError
 from edgetp.models.family import Family, Source
 from edgetp.models.kernels import SCALE_SUFFIX, embed
+from edgetp.models.kvformat import KVTensor
 from edgetp.models.layers import ROUTER, Slice, StepBatch, expert_of, kv_heads_for
 
 if TYPE_CHECKING:
@@ -283,12 +284,12 @@ def stored_name(config: ModelConfig, layer: int, name: str) -> str:
 
 
 def step_kv(
-    cache_k: torch.Tensor, cache_v: torch.Tensor, batch: StepBatch
+    cache_k: KVTensor, cache_v: KVTensor, batch: StepBatch
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values a step's tokens wrote into another layer's cache, (B, nkv, T, hd)
-    right-padded as the step's queries, for a layer that shares them."""
+    right-padded as the step's queries, as float32, for a layer that shares them."""
     shape = (batch.size, cache_k.shape[1], batch.width, cache_k.shape[3])
-    k, v = cache_k.new_zeros(shape), cache_v.new_zeros(shape)
+    k, v = torch.zeros(shape), torch.zeros(shape)
     for b, (slot, st, n) in enumerate(zip(batch.slots, batch.starts, batch.lengths, strict=True)):
         k[b, :, :n] = cache_k[slot, :, st : st + n]
         v[b, :, :n] = cache_v[slot, :, st : st + n]

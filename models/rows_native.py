@@ -31,6 +31,7 @@ from edgetp.models.cbuild import built
 from edgetp.models.config import ModelConfig
 from edgetp.models.dtypes import BLOCK_DTYPES
 from edgetp.models.kernels import blas_threads, chosen_kernel, dtype_name
+from edgetp.models.kvformat import ROUNDING, KVArrays, Q8Arrays, format_of, kv_parts
 from edgetp.models.layers import MATRICES, Slice, StepBatch
 from edgetp.models.quant import block_format, matrix_size
 from edgetp.models.rope import Rope
@@ -95,8 +96,11 @@ class AttentionArgs(ctypes.Structure):
         ("wo", ctypes.c_void_p),
         ("wqkv_kind", ctypes.c_int),
         ("wo_kind", ctypes.c_int),
-        ("cache_k", c_float_p),
-        ("cache_v", c_float_p),
+        ("cache_k", ctypes.c_void_p),
+        ("cache_v", ctypes.c_void_p),
+        ("scale_k", ctypes.c_void_p),
+        ("scale_v", ctypes.c_void_p),
+        ("kv_kind", ctypes.c_int),
         ("W", ctypes.c_int64),
         ("ring", ctypes.c_int),
         ("local_rope", ctypes.c_int),
@@ -194,6 +198,24 @@ def _matrix(lib: ctypes.CDLL, w: torch.Tensor) -> tuple[FloatPointer | int, int]
     return w.data_ptr(), kind
 
 
+# How rows.c numbers the KV cache formats (models/kvformat.py).
+KV_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
+KV_Q8_0 = 2
+
+
+def _cache(keys: KVArrays, values: KVArrays) -> tuple[int, int, int | None, int | None, int]:
+    """A layer's cache for rows.c: its keys' and values' addresses, their q8_0 scales' (or
+    None), and the format's number."""
+    if isinstance(keys, Q8Arrays) and isinstance(values, Q8Arrays):
+        arrays = keys.codes, values.codes, keys.scales, values.scales
+        assert all(a.flags.c_contiguous for a in arrays)
+        k, v, sk, sv = (a.ctypes.data for a in arrays)
+        return k, v, sk, sv, KV_Q8_0
+    assert isinstance(keys, np.ndarray) and isinstance(values, np.ndarray)
+    assert keys.flags.c_contiguous and values.flags.c_contiguous
+    return keys.ctypes.data, values.ctypes.data, None, None, KV_KINDS[keys.dtype]
+
+
 def _ptr(t: torch.Tensor | np.ndarray | None) -> FloatPointer | None:
     return None if t is None else _float_ptr(t)
 
@@ -217,8 +239,8 @@ class NativeBlocks(BlockBackend):
         config: ModelConfig,
         s: Slice,
         layers: list[dict[str, torch.Tensor]],
-        keys: list[np.ndarray],
-        values: list[np.ndarray],
+        keys: list[KVArrays],
+        values: list[KVArrays],
     ) -> None:
         self.lib = load()
         self.config = config
@@ -246,7 +268,7 @@ class NativeBlocks(BlockBackend):
                     _ptr(w["attn_norm"]), _ptr(w.get("q_norm")), _ptr(w.get("k_norm")),
                     config.norm_eps, scale, ctypes.cast(wqkv[0], ctypes.c_void_p),
                     _ptr(w.get("bqkv")), ctypes.cast(wo[0], ctypes.c_void_p), wqkv[1], wo[1],
-                    _ptr(keys[i]), _ptr(values[i]), W,
+                    *_cache(keys[i], values[i]), W,
                     int(local and config.sliding_window is not None),
                     int(config.own_rope(i)),
                     _ptr(room),
@@ -332,14 +354,14 @@ class NativeBlocks(BlockBackend):
         )  # fmt: skip
         return h
 
-    def check(self, s: Slice, keys: list[np.ndarray], values: list[np.ndarray]) -> str | None:
+    def check(self, s: Slice, keys: list[KVArrays], values: list[KVArrays]) -> str | None:
         """Compare this build's partials with the NumPy path's on layer 0 for a random row at a
         few positions (slot 0, whose cache a first request fills anew); None when they agree,
         else what differed."""
         config = self.config
         rope = Rope(config, max(4, keys[0].shape[2]))
         rng = np.random.default_rng(0)
-        saved = keys[0][0].copy(), values[0][0].copy()
+        saved = [a[0].copy() for a in (*kv_parts(keys[0]), *kv_parts(values[0]))]
         try:
             for pos in range(3):
                 batch = StepBatch((0,), (pos,), (1,))
@@ -351,11 +373,11 @@ class NativeBlocks(BlockBackend):
                 )  # fmt: skip
                 self.begin_step(batch, cos_sin, None)
                 got = self.attention(0, h)
-                for name, a, b in (
-                    ("attention", got, want),
-                    ("ffn", self.ffn(0, h), ffn_rows(h, self.layers[0], config)),
+                for name, a, b, rounding in (
+                    ("attention", got, want, ROUNDING[format_of(keys[0])]),
+                    ("ffn", self.ffn(0, h), ffn_rows(h, self.layers[0], config), 0.0),
                 ):
-                    limit = TOLERANCE * max(1.0, float(np.abs(b).max()))
+                    limit = (TOLERANCE + rounding) * max(1.0, float(np.abs(b).max()))
                     worst = float(np.abs(a - b).max())
                     if not worst <= limit:
                         return f"{name} at position {pos} differs by {worst:.3g} (> {limit:.3g})"
@@ -363,11 +385,12 @@ class NativeBlocks(BlockBackend):
             if native > SLOWER * numpy:
                 return f"slower than NumPy here ({native:.0f} against {numpy:.0f} us a layer)"
         finally:
-            keys[0][0], values[0][0] = saved
+            for a, was in zip((*kv_parts(keys[0]), *kv_parts(values[0])), saved, strict=True):
+                a[0] = was
         return None
 
     def _time(
-        self, s: Slice, h: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray], rope: Any
+        self, s: Slice, h: np.ndarray, keys: list[KVArrays], values: list[KVArrays], rope: Any
     ) -> tuple[float, float]:
         """CPU us a layer (both blocks) natively and on NumPy, the best of alternating rounds.
 
@@ -403,8 +426,8 @@ def admit(
     config: ModelConfig,
     s: Slice,
     layers: list[dict[str, torch.Tensor]],
-    keys: list[np.ndarray],
-    values: list[np.ndarray],
+    keys: list[KVArrays],
+    values: list[KVArrays],
 ) -> NativeBlocks | None:
     """Native blocks for this slice where this device builds them and they agree with the
     NumPy path; None (logged) otherwise."""

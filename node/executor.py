@@ -27,6 +27,7 @@ from edgetp.models.backends import (
 from edgetp.models.config import ModelConfig
 from edgetp.models.families import family_of
 from edgetp.models.kernels import SCALE_SUFFIX, leave_a_core_to_the_loader, linear_rows
+from edgetp.models.kvformat import DEFAULT_KV_FORMAT
 from edgetp.models.layers import MATRICES, Slice, StepBatch
 from edgetp.models.moe import Routing, expert_specs
 from edgetp.models.quant import matrix_size
@@ -69,10 +70,12 @@ class SliceExecutor:
         # What a sequence costs this node's memory, reported with its step figures: its fixed
         # state whatever its length (a gated DeltaNet's, the local layers' KV rings) and its KV
         # per token of context, in the slots and context its cache was given.
-        dtype = cache.keys[0].dtype
-        self.sequence_figures: dict[str, int] = {
-            "state_bytes_per_sequence": KVCache.window_bytes(config, s, dtype),
-            "kv_bytes_per_token": KVCache.bytes_per_token(config, s, dtype),
+        kv = cache.kv_format
+        self.sequence_figures: dict[str, int | str] = {
+            "state_bytes_per_sequence": KVCache.window_bytes(config, s, kv),
+            "kv_bytes_per_token": KVCache.bytes_per_token(config, s, kv),
+            "kv_cache": kv,
+            "kv_cache_bytes": cache.nbytes,
             "slots": cache.slots,
             "context": cache.max_context,
         }
@@ -232,8 +235,10 @@ def make_executor(
     max_context: int,
     slots: int,
     rope_freq_factors: torch.Tensor | None = None,
+    kv_format: str = DEFAULT_KV_FORMAT,
 ) -> SliceExecutor:
-    """A slice's executor with its RoPE tables and an empty KV cache: the one way to build one."""
+    """A slice's executor with its RoPE tables and an empty KV cache (keys and values stored
+    as `kv_format`, models/kvformat.py): the one way to build one."""
     rope = Rope(family_of(config).rope_config(config), max_context, rope_freq_factors)
     local_rope = None
     if config.local_layers and config.local_rope_theta is not None:  # unscaled, own base
@@ -241,7 +246,7 @@ def make_executor(
         local_rope = Rope(local, max_context)
     if config.unrotated_layers:
         local_rope = Rope(config, max_context, rotate=False)
-    cache = KVCache(config, s, slots, max_context)
+    cache = KVCache(config, s, slots, max_context, kv_format)
     return SliceExecutor(config, s, weights, rope, cache, local_rope)
 
 

@@ -10,11 +10,9 @@ import torch
 from edgetp.models.config import ModelConfig
 from edgetp.models.errors import ModelError
 from edgetp.models.families import family_of
+from edgetp.models.kvformat import DEFAULT_KV_FORMAT, kv_arrays, kv_tensor, row_bytes
 from edgetp.models.layers import Slice, StepBatch
 
-# Keys and values stay float32 whatever the weights' dtype: they are a small part of memory at
-# edge context lengths, and the attention math on them is float32 in both paths.
-KV_DTYPE = torch.float32
 # A context past any window: the layers whose cache holds fewer positions keep a ring (or none)
 _UNBOUNDED = 2**62
 
@@ -32,41 +30,48 @@ class KVCache:
         s: Slice,
         slots: int,
         max_context: int,
-        dtype: torch.dtype = KV_DTYPE,
+        kv_format: str = DEFAULT_KV_FORMAT,
     ) -> None:
         def shape(layer: int) -> tuple[int, ...]:  # (S, n_kv, positions, hd)
             view, share = family_of(config).layer_view(config, s, layer)  # layers may differ
             return (slots, share.n_kv, positions(config, layer, max_context), view.head_dim)
 
-        self.keys = [torch.zeros(shape(i), dtype=dtype) for i in range(config.n_layers)]
-        self.values = [torch.zeros(shape(i), dtype=dtype) for i in range(config.n_layers)]
+        # Stored as `kv_format` (models/kvformat.py); read back as float32 by every path.
+        self.kv_format = kv_format
+        self.keys = [kv_tensor(kv_format, shape(i)) for i in range(config.n_layers)]
+        self.values = [kv_tensor(kv_format, shape(i)) for i in range(config.n_layers)]
         # The same memory as arrays, for the decode path (models/block_rows.py, attention_rows).
-        self.key_arrays = [k.numpy() for k in self.keys]
-        self.value_arrays = [v.numpy() for v in self.values]
+        self.key_arrays = [kv_arrays(k) for k in self.keys]
+        self.value_arrays = [kv_arrays(v) for v in self.values]
         self.slots = slots
         self.max_context = max_context
         self.linear = LinearStates(config, s, slots) if config.linear_layers else None
 
-    @staticmethod
-    def bytes_per_token(config: ModelConfig, s: Slice, dtype: torch.dtype = KV_DTYPE) -> int:
-        """A slot's bytes per token of context: those of the layers that attend to all of it."""
-        full = [i for i in range(config.n_layers) if positions(config, i, _UNBOUNDED) == _UNBOUNDED]
-        return sum(_position_bytes(config, s, i, dtype) for i in full)
+    @property
+    def nbytes(self) -> int:
+        """The bytes the keys and values take."""
+        return sum(t.nbytes for t in (*self.keys, *self.values))
 
     @staticmethod
-    def window_bytes(config: ModelConfig, s: Slice, dtype: torch.dtype = KV_DTYPE) -> int:
+    def bytes_per_token(config: ModelConfig, s: Slice, kv_format: str = DEFAULT_KV_FORMAT) -> int:
+        """A slot's bytes per token of context: those of the layers that attend to all of it."""
+        full = [i for i in range(config.n_layers) if positions(config, i, _UNBOUNDED) == _UNBOUNDED]
+        return sum(_position_bytes(config, s, i, kv_format) for i in full)
+
+    @staticmethod
+    def window_bytes(config: ModelConfig, s: Slice, kv_format: str = DEFAULT_KV_FORMAT) -> int:
         """A slot's bytes for the local layers' rings, whatever the context (at most this)."""
         held = [positions(config, i, _UNBOUNDED) for i in range(config.n_layers)]
         rings = [i for i, n in enumerate(held) if 0 < n < _UNBOUNDED]
         window = config.sliding_window or 0
-        ring_bytes = window * sum(_position_bytes(config, s, i, dtype) for i in rings)
+        ring_bytes = window * sum(_position_bytes(config, s, i, kv_format) for i in rings)
         return ring_bytes + LinearStates.slot_bytes(config, s)
 
 
-def _position_bytes(config: ModelConfig, s: Slice, layer: int, dtype: torch.dtype) -> int:
+def _position_bytes(config: ModelConfig, s: Slice, layer: int, kv_format: str) -> int:
     """A slot's bytes of keys and values a position in `layer`'s cache."""
     view, share = family_of(config).layer_view(config, s, layer)
-    return 2 * share.n_kv * view.head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * share.n_kv * row_bytes(kv_format, view.head_dim)
 
 
 def positions(config: ModelConfig, layer: int, max_context: int) -> int:

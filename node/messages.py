@@ -161,6 +161,7 @@ class Welcome(_Message, tag="welcome"):
     # the master's choice of activations (models/activations.py): every node's products round
     # the same way, so a token does not depend on the node count
     activations: Literal["exact", "int8"] = "exact"
+    kv_format: str = "f32"  # how its KV cache stores keys and values (models/kvformat.py)
 
     def __post_init__(self) -> None:
         if len(self.shards) != self.config.n_layers:

@@ -285,7 +285,9 @@ class Worker:
         set_activations(welcome.activations)
         check_kernels_before_loading(paths, window, head, config.n_stacked)
         weights = LayerWindow(paths, window, self.drop_cache, verified, config.n_stacked)
-        executor = make_executor(config, s, weights, welcome.context, welcome.slots, freq)
+        executor = make_executor(
+            config, s, weights, welcome.context, welcome.slots, freq, welcome.kv_format
+        )
         try:
             if welcome.head:
                 executor.hold_head(self.store.load(welcome.head.shard), welcome.head.rows)

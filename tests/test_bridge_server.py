@@ -550,6 +550,8 @@ def test_cluster_figures_and_openapi(served, smollm2):
     for node in cluster["nodes"]:  # what a sequence costs each node: its slice's KV a token
         s = Slice.from_dict(node["slices"][0])
         assert node["kv_bytes_per_token"] == KVCache.bytes_per_token(smollm2.config, s) > 0
+        assert node["kv_cache"] == "f32"  # the default, told every worker by the plan
+        assert node["kv_cache_bytes"] == 4 * 512 * node["kv_bytes_per_token"]
         assert node["state_bytes_per_sequence"] == 0  # no DeltaNet state, no local layers
         assert (node["slots"], node["context"]) == (4, 512), node
     assert served.request("GET", "/v1/cluster", key=None)[0] == 401

@@ -312,6 +312,22 @@ def test_the_figures_served_today_parse(tmp_path):
         ClusterFigures.model_validate(json.loads(json.dumps(figures)))
 
 
+def test_a_node_s_block_shows_how_its_kv_cache_is_stored():
+    """A node that reports its KV cache's format (--kv-cache) shows it beside the cache's size."""
+    import io
+
+    from rich.console import Console
+
+    from edgetp.master.bridge.schema import NodeFigures
+    from edgetp.tui.chat.widgets import node_block
+
+    node = NodeFigures.model_validate(TODAY["nodes"][0] | {"kv_cache": "q8_0"})
+    console = Console(width=60, record=True, file=io.StringIO())
+    console.print(node_block(node))
+    rows = [line.split() for line in console.export_text().splitlines()]
+    assert ["KV", "cache", "480.0", "MiB", "·", "q8_0"] in rows
+
+
 def test_a_stream_gives_reasoning_apart_from_the_answer():
     """read_chat_stream, through the app's client: the reasoning deltas as Reasoning pieces,
     the content as text, in the order they came, then the end."""

@@ -40,9 +40,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three reasons to le
 
 
 @contextlib.contextmanager
-def local_cluster(source, capacities, state_dir: Path, worker_dir: Path | None = None, slots=3):
+def local_cluster(
+    source, capacities, state_dir: Path, worker_dir: Path | None = None, slots=3, memory=None
+):
     hub = Hub("127.0.0.1", 0, model_names=(source.name,))
-    session = Session(source, hub, state_dir, 256, slots, capacities=capacities, one_device=True)
+    session = Session(
+        source, hub, state_dir, 256, slots, memory=memory or MemoryOptions(),
+        capacities=capacities, one_device=True,
+    )  # fmt: skip
     workers = LocalWorkers(
         len(capacities) - 1, hub.port, 1, worker_dir or state_dir, False, hub.token
     )
@@ -104,6 +109,40 @@ def test_n_nodes_equal_one_node(smollm2, smollm2_tokenizer, single, shared_state
         print(f"{capacities} {step}: max|diff| {diff:.3g} vs max|logit| {scale:.3g}")
         assert diff <= 1e-4 * scale
     assert tokens == ref_tokens
+
+
+def test_an_f16_kv_cache_is_close_to_float32_s_and_the_same_on_two_nodes(
+    smollm2, smollm2_tokenizer, single, shared_state
+):
+    """Keys and values stored as f16: the logits of a prefill (torch) and of a decode step (the
+    C blocks) stay near float32 KV's, and two nodes, each told the format by the plan, give one
+    node's greedy tokens and logits."""
+    ref_logits, _ = single
+    engine = Engine.local(smollm2, max_context=256, slots=3, kv_format="f16")
+    assert engine.executors[0].native is not None  # decode steps on the C blocks
+    assert engine.executors[0].cache.keys[0].dtype == torch.float16
+    one_logits = two_steps_logits(engine, smollm2_tokenizer)
+    one_tokens = greedy_batch(engine, smollm2_tokenizer, n=32)
+    for step, ours, ref in zip(["prefill", "decode"], one_logits, ref_logits, strict=True):
+        diff, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
+        print(f"f16 KV {step}: max|diff| {diff:.3g} from float32 KV's, max|logit| {scale:.3g}")
+        assert 0 < diff <= 2e-3 * scale
+    with local_cluster(smollm2, [1, 1], shared_state, memory=MemoryOptions(kv_cache="f16")) as (
+        cluster,
+        hub,
+        _,
+    ):
+        logits = two_steps_logits(cluster, smollm2_tokenizer)
+        tokens = greedy_batch(cluster, smollm2_tokenizer, n=32)
+        assert [m.figures["kv_cache"] for m in hub.members] == ["f16"]
+        assert cluster.executors[0].sequence_figures["kv_cache"] == "f16"
+    assert tokens == one_tokens
+    for step, ours, ref in zip(["prefill", "decode"], logits, one_logits, strict=True):
+        # the nodes' sums differ in float32's last bits, and a key stored so may round to
+        # the next f16: the logits move by as little as f16's own step allows
+        diff, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
+        print(f"f16 KV, 2 nodes, {step}: max|diff| {diff:.3g} from 1 node's")
+        assert diff <= 1e-3 * scale
 
 
 def test_worker_dying_mid_answer_fails_fast(smollm2, smollm2_tokenizer, shared_state, monkeypatch):

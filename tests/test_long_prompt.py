@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
 from edgetp.master.bench.cluster import run_cluster_bench
 from edgetp.master.bench.long_prompt import prose_tokens
@@ -39,7 +38,7 @@ def test_bench_reports_prefill_decode_and_each_nodes_kv(smollm2, shared_state, c
     runs = report["runs"]
     assert [r["nodes"] for r in runs] == [1, 2]
     assert report["greedy_tokens_identical"]
-    whole = KVCache.bytes_per_token(smollm2.config, Slice.whole(smollm2.config), torch.float32)
+    whole = KVCache.bytes_per_token(smollm2.config, Slice.whole(smollm2.config), "f32")
     for run in runs:
         lp = run["long_prompt"]
         assert lp["prompt_tokens"] == 40 and lp["depth"] == 43

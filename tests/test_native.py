@@ -16,6 +16,7 @@ from edgetp.models import kernels
 from edgetp.models.block_rows import attention_rows, ffn_rows
 from edgetp.models.config import ModelConfig
 from edgetp.models.dtypes import BLOCK_DTYPES
+from edgetp.models.kvformat import ROUNDING
 from edgetp.models.layers import MATRICES, Slice, StepBatch, full_layer_shapes
 from edgetp.models.layers import slice_layer as cut_layer
 from edgetp.models.quant import FORMATS, matrix_size
@@ -63,12 +64,19 @@ def _slice(
 
 
 def _assert_decodes_as_numpy(
-    config: ModelConfig, s: Slice, layers: list[dict[str, torch.Tensor]], steps: int, seed: int
+    config: ModelConfig,
+    s: Slice,
+    layers: list[dict[str, torch.Tensor]],
+    steps: int,
+    seed: int,
+    kv_format: str = "f32",
 ) -> None:
     """Three sequences decoding side by side for `steps` steps (past a local layer's window if
     there is one): every partial of both blocks as NumPy computes it, and the same keys and
-    values in the cache."""
-    ours, theirs = KVCache(config, s, 3, 16), KVCache(config, s, 3, 16)
+    values in the cache (stored as `kv_format`: two paths a float32 rounding apart may store a
+    key a step of its rounding apart, and attend as far apart)."""
+    ours, theirs = (KVCache(config, s, 3, 16, kv_format) for _ in range(2))
+    step = ROUNDING[kv_format]
     blocks = admit(config, s, layers, ours.key_arrays, ours.value_arrays)
     assert blocks is not None
     rope = Rope(config, 16)
@@ -87,12 +95,20 @@ def _assert_decodes_as_numpy(
                 h, layers[i], s, config, own, theirs.key_arrays[i], theirs.value_arrays[i],
                 batch, window,
             )  # fmt: skip
-            np.testing.assert_allclose(blocks.attention(i, h), want, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(
+                blocks.attention(i, h),
+                want,
+                rtol=1e-4,
+                atol=1e-5 + step * np.abs(want).max(initial=0),
+            )
             want = ffn_rows(h, layers[i], config)
             np.testing.assert_allclose(blocks.ffn(i, h), want, rtol=1e-4, atol=1e-5)
     for i in range(config.n_layers):
-        np.testing.assert_allclose(ours.key_arrays[i], theirs.key_arrays[i], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(ours.value_arrays[i], theirs.value_arrays[i], atol=1e-6)
+        for a, b in ((ours.key_arrays[i], theirs.key_arrays[i]),
+                     (ours.value_arrays[i], theirs.value_arrays[i])):  # fmt: skip
+            np.testing.assert_allclose(
+                a[:], b[:], rtol=1e-5, atol=1e-6 + step * np.abs(b[:]).max(initial=0)
+            )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -100,6 +116,23 @@ def _assert_decodes_as_numpy(
 def test_native_blocks_equal_the_numpy_blocks(family, part):
     config, s = FAMILIES[family], SLICES[part]
     _assert_decodes_as_numpy(config, s, _slice(config, s, 1), steps=7, seed=2)
+
+
+@pytest.mark.parametrize("kv_format", ["f16", "q8_0"])
+@pytest.mark.parametrize("part", ["whole", "heads split in a group"])
+def test_native_blocks_equal_the_numpy_blocks_over_a_reduced_precision_cache(kv_format, part):
+    """f16 and q8_0 caches (models/kvformat.py): C writes and reads them as NumPy does, a local
+    layer's ring included; q8_0's blocks of 32 need a head_dim of 32. The cache takes the bytes
+    its format says."""
+    config = replace(FAMILIES["gemma-gelu-ring"], head_dim=32)
+    s = SLICES[part]
+    _assert_decodes_as_numpy(config, s, _slice(config, s, 1), steps=7, seed=2, kv_format=kv_format)
+    cache = KVCache(config, s, 3, 16, kv_format)
+    per_token = KVCache.bytes_per_token(config, s, kv_format)
+    assert cache.nbytes == 3 * (16 * per_token + KVCache.window_bytes(config, s, kv_format))
+    assert per_token / KVCache.bytes_per_token(config, s) == (
+        0.5 if kv_format == "f16" else 34 / 128
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma-gelu-ring"])

@@ -7,7 +7,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 import zmq
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -289,7 +288,8 @@ def test_the_disk_probe_leaves_nothing_and_says_none_where_it_cannot_write(tmp_p
 
 def test_a_worker_s_memory_plan_counts_its_rows_of_the_lm_head(smollm2, tmp_path):
     """A worker's budget holds its rows of the lm_head besides its window and KV cache: one
-    that would hold two layers and the cache, but not the rows too, is refused, naming them."""
+    that would hold two layers and the cache, but not the rows too, is refused, naming them.
+    The same budget holds twice the context with an f16 KV cache, over 3.3 times with q8_0."""
     caps = [1.0, 1.0]
     slices = plan_slices(smollm2.config, caps)
     heads = head_rows(smollm2.config, slices, caps)
@@ -298,13 +298,20 @@ def test_a_worker_s_memory_plan_counts_its_rows_of_the_lm_head(smollm2, tmp_path
     worker = SimpleNamespace(name="w", capacity=SimpleNamespace(memory_budget=0, window=None))
     hub = SimpleNamespace(members=[worker])
     two_layers = 2 * max(r.size for r in manifest.nodes[1])
-    cache = 64 * KVCache.bytes_per_token(smollm2.config, slices[1], torch.float32)
+    cache = 64 * KVCache.bytes_per_token(smollm2.config, slices[1], "f32")
     worker.capacity.memory_budget = two_layers + cache
     with pytest.raises(WorkerTooSmall, match="its rows of the lm_head"):
         memory_plans(manifest, hub, 256, 1, MemoryOptions())
     worker.capacity.memory_budget = two_layers + cache + manifest.head_size(1)
     _, plan = memory_plans(manifest, hub, 256, 1, MemoryOptions())
     assert (plan.window, plan.context) == (2, 64)
+    f32 = KVCache.bytes_per_token(smollm2.config, slices[1], "f32")
+    assert 2 * KVCache.bytes_per_token(smollm2.config, slices[1], "f16") == f32
+    assert KVCache.bytes_per_token(smollm2.config, slices[1], "q8_0") <= 0.3 * f32
+    _, plan = memory_plans(manifest, hub, 256, 1, MemoryOptions(kv_cache="f16"))
+    assert (plan.window, plan.context) == (2, 128)
+    _, plan = memory_plans(manifest, hub, 256, 1, MemoryOptions(kv_cache="q8_0"))
+    assert plan.window == 2 and plan.context >= 64 / 0.3
 
 
 def test_local_workers_in_the_master_s_memory_cgroup_split_what_its_limit_leaves(

@@ -123,6 +123,14 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
             "or int8 (rounded to int8 a block of 32 as llama.cpp does, integer dot products; "
             "every node follows the master)",
         )
+        p.add_argument(
+            "--kv-cache",
+            choices=("f32", "f16", "q8_0"),
+            default="f32",
+            help="how every node stores keys and values (f16: half the memory of f32; q8_0: "
+            "GGUF's blocks of 32, 0.27x); attention computes in float32 either way "
+            "(default f32)",
+        )
     p.add_argument(
         "--window", type=_positive, default=None, help="layers of the slice in memory (forced)"
     )
@@ -190,6 +198,7 @@ def memory_options(args: argparse.Namespace) -> MemoryOptions:
         window=getattr(args, "window", None),
         dtype=_dtype(args),
         drop_cache=getattr(args, "drop_cache", False),
+        kv_cache=getattr(args, "kv_cache", "f32"),
     )
 
 

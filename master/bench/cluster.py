@@ -22,8 +22,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from edgetp.master.bench.cluster_figures import (
     cpu_floor_ms,
     estimate_figures,
@@ -416,7 +414,7 @@ def _rss_run(
         time_greedy(engine, tokenizer, prompt, n_tokens)
         histories = [("master", engine.history)] + [(m.name, m.history) for m in members]
         slices = [engine.slices[0], *(Slice.from_dict(m.slice) for m in members)]
-        kv_per_token = [KVCache.bytes_per_token(engine.config, s, torch.float32) for s in slices]
+        kv_per_token = [KVCache.bytes_per_token(engine.config, s, memory.kv_cache) for s in slices]
         engine.close()
     print(f"memory over {n_tokens} tokens, {nodes} node(s):")
     print(

@@ -294,7 +294,7 @@ class NodeFigures(BaseModel):
     cores: int | None = None
     speed_gb_s: float | None = Field(None, description="measured weight-streaming throughput")
     rss_bytes: int | None = Field(None, description="resident memory of the process")
-    kv_cache_bytes: int | None = None
+    kv_cache_bytes: int | None = Field(None, description="its KV cache's keys and values")
     heartbeat_silence_s: float | None = Field(None, description="seconds since its last beat")
     address: str | None = Field(
         None, description="the master: where nodes join it; a worker: where it connects from"
@@ -313,6 +313,9 @@ class NodeFigures(BaseModel):
     )
     kv_bytes_per_token: int | None = Field(
         None, description="a sequence's KV cache on this node per token of its context"
+    )
+    kv_cache: Literal["f32", "f16", "q8_0"] | None = Field(
+        None, description="how its KV cache stores keys and values (--kv-cache)"
     )
     slots: int | None = Field(None, description="sequences this node's cache holds at once")
     context: int | None = Field(None, description="tokens of context each of them may hold")

@@ -40,6 +40,7 @@ from edgetp.models.kernels import (
     linear,
     linear_rows,
 )
+from edgetp.models.kvformat import DEFAULT_KV_FORMAT
 from edgetp.models.layers import POST_NORMS, ROUTER, Slice, StepBatch, slice_layer
 from edgetp.models.moe import Routing, route
 from edgetp.models.rows_native import NativeBlocks
@@ -72,7 +73,7 @@ class Executor(Protocol):
     cache: KVCache
     native: NativeBlocks | None  # its decode blocks in C, where this device admitted them
     native_step: bool  # the current step runs on them
-    sequence_figures: dict[str, int]  # what a sequence costs its memory
+    sequence_figures: dict[str, int | str]  # what a sequence costs its memory
 
     def matrix_shapes(self) -> list[Shape]: ...
     def admit_native(self) -> None: ...
@@ -176,8 +177,10 @@ class Engine:
         max_context: int | None = None,
         slots: int = 1,
         progress: Callable[[int, int], None] | None = None,
+        kv_format: str = DEFAULT_KV_FORMAT,
     ) -> Engine:
-        """All slices of the plan for `capacities` in this process (one slice: one device)."""
+        """All slices of the plan for `capacities` in this process (one slice: one device),
+        each slice's keys and values stored as `kv_format`."""
         config = source.config
         max_context = context_size(config, max_context)
         slices = plan_slices(config, capacities)
@@ -191,7 +194,7 @@ class Engine:
                 progress(i + 1, config.n_layers)
         factors = source.rope_freq_factors()
         executors = [
-            make_executor(config, s, ResidentLayers(layers), max_context, slots, factors)
+            make_executor(config, s, ResidentLayers(layers), max_context, slots, factors, kv_format)
             for s, layers in zip(slices, per_slice, strict=True)
         ]
         embedding = pack({"embedding": source.embedding()})["embedding"]
@@ -222,10 +225,12 @@ class Engine:
         remote: Remote | None = None,
         window: int | None = None,
         drop_cache: bool = False,
+        kv_format: str = DEFAULT_KV_FORMAT,
     ) -> Engine:
         """The master's engine: its own slice (node 0) and the globals, read from shards.
 
-        The slice streams through a window of `window` layers (default: all of them).
+        The slice streams through a window of `window` layers (default: all of them); its keys
+        and values are stored as `kv_format`.
         """
         config = ModelConfig.from_dict(manifest.config)
         s = Slice.from_dict(manifest.slices[0])
@@ -242,7 +247,7 @@ class Engine:
         layers = LayerWindow(paths, window or config.n_layers, drop_cache, experts=config.n_stacked)
         factors = manifest.extra.get("rope_freq_factors")
         freq = torch.tensor(factors) if factors else None
-        executor = make_executor(config, s, layers, max_context, slots, freq)
+        executor = make_executor(config, s, layers, max_context, slots, freq, kv_format)
         g = store.load(manifest.globals)
         lm_head, lm_head_scale = g[head], g.get(head + SCALE_SUFFIX)
         if lm_head.shape[0] != b - a:  # a view of its rows

@@ -147,6 +147,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
                     "heartbeat_silence_s": round(silence, 3) if silence != float("inf") else None,
                     "address": m.address or None,
                     "restarts": hub.restarts.get(m.name, 0),
+                    "kv_cache_bytes": m.figures.get("kv_cache_bytes"),
                     **_stream(m.figures),
                 }
             )
@@ -187,6 +188,7 @@ def _stream(figures: dict[str, Any]) -> dict[str, Any]:
         "activations": figures.get("activations"),
         "state_bytes_per_sequence": figures.get("state_bytes_per_sequence"),
         "kv_bytes_per_token": figures.get("kv_bytes_per_token"),
+        "kv_cache": figures.get("kv_cache"),
         "slots": figures.get("slots"),
         "context": figures.get("context"),
         "expert_hit_rate": _hit_rate(figures),
@@ -214,7 +216,7 @@ def _share(s: Any, c: ModelConfig) -> float:
 
 
 def _kv_bytes(executor: Executor) -> int:
-    return sum(t.nbytes for t in (*executor.cache.keys, *executor.cache.values))
+    return executor.cache.nbytes
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -25,6 +25,7 @@ from edgetp.master.cluster.transport import ClusterError, Malformed, NodeDown, R
 from edgetp.memory.shards import Manifest, ShardStore
 from edgetp.models.config import ModelConfig
 from edgetp.models.kernels import activations
+from edgetp.models.kvformat import DEFAULT_KV_FORMAT
 from edgetp.models.layers import Slice, StepBatch
 from edgetp.models.moe import Routing
 from edgetp.models.rows_native import NativeBlocks
@@ -352,10 +353,12 @@ class Hub:
         timeout: float = 600.0,
         progress: Callable[[int, int], None] | None = None,
         windows: list[int] | None = None,
+        kv_format: str = DEFAULT_KV_FORMAT,
     ) -> None:
         """Tell each worker its slice and shards (node k+1 of the manifest), serve the fetches.
 
-        `windows[k]` is node k's window (index 0, the master, is not used here).
+        `windows[k]` is node k's window (index 0, the master, is not used here); every node
+        stores keys and values as `kv_format`.
         """
         self.store = store
         config = ModelConfig.from_dict(manifest.config)
@@ -378,6 +381,7 @@ class Hub:
                 rope_freq_factors=manifest.extra.get("rope_freq_factors"),
                 head=head,
                 activations=activations(),
+                kv_format=kv_format,
             )
             self.apply(member, S.Welcomed())
             self._send(member.identity, welcome)

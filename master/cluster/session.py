@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
-import torch
 
 from edgetp.master.cluster.engine import Engine, context_size
 from edgetp.master.cluster.hub import Hub
@@ -140,9 +139,12 @@ def _cluster_engine(
         raise  # a re-plan goes on without a worker that cannot hold its share
     context = min(p.context for p in plans)
     if hub is not None:
-        hub.ship(manifest, store, context, slots, windows=[p.window for p in plans])
+        hub.ship(
+            manifest, store, context, slots, windows=[p.window for p in plans],
+            kv_format=memory.kv_cache,
+        )  # fmt: skip
     return Engine.from_manifest(
-        manifest, store, context, slots, hub, plans[0].window, memory.drop_cache
+        manifest, store, context, slots, hub, plans[0].window, memory.drop_cache, memory.kv_cache
     )
 
 
@@ -186,13 +188,13 @@ def memory_plans(
     def plan_node(k: int, ctx: int) -> MemoryPlan:
         s = Slice.from_dict(manifest.slices[k])
         # Each sequence's, whatever the context: the local layers' rings, a linear attention's state
-        fixed = KVCache.window_bytes(config, s) * slots
+        fixed = KVCache.window_bytes(config, s, memory.kv_cache) * slots
         state = LinearStates.slot_bytes(config, s) * slots
         return plan_memory(
             budgets[k],
             max(r.size for r in manifest.nodes[k]),
             config.n_layers,
-            KVCache.bytes_per_token(config, s, torch.float32) * slots,
+            KVCache.bytes_per_token(config, s, memory.kv_cache) * slots,
             ctx,
             fixed_bytes=fixed + (manifest.globals.size if k == 0 else manifest.head_size(k)),
             window=windows[k],
@@ -473,7 +475,10 @@ class Session:
             self.planned_capacities, self.planned_head_costs = self.plan_shares()
         if self.nodes == 1 and not self.memory.streaming:
             # Alone with every weight resident: read straight from the model, no shards.
-            engine = Engine.local(self.source, max_context=self.context, slots=self.slots)
+            engine = Engine.local(
+                self.source, max_context=self.context, slots=self.slots,
+                kv_format=self.memory.kv_cache,
+            )  # fmt: skip
         else:
             engine = _cluster_engine(
                 self.source,

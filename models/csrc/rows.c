@@ -7,14 +7,18 @@
 // over as pointers: OpenBLAS's sgemv for float32 weights (no second BLAS in the process), the
 // block products of models/csrc/blocks.c for GGUF's block formats.
 //
-// Layout, as in Python: weights row-major (out, in); the KV cache (slots, n_kv, positions, hd);
-// cos/sin (B, half) for each sequence's position. Built and checked on the device
+// Layout, as in Python: weights row-major (out, in); the KV cache (slots, n_kv, positions, hd),
+// stored as models/kvformat.py says (float32, f16, or q8_0's codes beside their f16 scales, one
+// a 32 values); cos/sin (B, half) for each sequence's position. Built and checked on the device
 // (models/rows_native.py): a build whose blocks differ from the NumPy ones is never used.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 // cblas_sgemv with 64-bit integers (NumPy's OpenBLAS): order, trans, m, n, alpha, a, lda, x,
 // incx, beta, y, incy.
@@ -62,7 +66,9 @@ typedef struct {
     const float *bqkv;            // bias or NULL
     const void *wo;               // (D, nq hd)
     int wqkv_kind, wo_kind;       // F32, or the block format each is stored in
-    float *cache_k, *cache_v;     // (slots, nkv, W, hd)
+    void *cache_k, *cache_v;      // (slots, nkv, W, hd) as kv_kind stores them
+    uint16_t *scale_k, *scale_v;  // q8_0: (slots, nkv, W, hd / 32) f16 scales, else NULL
+    int kv_kind;                  // KV_F32, KV_F16 or KV_Q8_0
     int64_t W;                    // positions the cache holds
     int ring;                     // a local layer: position p at p % W, the last W positions
     int local_rope;               // a local layer with its own RoPE tables
@@ -110,6 +116,109 @@ static void rope(float *v, const float *c, const float *s, int64_t half) {
     }
 }
 
+// How the KV cache stores a row (models/kvformat.py): attention reads each back as float32.
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8_0 = 2, Q8_BLOCK = 32 };
+
+// IEEE half to and from float: the compiler's _Float16 where it has one (F16C's instructions on
+// x86, the FPU's on ARM), else by the bits, rounding to nearest even as NumPy does.
+#if defined(__FLT16_MAX__)
+static inline float h2f(uint16_t h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+static inline uint16_t f2h(float x) {
+    _Float16 f = (_Float16)x;
+    uint16_t h;
+    memcpy(&h, &f, 2);
+    return h;
+}
+#else
+static float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) {
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static uint16_t f2h(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    uint32_t sign = (bits >> 16) & 0x8000, exp = (bits >> 23) & 0xff, man = bits & 0x7fffff;
+    if (exp == 0xff) return (uint16_t)(sign | 0x7c00 | (man ? 0x200 : 0));  // inf, nan
+    int e = (int)exp - 112;  // the half's biased exponent
+    if (e >= 0x1f) return (uint16_t)(sign | 0x7c00);  // too large: inf
+    if (e <= 0) {  // subnormal or zero: shift the mantissa (with its hidden bit) into place
+        if (e < -10) return (uint16_t)sign;
+        man |= 0x800000;
+        int shift = 14 - e;
+        uint32_t half = man >> shift, rest = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rest > mid || (rest == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = ((uint32_t)e << 10) | (man >> 13), rest = man & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) half++;  // may carry into exp: right
+    return (uint16_t)(sign | half);
+}
+#endif
+
+// Row `row` (hd values) of a cache as floats: float32 in place, else expanded into buf.
+static const float *kv_row(const void *cache, const uint16_t *scales, int kind, size_t row,
+                           int64_t hd, float *buf) {
+    if (kind == KV_F32) return (const float *)cache + row * hd;
+    if (kind == KV_F16) {
+        const uint16_t *h = (const uint16_t *)cache + row * hd;
+        int64_t d = 0;
+#if defined(__F16C__)  // 8 at a time: the compiler converts _Float16 one by one
+        for (; d + 8 <= hd; d += 8)
+            _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
+#endif
+        for (; d < hd; d++) buf[d] = h2f(h[d]);
+        return buf;
+    }
+    const int8_t *q = (const int8_t *)cache + row * hd;
+    const uint16_t *s = scales + row * (hd / Q8_BLOCK);
+    for (int64_t g = 0; g < hd / Q8_BLOCK; g++) {
+        const float d = h2f(s[g]);
+        for (int64_t j = 0; j < Q8_BLOCK; j++) buf[g * Q8_BLOCK + j] = d * (float)q[g * Q8_BLOCK + j];
+    }
+    return buf;
+}
+
+// x (hd) into row `row` of a cache: q8_0 as GGUF quantizes (d = amax / 127), rounding half to
+// even as NumPy and torch do, so that every path holds the same codes.
+static void kv_store(void *cache, uint16_t *scales, int kind, size_t row, int64_t hd,
+                     const float *x) {
+    if (kind == KV_F32) {
+        memcpy((float *)cache + row * hd, x, sizeof(float) * hd);
+        return;
+    }
+    if (kind == KV_F16) {
+        uint16_t *h = (uint16_t *)cache + row * hd;
+        for (int64_t d = 0; d < hd; d++) h[d] = f2h(x[d]);
+        return;
+    }
+    int8_t *q = (int8_t *)cache + row * hd;
+    for (int64_t g = 0; g < hd / Q8_BLOCK; g++) {
+        const float *v = x + g * Q8_BLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < Q8_BLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < Q8_BLOCK; j++) q[g * Q8_BLOCK + j] = (int8_t)nearbyintf(v[j] * inverse);
+        scales[row * (hd / Q8_BLOCK) + g] = f2h(d);
+    }
+}
+
 // q . k over n floats in 8 lanes, then the lanes in order: the compiler vectorises the lanes (a
 // single running sum, in order, it may not reorder), and the result is the same on any thread
 static float dot(const float *q, const float *k, int64_t n) {
@@ -123,20 +232,24 @@ static float dot(const float *q, const float *k, int64_t n) {
     return s;
 }
 
-// One query head q (hd) against `seen` cached keys and values (seen, hd): o (hd) = the softmax
-// of its scaled scores over the values; p: room for the scores.
-static void head(const float *q, const float *keys, const float *values, int64_t seen, int64_t hd,
-                 float scale, float *p, float *o) {
+// One query head q (hd) against `seen` cached keys and values from row `base` of the layer's
+// cache: o (hd) = the softmax of its scaled scores over the values; p: room for the scores.
+static void head(const float *q, const rows_attention_args *a, size_t base, int64_t seen,
+                 float *p, float *o) {
+    const int64_t hd = a->hd;
+    float buf[hd];  // a row expanded to floats (f16, q8_0)
     float top = -INFINITY;
     for (int64_t t = 0; t < seen; t++) {
-        p[t] = dot(q, keys + t * hd, hd) * scale;
+        const float *k = kv_row(a->cache_k, a->scale_k, a->kv_kind, base + t, hd, buf);
+        p[t] = dot(q, k, hd) * a->scale;
         if (p[t] > top) top = p[t];
     }
     float sum = 0.0f;
     for (int64_t t = 0; t < seen; t++) sum += p[t] = expf(p[t] - top);
     memset(o, 0, sizeof(float) * hd);
     for (int64_t t = 0; t < seen; t++) {
-        const float w = p[t] / sum, *v = values + t * hd;
+        const float w = p[t] / sum;
+        const float *v = kv_row(a->cache_v, a->scale_v, a->kv_kind, base + t, hd, buf);
         for (int64_t d = 0; d < hd; d++) o[d] += w * v[d];
     }
 }
@@ -171,29 +284,25 @@ void rows_attention(const rows_attention_args *a, const rows_step *st, const flo
         int64_t pos = st->starts[b], slot = st->slots[b];
         int64_t at = a->ring ? pos % a->W : pos, seen = pos + 1 < a->W ? pos + 1 : a->W;
         for (int64_t j = 0; j < nkv; j++) {
-            size_t row = (((size_t)slot * nkv + j) * a->W + at) * hd;
-            memcpy(a->cache_k + row, qkv + (nq + j) * hd, sizeof(float) * hd);
-            memcpy(a->cache_v + row, qkv + (nq + nkv + j) * hd, sizeof(float) * hd);
+            size_t row = ((size_t)slot * nkv + j) * a->W + at;
+            kv_store(a->cache_k, a->scale_k, a->kv_kind, row, hd, qkv + (nq + j) * hd);
+            kv_store(a->cache_v, a->scale_v, a->kv_kind, row, hd, qkv + (nq + nkv + j) * hd);
         }
-        const size_t slot_base = (size_t)slot * nkv * a->W * hd;
+        const size_t slot_base = (size_t)slot * nkv * a->W;  // in rows of hd
         if (nq > 1 && block_threads > 1 && seen * nq * hd >= HEADS_PARALLEL) {
 #pragma omp parallel num_threads(block_threads)
             {
                 float *own = malloc(sizeof(float) * seen);  // this thread's scores
 #pragma omp for schedule(static)
-                for (int64_t i = 0; i < nq; i++) {
-                    const size_t base = slot_base + (size_t)a->kv_of_q[i] * a->W * hd;
-                    head(qkv + i * hd, a->cache_k + base, a->cache_v + base, seen, hd, a->scale,
-                         own, att + i * hd);
-                }
+                for (int64_t i = 0; i < nq; i++)
+                    head(qkv + i * hd, a, slot_base + (size_t)a->kv_of_q[i] * a->W, seen, own,
+                         att + i * hd);
                 free(own);
             }
         } else {
-            for (int64_t i = 0; i < nq; i++) {
-                const size_t base = slot_base + (size_t)a->kv_of_q[i] * a->W * hd;
-                head(qkv + i * hd, a->cache_k + base, a->cache_v + base, seen, hd, a->scale, p,
+            for (int64_t i = 0; i < nq; i++)
+                head(qkv + i * hd, a, slot_base + (size_t)a->kv_of_q[i] * a->W, seen, p,
                      att + i * hd);
-            }
         }
     }
     products(a->wo_kind, a->wo, D, nq * hd, atts, B, out);

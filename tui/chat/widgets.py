@@ -155,6 +155,8 @@ def node_block(node: NodeFigures) -> RenderableType:
     table.add_row("share", NONE if node.share is None else f"{node.share * 100:.1f}%")
     budget = f"/ {_bytes(node.memory_budget_bytes)}" if node.memory_budget_bytes else "· no budget"
     table.add_row("memory", f"{_bytes(node.rss_bytes)} {budget}")
+    if node.kv_cache is not None:
+        table.add_row("KV cache", f"{_bytes(node.kv_cache_bytes)} · {node.kv_cache}")
     table.add_row("window", NONE if node.window is None else f"{node.window} layers")
     table.add_row("compute", _ms(node.compute_ms))
     table.add_row("loader wait", _ms(node.loader_wait_ms))

@@ -1,0 +1,133 @@
+"""How a KV cache stores its keys and values: float32, f16, or q8_0 (GGUF's blocks of 32 int8
+along head_dim, each with an f16 scale). Only storage changes: every path reads a cache back as
+float32 and attends in float32.
+
+A q8_0 cache is two arrays, the codes (..., hd) and the scales (..., hd / 32), behind `Q8Tensor`
+(torch, the prefill path) and `Q8Arrays` (NumPy, the decode rows, sharing the same memory). Both
+index like the float cache they stand for, on any axis but head_dim: reading dequantizes,
+writing quantizes. Quantizing is GGUF's (d = amax / 127, q = round(x / d)), rounding half to
+even as models/csrc/rows.c does, so the three paths hold the same codes for the same keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+import numpy as np
+import torch
+
+from edgetp.models.errors import ModelError
+
+KV_FORMATS = ("f32", "f16", "q8_0")
+DEFAULT_KV_FORMAT = "f32"
+Q8_BLOCK = 32  # values a q8_0 scale covers
+# One step of a format's rounding, relative to what it stores (q8_0: to its block's largest
+# value): two paths that compute a key a float32 rounding apart may store it a step apart, and
+# their attention differ by about as much (models/rows_native.py's check allows for it).
+ROUNDING = {"f32": 0.0, "f16": 2.0**-10, "q8_0": 1 / 127}
+
+
+def row_bytes(kv_format: str, head_dim: int) -> int:
+    """The bytes of one head's key (or value) at one position."""
+    if kv_format == "f32":
+        return 4 * head_dim
+    if kv_format == "f16":
+        return 2 * head_dim
+    if kv_format == "q8_0":
+        _check_q8(head_dim)
+        return head_dim + 2 * (head_dim // Q8_BLOCK)
+    raise ModelError(f"KV cache format {kv_format!r}: give one of {', '.join(KV_FORMATS)}")
+
+
+def _check_q8(head_dim: int) -> None:
+    if head_dim % Q8_BLOCK:
+        raise ModelError(
+            f"a q8_0 KV cache needs a head_dim that is a multiple of {Q8_BLOCK}, not {head_dim}: "
+            "give --kv-cache f16"
+        )
+
+
+class Q8Tensor:
+    """A q8_0 cache of `shape` (..., hd) in torch: reads give float32, writes quantize."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        _check_q8(shape[-1])
+        self.codes = torch.zeros(shape, dtype=torch.int8)
+        self.scales = torch.zeros((*shape[:-1], shape[-1] // Q8_BLOCK), dtype=torch.float16)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        codes, scales = self.codes[index], self.scales[index].float()
+        blocks = codes.reshape(*scales.shape, Q8_BLOCK).float() * scales.unsqueeze(-1)
+        return blocks.reshape(codes.shape)
+
+    def __setitem__(self, index: Any, x: torch.Tensor) -> None:
+        x = x.float()
+        blocks = x.reshape(*x.shape[:-1], -1, Q8_BLOCK)
+        d = blocks.abs().amax(-1) / 127
+        inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        codes = torch.round(blocks * inverse.unsqueeze(-1)).to(torch.int8)
+        self.codes[index] = codes.reshape(x.shape)
+        self.scales[index] = d.to(torch.float16)
+
+
+class Q8Arrays:
+    """`Q8Tensor`'s memory as NumPy arrays, for the decode rows: the same reads and writes."""
+
+    def __init__(self, codes: np.ndarray, scales: np.ndarray) -> None:
+        self.codes, self.scales = codes, scales
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        codes, scales = self.codes[index], self.scales[index].astype(np.float32)
+        blocks = codes.reshape(*scales.shape, Q8_BLOCK).astype(np.float32) * scales[..., None]
+        return blocks.reshape(codes.shape)
+
+    def __setitem__(self, index: Any, x: np.ndarray) -> None:
+        x = np.asarray(x, np.float32)
+        blocks = x.reshape(*x.shape[:-1], -1, Q8_BLOCK)
+        d = np.abs(blocks).max(-1) / np.float32(127)
+        inverse = np.divide(1, d, out=np.zeros_like(d), where=d > 0)
+        self.codes[index] = np.rint(blocks * inverse[..., None]).astype(np.int8).reshape(x.shape)
+        self.scales[index] = d.astype(np.float16)
+
+
+KVTensor: TypeAlias = torch.Tensor | Q8Tensor
+KVArrays: TypeAlias = np.ndarray | Q8Arrays
+
+
+def kv_tensor(kv_format: str, shape: tuple[int, ...]) -> KVTensor:
+    """A zero-filled cache of `shape` (..., hd) stored as `kv_format`."""
+    row_bytes(kv_format, shape[-1])  # a format it knows, a head_dim it can hold
+    if kv_format == "q8_0":
+        return Q8Tensor(shape)
+    return torch.zeros(shape, dtype=torch.float16 if kv_format == "f16" else torch.float32)
+
+
+def kv_arrays(t: KVTensor) -> KVArrays:
+    """The same memory as NumPy, for the decode path."""
+    if isinstance(t, Q8Tensor):
+        return Q8Arrays(t.codes.numpy(), t.scales.numpy())
+    return t.numpy()
+
+
+def format_of(a: KVArrays) -> str:
+    """The format a cache's arrays store."""
+    if isinstance(a, Q8Arrays):
+        return "q8_0"
+    return "f16" if a.dtype == np.float16 else "f32"
+
+
+def kv_parts(a: KVArrays) -> tuple[np.ndarray, ...]:
+    """The arrays a cache is stored in: itself, or a q8_0 cache's codes and scales."""
+    return (a.codes, a.scales) if isinstance(a, Q8Arrays) else (a,)
