@@ -174,7 +174,7 @@ class Transport:
             self.sock.send_multipart([identity, *frames], copy=False)
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is gone
             name = identity.decode(errors="replace")
-            raise NodeDown(identity, f"node {name} is unreachable") from exc
+            raise NodeDown(identity, f"node {name} is unreachable ({exc.strerror})") from exc
 
     def recv(
         self, timeout_ms: int, spin: float = 0.0
