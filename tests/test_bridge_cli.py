@@ -9,9 +9,9 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx2 as httpx
 import openai
 import pytest
+from http_client import HTTP
 from test_cli import assert_clear_error, run
 
 from edgetp.master.bridge.client import start_server
@@ -85,7 +85,7 @@ def reused_in_a_conversation(shared_state, *flags: str) -> tuple[int, int, str]:
         second = client.chat.completions.create(
             messages=messages, model="smollm2-135m-instruct", temperature=0, max_tokens=8
         )
-        figures = httpx.get(f"{server.base}/v1/cluster", timeout=30).json()["generation"]
+        figures = HTTP.get(f"{server.base}/v1/cluster", timeout=30).json()["generation"]
         assert second.usage is not None
         text = second.choices[0].message.content or ""
         return figures["reused_tokens"], second.usage.prompt_tokens, text

@@ -24,11 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
-import httpx
 import jsonschema
 import numpy as np
 import openai
 import pytest
+from http_client import HTTP
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
@@ -496,13 +496,13 @@ def test_anthropic_names_the_stop_sequence_that_ended_the_answer(claude):
 
 
 def test_anthropic_errors_and_key_are_anthropics(base):
-    reply = httpx.post(f"{base}/v1/messages", json={"model": MODEL, "messages": []},
+    reply = HTTP.post(f"{base}/v1/messages", json={"model": MODEL, "messages": []},
                        headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"})  # fmt: skip
     body = reply.json()
     assert reply.status_code == 400 and body["type"] == "error"
     assert body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in body["error"]["message"] or "messages" in body["error"]["message"]
-    wrong = httpx.post(f"{base}/v1/messages", json={}, headers={"x-api-key": "nope"})
+    wrong = HTTP.post(f"{base}/v1/messages", json={}, headers={"x-api-key": "nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
     assert "x-api-key" in wrong.json()["error"]["message"]
 
@@ -788,7 +788,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize(("path", "body", "field"), MALFORMED)
 def test_a_malformed_body_is_a_4xx_that_names_the_field(base, path, body, field):
-    reply = httpx.post(f"{base}{path}", json=body,
+    reply = HTTP.post(f"{base}{path}", json=body,
                        headers={"Authorization": f"Bearer {KEY}"}, timeout=30)  # fmt: skip
     assert 400 <= reply.status_code < 500, reply.text
     assert field in reply.text, reply.text
@@ -820,7 +820,7 @@ def test_the_fuzzed_routes_never_answer_5xx(base):
         options = body.get("options")
         body["options"] = {**(options if isinstance(options, dict) else {}), "num_predict": 2}
         sent.append(path)
-        reply = httpx.post(
+        reply = HTTP.post(
             f"{base}{path}",
             json=body,
             timeout=30,
@@ -834,7 +834,7 @@ def test_the_fuzzed_routes_never_answer_5xx(base):
 
 def test_metrics_count_each_route(base, ollama_client):
     ollama_client.list()
-    text = httpx.get(f"{base}/metrics", timeout=30).text
+    text = HTTP.get(f"{base}/metrics", timeout=30).text
     counted = {
         (s.labels["route"], s.labels["status"]): s.value
         for family in text_string_to_metric_families(text)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import httpx2 as httpx
 import openai
 import pytest
+from http_client import HTTP
 from serving import served_app
 from waiting import wait_until
 
@@ -89,14 +90,14 @@ def test_a_stream_waiting_for_its_first_token_gets_comments_until_it_comes(
     """Answered at once with comments every KEEPALIVE_S while it waits for the slot; once the
     slot frees, the chunks of the same answer as when nothing waits, and no comment after."""
     base, batcher = bridge
-    alone = httpx.post(f"{base}{path}", json={**body, **GREEDY}, timeout=TIMEOUT)
+    alone = HTTP.post(f"{base}{path}", json={**body, **GREEDY}, timeout=TIMEOUT)
     assert alone.status_code == 200, alone.text
     expected = alone.json()["choices"][0]
     holder = SlotHolder(batcher, smollm2_tokenizer)
     lines: list[str] = []
     try:
         request = {**body, **GREEDY, "stream": True}
-        with httpx.stream("POST", f"{base}{path}", json=request, timeout=TIMEOUT) as resp:
+        with HTTP.stream("POST", f"{base}{path}", json=request, timeout=TIMEOUT) as resp:
             assert resp.status_code == 200
             assert resp.headers["content-type"].startswith("text/event-stream")
             for line in resp.iter_lines():
@@ -187,7 +188,7 @@ def test_a_client_gone_during_the_comments_frees_its_request(bridge, smollm2_tok
     try:
         before = batcher.stats().cancelled
         request = {**CHAT, **GREEDY, "stream": True}
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=request) as resp:
+        with HTTP.stream("POST", f"{base}/v1/chat/completions", json=request) as resp:
             assert next(resp.iter_lines()) == KEEPALIVE.strip()
             assert batcher.stats().waiting == 1
         # Closed: noticed at the next comment, and the request leaves the line.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx2 as httpx  # the HTTP client the openai package is built on
 import openai
 import pytest
+from http_client import HTTP
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgetp.master.bridge.client import start_server
@@ -24,7 +25,7 @@ def server(shared_state):
 
 
 def _metrics(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    reply = httpx.get(f"{base}/metrics", timeout=30)
+    reply = HTTP.get(f"{base}/metrics", timeout=30)
     assert reply.status_code == 200
     assert reply.headers["content-type"].startswith("text/plain")
     return {
@@ -61,7 +62,7 @@ def test_metrics_count_what_was_served(server):
 def test_an_embeddings_request_counts_as_a_request_in_the_metrics_and_the_cluster(server):
     """/metrics and /v1/cluster's generation figures (the chat panel's) count it, its inputs'
     tokens with the prompts'."""
-    figures = httpx.get(f"{server.base}/v1/cluster", timeout=30).json()["generation"]
+    figures = HTTP.get(f"{server.base}/v1/cluster", timeout=30).json()["generation"]
     before = _metrics(server.base)
     client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0)
     made = client.embeddings.create(model=client.models.list().data[0].id,
@@ -73,7 +74,7 @@ def test_an_embeddings_request_counts_as_a_request_in_the_metrics_and_the_cluste
     prompt = after[("edgetp_prompt_tokens_total", ())] - before[("edgetp_prompt_tokens_total", ())]
     assert prompt == made.usage.prompt_tokens > 0
     assert after[("edgetp_requests_waiting", ())] == 0  # nothing left in the line
-    now = httpx.get(f"{server.base}/v1/cluster", timeout=30).json()["generation"]
+    now = HTTP.get(f"{server.base}/v1/cluster", timeout=30).json()["generation"]
     assert now["submitted"] - figures["submitted"] == 1
     assert now["completed"] - figures["completed"] == 1
     assert now["prompt_tokens"] - figures["prompt_tokens"] == made.usage.prompt_tokens
@@ -91,5 +92,5 @@ def test_a_page_from_the_allowed_origin_may_call_the_api_and_no_other(server):
     other = httpx.options(f"{server.base}/v1/chat/completions",
                           headers={"Origin": "http://other.test", **preflight})  # fmt: skip
     assert "access-control-allow-origin" not in other.headers
-    models = httpx.get(f"{server.base}/v1/models", headers={"Origin": ORIGIN}, timeout=30)
+    models = HTTP.get(f"{server.base}/v1/models", headers={"Origin": ORIGIN}, timeout=30)
     assert models.headers["access-control-allow-origin"] == ORIGIN

@@ -17,10 +17,10 @@ import threading
 import time
 from pathlib import Path
 
-import httpx2 as httpx
 import numpy as np
 import openai
 import pytest
+from http_client import HTTP
 from openai.types import completion_create_params as text_params
 from openai.types.chat import completion_create_params as chat_params
 from test_bridge_fields import CHAT_NO_OPS, REFUSED, TEXT_NO_OPS, TOOL
@@ -525,7 +525,7 @@ def test_four_streams_at_once_share_their_sums(served):
 
     alone, together = sums_a_token(1), sums_a_token(4)
     print(f"sums a token: one stream {alone:.1f}, four at once {together:.1f}")
-    scraped = httpx.get(f"{served.server.base}/metrics", timeout=30).text
+    scraped = HTTP.get(f"{served.server.base}/metrics", timeout=30).text
     assert f"edgetp_allreduce_sums_total {float(sums())}" in scraped.splitlines()
     assert alone == 2 * 30  # SmolLM2's 30 layers, two sums each, a step a token
     assert alone / together > 3

@@ -19,9 +19,9 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 
-import httpx2 as httpx
 import openai
 import pytest
+from http_client import HTTP
 from local_processes import local_workers
 from rich.console import Console
 from textual.pilot import Pilot
@@ -65,13 +65,13 @@ def make_app(base_url: str, folder: Path, sampling: Sampling, **kw) -> ChatApp:
 def chat_once(base_url: str, messages: list[dict[str, str]], sampling: Sampling) -> str:
     """The bridge's answer to `messages`, asked directly (no app, no streaming)."""
     body = {"messages": messages, **sampling.to_dict()}
-    resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+    resp = HTTP.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["message"]["content"]
 
 
 def generation(base_url: str) -> dict:
-    return httpx.get(f"{base_url}/health", timeout=10).json()["generation"]
+    return HTTP.get(f"{base_url}/health", timeout=10).json()["generation"]
 
 
 async def ask(pilot: Pilot, prompt: str) -> None:
@@ -320,7 +320,7 @@ def stream_greedy(client: openai.OpenAI, max_tokens: int, on_chunk: Callable[[in
 
 def cluster_nodes(base: str) -> dict[str, dict]:
     """/v1/cluster's nodes, by name."""
-    return {n["name"]: n for n in httpx.get(f"{base}/v1/cluster", timeout=10).json()["nodes"]}
+    return {n["name"]: n for n in HTTP.get(f"{base}/v1/cluster", timeout=10).json()["nodes"]}
 
 
 def back_to_three(base: str, restarts: dict[str, int], timeout: float = 90) -> dict:
@@ -328,7 +328,7 @@ def back_to_three(base: str, restarts: dict[str, int], timeout: float = 90) -> d
     counts (the workers are started again after a loss); fails after `timeout` s."""
 
     def planned() -> dict | None:
-        cluster = httpx.get(f"{base}/v1/cluster", timeout=10).json()
+        cluster = HTTP.get(f"{base}/v1/cluster", timeout=10).json()
         nodes = {n["name"]: n for n in cluster["nodes"]}
         ready = sorted(nodes) == ["local-1", "local-2", "master"] and all(
             n["ready"] and n["alive"] and n["slices"] for n in nodes.values()
@@ -413,7 +413,7 @@ async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(
                 os.kill(workers["local-2"], signal.SIGCONT)
 
         before, paused = await asyncio.to_thread(stream_greedy, client, 120, pause_at_chunk_30)
-        generation = httpx.get(f"{local.base}/v1/cluster", timeout=10).json()["generation"]
+        generation = HTTP.get(f"{local.base}/v1/cluster", timeout=10).json()["generation"]
         print(f"a 1 s pause of a worker held the stream {paused:.2f} s")
         assert generation["recovered"] == 0 and generation["replans_mid_answer"] == 0, generation
         assert generation["last_loss"] is None
@@ -430,7 +430,7 @@ async def test_workers_lost_mid_answer_lose_no_answer_and_come_back(
         # (a stream that stopped for good fails at the client's timeout).
         print(f"the stream paused {pause:.2f} s for the loss and the re-plan")
         assert after == before and len(before) > 400
-        cluster = httpx.get(f"{local.base}/v1/cluster", timeout=10).json()
+        cluster = HTTP.get(f"{local.base}/v1/cluster", timeout=10).json()
         assert cluster["generation"]["recovered"] == 1, cluster["generation"]
         assert "node local-1 " in cluster["generation"]["last_loss"], cluster["generation"]
         assert cluster["generation"]["failed"] == 0

@@ -13,9 +13,9 @@ import sys
 import threading
 from pathlib import Path
 
-import httpx2 as httpx
 import openai
 import pytest
+from http_client import HTTP
 from rich.console import Console
 from textual.widgets import Static
 from waiting import until_shown, wait_until
@@ -77,7 +77,7 @@ def greedy_answer(base_url: str, tokens: int = 24) -> str:
 
 
 def cluster_nodes(base_url: str) -> list[str]:
-    figures = httpx.get(f"{base_url}/v1/cluster", timeout=10).json()
+    figures = HTTP.get(f"{base_url}/v1/cluster", timeout=10).json()
     return [n["name"] for n in figures["nodes"]]
 
 
@@ -144,7 +144,7 @@ async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp
             await until_shown(pilot, both_up, 180, state)
             text = panel_text(app)
         assert text.count("127.0.0.1") >= 2, text  # each device's address
-        figures = httpx.get(f"{bridge.base}/v1/cluster", timeout=10).json()
+        figures = HTTP.get(f"{bridge.base}/v1/cluster", timeout=10).json()
         assert sorted(n["name"] for n in figures["nodes"]) == ["dev-1", "dev-2", "master"]
         states = [(n["name"], n["ready"], n["share"]) for n in figures["nodes"]]
         # Every node ready, both devices planned in, the layers all placed. The master may take
@@ -159,7 +159,7 @@ async def test_devices_join_the_chat_s_cluster_and_the_answer_stays_the_same(tmp
         print(f"alone: {alone!r}\n3 nodes: {together!r}")
         assert together == alone and alone.strip()
         # each device's link as the plan timed it, and what its partials' hops took
-        figures = httpx.get(f"{bridge.base}/v1/cluster", timeout=10).json()
+        figures = HTTP.get(f"{bridge.base}/v1/cluster", timeout=10).json()
         workers = [n for n in figures["nodes"] if n["role"] == "worker"]
         assert all(n["link_rtt_us"] > 0 and n["hop_us_median"] > 0 for n in workers), workers
         print([(n["name"], n["link_rtt_us"], n["hop_us_median"], n["hop_us_p99"]) for n in workers])

@@ -19,11 +19,11 @@ import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx2 as httpx
 import openai
 import pytest
 import torch
 from cluster_threads import master_threads
+from http_client import HTTP
 from local_processes import local_workers
 from test_families import _randomize
 from test_speculate import EDIT, PARAGRAPH, SlowLinkSpeculator, _generate
@@ -150,14 +150,14 @@ def streamed(client: openai.OpenAI, max_tokens: int, on_chunk: Callable[[int], N
 
 
 def generation(server: ServerProcess) -> dict:
-    return httpx.get(f"{server.base}/v1/cluster", timeout=10).json()["generation"]
+    return HTTP.get(f"{server.base}/v1/cluster", timeout=10).json()["generation"]
 
 
 def test_the_bridge_answers_whole_and_streamed_alike(bridge):
     """The cluster is three nodes, each holding a slice of every expert; a chat completion and
     the same one streamed give the same 16 tokens' text."""
     client = client_of(bridge)
-    nodes = httpx.get(f"{bridge.base}/v1/cluster", timeout=10).json()["nodes"]
+    nodes = HTTP.get(f"{bridge.base}/v1/cluster", timeout=10).json()["nodes"]
     assert sorted(n["name"] for n in nodes) == ["local-1", "local-2", "master"]
     assert all(n["slices"] and n["slices"][0]["ffn"][1] > n["slices"][0]["ffn"][0] for n in nodes)
     whole = client.chat.completions.create(**greedy(client, 16))

@@ -18,9 +18,9 @@ import threading
 import time
 from collections import Counter
 
-import httpx2 as httpx
 import openai
 import pytest
+from http_client import HTTP
 from local_processes import local_workers
 from waiting import wait_until
 
@@ -39,7 +39,7 @@ REQUEST_TIMEOUT = 120.0  # s: a request that takes longer has hung
 
 
 def cluster(base: str) -> dict:
-    return httpx.get(f"{base}/v1/cluster", timeout=10).json()
+    return HTTP.get(f"{base}/v1/cluster", timeout=10).json()
 
 
 def planned_on_all_three(base: str, timeout: float = 90) -> dict:
