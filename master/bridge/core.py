@@ -287,7 +287,6 @@ class Finish:
     completion_tokens: int
     stop_string: str | None = None
     reused_tokens: int = 0
-    waited_s: float = 0.0  # in line for a slot
     prefill_s: float = 0.0  # from its slot to its first token
     decode_s: float = 0.0  # from its first token to its last
 
@@ -329,7 +328,6 @@ class Reader:
                 event.completion_tokens,
                 event.stop_string,
                 event.reused_tokens,
-                event.waited_s,
                 event.prefill_s,
                 event.decode_s,
             )

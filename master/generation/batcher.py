@@ -64,8 +64,7 @@ class Finished:
     completion_tokens: int  # tokens sampled, an end-of-sequence token included
     stop_string: str | None = None  # the request's stop string that ended it, if one did
     reused_tokens: int = 0  # of the prompt's, those whose KV its slot held: not prefilled
-    waited_s: float = 0.0  # in line for a slot
-    prefill_s: float = 0.0  # from its slot to its first token (the prompt's prefill)
+    prefill_s: float = 0.0  # from taking its slot to its first token (the prompt's prefill)
     decode_s: float = 0.0  # from its first token to its last
 
 
@@ -98,8 +97,7 @@ class _Job:
     on_event: Callable[[Event], None]
     cancelled: bool = False
     cancel_step: int = -1  # steps started when the cancel came (the one running included)
-    # When it was submitted, took its slot and had its first token (perf_counter; 0: not yet)
-    submitted: float = field(default_factory=time.perf_counter)
+    # When it took its slot and had its first token (perf_counter; 0: not yet)
     admitted: float = 0.0
     first_token: float = 0.0
 
@@ -585,11 +583,10 @@ class Batcher:
             sampled = g.sampled
             self._completion_tokens += sampled
             reason = g.finish_reason or "stop"
-            waited = job.admitted - job.submitted
             prefill = job.first_token - job.admitted
             decode = time.perf_counter() - job.first_token
             finished = Finished(reason, len(g.prompt), sampled, g.stop_string, g.reused,
-                                waited, prefill, decode)  # fmt: skip
+                                prefill, decode)  # fmt: skip
             _emit(job, finished)
 
     def _drop(self, job: _Job, keep: bool = True) -> None:
