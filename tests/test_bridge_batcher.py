@@ -12,6 +12,7 @@ import queue
 import threading
 import weakref
 
+import httpx2 as httpx
 import numpy as np
 import openai
 import pytest
@@ -292,8 +293,19 @@ def test_a_node_lost_mid_answer_loses_no_answer_and_frees_the_old_engine_first(
     assert b.engine is None and session.engine is None  # closed with the session
 
 
+@pytest.fixture(scope="module")
+def drafting(smollm2, smollm2_tokenizer):
+    """A batcher with drafts (`--draft lookup`) on a session of its own."""
+    session = Session(smollm2, context=256, slots=2)
+    session.start()
+    b = Batcher(session, smollm2_tokenizer, speculator=SlowLinkSpeculator()).start()
+    yield b
+    b.close()
+    session.close()
+
+
 def test_drafted_requests_in_one_batch_give_each_its_own_greedy_text(
-    smollm2, smollm2_tokenizer, batcher, prompts
+    smollm2_tokenizer, batcher, drafting, prompts
 ):
     """With drafts (`--draft lookup`), a request that repeats its prompt and one that does not
     share the steps: each text equals the one the batcher without drafts gives; the figures say
@@ -302,16 +314,9 @@ def test_drafted_requests_in_one_batch_give_each_its_own_greedy_text(
     plain = [Client(batcher, p, greedy(48)) for p in mixed]
     for c in plain:
         c.finish()
-    session = Session(smollm2, context=256, slots=2)
-    session.start()
-    drafting = Batcher(session, smollm2_tokenizer, speculator=SlowLinkSpeculator()).start()
-    try:
-        clients = [Client(drafting, p, greedy(48)) for p in mixed]
-        assert [c.finish().completion_tokens for c in clients] == [48, 48]
-        stats = drafting.stats()
-    finally:
-        drafting.close()
-        session.close()
+    clients = [Client(drafting, p, greedy(48)) for p in mixed]
+    assert [c.finish().completion_tokens for c in clients] == [48, 48]
+    stats = drafting.stats()
     edit_steps = clients[0].steps_seen[-1] - clients[0].steps_seen[0] + 1
     print(f"\n{stats.speculation}; the repeating request took {edit_steps} steps for 48 tokens")
     assert [c.text for c in clients] == [c.text for c in plain]
@@ -319,6 +324,37 @@ def test_drafted_requests_in_one_batch_give_each_its_own_greedy_text(
     busy = sum(stats.step_ms_recent) / 1000  # every step of both is among the recent ones
     assert len(stats.step_ms_recent) == stats.steps
     assert abs(stats.tokens_per_s * busy - 96) < 1  # tokens made, not sequences stepped
+
+
+def test_drafts_leave_one_greedy_answer_as_it_was_through_every_api(
+    smollm2_tokenizer, batcher, drafting
+):
+    """Speculation is the engine's, below every API: a greedy request that drafts well (it
+    repeats its prompt) gives, through chat completions, Responses, Messages and Ollama's chat,
+    the text the batcher gives without drafts, and drafts were taken for each."""
+    question = [{"role": "user", "content": EDIT}]
+    tokens = 16
+    alone = Client(batcher, prompt_tokens(smollm2_tokenizer, EDIT, raw=False),
+                   SamplingParams(max_tokens=tokens))  # fmt: skip
+    alone.finish()
+    greedy_fields = {"model": "smollm2", "temperature": 0}
+    asks = {
+        "/v1/chat/completions": ({"messages": question, "max_tokens": tokens},
+                                 lambda r: r["choices"][0]["message"]["content"]),
+        "/v1/responses": ({"input": question, "max_output_tokens": tokens},
+                          lambda r: r["output"][0]["content"][0]["text"]),
+        "/v1/messages": ({"messages": question, "max_tokens": tokens},
+                         lambda r: r["content"][0]["text"]),
+        "/api/chat": ({"messages": question, "stream": False, "options": {"num_predict": tokens,
+                       "temperature": 0}}, lambda r: r["message"]["content"]),
+    }  # fmt: skip
+    with served_app(create_app(Served(drafting, smollm2_tokenizer, "smollm2")), TIMEOUT) as url:
+        for path, (body, text) in asks.items():
+            accepted = drafting.stats().speculation["accepted"]
+            reply = httpx.post(f"{url}{path}", json={**greedy_fields, **body}, timeout=TIMEOUT)
+            assert reply.status_code == 200, reply.text
+            assert text(reply.json()) == alone.text, path
+            assert drafting.stats().speculation["accepted"] > accepted, path
 
 
 def test_a_model_without_a_chat_template_is_told_to_use_completions(batcher, smollm2_tokenizer):

@@ -441,6 +441,12 @@ RESPONSES_TOOL = {"type": "function", **GET_WEATHER["function"]}
 
 
 # -- Anthropic's Messages -----------------------------------------------------------------------
+def prompt_of(message) -> int:
+    """A message's prompt tokens: Anthropic counts those read from the cache apart."""
+    usage = message.usage
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
 def test_anthropic_messages_create_and_stream_a_tool_call_and_its_result(claude):
     asked = [{"role": "user", "content": ASKED}]
     fields = {"model": MODEL, "max_tokens": CALL_TOKENS, "tools": [ANTHROPIC_TOOL],
@@ -451,7 +457,7 @@ def test_anthropic_messages_create_and_stream_a_tool_call_and_its_result(claude)
     assert use.name == "get_weather" and use.id.startswith("toolu_")
     jsonschema.validate(use.input, WEATHER)
     assert use.input["city"] == "Oslo"
-    assert made.usage.input_tokens > 20 and made.usage.output_tokens > 5
+    assert prompt_of(made) > 20 and made.usage.output_tokens > 5
     with claude.messages.stream(**fields, tool_choice={"type": "tool", "name": "get_weather"}) as s:
         kinds = [e.type for e in s]
         streamed = s.get_final_message()
@@ -469,9 +475,9 @@ def test_anthropic_messages_create_and_stream_a_tool_call_and_its_result(claude)
     )  # fmt: skip
     assert answer.content[0].type == "text" and answer.content[0].text
     assert answer.stop_reason in ("end_turn", "max_tokens")
-    assert answer.usage.input_tokens > made.usage.input_tokens + 20
+    assert prompt_of(answer) > prompt_of(made) + 20
     counted = claude.messages.count_tokens(model=MODEL, messages=asked, tools=[ANTHROPIC_TOOL])
-    assert counted.input_tokens == made.usage.input_tokens
+    assert counted.input_tokens == prompt_of(made)
 
 
 def test_anthropic_names_the_stop_sequence_that_ended_the_answer(claude):
@@ -592,6 +598,82 @@ def test_one_greedy_request_gives_the_same_text_through_every_api(oai, claude, o
         model=MODEL, messages=asked, options={"num_predict": tokens, "temperature": 0}
     ).message.content
     assert chat and chat == responses == messages == ollama_chat
+
+
+def turn(api: str, clients, system: str, said: list[dict], earlier=None):
+    """One greedy turn of a conversation through `api`'s own client: (the answer's text, its
+    prompt's tokens reused from a slot's cache, its prompt's tokens as the API counts them,
+    None where it counts only those evaluated, the response for the next turn)."""
+    oai, claude, ollama_client = clients
+    tokens = 8
+    if api == "chat":
+        made = oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "system", "content": system}, *said],
+            max_tokens=tokens, temperature=0,
+        )  # fmt: skip
+        usage = made.usage
+        return (made.choices[0].message.content, usage.prompt_tokens_details.cached_tokens,
+                usage.prompt_tokens, made)  # fmt: skip
+    if api == "responses":  # the next turn goes on from the stored response
+        goes_on = {"previous_response_id": earlier.id, "input": said[-1:]} if earlier else {}
+        made = oai.responses.create(
+            model=MODEL, instructions=system, max_output_tokens=tokens, temperature=0,
+            **(goes_on or {"input": said}),
+        )  # fmt: skip
+        usage = made.usage
+        return (made.output_text, usage.input_tokens_details.cached_tokens, usage.input_tokens,
+                made)  # fmt: skip
+    if api == "messages":
+        made = claude.messages.create(model=MODEL, system=system, messages=said,
+                                      max_tokens=tokens, extra_body=GREEDY)  # fmt: skip
+        usage = made.usage
+        return made.content[0].text, usage.cache_read_input_tokens, prompt_of(made), made
+    made = ollama_client.chat(
+        model=MODEL, messages=[{"role": "system", "content": system}, *said],
+        options={"num_predict": tokens, "temperature": 0},
+    )  # fmt: skip
+    return made.message.content, None, None, made
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages", "ollama"])
+def test_a_conversations_next_turn_reuses_its_prompt_through_every_api(
+    api, oai, claude, ollama_client, smollm2_tokenizer
+):
+    """Each API reports, in its own usage field, the prompt's tokens its slot's KV cache held
+    already (prompt reuse): none of a prompt new to the server but the chat template's opening
+    every conversation shares, and all of the first turn's prompt in the second turn (the
+    first turn, its answer, a new question). Ollama counts the tokens it evaluated instead:
+    the prompt's less those."""
+    from edgetp.master.generation.prompts import chat_tokens
+    from edgetp.master.generation.reuse import common_prefix
+
+    system = (f"{api} harbour: Zephyrine keeps the lighthouse log of Quillhaven, where the "
+              f"ferries run at dawn and dusk and the gulls nest on the pier.")  # fmt: skip
+    first = [{"role": "user", "content": "Who keeps the log?"}]
+    prompt = [{"role": "system", "content": system}, *first]
+    opening = common_prefix(
+        chat_tokens(smollm2_tokenizer, prompt),
+        chat_tokens(smollm2_tokenizer, [{"role": "system", "content": "Other."}, *first]),
+    )  # every conversation begins with these: some slot holds them already
+    clients = (oai, claude, ollama_client)
+    said, reused, counted, made = turn(api, clients, system, first)
+    assert said.strip()
+    second = [*first, {"role": "assistant", "content": said},
+              {"role": "user", "content": "And when do the ferries run?"}]  # fmt: skip
+    _, reused_again, counted_again, made_again = turn(api, clients, system, second, made)
+    prompts = [len(chat_tokens(smollm2_tokenizer, [{"role": "system", "content": system}, *s]))
+               for s in (first, second)]  # fmt: skip
+    if api == "ollama":
+        evaluated = [made.prompt_eval_count, made_again.prompt_eval_count]
+        reused, reused_again = (p - e for p, e in zip(prompts, evaluated, strict=True))
+        assert made.prompt_eval_duration > 0 and made.eval_duration > 0
+        assert made.total_duration >= made.prompt_eval_duration + made.eval_duration
+    else:
+        assert [counted, counted_again] == prompts
+    print(f"{api}: prompts of {prompts} tokens, {reused} and {reused_again} reused "
+          f"(the template's opening: {opening})")  # fmt: skip
+    assert 0 <= reused <= opening < prompts[0] - 20
+    assert prompts[0] - 2 <= reused_again < prompts[1]
 
 
 # -- OpenAI's embeddings ------------------------------------------------------------------------

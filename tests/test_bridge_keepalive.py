@@ -9,8 +9,10 @@ which must skip them.
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx2 as httpx
@@ -118,6 +120,85 @@ def test_a_stream_waiting_for_its_first_token_gets_comments_until_it_comes(
     assert chunks[-1]["choices"][0]["finish_reason"] == expected["finish_reason"]
 
 
+QUESTION = [{"role": "user", "content": "Why is the sky blue?"}]
+# The other streaming APIs: a request, its keep-alive line (None: it sends nothing before its
+# first token), and the answer's text in one line of its stream and in its whole answer.
+OTHERS = {
+    "/v1/responses": (
+        {"model": MODEL, "input": QUESTION, "temperature": 0, "max_output_tokens": 6},
+        KEEPALIVE.strip(),
+        lambda e: e["delta"] if e.get("type") == "response.output_text.delta" else "",
+        lambda r: "".join(c["text"] for o in r["output"] if o["type"] == "message"
+                          for c in o["content"]),
+    ),
+    "/v1/messages": (  # Anthropic's ping: its stream's documented keep-alive
+        {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 6},
+        "event: ping",
+        lambda e: e["delta"].get("text", "") if e.get("type") == "content_block_delta" else "",
+        lambda r: r["content"][0]["text"],
+    ),
+    "/api/chat": (  # NDJSON has no comment, and Ollama sends nothing before its first token
+        {"model": MODEL, "messages": QUESTION, "options": {"temperature": 0, "num_predict": 6}},
+        None,
+        lambda e: e["message"]["content"],
+        lambda r: r["message"]["content"],
+    ),
+}  # fmt: skip
+
+
+def parsed(line: str) -> dict:
+    return json.loads(line.removeprefix("data: "))
+
+
+@pytest.mark.parametrize("path", list(OTHERS))
+def test_the_other_apis_keep_a_waiting_stream_alive_in_their_own_way(
+    bridge, smollm2_tokenizer, path
+):
+    """While the stream waits for the slot: Responses' comments, Messages' pings, after their
+    opening events and before the first piece of text; Ollama's nothing at all. Once the slot
+    frees, the same answer as when nothing waits."""
+    base, batcher = bridge
+    body, keep_alive, piece, answer = OTHERS[path]
+    alone = httpx.post(f"{base}{path}", json={**body, "stream": False}, timeout=TIMEOUT)
+    assert alone.status_code == 200, alone.text
+    expected = answer(alone.json())
+    holder = SlotHolder(batcher, smollm2_tokenizer)
+    lines: list[str] = []
+    if keep_alive is None:  # nothing comes until the slot frees: free it from aside
+
+        def release() -> None:
+            wait_until(lambda: batcher.stats().waiting == 1, TIMEOUT, "the request waiting")
+            time.sleep(10 * KEEPALIVE_S)  # as long as SSE's streams see several keep-alives
+            holder.release()
+
+        threading.Thread(target=release, daemon=True).start()
+    try:
+        request = {**body, "stream": True}
+        with httpx.stream("POST", f"{base}{path}", json=request, timeout=TIMEOUT) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                lines.append(line)
+                if keep_alive is not None and lines.count(keep_alive) == 3 + (
+                    path == "/v1/messages"  # the ping its stream always sends after its start
+                ):
+                    holder.release()  # the slot frees: the waiting request starts
+    finally:
+        holder.ticket.cancel()
+    # The data and the keep-alives (an SSE event's name line goes with its data).
+    shown = [line for line in lines
+             if line and (line == keep_alive or not line.startswith("event: "))]  # fmt: skip
+    pieces = [i for i, line in enumerate(shown)
+              if line != keep_alive and piece(parsed(line))]  # fmt: skip
+    print(f"{shown[: pieces[0]].count(keep_alive)} keep-alives before the first piece of {path}")
+    if keep_alive is None:
+        assert pieces[0] == 0  # its first line is its first piece
+    else:
+        assert shown[: pieces[0]].count(keep_alive) >= 3
+        assert keep_alive not in shown[pieces[0] :]
+    text = "".join(piece(parsed(line)) for line in shown if line != keep_alive)
+    assert text == expected
+
+
 class Tee(httpx.BaseTransport):
     """The openai client's transport, which also tells when a keep-alive comment came."""
 
@@ -192,6 +273,34 @@ def test_a_client_gone_during_the_comments_frees_its_request(bridge, smollm2_tok
             assert next(resp.iter_lines()) == KEEPALIVE.strip()
             assert batcher.stats().waiting == 1
         # Closed: noticed at the next comment, and the request leaves the line.
+        wait_until(
+            lambda: batcher.stats().waiting == 0 and batcher.stats().cancelled > before,
+            TIMEOUT,
+            lambda: f"the waiting request dropped: {batcher.stats()}",
+        )
+        assert batcher.stats().active == 1  # the slot's holder runs on
+        holder.release()
+    finally:
+        holder.ticket.cancel()
+
+
+@pytest.mark.parametrize("path", list(OTHERS))
+def test_a_client_gone_while_its_stream_waits_frees_its_request_through_the_other_apis(
+    bridge, smollm2_tokenizer, path
+):
+    """Gone before its first token: noticed at the next keep-alive, or by Ollama's route,
+    which sends nothing meanwhile, as its connection closes; the request leaves the line."""
+    base, batcher = bridge
+    body = OTHERS[path][0]
+    holder = SlotHolder(batcher, smollm2_tokenizer)
+    try:
+        before = batcher.stats().cancelled
+        conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=TIMEOUT)
+        conn.request("POST", path, json.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        wait_until(lambda: batcher.stats().waiting == 1, TIMEOUT, "the request waiting")
+        conn.sock.close()  # the client goes away without a byte of the answer read
+        conn.close()
         wait_until(
             lambda: batcher.stats().waiting == 0 and batcher.stats().cancelled > before,
             TIMEOUT,

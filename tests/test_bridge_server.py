@@ -299,6 +299,11 @@ CONVERSATION = [
 ]
 
 
+def counts(usage) -> tuple[int, int, int]:
+    """Usage's token counts (what was cached is each request's own)."""
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
 def test_openai_fields_at_their_defaults_change_nothing(served):
     client, logged = served.client, len(served.server.log)
     plain = client.chat.completions.create(
@@ -316,7 +321,9 @@ def test_openai_fields_at_their_defaults_change_nothing(served):
         model=MODEL, messages=turns, temperature=0, max_tokens=MAX_TOKENS, **CHAT_NO_OPS
     )
     assert every.choices[0].message.content == plain.choices[0].message.content
-    assert every.usage == plain.usage  # the same prompt, token for token
+    # The same prompt, token for token: the second prefills only its last token.
+    assert counts(every.usage) == counts(plain.usage)
+    assert every.usage.prompt_tokens_details.cached_tokens == every.usage.prompt_tokens - 1
     # Tools the model may not call are not shown to it: the answer is the one without them.
     unshown = client.chat.completions.create(
         model=MODEL, messages=CONVERSATION, temperature=0, max_tokens=MAX_TOKENS,
@@ -328,7 +335,8 @@ def test_openai_fields_at_their_defaults_change_nothing(served):
     text = client.completions.create(**args)
     every_text = client.completions.create(**args, **TEXT_NO_OPS)
     assert every_text.choices[0].text == text.choices[0].text
-    assert every_text.usage == text.usage
+    assert counts(every_text.usage) == counts(text.usage)
+    assert every_text.usage.prompt_tokens_details.cached_tokens == text.usage.prompt_tokens - 1
     assert not [line for line in list(served.server.log)[logged:] if "ignored" in line]
 
 
@@ -408,23 +416,42 @@ def test_a_wrong_or_missing_api_key_is_401(served):
     assert served.request("GET", "/health", key=None)[0] == 200  # liveness needs no key
 
 
-def test_a_client_that_disconnects_mid_stream_stops_its_generation(served):
+STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
+# Each API's long greedy stream, and what marks a line that carries a piece of the answer.
+STREAMS = {
+    "/v1/chat/completions": (
+        {"messages": STORY, "temperature": 0, "max_tokens": 400, "ignore_eos": True},
+        b"data: {",
+    ),
+    "/v1/responses": (
+        {"input": STORY, "temperature": 0, "max_output_tokens": 400},
+        b'"type": "response.output_text.delta"',
+    ),
+    "/v1/messages": (
+        {"messages": STORY, "temperature": 0, "max_tokens": 400},
+        b'"type": "content_block_delta"',
+    ),
+    "/api/chat": (
+        {"model": MODEL, "messages": STORY, "options": {"temperature": 0, "num_predict": 400}},
+        b'"done": false',
+    ),
+}
+
+
+@pytest.mark.parametrize("path", list(STREAMS))
+def test_a_client_that_disconnects_mid_stream_stops_its_generation(served, path):
     before = served.generation()
     conn = http.client.HTTPConnection("127.0.0.1", served.server.port, timeout=60)
-    body = {
-        "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
-        "temperature": 0,
-        "max_tokens": 400,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body, piece = STREAMS[path]
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+    conn.request("POST", path, json.dumps({**body, "stream": True}), headers)
     resp = conn.getresponse()
     assert resp.status == 200
-    for _ in range(10):  # a few tokens in
-        assert resp.readline().startswith(b"data: ")
-        resp.readline()
+    pieces = 0
+    while pieces < 10:  # a few tokens in
+        line = resp.readline()
+        assert line, f"the stream of {path} ended before 10 pieces"
+        pieces += piece in line
     conn.sock.close()  # the client goes away
     conn.close()
     g = cancelled_since(served, before)

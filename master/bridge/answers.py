@@ -36,6 +36,7 @@ from edgetp.master.bridge.schema import (
     DeltaFunction,
     DeltaToolCall,
     FinishReason,
+    PromptTokensDetails,
     ToolCall,
     TopLogprob,
     Usage,
@@ -88,11 +89,16 @@ class _Head(TypedDict):
 
 
 def usage(done: Sequence[Finish]) -> Usage:
-    """The prompt once (the choices share it), and every choice's tokens."""
+    """The prompt once (the choices share it) with what the first choice's slot reused of
+    it, and every choice's tokens."""
     prompt = done[0].prompt_tokens if done else 0
+    cached = done[0].reused_tokens if done else 0
     completion = sum(d.completion_tokens for d in done)
     return Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 

@@ -26,6 +26,7 @@ from edgetp.master.bridge.core import (
     Reasoning,
     Served,
     Text,
+    Wait,
     chat_request,
     check_model,
     generate,
@@ -217,7 +218,16 @@ def _tool_id(part: Call) -> str:
 
 
 def _usage(finish: Finish) -> dict[str, int]:
-    return {"input_tokens": finish.prompt_tokens, "output_tokens": finish.completion_tokens}
+    """As Anthropic counts: `input_tokens` are those after the cache (the prompt's tokens not
+    reused, which were prefilled), `cache_read_input_tokens` those reused from a slot's cache;
+    together the prompt. The cache is written without being asked for (prompt reuse), so no
+    token counts as a cache write."""
+    return {
+        "input_tokens": finish.prompt_tokens - finish.reused_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": finish.reused_tokens,
+        "output_tokens": finish.completion_tokens,
+    }
 
 
 def _event(name: str, data: dict[str, Any]) -> str:
@@ -225,10 +235,13 @@ def _event(name: str, data: dict[str, Any]) -> str:
 
 
 async def _events(
-    head: dict[str, Any], parts: AsyncIterator[Out], prompt_tokens: int
+    head: dict[str, Any], parts: AsyncIterator[Out | Wait], prompt_tokens: int
 ) -> AsyncIterator[str]:
     """Anthropic's stream: message_start, ping, a content block per part (text and thinking
-    grow by deltas, a call comes whole as one input_json_delta), message_delta, message_stop."""
+    grow by deltas, a call comes whole as one input_json_delta), message_delta, message_stop;
+    a ping now and then while the first part is late. message_start counts the whole prompt
+    as input (what its slot reuses is not known before it takes one); message_delta's usage,
+    whose counts are the totals, splits it into input and cache reads."""
     usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
     start = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
     yield _event("message_start", {"message": start})
@@ -236,6 +249,9 @@ async def _events(
     index, open_kind = -1, ""
     try:
         async for part in parts:
+            if isinstance(part, Wait):
+                yield _event("ping", {})
+                continue
             if isinstance(part, Finish):
                 if open_kind:
                     yield _event("content_block_stop", {"index": index})
@@ -282,7 +298,10 @@ def router(served: Served, api_key: str | None) -> APIRouter:
         prepared = await prepare_chat(served, chat)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         head = {"id": mid, "type": "message", "role": "assistant", "model": served.model_id}
-        parts = await started(generate(served, prepared, mid))
+        wait = served.keepalive_s if body.stream else None
+        parts = await started(generate(served, prepared, mid), request, wait)
+        if parts is None:
+            return Response(status_code=499)
         if body.stream:
             return StreamingResponse(
                 _events(head, parts, len(prepared.prompt)),

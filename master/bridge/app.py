@@ -26,6 +26,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from edgetp.master.bridge import anthropic, embeddings, ollama, responses
 from edgetp.master.bridge.answers import Answer, Choice, ChoiceEvent, sse, whole
 from edgetp.master.bridge.core import (
+    KEEPALIVE,
     Prepared,
     Served,
     check_model,
@@ -58,8 +59,6 @@ from edgetp.master.bridge.schema import (
 )
 from edgetp.master.cluster.figures import cluster_figures, generation_figures
 from edgetp.master.generation.batcher import Delta, Failed, Ticket
-
-KEEPALIVE = ": keep-alive\n\n"
 
 
 def create_app(

@@ -18,6 +18,7 @@ writes (output.py splits the text, tool_calls.py reads the calls).
 from __future__ import annotations
 
 import asyncio
+from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -57,6 +58,7 @@ from edgetp.models.tokenizer import Tokenizer
 # many clients' 30 s or less). 5 s keeps well inside those for a few bytes, and a request
 # answered within it starts as before, its errors still an HTTP status.
 KEEPALIVE_S = 5.0
+KEEPALIVE = ": keep-alive\n\n"  # the comment (an SSE line that begins with a colon)
 
 
 @dataclass
@@ -275,12 +277,18 @@ class Call:
 @dataclass(frozen=True)
 class Finish:
     """The answer's end: "stop", "length" or "tool_calls" (it ended with calls), and usage;
-    the stop string that ended it, if one did (Anthropic's API names it)."""
+    the stop string that ended it, if one did (Anthropic's API names it). Of the prompt's
+    tokens, `reused_tokens` were not prefilled: a free slot's KV cache held them (prompt reuse,
+    which every API reports in its own field); the seconds are the engine's (Ollama's
+    durations)."""
 
     reason: str
     prompt_tokens: int
     completion_tokens: int
     stop_string: str | None = None
+    reused_tokens: int = 0
+    prefill_s: float = 0.0  # from its slot to its first token
+    decode_s: float = 0.0  # from its first token to its last
 
 
 Out = Text | Reasoning | Call | Finish
@@ -319,6 +327,9 @@ class Reader:
                 event.prompt_tokens,
                 event.completion_tokens,
                 event.stop_string,
+                event.reused_tokens,
+                event.prefill_s,
+                event.decode_s,
             )
             out.append(finish)
         return out
@@ -345,20 +356,55 @@ async def generate(served: Served, prepared: Prepared, rid: str) -> AsyncGenerat
         ticket.cancel()  # a no-op once finished; a client gone frees its slot here
 
 
-async def started(parts: AsyncGenerator[Out, None]) -> AsyncGenerator[Out, None]:
-    """`parts` with its first part already awaited, so that a refusal or a failure before the
-    first token is raised here, while the answer can still be an HTTP error."""
-    first = await parts.__anext__()
+@dataclass(frozen=True)
+class Wait:
+    """Not a part: the first part is late (a long prefill, a turn for a slot), and a streamed
+    answer says something its client skips, so that nothing between drops a silent
+    connection (an SSE comment, Anthropic's ping)."""
 
-    async def rest() -> AsyncGenerator[Out, None]:
-        try:
-            yield first
-            async for part in parts:
-                yield part
-        finally:
-            await parts.aclose()
 
-    return rest()
+async def started(
+    parts: AsyncGenerator[Out, None], request: Request, keepalive_s: float | None = None
+) -> AsyncGenerator[Out | Wait, None] | None:
+    """`parts` with its first part awaited here, so that a refusal or a failure before the
+    first token is raised here, while the answer can still be an HTTP error; None if the client
+    went away meanwhile (its request dropped). With `keepalive_s`, the wait here lasts that
+    long at most: a later first part comes after a Wait every `keepalive_s`, and a failure then
+    raises from the iteration, as one mid-answer does."""
+    first = asyncio.ensure_future(parts.__anext__())
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({first, gone}, timeout=keepalive_s, return_when=FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        first.cancel()
+        raise
+    finally:
+        left = gone.done() and not gone.cancelled()
+        gone.cancel()  # from here a stream's response watches the connection itself
+    if first.done():
+        first.result()  # its refusal or failure, raised here
+    elif left:
+        first.cancel()  # the generation's finally drops the request from the batch
+        return None
+    return _from(first, parts, keepalive_s)
+
+
+async def _from(
+    first: asyncio.Future[Out], parts: AsyncGenerator[Out, None], keepalive_s: float | None
+) -> AsyncGenerator[Out | Wait, None]:
+    try:
+        while not first.done():
+            done, _ = await asyncio.wait({first}, timeout=keepalive_s)
+            if not done:
+                yield Wait()
+        yield first.result()
+        async for part in parts:
+            yield part
+    finally:
+        if not first.done():  # the client went away while the first part was late
+            first.cancel()  # the generation's finally drops the request from the batch
+            await asyncio.wait({first})
+        await parts.aclose()
 
 
 async def disconnected(request: Request) -> None:
@@ -367,7 +413,9 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-async def whole(parts: AsyncIterator[Out], request: Request) -> tuple[list[Out], Finish] | None:
+async def whole(
+    parts: AsyncIterator[Out | Wait], request: Request
+) -> tuple[list[Out], Finish] | None:
     """`collect`, or None once the client has gone (its request is dropped then)."""
     task = asyncio.ensure_future(collect(parts))
     gone = asyncio.ensure_future(disconnected(request))
@@ -381,11 +429,13 @@ async def whole(parts: AsyncIterator[Out], request: Request) -> tuple[list[Out],
         gone.cancel()
 
 
-async def collect(parts: AsyncIterator[Out]) -> tuple[list[Out], Finish]:
+async def collect(parts: AsyncIterator[Out | Wait]) -> tuple[list[Out], Finish]:
     """A whole answer: its parts (text pieces joined, in order) and its finish."""
     out: list[Out] = []
     finish = Finish("stop", 0, 0)
     async for part in parts:
+        if isinstance(part, Wait):
+            continue
         if isinstance(part, Finish):
             finish = part
         elif isinstance(part, Text) and out and isinstance(out[-1], Text):

@@ -26,6 +26,7 @@ from edgetp.master.bridge.core import (
     Reasoning,
     Served,
     Text,
+    Wait,
     chat_request,
     check_model,
     generate,
@@ -180,12 +181,16 @@ def _now() -> str:
 
 
 def _counts(finish: Finish, started_ns: int) -> dict[str, Any]:
-    took = time.perf_counter_ns() - started_ns
+    """Ollama's figures, in nanoseconds: the prompt's tokens evaluated (those its slot did not
+    hold already: prompt reuse) and the prefill's time to the first token, the tokens generated
+    and the time after the first; the total from the request's arrival (its wait for a slot
+    included). The model is loaded once, when the server starts: no request loads it."""
     return {
         "done_reason": "length" if finish.reason == "length" else "stop",
-        "total_duration": took, "load_duration": 0,
-        "prompt_eval_count": finish.prompt_tokens, "prompt_eval_duration": 0,
-        "eval_count": finish.completion_tokens, "eval_duration": took,
+        "total_duration": time.perf_counter_ns() - started_ns, "load_duration": 0,
+        "prompt_eval_count": finish.prompt_tokens - finish.reused_tokens,
+        "prompt_eval_duration": round(finish.prefill_s * 1e9),
+        "eval_count": finish.completion_tokens, "eval_duration": round(finish.decode_s * 1e9),
     }  # fmt: skip
 
 
@@ -198,10 +203,12 @@ def _line(value: dict[str, Any]) -> str:
 
 
 async def _ndjson(
-    model: str, parts: AsyncIterator[Out], chat: bool, started_ns: int
+    model: str, parts: AsyncIterator[Out | Wait], chat: bool, started_ns: int
 ) -> AsyncIterator[str]:
     try:
         async for part in parts:
+            if isinstance(part, Wait):  # not asked for (keepalive_s None): NDJSON has no comment
+                continue
             head = {"model": model, "created_at": _now()}
             if isinstance(part, Finish):
                 last = {"role": "assistant", "content": ""} if chat else None
@@ -232,10 +239,16 @@ def router(served: Served, api_key: str | None) -> APIRouter:
             return
         check_model(served, model)
 
-    async def answer(body: Common, prepared: Any, chat: bool, request: Request) -> Any:
-        started_ns = time.perf_counter_ns()
+    async def answer(
+        body: Common, prepared: Any, chat: bool, request: Request, started_ns: int
+    ) -> Any:
+        """The answer, streamed or whole. A streamed one sends nothing before its first part,
+        as Ollama does: NDJSON has no comment to keep a connection alive with, and an empty
+        line breaks the clients that parse every line (docs/decisions.md)."""
         rid = f"ollama-{started_ns}"
-        parts = await started(generate(served, prepared, rid))
+        parts = await started(generate(served, prepared, rid), request)
+        if parts is None:
+            return Response(status_code=499)
         if body.stream is not False:
             return StreamingResponse(
                 _ndjson(body.model, parts, chat, started_ns), media_type="application/x-ndjson"
@@ -262,15 +275,17 @@ def router(served: Served, api_key: str | None) -> APIRouter:
     @api.post("/api/chat")
     async def chat(body: ChatRequest, request: Request) -> Any:
         """Ollama's chat: a reply to messages, streamed as NDJSON unless stream is false."""
+        started_ns = time.perf_counter_ns()
         check(body.model)
         warn_ignored(body, "/api/chat")
         fields = chat_fields(body, served.tokenizer.chat_template)
         prepared = await prepare_chat(served, chat_request(fields, "messages"))
-        return await answer(body, prepared, True, request)
+        return await answer(body, prepared, True, request, started_ns)
 
     @api.post("/api/generate")
     async def generate_(body: GenerateRequest, request: Request) -> Any:
         """Ollama's generate: a prompt under the chat template (or raw), its continuation."""
+        started_ns = time.perf_counter_ns()
         check(body.model)
         warn_ignored(body, "/api/generate")
         if body.suffix:
@@ -285,13 +300,13 @@ def router(served: Served, api_key: str | None) -> APIRouter:
             if "max_tokens" not in fields:  # Ollama's default: up to the context
                 room = served.batcher.max_context - len(prepared.prompt)
                 prepared = replace(prepared, params=replace(prepared.params, max_tokens=room))
-            return await answer(body, prepared, False, request)
+            return await answer(body, prepared, False, request, started_ns)
         messages = [{"role": "user", "content": body.prompt}]
         if body.system:
             messages.insert(0, {"role": "system", "content": body.system})
         fields = {"messages": messages, **_sampling(body), **_format(body)}
         prepared = await prepare_chat(served, chat_request(fields, "prompt"))
-        return await answer(body, prepared, False, request)
+        return await answer(body, prepared, False, request, started_ns)
 
     def details() -> dict[str, Any]:
         return {"parent_model": "", "format": "gguf", "family": "", "families": [],

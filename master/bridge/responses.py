@@ -28,12 +28,14 @@ from pydantic import Field
 
 from edgetp.master.bridge.auth import guard
 from edgetp.master.bridge.core import (
+    KEEPALIVE,
     Call,
     Finish,
     Out,
     Reasoning,
     Served,
     Text,
+    Wait,
     chat_request,
     check_model,
     generate,
@@ -294,7 +296,7 @@ def router(served: Served, api_key: str | None) -> APIRouter:
         if finish is not None:
             usage = {
                 "input_tokens": finish.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": finish.reused_tokens},
                 "output_tokens": finish.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": finish.prompt_tokens + finish.completion_tokens,
@@ -321,11 +323,12 @@ def router(served: Served, api_key: str | None) -> APIRouter:
         }  # fmt: skip
 
     async def events(
-        body: ResponsesRequest, rid: str, created: int, parts: AsyncIterator[Out],
+        body: ResponsesRequest, rid: str, created: int, parts: AsyncIterator[Out | Wait],
         messages: list[dict[str, Any]],
     ) -> AsyncIterator[str]:  # fmt: skip
         """The documented sequence: created, in_progress; per item output_item.added, its
-        content part or arguments with their deltas and dones, output_item.done; completed."""
+        content part or arguments with their deltas and dones, output_item.done; completed.
+        While the first part is late, an SSE comment (which clients skip) now and then."""
         seq = 0
 
         def event(kind: str, /, **data: Any) -> str:
@@ -370,6 +373,9 @@ def router(served: Served, api_key: str | None) -> APIRouter:
 
         try:
             async for part in parts:
+                if isinstance(part, Wait):
+                    yield KEEPALIVE
+                    continue
                 if isinstance(part, Finish):
                     for sent in close():
                         yield sent
@@ -457,7 +463,10 @@ def router(served: Served, api_key: str | None) -> APIRouter:
         chat = chat_request(fields, "input")
         prepared = await prepare_chat(served, chat)
         rid, created = f"resp_{uuid.uuid4().hex[:24]}", int(time.time())
-        parts = await started(generate(served, prepared, rid))
+        wait = served.keepalive_s if body.stream else None
+        parts = await started(generate(served, prepared, rid), request, wait)
+        if parts is None:
+            return Response(status_code=499)
         messages = fields["messages"][1:] if body.instructions else fields["messages"]
         if body.stream:
             return StreamingResponse(

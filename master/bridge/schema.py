@@ -37,10 +37,18 @@ class ErrorResponse(BaseModel):
 
 
 # -- responses --------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        description="of the prompt's tokens, those not prefilled: a free KV-cache slot held "
+        "them from an earlier request that began alike (prompt reuse)"
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 # "tool_calls" (or "function_call", asked as `functions`): the answer ended with its calls.

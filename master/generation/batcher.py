@@ -63,6 +63,9 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int  # tokens sampled, an end-of-sequence token included
     stop_string: str | None = None  # the request's stop string that ended it, if one did
+    reused_tokens: int = 0  # of the prompt's, those whose KV its slot held: not prefilled
+    prefill_s: float = 0.0  # from taking its slot to its first token (the prompt's prefill)
+    decode_s: float = 0.0  # from its first token to its last
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class _Job:
     on_event: Callable[[Event], None]
     cancelled: bool = False
     cancel_step: int = -1  # steps started when the cancel came (the one running included)
+    # When it took its slot and had its first token (perf_counter; 0: not yet)
+    admitted: float = 0.0
+    first_token: float = 0.0
 
 
 @dataclass
@@ -526,6 +532,7 @@ class Batcher:
             g = job.generation
             taken = self._slots.take(g.prompt)
             g.slot, g.position, g.reused = taken.slot, taken.start, taken.start
+            job.admitted = time.perf_counter()
             self._active.append(job)
             self._prompt_tokens += len(g.prompt)
             self._reused_tokens += g.reused
@@ -559,6 +566,8 @@ class Batcher:
         g = job.generation
         if job.cancelled:  # nobody is listening; dropped before the next step
             return
+        if g.tokens and not job.first_token:
+            job.first_token = time.perf_counter()
         text = g.take_text()
         logprobs = tuple(g.take_logprobs())
         if text or logprobs:
@@ -574,7 +583,11 @@ class Batcher:
             sampled = g.sampled
             self._completion_tokens += sampled
             reason = g.finish_reason or "stop"
-            _emit(job, Finished(reason, len(g.prompt), sampled, g.stop_string))
+            prefill = job.first_token - job.admitted
+            decode = time.perf_counter() - job.first_token
+            finished = Finished(reason, len(g.prompt), sampled, g.stop_string, g.reused,
+                                prefill, decode)  # fmt: skip
+            _emit(job, finished)
 
     def _drop(self, job: _Job, keep: bool = True) -> None:
         """Free the job's slot; unless not `keep`, with what its KV cache holds now, for a
