@@ -12,10 +12,10 @@ import queue
 import threading
 import weakref
 
-import httpx2 as httpx
 import numpy as np
 import openai
 import pytest
+from http_client import HTTP
 from serving import served_app
 from test_speculate import EDIT, SlowLinkSpeculator
 from waiting import wait_until
@@ -351,7 +351,7 @@ def test_drafts_leave_one_greedy_answer_as_it_was_through_every_api(
     with served_app(create_app(Served(drafting, smollm2_tokenizer, "smollm2")), TIMEOUT) as url:
         for path, (body, text) in asks.items():
             accepted = drafting.stats().speculation["accepted"]
-            reply = httpx.post(f"{url}{path}", json={**greedy_fields, **body}, timeout=TIMEOUT)
+            reply = HTTP.post(f"{url}{path}", json={**greedy_fields, **body}, timeout=TIMEOUT)
             assert reply.status_code == 200, reply.text
             assert text(reply.json()) == alone.text, path
             assert drafting.stats().speculation["accepted"] > accepted, path

@@ -159,7 +159,7 @@ def test_the_other_apis_keep_a_waiting_stream_alive_in_their_own_way(
     frees, the same answer as when nothing waits."""
     base, batcher = bridge
     body, keep_alive, piece, answer = OTHERS[path]
-    alone = httpx.post(f"{base}{path}", json={**body, "stream": False}, timeout=TIMEOUT)
+    alone = HTTP.post(f"{base}{path}", json={**body, "stream": False}, timeout=TIMEOUT)
     assert alone.status_code == 200, alone.text
     expected = answer(alone.json())
     holder = SlotHolder(batcher, smollm2_tokenizer)
@@ -174,7 +174,7 @@ def test_the_other_apis_keep_a_waiting_stream_alive_in_their_own_way(
         threading.Thread(target=release, daemon=True).start()
     try:
         request = {**body, "stream": True}
-        with httpx.stream("POST", f"{base}{path}", json=request, timeout=TIMEOUT) as resp:
+        with HTTP.stream("POST", f"{base}{path}", json=request, timeout=TIMEOUT) as resp:
             assert resp.status_code == 200
             for line in resp.iter_lines():
                 lines.append(line)
