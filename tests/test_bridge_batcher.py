@@ -29,6 +29,7 @@ from edgetp.master.cluster.transport import ClusterError
 from edgetp.master.generation.batcher import Batcher, Delta, Event, Failed, Finished
 from edgetp.master.generation.params import SamplingParams
 from edgetp.master.generation.prompts import prompt_tokens
+from edgetp.memory.budget import FILE_TYPES
 from edgetp.models.errors import ModelError
 from edgetp.models.rows_native import NativeBlocks
 
@@ -69,8 +70,8 @@ class Client:
 
 
 @pytest.fixture(scope="module")
-def batcher(smollm2, smollm2_tokenizer):
-    session = Session(smollm2, context=256, slots=2)
+def batcher(smollm2, smollm2_tokenizer, shared_state):
+    session = Session(smollm2, None, shared_state, context=256, slots=2, memory=FILE_TYPES)
     session.start()
     b = Batcher(session, smollm2_tokenizer, max_waiting=4).start()
     yield b
@@ -294,9 +295,9 @@ def test_a_node_lost_mid_answer_loses_no_answer_and_frees_the_old_engine_first(
 
 
 @pytest.fixture(scope="module")
-def drafting(smollm2, smollm2_tokenizer):
+def drafting(smollm2, smollm2_tokenizer, shared_state):
     """A batcher with drafts (`--draft lookup`) on a session of its own."""
-    session = Session(smollm2, context=256, slots=2)
+    session = Session(smollm2, None, shared_state, context=256, slots=2, memory=FILE_TYPES)
     session.start()
     b = Batcher(session, smollm2_tokenizer, speculator=SlowLinkSpeculator()).start()
     yield b

@@ -34,6 +34,7 @@ from edgetp.master.generation.params import SamplingParams
 from edgetp.master.generation.prompts import chat_tokens
 from edgetp.master.generation.sampling import Sampler, sampler_for
 from edgetp.master.generation.speculate import Speculator
+from edgetp.memory.budget import FILE_TYPES
 from edgetp.models.source import open_model
 
 TEXTS = [
@@ -224,12 +225,14 @@ def test_random_schemas_are_always_answered_in_valid_json(
     schemas = [random_schema(rng) for _ in range(SCHEMAS)]
     speculator = Speculator() if draft else None
     if nodes == 1:
-        with Session(smollm2, context=512, slots=SLOTS) as session:
+        with Session(
+            smollm2, None, shared_state, context=512, slots=SLOTS, memory=FILE_TYPES
+        ) as session:
             session.start()
             texts = run_batched(session, smollm2_tokenizer, speculator, schemas)
     else:
         with local_session(
-            smollm2, nodes, state_dir=shared_state, context=512, slots=SLOTS
+            smollm2, nodes, state_dir=shared_state, context=512, slots=SLOTS, memory=FILE_TYPES
         ) as session:
             texts = run_batched(session, smollm2_tokenizer, speculator, schemas)
     for schema, text in zip(schemas, texts, strict=True):

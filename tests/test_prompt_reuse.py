@@ -24,6 +24,7 @@ from edgetp.master.generation.batcher import Batcher, Delta, Event, Failed, Fini
 from edgetp.master.generation.params import SamplingParams
 from edgetp.master.generation.prompts import chat_tokens
 from edgetp.master.generation.reuse import SlotPool, common_prefix, reusable
+from edgetp.memory.budget import FILE_TYPES
 from edgetp.models.config import ModelConfig
 from edgetp.models.layers import StepBatch
 from edgetp.models.rows_native import NativeBlocks
@@ -127,12 +128,12 @@ def check_reuse(off: list[Turn], on: list[Turn], tokenizer, questions: list[str]
 
 
 def test_a_conversation_prefills_only_each_new_turn_and_answers_the_same(
-    smollm2, smollm2_tokenizer, steps
+    smollm2, smollm2_tokenizer, steps, shared_state
 ):
     """One process: with reuse each later turn prefills its question and the template's marks
     around it, and every answer is the one without reuse; a conversation that goes another way
     at its second turn reuses the first turn only, and answers as it does without reuse."""
-    with Session(smollm2, context=1024, slots=2) as session:
+    with Session(smollm2, None, shared_state, context=1024, slots=2, memory=FILE_TYPES) as session:
         session.start()
         off = converse(session, smollm2_tokenizer, steps, False, QUESTIONS)
         on = converse(session, smollm2_tokenizer, steps, True, QUESTIONS)
@@ -162,7 +163,9 @@ def test_a_conversation_prefills_only_each_new_turn_and_answers_the_same(
 
 def test_three_local_nodes_prefill_only_each_new_turn(smollm2, smollm2_tokenizer, steps, tmp_path):
     """Three local nodes: the nodes keep every slot's KV, so the same holds."""
-    with local_session(smollm2, 3, context=1024, slots=2, state_dir=tmp_path) as session:
+    with local_session(
+        smollm2, 3, context=1024, slots=2, state_dir=tmp_path, memory=FILE_TYPES
+    ) as session:
         off = converse(session, smollm2_tokenizer, steps, False, QUESTIONS[:3])
         on = converse(session, smollm2_tokenizer, steps, True, QUESTIONS[:3])
     check_reuse(off, on, smollm2_tokenizer, QUESTIONS[:3])

@@ -24,6 +24,7 @@ from edgetp.master.generation.speculate import (
     lookup,
     open_speculator,
 )
+from edgetp.memory.budget import FILE_TYPES
 from edgetp.models.config import DEFAULT_MODEL
 from edgetp.models.errors import ModelError
 
@@ -163,7 +164,7 @@ def test_greedy_tokens_are_the_same_with_a_draft_model(smollm2, smollm2_tokenize
         prompt_tokens(smollm2_tokenizer, "Why is the sky blue?", raw=False),
         prompt_tokens(smollm2_tokenizer, "Write a haiku about the sea.", raw=False),
     ]
-    with Session(smollm2, None, shared_state, context=512, slots=2) as session:
+    with Session(smollm2, None, shared_state, context=512, slots=2, memory=FILE_TYPES) as session:
         session.start()
         assert session.engine is not None
         plain = _generate(session.engine, smollm2_tokenizer, prompts, None)
@@ -186,7 +187,9 @@ def test_greedy_tokens_are_the_same_with_and_without_drafts_on_three_nodes(
 ):
     """Prompt lookup and a draft model on the master of three nodes."""
     prompts = [prompt_tokens(smollm2_tokenizer, EDIT, raw=False)]
-    with local_session(smollm2, 3, state_dir=shared_state, context=512) as session:
+    with local_session(
+        smollm2, 3, state_dir=shared_state, context=512, memory=FILE_TYPES
+    ) as session:
         assert session.engine is not None
         plain = _generate(session.engine, smollm2_tokenizer, prompts, None)
         lookups = SlowLinkSpeculator()
