@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,13 @@ from edgetp.master.cluster.splitter import split_model
 from edgetp.master.cluster.transport import ClusterError
 from edgetp.master.generation.generate import start, stream
 from edgetp.master.generation.params import SamplingParams
-from edgetp.memory.budget import MIN_CONTEXT, BudgetError, MemoryOptions, plan_memory
+from edgetp.memory.budget import (
+    FILE_TYPES,
+    MIN_CONTEXT,
+    BudgetError,
+    MemoryOptions,
+    plan_memory,
+)
 from edgetp.memory.pages import DATA_ALIGN, HUGE_PAGE, pack
 from edgetp.memory.shards import ShardStore
 from edgetp.memory.window import LayerWindow, ShardChanged
@@ -69,11 +76,13 @@ def greedy(engine, tokenizer, n=32):
 def test_window_of_two_gives_the_all_resident_tokens_on_three_nodes(
     smollm2, smollm2_tokenizer, state_dir
 ):
-    with local_engine(smollm2, 3, state_dir=state_dir, context=256, slots=3) as engine:
+    with local_engine(
+        smollm2, 3, state_dir=state_dir, context=256, slots=3, memory=FILE_TYPES
+    ) as engine:
         resident = greedy(engine, smollm2_tokenizer)
         assert engine.figures["window"] == smollm2.config.n_layers
         assert all(m.figures["window"] == smollm2.config.n_layers for m in engine.remote.members)
-    window = MemoryOptions(window=2)
+    window = replace(FILE_TYPES, window=2)
     with local_engine(
         smollm2, 3, state_dir=state_dir, context=256, slots=3, memory=window
     ) as engine:
@@ -100,7 +109,7 @@ def _manifest(state_dir, nodes):
 
     for path in (state_dir / "shards" / "manifests").glob("*.json"):
         manifest = Manifest.from_json(path.read_text())
-        if len(manifest.nodes) == nodes and manifest.extra.get("dtype") == "f32":
+        if len(manifest.nodes) == nodes and manifest.extra.get("dtype") == FILE_TYPES.dtype:
             return manifest
     raise AssertionError(f"no {nodes}-node manifest")
 
@@ -375,7 +384,7 @@ def test_a_streaming_window_checks_what_comes_from_the_disk_not_from_the_page_ca
 def test_the_master_names_the_node_and_file_of_a_bad_shard(
     smollm2, smollm2_tokenizer, tmp_path, damage
 ):
-    memory = MemoryOptions(window=2)
+    memory = replace(FILE_TYPES, window=2)
     with local_engine(smollm2, 2, state_dir=tmp_path, context=128, memory=memory) as engine:
         member = engine.remote.members[0]
         manifest = _manifest(tmp_path, nodes=2)
