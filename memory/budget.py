@@ -197,5 +197,5 @@ class MemoryOptions:
 
 ALL_RESIDENT = MemoryOptions()  # the default: no budget, every layer in memory, float32
 # Every layer in memory as the model file stores it (a GGUF's blocks, run by their kernels): what
-# `edgetp` runs a GGUF file with when no option says otherwise.
+# `models.source.default_dtype`, the one rule, gives a GGUF file where the C kernels build.
 FILE_TYPES = MemoryOptions(dtype="auto")

@@ -263,6 +263,17 @@ def test_the_openai_client_reads_a_stream_with_comments(bridge, smollm2_tokenize
     assert "".join(pieces) == expected
 
 
+def left_the_line(batcher, cancelled_before: int) -> None:
+    """Waits until the waiting request was cancelled and left the line, while the slot's
+    holder runs on."""
+    wait_until(
+        lambda: batcher.stats().waiting == 0 and batcher.stats().cancelled > cancelled_before,
+        TIMEOUT,
+        lambda: f"the waiting request dropped: {batcher.stats()}",
+    )
+    assert batcher.stats().active == 1  # the slot's holder runs on
+
+
 def test_a_client_gone_during_the_comments_frees_its_request(bridge, smollm2_tokenizer):
     base, batcher = bridge
     holder = SlotHolder(batcher, smollm2_tokenizer)
@@ -273,12 +284,7 @@ def test_a_client_gone_during_the_comments_frees_its_request(bridge, smollm2_tok
             assert next(resp.iter_lines()) == KEEPALIVE.strip()
             assert batcher.stats().waiting == 1
         # Closed: noticed at the next comment, and the request leaves the line.
-        wait_until(
-            lambda: batcher.stats().waiting == 0 and batcher.stats().cancelled > before,
-            TIMEOUT,
-            lambda: f"the waiting request dropped: {batcher.stats()}",
-        )
-        assert batcher.stats().active == 1  # the slot's holder runs on
+        left_the_line(batcher, before)
         holder.release()
     finally:
         holder.ticket.cancel()
@@ -301,12 +307,7 @@ def test_a_client_gone_while_its_stream_waits_frees_its_request_through_the_othe
         wait_until(lambda: batcher.stats().waiting == 1, TIMEOUT, "the request waiting")
         conn.sock.close()  # the client goes away without a byte of the answer read
         conn.close()
-        wait_until(
-            lambda: batcher.stats().waiting == 0 and batcher.stats().cancelled > before,
-            TIMEOUT,
-            lambda: f"the waiting request dropped: {batcher.stats()}",
-        )
-        assert batcher.stats().active == 1  # the slot's holder runs on
+        left_the_line(batcher, before)
         holder.release()
     finally:
         holder.ticket.cancel()
