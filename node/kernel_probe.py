@@ -30,7 +30,7 @@ TIMING_BUDGET = 0.01  # s of calls a timing takes, unless one call takes longer
 MARK = "edgetp-kernel "  # the child's result lines start with this; anything else is noise
 
 # Rows each bucket is checked at (both ends); it is timed at the last.
-CHECK_ROWS = ((1,), (2,), (3, 4), (5, 8), (9, 64))
+CHECK_ROWS = ((1,), (2,), (3, 4), (5, 8), (9, 16), (17, 64))
 # Largest allowed |error| per element, as a fraction of sum(|x| |w|) over the row: float32
 # accumulates exactly enough for 1e-4; the others round the input to 8 (bf16, int8's bf16
 # input) or 11 (f16) bits first. Garbage (1e13, nan) fails any of these by far.
