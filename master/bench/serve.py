@@ -30,7 +30,15 @@ PROMPTS = (
     "Give me a recipe for pancakes.",
     "What is the capital of Australia?",
     "Tell me a fun fact about octopuses.",
-)
+    "How do bees make honey?",
+    "What does a compiler do?",
+    "Suggest a name for a grey cat.",
+    "Why do leaves change colour in autumn?",
+    "Describe a sunset in one sentence.",
+    "What is the boiling point of water?",
+    "How many legs does a spider have?",
+    "Give two tips for a job interview.",
+)  # 16: `edgetp serve --max-batch 16` full
 
 IGNORE_EOS = {"ignore_eos": True}  # every answer decodes exactly the tokens asked for
 
