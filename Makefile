@@ -55,10 +55,16 @@ demo: setup
 # being replaced. The slowest tests are listed at the end: the suite's time is a budget.
 PYTEST_SUITE := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
 	--max-worker-restart=0
+# The type check (a minute of one core with no cache, as in a fresh clone) runs beside the tests,
+# whose processes leave part of the cores idle while they wait; its output follows theirs, and
+# either failing fails the target.
 test: setup cross
 	$(BIN)/ruff check .
-	$(MAKE) --no-print-directory typecheck
-	$(PYTEST_SUITE) --durations=12
+	@mkdir -p .typecheck
+	@$(MAKE) --no-print-directory typecheck > .typecheck/log 2>&1 & types=$$!; \
+	$(PYTEST_SUITE) --durations=12; tests=$$?; \
+	wait $$types; typed=$$?; cat .typecheck/log; \
+	exit $$(( tests ? tests : typed ))
 
 # The whole suite, which writes the seconds each test took into tests/durations.json: the order
 # `make test` takes files in, and which tests `make test-fast` leaves out. After tests are added,
