@@ -29,6 +29,7 @@ from edgetp.master.cluster.session import Session
 from edgetp.master.cluster.transport import NodeDown
 from edgetp.master.generation.generate import start, stream
 from edgetp.master.generation.params import SamplingParams
+from edgetp.memory.budget import FILE_TYPES
 from edgetp.models.layers import Slice, StepBatch
 from edgetp.node import messages as M
 from edgetp.node import protocol as P
@@ -268,7 +269,9 @@ def test_a_serving_node_sent_2000_malformed_messages_logs_each_and_rejoins(
     master drops it from the plan and tells it so; it joins again by itself (shipping
     nothing), and the two nodes' answer equals the one before."""
     hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
-    session = Session(smollm2, hub, shared_state, CONTEXT, SLOTS, capacities=[1, 1])
+    session = Session(
+        smollm2, hub, shared_state, CONTEXT, SLOTS, capacities=[1, 1], memory=FILE_TYPES
+    )
     workers = LocalWorkers(1, hub.port, 1, shared_state, False, hub.token)
     log_file = workers.logs[0]
     # What the log holds from an earlier worker (none if this is the first: the new one may
