@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import multiprocessing
 import os
 import pickle
@@ -206,6 +207,10 @@ def _enter(
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux: the name is only for people reading `ps`
+    # What it inherited (the imports) stays out of its collections, which hold the GIL and with
+    # it the heartbeats (`memory.window.return_freed_memory`), and their writes to it out of
+    # the pages it shares with the server.
+    gc.freeze()
     target(*args)
 
 

@@ -4,6 +4,7 @@ output written, and, in a process of its own, what it left for atexit done."""
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import signal
 import subprocess
@@ -113,3 +114,16 @@ def test_the_fork_server_ignores_ctrl_c_from_its_first_moment(tmp_path):
     )
     status = dict(line.split(":\t", 1) for line in done.stdout.splitlines() if ":\t" in line)
     assert int(status["SigIgn"], 16) & (1 << (signal.SIGINT - 1)), done.stdout + done.stderr
+
+
+def frozen_exit() -> None:
+    """A child's work: exit 0 when what it inherited is out of its collections' walks."""
+    children.exit_now(0 if gc.get_freeze_count() > len(gc.get_objects()) else 1)
+
+
+def test_a_forked_child_leaves_what_it_inherited_out_of_its_collections():
+    """A child's collections hold its GIL, and with it its heartbeats, while they walk what
+    the collector tracks (memory.window.return_freed_memory): the server's imports, torch's
+    among them, are left out of them, and so are the pages the child shares with the server."""
+    child = children.start(frozen_exit, (), "edgetp-test")
+    assert child.wait(60) == 0

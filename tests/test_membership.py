@@ -17,7 +17,7 @@ from edgetp.master.cluster.local import LocalWorkers
 from edgetp.master.cluster.session import Session
 from edgetp.master.generation.generate import start, stream
 from edgetp.master.generation.params import SamplingParams
-from edgetp.memory.budget import MemoryOptions
+from edgetp.memory.budget import FILE_TYPES, MemoryOptions
 from edgetp.node.security import TOKEN_ENV
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,9 @@ def answer(session: Session, tokenizer) -> list[int]:
 @master_threads(3)
 def test_join_and_leave_between_requests(smollm2, smollm2_tokenizer, tmp_path, caplog):
     hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
-    session = Session(smollm2, hub, tmp_path / "master", 128, 1, equal_shares=True)
+    session = Session(
+        smollm2, hub, tmp_path / "master", 128, 1, equal_shares=True, memory=FILE_TYPES
+    )
     # Each worker has a state folder of its own, so what ships to it is counted.
     first = LocalWorkers(1, hub.port, 1, tmp_path / "w1", False, hub.token, first=1)
     second = None
@@ -92,7 +94,9 @@ def test_a_device_too_small_for_its_share_is_refused_and_the_cluster_goes_on(
     re-plan leaves it out and tells it what budget would do, and the cluster answers as
     before, instead of going down with the plan that could not be held."""
     hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
-    session = Session(smollm2, hub, tmp_path / "master", 128, 1, equal_shares=True)
+    session = Session(
+        smollm2, hub, tmp_path / "master", 128, 1, equal_shares=True, memory=FILE_TYPES
+    )
     first = LocalWorkers(1, hub.port, 1, tmp_path / "w1", False, hub.token, first=1)
     small = None
     try:

@@ -26,8 +26,10 @@ from edgetp.master.cluster.hub import (
 from edgetp.master.cluster.local import LocalWorkers
 from edgetp.master.cluster.membership import State
 from edgetp.master.cluster.session import Session
+from edgetp.master.cluster.transport import NodeDown
 from edgetp.master.generation.generate import start, stream
 from edgetp.master.generation.params import SamplingParams
+from edgetp.memory.budget import FILE_TYPES
 from edgetp.models.layers import Slice, StepBatch
 from edgetp.node import messages as M
 from edgetp.node import protocol as P
@@ -267,7 +269,9 @@ def test_a_serving_node_sent_2000_malformed_messages_logs_each_and_rejoins(
     master drops it from the plan and tells it so; it joins again by itself (shipping
     nothing), and the two nodes' answer equals the one before."""
     hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
-    session = Session(smollm2, hub, shared_state, CONTEXT, SLOTS, capacities=[1, 1])
+    session = Session(
+        smollm2, hub, shared_state, CONTEXT, SLOTS, capacities=[1, 1], memory=FILE_TYPES
+    )
     workers = LocalWorkers(1, hub.port, 1, shared_state, False, hub.token)
     log_file = workers.logs[0]
     # What the log holds from an earlier worker (none if this is the first: the new one may
@@ -304,3 +308,35 @@ def test_a_serving_node_sent_2000_malformed_messages_logs_each_and_rejoins(
     finally:
         session.close()
         workers.stop()
+
+
+def test_a_node_gone_before_its_hello_is_read_is_not_the_master_s_failure(caplog):
+    """A node that said HELLO and went before the master read it (it gave up on a master busy
+    re-planning): answering it finds no route, which is logged, not raised out of the master's
+    watch; the node is not a member."""
+    hub = Hub("127.0.0.1", 0)
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.setsockopt(zmq.IDENTITY, b"gone")
+        secure_client(peer, hub.token)
+        peer.connect(f"tcp://127.0.0.1:{hub.port}")
+        peer.send_multipart(M.encode(M.Hello(P.PROTOCOL_VERSION, "gone", Capacity(1, 1, 1.0))))
+        wait_until(lambda: hub.transport.sock.poll(0), 30, "HELLO at the master")
+        peer.close()
+
+        def no_route() -> bool:
+            try:
+                hub.transport.send_frames(b"gone", [b""])  # to a closed socket: read by no one
+            except NodeDown:
+                return True
+            return False
+
+        wait_until(no_route, 30, "the closed peer's route gone")
+        with caplog.at_level(logging.WARNING):
+            assert hub.watch_membership(0.1) is False
+        assert hub.nodes == []
+        assert "node gone left before its HELLO was answered" in caplog.text
+    finally:
+        peer.close()
+        hub.close()

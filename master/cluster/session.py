@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -279,6 +280,10 @@ class Session:
         # False) would have: names, for the record.
         self.standby_choice: list[str] = []
         self._planned = False  # a plan was made: a worker too small for a later one is left out
+        # What this process holds now (torch's import, the model's source) stays out of the
+        # collections of its re-plans, which hold the GIL and with it the heartbeats
+        # (`return_freed_memory`); `close` puts it back in.
+        gc.freeze()
 
     def __enter__(self) -> Session:
         return self
@@ -464,6 +469,7 @@ class Session:
         self._close_engine()
         if self.hub is not None:
             self.hub.close(reason)
+        gc.unfreeze()  # what became garbage since the start is collected again
 
     def _plan(self) -> Engine:
         if self.hub is not None:
