@@ -9,9 +9,10 @@ holds), computed over every block of a matrix at once in float32: per 32 weights
 best fits weights x^2 among 16 candidates (the largest weight on the table's end, and 15 steps
 around it), each weight taking the table's nearest entry; IQ4_XS then quantizes the 32-weight
 scales to 6 bits against the block's largest and picks each weight's entry again.
-(llama.cpp's `quantize_row_iq4_nl_ref` tries only the first candidate.) NumPy's sums run in
-another order than the C loops', so two candidates that tie to the last bit may fall the other
-way: the blocks are the reference's up to that.
+(llama.cpp's `quantize_row_iq4_nl_ref` tries only the first candidate.) A candidate's sums add
+a group's 32 products one after another, as the C loop does (a C compiler that fuses a multiply
+and an add would round otherwise: two candidates that tie to the last bit may then fall the
+other way).
 """
 
 from __future__ import annotations
@@ -31,24 +32,36 @@ _LOWEST = int(_SUMS[0]) - 1
 _ENTRY_AT = np.searchsorted(_SUMS, np.arange(_LOWEST, int(_SUMS[-1]) + 1), side="right")
 _TRIES = 7  # candidate scales on either side of the first
 _F32 = np.float32
+_VALUE_AT = IQ4NL_VALUES[_ENTRY_AT].astype(_F32)  # the entry's value, by floor(2 v) - _LOWEST
+_HIGHEST = _LOWEST + len(_ENTRY_AT) - 1
 
 
 def _nearest_entry(v: np.ndarray) -> np.ndarray:
     """The index of the table's entry nearest each of v, the upper one at a midpoint."""
-    at = np.clip(np.floor(v + v), _LOWEST, _LOWEST + len(_ENTRY_AT) - 1).astype(np.intp)
+    at = np.clip(np.floor(v + v), _LOWEST, _HIGHEST).astype(np.intp)
     return _ENTRY_AT[at - _LOWEST]
 
 
 def _fit(x: np.ndarray) -> np.ndarray:
     """Per row of x (groups of 32 weights): the scale d with x ~ d * table[L] for weights x^2."""
-    w = x * x
     peak = x[np.arange(len(x)), np.abs(x).argmax(axis=1)]  # the signed weight of largest size
     zero = np.abs(peak) < _F32(1e-15)
     peak = np.where(zero, _F32(1), peak)
+    # The weights as (32, groups): each pass below runs along the groups, not 32 at a time
+    # (about three times faster), and a sum over the first axis adds the 32 in the C loop's order.
+    xt = np.ascontiguousarray(x.T)
+    w = xt * xt
+    twice = xt + xt  # (2 x) times a scale is 2 (x times it) exactly: what `_nearest_entry` floors
+    v, wq, product = np.empty_like(xt), np.empty_like(xt), np.empty_like(xt)
 
     def sums(inverse_scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        q = IQ4NL_VALUES[_nearest_entry(inverse_scale[:, None] * x)].astype(_F32)
-        return (w * q * x).sum(axis=1), (w * q * q).sum(axis=1)
+        np.multiply(twice, inverse_scale, out=v)
+        np.floor(v, out=v)
+        np.clip(v, _LOWEST, _HIGHEST, out=v)
+        q = _VALUE_AT[(v - _F32(_LOWEST)).astype(np.intp)]  # each weight's nearest entry
+        np.multiply(w, q, out=wq)
+        sum_qx = np.multiply(wq, xt, out=product).sum(axis=0)
+        return sum_qx, np.multiply(wq, q, out=product).sum(axis=0)
 
     sum_qx, sum_q2 = sums(_F32(1) / (peak / _F32(127)))  # the largest weight on -127's end
     d = np.where(sum_q2 > 0, sum_qx / np.where(sum_q2 > 0, sum_q2, _F32(1)), _F32(0))

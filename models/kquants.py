@@ -12,8 +12,9 @@ ggml-quants.c, no importance matrix), computed over every block of a matrix at o
 - Q3_K, Q6_K: per sub-block of 16, a signed scale fitted for weights x^2 (Q3_K by moving one
   weight's level at a time while the fit improves, Q6_K by a search); the scales quantized
   against the largest (6 bits, 8 bits); each weight to 3 or 6 bits.
-NumPy's sums run in another order than the C loops', so a choice between two candidates that
-tie to the last bit may fall the other way: the blocks are the reference's up to that.
+The fits' sums add a sub-block's weights in the C loops' order; the C's other sums, and a C
+compiler that fuses a multiply and an add, round otherwise, so a choice between two candidates
+that tie to the last bit may fall the other way: the blocks are the reference's up to that.
 """
 
 from __future__ import annotations
@@ -50,27 +51,31 @@ def _fit_scale_min(
     """Per row of x (sub-blocks, n): (scale, minimum as a positive offset, integers 0..nmax)
     with x ~ scale * L - minimum, by llama.cpp's make_qkx2_quants (squared error, or absolute
     where `absolute`)."""
+    # As (n, sub-blocks) (`_by_column`): each pass runs along the sub-blocks, and each sum
+    # adds a sub-block's n in the C loop's order.
+    x, w = _by_column(x), _by_column(w)
 
     def error(diff: np.ndarray) -> np.ndarray:
-        return (w * (np.abs(diff) if absolute else diff * diff)).sum(axis=1)
+        return (w * (np.abs(diff) if absolute else diff * diff)).sum(axis=0)
 
-    lo = first_lo = np.minimum(x.min(axis=1), _F32(0))
-    hi = x.max(axis=1)
+    lo = first_lo = np.minimum(x.min(axis=0), _F32(0))
+    hi = x.max(axis=0)
     span = hi - lo
     flat = span == 0
     span = np.where(flat, _F32(1), span)
-    sum_w = w.sum(axis=1)
-    sum_x = (w * x).sum(axis=1)
+    sum_w = w.sum(axis=0)
+    sum_x = (w * x).sum(axis=0)
     iscale = _F32(nmax) / span
     scale = _F32(1) / iscale
-    levels = np.clip(nearest(iscale[:, None] * (x - lo[:, None])), 0, nmax)
-    best = error(scale[:, None] * levels + lo[:, None] - x)
+    levels = np.clip(nearest(iscale * (x - lo)), 0, nmax)
+    best = error(scale * levels + lo - x)
     for step in range(nstep + 1):
         iscale = (_F32(rmin) + _F32(rdelta) * _F32(step) + _F32(nmax)) / span
-        trial = np.clip(nearest(iscale[:, None] * (x - lo[:, None])), 0, nmax).astype(_F32)
-        sum_l = (w * trial).sum(axis=1)
-        sum_l2 = (w * trial * trial).sum(axis=1)
-        sum_xl = (w * trial * x).sum(axis=1)
+        trial = np.clip(nearest(iscale * (x - lo)), 0, nmax).astype(_F32)
+        w_trial = w * trial
+        sum_l = w_trial.sum(axis=0)
+        sum_l2 = (w_trial * trial).sum(axis=0)
+        sum_xl = (w_trial * x).sum(axis=0)
         det = sum_w * sum_l2 - sum_l * sum_l
         ok = det > 0
         safe = np.where(ok, det, _F32(1))
@@ -79,16 +84,23 @@ def _fit_scale_min(
         positive = this_min > 0
         this_min = np.where(positive, _F32(0), this_min)
         this_scale = np.where(positive, sum_xl / np.where(sum_l2 > 0, sum_l2, _F32(1)), this_scale)
-        this_error = error(this_scale[:, None] * trial + this_min[:, None] - x)
+        this_error = error(this_scale * trial + this_min - x)
         better = ok & (this_error < best)
-        levels = np.where(better[:, None], trial.astype(np.int32), levels)
+        levels = np.where(better, trial.astype(np.int32), levels)
         best = np.where(better, this_error, best)
         scale = np.where(better, this_scale, scale)
         lo = np.where(better, this_min, lo)
-    levels = np.where(flat[:, None], 0, levels)
+    levels = np.where(flat, 0, levels)
     scale = np.where(flat, _F32(0), scale)
     lo = np.where(flat, first_lo, lo)
-    return scale.astype(_F32), (-lo).astype(_F32), levels
+    return scale.astype(_F32), (-lo).astype(_F32), np.ascontiguousarray(levels.T)
+
+
+def _by_column(x: np.ndarray) -> np.ndarray:
+    """Rows (sub-blocks, n) as (n, sub-blocks): an operation on a row of 16 or 32 is mostly
+    NumPy's overhead (the fits took several times longer row by row), and a sum over the
+    first axis adds in order, as the C loops do."""
+    return np.ascontiguousarray(x.T)
 
 
 def _fit_signed_scale(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -98,12 +110,14 @@ def _fit_signed_scale(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]
     peak = x[rows, np.abs(x).argmax(axis=1)]  # the signed value of largest magnitude
     zero = np.abs(peak) < _F32(1e-15)
     peak = np.where(zero, _F32(1), peak)
+    x = _by_column(x)
     w = x * x
+    wx = w * x
 
     def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        levels = np.clip(nearest(iscale[:, None] * x), -nmax, nmax - 1)
+        levels = np.clip(nearest(iscale * x), -nmax, nmax - 1)
         lf = levels.astype(_F32)
-        return levels, (w * x * lf).sum(axis=1), (w * lf * lf).sum(axis=1)
+        return levels, (wx * lf).sum(axis=0), (w * lf * lf).sum(axis=0)
 
     levels, sumlx, suml2 = fit(_F32(-nmax) / peak)
     scale = sumlx / np.where(suml2 > 0, suml2, _F32(1))
@@ -113,11 +127,11 @@ def _fit_signed_scale(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]
             continue
         trial, t_lx, t_l2 = fit(-(_F32(nmax) + _F32(0.1) * _F32(step)) / peak)
         better = (t_l2 > 0) & (t_lx * t_lx > best * t_l2)
-        levels = np.where(better[:, None], trial, levels)
+        levels = np.where(better, trial, levels)
         scale = np.where(better, t_lx / np.where(t_l2 > 0, t_l2, _F32(1)), scale)
         best = np.where(better, scale * t_lx, best)
-    levels = np.where(zero[:, None], -nmax, levels)  # stored as 0, as the reference leaves it
-    return np.where(zero, _F32(0), scale).astype(_F32), (levels + nmax).astype(np.int32)
+    levels = np.where(zero, -nmax, levels) + nmax  # stored as 0, as the reference leaves it
+    return np.where(zero, _F32(0), scale).astype(_F32), np.ascontiguousarray(levels.T, np.int32)
 
 
 def _pack_scales_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:

@@ -67,20 +67,21 @@ class StoredAs(GGUFSource):
         return stored if blocks else self.fmt.dequantize(stored)
 
 
-def _logits(source: ModelSource, dtype: str, state_dir, formats: set[str]) -> torch.Tensor:
-    """Teacher-forced logits (positions, vocab), the engine's products on `formats` (their
-    kernels used)."""
-    tokenizer = source.tokenizer()
+def _logits(
+    source: ModelSource, ids: list[list[int]], dtype: str, state_dir, formats: set[str]
+) -> torch.Tensor:
+    """Teacher-forced logits (positions, vocab) of texts `ids`, the engine's products on
+    `formats` (their kernels used)."""
     memory = MemoryOptions(dtype=dtype)
     rows = []
     kernels.uninstall()  # the kernel table this process holds is only this engine's
     with local_engine(source, 1, state_dir=state_dir, context=128, memory=memory) as engine:
         used = {part.split(":")[0] for part in kernels.kernel_set().split("; ")}
         assert used == formats, (dtype, used)
-        for text in TEXTS:
-            ids = tokenizer.encode(text)[:POSITIONS_PER_TEXT]
-            assert len(ids) == POSITIONS_PER_TEXT
-            logits = engine.forward([ids], StepBatch((0,), (0,), (len(ids),)), all_logits=True)
+        for text_ids in ids:
+            logits = engine.forward(
+                [text_ids], StepBatch((0,), (0,), (len(text_ids),)), all_logits=True
+            )
             rows.append(logits[0])
         engine.close()
     return torch.cat(rows)
@@ -89,8 +90,11 @@ def _logits(source: ModelSource, dtype: str, state_dir, formats: set[str]) -> to
 def _agreement(source: ModelSource, tmp_path, formats: set[str]) -> float:
     """Top-1 agreement of the block products with the float32 products; a float32 tie (module
     docstring) agrees when the block products pick one of its tokens."""
-    kept = _logits(source, "auto", tmp_path / "auto", formats)
-    exact = _logits(source, "f32", tmp_path / "f32", {"f32"})
+    tokenizer = source.tokenizer()  # built once: Gemma's takes seconds
+    ids = [tokenizer.encode(text)[:POSITIONS_PER_TEXT] for text in TEXTS]
+    assert [len(text) for text in ids] == [POSITIONS_PER_TEXT] * len(TEXTS)
+    kept = _logits(source, ids, "auto", tmp_path / "auto", formats)
+    exact = _logits(source, ids, "f32", tmp_path / "f32", {"f32"})
     assert kept.shape[0] >= 256
     largest = (kept - exact).abs().max().item()
     assert largest <= LOGIT_TOLERANCE, ("logits apart by", largest)

@@ -4,6 +4,8 @@ for."""
 
 from __future__ import annotations
 
+import functools
+
 import gguf
 import numpy as np
 import pytest
@@ -59,8 +61,10 @@ def test_rows_expand_to_the_gguf_package_s_own_values_in_bands(model, monkeypatc
     assert len(types) >= 2, types
 
 
+@functools.cache
 def _blocks(fmt: str, out: int, inp: int, seed: int) -> torch.Tensor:
-    """A matrix in `fmt`: random floats quantized."""
+    """A matrix in `fmt`: random floats quantized (once: every C product multiplies the same
+    ones, and quantizing a wide K-quant matrix takes longer than its products' checks)."""
     w = torch.randn(out, inp, generator=torch.Generator().manual_seed(seed))
     return quantize(w, fmt)[""]
 
