@@ -61,13 +61,22 @@ def gguf_engine(smollm2):
     return Engine.local(smollm2)
 
 
+@pytest.fixture(scope="module")
+def hf_folders(smollm2, tmp_path_factory) -> dict[int, Path]:
+    """The model as an HF folder in one file and in three, each with transformers' tokenizer
+    of the GGUF file, written once for the module: the tests only read them."""
+    tokenizer = transformers_tokenizer(smollm2.path)
+    folders = {}
+    for shards in (1, 3):
+        folders[shards] = tmp_path_factory.mktemp(f"hf-{shards}")
+        write_hf_folder(smollm2, folders[shards], shards)
+        tokenizer.save_pretrained(folders[shards])
+    return folders
+
+
 @pytest.mark.parametrize("shards", [1, 3])
-def test_safetensors_logits_equal_gguf_logits(
-    smollm2, smollm2_tokenizer, gguf_engine, tmp_path, shards
-):
-    write_hf_folder(smollm2, tmp_path, shards)
-    transformers_tokenizer(smollm2.path).save_pretrained(tmp_path)
-    hf = open_model(str(tmp_path))
+def test_safetensors_logits_equal_gguf_logits(smollm2_tokenizer, gguf_engine, hf_folders, shards):
+    hf = open_model(str(hf_folders[shards]))
     assert isinstance(hf, HFSource)
     assert hf.config.tied_embeddings
     ids = smollm2_tokenizer.encode("Tensor parallelism splits every layer across devices.")
@@ -78,11 +87,11 @@ def test_safetensors_logits_equal_gguf_logits(
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
 
 
-def test_missing_tensor_is_named(smollm2, tmp_path):
-    write_hf_folder(smollm2, tmp_path, 1)
-    (tmp_path / "config.json").write_text(
-        json.dumps({**json.loads((tmp_path / "config.json").read_text()), "num_hidden_layers": 31})
-    )
+def test_missing_tensor_is_named(hf_folders, tmp_path):
+    written = hf_folders[1]
+    (tmp_path / "model.safetensors").symlink_to(written / "model.safetensors")
+    config = json.loads((written / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 31}))
     hf = open_model(str(tmp_path))
     with pytest.raises(ModelError, match="model.layers.30"):
         hf.layer(30)
@@ -99,11 +108,10 @@ def _file_backed_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
 
 
-def test_reading_every_layer_leaves_no_file_pages_mapped(smollm2, tmp_path):
+def test_reading_every_layer_leaves_no_file_pages_mapped(hf_folders):
     """A splitter reads the whole model through the source; what it read must not stay mapped
     into the process, where it counts as memory (as safetensors' open handles did)."""
-    write_hf_folder(smollm2, tmp_path, 1)
-    source = open_model(str(tmp_path))
+    source = open_model(str(hf_folders[1]))
     layer_bytes = sum(t.nbytes for t in source.layer(0).values())  # first use warms up
     before = _file_backed_rss()
     for i in range(1, source.config.n_layers):

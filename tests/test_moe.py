@@ -27,6 +27,7 @@ from test_families import (
     _llama_permute,
     _ours,
     _randomize,
+    _reference,
     _windowed,
 )
 
@@ -40,7 +41,6 @@ from edgetp.node import protocol as P
 from edgetp.node.steps import check_step
 
 PROMPT_LENGTH = 40
-DECODE_STEPS = 16
 NODES = (1, 2, 3, 4)
 
 SMALL_MOE = {
@@ -289,16 +289,6 @@ def _write_gpt_oss_gguf(model, path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-@torch.inference_mode()
-def _reference(model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """transformers' logits at every position of prompt + its greedy continuation, and that
-    continuation."""
-    ids = list(prompt)
-    for _ in range(DECODE_STEPS):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return model(torch.tensor([ids])).logits[0], ids[len(prompt) :]
 
 
 @pytest.mark.slow

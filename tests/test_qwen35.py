@@ -22,8 +22,15 @@ import pytest
 import torch
 from cluster_threads import master_threads
 from local_processes import local_workers
-from test_families import _assert_close_logits, _generated, _greedy, _ours, _randomize, _windowed
-from test_moe import _reference
+from test_families import (
+    _assert_close_logits,
+    _generated,
+    _greedy,
+    _ours,
+    _randomize,
+    _reference,
+    _windowed,
+)
 from test_moe_serving import (
     assert_lookup_drafts_change_no_token,
     client_of,

@@ -48,6 +48,16 @@ def prompts(smollm2_tokenizer) -> dict[str, list[int]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def reference_logits(reference_model, prompts) -> dict[str, torch.Tensor]:
+    """transformers' logits at every position of each prompt, computed once: the prefill test
+    compares them all, the decode-step test their last row."""
+    with torch.inference_mode():
+        return {
+            name: reference_model(torch.tensor([ids])).logits[0] for name, ids in prompts.items()
+        }
+
+
 def _full_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     batch = StepBatch((0,), (0,), (len(ids),))
     return engine.forward([ids], batch, all_logits=True)[0]
@@ -74,11 +84,10 @@ def _greedy(engine: Engine, tokenizer, prompts: list[list[int]], n: int) -> list
 
 
 @pytest.mark.parametrize("name", ["raw", "chat", "long"])
-def test_logits_match_transformers(engine, reference_model, prompts, name):
+def test_logits_match_transformers(engine, reference_logits, prompts, name):
     ids = prompts[name]
     ours = _full_logits(engine, ids)
-    with torch.inference_mode():
-        ref = reference_model(torch.tensor([ids])).logits[0]
+    ref = reference_logits[name]
     assert ours.shape == ref.shape
     diff = (ours - ref).abs().max().item()
     scale = ref.abs().max().item()
@@ -87,13 +96,12 @@ def test_logits_match_transformers(engine, reference_model, prompts, name):
 
 
 @pytest.mark.parametrize("name", ["chat", "long"])
-def test_decode_step_logits_match_transformers(engine, reference_model, prompts, name):
+def test_decode_step_logits_match_transformers(engine, reference_logits, prompts, name):
     """A decode step (one new token: the NumPy rows path) against the reference's logits."""
     ids = prompts[name]
     engine.forward([ids[:-1]], StepBatch((0,), (0,), (len(ids) - 1,)))
     ours = engine.forward([ids[-1:]], StepBatch((0,), (len(ids) - 1,), (1,)))[0]
-    with torch.inference_mode():
-        ref = reference_model(torch.tensor([ids])).logits[0, -1]
+    ref = reference_logits[name][-1]
     diff = (ours - ref).abs().max().item()
     scale = ref.abs().max().item()
     print(
