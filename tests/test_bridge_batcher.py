@@ -236,7 +236,7 @@ def test_submit_is_thread_safe(batcher, prompts, solo):
 
 
 def test_a_node_lost_mid_answer_loses_no_answer_and_frees_the_old_engine_first(
-    smollm2, smollm2_tokenizer, prompts, solo
+    smollm2, smollm2_tokenizer, shared_state, prompts, solo
 ):
     """A step that fails for a lost node, eight tokens into two answers: the master re-plans
     and both answers go on from where they were, token for token what they are uninterrupted;
@@ -273,7 +273,9 @@ def test_a_node_lost_mid_answer_loses_no_answer_and_frees_the_old_engine_first(
             return super()._plan()
 
     # A real hub that no worker joined: the master alone re-plans for itself.
-    session = Watched(smollm2, Hub("127.0.0.1", 0), context=256, slots=2)
+    session = Watched(
+        smollm2, Hub("127.0.0.1", 0), shared_state, context=256, slots=2, memory=FILE_TYPES
+    )
     old = session.start()
     old.remote = LostNode()
     old_caches.append(weakref.ref(old.executors[0].cache))

@@ -28,6 +28,7 @@ from edgetp.master.cluster.session import Session
 from edgetp.master.generation.batcher import Batcher, Delta, Event
 from edgetp.master.generation.params import SamplingParams
 from edgetp.master.generation.prompts import prompt_tokens
+from edgetp.memory.budget import FILE_TYPES
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +41,9 @@ GREEDY = {"temperature": 0, "max_tokens": 6}
 
 
 @pytest.fixture(scope="module")
-def bridge(smollm2, smollm2_tokenizer) -> Iterator[tuple[str, Batcher]]:
+def bridge(smollm2, smollm2_tokenizer, shared_state) -> Iterator[tuple[str, Batcher]]:
     """The bridge's base URL (no /v1) over a one-slot session, and its batcher."""
-    session = Session(smollm2, context=256, slots=1)
+    session = Session(smollm2, None, shared_state, context=256, slots=1, memory=FILE_TYPES)
     session.start()
     batcher = Batcher(session, smollm2_tokenizer).start()
     served = Served(batcher, smollm2_tokenizer, model_id=MODEL, keepalive_s=KEEPALIVE_S)

@@ -10,10 +10,12 @@ local nodes, with and without prompt-lookup drafts: every output validates.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jsonschema
@@ -130,10 +132,10 @@ def test_the_sampler_draws_only_what_the_grammar_allows(smollm2_tokenizer):
     assert plain == [Sampler(params)(torch.ones(8), []) for _ in range(3)]
 
 
-def test_a_complete_answer_ends_even_with_ignore_eos(smollm2, smollm2_tokenizer):
+def test_a_complete_answer_ends_even_with_ignore_eos(smollm2, smollm2_tokenizer, shared_state):
     """The bridge's ignore_eos asks for max_tokens tokens; past a complete JSON value the
     grammar allows only an end, so the answer ends there."""
-    with Session(smollm2, context=256, slots=1) as session:
+    with Session(smollm2, None, shared_state, context=256, slots=1, memory=FILE_TYPES) as session:
         session.start()
         params = SamplingParams(
             max_tokens=60, ignore_eos=True, grammar=json_schema_grammar({"enum": ["yes", "no"]})
@@ -212,29 +214,48 @@ def answer_all(batcher: Batcher, tokenizer, schemas: list[dict[str, Any]]) -> li
     return texts
 
 
+@pytest.fixture(scope="module")
+def cluster_of(smollm2, shared_state) -> Iterator[Callable[[int], Session]]:
+    """A started session of n nodes (1: the master alone) of SLOTS slots on the file's blocks,
+    kept for the next configuration of the same count (they run in order of it) and closed
+    when another count is asked for. Each configuration runs a batcher of its own, whose slots
+    start empty."""
+    held: dict[int, Session] = {}
+    with contextlib.ExitStack() as stack:
+
+        def of(nodes: int) -> Session:
+            if nodes not in held:
+                stack.close()  # the other count's session
+                held.clear()
+                if nodes == 1:
+                    held[nodes] = stack.enter_context(
+                        Session(smollm2, None, shared_state, context=512, slots=SLOTS,
+                                memory=FILE_TYPES)
+                    )  # fmt: skip
+                    held[nodes].start()
+                else:
+                    held[nodes] = stack.enter_context(
+                        local_session(smollm2, nodes, state_dir=shared_state, context=512,
+                                      slots=SLOTS, memory=FILE_TYPES)
+                    )  # fmt: skip
+            return held[nodes]
+
+        yield of
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("nodes", "draft", "seed"), [(1, False, 1), (1, True, 2), (3, False, 3), (3, True, 4)]
 )
 def test_random_schemas_are_always_answered_in_valid_json(
-    smollm2, smollm2_tokenizer, shared_state, nodes, draft, seed
+    cluster_of, smollm2_tokenizer, nodes, draft, seed
 ):
     """Each configuration answers its own random schemas, SLOTS at a time: every answer ends
     on its own and validates against its schema."""
     rng = random.Random(seed)
     schemas = [random_schema(rng) for _ in range(SCHEMAS)]
     speculator = Speculator() if draft else None
-    if nodes == 1:
-        with Session(
-            smollm2, None, shared_state, context=512, slots=SLOTS, memory=FILE_TYPES
-        ) as session:
-            session.start()
-            texts = run_batched(session, smollm2_tokenizer, speculator, schemas)
-    else:
-        with local_session(
-            smollm2, nodes, state_dir=shared_state, context=512, slots=SLOTS, memory=FILE_TYPES
-        ) as session:
-            texts = run_batched(session, smollm2_tokenizer, speculator, schemas)
+    texts = run_batched(cluster_of(nodes), smollm2_tokenizer, speculator, schemas)
     for schema, text in zip(schemas, texts, strict=True):
         jsonschema.validate(json.loads(text), schema)
     if draft:

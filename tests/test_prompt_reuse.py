@@ -161,17 +161,19 @@ def test_a_conversation_prefills_only_each_new_turn_and_answers_the_same(
         assert turn.text == other_off[1].text
 
 
-def test_three_local_nodes_prefill_only_each_new_turn(smollm2, smollm2_tokenizer, steps, tmp_path):
+def test_three_local_nodes_prefill_only_each_new_turn(
+    smollm2, smollm2_tokenizer, steps, shared_state
+):
     """Three local nodes: the nodes keep every slot's KV, so the same holds."""
     with local_session(
-        smollm2, 3, context=1024, slots=2, state_dir=tmp_path, memory=FILE_TYPES
+        smollm2, 3, context=1024, slots=2, state_dir=shared_state, memory=FILE_TYPES
     ) as session:
         off = converse(session, smollm2_tokenizer, steps, False, QUESTIONS[:3])
         on = converse(session, smollm2_tokenizer, steps, True, QUESTIONS[:3])
     check_reuse(off, on, smollm2_tokenizer, QUESTIONS[:3])
 
 
-def test_a_node_lost_forgets_what_the_slots_held(smollm2, smollm2_tokenizer, steps):
+def test_a_node_lost_forgets_what_the_slots_held(smollm2, smollm2_tokenizer, steps, shared_state):
     """A node lost mid-step: the re-planned engine's caches are empty, so a prompt that the old
     engine's slot held is prefilled again (past what the new engine's slots hold), and answers
     the same."""
@@ -198,7 +200,9 @@ def test_a_node_lost_forgets_what_the_slots_held(smollm2, smollm2_tokenizer, ste
             return h, 0.0
 
     # A real hub that no worker joined: the master alone re-plans for itself.
-    with Session(smollm2, Hub("127.0.0.1", 0), context=256, slots=2) as session:
+    with Session(
+        smollm2, Hub("127.0.0.1", 0), shared_state, context=256, slots=2, memory=FILE_TYPES
+    ) as session:
         lost = LostNode()
         session.start().remote = lost
         batcher = Batcher(session, smollm2_tokenizer).start()

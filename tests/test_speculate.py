@@ -8,7 +8,6 @@ import pytest
 from cluster_threads import master_threads
 from test_sampling import SIX_HISTORY, SIX_LOGITS, assert_distributed_as
 
-from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.local import local_session
 from edgetp.master.cluster.session import Session
 from edgetp.master.generation.generate import start, stream
@@ -137,12 +136,23 @@ def _generate(engine, tokenizer, prompts, speculator, max_tokens=64):
     return [g.tokens for g in seqs]
 
 
+@pytest.fixture(scope="module")
+def one_node(smollm2, shared_state):
+    """One process of two slots for the one-node tests, on the file's blocks as `edgetp` runs
+    them: drafts are held to the same engine's plain run (mechanics, not parity)."""
+    with Session(smollm2, None, shared_state, context=512, slots=2, memory=FILE_TYPES) as session:
+        session.start()
+        yield session
+
+
 @pytest.mark.slow
-def test_greedy_tokens_are_the_same_with_and_without_drafts_on_one_node(smollm2, smollm2_tokenizer):
+def test_greedy_tokens_are_the_same_with_and_without_drafts_on_one_node(
+    one_node, smollm2_tokenizer
+):
     """A batch of two: a prompt to repeat with an edit (drafts hit) and an open question (they
     mostly miss): each sequence's tokens equal its non-speculative run's, and the first makes
     several tokens a step."""
-    engine = Engine.local(smollm2, max_context=512, slots=2)
+    engine = one_node.engine
     prompts = [
         prompt_tokens(smollm2_tokenizer, EDIT, raw=False),
         prompt_tokens(smollm2_tokenizer, "Why is the sky blue?", raw=False),
@@ -157,22 +167,20 @@ def test_greedy_tokens_are_the_same_with_and_without_drafts_on_one_node(smollm2,
 
 
 @pytest.mark.slow
-def test_greedy_tokens_are_the_same_with_a_draft_model(smollm2, smollm2_tokenizer, shared_state):
+def test_greedy_tokens_are_the_same_with_a_draft_model(one_node, smollm2_tokenizer):
     """A batch of two open prompts, drafted by a poor draft model: each sequence's tokens
     equal its non-speculative run's although many drafts are rejected."""
     prompts = [
         prompt_tokens(smollm2_tokenizer, "Why is the sky blue?", raw=False),
         prompt_tokens(smollm2_tokenizer, "Write a haiku about the sea.", raw=False),
     ]
-    with Session(smollm2, None, shared_state, context=512, slots=2, memory=FILE_TYPES) as session:
-        session.start()
-        assert session.engine is not None
-        plain = _generate(session.engine, smollm2_tokenizer, prompts, None)
-        speculator = SlowLinkSpeculator(poor_draft_model(session, smollm2_tokenizer))
-        try:
-            drafted = _generate(session.engine, smollm2_tokenizer, prompts, speculator)
-        finally:
-            speculator.close()
+    assert one_node.engine is not None
+    plain = _generate(one_node.engine, smollm2_tokenizer, prompts, None)
+    speculator = SlowLinkSpeculator(poor_draft_model(one_node, smollm2_tokenizer))
+    try:
+        drafted = _generate(one_node.engine, smollm2_tokenizer, prompts, speculator)
+    finally:
+        speculator.close()
     figures = speculator.figures()
     print(f"\n{figures}")
     assert drafted == plain
