@@ -190,11 +190,17 @@ class Hub:
                 )
         if reason:
             log.warning("refused node %s: %s", hello.name, reason)
-            self._send(identity, M.Refuse(reason))
+            self._send_quietly(identity, M.Refuse(reason))
             return
         # Answer at once: planning and splitting a big model can take minutes before WELCOME,
         # and the node should know meanwhile that it is in, and watch the master's heartbeat.
-        self._send(identity, M.Accepted(self.heartbeat.port))
+        try:
+            self._send(identity, M.Accepted(self.heartbeat.port))
+        except NodeDown:
+            # It exited after its HELLO was sent (a worker that gave up while the master was
+            # busy re-planning): nobody to take in. Raised, it ended the caller's loop.
+            log.warning("node %s left before its HELLO was answered", hello.name)
+            return
         # The same identity again (a restarted worker, a peer dropped before): the new process
         # holds none of the old one's slice.
         for old in [m for m in self.nodes if m.identity == identity]:
