@@ -106,9 +106,11 @@ def _session(
     (None) a LAN master that devices join."""
     from edgetp.master.cluster.lan import lan_session
     from edgetp.memory.files import default_state_dir
+    from edgetp.memory.window import keep_imports_out_of_collections
     from edgetp.models.kernels import set_threads
     from edgetp.tui.progress import StageBars
 
+    keep_imports_out_of_collections()
     if local is not None:
         return _local_session(args, source, slots, local)
     set_threads(args.threads)
