@@ -207,9 +207,9 @@ def _enter(
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux: the name is only for people reading `ps`
-    # What it inherited (the imports) stays out of its collections, which hold the GIL and with
-    # it the heartbeats (`memory.window.return_freed_memory`), and their writes to it out of
-    # the pages it shares with the server.
+    # What it inherited stays out of its collections (and their writes out of the pages it
+    # shares with the server): `memory.window.keep_imports_out_of_collections`, whose module
+    # this one does not import (the fork server imports it before torch).
     gc.freeze()
     target(*args)
 

@@ -24,10 +24,11 @@ TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call", "response_f
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    state = tmp_path_factory.mktemp("fuzz-state")
+def server(shared_state):
+    # The run's state folder: its kernel checks were made once for the run, and the master
+    # alone reads the model itself (no shards, nothing written that another test reads).
     args = ["--local-nodes", "1", "--context", "64", "--max-batch", "2", "--api-key", KEY]
-    args += ["--state-dir", str(state)]
+    args += ["--state-dir", str(shared_state)]
     server = start_server(args)
     yield server
     server.stop()

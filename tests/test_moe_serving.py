@@ -169,10 +169,10 @@ def test_the_bridge_answers_whole_and_streamed_alike(bridge):
 
 
 def test_a_node_lost_mid_answer_loses_nothing_of_it(bridge):
-    """A worker killed at the stream's 8th chunk of 200: the master re-plans on the nodes left,
+    """A worker killed at the stream's 8th chunk of 64: the master re-plans on the nodes left,
     replays the answer so far, and the stream ends with the uninterrupted answer's text."""
     client = client_of(bridge)
-    whole = client.chat.completions.create(**greedy(client, 200)).choices[0].message.content
+    whole = client.chat.completions.create(**greedy(client, 64)).choices[0].message.content
     before = generation(bridge)
     workers = local_workers(bridge.proc.pid)
     assert sorted(workers) == ["local-1", "local-2"], workers
@@ -181,7 +181,7 @@ def test_a_node_lost_mid_answer_loses_nothing_of_it(bridge):
         if n == 8:
             os.kill(workers["local-1"], signal.SIGKILL)
 
-    text = streamed(client, 200, kill_at_the_8th_chunk)
+    text = streamed(client, 64, kill_at_the_8th_chunk)
     after = generation(bridge)
     assert after["recovered"] == before["recovered"] + 1, after  # the kill landed mid-answer
     assert "node local-1 " in after["last_loss"] and after["failed"] == before["failed"], after

@@ -22,6 +22,8 @@ from edgetp.master.cluster.session import Session
 from edgetp.master.cluster.transport import ClusterError
 from edgetp.master.generation.generate import start, stream
 from edgetp.master.generation.params import SamplingParams
+from edgetp.memory.budget import FILE_TYPES
+from edgetp.models.kernels import embed
 from edgetp.node import messages as M
 from edgetp.node import protocol as P
 from edgetp.node.messages import Capacity
@@ -145,6 +147,39 @@ def test_plain_socket_gets_nothing_and_breaks_nothing(tmp_path):
         hub.close()
 
 
+def test_a_node_gone_before_its_hello_is_answered_breaks_nothing(caplog):
+    """A worker that exits right after its HELLO (one that gave up on a master busy
+    re-planning): the master, reading the HELLO later, takes nobody in and goes on. Its answer
+    used to raise out of `watch_membership` and end the bridge's generation loop."""
+    hub = Hub("127.0.0.1", 0)
+    ctx = zmq.Context.instance()
+    gone = ctx.socket(zmq.DEALER)
+    gone.setsockopt(zmq.LINGER, 0)
+    gone.setsockopt(zmq.IDENTITY, b"gone")
+    secure_client(gone, hub.token)
+    gone.connect(f"tcp://127.0.0.1:{hub.port}")
+
+    def unreachable() -> bool:
+        """Whether the master's socket has let go of the node (a probe frame it cannot route)."""
+        try:
+            hub.transport.sock.send_multipart([b"gone", b""], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return True
+        return False
+
+    try:
+        gone.send_multipart(M.encode(M.Hello(P.PROTOCOL_VERSION, "gone", Capacity(1, 1, 1.0))))
+        assert hub.transport.sock.poll(30_000), "its HELLO did not arrive"
+        gone.close()
+        wait_until(unreachable, 30, "the master's socket letting go of the node")
+        with caplog.at_level(logging.WARNING):
+            assert not hub.watch_membership(0.2)  # the HELLO read, answered, nothing raised
+        assert hub.nodes == []
+        assert any("left before its HELLO was answered" in r.getMessage() for r in caplog.records)
+    finally:
+        hub.close()
+
+
 class Sniffer:
     """Every TCP payload seen on the loopback interface (needs root: AF_PACKET)."""
 
@@ -193,12 +228,15 @@ class Sniffer:
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="capturing packets needs root")
 @master_threads(2)
-def test_traffic_between_master_and_worker_is_encrypted(smollm2, smollm2_tokenizer, tmp_path):
+def test_traffic_between_master_and_worker_is_encrypted(smollm2, smollm2_tokenizer, shared_state):
     prompt = "The secret password is swordfish. Repeat the secret password:"
     ids = smollm2_tokenizer.encode(prompt)
     hub = Hub("127.0.0.1", 0, model_names=(smollm2.name,))
-    session = Session(smollm2, hub, tmp_path, 128, 1, equal_shares=True)
-    workers = LocalWorkers(1, hub.port, 1, tmp_path, False, hub.token)
+    # The file's own blocks, as `edgetp serve` runs them, from the run's state folder: the
+    # shards of this split and the kernel checks are those of every 2-node local cluster, and
+    # the worker reads the master's store (nothing of them crosses the wire either way).
+    session = Session(smollm2, hub, shared_state, 128, 1, FILE_TYPES, equal_shares=True)
+    workers = LocalWorkers(1, hub.port, 1, shared_state, False, hub.token, memory=FILE_TYPES)
     try:
         engine = session.start(workers=1, timeout=120)
         sniffer = Sniffer()
@@ -213,7 +251,7 @@ def test_traffic_between_master_and_worker_is_encrypted(smollm2, smollm2_tokeniz
         a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
         port = a.bind_to_random_port("tcp://127.0.0.1")
         b.connect(f"tcp://127.0.0.1:{port}")
-        h0 = torch.nn.functional.embedding(torch.tensor([ids]), engine.embedding)
+        h0 = embed(torch.tensor([ids]), engine.embedding, engine.embedding_scale)
         b.send_multipart(M.encode(M.Step(step=1, layer=0, block=P.ATTENTION), (h0,)))
         a.recv_multipart()
         control.caught_up()

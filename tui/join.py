@@ -26,11 +26,14 @@ def join(args: argparse.Namespace) -> None:
     given = None if args.master is None else _master_address(args.master)  # before torch loads
     from edgetp.memory.budget import parse_size
     from edgetp.memory.files import default_state_dir
+    from edgetp.memory.window import keep_imports_out_of_collections
     from edgetp.models.kernels import set_threads
     from edgetp.node.probes import measure_capacity
     from edgetp.node.security import TOKEN_ENV, JoinToken, load_node_token
     from edgetp.node.worker import Worker
     from edgetp.tui.progress import progress_bar
+
+    keep_imports_out_of_collections()
 
     threads = set_threads(args.threads)
     budget = parse_size(args.memory_budget) if args.memory_budget else None

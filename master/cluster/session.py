@@ -37,7 +37,7 @@ from edgetp.memory.budget import (
 )
 from edgetp.memory.files import atomic_write, default_state_dir
 from edgetp.memory.shards import Manifest, ShardStore
-from edgetp.memory.window import return_freed_memory
+from edgetp.memory.window import keep_imports_out_of_collections, return_freed_memory
 from edgetp.models.config import ModelConfig
 from edgetp.models.errors import ModelError
 from edgetp.models.kernels import blas_threads
@@ -280,10 +280,9 @@ class Session:
         # False) would have: names, for the record.
         self.standby_choice: list[str] = []
         self._planned = False  # a plan was made: a worker too small for a later one is left out
-        # What this process holds now (torch's import, the model's source) stays out of the
-        # collections of its re-plans, which hold the GIL and with it the heartbeats
-        # (`return_freed_memory`); `close` puts it back in.
-        gc.freeze()
+        # Out of the collections of its re-plans, which hold the GIL and with it the heartbeats
+        # (`return_freed_memory`): what it holds now. `close` puts it back in.
+        keep_imports_out_of_collections()
 
     def __enter__(self) -> Session:
         return self
