@@ -76,6 +76,7 @@ class EmulatedDevices:
         self.subnet: ipaddress.IPv4Network | None = None
         self.bridge = f"etp{os.getpid()}b"
         self.namespaces: list[str] = []
+        self.veths: list[str] = []  # each worker's host end of its veth pair
         self.relays: list[subprocess.Popen[bytes]] = []
         self.master_entered = False
 
@@ -199,6 +200,11 @@ class EmulatedDevices:
             for folder in folders.values():
                 remove_cgroup(folder)
         self.cgroups = []
+        # A pair is deleted with either end, at once; with its namespace only once the last
+        # process in it is gone, which a node ending late outlived (a host end was left behind).
+        for veth in self.veths:
+            run_tool("ip", "link", "del", veth, check=False)
+        self.veths = []
         for name in self.namespaces:
             if name:
                 run_tool("ip", "netns", "del", name, check=False)
@@ -263,6 +269,7 @@ class EmulatedDevices:
             run_tool("ip", "netns", "add", ns)
             self.namespaces.append(ns)
             run_tool("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
+            self.veths.append(host_end)
             run_tool("ip", "link", "set", node_end, "netns", ns)
             run_tool("ip", "link", "set", host_end, "master", self.bridge, "up")
             inside = ("ip", "-n", ns)
