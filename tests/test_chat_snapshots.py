@@ -344,6 +344,39 @@ def test_a_stream_gives_reasoning_apart_from_the_answer():
     assert events == [*(Reasoning(r) for r in REASONING), *CONTENT, StreamEnd("stop", 30)]
 
 
+def test_a_client_used_on_two_event_loops_closes_without_touching_the_ended_one():
+    """A keep-alive connection belongs to the loop that opened it: once that loop has ended,
+    the client asks on a new connection of the next loop, and closing it there does not reach
+    back into the ended loop (which raised 'Event loop is closed' as an app closed)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    class Models(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the pool keeps the connection
+
+        def do_GET(self) -> None:
+            body = json.dumps({"data": [{"id": "m"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = BridgeClient(f"http://127.0.0.1:{server.server_port}")
+        assert asyncio.run(client.model()) == "m"  # this loop ends with a connection pooled
+        assert asyncio.run(client.model()) == "m"
+        asyncio.run(client.aclose())
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

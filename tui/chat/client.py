@@ -7,6 +7,7 @@ started with `master.bridge.client.start_server`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,17 +69,23 @@ class BridgeClient:
         self._api_key = api_key
         self._transport = transport
         self._http: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop its connections are on
 
     def _client(self) -> httpx.AsyncClient:
-        # Made on first use, so it belongs to the event loop that runs the app.
-        if self._http is None:
+        # Made on first use, so it belongs to the event loop that runs the app. Its connections
+        # are that loop's: a later loop (the app run again) gets a client of its own.
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._loop is not loop:
             self._http = bridge_http(self.base_url, self._api_key, transport=self._transport)
+            self._loop = loop
         return self._http
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        """Close the connections. Those of a loop that has ended went with it: closing them
+        from another loop would schedule work on the ended one."""
+        http, self._http = self._http, None
+        if http is not None and self._loop is asyncio.get_running_loop():
+            await http.aclose()
 
     async def _get(self, path: str) -> Any:
         try:
