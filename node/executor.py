@@ -138,8 +138,7 @@ class SliceExecutor:
         """Positions are the same for every layer of a step: look up RoPE tables once; and
         which backend computes each block in this step."""
         self._batch = batch
-        if self.cache.linear is not None:
-            self.cache.linear.begin_step(batch)
+        self.cache.begin_step(batch)
         local = self.local_rope
         step = StepTables(
             batch,

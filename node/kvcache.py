@@ -5,12 +5,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from edgetp.models.config import ModelConfig
 from edgetp.models.errors import ModelError
 from edgetp.models.families import family_of
-from edgetp.models.kvformat import DEFAULT_KV_FORMAT, kv_arrays, kv_tensor, row_bytes
+from edgetp.models.kvformat import (
+    DEFAULT_KV_FORMAT,
+    KVArrays,
+    kv_arrays,
+    kv_parts,
+    kv_tensor,
+    row_bytes,
+)
 from edgetp.models.layers import Slice, StepBatch
 
 # A context past any window: the layers whose cache holds fewer positions keep a ring (or none)
@@ -46,6 +54,16 @@ class KVCache:
         self.slots = slots
         self.max_context = max_context
         self.linear = LinearStates(config, s, slots) if config.linear_layers else None
+        rings = [i for i in range(config.n_layers) if 0 < self.keys[i].shape[2] < max_context]
+        self.rings = RingUndo(self.key_arrays, self.value_arrays, rings, slots) if rings else None
+
+    def begin_step(self, batch: StepBatch) -> None:
+        """Before a step's first layer: bring each sequence's rings and linear states to its
+        start."""
+        if self.rings is not None:
+            self.rings.begin_step(batch)
+        if self.linear is not None:
+            self.linear.begin_step(batch)
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +127,45 @@ class Resume:
     replay: int = 0
     keep: bool = False
     ends_prompt: bool = False
+
+
+class RingUndo:
+    """What a short step overwrites in the local layers' rings, kept to undo it.
+
+    A ring of W positions holds position p at p % W: a step's tokens overwrite the W-old
+    positions the window no longer reads, but a speculative step's rejected drafts would have
+    overwritten positions that the tokens after them still read. So before a step of at most
+    `KEPT_TOKENS` tokens, the ring positions it will write are copied here; a step that starts
+    within it (after a rejected draft) first puts back those from its start on, as
+    `LinearStates` takes back its state. The copy costs a step's positions, not a ring's."""
+
+    def __init__(
+        self, keys: list[KVArrays], values: list[KVArrays], layers: list[int], slots: int
+    ) -> None:
+        # Each ring's arrays (a q8_0 cache's codes and scales), with a copy of KEPT_TOKENS
+        # positions per slot beside each.
+        self.flat = [p for a in (keys, values) for i in layers for p in kv_parts(a[i])]
+        self.kept = [
+            np.zeros((*p.shape[:2], KEPT_TOKENS, *p.shape[3:]), p.dtype) for p in self.flat
+        ]
+        self.kept_at = [-1] * slots  # where a slot's kept positions start (-1: none)
+        self.kept_tokens = [0] * slots
+
+    def begin_step(self, batch: StepBatch) -> None:
+        for slot, start, n in zip(batch.slots, batch.starts, batch.lengths, strict=True):
+            kept, count = self.kept_at[slot], self.kept_tokens[slot]
+            if 0 <= kept <= start < kept + count:  # back within the last step: undo its rest
+                for ring, copy in zip(self.flat, self.kept, strict=True):
+                    w = ring.shape[2]
+                    for p in range(start, kept + count):
+                        ring[slot, :, p % w] = copy[slot, :, p - kept]
+            keep = 1 < n <= KEPT_TOKENS
+            if keep:
+                for ring, copy in zip(self.flat, self.kept, strict=True):
+                    where = [p % ring.shape[2] for p in range(start, start + n)]
+                    copy[slot, :, :n] = ring[slot][:, where]
+            self.kept_at[slot] = start if keep else -1
+            self.kept_tokens[slot] = n if keep else 0
 
 
 class LinearStates:

@@ -8,11 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from cluster_threads import master_threads
 from gguf_copy import transformers_model
+from test_speculate import SlowLinkSpeculator
 
 from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.local import local_session
 from edgetp.master.cluster.plan import head_rows, plan_slices
 from edgetp.master.cluster.splitter import split_model
+from edgetp.master.generation.generate import start, stream
+from edgetp.master.generation.params import SamplingParams
+from edgetp.memory.budget import FILE_TYPES
 from edgetp.memory.shards import ShardStore
 from edgetp.models.bundled import BUNDLED_MODELS
 from edgetp.models.layers import StepBatch
@@ -144,3 +150,65 @@ def test_a_split_keeps_the_file_s_size(gemma3_path, tmp_path):
             f"{copies / 1e6:.1f} MB, file {file / 1e6:.1f} MB: {total / file:.3f}"
         )
         assert abs(total / file - 1) <= 0.05, (n, total, file)
+
+
+def test_a_step_after_rejected_drafts_reads_the_window_it_had_before_them(gemma3_path):
+    """Past the window, a step of a token and seven drafts writes eight ring positions, whose
+    old keys the next tokens still read. Taking back the drafts (the next step starts after
+    the token) puts them back: that step's logits are those of a run without the drafts."""
+    source = open_model(gemma3_path)
+    window = source.config.sliding_window
+    prompt = source.tokenizer().encode(LONG_TEXT)
+    n = len(prompt)
+    assert window is not None and n > window + 16, n
+    engine = Engine.local(source, max_context=1024, slots=2)
+    engine.forward([prompt, prompt], StepBatch((0, 1), (0, 0), (n, n)))
+    token, drafts, following = 1000, [7, 8, 9, 10, 11, 12, 13], 2000
+    engine.forward([[token]], StepBatch((0,), (n,), (1,)))  # slot 0: no drafts
+    engine.forward([[token, *drafts]], StepBatch((1,), (n,), (8,)))  # slot 1: all rejected
+    plain = engine.forward([[following]], StepBatch((0,), (n + 1,), (1,)))
+    taken_back = engine.forward([[following]], StepBatch((1,), (n + 1,), (1,)))
+    diff, scale = (taken_back - plain).abs().max().item(), plain.abs().max().item()
+    print(f"\nafter rejected drafts: max|diff| {diff:.3g} vs max|logit| {scale:.3g}")
+    assert diff <= 1e-4 * scale
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_lookup_drafts_past_the_local_window_change_no_greedy_token(
+    gemma3_path, shared_state, nodes
+):
+    """`--draft lookup` on a model with sliding-window rings: a text to repeat, long enough
+    that each ring has wrapped before the first draft, continued greedily with and without
+    drafts. The same tokens: the ring positions that rejected drafts overwrote were put back
+    (node/kvcache.py, RingUndo), on the master's slice and on the workers'."""
+    source = open_model(gemma3_path)
+    tokenizer = source.tokenizer()
+    window = source.config.sliding_window
+    assert window is not None and source.config.local_layers
+    # The text's paragraph again and again, numbered: after a number, lookup drafts the last
+    # one's number (rejected, the model counts on), then the paragraph (accepted).
+    paragraph = LONG_TEXT[: len(LONG_TEXT) // 9]
+    prompt = tokenizer.encode("".join(f"{i}. {paragraph}\n" for i in range(1, 10)))
+    assert len(prompt) > window + 64, len(prompt)  # the rings wrapped in the prompt already
+    with (
+        master_threads(nodes),
+        local_session(
+            source, nodes, state_dir=shared_state, context=1024, memory=FILE_TYPES
+        ) as session,
+    ):
+        assert session.engine is not None
+        plain = generate_greedy(session.engine, tokenizer, prompt, None)
+        lookups = SlowLinkSpeculator()
+        drafted = generate_greedy(session.engine, tokenizer, prompt, lookups)
+    figures = lookups.figures()
+    print(f"\n{nodes} node(s): {figures}\n{tokenizer.decode(plain)!r}")
+    assert drafted == plain
+    assert figures["accepted"] > 0, figures
+    assert figures["accepted"] < figures["drafted"], figures  # rejected drafts were undone
+
+
+def generate_greedy(engine, tokenizer, prompt: list[int], speculator, max_tokens: int = 48):
+    [seq] = start(engine, [prompt], [SamplingParams(max_tokens=max_tokens)])
+    for _ in stream(engine, tokenizer, [seq], speculator):
+        pass
+    return seq.tokens

@@ -123,8 +123,6 @@ def step(
     active = [g for g in seqs if not g.finished]
     if not active:
         return
-    if engine.config.local_layers:  # a local layer's KV ring: a rejected draft would overwrite
-        speculator = None  # a position its window still reads
     feeds = [g.pending() for g in active]
     decoding = [g.decoding for g in active]  # not a prompt (new, or replayed)
     drafts: list[list[int]] = [[] for _ in active]
