@@ -11,9 +11,12 @@ even as models/csrc/rows.c does, so the three paths hold the same codes for the 
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from edgetp.models.errors import ModelError
@@ -25,6 +28,16 @@ Q8_BLOCK = 32  # values a q8_0 scale covers
 # value): two paths that compute a key a float32 rounding apart may store it a step apart, and
 # their attention differ by about as much (models/rows_native.py's check allows for it).
 ROUNDING = {"f32": 0.0, "f16": 2.0**-10, "q8_0": 1 / 127}
+
+
+def untouched_zeros(shape: tuple[int, ...], dtype: npt.DTypeLike) -> torch.Tensor:
+    """Zeros in pages of their own that the kernel maps only as they are written (an anonymous
+    mapping): torch.zeros writes every byte, committing a whole cache at start (1.5 GB in 1 s)
+    that a device may fill only in part, and calloc may hand back used heap it must clear."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes == 0:
+        return torch.from_numpy(np.zeros(shape, dtype))
+    return torch.from_numpy(np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape))
 
 
 def row_bytes(kv_format: str, head_dim: int) -> int:
@@ -52,8 +65,8 @@ class Q8Tensor:
 
     def __init__(self, shape: tuple[int, ...]) -> None:
         _check_q8(shape[-1])
-        self.codes = torch.zeros(shape, dtype=torch.int8)
-        self.scales = torch.zeros((*shape[:-1], shape[-1] // Q8_BLOCK), dtype=torch.float16)
+        self.codes = untouched_zeros(shape, np.int8)
+        self.scales = untouched_zeros((*shape[:-1], shape[-1] // Q8_BLOCK), np.float16)
 
     @property
     def shape(self) -> torch.Size:
@@ -111,7 +124,7 @@ def kv_tensor(kv_format: str, shape: tuple[int, ...]) -> KVTensor:
     row_bytes(kv_format, shape[-1])  # a format it knows, a head_dim it can hold
     if kv_format == "q8_0":
         return Q8Tensor(shape)
-    return torch.zeros(shape, dtype=torch.float16 if kv_format == "f16" else torch.float32)
+    return untouched_zeros(shape, np.float16 if kv_format == "f16" else np.float32)
 
 
 def kv_arrays(t: KVTensor) -> KVArrays:
