@@ -175,7 +175,7 @@ class MemoryOptions:
     window: int | None = None  # layers in memory, forced; None: derived from the budget
     dtype: str = "f32"  # shard dtype, chosen at split time (master only)
     drop_cache: bool = False  # drop each shard from the page cache after reading it
-    kv_cache: str = "f32"  # how every node's KV cache stores keys and values (models/kvformat.py)
+    kv_cache: str = "f32"  # how every node stores keys and values (models/kvformat.py), or "auto"
 
     @property
     def streaming(self) -> bool:

@@ -22,7 +22,12 @@ from edgetp.master.cluster.plan import (
     with_messages,
     workers_to_plan,
 )
-from edgetp.master.cluster.session import WorkerTooSmall, keep_last_plan, memory_plans
+from edgetp.master.cluster.session import (
+    WorkerTooSmall,
+    keep_last_plan,
+    kv_format_plans,
+    memory_plans,
+)
 from edgetp.master.cluster.splitter import split_model
 from edgetp.memory.budget import MemoryOptions
 from edgetp.memory.files import measure_disk_read
@@ -325,6 +330,35 @@ def test_a_worker_s_memory_plan_counts_its_rows_of_the_lm_head(smollm2, tmp_path
     assert (plan.window, plan.context) == (2, 128)
     _, plan = memory_plans(manifest, hub, 256, 1, MemoryOptions(kv_cache="q8_0"))
     assert plan.window == 2 and plan.context >= 64 / 0.3
+
+
+def test_an_auto_kv_cache_takes_the_first_format_that_holds_the_context(smollm2, tmp_path, caplog):
+    """`--kv-cache auto` under a worker's budget that holds 64 tokens of float32 keys and
+    values: f32 for a context of 64, f16 for 128, q8_0 for 200; for 1000, which none holds,
+    q8_0's 213 or so, and the choice said at start."""
+    caps = [1.0, 1.0]
+    slices = plan_slices(smollm2.config, caps)
+    heads = head_rows(smollm2.config, slices, caps)
+    manifest = split_model(smollm2, slices, ShardStore(tmp_path), head_rows=heads)
+    two_layers = 2 * max(r.size for r in manifest.nodes[1])
+    cache = 64 * KVCache.bytes_per_token(smollm2.config, slices[1], "f32")
+    budget = two_layers + cache + manifest.head_size(1)
+    worker = SimpleNamespace(name="w", capacity=SimpleNamespace(memory_budget=budget, window=None))
+    hub = SimpleNamespace(members=[worker])
+    auto = MemoryOptions(kv_cache="auto")
+    chosen = {}
+    for context in (64, 128, 200, 1000):
+        kv_format, plans = kv_format_plans(manifest, hub, context, 1, auto)
+        chosen[context] = (kv_format, min(p.context for p in plans))
+    assert chosen[64] == ("f32", 64) and chosen[128] == ("f16", 128)
+    assert chosen[200] == ("q8_0", 200)
+    assert chosen[1000][0] == "q8_0" and 64 / 0.3 <= chosen[1000][1] < 1000
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")]
+    tokens = chosen[1000][1]
+    assert said[-1] == (
+        f"KV cache q8_0, for {tokens} tokens of context of the 1000 asked for (f32 would hold 64)"
+    )
+    assert kv_format_plans(manifest, hub, 128, 1, MemoryOptions(kv_cache="f32"))[0] == "f32"
 
 
 def test_local_workers_in_the_master_s_memory_cgroup_split_what_its_limit_leaves(

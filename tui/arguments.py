@@ -125,11 +125,12 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
         )
         p.add_argument(
             "--kv-cache",
-            choices=("f32", "f16", "q8_0"),
+            choices=("f32", "f16", "q8_0", "auto"),
             default="f32",
             help="how every node stores keys and values (f16: half the memory of f32; q8_0: "
-            "GGUF's blocks of 32, 0.27x); attention computes in float32 either way "
-            "(default f32)",
+            "GGUF's blocks of 32, 0.27x; auto: f32, or the first of f16 and q8_0 whose cache "
+            "holds the context under every node's memory budget); attention computes in "
+            "float32 either way (default f32)",
         )
     p.add_argument(
         "--window", type=_positive, default=None, help="layers of the slice in memory (forced)"

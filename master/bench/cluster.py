@@ -414,7 +414,8 @@ def _rss_run(
         time_greedy(engine, tokenizer, prompt, n_tokens)
         histories = [("master", engine.history)] + [(m.name, m.history) for m in members]
         slices = [engine.slices[0], *(Slice.from_dict(m.slice) for m in members)]
-        kv_per_token = [KVCache.bytes_per_token(engine.config, s, memory.kv_cache) for s in slices]
+        kv_format = engine.executors[0].cache.kv_format  # "auto" chose it
+        kv_per_token = [KVCache.bytes_per_token(engine.config, s, kv_format) for s in slices]
         engine.close()
     print(f"memory over {n_tokens} tokens, {nodes} node(s):")
     print(

@@ -6,6 +6,7 @@ import gc
 import json
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -133,7 +134,7 @@ def _cluster_engine(
     split_progress = (lambda d, t: progress("splitting", d, t)) if progress else None
     manifest = split_model(source, slices, store, split_progress, memory.dtype, heads)
     try:
-        plans = memory_plans(manifest, hub, context, slots, memory, one_device)
+        kv_format, plans = kv_format_plans(manifest, hub, context, slots, memory, one_device)
     except ModelError as exc:  # tell the workers why, or they only see the master go
         if hub is not None and not (isinstance(exc, WorkerTooSmall) and not first_plan):
             hub.close(reason=f"the master cannot run this plan: {exc}")
@@ -142,11 +143,51 @@ def _cluster_engine(
     if hub is not None:
         hub.ship(
             manifest, store, context, slots, windows=[p.window for p in plans],
-            kv_format=memory.kv_cache,
+            kv_format=kv_format,
         )  # fmt: skip
     return Engine.from_manifest(
-        manifest, store, context, slots, hub, plans[0].window, memory.drop_cache, memory.kv_cache
+        manifest, store, context, slots, hub, plans[0].window, memory.drop_cache, kv_format
     )
+
+
+# `--kv-cache auto`: the first of these whose cache holds the context asked for on every node.
+KV_AUTO_FORMATS = ("f32", "f16", "q8_0")
+
+
+def kv_format_plans(
+    manifest: Manifest,
+    hub: Hub | None,
+    context: int,
+    slots: int,
+    memory: MemoryOptions,
+    one_device: bool = False,
+) -> tuple[str, list[MemoryPlan]]:
+    """The KV cache's format and each node's plan (`memory_plans`): the format given, or for
+    "auto" the first of KV_AUTO_FORMATS whose cache holds `context` on every node under its
+    budget, else the one that holds the most; a format other than f32 is said at start."""
+    if memory.kv_cache != "auto":
+        return memory.kv_cache, memory_plans(manifest, hub, context, slots, memory, one_device)
+    held: list[tuple[int, str, list[MemoryPlan]]] = []
+    for kv_format in KV_AUTO_FORMATS:
+        try:
+            plans = memory_plans(
+                manifest, hub, context, slots, replace(memory, kv_cache=kv_format), one_device
+            )
+        except ModelError:  # a budget too small even for a token's cache: a smaller format?
+            if kv_format == KV_AUTO_FORMATS[-1] and not held:
+                raise
+            continue
+        held.append((min(p.context for p in plans), kv_format, plans))
+        if held[-1][0] >= context:
+            break
+    tokens, kv_format, plans = max(held, key=lambda h: h[0])  # the first of the most
+    if kv_format != KV_AUTO_FORMATS[0]:
+        f32 = next((f"f32 would hold {t}" for t, f, _ in held if f == "f32"), "f32 does not fit")
+        log.warning(
+            "KV cache %s, for %d tokens of context of the %d asked for (%s)",
+            kv_format, tokens, context, f32,
+        )  # fmt: skip
+    return kv_format, plans
 
 
 def memory_plans(
@@ -480,10 +521,12 @@ class Session:
             self.planned_capacities, self.planned_head_costs = self.plan_shares()
         if self.nodes == 1 and not self.memory.streaming:
             # Alone with every weight resident: read straight from the model, no shards.
+            kv_format = self.memory.kv_cache
+            if kv_format == "auto":  # no budget: the first format holds the whole context
+                kv_format = KV_AUTO_FORMATS[0]
             engine = Engine.local(
-                self.source, max_context=self.context, slots=self.slots,
-                kv_format=self.memory.kv_cache,
-            )  # fmt: skip
+                self.source, max_context=self.context, slots=self.slots, kv_format=kv_format
+            )
         else:
             engine = _cluster_engine(
                 self.source,
