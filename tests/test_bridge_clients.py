@@ -915,14 +915,24 @@ def test_the_fuzzed_routes_never_answer_5xx(base):
 
 
 def test_metrics_count_each_route(base, ollama_client):
+    """Each route's answers are counted by route and status, whatever ran before: one of
+    each here adds one to its own count."""
+
+    def counted() -> dict[tuple[str, str], float]:
+        text = HTTP.get(f"{base}/metrics", timeout=30).text
+        return {
+            (s.labels["route"], s.labels["status"]): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "edgetp_http_requests_total"
+        }
+
+    headers = {"Authorization": f"Bearer {KEY}", "x-api-key": KEY}
+    before = counted()
     ollama_client.list()
-    text = HTTP.get(f"{base}/metrics", timeout=30).text
-    counted = {
-        (s.labels["route"], s.labels["status"]): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "edgetp_http_requests_total"
-    }
-    assert counted[("/api/tags", "200")] >= 1
-    assert counted[("/v1/embeddings", "200")] >= 1
-    assert any(route == "/v1/messages" and status == "400" for route, status in counted)
+    embedded = HTTP.post(f"{base}/v1/embeddings", json={"input": "Hi"}, headers=headers, timeout=60)
+    refused = HTTP.post(f"{base}/v1/messages", json={"messages": []}, headers=headers, timeout=30)
+    assert (embedded.status_code, refused.status_code) == (200, 400), refused.text
+    after = counted()
+    for key in [("/api/tags", "200"), ("/v1/embeddings", "200"), ("/v1/messages", "400")]:
+        assert after[key] - before.get(key, 0.0) == 1, (key, before.get(key), after[key])
