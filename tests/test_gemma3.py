@@ -10,14 +10,12 @@ import pytest
 import torch
 from cluster_threads import master_threads
 from gguf_copy import transformers_model
-from test_speculate import SlowLinkSpeculator
+from test_speculate import SlowLinkSpeculator, _generate
 
 from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.local import local_session
 from edgetp.master.cluster.plan import head_rows, plan_slices
 from edgetp.master.cluster.splitter import split_model
-from edgetp.master.generation.generate import start, stream
-from edgetp.master.generation.params import SamplingParams
 from edgetp.memory.budget import FILE_TYPES
 from edgetp.memory.shards import ShardStore
 from edgetp.models.bundled import BUNDLED_MODELS
@@ -197,18 +195,11 @@ def test_lookup_drafts_past_the_local_window_change_no_greedy_token(
         ) as session,
     ):
         assert session.engine is not None
-        plain = generate_greedy(session.engine, tokenizer, prompt, None)
+        plain = _generate(session.engine, tokenizer, [prompt], None, max_tokens=48)
         lookups = SlowLinkSpeculator()
-        drafted = generate_greedy(session.engine, tokenizer, prompt, lookups)
+        drafted = _generate(session.engine, tokenizer, [prompt], lookups, max_tokens=48)
     figures = lookups.figures()
-    print(f"\n{nodes} node(s): {figures}\n{tokenizer.decode(plain)!r}")
+    print(f"\n{nodes} node(s): {figures}\n{tokenizer.decode(plain[0])!r}")
     assert drafted == plain
     assert figures["accepted"] > 0, figures
     assert figures["accepted"] < figures["drafted"], figures  # rejected drafts were undone
-
-
-def generate_greedy(engine, tokenizer, prompt: list[int], speculator, max_tokens: int = 48):
-    [seq] = start(engine, [prompt], [SamplingParams(max_tokens=max_tokens)])
-    for _ in stream(engine, tokenizer, [seq], speculator):
-        pass
-    return seq.tokens
