@@ -212,7 +212,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """As a plain dict; a dense model's without the experts' fields, so that its split's
-        identity (master.cluster.splitter.model_identity) is what it was before they existed."""
+        identity (memory.splitter.model_identity) is what it was before they existed."""
         values = dataclasses.asdict(self)
         if not self.moe:
             for name in ("n_experts", "n_experts_used", "norm_topk_prob"):
@@ -230,7 +230,7 @@ class ModelConfig:
 
 
 # Fields a model that does not use them leaves out of its dict, as before they existed (so that
-# a split's identity, master.cluster.splitter.model_identity, stays what it was)
+# a split's identity, memory.splitter.model_identity, stays what it was)
 _LATER_FIELDS = (
     "unrotated_layers", "n_shared",
     "attention_sinks", "o_bias", "router_bias", "expert_bias", "swiglu_alpha", "swiglu_limit",

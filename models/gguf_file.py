@@ -13,7 +13,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
@@ -22,6 +22,9 @@ import torch
 from edgetp.models.bundled import GGUF_MAGIC, check_kind
 from edgetp.models.errors import ModelError
 from edgetp.models.quant import dequantize_rows
+
+if TYPE_CHECKING:
+    from edgetp.models.ranges import RemoteFile
 
 GGUF_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -56,11 +59,22 @@ class TensorInfo:
     n_bytes: int
 
 
-class GGUFFile:
-    """An open GGUF file. Tensors are memory-mapped until asked for, then copied out."""
+HEADER_FIRST_READ = 1 << 20  # a remote header is read in a MiB, then twice as much until whole
 
-    def __init__(self, path: str | Path) -> None:
+
+class GGUFFile:
+    """An open GGUF file. Tensors are memory-mapped until asked for, then copied out.
+
+    With `remote`, `path` is its sparse local mirror (models/ranges.py): the header's bytes and
+    each read's are fetched before they are read. A reader that will cut only some columns of a
+    matrix says which (`only_columns`), and only those bytes of its rows are fetched."""
+
+    def __init__(self, path: str | Path, remote: RemoteFile | None = None) -> None:
         self.path = Path(path)
+        self.remote = remote
+        self._columns: dict[str, tuple[int, int]] = {}  # tensor -> bytes of each row read
+        if remote is not None:
+            fetch_header(remote)
         if not self.path.is_file():
             raise ModelError(f"model file not found: {self.path}")
         check_kind(self.path)
@@ -101,6 +115,7 @@ class GGUFFile:
         """Rows [start, stop) of the named tensor's bytes as stored (a copy), a row per output
         row: numbers, or quantized blocks."""
         t = self.info(name)
+        self._ensure(t, start, stop)
         rows = np.array(self._stored_rows(t)[start:stop])
         self._release(t)
         return rows
@@ -114,7 +129,12 @@ class GGUFFile:
         """Rows [start, stop) of the named tensor, dequantized to float32: of its first
         dimension, or of a stack's (experts, out, in) rows one after another."""
         t = self.info(name)
-        rows = self._stored_rows(t)[start:stop] if len(t.shape) > 1 else self._stored_rows(t)
+        if len(t.shape) > 1:
+            self._ensure(t, start, stop)
+            rows = self._stored_rows(t)[start:stop]
+        else:
+            self._ensure(t, 0, 1)
+            rows = self._stored_rows(t)
         try:
             out = dequantize_rows(rows, t.tensor_type)
         except NotImplementedError as exc:
@@ -126,6 +146,33 @@ class GGUFFile:
         if len(t.shape) == 1:
             return torch.from_numpy(out).view(-1)[start:stop].clone()
         return torch.from_numpy(out).view(stop - start, t.shape[-1])
+
+    def only_columns(self, name: str, cols: tuple[int, int] | None) -> None:
+        """Only columns `cols` [first, last) of the named matrix's rows will be used (None: all
+        of them): a remote file fetches just the blocks that hold them (the rest of each row
+        reads as zeros, which its reader never uses)."""
+        t = self.info(name)
+        if cols is None or len(t.shape) < 2 or cols == (0, t.shape[-1]):
+            self._columns.pop(name, None)
+            return
+        block_size, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        self._columns[name] = (cols[0] // block_size * type_size,
+                               -(-cols[1] // block_size) * type_size)  # fmt: skip
+
+    def _ensure(self, t: TensorInfo, start: int, stop: int) -> None:
+        """Fetch rows [start, stop) of `t` (of its flattened rows; a vector's whole) into a
+        remote file's mirror, those of its columns only where a reader said so."""
+        if self.remote is None:
+            return
+        n_rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
+        row_bytes = t.n_bytes // n_rows
+        first = t.data_offset + start * row_bytes
+        if t.name not in self._columns:
+            self.remote.ensure([(first, t.data_offset + stop * row_bytes)])
+            return
+        a, b = self._columns[t.name]
+        at = range(first, t.data_offset + stop * row_bytes, row_bytes)
+        self.remote.ensure([(row + a, row + b) for row in at])
 
     def _stored_rows(self, t: TensorInfo) -> np.ndarray:
         """The tensor's bytes as stored, a row per output row: numbers, or quantized blocks."""
@@ -143,10 +190,29 @@ class GGUFFile:
         self._map.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
 
 
+def fetch_header(remote: RemoteFile) -> None:
+    """Fetch a remote GGUF's header (its metadata and tensor table): a MiB, then twice as much
+    until it parses whole."""
+    size = min(HEADER_FIRST_READ, remote.remote.size)
+    while True:
+        remote.ensure([(0, size)])
+        with open(remote.local, "rb") as f:
+            head = f.read(size)
+        if head[: len(GGUF_MAGIC)] != GGUF_MAGIC:
+            raise ModelError(f"{remote.remote.url} is not a GGUF file (no GGUF magic)")
+        try:
+            _read_header(head)
+            return
+        except (struct.error, ValueError, UnicodeDecodeError):
+            if size >= remote.remote.size:
+                raise
+        size = min(2 * size, remote.remote.size)
+
+
 class _Cursor:
     """Reads GGUF's little-endian values one after another from the file's leading bytes."""
 
-    def __init__(self, buf: mmap.mmap) -> None:
+    def __init__(self, buf: mmap.mmap | bytes) -> None:
         self.buf = buf
         self.pos = 0
 
@@ -179,7 +245,7 @@ class _Cursor:
         return self.scalar(_SCALAR_FORMATS[kind])
 
 
-def _read_header(buf: mmap.mmap) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+def _read_header(buf: mmap.mmap | bytes) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
     """The metadata and the tensor table, with each tensor's offset from the file's start."""
     cur = _Cursor(buf)
     cur.pos = len(GGUF_MAGIC)

@@ -24,6 +24,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -34,6 +35,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from edgetp.models.errors import ModelError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_QUANT = "Q4_K_M"  # llama.cpp's default for `-hf REPO`
 # owner/repo[:QUANT], as the hub spells repository names
@@ -93,10 +96,11 @@ def parse_name(spec: str) -> Name | None:
     return Name(match["repo"], match["quant"])
 
 
-def resolve_model(spec: str | None) -> str | None:
+def resolve_model(spec: str | None, mirrors: Path | None = None) -> str | None:
     """The local path of the model `--model` names: a path (or a bundled name, or None for the
-    default) as it is; `owner/repo[:QUANT]` from the cache when it holds the whole model, else
-    pulled from the hub first."""
+    default) as it is; `owner/repo[:QUANT]` from the cache when it holds the whole model; else,
+    given `mirrors`, a GGUF file's sparse mirror there, whose bytes each device fetches as it
+    reads them (`mirror`); else pulled from the hub first."""
     if spec is None:
         return None
     name = parse_name(spec)
@@ -109,7 +113,59 @@ def resolve_model(spec: str | None) -> str | None:
     # hub, which may hold the default, is not to be asked
     if local is not None and (name.quant or _is_default(local) or constants.HF_HUB_OFFLINE):
         return str(local)
+    if mirrors is not None and not constants.HF_HUB_OFFLINE:
+        mirrored = mirror(name, mirrors)
+        if mirrored is not None:
+            return str(mirrored)
     return str(pull(name))
+
+
+def hub_headers() -> dict[str, str]:
+    """What a request to the hub carries: its user agent, and HF_TOKEN's credentials if set."""
+    from huggingface_hub.utils import build_hf_headers
+
+    return build_hf_headers()
+
+
+def mirror(name: Name, folder: Path) -> Path | None:
+    """A sparse mirror in `folder` of the one GGUF file `name` means, read by byte ranges
+    (models/ranges.py): none of its tensors is fetched here, each device fetches the bytes of
+    its own slices. None, said in the log, where that cannot be: a split GGUF or an HF folder
+    (pulled whole), or a hub that does not answer byte ranges."""
+    from huggingface_hub import HfApi, constants, hf_hub_url
+
+    from edgetp.models.gguf_file import fetch_header
+    from edgetp.models.ranges import Remote, RemoteFile
+
+    with _hub_errors(name):
+        info = HfApi(endpoint=constants.ENDPOINT).model_info(name.repo, files_metadata=True)
+        siblings = {s.rfilename: s for s in info.siblings or []}
+        selection = select(siblings, name)
+        sibling = siblings[selection.main] if selection.main else None
+        if len(selection.files) != 1 or sibling is None or not sibling.size:
+            log.warning("%s is %s: pulled whole, not read by byte ranges", name,
+                        "a split GGUF" if selection.main else "an HF folder")  # fmt: skip
+            return None
+        checksum = _checksum(sibling)
+        if checksum is None or checksum[0] != "sha256" or info.sha is None:
+            return None
+        url = hf_hub_url(name.repo, selection.main, revision=info.sha, endpoint=constants.ENDPOINT)
+        remote = Remote(url, sibling.size, checksum[1], hub_headers())
+        import httpx2
+
+        probe = httpx2.get(url, headers={**remote.headers, "Range": "bytes=0-3"},
+                           follow_redirects=True, timeout=30.0)  # fmt: skip
+    if probe.status_code != 206:
+        log.warning(
+            "the hub answered HTTP %d to a byte-range request for %s: pulled whole, each "
+            "device's slices shipped by the master", probe.status_code, name,
+        )  # fmt: skip
+        return None
+    local = folder / f"{checksum[1]}.gguf"
+    mirrored = RemoteFile(remote, local)  # its record names the file: `open_model` reads it
+    fetch_header(mirrored)  # by ranges; its header (metadata, tensor table) is read at once
+    mirrored.save()
+    return local
 
 
 def _is_default(path: Path) -> bool:

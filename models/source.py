@@ -24,6 +24,7 @@ from edgetp.models.hf_source import _HF_LAYER as _HF_LAYER
 from edgetp.models.hf_source import HFSource as HFSource
 from edgetp.models.hf_source import _next_rows
 from edgetp.models.hf_source import hf_layer_name as hf_layer_name
+from edgetp.models.hub import hub_headers
 from edgetp.models.layers import (
     EXPERT_BIAS_TENSORS,
     O_BIAS,
@@ -34,6 +35,7 @@ from edgetp.models.layers import (
     expert_of,
 )
 from edgetp.models.quant import FORMATS
+from edgetp.models.ranges import SIDECAR, Remote, RemoteFile
 from edgetp.models.source_base import GGUF_FUSED, fused_rows
 from edgetp.models.source_base import ModelSource as ModelSource
 from edgetp.models.tokenizer import Tokenizer
@@ -168,9 +170,14 @@ def _gguf_name(
 
 
 class GGUFSource(ModelSource):
-    def __init__(self, path: Path) -> None:
+    """A GGUF file; or, with `remote` (or a mirror's record beside `path`), the sparse mirror of
+    one on the hub, whose bytes are fetched as they are read (models/ranges.py)."""
+
+    def __init__(self, path: Path, remote: RemoteFile | None = None) -> None:
         self.path = path
-        self.file = GGUFFile(path)
+        if remote is None and path.with_name(path.name + SIDECAR).is_file():
+            remote = RemoteFile.reopen(path, hub_headers())
+        self.file = GGUFFile(path, remote)
         tied = not self.file.has_tensor("output.weight")
         longrope = None
         if self.file.has_tensor("rope_factors_short.weight"):  # llama.cpp's LongRoPE tensors
@@ -284,6 +291,18 @@ class GGUFSource(ModelSource):
                 raise ValueError(f"rows {start}:{stop} of {gguf_name} cut through a head")
             out = unpermute_qk(out, (stop - start) // hd)
         return out
+
+    def remote(self) -> Remote | None:
+        return self.file.remote.remote if self.file.remote else None
+
+    def fetched(self) -> None:
+        if self.file.remote is not None:
+            self.file.remote.save()
+
+    def only_columns(self, layer: int | None, name: str, cols: tuple[int, int] | None) -> None:
+        if self._reordered(layer, name) is not None:  # its columns move: read them all
+            cols = None
+        self.file.only_columns(self._name(layer, name), cols)
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         if self.file.has_tensor("rope_freqs.weight"):

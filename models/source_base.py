@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from edgetp.models.layers import (
 )
 from edgetp.models.quant import BLOCK, FORMATS
 from edgetp.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from edgetp.models.ranges import Remote
 
 
 class ModelSource(ABC):
@@ -104,6 +108,19 @@ class ModelSource(ABC):
     def _rows(
         self, layer: int | None, name: str, start: int, stop: int, blocks: bool
     ) -> torch.Tensor: ...
+
+    def remote(self) -> Remote | None:
+        """The file on the hub this source reads by byte ranges (models/ranges.py), if any."""
+        return None
+
+    def fetched(self) -> None:
+        """A split is done reading: a source fetched from afar records what it holds."""
+        return None
+
+    def only_columns(self, layer: int | None, name: str, cols: tuple[int, int] | None) -> None:
+        """Only columns `cols` of the tensor's rows will be read hereafter (None: all of
+        them): a source that fetches its bytes from afar (a GGUF by ranges) fetches just those."""
+        return None  # a local file's bytes are all there
 
     def shape(self, layer: int | None, name: str) -> tuple[int, ...]:
         c = self.config

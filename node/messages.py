@@ -138,6 +138,17 @@ class Echoed(_Message, tag="echoed"):
     tensors: list[Tensor] = []
 
 
+class SplitDone(_Message, tag="split-done"):
+    """The answer to SPLIT: its share written and hashed (each layer's shard, and its rows of
+    the lm_head where the head is split); `fetched` bytes came from the model's file for it, in
+    `requests` requests."""
+
+    layers: list[ShardRef]
+    head: ShardRef | None = None
+    fetched: NonNegative = 0
+    requests: NonNegative = 0
+
+
 class Error(_Message, tag="error"):
     """The node failed, or the master cannot serve a FETCH: why, in words for a person."""
 
@@ -219,6 +230,27 @@ class Measure(_Message, tag="measure"):
     """Before a plan: measure your speed now, as every node does at this moment (MEASURED)."""
 
 
+class RemoteModel(msgspec.Struct, frozen=True):
+    """A model file on the hub, read by byte ranges (models/ranges.py): its URL, size, the
+    version's ETag, and the headers a request carries (credentials: the link is encrypted)."""
+
+    url: str
+    size: Positive
+    etag: str
+    headers: dict[str, str] = {}
+
+
+class Split(_Message, tag="split"):
+    """Before a plan's WELCOME: split your share of the model yourself, from its file on the
+    hub (SPLIT-DONE, or ERROR): the plan's every slice and `node`, which is yours."""
+
+    node: Positive
+    model: RemoteModel
+    slices: list[Slice]
+    dtype: str
+    head_rows: list[tuple[NonNegative, NonNegative]] = []
+
+
 class Echo(_Message, tag="echo"):
     """Send its one tensor back at once (ECHOED): the master times its link to you."""
 
@@ -231,9 +263,11 @@ class Heartbeat(_Message, tag="heartbeat"):
     name: str = ""
 
 
-FromNode = Hello | Fetch | Ready | Leave | Partial | Measured | Echoed | Error
+FromNode = Hello | Fetch | Ready | Leave | Partial | Measured | Echoed | SplitDone | Error
 # ERROR both ways: from the master, a FETCH it cannot serve
-FromMaster = Welcome | Refuse | Accepted | Chunk | Step | Bye | Standby | Measure | Echo | Error
+FromMaster = (
+    Welcome | Refuse | Accepted | Chunk | Step | Bye | Standby | Measure | Echo | Split | Error
+)
 Message = FromNode | FromMaster | Heartbeat
 
 # What tensors cross the wire as (hidden states, partials), by NumPy's one-letter code: reading

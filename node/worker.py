@@ -240,19 +240,46 @@ class Worker:
             if isinstance(message, M.Standby):
                 log.warning("node %s is on standby: %s", self.name, message.reason)
                 on_standby = True
-            elif isinstance(message, M.Measure | M.Echo):
+            elif isinstance(message, M.Measure | M.Echo | M.Split):
                 self._answer(message, tensors)
             else:
                 raise NodeError(f"unexpected message before WELCOME: {message}")
 
-    def _answer(self, probe: M.Measure | M.Echo, tensors: list[np.ndarray]) -> None:
+    def _answer(self, probe: M.Measure | M.Echo | M.Split, tensors: list[np.ndarray]) -> None:
         """Answer what the master asks before it plans, joining or serving: MEASURE with this
         device's speed now (every other node measures its own at the same moment), ECHO with
-        its tensor back at once."""
+        its tensor back at once, SPLIT with its own share split from the model's file."""
         if isinstance(probe, M.Measure):
             self._send(M.Measured(speed=measure_speed(self.capacity.cores)))
+        elif isinstance(probe, M.Split):
+            self._split(probe)
         else:
             self._send(M.Echoed(), tensors)
+
+    def _split(self, job: M.Split) -> None:
+        """Split this node's share from the model's file on the hub, fetching by byte ranges
+        only the rows and columns its slices hold (into a sparse mirror kept for a re-plan),
+        and say what it wrote (SPLIT-DONE), or why it could not (ERROR)."""
+        from edgetp.memory.splitter import split_node
+        from edgetp.models.ranges import Remote, RemoteFile
+        from edgetp.models.source import GGUFSource
+
+        m = job.model
+        try:
+            remote = RemoteFile(
+                Remote(m.url, m.size, m.etag, dict(m.headers)),
+                self.state_dir / "remote" / f"{m.etag}.gguf",
+            )
+            source = GGUFSource(remote.local, remote)
+            heads = [(a, b) for a, b in job.head_rows] or None
+            share = split_node(source, job.slices, job.node, self.store, job.dtype, heads)
+        except Exception as exc:  # the master waits for SPLIT-DONE: tell it why not
+            log.warning("node %s could not split its share: %s", self.name, exc)
+            self._send(M.Error(message=f"splitting its share of {m.url}: {exc}"))
+            return
+        log.info("node %s split its share: %d bytes of the model's file in %d requests",
+                 self.name, remote.fetched, remote.requests)  # fmt: skip
+        self._send(M.SplitDone(share.layers, share.extra, remote.fetched, remote.requests))
 
     def _take_plan(self, welcome: M.Welcome) -> Held:
         """A plan's slice loaded and READY said (or ERROR, and the failure raised), with the
@@ -358,7 +385,7 @@ class Worker:
                     continue
                 if work is not None:
                     self._compute(held, work)
-                elif isinstance(message, M.Measure | M.Echo):  # a re-plan comes
+                elif isinstance(message, M.Measure | M.Echo | M.Split):  # a re-plan comes
                     self._answer(message, tensors)
                 elif isinstance(message, M.Welcome):  # a re-plan: a new slice, maybe new shards
                     held.close()

@@ -30,8 +30,8 @@ from waiting import until_shown, wait_until
 
 from edgetp.master.bridge.client import Reasoning, StreamEnd, start_server
 from edgetp.master.cluster.plan import plan_slices
-from edgetp.master.cluster.splitter import split_model
 from edgetp.memory.shards import ShardStore
+from edgetp.memory.splitter import split_model
 from edgetp.models.source import default_dtype
 from edgetp.node.device import plan_shapes, prepare
 from edgetp.tui.chat.app import ChatApp

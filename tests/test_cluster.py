@@ -23,12 +23,12 @@ from edgetp.master.cluster.hub import Hub
 from edgetp.master.cluster.local import LocalWorkers
 from edgetp.master.cluster.plan import plan_slices
 from edgetp.master.cluster.session import Session
-from edgetp.master.cluster.splitter import split_model
 from edgetp.master.cluster.transport import ClusterError
 from edgetp.master.generation.generate import start, stream
 from edgetp.master.generation.params import SamplingParams
 from edgetp.memory.budget import MemoryOptions
 from edgetp.memory.shards import Manifest, ShardStore
+from edgetp.memory.splitter import split_model
 from edgetp.models.layers import StepBatch
 from edgetp.node import messages as M
 from edgetp.node import protocol as P

@@ -29,12 +29,12 @@ from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.figures import BatcherStats, cluster_figures
 from edgetp.master.cluster.local import local_session
 from edgetp.master.cluster.plan import plan_slices
-from edgetp.master.cluster.splitter import split_model
 from edgetp.master.cluster.transport import ClusterError
 from edgetp.memory import experts as expert_reads
 from edgetp.memory.budget import MemoryOptions
 from edgetp.memory.experts import layer_parts
 from edgetp.memory.shards import Manifest, ShardStore
+from edgetp.memory.splitter import split_model
 from edgetp.memory.window import LayerWindow, ShardChanged
 from edgetp.models.errors import ModelError
 from edgetp.models.layers import StepBatch

@@ -15,9 +15,9 @@ from test_speculate import SlowLinkSpeculator, _generate
 from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.local import local_session
 from edgetp.master.cluster.plan import head_rows, plan_slices
-from edgetp.master.cluster.splitter import split_model
 from edgetp.memory.budget import FILE_TYPES
 from edgetp.memory.shards import ShardStore
+from edgetp.memory.splitter import split_model
 from edgetp.models.bundled import BUNDLED_MODELS
 from edgetp.models.layers import StepBatch
 from edgetp.models.source import open_model

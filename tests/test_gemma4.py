@@ -327,8 +327,8 @@ def test_q8_0_shards_on_real_nodes_equal_one_node_and_keep_the_ple_table_q8_0(de
     not float32 (E2B's is 2.3 B values), and 3 real nodes give what one does (int8 would not:
     its scales are a slice's columns', which differ by node count)."""
     from edgetp.master.cluster.plan import plan_slices
-    from edgetp.master.cluster.splitter import split_model
     from edgetp.memory.shards import ShardStore, tensor_specs
+    from edgetp.memory.splitter import split_model
     from edgetp.models.gemma4 import PLE_EMBEDDING
 
     model, folder, prompt = dense

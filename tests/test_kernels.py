@@ -258,8 +258,8 @@ def test_a_node_checks_its_kernels_before_its_slice_loads(smollm2, tmp_path, cap
     the engine's own check afterwards finds every one of them in the table."""
     from edgetp.master.cluster.engine import Engine
     from edgetp.master.cluster.plan import head_rows, plan_slices
-    from edgetp.master.cluster.splitter import split_model
     from edgetp.memory.shards import ShardStore
+    from edgetp.memory.splitter import split_model
     from edgetp.memory.window import LayerWindow
     from edgetp.node.executor import check_kernels_before_loading, make_executor
 

@@ -28,10 +28,10 @@ from edgetp.master.cluster.session import (
     kv_format_plans,
     memory_plans,
 )
-from edgetp.master.cluster.splitter import split_model
 from edgetp.memory.budget import MemoryOptions
 from edgetp.memory.files import measure_disk_read
 from edgetp.memory.shards import ShardStore
+from edgetp.memory.splitter import split_model
 from edgetp.models.config import ModelConfig
 from edgetp.node.kvcache import KVCache
 from edgetp.node.probes import measure_message_cost

@@ -64,6 +64,14 @@ EVERY_MESSAGE = [
     M.Standby("its link would slow every token"),
     M.Measure(),
     M.Echo(),
+    M.Split(
+        2,
+        M.RemoteModel("http://hub/o/r/resolve/c/m.gguf", 1 << 30, "ab" * 32, {"x": "y"}),
+        [Slice((0, 2), (0, 1), (0, 64)), Slice((2, 4), (1, 2), (64, 128))],
+        "auto",
+        [(0, 10), (10, 20)],
+    ),
+    M.SplitDone([SHARD, SHARD], SHARD, 1234, 5),
 ]
 
 
@@ -207,7 +215,7 @@ def test_only_a_process_held_to_one_core_yields_it_after_its_sends():
 # The model config's fields a node of this protocol version reads from WELCOME. A node reads
 # no other (ModelConfig.from_dict): a field added without a new version would stop an older
 # node at "unknown model config keys" instead of at the version check, which says what to do.
-CONFIG_FIELDS_OF_THIS_VERSION = (8, {
+CONFIG_FIELDS_OF_THIS_VERSION = (9, {
     "activation", "architecture", "attention_gate", "attention_sinks", "context_length",
     "dense_ffn", "embedding_multiplier", "expert_bias", "ffn_hidden", "final_softcap", "fused",
     "global_head_dim", "global_kv_heads", "head_dim", "hidden", "k_eq_v", "kv_shared",

@@ -26,11 +26,20 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES
 
+from edgetp.master.cluster.plan import head_rows, plan_slices
+from edgetp.memory.shards import ShardStore
+from edgetp.memory.splitter import split_model, split_node
 from edgetp.models.bundled import model_path
 from edgetp.models.errors import ModelError
-from edgetp.models.hub import Name, cached, pull, quants, resolve_model, select
+from edgetp.models.families import family_of
+from edgetp.models.hub import Name, cached, mirror, pull, quants, resolve_model, select
+from edgetp.models.layers import slice_parts
+from edgetp.models.ranges import RemoteFile
+from edgetp.models.source import GGUFSource
 from edgetp.tui.cli import main
 
 EDGETP = Path(sys.executable).parent / "edgetp"
@@ -54,10 +63,14 @@ class Repo:
     files: dict[str, bytes | Path]
     corrupt: set[str] = field(default_factory=set)  # served with other bytes than its checksum's
     cut_once: set[str] = field(default_factory=set)  # its first GET breaks off near its end
+    no_ranges: bool = False  # a server that answers a Range with the whole file
+    etags: dict[str, str] = field(default_factory=dict)  # a file's ETag, if not its checksum's
 
     def data(self, name: str) -> bytes:
         content = self.files[name]
-        return content.read_bytes() if isinstance(content, Path) else content
+        if isinstance(content, Path):  # read once: a ranged request reads a few bytes of it
+            content = self.files[name] = content.read_bytes()
+        return content
 
 
 @dataclass
@@ -65,6 +78,12 @@ class Hub:
     url: str
     repos: dict[str, Repo]
     requests: list[tuple[str, str, str | None]]  # method, path, Range
+    served: dict[str, int] = field(default_factory=dict)  # a file's bytes sent, by its path
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, path: str, n: int) -> None:
+        with self.lock:
+            self.served[path] = self.served.get(path, 0) + n
 
 
 def _checksums(repo: Repo) -> dict[str, tuple[int, str, str]]:
@@ -113,17 +132,23 @@ def _handler(hub: Hub, sums: dict[str, dict[str, tuple[int, str, str]]]) -> type
             data = repo.data(name) if body else b""
             if name in repo.corrupt:
                 data = bytes(b ^ 0xFF for b in data)
-            start = 0
-            if body and (wanted := self.headers.get("Range")):
-                start = int(re.fullmatch(r"bytes=(\d+)-", wanted)[1])  # type: ignore[index]
+            wanted = self.headers.get("Range") if body and not repo.no_ranges else None
+            if name in repo.etags:  # another version of the file now
+                sha = git = repo.etags[name]
+            runs = _ranges(wanted, size) if wanted else []
+            if len(runs) > 1:  # several ranges: one multipart/byteranges answer, as RFC 9110
+                return self._multipart(path, data, runs, size, sha if name.endswith(LFS) else git)
+            start = runs[0][0] if runs else 0
+            end = runs[0][1] if runs else size
+            if runs:
                 self.send_response(206)
-                self.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
             else:
                 self.send_response(200)
             self.send_header("ETag", f'"{sha if name.endswith(LFS) else git}"')
             self.send_header("X-Repo-Commit", COMMIT)
             self.send_header("Accept-Ranges", "bytes")
-            self.send_header("Content-Length", str(size - start))
+            self.send_header("Content-Length", str(end - start))
             self.end_headers()
             if not body:
                 return
@@ -132,7 +157,26 @@ def _handler(hub: Hub, sums: dict[str, dict[str, tuple[int, str, str]]]) -> type
                 self.wfile.write(data[: size * 7 // 8])  # past huggingface_hub's first chunk
                 self.close_connection = True
                 return
-            self.wfile.write(data[start:])
+            hub.count(path, end - start)
+            self.wfile.write(data[start:end])
+
+        def _multipart(
+            self, path: str, data: bytes, runs: list[tuple[int, int]], size: int, etag: str
+        ) -> None:
+            boundary = "3d6b6a416f9b5"
+            pieces = []
+            for a, b in runs:
+                pieces += [(f"\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\n"
+                            f"Content-Range: bytes {a}-{b - 1}/{size}\r\n\r\n").encode(),
+                           data[a:b]]  # fmt: skip
+                hub.count(path, b - a)
+            body = b"".join(pieces) + f"\r\n--{boundary}--\r\n".encode()
+            self.send_response(206)
+            self.send_header("Content-Type", f"multipart/byteranges; boundary={boundary}")
+            self.send_header("ETag", f'"{etag}"')
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
         def _info(self, repo_id: str) -> None:
             if repo_id not in hub.repos:
@@ -151,6 +195,15 @@ def _handler(hub: Hub, sums: dict[str, dict[str, tuple[int, str, str]]]) -> type
             self.wfile.write(body)
 
     return Handler
+
+
+def _ranges(header: str, size: int) -> list[tuple[int, int]]:
+    """A Range header's runs, [start, end): `bytes=a-b,c-d` or `bytes=a-`."""
+    runs = []
+    for spec in header.removeprefix("bytes=").split(","):
+        a, b = spec.strip().split("-")
+        runs.append((int(a), int(b) + 1 if b else size))
+    return runs
 
 
 SPLIT = [f"Q4_K_M/Big-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
@@ -198,6 +251,10 @@ def hub() -> Iterator[Hub]:
             corrupt={"Bad-Q4_K_M.gguf"},
         ),
         "test/SmolLM2-GGUF": Repo({"SmolLM2-135M-Instruct.Q4_1.gguf": model_path()}),
+        "test/Whole-GGUF": Repo(
+            {"Whole-Q4_K_M.gguf": tiny_gguf("llama", "whole")}, no_ranges=True
+        ),  # fmt: skip
+        "test/Changing-GGUF": Repo({"Changing-Q4_K_M.gguf": tiny_gguf("llama", "v1")}),
     }
     sums = {name: _checksums(repo) for name, repo in repos.items()}
     state = Hub("", repos, [])
@@ -415,3 +472,116 @@ def test_run_by_name_opens_the_files_bytes_from_the_cache_with_the_hub_gone(
     args = ("run", "--raw", "--max-tokens", "4", "--model", "test/SmolLM2-GGUF:q4_1", "Paris is")
     by_name = edgetp_process(tmp_path, down, *args)
     assert by_name.returncode == 0 and by_name.stdout.strip(), by_name.stderr
+
+
+# -- each device its own slices' bytes -------------------------------------------------------
+
+
+def _slice_bytes(source: GGUFSource, config, s, node: int, heads) -> int:
+    """The file's bytes that node's share holds: each layer's parts (rows, and where cut,
+    the blocks of their columns), and its rows of the lm_head (a worker, where split)."""
+    total = 0
+    for i in range(config.n_layers):
+        for parts in slice_parts(*family_of(config).layer_view(config, s, i), i).values():
+            for p in parts:
+                info = source.file.info(source._name(i, p.source))
+                if len(info.shape) == 1:
+                    total += info.n_bytes
+                    continue
+                row = info.n_bytes // int(np.prod(info.shape[:-1]))
+                if p.cols:
+                    block, size = GGML_QUANT_SIZES[info.tensor_type]
+                    row = (-(-p.cols[1] // block) - p.cols[0] // block) * size
+                total += p.n_rows * row
+    if node > 0 and heads:
+        info = source.file.info("token_embd.weight")  # SmolLM2's head is its embedding
+        total += (heads[node][1] - heads[node][0]) * (info.n_bytes // info.shape[0])
+    return total
+
+
+def test_each_device_fetches_only_its_slices_bytes_and_splits_what_the_whole_file_gives(
+    at_hub, tmp_path
+):
+    """Three devices (the master and two workers) split their shares of SmolLM2 from the hub
+    by byte ranges, each into a mirror of its own: each share's shards are, byte for byte
+    (sha256), the ones a split of the whole file by path writes; the server counts what each
+    fetched: a worker at most 1.1x its slice's bytes with the header, the master at most the
+    header plus its own tensors; no device fetches the whole file."""
+    path = model_path()
+    local = GGUFSource(path)
+    config, dtype = local.config, "auto"
+    slices = plan_slices(config, [1.0, 1.0, 1.0], local.ffn_align(dtype))
+    heads = head_rows(config, slices, [1.0, 1.0, 1.0])
+    whole = split_model(local, slices, ShardStore(tmp_path / "whole"), dtype=dtype, head_rows=heads)
+    mirror_path = mirror(Name("test/SmolLM2-GGUF", "Q4_1"), tmp_path / "master")
+    assert mirror_path is not None
+    header = local.file.info("token_embd.weight").data_offset  # tensors follow the table
+    file = f"/test/SmolLM2-GGUF/resolve/{COMMIT}/SmolLM2-135M-Instruct.Q4_1.gguf"
+    size = path.stat().st_size
+    for node in range(3):
+        at_hub.served.clear()
+        folder = tmp_path / f"device{node}"
+        if node == 0:
+            source = GGUFSource(mirror_path)  # the master's, as `--model NAME` opens it
+        else:  # a worker's: what SPLIT tells it
+            assert (remote := GGUFSource(mirror_path).remote()) is not None
+            source = GGUFSource(folder / "m.gguf", RemoteFile(remote, folder / "m.gguf"))
+        share = split_node(source, slices, node, ShardStore(folder), dtype, heads)
+        assert share.layers == whole.nodes[node]
+        assert share.extra == (whole.globals if node == 0 else whole.heads[node - 1])
+        served, own = at_hub.served[file], _slice_bytes(local, config, slices[node], node, heads)
+        if node == 0:
+            globals_bytes = sum(local.file.info(n).n_bytes for n in
+                                ("token_embd.weight", "output_norm.weight"))  # fmt: skip
+            bound = header + own + globals_bytes
+        else:
+            bound = 1.1 * (header + own)
+        print(f"node {node}: served {served} bytes, its share {own} (+ header {header}), "
+              f"bound {bound:.0f}, of a {size}-byte file")  # fmt: skip
+        assert served <= bound and served < size
+    assert len(whole.nodes) == 3
+
+
+def test_a_cluster_runs_a_model_by_name_from_its_devices_slices_as_the_file_by_path(
+    at_hub, tmp_path
+):
+    """`edgetp run --local-nodes 3 --model NAME` with the model in no cache: the master and two
+    worker processes each split their share from the hub by byte ranges (SPLIT), and the
+    answer is the one the file gives by its path; no device fetched the whole file, and the
+    hub's cache holds none of it."""
+    args = ("run", "--raw", "--max-tokens", "6", "--local-nodes", "3", "--state-dir")
+    by_path = edgetp_process(tmp_path / "a", at_hub.url, *args, str(tmp_path / "a"),
+                             "--model", str(model_path()), "Paris is")  # fmt: skip
+    assert by_path.returncode == 0, by_path.stderr
+    at_hub.served.clear()
+    by_name = edgetp_process(tmp_path / "b", at_hub.url, "-v", *args, str(tmp_path / "b"),
+                             "--model", "test/SmolLM2-GGUF:Q4_1", "Paris is")  # fmt: skip
+    assert by_name.returncode == 0, by_name.stderr
+    assert by_name.stdout == by_path.stdout and by_name.stdout.strip()
+    split = re.findall(r"node (\S+) split its share: (\d+) bytes", by_name.stderr)
+    assert len(split) == 2, by_name.stderr  # each worker, as the master's log says
+    size = model_path().stat().st_size
+    assert all(int(n) < size / 2 for _, n in split), split
+    assert not list((tmp_path / "b").glob("hub/models--*/blobs/*"))  # nothing pulled whole
+    print(f"served {sum(at_hub.served.values())} bytes in all; workers: {split}")
+
+
+def test_a_hub_without_byte_ranges_is_pulled_whole_and_a_changed_file_is_refused(
+    at_hub, tmp_path, caplog
+):
+    """A hub that answers a byte range with the whole file: the model is pulled whole into the
+    cache, as before, and the log says why. A file that changed on the hub after its mirror
+    was made: a range of the new version is refused in one line, nothing of it kept."""
+    path = resolve_model("test/Whole-GGUF", tmp_path / "remote")
+    assert path is not None and "models--test--Whole-GGUF" in path  # the cache's, whole
+    assert "answered HTTP 200 to a byte-range request" in caplog.text
+    mirrored = resolve_model("test/Changing-GGUF", tmp_path / "remote")
+    assert mirrored is not None and Path(mirrored).parent == tmp_path / "remote"
+    reopened = RemoteFile.reopen(Path(mirrored), {})  # as `open_model` finds it
+    assert reopened is not None and reopened.present  # its header, fetched
+    remote = reopened.remote
+    at_hub.repos["test/Changing-GGUF"].etags["Changing-Q4_K_M.gguf"] = "f" * 64
+    file = RemoteFile(remote, tmp_path / "worker.gguf")
+    with pytest.raises(ModelError, match="served bytes of another version") as refused:
+        file.ensure([(0, 8)])
+    assert "\n" not in str(refused.value) and file.present == []

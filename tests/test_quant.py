@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from edgetp.master.cluster.plan import head_rows, plan_slices
-from edgetp.master.cluster.splitter import split_model
 from edgetp.memory.shards import ShardStore
+from edgetp.memory.splitter import split_model
 from edgetp.models import native, quant
 from edgetp.models.bundled import BUNDLED_MODELS
 from edgetp.models.errors import ModelError

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     from edgetp.master.cluster.plan import plan_slices
-    from edgetp.master.cluster.splitter import split_model
+    from edgetp.memory.splitter import split_model
     from edgetp.memory.shards import ShardStore
     from edgetp.models.source import open_model
 

@@ -15,11 +15,11 @@ from edgetp.master.bench.synth import MARKER_KEY, _write_tokenizer, write_synthe
 from edgetp.master.bench.synth_models import SHAPES, tokenizer_style
 from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.plan import head_rows, plan_slices
-from edgetp.master.cluster.splitter import split_model
 from edgetp.master.generation.generate import start, stream
 from edgetp.master.generation.params import SamplingParams
 from edgetp.master.generation.prompts import prompt_tokens
 from edgetp.memory.shards import ShardStore
+from edgetp.memory.splitter import split_model
 from edgetp.models.config_files import config_from_hf
 from edgetp.models.errors import ModelError
 from edgetp.models.layers import StepBatch

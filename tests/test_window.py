@@ -13,7 +13,6 @@ from waiting import returns_within
 
 from edgetp.master.cluster.local import local_engine
 from edgetp.master.cluster.plan import plan_slices
-from edgetp.master.cluster.splitter import split_model
 from edgetp.master.cluster.transport import ClusterError
 from edgetp.master.generation.generate import start, stream
 from edgetp.master.generation.params import SamplingParams
@@ -26,6 +25,7 @@ from edgetp.memory.budget import (
 )
 from edgetp.memory.pages import DATA_ALIGN, HUGE_PAGE, pack
 from edgetp.memory.shards import ShardStore
+from edgetp.memory.splitter import split_model
 from edgetp.memory.window import LayerWindow, ShardChanged
 from edgetp.models.errors import ModelError
 from edgetp.models.layers import StepBatch

@@ -370,12 +370,15 @@ def _resolve_names(args: argparse.Namespace) -> None:
     """A model named OWNER/REPO[:QUANT] becomes its local path, pulled first if the cache lacks
     it: every command that opens a model (and a draft model) gets a path, whatever the front.
     `model_name` keeps what was asked for (the bridge accepts it in requests)."""
+    from edgetp.memory.files import default_state_dir
     from edgetp.models.hub import resolve_model
 
     if args.command in ("join", "node") or not hasattr(args, "model"):
         return  # join's --model is a name to compare with the master's, not a file
     args.model_name = args.model
-    args.model = resolve_model(args.model)
+    state_dir = getattr(args, "state_dir", None) or default_state_dir()
+    # a GGUF by name: each device fetches its slices' bytes (models/ranges.py), none the file
+    args.model = resolve_model(args.model, state_dir / "remote")
     draft = getattr(args, "draft", None)
     if isinstance(draft, list):
         args.draft = [d if d in ("lookup", "off") else resolve_model(d) for d in draft]

@@ -14,7 +14,7 @@ model, nodes, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 state = tempfile.mkdtemp()
 code = f"""
 from edgetp.master.cluster.plan import plan_slices
-from edgetp.master.cluster.splitter import split_model
+from edgetp.memory.splitter import split_model
 from edgetp.memory.shards import ShardStore
 from edgetp.models.source import open_model
 src = open_model({model!r})

@@ -237,7 +237,7 @@ class Engine:
         paths = [store.path(ref) for ref in manifest.nodes[0]]
         globals_path = store.path(manifest.globals)
         # Tied: the embedding is the head. The globals hold just the master's rows of an untied
-        # head (master.cluster.splitter), all of a tied one, of which it takes its rows.
+        # head (memory.splitter), all of a tied one, of which it takes its rows.
         specs = tensor_specs(globals_path)
         head = "lm_head" if "lm_head" in specs else "embedding"
         a, b = manifest.head_rows[0] if manifest.head_rows else (0, specs[head][1][0])

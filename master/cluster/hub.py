@@ -23,6 +23,7 @@ from edgetp.master.cluster import membership as S
 from edgetp.master.cluster.membership import Link, Member
 from edgetp.master.cluster.transport import ClusterError, Malformed, NodeDown, Received, Transport
 from edgetp.memory.shards import Manifest, ShardStore
+from edgetp.memory.splitter import NodeShards
 from edgetp.models.config import ModelConfig
 from edgetp.models.kernels import activations
 from edgetp.models.kvformat import DEFAULT_KV_FORMAT
@@ -84,6 +85,7 @@ class Hub:
         self.store: ShardStore | None = None
         self.shipped_bytes = 0
         self._measured: set[bytes] = set()  # members that answered the last MEASURE
+        self._split: dict[bytes, M.SplitDone] = {}  # members' answers to the last SPLIT
 
     @property
     def members(self) -> list[Member]:
@@ -167,6 +169,10 @@ class Hub:
         elif isinstance(message, M.Measured):
             member.capacity = msgspec.structs.replace(member.capacity, speed=message.speed)
             self._measured.add(identity)
+        elif isinstance(message, M.SplitDone):
+            self._split[identity] = message
+            log.info("node %s split its share: %d bytes of the model's file in %d requests",
+                     member.name, message.fetched, message.requests)  # fmt: skip
         elif isinstance(message, M.Ready):
             self.apply(member, S.Ready())
             log.info("node %s ready", member.name)
@@ -347,6 +353,38 @@ class Hub:
                 return time.perf_counter() - started
             self._handle_control(msg[0], msg[1])
         raise TimeoutError("no answer to ECHO")
+
+    def split_shares(
+        self,
+        model: M.RemoteModel,
+        slices: Sequence[Slice],
+        dtype: str,
+        head_rows: Sequence[tuple[int, int]] | None,
+        timeout: float = 3600.0,
+    ) -> list[NodeShards]:
+        """Each worker splits its own share of the plan (node k+1's) from the model's file on
+        the hub, fetching only its slices' bytes (SPLIT); their shards, in plan order. A worker
+        that fails, or stops answering, fails the split, saying which and why."""
+        self._split = {}
+        for k, member in enumerate(self.members, start=1):
+            job = M.Split(k, model, list(slices), dtype, list(head_rows or []))
+            self._send(member.identity, job)
+        asked = time.monotonic()
+        while not all(m.identity in self._split for m in self.members):
+            for m in self.members:
+                if not m.alive:  # it said ERROR, or a new process of the same name joined
+                    raise ClusterError(
+                        f"node {m.name} could not split its share: {m.failure or 'it joined again'}"
+                    )
+                if min(self.heartbeat.silence(m.name), time.monotonic() - asked) > DEAD_AFTER:
+                    why = f"node {m.name} stopped answering while splitting its share"
+                    self.apply(m, S.Failed(why))
+                    raise ClusterError(why)
+            if time.monotonic() > asked + timeout:
+                raise ClusterError(f"workers did not split their shares within {timeout:.0f} s")
+            self._next(100)
+        done = [self._split[m.identity] for m in self.members]
+        return [NodeShards(d.layers, d.head) for d in done]
 
     def ship(
         self,

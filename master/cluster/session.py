@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -26,7 +27,6 @@ from edgetp.master.cluster.plan import (
     with_messages,
     workers_to_plan,
 )
-from edgetp.master.cluster.splitter import model_identity, split_model
 from edgetp.master.cluster.transport import ClusterError
 from edgetp.memory.budget import (
     ALL_RESIDENT,
@@ -38,12 +38,14 @@ from edgetp.memory.budget import (
 )
 from edgetp.memory.files import atomic_write, default_state_dir
 from edgetp.memory.shards import Manifest, ShardStore
+from edgetp.memory.splitter import model_identity, split_model
 from edgetp.memory.window import keep_imports_out_of_collections, return_freed_memory
 from edgetp.models.config import ModelConfig
 from edgetp.models.errors import ModelError
 from edgetp.models.kernels import blas_threads
 from edgetp.models.layers import Slice
 from edgetp.models.source import ModelSource
+from edgetp.node import messages as M
 from edgetp.node.device import plan_shapes, prepare
 from edgetp.node.kvcache import KVCache, LinearStates
 from edgetp.node.messages import Capacity
@@ -132,7 +134,12 @@ def _cluster_engine(
         prepare(plan_shapes(source, slices, memory.dtype, heads), install=False)
     store = ShardStore(state_dir / "shards")
     split_progress = (lambda d, t: progress("splitting", d, t)) if progress else None
-    manifest = split_model(source, slices, store, split_progress, memory.dtype, heads)
+    workers = None
+    remote = source.remote()
+    if hub is not None and hub.members and remote is not None:  # each its own slices' bytes
+        model = M.RemoteModel(remote.url, remote.size, remote.etag, remote.headers)
+        workers = partial(hub.split_shares, model, slices, memory.dtype, heads)
+    manifest = split_model(source, slices, store, split_progress, memory.dtype, heads, workers)
     try:
         kv_format, plans = kv_format_plans(manifest, hub, context, slots, memory, one_device)
     except ModelError as exc:  # tell the workers why, or they only see the master go

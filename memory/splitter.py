@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +64,28 @@ def plan_key(
 BAND_BYTES = 32 << 20  # float32 bytes of a source tensor read at a time
 
 
+@dataclass(frozen=True)
+class NodeShards:
+    """What one node's share of a split is: its shard of every layer, and its globals (the
+    master) or its rows of the lm_head (a worker, where the head is split; else None)."""
+
+    layers: list[ShardRef]
+    extra: ShardRef | None
+
+    def to_dict(self) -> dict:
+        return {"layers": [vars(r) for r in self.layers],
+                "extra": vars(self.extra) if self.extra else None}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict) -> NodeShards:
+        extra = d.get("extra")
+        return cls([ShardRef(**r) for r in d["layers"]], ShardRef(**extra) if extra else None)
+
+
+# The workers' shares of a split, each split by its own worker (their refs, node 1 first).
+SplitElsewhere = Callable[[], list[NodeShards]]
+
+
 def split_model(
     source: ModelSource,
     slices: Sequence[Slice],
@@ -71,6 +93,7 @@ def split_model(
     progress: Progress | None = None,
     dtype: str = "f32",
     head_rows: Sequence[tuple[int, int]] | None = None,
+    workers: SplitElsewhere | None = None,
 ) -> Manifest:
     """Shards for every (node, layer) and the master's globals; reused when already split.
     With `head_rows` (one vocabulary range per node), every node but the master also gets a
@@ -80,26 +103,101 @@ def split_model(
     norms and biases stay float32. Tensors are read a band of rows at a time and every node's
     share of a band goes straight to its shard file, so the split holds no whole matrix: a 70B
     model splits within what the master needs to run it.
+
+    With `workers`, the master writes only its own share, and `workers()` has each worker split
+    its own from the same source (`split_node`): a model read by byte ranges is then fetched a
+    slice a device, and no device, the master included, fetches the whole file.
     """
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"unknown shard dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
     identity = model_identity(source)
     key = plan_key(identity, slices, dtype, head_rows)
     manifest_path = store.root / "manifests" / f"{key}.json"
-    if manifest_path.is_file():
+    if workers is not None:
+        own = split_node(source, slices, 0, store, dtype, head_rows, progress)
+        shares = [own, *workers()]
+    elif manifest_path.is_file():
         manifest = Manifest.from_json(manifest_path.read_text())
         refs = [r for node in manifest.nodes for r in node] + [manifest.globals, *manifest.heads]
         if all(store.path(r).is_file() and store.path(r).stat().st_size == r.size for r in refs):
             return manifest
+    if workers is None:
+        layers = _split_layers(source, slices, range(len(slices)), store, dtype, progress)
+        globals_ref, heads = _split_globals(source, slices, range(len(slices)), store, dtype,
+                                            head_rows)  # fmt: skip
+        shares = [NodeShards(layers[0], globals_ref)]
+        shares += [NodeShards(refs, heads.get(k)) for k, refs in enumerate(layers[1:], start=1)]
+    source.fetched()
+    total = source.config.n_layers + 1
+    if progress:
+        progress(total, total)
+    globals_ref = shares[0].extra
+    assert globals_ref is not None  # the master's share holds the globals
+    manifest = Manifest(
+        model=source.name,
+        identity=identity,
+        config=source.config.to_dict(),
+        slices=[s.to_dict() for s in slices],
+        nodes=[share.layers for share in shares],
+        globals=globals_ref,
+        head_rows=[list(r) for r in head_rows or []],
+        heads=[share.extra for share in shares[1:] if share.extra] if head_rows else [],
+    )
+    manifest.extra["dtype"] = dtype
+    freq = source.rope_freq_factors()
+    if freq is not None:  # every node needs them for RoPE; a few dozen floats
+        manifest.extra["rope_freq_factors"] = freq.tolist()
+    atomic_write(manifest_path, manifest.to_json().encode())
+    return manifest
 
+
+def split_node(
+    source: ModelSource,
+    slices: Sequence[Slice],
+    node: int,
+    store: ShardStore,
+    dtype: str = "f32",
+    head_rows: Sequence[tuple[int, int]] | None = None,
+    progress: Progress | None = None,
+) -> NodeShards:
+    """Node `node`'s share of the split alone, as `split_model` writes it (the same bytes):
+    reading only the rows and columns of each tensor that its slices hold. Kept, by plan and
+    node, so that a second start with the same plan writes and fetches nothing."""
+    key = plan_key(model_identity(source), slices, dtype, head_rows)
+    record = store.root / "nodes" / f"{key}-{node}.json"
+    if record.is_file():
+        share = NodeShards.from_dict(json.loads(record.read_text()))
+        refs = [*share.layers, *([share.extra] if share.extra else [])]
+        if all(store.path(r).is_file() and store.path(r).stat().st_size == r.size for r in refs):
+            return share
+    (layers,) = _split_layers(source, slices, [node], store, dtype, progress)
+    globals_ref, heads = _split_globals(source, slices, [node], store, dtype, head_rows)
+    source.fetched()
+    share = NodeShards(layers, globals_ref if node == 0 else heads.get(node))
+    atomic_write(record, json.dumps(share.to_dict()).encode())
+    return share
+
+
+def _split_layers(
+    source: ModelSource,
+    slices: Sequence[Slice],
+    which: Iterable[int],
+    store: ShardStore,
+    dtype: str,
+    progress: Progress | None,
+) -> list[list[ShardRef]]:
+    """The shards of every layer for nodes `which` (their refs, a list a node)."""
     config = source.config
-    nodes: list[list[ShardRef]] = [[] for _ in slices]
+    which = list(which)
+    nodes: list[list[ShardRef]] = [[] for _ in which]
     total = config.n_layers + 1
     told: set[str] = set()  # matrices whose cut through blocks was logged
     stood_in: set[str] = set()  # matrices stored in a K-quant's stand-in, logged
     for i in range(config.n_layers):
         # a layer's kind (attention or linear attention) and its shape (the family's) cut it
-        cuts = [slice_parts(*family_of(config).layer_view(config, s, i), i) for s in slices]
+        cuts = {
+            k: slice_parts(*family_of(config).layer_view(config, slices[k], i), i) for k in which
+        }
         dtypes = source.matrix_dtypes(i, dtype)
         for m in dtypes.keys() - stood_in:
             if dtype in STAND_INS and dtypes[m] == STAND_INS[dtype]:
@@ -107,7 +205,7 @@ def split_model(
                 log.warning("%s's rows are not whole blocks of %s's 256: stored as %s, as "
                             "llama.cpp does", m, dtype, dtypes[m])  # fmt: skip
         shards = []
-        for node, c in enumerate(cuts):
+        for node, c in cuts.items():
             kept = slice_dtypes(c, dtypes)
             for m in kept.keys() - told:
                 if kept[m] != dtypes[m]:
@@ -125,44 +223,48 @@ def split_model(
             refs.append(ref)
         if progress:
             progress(i + 1, total)
+    return nodes
+
+
+def _split_globals(
+    source: ModelSource,
+    slices: Sequence[Slice],
+    which: Iterable[int],
+    store: ShardStore,
+    dtype: str,
+    head_rows: Sequence[tuple[int, int]] | None,
+) -> tuple[ShardRef | None, dict[int, ShardRef]]:
+    """The master's globals (if node 0 is of `which`), and the rows of the lm_head of the
+    workers of `which` where the head is split, by node."""
+    config = source.config
+    which = set(which)
     head = source.head_dtype(dtype)
-    # the norms and the router stay float32; POST_NORMS and ROUTER are 2-D, hence "f32" rather
-    # than a vector's None
-    norm_dtypes: dict[str, str | None] = {"final_norm": None, POST_NORMS: "f32", ROUTER: "f32"}
-    norm_dtypes |= family_of(config).global_dtypes(source, dtype)  # the family's, the master's
-    whole = {
-        n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), norm_dtypes.get(n, head))
-        for n in source.global_names()
-    }
-    if head_rows and "lm_head" in whole and head_rows[0][1] > head_rows[0][0]:
-        # Split by vocabulary, the master multiplies only its rows: it holds only those (a
-        # 70B head is 0.5 GB in f16). A tied head is the embedding, which it needs whole.
-        start, end = head_rows[0]
-        whole["lm_head"] = _Fused("lm_head", (Part("lm_head", (start, end)),), head)
-    (globals_ref,) = _write(source, None, [whole], store)
-    heads: list[ShardRef] = []
-    if head_rows:  # the workers' rows of the lm_head (a tied model's embedding)
+    globals_ref = None
+    if 0 in which:
+        # the norms and the router stay float32; POST_NORMS and ROUTER are 2-D, hence "f32"
+        # rather than a vector's None
+        norm_dtypes: dict[str, str | None] = {
+            "final_norm": None, POST_NORMS: "f32", ROUTER: "f32"
+        }  # fmt: skip
+        norm_dtypes |= family_of(config).global_dtypes(source, dtype)  # the family's, the master's
+        whole = {
+            n: _Fused(n, (Part(n, (0, source.shape(None, n)[0])),), norm_dtypes.get(n, head))
+            for n in source.global_names()
+        }
+        if head_rows and "lm_head" in whole and head_rows[0][1] > head_rows[0][0]:
+            # Split by vocabulary, the master multiplies only its rows: it holds only those (a
+            # 70B head is 0.5 GB in f16). A tied head is the embedding, which it needs whole.
+            start, end = head_rows[0]
+            whole["lm_head"] = _Fused("lm_head", (Part("lm_head", (start, end)),), head)
+        (globals_ref,) = _write(source, None, [whole], store)
+    heads: dict[int, ShardRef] = {}
+    workers = sorted(k for k in which if k > 0)
+    if head_rows and workers:  # the workers' rows of the lm_head (a tied model's embedding)
         name = "embedding" if config.tied_embeddings else "lm_head"
-        rows = [_Fused("lm_head", (Part(name, r),), head) for r in head_rows[1:]]
-        heads = _write(source, None, [{"lm_head": f} for f in rows], store)
-    if progress:
-        progress(total, total)
-    manifest = Manifest(
-        model=source.name,
-        identity=identity,
-        config=config.to_dict(),
-        slices=[s.to_dict() for s in slices],
-        nodes=nodes,
-        globals=globals_ref,
-        head_rows=[list(r) for r in head_rows or []],
-        heads=heads,
-    )
-    manifest.extra["dtype"] = dtype
-    freq = source.rope_freq_factors()
-    if freq is not None:  # every node needs them for RoPE; a few dozen floats
-        manifest.extra["rope_freq_factors"] = freq.tolist()
-    atomic_write(manifest_path, manifest.to_json().encode())
-    return manifest
+        rows = [_Fused("lm_head", (Part(name, head_rows[k]),), head) for k in workers]
+        refs = _write(source, None, [{"lm_head": f} for f in rows], store)
+        heads = dict(zip(workers, refs, strict=True))
+    return globals_ref, heads
 
 
 @dataclass(frozen=True)
@@ -201,6 +303,13 @@ def _write(
     try:
         # every shard's tensors: a later node may hold one the first does not
         for name in sorted({p.source for shard in shards for f in shard.values() for p in f.parts}):
+            parts = [p for shard in shards for f in shard.values() for p in f.parts
+                     if p.source == name]  # fmt: skip
+            # the columns these shards cut, if all cut some: a remote source fetches only those
+            cols = None
+            if all(p.cols for p in parts):
+                cols = (min(p.cols[0] for p in parts), max(p.cols[1] for p in parts))  # type: ignore[index]
+            source.only_columns(layer, name, cols)
             stored = source.stored_type(layer, name).lower()
             carry = any(
                 f.dtype is not None and (stored == f.dtype or (stored, f.dtype) in EXACT_WIDENING)
@@ -208,7 +317,8 @@ def _write(
                 for f in shard.values()
                 if any(p.source == name for p in f.parts)
             )
-            for first, band in _bands(source, layer, name, carry):
+            wanted = _merged_rows(p.rows for p in parts)
+            for first, band in _bands(source, layer, name, carry, wanted):
                 rows = (first, first + band.shape[0])
                 values: torch.Tensor | None = None  # as floats, for a slice cut within blocks
                 for writer, shard in zip(writers, shards, strict=True):
@@ -238,15 +348,31 @@ def _write(
         raise
 
 
+def _merged_rows(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
 def _bands(
-    source: ModelSource, layer: int | None, name: str, blocks: bool
+    source: ModelSource,
+    layer: int | None,
+    name: str,
+    blocks: bool,
+    wanted: Sequence[tuple[int, int]],
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """The tensor's rows, a band at a time (whole heads, so Q and K can be un-permuted)."""
+    """The tensor's rows in `wanted`, a band at a time (whole heads, so Q and K can be
+    un-permuted: each wanted range starts at a head)."""
     shape = source.shape(layer, name)
     if len(shape) == 1:
         yield 0, source.rows(layer, name, 0, shape[0])
         return
     head = source.config.head_dim
     step = max(head, BAND_BYTES // (4 * shape[1]) // head * head)
-    for first in range(0, shape[0], step):
-        yield first, source.rows(layer, name, first, min(first + step, shape[0]), blocks)
+    for lo, hi in wanted:
+        for first in range(lo, hi, step):
+            yield first, source.rows(layer, name, first, min(first + step, hi), blocks)
