@@ -40,8 +40,7 @@ Progress = Callable[[int, int], None]
 
 def model_identity(source: ModelSource) -> str:
     """A short fingerprint of the model: its config and the size of its weight files."""
-    files = [source.path] if source.path.is_file() else sorted(source.path.glob("*.safetensors"))
-    sizes = [f.stat().st_size for f in files]
+    sizes = [f.stat().st_size for f in source.weight_files()]
     text = json.dumps([source.config.to_dict(), sizes], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -10,8 +10,9 @@ holds the whole model.
 from __future__ import annotations
 
 import mmap
+import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,8 +58,12 @@ class TensorInfo:
     tensor_type: gguf.GGMLQuantizationType
     data_offset: int  # from the start of the file
     n_bytes: int
+    part: int = 0  # which file of a split GGUF holds it (0: the first, or the only one)
 
 
+# llama.cpp's gguf-split: the first file's keys name the split; each file is a GGUF of its own
+SPLIT_INDEX, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+_SPLIT_NAME = re.compile(r"-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 HEADER_FIRST_READ = 1 << 20  # a remote header is read in a MiB, then twice as much until whole
 
 
@@ -77,26 +82,60 @@ class GGUFFile:
             fetch_header(remote)
         if not self.path.is_file():
             raise ModelError(f"model file not found: {self.path}")
-        check_kind(self.path)
-        with open(self.path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.metadata: dict[str, Any] = {}
+        self._tensors: dict[str, TensorInfo] = {}
+        self._maps: list[mmap.mmap] = []
+        self.paths = [self.path]
+        self._open_part(self.path, 0)
+        count = int(self.metadata.get(SPLIT_COUNT, 1))
+        if count > 1:  # a split GGUF (llama.cpp's gguf-split): the other parts beside it
+            match = _SPLIT_NAME.search(self.path.name)
+            if match is None or int(match["part"]) != 1 or int(match["count"]) != count:
+                raise ModelError(
+                    f"{self.path} is part of a GGUF split in {count} files: open its first "
+                    f"part, named ...-00001-of-{count:05d}.gguf"
+                )
+            stem = self.path.name[: match.start()]
+            for k in range(1, count):
+                self.paths.append(self.path.with_name(f"{stem}-{k + 1:05d}-of-{count:05d}.gguf"))
+                self._open_part(self.paths[k], k)
+            expected = self.metadata.get(SPLIT_TENSORS)
+            if expected is not None and expected != len(self._tensors):
+                raise ModelError(
+                    f"{self.path}: the split's {count} files hold {len(self._tensors)} tensors "
+                    f"of the {expected} its first part lists: a part is missing or of another split"
+                )
+
+    def _open_part(self, path: Path, part: int) -> None:
+        """Map one file of the model and read its header: the first's metadata is the model's,
+        every part's tensor table adds to the model's."""
+        if not path.is_file():
+            raise ModelError(
+                f"model file not found: {path} (part {part + 1} of the split {self.path})"
+            )
+        check_kind(path)
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            self.metadata, self._tensors = _read_header(self._map)
+            metadata, tensors = _read_header(mapped)
         except (struct.error, ValueError, UnicodeDecodeError) as exc:
             raise ModelError(
-                f"{self.path} is truncated or corrupt and cannot be read as GGUF ({exc})"
+                f"{path} is truncated or corrupt and cannot be read as GGUF ({exc})"
             ) from exc
-        self._check_tensor_extents()
-
-    def _check_tensor_extents(self) -> None:
-        # A map over a truncated file can still be built; catch it here, not mid-generation.
-        size = len(self._map)
-        for t in self._tensors.values():
+        if part and metadata.get(SPLIT_INDEX) != part:
+            raise ModelError(f"{path} is not part {part + 1} of the split {self.path}")
+        self._maps.append(mapped)
+        if part == 0:
+            self.metadata = metadata
+        for name, t in tensors.items():
+            if name in self._tensors:
+                raise ModelError(f"{path}: tensor {name} is in two parts of the split")
+            self._tensors[name] = replace(t, part=part)
             end = t.data_offset + t.n_bytes
-            if end > size:
+            if end > len(mapped):  # a map over a truncated file can still be built
                 raise ModelError(
-                    f"{self.path} is truncated: tensor {t.name} ends at byte {end} "
-                    f"but the file has {size} bytes"
+                    f"{path} is truncated: tensor {t.name} ends at byte {end} "
+                    f"but the file has {len(mapped)} bytes"
                 )
 
     def has_tensor(self, name: str) -> bool:
@@ -179,7 +218,7 @@ class GGUFFile:
         n_rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
         dtype = _PLAIN_DTYPES.get(t.tensor_type, np.uint8)
         count = t.n_bytes // np.dtype(dtype).itemsize
-        data = np.frombuffer(self._map, dtype=dtype, count=count, offset=t.data_offset)
+        data = np.frombuffer(self._maps[t.part], dtype=dtype, count=count, offset=t.data_offset)
         return data.reshape(n_rows, -1)
 
     def _release(self, t: TensorInfo) -> None:
@@ -187,7 +226,7 @@ class GGUFFile:
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
         start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-        self._map.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
+        self._maps[t.part].madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
 
 
 def fetch_header(remote: RemoteFile) -> None:

@@ -292,6 +292,9 @@ class GGUFSource(ModelSource):
             out = unpermute_qk(out, (stop - start) // hd)
         return out
 
+    def weight_files(self) -> list[Path]:
+        return list(self.file.paths)
+
     def remote(self) -> Remote | None:
         return self.file.remote.remote if self.file.remote else None
 

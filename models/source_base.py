@@ -109,6 +109,13 @@ class ModelSource(ABC):
         self, layer: int | None, name: str, start: int, stop: int, blocks: bool
     ) -> torch.Tensor: ...
 
+    def weight_files(self) -> list[Path]:
+        """The files its weights are read from: a GGUF's (each part of a split one), or an HF
+        folder's safetensors."""
+        if self.path.is_file():
+            return [self.path]
+        return sorted(self.path.glob("*.safetensors"))
+
     def remote(self) -> Remote | None:
         """The file on the hub this source reads by byte ranges (models/ranges.py), if any."""
         return None

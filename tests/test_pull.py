@@ -36,6 +36,7 @@ from edgetp.memory.splitter import split_model, split_node
 from edgetp.models.bundled import model_path
 from edgetp.models.errors import ModelError
 from edgetp.models.families import family_of
+from edgetp.models.gguf_file import DEFAULT_ALIGNMENT, GGUFFile, _Cursor
 from edgetp.models.hub import Name, cached, mirror, pull, quants, resolve_model, select
 from edgetp.models.layers import slice_parts
 from edgetp.models.ranges import RemoteFile
@@ -206,6 +207,48 @@ def _ranges(header: str, size: int) -> list[tuple[int, int]]:
     return runs
 
 
+def split_gguf(path: Path, stem: str, count: int) -> dict[str, bytes]:
+    """The GGUF file at `path` as llama.cpp's gguf-split writes it in `count` files: the first
+    with every key, each with the split's keys and its run of the tensors."""
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text.encode())) + text.encode()
+
+    def key(name: str, kind: int, fmt: str, value: int) -> bytes:
+        return string(name) + struct.pack("<I", kind) + struct.pack(fmt, value)
+
+    whole = GGUFFile(path)
+    data = path.read_bytes()
+    (version,) = struct.unpack_from("<I", data, 4)
+    (n_keys,) = struct.unpack_from("<Q", data, 16)
+    cursor = _Cursor(data)  # type: ignore[arg-type]
+    cursor.pos = 24
+    for _ in range(n_keys):
+        cursor.string()
+        cursor.value(cursor.scalar("<I"))
+    keys = data[24 : cursor.pos]
+    assert whole.metadata.get("general.alignment", DEFAULT_ALIGNMENT) == DEFAULT_ALIGNMENT
+    infos = [whole.info(n) for n in whole.tensor_names()]
+    runs = np.array_split(np.arange(len(infos)), count)
+    files = {}
+    for no, run in enumerate(runs):
+        table, body = b"", b""
+        for t in (infos[i] for i in run):
+            body += b"\0" * (-len(body) % DEFAULT_ALIGNMENT)
+            dims = tuple(reversed(t.shape))
+            table += string(t.name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims,
+                                                  int(t.tensor_type), len(body))  # fmt: skip
+            body += data[t.data_offset : t.data_offset + t.n_bytes]
+        split_keys = (key("split.no", 2, "<H", no) + key("split.count", 2, "<H", count)
+                      + key("split.tensors.count", 5, "<i", len(infos)))  # fmt: skip
+        own = (keys if no == 0 else b"") + split_keys
+        head = b"GGUF" + struct.pack("<IQQ", version, len(run), (n_keys if no == 0 else 0) + 3)
+        head += own + table
+        head += b"\0" * (-len(head) % DEFAULT_ALIGNMENT)
+        files[f"{stem}-{no + 1:05d}-of-{count:05d}.gguf"] = head + body
+    return files
+
+
 SPLIT = [f"Q4_K_M/Big-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
 WEIGHTS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 
@@ -254,6 +297,7 @@ def hub() -> Iterator[Hub]:
         "test/Whole-GGUF": Repo(
             {"Whole-Q4_K_M.gguf": tiny_gguf("llama", "whole")}, no_ranges=True
         ),  # fmt: skip
+        "test/SmolSplit-GGUF": Repo(split_gguf(model_path(), "SmolLM2-135M-Q4_1", 3)),
         "test/Changing-GGUF": Repo({"Changing-Q4_K_M.gguf": tiny_gguf("llama", "v1")}),
     }
     sums = {name: _checksums(repo) for name, repo in repos.items()}
@@ -585,3 +629,24 @@ def test_a_hub_without_byte_ranges_is_pulled_whole_and_a_changed_file_is_refused
     with pytest.raises(ModelError, match="served bytes of another version") as refused:
         file.ensure([(0, 8)])
     assert "\n" not in str(refused.value) and file.present == []
+
+
+def test_a_split_gguf_pulled_by_name_answers_as_the_file_it_was_split_from(
+    at_hub, tmp_path, capsys
+):
+    """A GGUF split in three files (as gguf-split writes it) is pulled whole and read as one
+    model: its every tensor's bytes are the unsplit file's, and `run` by its name answers as
+    `run` of the unsplit file by its path."""
+    code, out, err = edgetp(capsys, "pull", "test/SmolSplit-GGUF:Q4_1")
+    assert code == 0 and out.strip().endswith("-00001-of-00003.gguf"), err
+    split, whole = GGUFFile(Path(out.strip())), GGUFFile(model_path())
+    assert len(split.paths) == 3 and split.metadata["general.architecture"] == "llama"
+    assert sorted(split.tensor_names()) == sorted(whole.tensor_names())
+    for name in whole.tensor_names():
+        rows = whole.info(name).shape[0] if len(whole.info(name).shape) > 1 else 1
+        assert np.array_equal(split.stored_rows(name, 0, rows), whole.stored_rows(name, 0, rows))
+    args = ("run", "--raw", "--max-tokens", "6", "--model")
+    by_path = edgetp_process(tmp_path, at_hub.url, *args, str(model_path()), "Paris is")
+    by_name = edgetp_process(tmp_path, at_hub.url, *args, "test/SmolSplit-GGUF:Q4_1", "Paris is")
+    assert by_path.returncode == 0 and by_name.returncode == 0, by_name.stderr
+    assert by_name.stdout == by_path.stdout and by_name.stdout.strip()
