@@ -17,13 +17,16 @@ from edgetp.node.protocol import DEFAULT_PORT
 from edgetp.tui.chat.command import add_arguments as add_chat_arguments
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument(
         "--model",
         default=None,
+        action="append" if several else "store",
         help="a .gguf file, an HF folder, a bundled name, or OWNER/REPO[:QUANT] on the Hugging "
-        f"Face hub, pulled on first use (default: {DEFAULT_MODEL})",
-    )
+        f"Face hub, pulled on first use (default: {DEFAULT_MODEL})"
+        + ("; repeatable: the first is loaded at start, a request naming another switches "
+           "to it" if several else ""),
+    )  # fmt: skip
     p.add_argument(
         "--context", type=int, default=None, help="tokens of context to allocate (default 2048)"
     )
@@ -331,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible REST API; devices may join"
     )
-    _add_model_args(serve)
+    _add_model_args(serve, several=True)
     _add_cluster_args(serve, lan=True)
     _add_lan_args(serve, "cluster-", workers=0)
     _add_device_arg(serve)
@@ -340,6 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="address to listen on (default: this machine only)"
     )
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument(
+        "--unload-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="unload the model after S seconds without a request (the next one loads it "
+        "again; default: never)",
+    )
     serve.add_argument(
         "--api-key",
         default=None,

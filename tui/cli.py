@@ -261,23 +261,35 @@ def _serve(args: argparse.Namespace) -> None:
         from edgetp.master.generation.prompts import open_with_tokenizer
         from edgetp.master.generation.speculate import draft_source
 
-        source, tokenizer = open_with_tokenizer(args.model)
-        draft_source(args.draft, tokenizer)  # before the slow load
-        sessions = _session(args, source, args.max_batch, "edgetp serve", _local_nodes(args))
+        models = [
+            (*open_with_tokenizer(path), name)
+            for path, name in zip(args.models, args.model_names, strict=True)
+        ]
+        draft_source(args.draft, models[0][1])  # before the slow load
+        local = _local_nodes(args)
+        if len(models) > 1 and local is None:
+            raise ValueError(
+                "several --model need --local-nodes: a LAN master serves one model (its "
+                "devices would have to join again at each switch)"
+            )
+
+        def sessions(source: ModelSource) -> contextlib.AbstractContextManager[Session]:
+            own = argparse.Namespace(**{**vars(args), "model": str(source.path)})  # its dtype
+            return _session(own, source, args.max_batch, "edgetp serve", local)
+
     except BaseException:
         sock.close()
         raise
     serve(
         sessions,
-        source,
-        tokenizer,
+        models,
         sock,
-        args.model_name,
         api_key,
         args.verbose,
         (args.draft, args.draft_dtype),
         args.cors_origin,
         args.prompt_reuse,
+        args.unload_after,
     )
 
 
@@ -375,10 +387,14 @@ def _resolve_names(args: argparse.Namespace) -> None:
 
     if args.command in ("join", "node") or not hasattr(args, "model"):
         return  # join's --model is a name to compare with the master's, not a file
-    args.model_name = args.model
     state_dir = getattr(args, "state_dir", None) or default_state_dir()
+    # serve's --model is repeatable: each is resolved, the first is the one the others' options
+    # (its dtype, --draft) go with
+    asked = args.model if isinstance(args.model, list) else [args.model]
+    args.model_names = asked
     # a GGUF by name: each device fetches its slices' bytes (models/ranges.py), none the file
-    args.model = resolve_model(args.model, state_dir / "remote")
+    args.models = [resolve_model(m, state_dir / "remote") for m in asked]
+    args.model_name, args.model = asked[0], args.models[0]
     draft = getattr(args, "draft", None)
     if isinstance(draft, list):
         args.draft = [d if d in ("lookup", "off") else resolve_model(d) for d in draft]

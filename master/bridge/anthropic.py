@@ -24,11 +24,9 @@ from edgetp.master.bridge.core import (
     Finish,
     Out,
     Reasoning,
-    Served,
     Text,
     Wait,
     chat_request,
-    check_model,
     generate,
     prepare_chat,
     started,
@@ -36,6 +34,7 @@ from edgetp.master.bridge.core import (
     whole,
 )
 from edgetp.master.bridge.errors import ROUTE_REQUESTS, APIError
+from edgetp.master.bridge.models import Models
 from edgetp.master.bridge.request import warn_ignored
 from edgetp.master.bridge.request_parts import _Request
 from edgetp.master.bridge.schema import MAX_STOP_STRINGS, AnyText
@@ -286,13 +285,13 @@ async def _events(
 
 
 # -- the routes -------------------------------------------------------------------------------
-def router(served: Served, api_key: str | None) -> APIRouter:
+def router(models: Models, api_key: str | None) -> APIRouter:
     api = APIRouter(dependencies=guard(api_key, x_api_key=True), tags=["anthropic"])
 
     @api.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Any:
         """Anthropic's Messages: a reply to a conversation, in content blocks."""
-        check_model(served, body.model)
+        served = await models.use(body.model)
         warn_ignored(body, "/v1/messages")
         chat = chat_request(internal(body, served.tokenizer.chat_template), "messages")
         prepared = await prepare_chat(served, chat)
@@ -321,7 +320,7 @@ def router(served: Served, api_key: str | None) -> APIRouter:
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> Any:
         """The prompt's tokens as /v1/messages would render it, without generating."""
-        check_model(served, body.model)
+        served = await models.use(body.model)
         chat = chat_request(internal(body, served.tokenizer.chat_template), "messages")
         prepared = await prepare_chat(served, chat)
         return {"input_tokens": len(prepared.prompt)}

@@ -29,7 +29,6 @@ from edgetp.master.bridge.core import (
     KEEPALIVE,
     Prepared,
     Served,
-    check_model,
     disconnected,
     prepare_chat,
     prepare_text,
@@ -38,6 +37,7 @@ from edgetp.master.bridge.core import (
 )
 from edgetp.master.bridge.errors import APIError, documented, failure, install_handlers
 from edgetp.master.bridge.metrics import add_metrics
+from edgetp.master.bridge.models import Leases, ModelChoice, Models
 from edgetp.master.bridge.request import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -62,10 +62,12 @@ from edgetp.master.generation.batcher import Delta, Failed, Ticket
 
 
 def create_app(
-    served: Served, api_key: str | None = None, cors_origins: Sequence[str] = ()
+    served: Served | Models, api_key: str | None = None, cors_origins: Sequence[str] = ()
 ) -> FastAPI:
-    """The ASGI app; `api_key` (if given) is required as `Authorization: Bearer KEY` on /v1;
-    browser pages from `cors_origins` may call it (CORS; none by default)."""
+    """The ASGI app over one model's Served, or several `Models` (one resident at a time);
+    `api_key` (if given) is required as `Authorization: Bearer KEY` on /v1; browser pages from
+    `cors_origins` may call it (CORS; none by default)."""
+    models = served if isinstance(served, Models) else Models.single(served)
     app = FastAPI(
         title="edgetp REST bridge",
         version=_version(),
@@ -76,7 +78,8 @@ def create_app(
             CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
             allow_headers=["*"],
         )  # fmt: skip
-    add_metrics(app, served.batcher, served.model_id)
+    add_metrics(app, lambda: models.current.batcher if models.current else None)
+    app.add_middleware(Leases, models=models)
     bearer = HTTPBearer(auto_error=False, description="the key given to edgetp serve --api-key")
 
     async def check_key(
@@ -100,6 +103,7 @@ def create_app(
     @app.get("/health", response_model=Health, responses=documented(503), tags=["server"])
     async def health() -> Health:
         """Liveness and the generation counters; 503 when the cluster is down."""
+        served = _resident(models)
         stats = served.batcher.stats()
         if stats.down:
             raise APIError(503, stats.down, type="server_error", code="cluster_down")
@@ -114,8 +118,8 @@ def create_app(
         tags=["openai"],
     )
     async def list_models() -> ModelList:
-        """The one model this server runs."""
-        return ModelList(data=[_card(served)])
+        """The models this server answers for (one resident at a time)."""
+        return ModelList(data=[_card(c) for c in models.choices])
 
     @app.get(
         "/v1/models/{model}",
@@ -125,8 +129,7 @@ def create_app(
         tags=["openai"],
     )
     async def retrieve_model(model: str) -> ModelCard:
-        check_model(served, model)
-        return _card(served)
+        return _card(models.choice(model))
 
     @app.get(
         "/v1/cluster",
@@ -137,6 +140,7 @@ def create_app(
     )
     async def cluster() -> Any:
         """The nodes and their live figures, the allreduce latency, the generation counters."""
+        served = _resident(models)
         stats = served.batcher.stats()
         return cluster_figures(served.batcher.session, served.model_id, stats)
 
@@ -152,7 +156,7 @@ def create_app(
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         """A reply to a conversation, rendered with the model's own chat template."""
-        check_model(served, body.model)
+        served = await models.use(body.model)
         warn_ignored(body, "/v1/chat/completions")
         prepared = await prepare_chat(served, body)
         return await _generate(served, request, "chat", body, prepared)
@@ -169,15 +173,15 @@ def create_app(
     )
     async def completions(body: CompletionRequest, request: Request) -> Any:
         """The continuation of a text (or of token ids), without a chat template."""
-        check_model(served, body.model)
+        served = await models.use(body.model)
         warn_ignored(body, "/v1/completions")
         prepared = await prepare_text(served, body)
         return await _generate(served, request, "text", body, prepared)
 
-    app.include_router(anthropic.router(served, api_key))
-    app.include_router(responses.router(served, api_key))
-    app.include_router(ollama.router(served, api_key))
-    app.include_router(embeddings.router(served, api_key))
+    app.include_router(anthropic.router(models, api_key))
+    app.include_router(responses.router(models, api_key))
+    app.include_router(ollama.router(models, api_key))
+    app.include_router(embeddings.router(models, api_key))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -185,8 +189,10 @@ def create_app(
         schema = get_openapi(
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
-        vocab = min(served.tokenizer.vocab_size, served.batcher.config.vocab_size)
-        finish_openapi(schema, served.batcher.max_context, vocab, served.batcher.config.hidden)
+        served = models.current
+        if served is not None:  # the bounds of the resident model's (between two: none)
+            vocab = min(served.tokenizer.vocab_size, served.batcher.config.vocab_size)
+            finish_openapi(schema, served.batcher.max_context, vocab, served.batcher.config.hidden)
         app.openapi_schema = schema
         return schema
 
@@ -205,8 +211,16 @@ def _version() -> str:
         return "0"
 
 
-def _card(served: Served) -> ModelCard:
-    return ModelCard(id=served.model_id, created=served.created, owned_by="edgetp")
+def _card(model: ModelChoice) -> ModelCard:
+    return ModelCard(id=model.model_id, created=model.created, owned_by="edgetp")
+
+
+def _resident(models: Models) -> Served:
+    """The resident model's Served, or a 503 saying why there is none."""
+    if models.current is None:
+        why = models.failure or "no model is loaded (the next request loads the one it names)"
+        raise APIError(503, why, type="server_error", code="model_unavailable")
+    return models.current
 
 
 async def _generate(

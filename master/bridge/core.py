@@ -77,19 +77,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ChoiceEvent = tuple[int, Event]
 
 
-def check_model(served: Served, model: str | None) -> None:
-    """A request may name the served model, one of its aliases, or none."""
-    if model is None or model == served.model_id or model in served.aliases:
-        return
-    raise APIError(
-        404,
-        f"model {model!r} is not served here: use {served.model_id!r} (GET /v1/models), or "
-        f"leave the field out",
-        param="model",
-        code="model_not_found",
-    )
-
-
 # -- the internal request, prepared -----------------------------------------------------------
 @dataclass(frozen=True)
 class Prepared:

@@ -26,8 +26,9 @@ from pydantic import BaseModel, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from edgetp.master.bridge.auth import guard
-from edgetp.master.bridge.core import Served, check_model, disconnected
+from edgetp.master.bridge.core import Served, disconnected
 from edgetp.master.bridge.errors import ROUTE_REQUESTS, APIError, documented, failure
+from edgetp.master.bridge.models import Models
 from edgetp.master.bridge.request import TokenIds, _integral, warn_ignored
 from edgetp.master.bridge.request_parts import _Request
 from edgetp.master.bridge.schema import CL100K_TOKENS, AnyText, Text
@@ -93,7 +94,7 @@ class EmbeddingList(BaseModel):
     usage: EmbeddingUsage
 
 
-def router(served: Served, api_key: str | None) -> APIRouter:
+def router(models: Models, api_key: str | None) -> APIRouter:
     api = APIRouter(dependencies=guard(api_key), tags=["openai"])
     auth_errors = (401,) if api_key else ()
 
@@ -104,7 +105,7 @@ def router(served: Served, api_key: str | None) -> APIRouter:
     )
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         """Each input's vector: the final norm's output mean-pooled over its tokens, length 1."""
-        check_model(served, body.model)
+        served = await models.use(body.model)
         warn_ignored(body, "/v1/embeddings")
         hidden = served.batcher.config.hidden
         if body.dimensions is not None and body.dimensions != hidden:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -24,9 +24,8 @@ from edgetp.master.generation.batcher import Batcher
 class BridgeCollector(Collector):
     """The batcher's and the cluster's figures as Prometheus metrics, taken when scraped."""
 
-    def __init__(self, batcher: Batcher, model: str) -> None:
-        self.batcher = batcher
-        self.model = model
+    def __init__(self, batcher: Callable[[], Batcher | None]) -> None:
+        self.batcher = batcher  # the resident model's (a server may switch models)
         self.routes: collections.Counter[tuple[str, str, str]] = collections.Counter()
 
     def collect(self) -> Iterator[Metric]:
@@ -37,10 +36,13 @@ class BridgeCollector(Collector):
         for labels, count in sorted(self.routes.items()):
             routes.add_metric(list(labels), count)
         yield routes
-        stats = self.batcher.stats()
+        batcher = self.batcher()
         up = GaugeMetricFamily("edgetp_up", "1 while the cluster serves, 0 once it is down")
-        up.add_metric([], 0.0 if stats.down else 1.0)
+        stats = batcher.stats() if batcher is not None else None
+        up.add_metric([], 0.0 if stats is None or stats.down else 1.0)
         yield up
+        if batcher is None or stats is None:  # no model loaded (between two, or unloaded)
+            return
         requests = CounterMetricFamily(
             "edgetp_requests", "requests, by what became of them", labels=["outcome"]
         )
@@ -74,10 +76,10 @@ class BridgeCollector(Collector):
             "edgetp_decode_tokens_per_second", "tokens a second over recent steps",
             stats.tokens_per_s,
         )  # fmt: skip
-        yield from self._cluster()
+        yield from self._cluster(batcher)
 
-    def _cluster(self) -> Iterator[Metric]:
-        hub = self.batcher.session.hub
+    def _cluster(self, batcher: Batcher) -> Iterator[Metric]:
+        hub = batcher.session.hub
         nodes = GaugeMetricFamily(
             "edgetp_nodes", "worker nodes by membership state (the master not counted)",
             labels=["state"],
@@ -106,11 +108,11 @@ class BridgeCollector(Collector):
             yield allreduce
 
 
-def add_metrics(app: FastAPI, batcher: Batcher, model: str) -> None:
+def add_metrics(app: FastAPI, batcher: Callable[[], Batcher | None]) -> None:
     """Serve `/metrics` on `app` (outside the OpenAPI document: it is for scrapers, not
     clients; like /health it needs no key)."""
     registry = CollectorRegistry(auto_describe=False)
-    collector = BridgeCollector(batcher, model)
+    collector = BridgeCollector(batcher)
     registry.register(collector)
     app.add_middleware(_RouteCounter, counts=collector.routes)
 

@@ -28,7 +28,6 @@ from edgetp.master.bridge.core import (
     Text,
     Wait,
     chat_request,
-    check_model,
     generate,
     prepare_chat,
     prepare_text,
@@ -36,6 +35,7 @@ from edgetp.master.bridge.core import (
     whole,
 )
 from edgetp.master.bridge.errors import ROUTE_REQUESTS, APIError
+from edgetp.master.bridge.models import ModelChoice, Models
 from edgetp.master.bridge.request import CompletionRequest, warn_ignored
 from edgetp.master.bridge.request_parts import _Request
 from edgetp.master.bridge.schema import MAX_STOP_STRINGS, SEED_LIMIT, AnyText
@@ -231,17 +231,13 @@ async def _ndjson(
         yield _line(exc.shaped("/api/"))
 
 
-def router(served: Served, api_key: str | None) -> APIRouter:
+def router(models: Models, api_key: str | None) -> APIRouter:
     api = APIRouter(dependencies=guard(api_key), tags=["ollama"])
 
-    def check(model: str | None) -> None:
-        if model and model.removesuffix(":latest") in (served.model_id, *served.aliases):
-            return
-        check_model(served, model)
-
     async def answer(
-        body: Common, prepared: Any, chat: bool, request: Request, started_ns: int
-    ) -> Any:
+        served: Served, body: Common, prepared: Any, chat: bool, request: Request,
+        started_ns: int,
+    ) -> Any:  # fmt: skip
         """The answer, streamed or whole. A streamed one sends nothing before its first part,
         as Ollama does: NDJSON has no comment to keep a connection alive with, and an empty
         line breaks the clients that parse every line (docs/decisions.md)."""
@@ -276,17 +272,17 @@ def router(served: Served, api_key: str | None) -> APIRouter:
     async def chat(body: ChatRequest, request: Request) -> Any:
         """Ollama's chat: a reply to messages, streamed as NDJSON unless stream is false."""
         started_ns = time.perf_counter_ns()
-        check(body.model)
+        served = await models.use(body.model)
         warn_ignored(body, "/api/chat")
         fields = chat_fields(body, served.tokenizer.chat_template)
         prepared = await prepare_chat(served, chat_request(fields, "messages"))
-        return await answer(body, prepared, True, request, started_ns)
+        return await answer(served, body, prepared, True, request, started_ns)
 
     @api.post("/api/generate")
     async def generate_(body: GenerateRequest, request: Request) -> Any:
         """Ollama's generate: a prompt under the chat template (or raw), its continuation."""
         started_ns = time.perf_counter_ns()
-        check(body.model)
+        served = await models.use(body.model)
         warn_ignored(body, "/api/generate")
         if body.suffix:
             raise APIError(400, "suffix: edgetp does not fill in the middle", param="suffix")
@@ -300,42 +296,46 @@ def router(served: Served, api_key: str | None) -> APIRouter:
             if "max_tokens" not in fields:  # Ollama's default: up to the context
                 room = served.batcher.max_context - len(prepared.prompt)
                 prepared = replace(prepared, params=replace(prepared.params, max_tokens=room))
-            return await answer(body, prepared, False, request, started_ns)
+            return await answer(served, body, prepared, False, request, started_ns)
         messages = [{"role": "user", "content": body.prompt}]
         if body.system:
             messages.insert(0, {"role": "system", "content": body.system})
         fields = {"messages": messages, **_sampling(body), **_format(body)}
         prepared = await prepare_chat(served, chat_request(fields, "prompt"))
-        return await answer(body, prepared, False, request, started_ns)
+        return await answer(served, body, prepared, False, request, started_ns)
 
     def details() -> dict[str, Any]:
         return {"parent_model": "", "format": "gguf", "family": "", "families": [],
                 "parameter_size": "", "quantization_level": ""}  # fmt: skip
 
-    def entry() -> dict[str, Any]:
-        modified = datetime.fromtimestamp(served.created, UTC).isoformat()
-        return {"name": served.model_id, "model": served.model_id, "modified_at": modified,
+    def entry(model: ModelChoice) -> dict[str, Any]:
+        modified = datetime.fromtimestamp(model.created, UTC).isoformat()
+        return {"name": model.model_id, "model": model.model_id, "modified_at": modified,
                 "size": 0, "digest": "", "details": details()}  # fmt: skip
 
     @api.get("/api/tags")
     async def tags() -> Any:
-        """The one model this server runs."""
-        return {"models": [entry()]}
+        """The models this server answers for."""
+        return {"models": [entry(c) for c in models.choices]}
 
     @api.get("/api/ps")
     async def ps() -> Any:
-        """The model loaded: always the one served."""
-        return {"models": [{**entry(), "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}]}
+        """The model loaded (none between two, or once unloaded)."""
+        resident = [c for c in models.choices if models.current
+                    and c.model_id == models.current.model_id]  # fmt: skip
+        return {"models": [{**entry(c), "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}
+                           for c in resident]}  # fmt: skip
 
     @api.post("/api/show")
     async def show(body: ShowRequest) -> Any:
-        """The served model's template and what it can do."""
-        check(body.model or body.name)
+        """The named model's template and what it can do (it is loaded to be shown)."""
+        served = await models.use(body.model or body.name)
         template = served.tokenizer.chat_template or ""
         capabilities = ["completion", "tools"] + (["thinking"] if "<think>" in template else [])
         return {"modelfile": "", "parameters": "", "template": template, "details": details(),
                 "model_info": {"general.context_length": served.batcher.max_context},
-                "capabilities": capabilities, "modified_at": entry()["modified_at"]}  # fmt: skip
+                "capabilities": capabilities,
+                "modified_at": entry(models.choice(served.model_id))["modified_at"]}  # fmt: skip
 
     @api.get("/api/version")
     async def version() -> Any:

@@ -33,11 +33,9 @@ from edgetp.master.bridge.core import (
     Finish,
     Out,
     Reasoning,
-    Served,
     Text,
     Wait,
     chat_request,
-    check_model,
     generate,
     prepare_chat,
     started,
@@ -45,6 +43,7 @@ from edgetp.master.bridge.core import (
     whole,
 )
 from edgetp.master.bridge.errors import ROUTE_REQUESTS, APIError
+from edgetp.master.bridge.models import Models
 from edgetp.master.bridge.request import warn_ignored
 from edgetp.master.bridge.request_parts import _Request
 from edgetp.master.bridge.schema import AnyText
@@ -282,7 +281,7 @@ def _conversation(
     return [*messages, turn]
 
 
-def router(served: Served, api_key: str | None) -> APIRouter:
+def router(models: Models, api_key: str | None) -> APIRouter:
     api = APIRouter(dependencies=guard(api_key), tags=["openai"])
     store = Store()
 
@@ -308,7 +307,7 @@ def router(served: Served, api_key: str | None) -> APIRouter:
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "model": served.model_id, "output": output,
+            "model": models.choice(body.model).model_id, "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
@@ -454,7 +453,7 @@ def router(served: Served, api_key: str | None) -> APIRouter:
     @api.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request) -> Any:
         """OpenAI's Responses: a reply to input items, as output items."""
-        check_model(served, body.model)
+        served = await models.use(body.model)
         warn_ignored(body, "/v1/responses")
         earlier: list[dict[str, Any]] = []
         if body.previous_response_id:

@@ -9,23 +9,26 @@ once with a "shutting down" error, then stops accepting, and then the cluster.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 import uvicorn
 
 from edgetp.master.bridge.app import create_app
 from edgetp.master.bridge.core import Served
+from edgetp.master.bridge.models import ModelChoice, Models
 from edgetp.master.cluster.session import Session
 from edgetp.master.generation.batcher import Batcher
 from edgetp.master.generation.speculate import open_speculator
 from edgetp.models.config import DEFAULT_MODEL
 from edgetp.models.dtypes import AUTO
+from edgetp.models.errors import ModelError
 from edgetp.models.source import ModelSource
 from edgetp.models.tokenizer import Tokenizer
 
@@ -35,76 +38,125 @@ GRACEFUL_SHUTDOWN_S = 2  # for responses still being written after Ctrl-C
 
 
 def serve(
-    sessions: contextlib.AbstractContextManager[Session],
-    source: ModelSource,
-    tokenizer: Tokenizer,
+    sessions: Callable[[ModelSource], contextlib.AbstractContextManager[Session]],
+    models: Sequence[tuple[ModelSource, Tokenizer, str | None]],
     sock: socket.socket,
-    model: str | None = None,
     api_key: str | None = None,
     verbose: bool = False,
     draft: tuple[str, str] = ("off", AUTO),
     cors_origins: Sequence[str] = (),
     prompt_reuse: bool = True,
+    unload_after: float | None = None,
 ) -> None:
-    """Enter `sessions` (a started session of `source`) and serve it on `sock` (from
-    `master.bridge.listen.bind`, closed here) until interrupted.
+    """Serve `models` (each a source, its tokenizer and the name it was asked for) on `sock`
+    (from `master.bridge.listen.bind`, closed here) until interrupted: the first loaded at
+    start, in a session `sessions(source)` opens; a request naming another switches the cluster
+    to it (master/bridge/models.py); one left idle `unload_after` s is unloaded.
 
-    `model` is the name the model was asked for, accepted in requests besides its own;
-    `draft` is `--draft` and `--draft-dtype` (master/generation/speculate.py); `cors_origins` the
-    pages
-    (`--cors-origin`) a browser may call the API from; `prompt_reuse` off (`--no-prompt-reuse`)
-    prefills every request whole.
+    `draft` is `--draft` and `--draft-dtype` (master/generation/speculate.py), for the first
+    model; `cors_origins` the pages (`--cors-origin`) a browser may call the API from;
+    `prompt_reuse` off (`--no-prompt-reuse`) prefills every request whole.
     """
     try:
-        aliases = tuple({model or DEFAULT_MODEL, source.path.stem} - {source.name})
-        created = int(source.path.stat().st_mtime)
-        with sessions as session:
+        choices = [
+            _choice(
+                sessions, source, tokenizer, name, draft if i == 0 else ("off", AUTO), prompt_reuse
+            )  # fmt: skip
+            for i, (source, tokenizer, name) in enumerate(models)
+        ]
+        ids = [c.model_id for c in choices]
+        if len(set(ids)) < len(ids):
+            raise ModelError(f"two of the models given are one model ({', '.join(ids)}): give "
+                             "each once")  # fmt: skip
+        served, close = choices[0].load()
+        loaded = Models(choices, (served, close), unload_after)
+        try:
+            session = served.batcher.session
+            app = create_app(loaded, api_key, cors_origins)
+            config = uvicorn.Config(
+                app,
+                log_level="info" if verbose else "warning",
+                access_log=verbose,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            )
+            bound_host, bound_port = sock.getsockname()[:2]
+            shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+            others = f" (and on request: {', '.join(ids[1:])})" if len(ids) > 1 else ""
+            print(
+                f"edgetp serve: {served.model_id}{others} on {session.nodes} node(s), "
+                f"{session.slots} slots, context {session.max_context}; OpenAI API at "
+                f"http://{shown}:{bound_port}/v1",
+                file=sys.stderr,
+                flush=True,
+            )
+            if not api_key and not _is_loopback(bound_host):
+                log.warning(
+                    "listening on %s without --api-key: anyone who can reach it can use it",
+                    bound_host,
+                )
+            _Server(config, loaded).run(sockets=[sock])
+        finally:
+            loaded.close()
+    finally:
+        sock.close()
+
+
+def _choice(
+    sessions: Callable[[ModelSource], contextlib.AbstractContextManager[Session]],
+    source: ModelSource,
+    tokenizer: Tokenizer,
+    name: str | None,
+    draft: tuple[str, str],
+    prompt_reuse: bool,
+) -> ModelChoice:
+    """A model the server may load: its names, and how to open its session and batcher."""
+    aliases = tuple({name or DEFAULT_MODEL, source.path.stem} - {source.name})
+
+    def load() -> tuple[Served, Callable[[], None]]:
+        opened = sessions(source)
+        session = opened.__enter__()
+        try:
             speculator = open_speculator(*draft, session, tokenizer)
             batcher = Batcher(
                 session, tokenizer, speculator=speculator, prompt_reuse=prompt_reuse
             ).start()
+        except BaseException:
+            opened.__exit__(*sys.exc_info())
+            raise
+
+        def close() -> None:
             try:
-                served = Served(batcher, tokenizer, source.name, aliases, created)
-                app = create_app(served, api_key, cors_origins)
-                config = uvicorn.Config(
-                    app,
-                    log_level="info" if verbose else "warning",
-                    access_log=verbose,
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                )
-                bound_host, bound_port = sock.getsockname()[:2]
-                shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-                print(
-                    f"edgetp serve: {source.name} on {session.nodes} node(s), {session.slots} "
-                    f"slots, context {session.max_context}; OpenAI API at "
-                    f"http://{shown}:{bound_port}/v1",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                if not api_key and not _is_loopback(bound_host):
-                    log.warning(
-                        "listening on %s without --api-key: anyone who can reach it can use it",
-                        bound_host,
-                    )
-                _Server(config, batcher).run(sockets=[sock])
-            finally:
                 batcher.close()
-    finally:
-        sock.close()
+            finally:
+                opened.__exit__(None, None, None)
+
+        return Served(batcher, tokenizer, source.name, aliases, created), close
+
+    created = int(source.path.stat().st_mtime)
+    return ModelChoice(source.name, aliases, created, load)
 
 
 class _Server(uvicorn.Server):
     """Stops the generation loop first on Ctrl-C, so that running streams end at once with an
     error event ("the server is shutting down") instead of being cut after the grace time."""
 
-    def __init__(self, config: uvicorn.Config, batcher: Batcher) -> None:
+    def __init__(self, config: uvicorn.Config, models: Models) -> None:
         super().__init__(config)
-        self.batcher = batcher
+        self.models = models
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler must neither block nor take the batcher's lock: close on a thread.
-        threading.Thread(target=self.batcher.close, daemon=True).start()
+        served = self.models.current
+        if served is not None:
+            threading.Thread(target=served.batcher.close, daemon=True).start()
         super().handle_exit(sig, frame)
+
+    async def main_loop(self) -> None:  # uvicorn's loop, with the idle models' unloading
+        unloading = asyncio.create_task(self.models.unload_idle())
+        try:
+            await super().main_loop()
+        finally:
+            unloading.cancel()
 
 
 def _is_loopback(host: str) -> bool:
