@@ -5,8 +5,9 @@ A GGUF repository holds several quantizations of one model; the quant picks a fi
 as llama.cpp's `-hf` does: the tag, case-insensitive, standing alone in the file's path (`Q4_K`
 does not take `Q4_K_M`). No quant: Q4_K_M if there is one, else the first GGUF file by name.
 Projector files (`mmproj`) are never the model. A split GGUF (`-00001-of-00003.gguf`) is fetched
-whole and named by its first part (models/gguf_file.py reads its parts as one). A repository without GGUF files is an HF folder: its
-config.json, tokenizer and chat template files and its safetensors weights, the top level only.
+whole and named by its first part (models/gguf_file.py reads its parts as one). A repository
+without GGUF files is an HF folder: its config.json, tokenizer and chat template files and its
+safetensors weights, the top level only.
 
 huggingface_hub downloads each file to a temporary `.incomplete` file and renames it into place
 when its size is right, so a cut-off file never looks complete; edgetp then checks the bytes of

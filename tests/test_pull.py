@@ -29,18 +29,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
+from gguf_copy import transformers_tokenizer
+from test_hf_source import write_hf_folder
 
 from edgetp.master.cluster.plan import head_rows, plan_slices
 from edgetp.memory.shards import ShardStore
 from edgetp.memory.splitter import split_model, split_node
 from edgetp.models.bundled import model_path
+from edgetp.models.config import DEFAULT_MODEL
 from edgetp.models.errors import ModelError
 from edgetp.models.families import family_of
 from edgetp.models.gguf_file import DEFAULT_ALIGNMENT, GGUFFile, _Cursor
 from edgetp.models.hub import Name, cached, mirror, pull, quants, resolve_model, select
 from edgetp.models.layers import slice_parts
 from edgetp.models.ranges import RemoteFile
-from edgetp.models.source import GGUFSource
+from edgetp.models.source import GGUFSource, open_model
 from edgetp.tui.cli import main
 
 EDGETP = Path(sys.executable).parent / "edgetp"
@@ -254,7 +257,17 @@ WEIGHTS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors
 
 
 @pytest.fixture(scope="module")
-def hub() -> Iterator[Hub]:
+def smollm2_hf(tmp_path_factory) -> Path:
+    """SmolLM2 as an HF folder (its weights dequantized to float32, in two safetensors files,
+    with transformers' tokenizer of its GGUF file)."""
+    folder = tmp_path_factory.mktemp("smollm2-hf")
+    write_hf_folder(open_model(DEFAULT_MODEL), folder, 2)
+    transformers_tokenizer(model_path()).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hub(smollm2_hf) -> Iterator[Hub]:
     index = {"metadata": {}, "weight_map": {"a": WEIGHTS[0], "b": WEIGHTS[1]}}
     repos = {
         "test/Tiny-GGUF": Repo(
@@ -298,6 +311,7 @@ def hub() -> Iterator[Hub]:
             {"Whole-Q4_K_M.gguf": tiny_gguf("llama", "whole")}, no_ranges=True
         ),  # fmt: skip
         "test/SmolSplit-GGUF": Repo(split_gguf(model_path(), "SmolLM2-135M-Q4_1", 3)),
+        "test/SmolLM2-HF": Repo({p.name: p for p in smollm2_hf.iterdir() if p.is_file()}),
         "test/Changing-GGUF": Repo({"Changing-Q4_K_M.gguf": tiny_gguf("llama", "v1")}),
     }
     sums = {name: _checksums(repo) for name, repo in repos.items()}
@@ -648,5 +662,27 @@ def test_a_split_gguf_pulled_by_name_answers_as_the_file_it_was_split_from(
     args = ("run", "--raw", "--max-tokens", "6", "--model")
     by_path = edgetp_process(tmp_path, at_hub.url, *args, str(model_path()), "Paris is")
     by_name = edgetp_process(tmp_path, at_hub.url, *args, "test/SmolSplit-GGUF:Q4_1", "Paris is")
+    assert by_path.returncode == 0 and by_name.returncode == 0, by_name.stderr
+    assert by_name.stdout == by_path.stdout and by_name.stdout.strip()
+
+
+def test_a_safetensors_repository_pulled_by_name_answers_as_its_folder_by_path(
+    at_hub, smollm2_hf, tmp_path, capsys
+):
+    """An HF repository (config, tokenizer, two safetensors files and their index) is pulled
+    whole, file for file the folder it was made from, and `run` by its name answers as `run` of
+    that folder by its path."""
+    code, out, err = edgetp(capsys, "pull", "test/SmolLM2-HF")
+    assert code == 0, err
+    pulled = Path(out.strip())
+    made = sorted(p.name for p in smollm2_hf.iterdir())
+    assert sorted(p.name for p in pulled.iterdir()) == made
+    assert all(filecmp.cmp(pulled / n, smollm2_hf / n, shallow=False) for n in made)
+
+    def run(model: str, state: str) -> subprocess.CompletedProcess[str]:  # its own shards
+        args = ("--state-dir", str(tmp_path / state), "--model", model, "Paris is")
+        return edgetp_process(tmp_path, at_hub.url, "run", "--raw", "--max-tokens", "4", *args)
+
+    by_path, by_name = run(str(smollm2_hf), "a"), run("test/SmolLM2-HF", "b")
     assert by_path.returncode == 0 and by_name.returncode == 0, by_name.stderr
     assert by_name.stdout == by_path.stdout and by_name.stdout.strip()
