@@ -5,6 +5,7 @@ index, the tokenizer's files.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from edgetp.models.errors import ModelError
 from edgetp.models.families import family_of
 from edgetp.models.layers import O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS, expert_of
 from edgetp.models.quant import FORMATS
+from edgetp.models.ranges import SIDECAR, RemoteFile, RemoteModel, fetch_safetensors_header
 from edgetp.models.source_base import HF_FUSED, ModelSource, fused_rows
 from edgetp.models.tokenizer import Tokenizer
 
@@ -159,12 +161,17 @@ def _gpt_oss_expert_rows(t: torch.Tensor, kind: str, start: int, stop: int) -> t
 
 
 class HFSource(ModelSource):
-    """An HF folder: config.json, model.safetensors or a sharded index, tokenizer files."""
+    """An HF folder: config.json, model.safetensors or a sharded index, tokenizer files. A
+    weight file may be the sparse mirror of one on the hub (models/ranges.py; `remotes`, or
+    its record beside it), whose bytes are fetched before a read reads them."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, remotes: dict[str, RemoteFile] | None = None) -> None:
         from safetensors import safe_open
 
         self.path = path
+        self._remotes: dict[Path, RemoteFile] = {}
+        self._layouts: dict[Path, tuple[int, dict[str, Any]]] = {}  # data start, header
+        self._columns: dict[str, tuple[int, int]] = {}  # tensor -> bytes of each row read
         check_kind(path)
         config_path = path / "config.json"
         try:
@@ -190,6 +197,14 @@ class HFSource(ModelSource):
         self._where: dict[str, Path] = {}  # tensor name -> the file that holds it
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
         for name in files:
+            remote = (remotes or {}).get(name)
+            if remote is None and (path / (name + SIDECAR)).is_file():
+                from edgetp.models.hub import hub_headers
+
+                remote = RemoteFile.reopen(path / name, hub_headers())
+            if remote is not None:
+                fetch_safetensors_header(remote)
+                self._remotes[path / name] = remote
             try:
                 with safe_open(str(path / name), framework="pt") as handle:
                     keys = list(handle.keys())
@@ -246,6 +261,9 @@ class HFSource(ModelSource):
         if expert is not None and key.endswith(_BLOCKS):
             stored = self._mxfp4_rows(key, expert, start, stop)
             return stored if blocks else FORMATS["mxfp4"].dequantize(stored)
+        plain = not (expert is not None and (self.config.expert_bias or self.config.dense_ffn))
+        plain = plain and not (layer is not None and self._next and name in _HF_NEXT)
+        self._ensure(key, (at + start, at + stop) if plain else None)  # else: all its rows
         with safe_open(str(self._where[key]), framework="pt") as handle:
             if expert is not None and self.config.expert_bias:  # gpt-oss' (E, in, out)
                 out = _gpt_oss_expert_rows(handle.get_slice(key)[expert[1]], expert[0], start, stop)
@@ -273,6 +291,7 @@ class HFSource(ModelSource):
 
         parts = []
         for name in (key.removesuffix(_BLOCKS) + "_scales", key):
+            self._ensure(name, None)
             with safe_open(str(self._where[name]), framework="pt") as handle:
                 t = handle.get_slice(name)[expert[1]]
             if expert[0] in ("gate", "up"):
@@ -288,3 +307,60 @@ class HFSource(ModelSource):
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_hf_folder(self.path)
+
+    def remote(self) -> RemoteModel | None:
+        if not self._remotes:
+            return None
+        files = {p.name: r.remote for p, r in self._remotes.items()}
+        weights = [p for p in self.path.iterdir() if p.suffix == ".safetensors"]
+        small = {p.name: p.read_bytes() for p in sorted(self.path.iterdir()) if p.is_file()
+                 and p not in weights and not p.name.endswith(SIDECAR)}  # fmt: skip
+        return RemoteModel(files, small)
+
+    def fetched(self) -> None:
+        for remote in self._remotes.values():
+            remote.save()
+
+    def only_columns(self, layer: int | None, name: str, cols: tuple[int, int] | None) -> None:
+        key = self._key(layer, name)
+        layout = self._layout(self._where[key])
+        if layout is None:
+            return
+        shape = layout[1][key]["shape"]
+        if cols is None or len(shape) != 2 or cols == (0, shape[1]):
+            self._columns.pop(key, None)
+            return
+        begin, end = layout[1][key]["data_offsets"]
+        item = (end - begin) // (shape[0] * shape[1])
+        self._columns[key] = (cols[0] * item, cols[1] * item)
+
+    def _layout(self, file: Path) -> tuple[int, dict[str, Any]] | None:
+        """A remote file's header: where its data starts, and each tensor's entry."""
+        if file not in self._remotes:
+            return None
+        if file not in self._layouts:
+            with open(file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                self._layouts[file] = (8 + length, json.loads(f.read(length)))
+        return self._layouts[file]
+
+    def _ensure(self, key: str, rows: tuple[int, int] | None) -> None:
+        """Fetch rows `rows` of tensor `key` (None: all of it) into a remote file's mirror,
+        only the columns a reader said it reads (`only_columns`)."""
+        file = self._where[key]
+        layout = self._layout(file)
+        if layout is None:
+            return
+        data, header = layout
+        begin, end = header[key]["data_offsets"]
+        shape = header[key]["shape"]
+        row = (end - begin) // shape[0] if shape and shape[0] else end - begin
+        if rows is None or len(shape) < 2:
+            self._remotes[file].ensure([(data + begin, data + end)])
+            return
+        first, last = data + begin + rows[0] * row, data + begin + rows[1] * row
+        if key not in self._columns:
+            self._remotes[file].ensure([(first, last)])
+            return
+        a, b = self._columns[key]
+        self._remotes[file].ensure([(at + a, at + b) for at in range(first, last, row)])

@@ -129,44 +129,79 @@ def hub_headers() -> dict[str, str]:
 
 
 def mirror(name: Name, folder: Path) -> Path | None:
-    """A sparse mirror in `folder` of the one GGUF file `name` means, read by byte ranges
-    (models/ranges.py): none of its tensors is fetched here, each device fetches the bytes of
-    its own slices. None, said in the log, where that cannot be: a split GGUF or an HF folder
-    (pulled whole), or a hub that does not answer byte ranges."""
+    """A sparse mirror in `folder` of what `name` means, read by byte ranges (models/ranges.py):
+    a GGUF file, or an HF folder (its small files whole, its safetensors sparse); only headers
+    are fetched here, each device fetches the bytes of its own slices. None, said in the log,
+    where that cannot be: a split GGUF (pulled whole), or a hub that answers no byte ranges."""
     from huggingface_hub import HfApi, constants, hf_hub_url
 
     from edgetp.models.gguf_file import fetch_header
-    from edgetp.models.ranges import Remote, RemoteFile
+    from edgetp.models.ranges import Remote, RemoteFile, fetch_safetensors_header, write_whole
 
     with _hub_errors(name):
         info = HfApi(endpoint=constants.ENDPOINT).model_info(name.repo, files_metadata=True)
         siblings = {s.rfilename: s for s in info.siblings or []}
         selection = select(siblings, name)
-        sibling = siblings[selection.main] if selection.main else None
-        if len(selection.files) != 1 or sibling is None or not sibling.size:
-            log.warning("%s is %s: pulled whole, not read by byte ranges", name,
-                        "a split GGUF" if selection.main else "an HF folder")  # fmt: skip
+        if selection.format == "gguf" and len(selection.files) != 1:
+            log.warning("%s is a split GGUF: pulled whole, not read by byte ranges", name)
             return None
-        checksum = _checksum(sibling)
-        if checksum is None or checksum[0] != "sha256" or info.sha is None:
+        weights = [f for f in selection.files if f.endswith((".gguf", ".safetensors"))]
+        checksums = {f: _checksum(siblings[f]) for f in selection.files}
+        if info.sha is None or any(
+            (c := checksums[f]) is None or c[0] != "sha256" or not siblings[f].size for f in weights
+        ):
             return None
-        url = hf_hub_url(name.repo, selection.main, revision=info.sha, endpoint=constants.ENDPOINT)
-        remote = Remote(url, sibling.size, checksum[1], hub_headers())
+        headers = hub_headers()
+
+        def url(f: str) -> str:
+            return hf_hub_url(name.repo, f, revision=info.sha, endpoint=constants.ENDPOINT)
+
         import httpx2
 
-        probe = httpx2.get(url, headers={**remote.headers, "Range": "bytes=0-3"},
+        probe = httpx2.get(url(weights[0]), headers={**headers, "Range": "bytes=0-3"},
                            follow_redirects=True, timeout=30.0)  # fmt: skip
-    if probe.status_code != 206:
-        log.warning(
-            "the hub answered HTTP %d to a byte-range request for %s: pulled whole, each "
-            "device's slices shipped by the master", probe.status_code, name,
-        )  # fmt: skip
-        return None
-    local = folder / f"{checksum[1]}.gguf"
-    mirrored = RemoteFile(remote, local)  # its record names the file: `open_model` reads it
-    fetch_header(mirrored)  # by ranges; its header (metadata, tensor table) is read at once
-    mirrored.save()
-    return local
+        if probe.status_code != 206:
+            log.warning(
+                "the hub answered HTTP %d to a byte-range request for %s: pulled whole, each "
+                "device's slices shipped by the master", probe.status_code, name,
+            )  # fmt: skip
+            return None
+        remotes = {f: Remote(url(f), siblings[f].size or 0, checksums[f][1], headers)  # type: ignore[index]
+                   for f in weights}  # fmt: skip
+        if selection.format == "gguf":
+            local = folder / f"{remotes[weights[0]].etag}.gguf"
+            mirrored = RemoteFile(remotes[weights[0]], local)  # its record names the file:
+            fetch_header(mirrored)  # `open_model` reads it by ranges; its header is read at once
+            mirrored.save()
+            return local
+        local = folder / f"{name.repo.replace('/', '--')}-{info.sha[:12]}"
+        for f in selection.files:  # the config, tokenizer and index files whole
+            if f not in remotes and not (local / f).is_file():
+                response = httpx2.get(url(f), headers=headers, follow_redirects=True, timeout=60.0)
+                response.raise_for_status()
+                _check_bytes(name, f, response.content, checksums[f])
+                write_whole(local / f, response.content)
+        for f, remote in remotes.items():
+            mirrored = RemoteFile(remote, local / f)
+            fetch_safetensors_header(mirrored)
+            mirrored.save()
+        return local
+
+
+def _check_bytes(name: Name, filename: str, data: bytes, expected: tuple[str, str] | None) -> None:
+    """A small file's bytes against the hub's checksum (its git blob id, or sha256)."""
+    if expected is None:
+        return
+    kind, want = expected
+    if kind == "git":
+        got = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    else:
+        got = hashlib.sha256(data).hexdigest()
+    if got != want:
+        raise ModelError(
+            f"{filename} of {name.repo} arrived with bytes that do not match the hub's checksum "
+            f"({got[:12]}, expected {want[:12]}): nothing was kept; try again"
+        )
 
 
 def _is_default(path: Path) -> bool:
@@ -462,6 +497,10 @@ def _hub_errors(name: Name) -> Iterator[None]:
         ) from None
     except (httpx2.TransportError, LocalEntryNotFoundError):
         raise ModelError(unreachable) from None
+    except httpx2.HTTPStatusError as exc:
+        raise ModelError(
+            f"the hub at {hub} answered HTTP {exc.response.status_code} while fetching {name}"
+        ) from None
     except HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else "?"
         raise ModelError(f"the hub at {hub} answered HTTP {status} while pulling {name}") from None

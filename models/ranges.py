@@ -22,6 +22,7 @@ import heapq
 import json
 import os
 import re
+import struct
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -60,6 +61,42 @@ class Remote:
     @classmethod
     def from_dict(cls, d: dict) -> Remote:
         return cls(str(d["url"]), int(d["size"]), str(d["etag"]), dict(d.get("headers") or {}))
+
+
+@dataclass(frozen=True)
+class RemoteModel:
+    """A model on the hub as a device needs it to split its share: each weight file read by
+    ranges (a GGUF's one file; an HF folder's safetensors), by its name in the model's folder,
+    and the folder's other files whole (config.json, tokenizer files; none for a GGUF)."""
+
+    files: dict[str, Remote]
+    small: dict[str, bytes] = field(default_factory=dict)
+
+    def key(self) -> str:
+        """A name for its mirror on a device: the same for the same file versions."""
+        import hashlib
+
+        return hashlib.sha256(
+            "".join(sorted(r.etag for r in self.files.values())).encode()
+        ).hexdigest()[:24]
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """A mirror's small file (config, tokenizer), whole or absent: written aside, renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def fetch_safetensors_header(remote: RemoteFile) -> None:
+    """Fetch a safetensors file's header: its length (8 bytes), then its JSON."""
+    remote.ensure([(0, 8)])
+    with open(remote.local, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+    if 8 + length > remote.remote.size:
+        raise ModelError(f"{remote.remote.url} is not a safetensors file (a header of {length} B)")
+    remote.ensure([(0, 8 + length)])
 
 
 def merge(runs: Iterable[Run]) -> list[Run]:

@@ -35,7 +35,7 @@ from edgetp.models.layers import (
     expert_of,
 )
 from edgetp.models.quant import FORMATS
-from edgetp.models.ranges import SIDECAR, Remote, RemoteFile
+from edgetp.models.ranges import SIDECAR, RemoteFile, RemoteModel, write_whole
 from edgetp.models.source_base import GGUF_FUSED, fused_rows
 from edgetp.models.source_base import ModelSource as ModelSource
 from edgetp.models.tokenizer import Tokenizer
@@ -49,6 +49,19 @@ def open_model(spec: str | Path | None = None) -> ModelSource:
     if path.is_dir():
         return HFSource(path)
     return GGUFSource(path)
+
+
+def open_remote(model: RemoteModel, folder: Path) -> tuple[ModelSource, list[RemoteFile]]:
+    """A model on the hub as a worker opens it to split its share: its sparse mirror in
+    `folder` (a GGUF file, or an HF folder with its small files written whole), read by ranges;
+    and the mirrors of its weight files, whose counts say what was fetched."""
+    remotes = {n: RemoteFile(r, folder / n) for n, r in model.files.items()}
+    for name, data in model.small.items():
+        write_whole(folder / name, data)
+    if not model.small and len(remotes) == 1 and next(iter(remotes)).endswith(".gguf"):
+        ((name, remote),) = remotes.items()
+        return GGUFSource(folder / name, remote), [remote]
+    return HFSource(folder, remotes), list(remotes.values())
 
 
 def default_dtype(spec: str | Path | None = None) -> str:
@@ -295,8 +308,8 @@ class GGUFSource(ModelSource):
     def weight_files(self) -> list[Path]:
         return list(self.file.paths)
 
-    def remote(self) -> Remote | None:
-        return self.file.remote.remote if self.file.remote else None
+    def remote(self) -> RemoteModel | None:
+        return RemoteModel({self.path.name: self.file.remote.remote}) if self.file.remote else None
 
     def fetched(self) -> None:
         if self.file.remote is not None:

@@ -29,7 +29,7 @@ from edgetp.models.quant import BLOCK, FORMATS
 from edgetp.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from edgetp.models.ranges import Remote
+    from edgetp.models.ranges import RemoteModel
 
 
 class ModelSource(ABC):
@@ -116,8 +116,8 @@ class ModelSource(ABC):
             return [self.path]
         return sorted(self.path.glob("*.safetensors"))
 
-    def remote(self) -> Remote | None:
-        """The file on the hub this source reads by byte ranges (models/ranges.py), if any."""
+    def remote(self) -> RemoteModel | None:
+        """The files on the hub this source reads by byte ranges (models/ranges.py), if any."""
         return None
 
     def fetched(self) -> None:

@@ -230,14 +230,22 @@ class Measure(_Message, tag="measure"):
     """Before a plan: measure your speed now, as every node does at this moment (MEASURED)."""
 
 
-class RemoteModel(msgspec.Struct, frozen=True):
-    """A model file on the hub, read by byte ranges (models/ranges.py): its URL, size, the
-    version's ETag, and the headers a request carries (credentials: the link is encrypted)."""
+class RemoteFile(msgspec.Struct, frozen=True):
+    """A file on the hub, read by byte ranges (models/ranges.py): its URL, size, the version's
+    ETag, and the headers a request carries (credentials: the link is encrypted)."""
 
     url: str
     size: Positive
     etag: str
     headers: dict[str, str] = {}
+
+
+class RemoteModel(msgspec.Struct, frozen=True):
+    """A model on the hub: its weight files by name (read by ranges) and its other files'
+    bytes (an HF folder's config and tokenizer)."""
+
+    files: dict[str, RemoteFile]
+    small: dict[str, bytes] = {}
 
 
 class Split(_Message, tag="split"):

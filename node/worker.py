@@ -257,29 +257,31 @@ class Worker:
             self._send(M.Echoed(), tensors)
 
     def _split(self, job: M.Split) -> None:
-        """Split this node's share from the model's file on the hub, fetching by byte ranges
+        """Split this node's share from the model's files on the hub, fetching by byte ranges
         only the rows and columns its slices hold (into a sparse mirror kept for a re-plan),
         and say what it wrote (SPLIT-DONE), or why it could not (ERROR)."""
         from edgetp.memory.splitter import split_node
-        from edgetp.models.ranges import Remote, RemoteFile
-        from edgetp.models.source import GGUFSource
+        from edgetp.models.ranges import Remote, RemoteFile, RemoteModel
+        from edgetp.models.source import open_remote
 
         m = job.model
+        model = RemoteModel(
+            {n: Remote(f.url, f.size, f.etag, dict(f.headers)) for n, f in m.files.items()}, m.small
+        )
+        remotes: list[RemoteFile] = []
         try:
-            remote = RemoteFile(
-                Remote(m.url, m.size, m.etag, dict(m.headers)),
-                self.state_dir / "remote" / f"{m.etag}.gguf",
-            )
-            source = GGUFSource(remote.local, remote)
+            source, remotes = open_remote(model, self.state_dir / "remote" / model.key())
             heads = [(a, b) for a, b in job.head_rows] or None
             share = split_node(source, job.slices, job.node, self.store, job.dtype, heads)
         except Exception as exc:  # the master waits for SPLIT-DONE: tell it why not
             log.warning("node %s could not split its share: %s", self.name, exc)
-            self._send(M.Error(message=f"splitting its share of {m.url}: {exc}"))
+            self._send(M.Error(message=f"splitting its share of the model: {exc}"))
             return
-        log.info("node %s split its share: %d bytes of the model's file in %d requests",
-                 self.name, remote.fetched, remote.requests)  # fmt: skip
-        self._send(M.SplitDone(share.layers, share.extra, remote.fetched, remote.requests))
+        fetched = sum(r.fetched for r in remotes)
+        requests = sum(r.requests for r in remotes)
+        log.info("node %s split its share: %d bytes of the model's files in %d requests",
+                 self.name, fetched, requests)  # fmt: skip
+        self._send(M.SplitDone(share.layers, share.extra, fetched, requests))
 
     def _take_plan(self, welcome: M.Welcome) -> Held:
         """A plan's slice loaded and READY said (or ERROR, and the failure raised), with the

@@ -66,7 +66,10 @@ EVERY_MESSAGE = [
     M.Echo(),
     M.Split(
         2,
-        M.RemoteModel("http://hub/o/r/resolve/c/m.gguf", 1 << 30, "ab" * 32, {"x": "y"}),
+        M.RemoteModel(
+            {"m.safetensors": M.RemoteFile("http://hub/o/r/resolve/c/m", 1 << 30, "ab" * 32)},
+            {"config.json": b"{}"},
+        ),
         [Slice((0, 2), (0, 1), (0, 64)), Slice((2, 4), (1, 2), (64, 128))],
         "auto",
         [(0, 10), (10, 20)],

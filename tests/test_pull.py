@@ -43,7 +43,7 @@ from edgetp.models.gguf_file import DEFAULT_ALIGNMENT, GGUFFile, _Cursor
 from edgetp.models.hub import Name, cached, mirror, pull, quants, resolve_model, select
 from edgetp.models.layers import slice_parts
 from edgetp.models.ranges import RemoteFile
-from edgetp.models.source import GGUFSource, open_model
+from edgetp.models.source import GGUFSource, open_model, open_remote
 from edgetp.tui.cli import main
 
 EDGETP = Path(sys.executable).parent / "edgetp"
@@ -535,69 +535,88 @@ def test_run_by_name_opens_the_files_bytes_from_the_cache_with_the_hub_gone(
 # -- each device its own slices' bytes -------------------------------------------------------
 
 
-def _slice_bytes(source: GGUFSource, config, s, node: int, heads) -> int:
-    """The file's bytes that node's share holds: each layer's parts (rows, and where cut,
-    the blocks of their columns), and its rows of the lm_head (a worker, where split)."""
-    total = 0
+def _share_bytes(source, s, node: int, heads) -> int:
+    """The file bytes a node's share holds: each layer's parts (rows, and where cut, the
+    bytes or blocks of their columns), and its rows of the lm_head (a worker, where split;
+    SmolLM2's head is its embedding)."""
+
+    def row_bytes(layer: int | None, name: str, cols) -> tuple[int, int]:  # (rows, row bytes)
+        if isinstance(source, GGUFSource):
+            info = source.file.info(source._name(layer, name))
+            n_rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+            block, size = GGML_QUANT_SIZES[info.tensor_type]
+            width = (-(-cols[1] // block) - cols[0] // block) * size if cols else None
+            return n_rows, width or info.n_bytes // n_rows
+        shape = source.shape(layer, name)  # an HF folder of float32
+        n_rows = shape[0] if len(shape) > 1 else 1
+        width = (cols[1] - cols[0]) if cols else int(np.prod(shape)) // n_rows
+        return n_rows, 4 * width
+
+    config, total = source.config, 0
     for i in range(config.n_layers):
         for parts in slice_parts(*family_of(config).layer_view(config, s, i), i).values():
             for p in parts:
-                info = source.file.info(source._name(i, p.source))
-                if len(info.shape) == 1:
-                    total += info.n_bytes
-                    continue
-                row = info.n_bytes // int(np.prod(info.shape[:-1]))
-                if p.cols:
-                    block, size = GGML_QUANT_SIZES[info.tensor_type]
-                    row = (-(-p.cols[1] // block) - p.cols[0] // block) * size
-                total += p.n_rows * row
+                n_rows, row = row_bytes(i, p.source, p.cols)
+                total += (p.n_rows if n_rows > 1 else 1) * row
     if node > 0 and heads:
-        info = source.file.info("token_embd.weight")  # SmolLM2's head is its embedding
-        total += (heads[node][1] - heads[node][0]) * (info.n_bytes // info.shape[0])
+        total += (heads[node][1] - heads[node][0]) * row_bytes(None, "embedding", None)[1]
     return total
 
 
+def _header_bytes(source) -> int:
+    """The bytes before the tensors: a GGUF's header, or each safetensors file's."""
+    if isinstance(source, GGUFSource):
+        return min(source.file.info(n).data_offset for n in source.file.tensor_names())
+    return sum(8 + struct.unpack("<Q", f.read_bytes()[:8])[0] for f in source.weight_files())
+
+
+@pytest.mark.parametrize("repo", ["test/SmolLM2-GGUF:Q4_1", "test/SmolLM2-HF"])
 def test_each_device_fetches_only_its_slices_bytes_and_splits_what_the_whole_file_gives(
-    at_hub, tmp_path
+    at_hub, smollm2_hf, tmp_path, repo
 ):
     """Three devices (the master and two workers) split their shares of SmolLM2 from the hub
-    by byte ranges, each into a mirror of its own: each share's shards are, byte for byte
-    (sha256), the ones a split of the whole file by path writes; the server counts what each
-    fetched: a worker at most 1.1x its slice's bytes with the header, the master at most the
-    header plus its own tensors; no device fetches the whole file."""
-    path = model_path()
-    local = GGUFSource(path)
-    config, dtype = local.config, "auto"
+    by byte ranges, each into a mirror of its own (a GGUF file, and an HF folder of two
+    safetensors files): each share's shards are, byte for byte (sha256), the ones a split of
+    the files by path writes; the server counts what each fetched: a worker at most 1.1x its
+    slice's bytes with the headers, the master at most the headers plus its own tensors; no
+    device fetches the whole model."""
+    gguf = repo.endswith("Q4_1")
+    local = open_model(str(model_path() if gguf else smollm2_hf))
+    config, dtype = local.config, "auto" if gguf else "f32"
     slices = plan_slices(config, [1.0, 1.0, 1.0], local.ffn_align(dtype))
     heads = head_rows(config, slices, [1.0, 1.0, 1.0])
     whole = split_model(local, slices, ShardStore(tmp_path / "whole"), dtype=dtype, head_rows=heads)
-    mirror_path = mirror(Name("test/SmolLM2-GGUF", "Q4_1"), tmp_path / "master")
+    name = Name(*repo.split(":")) if gguf else Name(repo)
+    mirror_path = mirror(name, tmp_path / "master")
     assert mirror_path is not None
-    header = local.file.info("token_embd.weight").data_offset  # tensors follow the table
-    file = f"/test/SmolLM2-GGUF/resolve/{COMMIT}/SmolLM2-135M-Instruct.Q4_1.gguf"
-    size = path.stat().st_size
+    header, size = _header_bytes(local), sum(f.stat().st_size for f in local.weight_files())
     for node in range(3):
         at_hub.served.clear()
-        folder = tmp_path / f"device{node}"
         if node == 0:
-            source = GGUFSource(mirror_path)  # the master's, as `--model NAME` opens it
+            source = open_model(str(mirror_path))  # the master's, as `--model NAME` opens it
         else:  # a worker's: what SPLIT tells it
-            assert (remote := GGUFSource(mirror_path).remote()) is not None
-            source = GGUFSource(folder / "m.gguf", RemoteFile(remote, folder / "m.gguf"))
-        share = split_node(source, slices, node, ShardStore(folder), dtype, heads)
+            assert (remote := open_model(str(mirror_path)).remote()) is not None
+            source, _ = open_remote(remote, tmp_path / f"device{node}")
+        share = split_node(source, slices, node, ShardStore(tmp_path / f"store{node}"), dtype,
+                           heads)  # fmt: skip
         assert share.layers == whole.nodes[node]
         assert share.extra == (whole.globals if node == 0 else whole.heads[node - 1])
-        served, own = at_hub.served[file], _slice_bytes(local, config, slices[node], node, heads)
+        served, own = sum(at_hub.served.values()), _share_bytes(local, slices[node], node, heads)
         if node == 0:
-            globals_bytes = sum(local.file.info(n).n_bytes for n in
-                                ("token_embd.weight", "output_norm.weight"))  # fmt: skip
-            bound = header + own + globals_bytes
+            bound = (
+                header
+                + own
+                + sum(  # its globals: the embedding, the final norm
+                    int(np.prod(local.shape(None, n))) * (4 if not gguf else 0)
+                    + (local.file.info(local._name(None, n)).n_bytes if gguf else 0)
+                    for n in ("embedding", "final_norm")
+                )
+            )
         else:
             bound = 1.1 * (header + own)
-        print(f"node {node}: served {served} bytes, its share {own} (+ header {header}), "
-              f"bound {bound:.0f}, of a {size}-byte file")  # fmt: skip
+        print(f"{repo} node {node}: served {served} bytes, its share {own} (+ headers {header}),"
+              f" bound {bound:.0f}, of {size} bytes")  # fmt: skip
         assert served <= bound and served < size
-    assert len(whole.nodes) == 3
 
 
 def test_a_cluster_runs_a_model_by_name_from_its_devices_slices_as_the_file_by_path(

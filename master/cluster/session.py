@@ -137,7 +137,8 @@ def _cluster_engine(
     workers = None
     remote = source.remote()
     if hub is not None and hub.members and remote is not None:  # each its own slices' bytes
-        model = M.RemoteModel(remote.url, remote.size, remote.etag, remote.headers)
+        files = {n: M.RemoteFile(r.url, r.size, r.etag, r.headers) for n, r in remote.files.items()}
+        model = M.RemoteModel(files, remote.small)
         workers = partial(hub.split_shares, model, slices, memory.dtype, heads)
     manifest = split_model(source, slices, store, split_progress, memory.dtype, heads, workers)
     try:
