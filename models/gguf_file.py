@@ -70,16 +70,16 @@ HEADER_FIRST_READ = 1 << 20  # a remote header is read in a MiB, then twice as m
 class GGUFFile:
     """An open GGUF file. Tensors are memory-mapped until asked for, then copied out.
 
-    With `remote`, `path` is its sparse local mirror (models/ranges.py): the header's bytes and
-    each read's are fetched before they are read. A reader that will cut only some columns of a
-    matrix says which (`only_columns`), and only those bytes of its rows are fetched."""
+    With `remotes` (by file name: the file's, or each part's of a split), a file is its sparse
+    local mirror (models/ranges.py): its header's bytes and each read's are fetched before they
+    are read. A reader that will cut only some columns of a matrix says which (`only_columns`),
+    and only those bytes of its rows are fetched."""
 
-    def __init__(self, path: str | Path, remote: RemoteFile | None = None) -> None:
+    def __init__(self, path: str | Path, remotes: dict[str, RemoteFile] | None = None) -> None:
         self.path = Path(path)
-        self.remote = remote
+        self._given = remotes or {}
+        self.remotes: list[RemoteFile | None] = []  # a part's mirror, by part
         self._columns: dict[str, tuple[int, int]] = {}  # tensor -> bytes of each row read
-        if remote is not None:
-            fetch_header(remote)
         if not self.path.is_file():
             raise ModelError(f"model file not found: {self.path}")
         self.metadata: dict[str, Any] = {}
@@ -109,6 +109,10 @@ class GGUFFile:
     def _open_part(self, path: Path, part: int) -> None:
         """Map one file of the model and read its header: the first's metadata is the model's,
         every part's tensor table adds to the model's."""
+        remote = self._given.get(path.name)
+        self.remotes.append(remote)
+        if remote is not None:
+            fetch_header(remote)
         if not path.is_file():
             raise ModelError(
                 f"model file not found: {path} (part {part + 1} of the split {self.path})"
@@ -201,17 +205,18 @@ class GGUFFile:
     def _ensure(self, t: TensorInfo, start: int, stop: int) -> None:
         """Fetch rows [start, stop) of `t` (of its flattened rows; a vector's whole) into a
         remote file's mirror, those of its columns only where a reader said so."""
-        if self.remote is None:
+        remote = self.remotes[t.part]
+        if remote is None:
             return
         n_rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
         row_bytes = t.n_bytes // n_rows
         first = t.data_offset + start * row_bytes
         if t.name not in self._columns:
-            self.remote.ensure([(first, t.data_offset + stop * row_bytes)])
+            remote.ensure([(first, t.data_offset + stop * row_bytes)])
             return
         a, b = self._columns[t.name]
         at = range(first, t.data_offset + stop * row_bytes, row_bytes)
-        self.remote.ensure([(row + a, row + b) for row in at])
+        remote.ensure([(row + a, row + b) for row in at])
 
     def _stored_rows(self, t: TensorInfo) -> np.ndarray:
         """The tensor's bytes as stored, a row per output row: numbers, or quantized blocks."""

@@ -130,9 +130,9 @@ def hub_headers() -> dict[str, str]:
 
 def mirror(name: Name, folder: Path) -> Path | None:
     """A sparse mirror in `folder` of what `name` means, read by byte ranges (models/ranges.py):
-    a GGUF file, or an HF folder (its small files whole, its safetensors sparse); only headers
-    are fetched here, each device fetches the bytes of its own slices. None, said in the log,
-    where that cannot be: a split GGUF (pulled whole), or a hub that answers no byte ranges."""
+    a GGUF file (each part of a split one), or an HF folder (its small files whole, its
+    safetensors sparse); only headers are fetched here, each device fetches the bytes of its own
+    slices. None, said in the log, where that cannot be: a hub that answers no byte ranges."""
     from huggingface_hub import HfApi, constants, hf_hub_url
 
     from edgetp.models.gguf_file import fetch_header
@@ -142,9 +142,6 @@ def mirror(name: Name, folder: Path) -> Path | None:
         info = HfApi(endpoint=constants.ENDPOINT).model_info(name.repo, files_metadata=True)
         siblings = {s.rfilename: s for s in info.siblings or []}
         selection = select(siblings, name)
-        if selection.format == "gguf" and len(selection.files) != 1:
-            log.warning("%s is a split GGUF: pulled whole, not read by byte ranges", name)
-            return None
         weights = [f for f in selection.files if f.endswith((".gguf", ".safetensors"))]
         checksums = {f: _checksum(siblings[f]) for f in selection.files}
         if info.sha is None or any(
@@ -168,12 +165,15 @@ def mirror(name: Name, folder: Path) -> Path | None:
             return None
         remotes = {f: Remote(url(f), siblings[f].size or 0, checksums[f][1], headers)  # type: ignore[index]
                    for f in weights}  # fmt: skip
-        if selection.format == "gguf":
-            local = folder / f"{remotes[weights[0]].etag}.gguf"
-            mirrored = RemoteFile(remotes[weights[0]], local)  # its record names the file:
-            fetch_header(mirrored)  # `open_model` reads it by ranges; its header is read at once
-            mirrored.save()
-            return local
+        if selection.format == "gguf":  # one file, or a split's parts side by side
+            first = remotes[selection.main].etag
+            local = folder / f"{first}.gguf" if len(weights) == 1 else folder / first[:24]
+            for f, remote in remotes.items():
+                at = local if len(weights) == 1 else local / PurePosixPath(f).name
+                mirrored = RemoteFile(remote, at)  # its record names the file: `open_model`
+                fetch_header(mirrored)  # reads it by ranges; its header is read at once
+                mirrored.save()
+            return local if len(weights) == 1 else local / PurePosixPath(selection.main).name
         local = folder / f"{name.repo.replace('/', '--')}-{info.sha[:12]}"
         for f in selection.files:  # the config, tokenizer and index files whole
             if f not in remotes and not (local / f).is_file():

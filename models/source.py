@@ -7,6 +7,7 @@ a band of rows at a time, so callers never need the whole model in memory.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,9 +59,9 @@ def open_remote(model: RemoteModel, folder: Path) -> tuple[ModelSource, list[Rem
     remotes = {n: RemoteFile(r, folder / n) for n, r in model.files.items()}
     for name, data in model.small.items():
         write_whole(folder / name, data)
-    if not model.small and len(remotes) == 1 and next(iter(remotes)).endswith(".gguf"):
-        ((name, remote),) = remotes.items()
-        return GGUFSource(folder / name, remote), [remote]
+    if not model.small and all(n.endswith(".gguf") for n in remotes):  # a file, or a split's
+        first = min(remotes)  # -00001-of-0000N sorts first
+        return GGUFSource(folder / first, remotes), list(remotes.values())
     return HFSource(folder, remotes), list(remotes.values())
 
 
@@ -186,11 +187,15 @@ class GGUFSource(ModelSource):
     """A GGUF file; or, with `remote` (or a mirror's record beside `path`), the sparse mirror of
     one on the hub, whose bytes are fetched as they are read (models/ranges.py)."""
 
-    def __init__(self, path: Path, remote: RemoteFile | None = None) -> None:
+    def __init__(self, path: Path, remotes: dict[str, RemoteFile] | None = None) -> None:
         self.path = path
-        if remote is None and path.with_name(path.name + SIDECAR).is_file():
-            remote = RemoteFile.reopen(path, hub_headers())
-        self.file = GGUFFile(path, remote)
+        if remotes is None and path.with_name(path.name + SIDECAR).is_file():  # a mirror's
+            headers = hub_headers()
+            stem = re.sub(r"-00001-of-\d{5}\.gguf$", "-", path.name)  # a split's parts, if split
+            parts = [path] + [p for p in path.parent.glob(stem + "*-of-*.gguf") if p != path]
+            found = [RemoteFile.reopen(p, headers) for p in parts]
+            remotes = {r.local.name: r for r in found if r is not None}
+        self.file = GGUFFile(path, remotes)
         tied = not self.file.has_tensor("output.weight")
         longrope = None
         if self.file.has_tensor("rope_factors_short.weight"):  # llama.cpp's LongRoPE tensors
@@ -309,11 +314,13 @@ class GGUFSource(ModelSource):
         return list(self.file.paths)
 
     def remote(self) -> RemoteModel | None:
-        return RemoteModel({self.path.name: self.file.remote.remote}) if self.file.remote else None
+        files = {r.local.name: r.remote for r in self.file.remotes if r is not None}
+        return RemoteModel(files) if files else None
 
     def fetched(self) -> None:
-        if self.file.remote is not None:
-            self.file.remote.save()
+        for remote in self.file.remotes:
+            if remote is not None:
+                remote.save()
 
     def only_columns(self, layer: int | None, name: str, cols: tuple[int, int] | None) -> None:
         if self._reordered(layer, name) is not None:  # its columns move: read them all

@@ -565,23 +565,33 @@ def _share_bytes(source, s, node: int, heads) -> int:
 
 def _header_bytes(source) -> int:
     """The bytes before the tensors: a GGUF's header, or each safetensors file's."""
-    if isinstance(source, GGUFSource):
-        return min(source.file.info(n).data_offset for n in source.file.tensor_names())
+    if isinstance(source, GGUFSource):  # each part's, if split
+        infos = [source.file.info(n) for n in source.file.tensor_names()]
+        return sum(min(t.data_offset for t in infos if t.part == k)
+                   for k in range(len(source.file.paths)))  # fmt: skip
     return sum(8 + struct.unpack("<Q", f.read_bytes()[:8])[0] for f in source.weight_files())
 
 
-@pytest.mark.parametrize("repo", ["test/SmolLM2-GGUF:Q4_1", "test/SmolLM2-HF"])
+@pytest.mark.parametrize(
+    "repo", ["test/SmolLM2-GGUF:Q4_1", "test/SmolSplit-GGUF:Q4_1", "test/SmolLM2-HF"]
+)
 def test_each_device_fetches_only_its_slices_bytes_and_splits_what_the_whole_file_gives(
     at_hub, smollm2_hf, tmp_path, repo
 ):
     """Three devices (the master and two workers) split their shares of SmolLM2 from the hub
-    by byte ranges, each into a mirror of its own (a GGUF file, and an HF folder of two
-    safetensors files): each share's shards are, byte for byte (sha256), the ones a split of
-    the files by path writes; the server counts what each fetched: a worker at most 1.1x its
-    slice's bytes with the headers, the master at most the headers plus its own tensors; no
-    device fetches the whole model."""
+    by byte ranges, each into a mirror of its own (a GGUF file, one split in three files, and
+    an HF folder of two safetensors files): each share's shards are, byte for byte (sha256), the
+    ones a split of the files by path writes; the server counts what each fetched: a worker at
+    most 1.1x its slice's bytes with the headers, the master at most the headers plus its own
+    tensors; no device fetches the whole model."""
     gguf = repo.endswith("Q4_1")
-    local = open_model(str(model_path() if gguf else smollm2_hf))
+    local_path = model_path() if gguf else smollm2_hf
+    if "Split" in repo:  # the very files the hub serves
+        for file, data in at_hub.repos[repo.split(":")[0]].files.items():
+            (tmp_path / "split").mkdir(exist_ok=True)
+            (tmp_path / "split" / file).write_bytes(data)  # type: ignore[arg-type]
+        local_path = min((tmp_path / "split").iterdir())
+    local = open_model(str(local_path))
     config, dtype = local.config, "auto" if gguf else "f32"
     slices = plan_slices(config, [1.0, 1.0, 1.0], local.ffn_align(dtype))
     heads = head_rows(config, slices, [1.0, 1.0, 1.0])
