@@ -321,7 +321,9 @@ class HFSource(ModelSource):
         for remote in self._remotes.values():
             remote.save()
 
-    def only_columns(self, layer: int | None, name: str, cols: tuple[int, int] | None) -> None:
+    def _only_columns(self, layer: int | None, name: str, cols: tuple[int, int] | None) -> None:
+        if not self._remotes:  # local files: nothing to fetch
+            return
         key = self._key(layer, name)
         layout = self._layout(self._where[key])
         if layout is None:

@@ -322,7 +322,9 @@ class GGUFSource(ModelSource):
             if remote is not None:
                 remote.save()
 
-    def only_columns(self, layer: int | None, name: str, cols: tuple[int, int] | None) -> None:
+    def _only_columns(self, layer: int | None, name: str, cols: tuple[int, int] | None) -> None:
+        if not any(self.file.remotes):  # a local file: nothing to fetch
+            return
         if self._reordered(layer, name) is not None:  # its columns move: read them all
             cols = None
         self.file.only_columns(self._name(layer, name), cols)

@@ -126,7 +126,18 @@ class ModelSource(ABC):
 
     def only_columns(self, layer: int | None, name: str, cols: tuple[int, int] | None) -> None:
         """Only columns `cols` of the tensor's rows will be read hereafter (None: all of
-        them): a source that fetches its bytes from afar (a GGUF by ranges) fetches just those."""
+        them): a source that fetches its bytes from afar (a GGUF by ranges) fetches just those.
+        `name` as in `stored_type`; a tensor made here (gathered, absent) fetches nothing."""
+        family = family_of(self.config)
+        if layer is None and (name in (POST_NORMS, ROUTER) or family.gathered(name)):
+            return
+        if layer is not None and family.absent(self.config, layer, name):
+            return
+        if layer is not None:
+            name = family.stored_name(self.config, layer, name)
+        self._only_columns(layer, name, cols)
+
+    def _only_columns(self, layer: int | None, name: str, cols: tuple[int, int] | None) -> None:
         return None  # a local file's bytes are all there
 
     def shape(self, layer: int | None, name: str) -> tuple[int, ...]:
