@@ -13,6 +13,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -269,6 +270,10 @@ class ShardStore:
             os.replace(tmp, self.path(ref))
             self.record(ref, checksum)
         return ref
+
+    def present(self, refs: Iterable[ShardRef]) -> bool:
+        """Whether every file is here at its size (a cheap check: their bytes are not read)."""
+        return all(self.path(r).is_file() and self.path(r).stat().st_size == r.size for r in refs)
 
     def has_valid(self, ref: ShardRef) -> bool:
         """True when the file is present with the right size and content (read each time)."""

@@ -31,6 +31,7 @@ from edgetp.models.layers import (
     slice_parts,
 )
 from edgetp.models.quant import columns_fit
+from edgetp.models.ranges import merge
 from edgetp.models.source import ModelSource
 
 log = logging.getLogger(__name__)
@@ -112,15 +113,14 @@ def split_model(
     identity = model_identity(source)
     key = plan_key(identity, slices, dtype, head_rows)
     manifest_path = store.root / "manifests" / f"{key}.json"
-    if workers is not None:
-        own = split_node(source, slices, 0, store, dtype, head_rows, progress)
-        shares = [own, *workers()]
-    elif manifest_path.is_file():
-        manifest = Manifest.from_json(manifest_path.read_text())
-        refs = [r for node in manifest.nodes for r in node] + [manifest.globals, *manifest.heads]
-        if all(store.path(r).is_file() and store.path(r).stat().st_size == r.size for r in refs):
-            return manifest
-    if workers is None:
+    if workers is not None:  # the workers' shards are theirs: a cached manifest cannot tell
+        shares = [split_node(source, slices, 0, store, dtype, head_rows, progress), *workers()]
+    else:
+        if manifest_path.is_file():
+            manifest = Manifest.from_json(manifest_path.read_text())
+            refs = [r for node in manifest.nodes for r in node]
+            if store.present([*refs, manifest.globals, *manifest.heads]):
+                return manifest
         layers = _split_layers(source, slices, range(len(slices)), store, dtype, progress)
         globals_ref, heads = _split_globals(source, slices, range(len(slices)), store, dtype,
                                             head_rows)  # fmt: skip
@@ -166,8 +166,7 @@ def split_node(
     record = store.root / "nodes" / f"{key}-{node}.json"
     if record.is_file():
         share = NodeShards.from_dict(json.loads(record.read_text()))
-        refs = [*share.layers, *([share.extra] if share.extra else [])]
-        if all(store.path(r).is_file() and store.path(r).stat().st_size == r.size for r in refs):
+        if store.present([*share.layers, *([share.extra] if share.extra else [])]):
             return share
     (layers,) = _split_layers(source, slices, [node], store, dtype, progress)
     globals_ref, heads = _split_globals(source, slices, [node], store, dtype, head_rows)
@@ -316,7 +315,7 @@ def _write(
                 for f in shard.values()
                 if any(p.source == name for p in f.parts)
             )
-            wanted = _merged_rows(p.rows for p in parts)
+            wanted = merge(p.rows for p in parts)
             for first, band in _bands(source, layer, name, carry, wanted):
                 rows = (first, first + band.shape[0])
                 values: torch.Tensor | None = None  # as floats, for a slice cut within blocks
@@ -345,16 +344,6 @@ def _write(
         for w in writers:
             w.abandon()
         raise
-
-
-def _merged_rows(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        elif b > a:
-            out.append((a, b))
-    return out
 
 
 def _bands(

@@ -70,14 +70,15 @@ HEADER_FIRST_READ = 1 << 20  # a remote header is read in a MiB, then twice as m
 class GGUFFile:
     """An open GGUF file. Tensors are memory-mapped until asked for, then copied out.
 
-    With `remotes` (by file name: the file's, or each part's of a split), a file is its sparse
-    local mirror (models/ranges.py): its header's bytes and each read's are fetched before they
-    are read. A reader that will cut only some columns of a matrix says which (`only_columns`),
-    and only those bytes of its rows are fetched."""
+    A file may be the sparse local mirror of one on the hub (models/ranges.py): given in
+    `remotes` by file name (the file's, or each part's of a split), else found by the record
+    beside it. Its header's bytes and each read's are fetched before they are read. A reader
+    that will cut only some columns of a matrix says which (`only_columns`), and only those
+    bytes of its rows are fetched."""
 
     def __init__(self, path: str | Path, remotes: dict[str, RemoteFile] | None = None) -> None:
         self.path = Path(path)
-        self._given = remotes or {}
+        self._given = remotes
         self.remotes: list[RemoteFile | None] = []  # a part's mirror, by part
         self._columns: dict[str, tuple[int, int]] = {}  # tensor -> bytes of each row read
         if not self.path.is_file():
@@ -109,7 +110,12 @@ class GGUFFile:
     def _open_part(self, path: Path, part: int) -> None:
         """Map one file of the model and read its header: the first's metadata is the model's,
         every part's tensor table adds to the model's."""
-        remote = self._given.get(path.name)
+        if self._given is not None:
+            remote = self._given.get(path.name)
+        else:
+            from edgetp.models.ranges import RemoteFile
+
+            remote = RemoteFile.reopen(path)
         self.remotes.append(remote)
         if remote is not None:
             fetch_header(remote)
@@ -208,15 +214,11 @@ class GGUFFile:
         remote = self.remotes[t.part]
         if remote is None:
             return
+        from edgetp.models.ranges import tensor_runs
+
         n_rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
-        row_bytes = t.n_bytes // n_rows
-        first = t.data_offset + start * row_bytes
-        if t.name not in self._columns:
-            remote.ensure([(first, t.data_offset + stop * row_bytes)])
-            return
-        a, b = self._columns[t.name]
-        at = range(first, t.data_offset + stop * row_bytes, row_bytes)
-        remote.ensure([(row + a, row + b) for row in at])
+        columns = self._columns.get(t.name)
+        remote.ensure(tensor_runs(t.data_offset, t.n_bytes // n_rows, (start, stop), columns))
 
     def _stored_rows(self, t: TensorInfo) -> np.ndarray:
         """The tensor's bytes as stored, a row per output row: numbers, or quantized blocks."""

@@ -5,7 +5,6 @@ index, the tokenizer's files.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,13 @@ from edgetp.models.errors import ModelError
 from edgetp.models.families import family_of
 from edgetp.models.layers import O_BIAS, ROUTER, ROUTER_BIAS, SHARED_ROUTER, SINKS, expert_of
 from edgetp.models.quant import FORMATS
-from edgetp.models.ranges import SIDECAR, RemoteFile, RemoteModel, fetch_safetensors_header
+from edgetp.models.ranges import (
+    SIDECAR,
+    RemoteFile,
+    RemoteModel,
+    fetch_safetensors_header,
+    tensor_runs,
+)
 from edgetp.models.source_base import HF_FUSED, ModelSource, fused_rows
 from edgetp.models.tokenizer import Tokenizer
 
@@ -197,13 +202,9 @@ class HFSource(ModelSource):
         self._where: dict[str, Path] = {}  # tensor name -> the file that holds it
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
         for name in files:
-            remote = (remotes or {}).get(name)
-            if remote is None and (path / (name + SIDECAR)).is_file():
-                from edgetp.models.hub import hub_headers
-
-                remote = RemoteFile.reopen(path / name, hub_headers())
+            remote = remotes.get(name) if remotes is not None else RemoteFile.reopen(path / name)
             if remote is not None:
-                fetch_safetensors_header(remote)
+                self._layouts[path / name] = fetch_safetensors_header(remote)
                 self._remotes[path / name] = remote
             try:
                 with safe_open(str(path / name), framework="pt") as handle:
@@ -325,44 +326,29 @@ class HFSource(ModelSource):
         if not self._remotes:  # local files: nothing to fetch
             return
         key = self._key(layer, name)
-        layout = self._layout(self._where[key])
-        if layout is None:
+        if self._where[key] not in self._layouts:
             return
-        shape = layout[1][key]["shape"]
+        entry = self._layouts[self._where[key]][1][key]
+        shape = entry["shape"]
         if cols is None or len(shape) != 2 or cols == (0, shape[1]):
             self._columns.pop(key, None)
             return
-        begin, end = layout[1][key]["data_offsets"]
+        begin, end = entry["data_offsets"]
         item = (end - begin) // (shape[0] * shape[1])
         self._columns[key] = (cols[0] * item, cols[1] * item)
-
-    def _layout(self, file: Path) -> tuple[int, dict[str, Any]] | None:
-        """A remote file's header: where its data starts, and each tensor's entry."""
-        if file not in self._remotes:
-            return None
-        if file not in self._layouts:
-            with open(file, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                self._layouts[file] = (8 + length, json.loads(f.read(length)))
-        return self._layouts[file]
 
     def _ensure(self, key: str, rows: tuple[int, int] | None) -> None:
         """Fetch rows `rows` of tensor `key` (None: all of it) into a remote file's mirror,
         only the columns a reader said it reads (`only_columns`)."""
         file = self._where[key]
-        layout = self._layout(file)
-        if layout is None:
+        if file not in self._layouts:
             return
-        data, header = layout
+        data, header = self._layouts[file]
         begin, end = header[key]["data_offsets"]
         shape = header[key]["shape"]
-        row = (end - begin) // shape[0] if shape and shape[0] else end - begin
         if rows is None or len(shape) < 2:
             self._remotes[file].ensure([(data + begin, data + end)])
             return
-        first, last = data + begin + rows[0] * row, data + begin + rows[1] * row
-        if key not in self._columns:
-            self._remotes[file].ensure([(first, last)])
-            return
-        a, b = self._columns[key]
-        self._remotes[file].ensure([(at + a, at + b) for at in range(first, last, row)])
+        row = (end - begin) // shape[0]
+        runs = tensor_runs(data + begin, row, rows, self._columns.get(key))
+        self._remotes[file].ensure(runs)

@@ -121,13 +121,6 @@ def resolve_model(spec: str | None, mirrors: Path | None = None) -> str | None:
     return str(pull(name))
 
 
-def hub_headers() -> dict[str, str]:
-    """What a request to the hub carries: its user agent, and HF_TOKEN's credentials if set."""
-    from huggingface_hub.utils import build_hf_headers
-
-    return build_hf_headers()
-
-
 def mirror(name: Name, folder: Path) -> Path | None:
     """A sparse mirror in `folder` of what `name` means, read by byte ranges (models/ranges.py):
     a GGUF file (each part of a split one), or an HF folder (its small files whole, its
@@ -136,7 +129,13 @@ def mirror(name: Name, folder: Path) -> Path | None:
     from huggingface_hub import HfApi, constants, hf_hub_url
 
     from edgetp.models.gguf_file import fetch_header
-    from edgetp.models.ranges import Remote, RemoteFile, fetch_safetensors_header, write_whole
+    from edgetp.models.ranges import (
+        Remote,
+        RemoteFile,
+        fetch_safetensors_header,
+        hub_headers,
+        write_whole,
+    )
 
     with _hub_errors(name):
         info = HfApi(endpoint=constants.ENDPOINT).model_info(name.repo, files_metadata=True)
@@ -193,10 +192,9 @@ def _check_bytes(name: Name, filename: str, data: bytes, expected: tuple[str, st
     if expected is None:
         return
     kind, want = expected
-    if kind == "git":
-        got = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-    else:
-        got = hashlib.sha256(data).hexdigest()
+    h = _hasher(kind, len(data))
+    h.update(data)
+    got = h.hexdigest()
     if got != want:
         raise ModelError(
             f"{filename} of {name.repo} arrived with bytes that do not match the hub's checksum "
@@ -411,10 +409,16 @@ def _has_blob(storage: Path, checksum: tuple[str, str] | None) -> bool:
     return checksum is not None and (storage / "blobs" / checksum[1]).exists()
 
 
-def _digest(path: Path, kind: str) -> str:
+def _hasher(kind: str, size: int) -> Any:
+    """The hash the hub's checksum of `kind` is, for a file of `size` bytes."""
     h = hashlib.sha256() if kind == "sha256" else hashlib.sha1()
     if kind == "git":  # git's blob id: sha1 of a header and the bytes
-        h.update(b"blob %d\0" % path.stat().st_size)
+        h.update(b"blob %d\0" % size)
+    return h
+
+
+def _digest(path: Path, kind: str) -> str:
+    h = _hasher(kind, path.stat().st_size)
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)

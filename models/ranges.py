@@ -18,6 +18,7 @@ the device reports and later loads are checked against.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import heapq
 import json
 import os
@@ -27,9 +28,9 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from edgetp.models.errors import ModelError
 
@@ -55,13 +56,6 @@ class Remote:
     etag: str  # the version's ETag, unquoted (an LFS file's sha256)
     headers: dict[str, str] = field(default_factory=dict)  # an Authorization, if any
 
-    def to_dict(self) -> dict:
-        return {"url": self.url, "size": self.size, "etag": self.etag, "headers": self.headers}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Remote:
-        return cls(str(d["url"]), int(d["size"]), str(d["etag"]), dict(d.get("headers") or {}))
-
 
 @dataclass(frozen=True)
 class RemoteModel:
@@ -74,11 +68,16 @@ class RemoteModel:
 
     def key(self) -> str:
         """A name for its mirror on a device: the same for the same file versions."""
-        import hashlib
-
         return hashlib.sha256(
             "".join(sorted(r.etag for r in self.files.values())).encode()
         ).hexdigest()[:24]
+
+
+def hub_headers() -> dict[str, str]:
+    """What a request to the hub carries: its user agent, and HF_TOKEN's credentials if set."""
+    from huggingface_hub.utils import build_hf_headers
+
+    return build_hf_headers()
 
 
 def write_whole(path: Path, data: bytes) -> None:
@@ -89,14 +88,30 @@ def write_whole(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def fetch_safetensors_header(remote: RemoteFile) -> None:
-    """Fetch a safetensors file's header: its length (8 bytes), then its JSON."""
+def fetch_safetensors_header(remote: RemoteFile) -> tuple[int, dict[str, Any]]:
+    """Fetch a safetensors file's header, its length (8 bytes) then its JSON; returns where
+    its data starts and each tensor's entry (dtype, shape, data_offsets)."""
     remote.ensure([(0, 8)])
     with open(remote.local, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
     if 8 + length > remote.remote.size:
-        raise ModelError(f"{remote.remote.url} is not a safetensors file (a header of {length} B)")
+        raise ModelError(f"{remote.remote.url} is not a safetensors file ({length} B header)")
     remote.ensure([(0, 8 + length)])
+    with open(remote.local, "rb") as f:  # opened again: a buffer read before holds zeros
+        f.seek(8)
+        return 8 + length, json.loads(f.read(length))
+
+
+def tensor_runs(
+    offset: int, row_bytes: int, rows: tuple[int, int], columns: tuple[int, int] | None
+) -> list[Run]:
+    """The runs of rows [rows) of a row-major tensor at `offset`: one run, or where a reader
+    takes only bytes `columns` of each row, one run a row."""
+    first, last = offset + rows[0] * row_bytes, offset + rows[1] * row_bytes
+    if columns is None:
+        return [(first, last)]
+    a, b = columns
+    return [(at + a, at + b) for at in range(first, last, row_bytes)]
 
 
 def merge(runs: Iterable[Run]) -> list[Run]:
@@ -158,9 +173,6 @@ class RemoteFile:
         if not self._sidecar.is_file():
             self._write_record()  # the mirror names its file from the start
 
-    def fully_present(self) -> bool:
-        return self.present == [(0, self.remote.size)]
-
     def _read_record(self) -> list[Run]:
         try:
             record = json.loads(self._sidecar.read_text())
@@ -171,23 +183,23 @@ class RemoteFile:
         return merge((int(a), int(b)) for a, b in record.get("present", []))
 
     @classmethod
-    def reopen(cls, local: Path, headers: dict[str, str]) -> RemoteFile | None:
-        """The mirror at `local` as its record names its file (None if `local` is no mirror),
-        with `headers` (its credentials are not kept on disk)."""
+    def reopen(cls, local: Path) -> RemoteFile | None:
+        """The mirror at `local` as its record names its file, with the hub's headers of this
+        process (credentials are not kept on disk); None where `local` is no mirror."""
+        sidecar = local.with_name(local.name + SIDECAR)
+        if not sidecar.is_file():
+            return None
         try:
-            record = json.loads(local.with_name(local.name + SIDECAR).read_text())
-            remote = Remote(str(record["url"]), int(record["size"]), str(record["etag"]), headers)
+            record = json.loads(sidecar.read_text())
+            remote = Remote(str(record["url"]), int(record["size"]), str(record["etag"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        return cls(remote, local)
+        return cls(replace(remote, headers=hub_headers()), local)
 
     def _write_record(self) -> None:
         r = self.remote
         record = {"url": r.url, "size": r.size, "etag": r.etag, "present": self.present}
-        data = json.dumps(record).encode()
-        tmp = self._sidecar.with_name(f".{self._sidecar.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, self._sidecar)
+        write_whole(self._sidecar, json.dumps(record).encode())
 
     def ensure(self, runs: Iterable[Run]) -> None:
         """Fetch whatever of `runs` the mirror lacks, and record it as present once written

@@ -7,7 +7,6 @@ a band of rows at a time, so callers never need the whole model in memory.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from edgetp.models.hf_source import _HF_LAYER as _HF_LAYER
 from edgetp.models.hf_source import HFSource as HFSource
 from edgetp.models.hf_source import _next_rows
 from edgetp.models.hf_source import hf_layer_name as hf_layer_name
-from edgetp.models.hub import hub_headers
 from edgetp.models.layers import (
     EXPERT_BIAS_TENSORS,
     O_BIAS,
@@ -36,7 +34,7 @@ from edgetp.models.layers import (
     expert_of,
 )
 from edgetp.models.quant import FORMATS
-from edgetp.models.ranges import SIDECAR, RemoteFile, RemoteModel, write_whole
+from edgetp.models.ranges import RemoteFile, RemoteModel, write_whole
 from edgetp.models.source_base import GGUF_FUSED, fused_rows
 from edgetp.models.source_base import ModelSource as ModelSource
 from edgetp.models.tokenizer import Tokenizer
@@ -184,17 +182,11 @@ def _gguf_name(
 
 
 class GGUFSource(ModelSource):
-    """A GGUF file; or, with `remote` (or a mirror's record beside `path`), the sparse mirror of
-    one on the hub, whose bytes are fetched as they are read (models/ranges.py)."""
+    """A GGUF file; or, with `remotes` (or a mirror's record beside `path`), the sparse mirror
+    of one on the hub, whose bytes are fetched as they are read (models/ranges.py)."""
 
     def __init__(self, path: Path, remotes: dict[str, RemoteFile] | None = None) -> None:
         self.path = path
-        if remotes is None and path.with_name(path.name + SIDECAR).is_file():  # a mirror's
-            headers = hub_headers()
-            stem = re.sub(r"-00001-of-\d{5}\.gguf$", "-", path.name)  # a split's parts, if split
-            parts = [path] + [p for p in path.parent.glob(stem + "*-of-*.gguf") if p != path]
-            found = [RemoteFile.reopen(p, headers) for p in parts]
-            remotes = {r.local.name: r for r in found if r is not None}
         self.file = GGUFFile(path, remotes)
         tied = not self.file.has_tensor("output.weight")
         longrope = None

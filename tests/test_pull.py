@@ -664,7 +664,7 @@ def test_a_hub_without_byte_ranges_is_pulled_whole_and_a_changed_file_is_refused
     assert "answered HTTP 200 to a byte-range request" in caplog.text
     mirrored = resolve_model("test/Changing-GGUF", tmp_path / "remote")
     assert mirrored is not None and Path(mirrored).parent == tmp_path / "remote"
-    reopened = RemoteFile.reopen(Path(mirrored), {})  # as `open_model` finds it
+    reopened = RemoteFile.reopen(Path(mirrored))  # as `open_model` finds it
     assert reopened is not None and reopened.present  # its header, fetched
     remote = reopened.remote
     at_hub.repos["test/Changing-GGUF"].etags["Changing-Q4_K_M.gguf"] = "f" * 64

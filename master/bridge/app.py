@@ -12,6 +12,7 @@ errors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -68,10 +69,20 @@ def create_app(
     `api_key` (if given) is required as `Authorization: Bearer KEY` on /v1; browser pages from
     `cors_origins` may call it (CORS; none by default)."""
     models = served if isinstance(served, Models) else Models.single(served)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        unloading = asyncio.create_task(models.unload_idle())  # (none without unload_after)
+        try:
+            yield
+        finally:
+            unloading.cancel()
+
     app = FastAPI(
         title="edgetp REST bridge",
         version=_version(),
         description="OpenAI-, Anthropic- and Ollama-compatible APIs over an edgetp cluster.",
+        lifespan=lifespan,
     )
     if cors_origins:
         app.add_middleware(

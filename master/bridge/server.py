@@ -9,7 +9,6 @@ once with a "shutting down" error, then stops accepting, and then the cluster.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import socket
@@ -113,24 +112,15 @@ def _choice(
     aliases = tuple({name or DEFAULT_MODEL, source.path.stem} - {source.name})
 
     def load() -> tuple[Served, Callable[[], None]]:
-        opened = sessions(source)
-        session = opened.__enter__()
-        try:
+        with contextlib.ExitStack() as opened:  # closed here only if loading fails
+            session = opened.enter_context(sessions(source))
             speculator = open_speculator(*draft, session, tokenizer)
             batcher = Batcher(
                 session, tokenizer, speculator=speculator, prompt_reuse=prompt_reuse
             ).start()
-        except BaseException:
-            opened.__exit__(*sys.exc_info())
-            raise
-
-        def close() -> None:
-            try:
-                batcher.close()
-            finally:
-                opened.__exit__(None, None, None)
-
-        return Served(batcher, tokenizer, source.name, aliases, created), close
+            opened.callback(batcher.close)  # first, then the session
+            served = Served(batcher, tokenizer, source.name, aliases, created)
+            return served, opened.pop_all().close
 
     created = int(source.path.stat().st_mtime)
     return ModelChoice(source.name, aliases, created, load)
@@ -150,13 +140,6 @@ class _Server(uvicorn.Server):
         if served is not None:
             threading.Thread(target=served.batcher.close, daemon=True).start()
         super().handle_exit(sig, frame)
-
-    async def main_loop(self) -> None:  # uvicorn's loop, with the idle models' unloading
-        unloading = asyncio.create_task(self.models.unload_idle())
-        try:
-            await super().main_loop()
-        finally:
-            unloading.cancel()
 
 
 def _is_loopback(host: str) -> bool:
