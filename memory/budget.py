@@ -47,6 +47,23 @@ def device_memory_budget() -> int | None:
     return max(0, limit - held - max(RESERVE_BYTES, limit // 10))
 
 
+def machine_memory_budget() -> int | None:
+    """What this process may fill: `device_memory_budget` under a cgroup limit, else the
+    memory the kernel says is available (MemAvailable) less a tenth of it; None where neither
+    can be read."""
+    limited = device_memory_budget()
+    if limited is not None:
+        return limited
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                return available - available // 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 # Per cgroup version: its memory controller's root, its limit's file, the memory.stat keys of
 # what the kernel cannot reclaim (anonymous and shared memory, the cgroup's subtree in), and the
 # file that counts its out-of-memory kills.

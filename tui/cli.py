@@ -274,8 +274,25 @@ def _serve(args: argparse.Namespace) -> None:
             )
 
         def sessions(source: ModelSource) -> contextlib.AbstractContextManager[Session]:
-            own = argparse.Namespace(**{**vars(args), "model": str(source.path)})  # its dtype
-            return _session(own, source, args.max_batch, "edgetp serve", local)
+            return _session(_own(source), source, args.max_batch, "edgetp serve", local)
+
+        def _own(source: ModelSource) -> argparse.Namespace:
+            return argparse.Namespace(**{**vars(args), "model": str(source.path)})  # its dtype
+
+        def need(source: ModelSource) -> int:
+            from edgetp.master.cluster.engine import context_size
+            from edgetp.master.cluster.plan import resident_bytes
+
+            memory = memory_options(_own(source))
+            context = context_size(source.config, args.context)
+            return resident_bytes(source, memory.dtype, memory.kv_cache, context, args.max_batch)
+
+        from edgetp.memory.budget import machine_memory_budget
+
+        given = memory_options(args).budget
+        # several models stay resident while their needs fit in this machine's memory (its
+        # nodes are all here: several models need --local-nodes)
+        budget = given * (local or 1) if given is not None else machine_memory_budget()
 
     except BaseException:
         sock.close()
@@ -290,6 +307,7 @@ def _serve(args: argparse.Namespace) -> None:
         args.cors_origin,
         args.prompt_reuse,
         args.unload_after,
+        (need, budget),
     )
 
 

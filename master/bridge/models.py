@@ -1,12 +1,15 @@
-"""The models a server answers for (`edgetp serve --model A --model B`), one resident at a time.
+"""The models a server answers for (`edgetp serve --model A --model B`): as many resident as the
+memory budget holds, at least one.
 
 A request names its model; each takes a lease on it (`Models.use`) that lasts until its answer
-is sent (`Leases`, a plain ASGI middleware, hands them back). A request for a model that is not
-resident waits; once the resident model has no lease left (its running streams are finished),
-the cluster switches to the model of the oldest waiting request: the resident's session and
-batcher close and that model's open, and every request waiting for it goes on. A request for the
-resident model that comes while another model's request waits, waits too, so no model starves.
-A model left without a lease for `unload_after` seconds is unloaded; the next request loads it.
+is sent (`Leases`, a plain ASGI middleware, hands them back). A request for a resident model goes
+on at once. One for a model that is not resident waits in line; the oldest waiting is loaded
+beside the resident ones where the budget holds them all (each model's `need`, what it holds with
+every layer resident and its KV cache full), and otherwise in place of the least recently used:
+those take no new lease (a request for one of them waits too, so no model starves), and each is
+closed once its running streams are finished. Loads and closes run one at a time, on a thread;
+the other resident models answer meanwhile. Without a budget one model is resident at a time. A
+model left without a lease for `unload_after` seconds is unloaded; the next request loads it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from edgetp.master.bridge.core import Served
 from edgetp.master.bridge.errors import APIError
+from edgetp.memory.budget import format_size
 
 log = logging.getLogger(__name__)
 
@@ -32,36 +36,51 @@ _LEASES: contextvars.ContextVar[list[Served]] = contextvars.ContextVar("edgetp_l
 @dataclass(frozen=True)
 class ModelChoice:
     """A model the server may load: its id, the other names a request may use, its file's
-    time (for /v1/models), and how to load it (its Served and how to close it)."""
+    time (for /v1/models), how to load it (its Served and how to close it), and about the
+    memory it holds once loaded (bytes; `plan.resident_bytes`)."""
 
     model_id: str
     aliases: tuple[str, ...]
     created: int
     load: Callable[[], tuple[Served, Callable[[], None]]] = field(compare=False)
+    need: int = 0
 
     def named(self, model: str) -> bool:
         return model in (self.model_id, *self.aliases)
 
 
+@dataclass(eq=False)
+class _Loaded:
+    """A resident model: its Served, how to close it, the leases on it, since when it has had
+    none, and whether it is to make room (it takes no new lease)."""
+
+    served: Served
+    close: Callable[[], None]
+    held: int = 0
+    idle_since: float = field(default_factory=time.monotonic)
+    leaving: bool = False
+
+
 class Models:
-    """Which model is resident, who holds it, and who waits for which (see the module)."""
+    """Which models are resident, who holds them, and who waits for which (see the module)."""
 
     def __init__(
         self,
         choices: Sequence[ModelChoice],
         resident: tuple[Served, Callable[[], None]] | None = None,
         unload_after: float | None = None,
+        budget: int | None = None,
     ) -> None:
         self.choices = list(choices)
-        self._resident: ModelChoice | None = self.choices[0] if resident else None
-        self._served: Served | None = resident[0] if resident else None
-        self._close: Callable[[], None] | None = resident[1] if resident else None
-        self._held = 0  # leases on the resident model
+        # resident models, the least recently used first
+        self._resident: dict[ModelChoice, _Loaded] = {}
+        if resident:
+            self._resident[self.choices[0]] = _Loaded(*resident)
         self._waiting: list[_Waiter] = []  # requests waiting for a model, oldest first
-        self._switching = False
+        self._busy = False  # a load or a close is running
         self._wake = asyncio.Event()
-        self._idle_since = time.monotonic()
         self.unload_after = unload_after
+        self.budget = budget
         self.failure = ""  # why the last load failed
 
     @classmethod
@@ -72,14 +91,19 @@ class Models:
 
     @property
     def current(self) -> Served | None:
-        """The resident model's, if one is."""
-        return self._served
+        """The resident model used last, if one is."""
+        return next(reversed([r.served for r in self._resident.values()]), None)
+
+    @property
+    def resident(self) -> list[Served]:
+        """Every resident model's, the least recently used first."""
+        return [r.served for r in self._resident.values()]
 
     def choice(self, model: str | None) -> ModelChoice:
-        """The model a request names (None: the resident one, else the first), or a 404 that
-        lists the models there are."""
+        """The model a request names (None: the resident one used last, else the first), or a
+        404 that lists the models there are."""
         if model is None:
-            return self._resident or self.choices[0]
+            return next(reversed(list(self._resident)), self.choices[0])
         for c in self.choices:
             if c.named(model) or c.named(model.removesuffix(":latest")):  # (Ollama's tag)
                 return c
@@ -94,72 +118,105 @@ class Models:
 
     async def use(self, model: str | None) -> Served:
         """The named model's Served, resident, with a lease on it that its request's end gives
-        back; waits while another model is resident or is waited for first."""
+        back; waits while it is not resident, or is to make room for another."""
         wanted = self.choice(model)
-        if not (wanted is self._resident and not self._others_wait(wanted)):
+        if not self._open(wanted):
             waiter = _Waiter(wanted)
             self._waiting.append(waiter)
             try:
                 await self._until_resident(waiter)
             finally:
                 self._waiting.remove(waiter)
+                if not self._waiting:  # nobody left to make room for
+                    for loaded in self._resident.values():
+                        loaded.leaving = False
                 self._notify()
-        assert self._served is not None
-        self._held += 1
+        loaded = self._resident.pop(wanted)
+        self._resident[wanted] = loaded  # the most recently used now
         leases = _LEASES.get(None)
         if leases is not None:
-            leases.append(self._served)
-        else:  # not through the app (no middleware): nothing would give it back
-            self._held -= 1
-        return self._served
+            loaded.held += 1
+            leases.append(loaded.served)
+        # else: not through the app (no middleware), nothing would give it back
+        return loaded.served
 
-    def _others_wait(self, wanted: ModelChoice) -> bool:
-        return any(w.choice is not wanted for w in self._waiting)
+    def _open(self, choice: ModelChoice) -> bool:
+        loaded = self._resident.get(choice)
+        return loaded is not None and not loaded.leaving
 
     async def _until_resident(self, waiter: _Waiter) -> None:
-        wanted = waiter.choice
-        while True:
-            if wanted is self._resident and not self._switching:
-                # loaded for the oldest waiter: every request then waiting for it goes on
-                first = self._waiting[0] is waiter
-                if first or waiter.admitted or not self._others_wait(wanted):
-                    return
-            elif not self._switching and self._held == 0 and self._waiting[0] is waiter:
-                await self._switch(wanted)
-                continue
+        while not self._open(waiter.choice):
             wake = self._wake
-            await wake.wait()
+            if self._busy or self._waiting[0] is not waiter or not await self._step(waiter.choice):
+                await wake.wait()
 
-    async def _switch(self, to: ModelChoice) -> None:
-        """Close the resident model and load `to` (on a thread: it splits and ships)."""
-        self._switching = True
+    def _fits(self, choice: ModelChoice, beside: Sequence[ModelChoice]) -> bool:
+        if not beside:
+            return True
+        if self.budget is None:
+            return False
+        return choice.need + sum(c.need for c in beside) <= self.budget
+
+    async def _step(self, to: ModelChoice) -> bool:
+        """One step towards `to` resident, for the oldest waiting request: load it where it fits
+        beside the resident models; else mark the least recently used to leave, as many as it
+        takes, and close one of them without a lease. False: nothing to do until a lease of
+        those is given back."""
+        kept = list(self._resident)
+        for loaded in self._resident.values():
+            loaded.leaving = False
+        while kept and not self._fits(to, kept):
+            self._resident[kept.pop(0)].leaving = True
+        leaving = [c for c, r in self._resident.items() if r.leaving]
+        if not leaving:
+            await self._load(to)
+            return True
+        idle = [c for c in leaving if self._resident[c].held == 0]
+        if idle:
+            await self._close(idle[0], f"to make room for {to.model_id}")
+            return True
+        return False
+
+    async def _close(self, choice: ModelChoice, why: str) -> None:
+        self._busy = True
         try:
-            if self._close is not None:
-                log.warning("switching from %s to %s", self._served and self._served.model_id,
-                            to.model_id)  # fmt: skip
-                closing, self._close, self._served, self._resident = self._close, None, None, None
-                await run_in_threadpool(closing)
+            log.warning("unloading %s (%s)", choice.model_id, why)
+            closing = self._resident.pop(choice).close
+            await run_in_threadpool(closing)
+        finally:
+            self._busy = False
+            self._notify()
+
+    async def _load(self, to: ModelChoice) -> None:
+        self._busy = True
+        try:
+            beside = [c.model_id for c in self._resident]
+            log.warning("loading %s%s", to.model_id,
+                        f" beside {', '.join(beside)}" if beside else "")  # fmt: skip
             try:
-                self._served, self._close = await run_in_threadpool(to.load)
+                loaded = _Loaded(*await run_in_threadpool(to.load))
             except Exception as exc:
                 self.failure = f"model {to.model_id!r} could not be loaded: {exc}"
                 log.error("%s", self.failure)
                 raise APIError(
                     503, self.failure, type="server_error", code="model_unavailable"
                 ) from None
-            self._resident, self.failure = to, ""
-            for w in self._waiting:
-                w.admitted = w.admitted or w.choice is to
+            self._resident[to], self.failure = loaded, ""
+            if beside:
+                held = sum(c.need for c in self._resident)
+                log.info("%d models resident, about %s of the budget's %s", len(self._resident),
+                         format_size(held), format_size(self.budget or 0))  # fmt: skip
         finally:
-            self._switching = False
+            self._busy = False
             self._notify()
 
     def release(self, served: Served) -> None:
         """A lease given back (its request's answer was sent, or the request went away)."""
-        if served is self._served:
-            self._held -= 1
-            if self._held == 0:
-                self._idle_since = time.monotonic()
+        for loaded in self._resident.values():
+            if loaded.served is served:
+                loaded.held -= 1
+                if loaded.held == 0:
+                    loaded.idle_since = time.monotonic()
         self._notify()
 
     def _notify(self) -> None:
@@ -167,32 +224,20 @@ class Models:
         self._wake = asyncio.Event()
 
     async def unload_idle(self) -> None:
-        """Unload the resident model once it has been without a lease for `unload_after` s."""
+        """Unload each resident model once it has been without a lease for `unload_after` s."""
         while self.unload_after is not None:
             await asyncio.sleep(min(1.0, self.unload_after))
-            idle = time.monotonic() - self._idle_since
-            if (
-                self._close is not None
-                and self._held == 0
-                and not self._waiting
-                and not self._switching
-                and idle >= self.unload_after
-            ):
-                log.warning("unloading %s: idle for %.0f s", self._resident and
-                            self._resident.model_id, idle)  # fmt: skip
-                self._switching = True
-                closing, self._close, self._served, self._resident = self._close, None, None, None
-                try:
-                    await run_in_threadpool(closing)
-                finally:
-                    self._switching = False
-                    self._notify()
+            now = time.monotonic()
+            for choice, loaded in list(self._resident.items()):
+                idle = now - loaded.idle_since
+                if not self._busy and loaded.held == 0 and idle >= self.unload_after:
+                    await self._close(choice, f"idle for {idle:.0f} s")
 
     def close(self) -> None:
-        """Close the resident model (the server is stopping)."""
-        if self._close is not None:
-            closing, self._close = self._close, None
-            closing()
+        """Close every resident model (the server is stopping)."""
+        while self._resident:
+            _, loaded = self._resident.popitem()
+            loaded.close()
 
 
 @dataclass

@@ -320,9 +320,9 @@ def router(models: Models, api_key: str | None) -> APIRouter:
 
     @api.get("/api/ps")
     async def ps() -> Any:
-        """The model loaded (none between two, or once unloaded)."""
-        resident = [c for c in models.choices if models.current
-                    and c.model_id == models.current.model_id]  # fmt: skip
+        """The models loaded (none between two, or once unloaded)."""
+        ids = {served.model_id for served in models.resident}
+        resident = [c for c in models.choices if c.model_id in ids]
         return {"models": [{**entry(c), "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}
                            for c in resident]}  # fmt: skip
 

@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from types import FrameType
 
 import uvicorn
@@ -46,20 +47,32 @@ def serve(
     cors_origins: Sequence[str] = (),
     prompt_reuse: bool = True,
     unload_after: float | None = None,
+    resident: tuple[Callable[[ModelSource], int], int | None] = (lambda _: 0, None),
 ) -> None:
     """Serve `models` (each a source, its tokenizer and the name it was asked for) on `sock`
     (from `master.bridge.listen.bind`, closed here) until interrupted: the first loaded at
     start, in a session `sessions(source)` opens; a request naming another switches the cluster
-    to it (master/bridge/models.py); one left idle `unload_after` s is unloaded.
+    to it (master/bridge/models.py); one left idle `unload_after` s is unloaded. `resident`:
+    what a model holds once loaded (bytes), and the memory the resident models share (None:
+    one at a time).
 
     `draft` is `--draft` and `--draft-dtype` (master/generation/speculate.py), for the first
     model; `cors_origins` the pages (`--cors-origin`) a browser may call the API from;
     `prompt_reuse` off (`--no-prompt-reuse`) prefills every request whole.
     """
     try:
+        need, budget = resident
         choices = [
-            _choice(
-                sessions, source, tokenizer, name, draft if i == 0 else ("off", AUTO), prompt_reuse
+            replace(
+                _choice(
+                    sessions,
+                    source,
+                    tokenizer,
+                    name,
+                    draft if i == 0 else ("off", AUTO),
+                    prompt_reuse,
+                ),
+                need=need(source),
             )  # fmt: skip
             for i, (source, tokenizer, name) in enumerate(models)
         ]
@@ -68,7 +81,7 @@ def serve(
             raise ModelError(f"two of the models given are one model ({', '.join(ids)}): give "
                              "each once")  # fmt: skip
         served, close = choices[0].load()
-        loaded = Models(choices, (served, close), unload_after)
+        loaded = Models(choices, (served, close), unload_after, budget)
         try:
             session = served.batcher.session
             app = create_app(loaded, api_key, cors_origins)
@@ -136,8 +149,7 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler must neither block nor take the batcher's lock: close on a thread.
-        served = self.models.current
-        if served is not None:
+        for served in self.models.resident:
             threading.Thread(target=served.batcher.close, daemon=True).start()
         super().handle_exit(sig, frame)
 

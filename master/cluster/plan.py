@@ -20,9 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from edgetp.models.config import ModelConfig
+from edgetp.models.dtypes import AUTO
 from edgetp.models.layers import MATRICES, Slice, full_layer_shapes, kv_heads_for, slice_parts
 from edgetp.models.quant import BLOCK, FORMATS
 from edgetp.models.source import ModelSource
+from edgetp.node.kvcache import KVCache, LinearStates
 
 FFN_ALIGN = BLOCK
 HEAD_ALIGN = 64  # a run of lm_head rows is a multiple of this many
@@ -336,3 +338,19 @@ def layers_size(source: ModelSource, dtype: str) -> tuple[int, int]:
         size += sum(weights[m] * BYTES_PER_WEIGHT[d] for m, d in dtypes.items())
         count += sum(weights.values())
     return int(size), int(count)
+
+
+def resident_bytes(
+    source: ModelSource, dtype: str, kv_format: str, context: int, slots: int
+) -> int:
+    """About what the model holds in memory with every layer resident, over all its nodes: its
+    layers in shards of `dtype`, the tensors the master holds whole, and a full KV cache of
+    `slots` sequences of `context` tokens (stored as `kv_format`; "auto" counted as float32,
+    the most it may take)."""
+    config = source.config
+    head = BYTES_PER_WEIGHT.get(source.head_dtype(dtype), 4.0)
+    held = sum(math.prod(source.shape(None, name)) for name in source.global_names()) * head
+    whole, kv = Slice.whole(config), "f32" if kv_format == AUTO else kv_format
+    per_slot = KVCache.bytes_per_token(config, whole, kv) * context
+    per_slot += KVCache.window_bytes(config, whole, kv) + LinearStates.slot_bytes(config, whole)
+    return layers_size(source, dtype)[0] + int(held) + per_slot * slots
