@@ -82,8 +82,9 @@ class NodeShards:
         return cls([ShardRef(**r) for r in d["layers"]], ShardRef(**extra) if extra else None)
 
 
-# The workers' shares of a split, each split by its own worker (their refs, node 1 first).
-SplitElsewhere = Callable[[], list[NodeShards]]
+# The workers' shares of a split, each split by its own worker (their refs, node 1 first; None
+# for a worker that could not: the master splits that share).
+SplitElsewhere = Callable[[], list[NodeShards | None]]
 
 
 def split_model(
@@ -106,7 +107,8 @@ def split_model(
 
     With `workers`, the master writes only its own share, and `workers()` has each worker split
     its own from the same source (`split_node`): a model read by byte ranges is then fetched a
-    slice a device, and no device, the master included, fetches the whole file.
+    slice a device, and no device, the master included, fetches the whole file. The share of a
+    worker that cannot reach the hub the master splits, to ship it as any other.
     """
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"unknown shard dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
@@ -114,7 +116,9 @@ def split_model(
     key = plan_key(identity, slices, dtype, head_rows)
     manifest_path = store.root / "manifests" / f"{key}.json"
     if workers is not None:  # the workers' shards are theirs: a cached manifest cannot tell
-        shares = [split_node(source, slices, 0, store, dtype, head_rows, progress), *workers()]
+        shares = [split_node(source, slices, 0, store, dtype, head_rows, progress)]
+        for k, share in enumerate(workers(), start=1):  # a worker without the hub: its share
+            shares.append(share or split_node(source, slices, k, store, dtype, head_rows))
     else:
         if manifest_path.is_file():
             manifest = Manifest.from_json(manifest_path.read_text())

@@ -7,3 +7,8 @@ class ModelError(Exception):
     The message is written for the person at the terminal: it names the file or key and says what
     was expected, so the CLI prints it as is, without a traceback.
     """
+
+
+class HubUnreachable(ModelError):
+    """The hub could not be reached from this device (no route, refused, timed out): another
+    device that can reach it may fetch in its place."""

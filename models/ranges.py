@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgetp.models.errors import ModelError
+from edgetp.models.errors import HubUnreachable, ModelError
 
 if TYPE_CHECKING:  # a model by path never imports the HTTP client
     import httpx2
@@ -225,7 +225,7 @@ class RemoteFile:
                     done = list(pool.map(lambda g: self._fetch(client, fd, g), groups))
             os.fsync(fd)
         except httpx2.HTTPError as exc:
-            raise ModelError(
+            raise HubUnreachable(
                 f"fetching {self.remote.url} by byte ranges failed ({exc}): check the network, "
                 "or pull the whole model first (`edgetp pull`)"
             ) from None

@@ -141,12 +141,14 @@ class Echoed(_Message, tag="echoed"):
 class SplitDone(_Message, tag="split-done"):
     """The answer to SPLIT: its share written and hashed (each layer's shard, and its rows of
     the lm_head where the head is split); `fetched` bytes came from the model's file for it, in
-    `requests` requests."""
+    `requests` requests. Or, with `unreachable` (why), none: the hub cannot be reached from the
+    node, and the master splits its share and ships it as for a file it has."""
 
     layers: list[ShardRef]
     head: ShardRef | None = None
     fetched: NonNegative = 0
     requests: NonNegative = 0
+    unreachable: str = ""
 
 
 class Error(_Message, tag="error"):
@@ -250,7 +252,8 @@ class RemoteModel(msgspec.Struct, frozen=True):
 
 class Split(_Message, tag="split"):
     """Before a plan's WELCOME: split your share of the model yourself, from its file on the
-    hub (SPLIT-DONE, or ERROR): the plan's every slice and `node`, which is yours."""
+    hub (SPLIT-DONE, also when the hub cannot be reached from you; or ERROR): the plan's every
+    slice and `node`, which is yours."""
 
     node: Positive
     model: RemoteModel

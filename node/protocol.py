@@ -20,7 +20,7 @@ import zmq
 # (SmolLM3), n_shared (Qwen2-MoE), its gated DeltaNet fields (Qwen3.5, Qwen3-Next) and Gemma
 # 4's: a node of 7 would stop at the keys it does not know; 9: SPLIT and SPLIT-DONE (a worker
 # splits its own share of a model it reads by byte ranges)
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 DEFAULT_PORT = 7470
 
 # What a STEP asks a node to compute: the two blocks (two sums) of a layer, or its rows of the

@@ -33,6 +33,7 @@ from edgetp.memory.window import (
     return_freed_memory,
     step_figures,
 )
+from edgetp.models.errors import HubUnreachable
 from edgetp.models.kernels import activations, kernel_set, set_activations
 from edgetp.models.layers import StepBatch
 from edgetp.node import messages as M
@@ -273,6 +274,10 @@ class Worker:
             source, remotes = open_remote(model, self.state_dir / "remote" / model.key())
             heads = [(a, b) for a, b in job.head_rows] or None
             share = split_node(source, job.slices, job.node, self.store, job.dtype, heads)
+        except HubUnreachable as exc:  # the master may reach it: it splits this share then
+            log.warning("node %s cannot reach the hub: %s", self.name, exc)
+            self._send(M.SplitDone([], unreachable=str(exc)))
+            return
         except Exception as exc:  # the master waits for SPLIT-DONE: tell it why not
             log.warning("node %s could not split its share: %s", self.name, exc)
             self._send(M.Error(message=f"splitting its share of the model: {exc}"))

@@ -39,7 +39,8 @@ def test_requests_for_two_models_under_traffic_each_get_their_models_answer(shar
     budget holds either model (SmolLM2 ~190 MB, Gemma 3 ~400 MB at this context and 8 slots,
     `plan.resident_bytes`), not both: one is resident at a time."""
     args = ["--local-nodes", "1", "--context", "256", "--state-dir", str(shared_state),
-            "--memory-budget", "450MB", "--model", DEFAULT_MODEL, "--model", "gemma3-270m"]  # fmt: skip
+            "--memory-budget", "450MB", "--model", DEFAULT_MODEL,
+            "--model", "gemma3-270m"]  # fmt: skip
     server = start_server(args)
     try:
         listed = HTTP.get(f"{server.base}/v1/models", timeout=30).json()["data"]

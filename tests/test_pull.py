@@ -14,6 +14,7 @@ import errno
 import filecmp
 import hashlib
 import json
+import logging
 import os
 import re
 import socket
@@ -32,7 +33,12 @@ from gguf import GGML_QUANT_SIZES
 from gguf_copy import transformers_tokenizer
 from test_hf_source import write_hf_folder
 
+from edgetp.master.bench.greedy import time_greedy
+from edgetp.master.cluster.local import local_engine, local_session
 from edgetp.master.cluster.plan import head_rows, plan_slices
+from edgetp.master.emulate import host
+from edgetp.master.emulate.devices import emulated
+from edgetp.master.emulate.spec import DeviceSpec
 from edgetp.memory.shards import ShardStore
 from edgetp.memory.splitter import split_model, split_node
 from edgetp.models.bundled import model_path
@@ -101,6 +107,22 @@ def _checksums(repo: Repo) -> dict[str, tuple[int, str, str]]:
         else:
             out[name] = (len(data), hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(), "")
     return out
+
+
+class _Checksums(dict):
+    """Each repository's `_checksums`, taken when first asked for (a whole model's sha256 is
+    seconds: the tests that ask for one repository pay for that one only)."""
+
+    def __init__(self, repos: dict[str, Repo]) -> None:
+        super().__init__()
+        self.repos = repos
+        self.lock = threading.Lock()
+
+    def __missing__(self, name: str) -> dict[str, tuple[int, str, str]]:
+        with self.lock:
+            if name not in self:
+                self[name] = _checksums(self.repos[name])
+            return self[name]
 
 
 def _handler(hub: Hub, sums: dict[str, dict[str, tuple[int, str, str]]]) -> type:
@@ -314,7 +336,7 @@ def hub(smollm2_hf) -> Iterator[Hub]:
         "test/SmolLM2-HF": Repo({p.name: p for p in smollm2_hf.iterdir() if p.is_file()}),
         "test/Changing-GGUF": Repo({"Changing-Q4_K_M.gguf": tiny_gguf("llama", "v1")}),
     }
-    sums = {name: _checksums(repo) for name, repo in repos.items()}
+    sums = _Checksums(repos)
     state = Hub("", repos, [])
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state, sums))
     state.url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -651,6 +673,39 @@ def test_a_cluster_runs_a_model_by_name_from_its_devices_slices_as_the_file_by_p
     assert all(int(n) < size / 2 for _, n in split), split
     assert not list((tmp_path / "b").glob("hub/models--*/blobs/*"))  # nothing pulled whole
     print(f"served {sum(at_hub.served.values())} bytes in all; workers: {split}")
+
+
+def test_a_worker_that_cannot_reach_the_hub_gets_its_share_from_the_master(
+    at_hub, tmp_path, smollm2, smollm2_tokenizer, caplog
+):
+    """A worker in a network namespace of its own (an emulated device, its one way out a relay
+    to the master) cannot reach the hub: it says so at SPLIT, the master splits that share by
+    byte ranges itself and ships it, and two nodes by name answer as one node by path."""
+    host.check_host([DeviceSpec(rtt=0.001)])
+    prompt = smollm2_tokenizer.encode("The capital of France is")
+    with local_engine(smollm2, 1, state_dir=tmp_path / "alone", context=64) as engine:
+        *_, alone = time_greedy(engine, smollm2_tokenizer, prompt, 6)
+    by_name = mirror(Name("test/SmolLM2-GGUF", "Q4_1"), tmp_path / "remote")
+    assert by_name is not None
+    devices_at = tmp_path / "devices"
+    with (
+        emulated([DeviceSpec(), DeviceSpec(rtt=0.0005)], 2, devices_at) as devices,
+        caplog.at_level(logging.INFO, "edgetp.master.cluster.hub"),
+        local_session(
+            open_model(str(by_name)),
+            2,
+            state_dir=tmp_path / "state",
+            context=64,
+            devices=devices,
+            standby=False,
+        ) as session,  # fmt: skip
+    ):
+        assert session.engine is not None and session.nodes == 2
+        *_, split = time_greedy(session.engine, smollm2_tokenizer, prompt, 6)
+    assert split == alone
+    assert "cannot reach the hub" in caplog.text and "the master splits its share" in caplog.text
+    assert "split its share:" not in caplog.text  # no worker split one
+    print(f"tokens {split}; {sum(at_hub.served.values())} bytes served, all to the master")
 
 
 def test_a_hub_without_byte_ranges_is_pulled_whole_and_a_changed_file_is_refused(

@@ -169,6 +169,10 @@ class Hub:
         elif isinstance(message, M.Measured):
             member.capacity = msgspec.structs.replace(member.capacity, speed=message.speed)
             self._measured.add(identity)
+        elif isinstance(message, M.SplitDone) and message.unreachable:
+            self._split[identity] = message
+            log.warning("node %s cannot reach the hub (%s): the master splits its share and "
+                        "ships it", member.name, message.unreachable)  # fmt: skip
         elif isinstance(message, M.SplitDone):
             self._split[identity] = message
             log.info("node %s split its share: %d bytes of the model's file in %d requests",
@@ -361,10 +365,11 @@ class Hub:
         dtype: str,
         head_rows: Sequence[tuple[int, int]] | None,
         timeout: float = 3600.0,
-    ) -> list[NodeShards]:
+    ) -> list[NodeShards | None]:
         """Each worker splits its own share of the plan (node k+1's) from the model's file on
-        the hub, fetching only its slices' bytes (SPLIT); their shards, in plan order. A worker
-        that fails, or stops answering, fails the split, saying which and why."""
+        the hub, fetching only its slices' bytes (SPLIT); their shards, in plan order, None for
+        a worker that cannot reach the hub. A worker that fails otherwise, or stops answering,
+        fails the split, saying which and why."""
         self._split = {}
         for k, member in enumerate(self.members, start=1):
             job = M.Split(k, model, list(slices), dtype, list(head_rows or []))
@@ -384,7 +389,7 @@ class Hub:
                 raise ClusterError(f"workers did not split their shares within {timeout:.0f} s")
             self._next(100)
         done = [self._split[m.identity] for m in self.members]
-        return [NodeShards(d.layers, d.head) for d in done]
+        return [None if d.unreachable else NodeShards(d.layers, d.head) for d in done]
 
     def ship(
         self,
