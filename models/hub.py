@@ -36,6 +36,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from edgetp.models.errors import ModelError
+from edgetp.models.ranges import SIDECAR
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ class Selection:
 
 @dataclass(frozen=True)
 class LocalModel:
-    """A model in the cache, as `edgetp models` lists it."""
+    """A model in the cache, or a mirror of one read by byte ranges (`size`: the bytes it holds
+    on disk), as `edgetp models` lists it."""
 
     name: str
     size: int
@@ -85,6 +87,7 @@ class LocalModel:
     family: str
     quant: str
     path: Path
+    whole: int = 0  # a mirror's: the bytes of the files it mirrors
 
 
 def parse_name(spec: str) -> Name | None:
@@ -616,9 +619,83 @@ def _models_of(repo: str, snapshot: Path, sizes: dict[str, int]) -> list[LocalMo
     return models
 
 
-def remove(name: Name) -> int:
+_MIRRORED_URL = re.compile(r"/([^/]+/[^/]+)/resolve/[^/]+/(.+)$")
+
+
+def mirrored_models(folder: Path) -> list[LocalModel]:
+    """The sparse mirrors in `folder` (`mirror`, or a worker's of its share): a GGUF file, or a
+    folder of a split GGUF's parts or of an HF model's files; each named as the hub names it,
+    with the bytes it holds."""
+    found = []
+    for entry in sorted(folder.iterdir()) if folder.is_dir() else ():
+        files = sorted(entry.iterdir()) if entry.is_dir() else [entry]
+        records = {f: _mirror_record(f) for f in files if not f.name.endswith(SIDECAR)}
+        mirrored = [(f, r) for f, r in records.items() if r is not None]
+        if not mirrored:
+            continue
+        _, (repo, file, _, _) = mirrored[0]
+        # the fetched bytes, and the files kept whole (an HF model's config, its records)
+        held = sum(r[3] for _, r in mirrored)
+        held += sum(f.stat().st_size for f in files if f in records and records[f] is None)
+        whole = sum(r[2] for _, r in mirrored)
+        if file.endswith(".gguf"):
+            quant = quant_of(PurePosixPath(file).name)
+            parts = f", {len(mirrored)} parts" if len(mirrored) > 1 else ""
+            first = min(f for f, _ in mirrored)
+            found.append(LocalModel(f"{repo}:{quant}" if quant else repo, held,
+                                    f"gguf (byte ranges{parts})", _gguf_architecture(first),
+                                    quant or "?", entry, whole))  # fmt: skip
+        else:
+            family, dtype = _hf_family(entry)
+            found.append(LocalModel(repo, held, "safetensors (byte ranges)", family, dtype, entry,
+                                    whole))  # fmt: skip
+    return found
+
+
+def _mirror_record(path: Path) -> tuple[str, str, int, int] | None:
+    """A mirror's repository, file, size and bytes present, from its record; None for a file
+    that is no mirror."""
+    sidecar = path.with_name(path.name + SIDECAR)
+    try:
+        record = json.loads(sidecar.read_text())
+        found = _MIRRORED_URL.search(str(record["url"]))
+        present = sum(int(b) - int(a) for a, b in record["present"])
+        size = int(record["size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (found[1], found[2], size, present) if found else None
+
+
+def remove_mirrors(name: Name, folder: Path) -> int:
+    """Remove the mirrors in `folder` of what `name` means (a quant; without one, every mirror
+    of the repository). Returns the bytes they held."""
+    freed = 0
+    for model in mirrored_models(folder):
+        repo, _, quant = model.name.partition(":")
+        if repo == name.repo and (name.quant is None or quant.lower() == name.quant.lower()):
+            freed += model.size
+            if model.path.is_dir():
+                shutil.rmtree(model.path)
+            else:
+                model.path.with_name(model.path.name + SIDECAR).unlink(missing_ok=True)
+                model.path.unlink()
+    return freed
+
+
+def remove(name: Name, mirrors: Path | None = None) -> int:
     """Remove a model from the cache: with a quant, that quant's files (the blobs no other
-    snapshot points to); without, the whole repository, every revision. Returns bytes freed."""
+    snapshot points to); without, the whole repository, every revision. Its mirrors in
+    `mirrors` go too. Returns bytes freed."""
+    freed = remove_mirrors(name, mirrors) if mirrors is not None else 0
+    try:
+        return freed + _remove_cached(name)
+    except ModelError:
+        if freed:  # the name was mirrored here, not cached
+            return freed
+        raise
+
+
+def _remove_cached(name: Name) -> int:
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 

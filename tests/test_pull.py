@@ -39,6 +39,7 @@ from edgetp.master.cluster.plan import head_rows, plan_slices
 from edgetp.master.emulate import host
 from edgetp.master.emulate.devices import emulated
 from edgetp.master.emulate.spec import DeviceSpec
+from edgetp.memory.budget import format_size
 from edgetp.memory.shards import ShardStore
 from edgetp.memory.splitter import split_model, split_node
 from edgetp.models.bundled import model_path
@@ -489,6 +490,36 @@ def test_pull_a_safetensors_repository(at_hub, capsys):
 
 
 # -- errors, one line each -------------------------------------------------------------------
+
+
+def test_models_lists_the_mirrors_read_by_byte_ranges_and_rm_removes_them(
+    at_hub, tmp_path, capsys, monkeypatch
+):
+    """A name read by byte ranges leaves a sparse mirror in STATE_DIR/remote (only the bytes
+    read so far): `edgetp models` lists it beside the cache's models, with what it holds of the
+    file, and `edgetp rm` removes it, its record too; other mirrors stay."""
+    monkeypatch.setenv("EDGETP_HOME", str(tmp_path / "home"))
+    remote = tmp_path / "home" / "remote"
+    single = Path(resolve_model("test/SmolLM2-GGUF:Q4_1", remote) or "")
+    split = Path(resolve_model("test/SmolSplit-GGUF:Q4_1", remote) or "")
+    assert single.parent == remote and split.parent.parent == remote
+    code, out, err = edgetp(capsys, "models")
+    assert code == 0, err
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    size = model_path().stat().st_size
+    held = sum(b - a for a, b in json.loads((remote / f"{single.name}.ranges.json").read_text())
+               ["present"])  # fmt: skip
+    assert 0 < held < size / 10  # its header
+    listed = lines["test/SmolLM2-GGUF:Q4_1"].split()
+    assert listed[1:] == [*format_size(held).split(), "of", *format_size(size).split(), "gguf",
+                          "(byte", "ranges)", "llama", "Q4_1"], listed  # fmt: skip
+    assert "gguf (byte ranges, 3 parts)" in lines["test/SmolSplit-GGUF:Q4_1"]
+    code, out, err = edgetp(capsys, "rm", "test/SmolLM2-GGUF:Q4_1")
+    assert code == 0 and f"removed test/SmolLM2-GGUF:Q4_1 ({format_size(held)} freed)" in err
+    assert sorted(p.name for p in remote.iterdir()) == [split.parent.name]  # record gone too
+    code, out, err = edgetp(capsys, "models")
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["test/SmolSplit-GGUF:Q4_1"]
+    print(out)
 
 
 def test_hub_errors_are_one_line_that_says_what_to_do(at_hub, tmp_path, capsys, monkeypatch):

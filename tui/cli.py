@@ -24,7 +24,7 @@ from edgetp.tui.join import join
 if TYPE_CHECKING:
     from edgetp.master.cluster.lan import LanOptions
     from edgetp.master.cluster.session import Session
-    from edgetp.models.hub import Name
+    from edgetp.models.hub import LocalModel, Name
     from edgetp.models.source import ModelSource
 
 
@@ -372,15 +372,20 @@ def _hub_name(text: str) -> Name:
 
 def _models(args: argparse.Namespace) -> None:
     from edgetp.memory.budget import format_size
-    from edgetp.models.hub import local_models
+    from edgetp.memory.files import default_state_dir
+    from edgetp.models.hub import local_models, mirrored_models
 
-    models = local_models()
+    models = local_models() + mirrored_models(default_state_dir() / "remote")
     if not models:
         print("edgetp models: none in the cache; fetch one with `edgetp pull OWNER/REPO[:QUANT]`",
               file=sys.stderr)  # fmt: skip
         return
+
+    def size(m: LocalModel) -> str:  # a mirror holds the part of the files read so far
+        return format_size(m.size) + (f" of {format_size(m.whole)}" if m.whole else "")
+
     rows = [("NAME", "SIZE", "FORMAT", "FAMILY", "QUANT")] + [
-        (m.name, format_size(m.size), m.format, m.family, m.quant) for m in models
+        (m.name, size(m), m.format, m.family, m.quant) for m in models
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -389,10 +394,11 @@ def _models(args: argparse.Namespace) -> None:
 
 def _rm(args: argparse.Namespace) -> None:
     from edgetp.memory.budget import format_size
+    from edgetp.memory.files import default_state_dir
     from edgetp.models.hub import remove
 
     name = _hub_name(args.name)
-    freed = remove(name)
+    freed = remove(name, default_state_dir() / "remote")
     print(f"edgetp rm: removed {name} ({format_size(freed)} freed)", file=sys.stderr)
 
 
