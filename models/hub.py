@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from edgetp.models.errors import ModelError
+from edgetp.models.errors import HubUnreachable, ModelError
 from edgetp.models.ranges import SIDECAR
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,9 @@ def parse_name(spec: str) -> Name | None:
 def resolve_model(spec: str | None, mirrors: Path | None = None) -> str | None:
     """The local path of the model `--model` names: a path (or a bundled name, or None for the
     default) as it is; `owner/repo[:QUANT]` from the cache when it holds the whole model; else,
-    given `mirrors`, a GGUF file's sparse mirror there, whose bytes each device fetches as it
-    reads them (`mirror`); else pulled from the hub first."""
+    given `mirrors`, a sparse mirror there, whose bytes each device fetches as it reads them
+    (`mirror`), or the one kept from before where the hub cannot be reached or is not to be
+    asked (HF_HUB_OFFLINE); else pulled from the hub first."""
     if spec is None:
         return None
     name = parse_name(spec)
@@ -117,11 +118,38 @@ def resolve_model(spec: str | None, mirrors: Path | None = None) -> str | None:
     # hub, which may hold the default, is not to be asked
     if local is not None and (name.quant or _is_default(local) or constants.HF_HUB_OFFLINE):
         return str(local)
-    if mirrors is not None and not constants.HF_HUB_OFFLINE:
-        mirrored = mirror(name, mirrors)
+    if mirrors is not None:
+        if constants.HF_HUB_OFFLINE:
+            mirrored = kept_mirror(name, mirrors)
+        else:
+            try:
+                mirrored = mirror(name, mirrors)
+            except HubUnreachable:
+                if (mirrored := kept_mirror(name, mirrors)) is None:
+                    raise
+                log.warning("the hub cannot be reached: %s is read from its mirror, %s (what "
+                            "it holds: a plan that needs more fails)", name, mirrored)  # fmt: skip
         if mirrored is not None:
             return str(mirrored)
     return str(pull(name))
+
+
+def kept_mirror(name: Name, folder: Path) -> Path | None:
+    """The newest mirror in `folder` of what `name` means, as a model is opened (a GGUF file,
+    a split's first part, an HF folder), for a start without the hub: it reads what it holds."""
+    kept = [m for m in mirrored_models(folder) if _mirrors(m, name)]
+    if not kept:
+        return None
+    newest = max(kept, key=lambda m: m.path.stat().st_mtime)
+    if newest.path.is_dir() and newest.format.startswith("gguf"):
+        return min(p for p in newest.path.iterdir() if p.name.endswith(".gguf"))
+    return newest.path
+
+
+def _mirrors(model: LocalModel, name: Name) -> bool:
+    repo, _, quant = model.name.partition(":")
+    wanted = name.quant or (DEFAULT_QUANT if quant else "")
+    return repo == name.repo and quant.lower() == wanted.lower()
 
 
 def mirror(name: Name, folder: Path) -> Path | None:
@@ -503,7 +531,7 @@ def _hub_errors(name: Name) -> Iterator[None]:
             f"{name} is not in the cache and HF_HUB_OFFLINE is set: pull it while online"
         ) from None
     except (httpx2.TransportError, LocalEntryNotFoundError):
-        raise ModelError(unreachable) from None
+        raise HubUnreachable(unreachable) from None
     except httpx2.HTTPStatusError as exc:
         raise ModelError(
             f"the hub at {hub} answered HTTP {exc.response.status_code} while fetching {name}"
@@ -671,8 +699,9 @@ def remove_mirrors(name: Name, folder: Path) -> int:
     of the repository). Returns the bytes they held."""
     freed = 0
     for model in mirrored_models(folder):
-        repo, _, quant = model.name.partition(":")
-        if repo == name.repo and (name.quant is None or quant.lower() == name.quant.lower()):
+        if model.name.partition(":")[0] == name.repo and (
+            name.quant is None or _mirrors(model, name)
+        ):
             freed += model.size
             if model.path.is_dir():
                 shutil.rmtree(model.path)

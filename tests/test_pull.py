@@ -688,7 +688,7 @@ def test_a_cluster_runs_a_model_by_name_from_its_devices_slices_as_the_file_by_p
     """`edgetp run --local-nodes 3 --model NAME` with the model in no cache: the master and two
     worker processes each split their share from the hub by byte ranges (SPLIT), and the
     answer is the one the file gives by its path; no device fetched the whole file, and the
-    hub's cache holds none of it."""
+    hub's cache holds none of it. Then, the hub out of reach, the same from the mirrors."""
     args = ("run", "--raw", "--max-tokens", "6", "--local-nodes", "3", "--state-dir")
     by_path = edgetp_process(tmp_path / "a", at_hub.url, *args, str(tmp_path / "a"),
                              "--model", str(model_path()), "Paris is")  # fmt: skip
@@ -704,6 +704,15 @@ def test_a_cluster_runs_a_model_by_name_from_its_devices_slices_as_the_file_by_p
     assert all(int(n) < size / 2 for _, n in split), split
     assert not list((tmp_path / "b").glob("hub/models--*/blobs/*"))  # nothing pulled whole
     print(f"served {sum(at_hub.served.values())} bytes in all; workers: {split}")
+    # The hub out of reach (HF_ENDPOINT refused): the name is read from the mirrors the run
+    # left, each device's, and answers the same with nothing fetched.
+    at_hub.served.clear()
+    refused = f"http://127.0.0.1:{_closed_port()}"
+    gone = edgetp_process(tmp_path / "b", refused, *args, str(tmp_path / "b"),
+                          "--model", "test/SmolLM2-GGUF:Q4_1", "Paris is")  # fmt: skip
+    assert gone.returncode == 0, gone.stderr
+    assert gone.stdout == by_path.stdout and "is read from its mirror" in gone.stderr, gone.stderr
+    assert sum(at_hub.served.values()) == 0
 
 
 def test_a_worker_that_cannot_reach_the_hub_gets_its_share_from_the_master(
