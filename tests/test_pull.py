@@ -716,14 +716,14 @@ def test_a_cluster_runs_a_model_by_name_from_its_devices_slices_as_the_file_by_p
 
 
 def test_a_worker_that_cannot_reach_the_hub_gets_its_share_from_the_master(
-    at_hub, tmp_path, smollm2, smollm2_tokenizer, caplog
+    at_hub, tmp_path, smollm2, smollm2_tokenizer, shared_state, caplog
 ):
     """A worker in a network namespace of its own (an emulated device, its one way out a relay
     to the master) cannot reach the hub: it says so at SPLIT, the master splits that share by
     byte ranges itself and ships it, and two nodes by name answer as one node by path."""
     host.check_host([DeviceSpec(rtt=0.001)])
     prompt = smollm2_tokenizer.encode("The capital of France is")
-    with local_engine(smollm2, 1, state_dir=tmp_path / "alone", context=64) as engine:
+    with local_engine(smollm2, 1, state_dir=shared_state, context=64) as engine:
         *_, alone = time_greedy(engine, smollm2_tokenizer, prompt, 6)
     by_name = mirror(Name("test/SmolLM2-GGUF", "Q4_1"), tmp_path / "remote")
     assert by_name is not None
