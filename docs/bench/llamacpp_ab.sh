@@ -4,7 +4,7 @@
 # built from the llama-cpp-python source package (cmake -DGGML_NATIVE=ON); it is not a dependency.
 # Usage, from the repository: LLAMA_BENCH=/path/to/llama-bench bash docs/bench/llamacpp_ab.sh
 set -e
-M=$(.venv/bin/python -c 'from models.source import model_path; print(model_path())')
+M=$(.venv/bin/python -c 'from edgetp.models.bundled import model_path; print(model_path())')
 lscpu | grep 'Model name'
 for r in 1 2 3; do
   echo "## round $r"

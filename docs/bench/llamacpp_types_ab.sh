@@ -13,8 +13,8 @@ lscpu | grep 'Model name'
 text() {  # about $2 tokens of plain prose for model $1
   .venv/bin/python - "$1" "$2" <<'PY'
 import sys
-from models.bundled import model_path
-from models.source import open_model
+from edgetp.models.bundled import model_path
+from edgetp.models.source import open_model
 tok = open_model(model_path(sys.argv[1])).tokenizer()
 prose = ("The history of the bicycle begins in the early nineteenth century, when inventors in "
          "Europe built wooden machines that riders pushed along with their feet. ") * 200
@@ -22,7 +22,7 @@ print(tok.decode(tok.encode(prose)[: int(sys.argv[2])]))
 PY
 }
 for model in smollm2-135m-instruct gemma3-270m; do
-  M=$(.venv/bin/python -c "from models.bundled import model_path; print(model_path('$model'))")
+  M=$(.venv/bin/python -c "from edgetp.models.bundled import model_path; print(model_path('$model'))")
   P512=$(text $model 512)
   P2048=$(text $model 2040)
   for r in 1 2; do

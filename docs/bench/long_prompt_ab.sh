@@ -10,7 +10,7 @@
 #   [THREADS=2] bash docs/bench/long_prompt_ab.sh [N ...]   (default N: 4096 8160)
 set -e
 MODEL=${MODEL:-smollm2-135m-instruct}
-M=$(.venv/bin/python -c "from models.bundled import model_path; print(model_path('$MODEL'))")
+M=$(.venv/bin/python -c "from edgetp.models.bundled import model_path; print(model_path('$MODEL'))")
 T=${THREADS:-2}
 [ $# -gt 0 ] || set -- 4096 8160
 lscpu | grep 'Model name'
