@@ -126,9 +126,19 @@ def test_models_stay_resident_as_the_budget_holds_them_the_least_recently_used_l
         held_b = await for_b
         assert events[-2:] == ["close a", "load b"] and not for_a.done()
         models.release(held_b[0])
-        await for_a
+        held_a = await for_a
         assert events[-2:] == ["close b", "load a"]
         assert [s.model_id for s in models.resident] == ["a"]
+        # A request for c marks a, leased, to leave, and one for a waits behind it; c's goes
+        # away (its client left): a stays, and the request for it goes on, nothing reloaded.
+        for_c = asyncio.create_task(lease(models, "c"))
+        await asyncio.sleep(0.05)
+        for_a = asyncio.create_task(lease(models, "a"))
+        await asyncio.sleep(0.05)
+        assert not for_a.done()
+        for_c.cancel()
+        held_a += await asyncio.wait_for(for_a, 5)
+        assert events[-2:] == ["close b", "load a"]
 
     asyncio.run(scenario())
 

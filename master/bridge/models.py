@@ -162,9 +162,11 @@ class Models:
         beside the resident models; else mark the least recently used to leave, as many as it
         takes, and close one of them without a lease. False: nothing to do until a lease of
         those is given back."""
-        kept = list(self._resident)
         for loaded in self._resident.values():
             loaded.leaving = False
+        if to in self._resident:  # it was to leave for a request that went away
+            return True
+        kept = list(self._resident)
         while kept and not self._fits(to, kept):
             self._resident[kept.pop(0)].leaving = True
         leaving = [c for c, r in self._resident.items() if r.leaving]
