@@ -244,10 +244,9 @@ class Models:
 
 @dataclass
 class _Waiter:
-    """A request waiting for its model; `admitted` once a switch loaded that model for it."""
+    """A request waiting for its model (a waiter of its own: the line holds one per request)."""
 
     choice: ModelChoice
-    admitted: bool = False
 
 
 def _no() -> None:

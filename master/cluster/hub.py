@@ -169,14 +169,14 @@ class Hub:
         elif isinstance(message, M.Measured):
             member.capacity = msgspec.structs.replace(member.capacity, speed=message.speed)
             self._measured.add(identity)
-        elif isinstance(message, M.SplitDone) and message.unreachable:
-            self._split[identity] = message
-            log.warning("node %s cannot reach the hub (%s): the master splits its share and "
-                        "ships it", member.name, message.unreachable)  # fmt: skip
         elif isinstance(message, M.SplitDone):
             self._split[identity] = message
-            log.info("node %s split its share: %d bytes of the model's file in %d requests",
-                     member.name, message.fetched, message.requests)  # fmt: skip
+            if message.unreachable:
+                log.warning("node %s cannot reach the hub (%s): the master splits its share and "
+                            "ships it", member.name, message.unreachable)  # fmt: skip
+            else:
+                log.info("node %s split its share: %d bytes of the model's file in %d "
+                         "requests", member.name, message.fetched, message.requests)  # fmt: skip
         elif isinstance(message, M.Ready):
             self.apply(member, S.Ready())
             log.info("node %s ready", member.name)
