@@ -89,11 +89,23 @@ def attention_partial(
         cache_v[slot, :, start:end] = v[0]
         keys = cache_k[slot : slot + 1, :, :end].float()
         values = cache_v[slot : slot + 1, :, :end].float()
-        mask = None
-        causal = T > 1 and start == 0
-        if T > 1 and start > 0:  # a continued prompt: attend to the past and causally within
-            mask = torch.arange(end) <= (start + torch.arange(T)).unsqueeze(1)  # (T, L)
-        out = _attend(q, keys, values, mask, causal, s, config, w.get("sinks"))
+        sinks = w.get("sinks")
+        if T > 1 and (start > 0 or sinks is not None):  # a continued prompt, or explicit scores
+            out = _attend_tiles(q, keys, values, start, 0, None, s, config, sinks)
+        else:  # one token sees every key; a prompt from its start, SDPA's causal kernel
+            out = _attend(q, keys, values, None, T > 1, s, config, sinks)
+    elif T > PROMPT_TILE:  # a long prompt in a batch: each sequence in tiles, its own rows only
+        out = q.new_zeros(q.shape)
+        for b, (slot, st, n) in enumerate(
+            zip(batch.slots, batch.starts, batch.lengths, strict=True)
+        ):
+            cache_k[slot, :, st : st + n] = k[b, :, :n]
+            cache_v[slot, :, st : st + n] = v[b, :, :n]
+            keys = cache_k[slot : slot + 1, :, : st + n].float()
+            values = cache_v[slot : slot + 1, :, : st + n].float()
+            out[b : b + 1, :, :n] = _attend_tiles(
+                q[b : b + 1, :, :n], keys, values, st, 0, None, s, config, w.get("sinks")
+            )
     else:
         ends = [st + n for st, n in zip(batch.starts, batch.lengths, strict=True)]
         for b, (slot, st, n) in enumerate(
@@ -139,8 +151,8 @@ def _attend(
         if sinks is not None:
             kv_of_q = torch.arange(*s.q_heads) // group - s.kv_heads[0]
             scale = scale or q.shape[-1] ** -0.5
-            return _attend_with_sinks(q, keys[:, kv_of_q], values[:, kv_of_q], mask, causal, sinks,
-                                      scale)  # fmt: skip
+            assert not causal, "a prompt with sinks attends in tiles (_attend_tiles)"
+            return _attend_with_sinks(q, keys[:, kv_of_q], values[:, kv_of_q], mask, sinks, scale)
         if nq == nkv * group and s.q_heads[0] % group == 0:
             return F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=nq != nkv, scale=scale
@@ -152,12 +164,56 @@ def _attend(
         )
 
 
+# Queries a tile in a prompt's attention with a mask (`_attend_tiles`). Measured on one thread
+# (AMD EPYC): 2,048 tokens over 2,048 kept (SmolLM2's heads) take 282 ms in tiles of 256 against
+# 369 with one (T, L) mask, and 128 or 512 a tile take 346 and 321; a 2,048-token prompt in
+# Gemma 3's 512-position window, 99 ms against 229.
+PROMPT_TILE = 256
+
+
+def _attend_tiles(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q_start: int,
+    k_start: int,
+    window: int | None,
+    s: Slice,
+    config: ModelConfig,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One sequence's attention: queries q (1, nq, n, hd) at positions q_start.. over keys and
+    values (1, nkv, L, hd) at positions k_start..; each query sees the keys at or before its
+    position, and with a `window` only the last `window` of them.
+
+    Flash attention's shape, on SDPA: PROMPT_TILE queries at a time, each tile over only the
+    keys it can see, with a mask of tile x those keys. No (n, L) mask or score matrix exists, so
+    memory grows with n times the tile, and a window's layer costs n (window + tile) rather than
+    n L. The keys a query sees are all of them or none in every kernel, so a tile's outputs are
+    the untiled ones to float rounding.
+    """
+    n = q.shape[2]
+    out = q.new_empty(q.shape)
+    for a in range(0, n, PROMPT_TILE):
+        b = min(n, a + PROMPT_TILE)
+        first = q_start + a - window + 1 if window is not None else 0  # first position seen
+        lo, hi = max(0, first - k_start), q_start + b - k_start  # its keys' rows [lo, hi)
+        qpos = torch.arange(q_start + a, q_start + b).unsqueeze(1)
+        kpos = torch.arange(k_start + lo, k_start + hi)
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        out[:, :, a:b] = _attend(
+            q[:, :, a:b], keys[:, :, lo:hi], values[:, :, lo:hi], mask, False, s, config, sinks
+        )
+    return out
+
+
 def _attend_with_sinks(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor | None,
-    causal: bool,
     sinks: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
@@ -165,9 +221,7 @@ def _attend_with_sinks(
     hd): each head's softmax has its sink's logit as one more entry, whose value is dropped, so
     its weights sum to less than 1. SDPA has no such entry: the scores are explicit here."""
     B, nq, T, _ = q.shape
-    scores = q @ keys.transpose(-1, -2) * scale  # (B, nq, T, L)
-    if causal:  # T == L: a prompt from its start
-        mask = torch.ones(T, keys.shape[2], dtype=torch.bool).tril()
+    scores = q @ keys.transpose(-1, -2) * scale  # (B, nq, T, L): a tile's, in a prompt
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     sink = sinks.view(1, nq, 1, 1).expand(B, nq, T, 1)
@@ -195,14 +249,12 @@ def _attend_window(
     W = cache_k.shape[2]
     out = torch.zeros_like(q)
     for b, (slot, st, n) in enumerate(zip(batch.slots, batch.starts, batch.lengths, strict=True)):
-        past = torch.arange(max(0, st - window + 1), st)
-        kpos = torch.cat((past, torch.arange(st, st + n)))
+        first = max(0, st - window + 1)
+        past = torch.arange(first, st)
         keys = torch.cat((cache_k[slot, :, past % W].float(), k[b, :, :n]), dim=1).unsqueeze(0)
         values = torch.cat((cache_v[slot, :, past % W].float(), v[b, :, :n]), dim=1).unsqueeze(0)
-        qpos = torch.arange(st, st + n).unsqueeze(1)
-        mask = (kpos <= qpos) & (kpos > qpos - window)  # (n, L)
-        out[b : b + 1, :, :n] = _attend(
-            q[b : b + 1, :, :n], keys, values, mask, False, s, config, sinks
+        out[b : b + 1, :, :n] = _attend_tiles(
+            q[b : b + 1, :, :n], keys, values, st, first, window, s, config, sinks
         )
         kept = torch.arange(max(st, st + n - W), st + n)
         cache_k[slot, :, kept % W] = k[b][:, kept - st]

@@ -18,6 +18,7 @@ from gguf_copy import write_shape
 from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.local import local_engine
 from edgetp.memory.budget import MemoryOptions
+from edgetp.models import block_math
 from edgetp.models.config_files import config_from_hf
 from edgetp.models.layers import StepBatch
 from edgetp.models.source import _GGUF_LAYER, _HF_LAYER, open_model
@@ -331,6 +332,48 @@ def test_logits_equal_transformers_at_every_position_on_every_node_count(family,
 
 
 @torch.inference_mode()
+@torch.inference_mode()
+def _in_tiles(engine: Engine, prompt: list[int], continuation: list[int]) -> list[torch.Tensor]:
+    """Our logits for `prompt` + `continuation`'s first token, three ways that attend in tiles
+    (`block_math._attend_tiles`): the prompt in two steps, the second continuing the first
+    (start > 0); the same whole in one step beside that first token, a sequence of its own
+    (a batch of a long prompt); and in slot 2, the whole prompt from its start."""
+    cut = len(prompt) // 3
+    two_steps = torch.cat(
+        [
+            engine.forward([prompt[:cut]], StepBatch((0,), (0,), (cut,)), all_logits=True)[0],
+            engine.forward(
+                [prompt[cut:]], StepBatch((0,), (cut,), (len(prompt) - cut,)), all_logits=True
+            )[0],
+        ]
+    )
+    step = StepBatch((1, 0), (0, len(prompt)), (len(prompt), 1))
+    batched = engine.forward([prompt, continuation[:1]], step, all_logits=True)
+    whole = engine.forward([prompt], StepBatch((2,), (0,), (len(prompt),)), all_logits=True)[0]
+    return [two_steps, torch.cat([batched[0], batched[1, :1]]), whole]
+
+
+def check_tiles(source, model, prompt: list[int], what: str, monkeypatch) -> None:
+    """At 1 and 2 nodes, with tiles of 7 queries (a prompt of 40 spans 6), each of
+    `_in_tiles`' ways equals transformers at every position."""
+    monkeypatch.setattr(block_math, "PROMPT_TILE", 7)
+    expected, continuation = _reference(model, prompt)
+    for n in (1, 2):
+        engine = Engine.local(source, (1.0,) * n, slots=3)
+        ways = _in_tiles(engine, prompt, continuation)
+        for way, ours in zip(("two steps", "batched", "whole"), ways, strict=True):
+            want = expected[: ours.shape[0]]
+            _assert_close_logits(ours, want, f"{what} {n} node(s), tiles of 7, {way}")
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3"])
+def test_attention_in_tiles_equals_transformers(name, tmp_path_factory, monkeypatch):
+    """Gemma 3's layout (local layers with a window of 16, a global layer) and Qwen3's (every
+    layer global): a prompt's attention in tiles, continued, batched and whole."""
+    name, model, folder, prompt = _build(name, tmp_path_factory)
+    check_tiles(open_model(folder / "model.gguf"), model, prompt, name, monkeypatch)
+
+
 def _generated(model, prompt: list[int], steps: int = 32) -> list[int]:
     """transformers' `generate`: the greedy tokens after `prompt` (every position attended: a
     random prompt may hold the pad id)."""

@@ -29,6 +29,7 @@ from test_families import (
     _randomize,
     _reference,
     _windowed,
+    check_tiles,
 )
 
 from edgetp.master.cluster.engine import Engine
@@ -355,6 +356,14 @@ def test_greedy_32_tokens_equal_transformers_generate_on_every_node_count(moe):
     source = open_model(folder)
     for n in NODES:
         assert _greedy(Engine.local(source, (1.0,) * n), prompt, 32) == expected, f"{n} node(s)"
+
+
+@pytest.mark.slow
+def test_gpt_oss_sinks_and_window_in_tiles_equal_transformers(tmp_path_factory, monkeypatch):
+    """gpt-oss' sinks (explicit scores, a tile's at a time) and its window of 24: a prompt's
+    attention in tiles, continued, batched and whole."""
+    model, folder, prompt = _built("gpt_oss", tmp_path_factory)
+    check_tiles(open_model(folder / "model.gguf"), model, prompt, "gpt_oss", monkeypatch)
 
 
 @pytest.mark.slow

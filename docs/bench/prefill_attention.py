@@ -6,9 +6,11 @@ attention's forms cost at one layer's shapes.
    explicit scores with sinks) against the whole step. The rest is the products, norms, RoPE
    and the head.
 2. One layer's attention at the model's head shapes, for each N: SDPA with `is_causal` (a prompt
-   from its start), with an explicit (T, L) mask (a continued prompt, a batch, a sliding window)
-   and the explicit scores `_attend_with_sinks` computes: seconds, the aten kernel SDPA chose and
-   the memory its ops allocated (the largest one, and all together).
+   from its start), with one explicit (T, L) mask (what a continued prompt, a batch and a
+   sliding window took before tiles), in tiles (`block_math._attend_tiles`, what they take now),
+   a 512-position window in one mask and in tiles, and the explicit scores with sinks (gpt-oss),
+   whole and in tiles: seconds, the aten kernel SDPA chose and the memory its ops allocated (the
+   largest one, and all together).
 
 Usage, from the repository: `.venv/bin/python docs/bench/prefill_attention.py [N ...]`
 (default 4096 8192; `--model M`, `--threads T`).
@@ -28,7 +30,9 @@ from edgetp.master.bench.long_prompt import prose_tokens
 from edgetp.master.cluster.engine import Engine
 from edgetp.master.generation.prompts import open_with_tokenizer
 from edgetp.models import block_math
+from edgetp.models.config import ModelConfig
 from edgetp.models.kernels import set_threads, torch_threads
+from edgetp.models.layers import Slice
 
 
 def prefill_split(model: str | None, n: int) -> tuple[float, float]:
@@ -54,9 +58,11 @@ def prefill_split(model: str | None, n: int) -> tuple[float, float]:
     return ttft, spent[0]
 
 
-def attention_forms(n_heads: int, n_kv: int, hd: int, n: int) -> None:
+def attention_forms(config: ModelConfig, n: int) -> None:
     """One layer's attention of n query positions over n keys, each form: seconds, kernel, MB
     allocated."""
+    n_heads, n_kv, hd = config.n_heads, config.n_kv_heads, config.head_dim
+    every = Slice((0, n_heads), (0, n_kv), (0, 0))
     q = torch.randn(1, n_heads, n, hd)
     k, v = torch.randn(1, n_kv, n, hd), torch.randn(1, n_kv, n, hd)
     mask = torch.arange(n) <= torch.arange(n).unsqueeze(1)  # (T, L), as a continued prompt's
@@ -69,15 +75,25 @@ def attention_forms(n_heads: int, n_kv: int, hd: int, n: int) -> None:
         "sdpa mask (T, L)": lambda: F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=True
         ),
-        "explicit scores (sinks)": lambda: block_math._attend_with_sinks(
-            q, k[:, kv_of_q], v[:, kv_of_q], None, True, sinks, hd**-0.5
+        "sdpa tiles": lambda: block_math._attend_tiles(q, k, v, 0, 0, None, every, config),
+        "window 512, one mask": lambda: F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask & (torch.arange(n) > torch.arange(n).unsqueeze(1) - 512),
+            enable_gqa=True,
         ),
+        "window 512, tiles": lambda: block_math._attend_tiles(q, k, v, 0, 0, 512, every, config),
+        "explicit scores (sinks)": lambda: block_math._attend_with_sinks(
+            q, k[:, kv_of_q], v[:, kv_of_q], mask, sinks, hd**-0.5
+        ),
+        "sinks, tiles": lambda: block_math._attend_tiles(q, k, v, 0, 0, None, every, config, sinks),
     }
     scores = n_heads * n * n * 4  # the explicit form's (1, nq, T, L) float32, made ~5 times over
     if 5 * scores > _available_bytes() // 4:  # leave the host's other runs their memory
-        del forms["explicit scores (sinks)"]
+        del forms["explicit scores (sinks)"]  # (its tiles' scores are tile x n)
         print(f"  explicit scores (sinks): not run, its scores alone {scores / 1e6:.0f} MB")
-    reference = forms["sdpa is_causal"]()
+    reference: dict[str, torch.Tensor] = {}
     for name, run in forms.items():
         run()  # warm-up
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -88,11 +104,13 @@ def attention_forms(n_heads: int, n_kv: int, hd: int, n: int) -> None:
             {e.name for e in prof.events() if "attention" in e.name and e.name.startswith("aten")}
         )
         largest, total = _allocated(prof)
-        same = torch.allclose(out, reference, atol=1e-4) if "sinks" not in name else "-"
+        # each form against the first of its kind: causal, a window, or with sinks
+        kind = "window" if "window" in name else "sinks" if "sinks" in name else "causal"
+        same = torch.allclose(out, reference.setdefault(kind, out), atol=1e-4)
         print(
             f"  {name:<24} {seconds * 1000:9.1f} ms  largest allocation {largest / 1e6:7.1f} MB,"
             f" all {total / 1e6:7.1f} MB  "
-            f"same as is_causal: {same}  {', '.join(kernels)}"
+            f"same as the first of its kind: {same}  {', '.join(kernels)}"
         )
 
 
@@ -129,7 +147,7 @@ def main() -> None:
     for n in args.tokens:
         print(f"one layer's attention over {n} positions ({c.n_heads} heads of {c.head_dim}):")
         with torch_threads(args.threads):  # as a prompt's attention runs (`_attend`)
-            attention_forms(c.n_heads, c.n_kv_heads, c.head_dim, n)
+            attention_forms(c, n)
 
 
 if __name__ == "__main__":
