@@ -5,7 +5,7 @@ product costs 30 times a float32 token. So the C sources ship with the package a
 C compiler builds them at first use (models/cbuild.py). Three builds, six candidates:
 
 - "c-f32" (models/csrc/blocks.c): x86 with AVX2, FMA and F16C, tuned by hand (the blocks of 32
-  but MXFP4);
+  but MXFP4, and Q4_K and Q6_K, the K-quants of a Q4_K_M file);
 - "c-portable" (models/csrc/blocks_portable.c): plain C the compiler vectorises for this CPU
   (-march=native), for ARM boards and x86 without AVX2 (a candidate only there: 14x slower than
   "c-f32" where both run, 4x faster than expanding to float32);
@@ -34,7 +34,7 @@ import torch
 
 from edgetp.models.cbuild import built
 from edgetp.models.dtypes import BLOCK_DTYPES
-from edgetp.models.kernels import HAND_TUNED, PORTABLE, blas_threads, has_avx2
+from edgetp.models.kernels import HAND_TUNED, INT8_TUNED, PORTABLE, blas_threads, has_avx2
 from edgetp.models.quant import block_format
 
 CSRC = Path(__file__).with_name("csrc")
@@ -58,7 +58,7 @@ BUILDS = {
         True,
         HAND_TUNED,
         False,
-        HAND_TUNED,
+        INT8_TUNED,
     ),
     "portable": Build(
         CSRC / "blocks_portable.c", ("-march=native", *COMMON), False, PORTABLE, False, PORTABLE

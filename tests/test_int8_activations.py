@@ -17,13 +17,13 @@ from edgetp.master.generation.params import SamplingParams
 from edgetp.memory.budget import MemoryOptions
 from edgetp.models import kernels, native
 from edgetp.models.activations import quantize_rows, rounded_rows
-from edgetp.models.kernels import HAND_TUNED, PORTABLE
+from edgetp.models.kernels import INT8_TUNED, PORTABLE
 from edgetp.models.quant import FORMATS, random_blocks
 from edgetp.node.kernel_probe import Probe
 
 # (out, in, rows): one row (a decode step), a few, a prompt's many (4-row tiles and the rest)
 SHAPES = ((7, 64, 1), (33, 640, 3), (8, 576, 4), (5, 160, 9), (9, 96, 2))
-KERNELS = [("avx2", f) for f in HAND_TUNED] + [("portable", f) for f in PORTABLE]
+KERNELS = [("avx2", f) for f in INT8_TUNED] + [("portable", f) for f in PORTABLE]
 
 
 def test_the_c_rounding_gives_the_reference_s_bytes():

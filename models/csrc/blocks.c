@@ -1,7 +1,10 @@
 // Products with matrices in GGUF's block formats (models/quant.py): y (R, N) = x (R, K) @ W^T,
 // W (N, K) as raw blocks, row o being K/32 consecutive blocks (Q4_0 18 bytes, Q4_1 20, Q8_0 34,
 // Q5_0 22, Q5_1 24: Q4's with a fifth bit per weight in 4 bytes after the scales; IQ4_NL 18,
-// Q4_0's layout with its nibbles indices into a table of 16 values).
+// Q4_0's layout with its nibbles indices into a table of 16 values), and two K-quants in blocks
+// of 256 (Q4_K 144 bytes: d, dmin, 12 bytes of 6-bit scales and minimums, a nibble a weight;
+// Q6_K 210: 4 low bits, 2 high bits, a signed scale per 16 weights, d). The float products
+// take a K-quant's 256 as 8 blocks of 32, each with its scale (and Q4_K's minimum) decoded.
 // Built for x86 with AVX2, FMA and F16C by models/native.py; a CPU without them rejects the
 // kernels in the on-device check (node/device.py), never at a user's request.
 //
@@ -28,8 +31,11 @@ AI float hsum(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, IQ4_NL = 5 };
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, IQ4_NL = 5, Q4_K = 6, Q6_K = 7 };
+AI int k_quant(int kind) { return kind == Q4_K || kind == Q6_K; }
+AI int per_block(int kind) { return k_quant(kind) ? 256 : 32; }  // weights a block
 AI int bsize(int kind) {
+    if (k_quant(kind)) return kind == Q4_K ? 144 : 210;
     return kind == Q4_0 || kind == IQ4_NL ? 18 : kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == Q5_0 ? 22 : 24;
 }
 AI int has_min(int kind) { return kind == Q4_1 || kind == Q5_1; }  // an f16 minimum after d
@@ -107,11 +113,111 @@ AI void block_f32(int kind, const uint8_t *blk, __m256 vd, __m256 vm, __m256 w[4
     for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), vd, vm);
 }
 
+// ---- K-quants: a block of 256 as 8 of 32 ----------------------------------------------------
+
+// 8 bytes as 8 floats, times v
+AI __m256 bytes8_times(uint64_t b, int is_signed, float v) {
+    const __m128i q = _mm_cvtsi64_si128((long long)b);
+    const __m256i n = is_signed ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(n), _mm256_set1_ps(v));
+}
+
+// Q4_K's 8 scales and minimums (6 bits each in 12 bytes, as ggml-quants.c's get_scale_min_k4
+// reads them: sub-blocks 0-3 from the low 6 bits of bytes 0-3 and 4-7, 4-7 from bytes 8-11's
+// nibbles with bytes 0-7's top 2 bits above them), 4 at a time, times d and -dmin: s[j], m[j]
+AI void q4_k_scales(const uint8_t *blk, float s[8], float m[8]) {
+    uint32_t a[3];
+    memcpy(a, blk + 4, 12);
+    const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+    const uint64_t sc = (a[0] & six) | (uint64_t)((a[2] & four) | ((a[0] >> 6) & two) << 4) << 32;
+    const uint64_t mn = (a[1] & six) | (uint64_t)(((a[2] >> 4) & four) | ((a[1] >> 6) & two) << 4) << 32;
+    _mm256_storeu_ps(s, bytes8_times(sc, 0, _cvtsh_ss(*(const uint16_t *)blk)));
+    _mm256_storeu_ps(m, bytes8_times(mn, 0, -_cvtsh_ss(*(const uint16_t *)(blk + 2))));
+}
+
+// Q6_K's 16 signed scales times d
+AI void q6_k_scales(const uint8_t *blk, float s[16]) {
+    uint64_t sc[2];
+    memcpy(sc, blk + 192, 16);
+    const float d = _cvtsh_ss(*(const uint16_t *)(blk + 208));
+    _mm256_storeu_ps(s, bytes8_times(sc[0], 1, d));
+    _mm256_storeu_ps(s + 8, bytes8_times(sc[1], 1, d));
+}
+
+// 32 bytes -> 4 x 8 floats (elements 0-7, 8-15, 16-23, 24-31)
+AI void bytes_f32(__m256i q, int is_signed, __m256 out[4]) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++)
+        out[i] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(part[i]) : _mm256_cvtepu8_epi32(part[i]));
+}
+
+// weights [32j, 32j + 32) of a K-quant block as floats, w = s q + m (Q4_K) or s q (Q6_K, a scale
+// per 16: s[2j] for the first half, s[2j + 1] for the second)
+AI void k_block_f32(int kind, const uint8_t *blk, int j, const float *s, const float *m, __m256 w[4]) {
+    __m256 q[4];
+    if (kind == Q4_K) {  // bytes [32 (j/2), +32): low nibbles for an even j, high for an odd one
+        __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j / 2)));
+        if (j & 1) b = _mm256_srli_epi16(b, 4);
+        bytes_f32(_mm256_and_si256(b, _mm256_set1_epi8(15)), 0, q);
+        const __m256 vs = _mm256_set1_ps(s[j]), vm = _mm256_set1_ps(m[j]);
+        for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(q[i], vs, vm);
+        return;
+    }
+    // Q6_K: half h = j / 4 of 128 weights, quarter k = j % 4 of it: 4 low bits from ql[64 h +
+    // 32 (k & 1)], the low nibble for k < 2, else the high one; 2 high bits from qh[32 h] at bit 2k
+    const int h = j / 4, k = j % 4;
+    __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (k & 1)));
+    if (k >= 2) lo = _mm256_srli_epi16(lo, 4);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+    const __m256i v = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(15)), _mm256_slli_epi16(high, 4));
+    bytes_f32(_mm256_sub_epi8(v, _mm256_set1_epi8(32)), 1, q);
+    const __m256 s0 = _mm256_set1_ps(s[2 * j]), s1 = _mm256_set1_ps(s[2 * j + 1]);
+    w[0] = _mm256_mul_ps(q[0], s0);
+    w[1] = _mm256_mul_ps(q[1], s0);
+    w[2] = _mm256_mul_ps(q[2], s1);
+    w[3] = _mm256_mul_ps(q[3], s1);
+}
+
+// A K-quant's tile, as tile_f32's: every accumulator sums its blocks of 32 in order, four
+// fmadds a block, so the result does not depend on the tiling either.
+AI void tile_k_f32(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int nb, const float *x, int K, float *y,
+                   int ldy) {
+    __m256 acc[4][8];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < RT; r++) acc[g][r] = _mm256_setzero_ps();
+    const int bs = bsize(kind);
+    for (int b = 0; b < nb; b++) {
+        prefetch_next(G, w, rowbytes, b, bs);
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = w + g * rowbytes + (size_t)b * bs;
+            float s[16], m[8];
+            if (kind == Q4_K) q4_k_scales(blk, s, m);
+            else q6_k_scales(blk, s);
+            for (int j = 0; j < 8; j++) {
+                __m256 wv[4];
+                k_block_f32(kind, blk, j, s, m, wv);
+                for (int r = 0; r < RT; r++) {
+                    const float *xr = x + (size_t)r * K + b * 256 + 32 * j;
+                    for (int i = 0; i < 4; i++) acc[g][r] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xr + 8 * i), acc[g][r]);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < RT; r++) y[(size_t)r * ldy + g] = hsum(acc[g][r]);
+}
+
 // G weight rows x RT rows of x: G*RT accumulators, each weight block expanded once for RT rows
 // and each x block loaded once for G rows. Every accumulator sums its products in the order of
 // one row's (four fmadds a block): the same floats for any tile.
 AI void tile_f32(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int nb, const float *x, int K, float *y,
                  int ldy) {
+    if (k_quant(kind)) {
+        tile_k_f32(kind, G, RT, w, rowbytes, nb, x, K, y, ldy);
+        return;
+    }
     __m256 acc[4][8];
     for (int g = 0; g < G; g++)
         for (int r = 0; r < RT; r++) acc[g][r] = _mm256_setzero_ps();
@@ -171,7 +277,7 @@ typedef struct {
 
 // weight rows [o, o + G) against all of x
 AI void rows(int kind, int G, const Job *j, int o) {
-    const int nb = j->K / 32;
+    const int nb = j->K / per_block(kind);
     const size_t rowbytes = (size_t)nb * bsize(kind);
     const uint8_t *w = j->W + o * rowbytes;
     rows_f32(kind, G, w, rowbytes, nb, j->x, j->R, j->K, j->y + o, j->N);
@@ -202,6 +308,12 @@ static void run(int kind, const Job *j, int nth) {
     } else if (kind == IQ4_NL) {
 #pragma omp parallel for schedule(static) num_threads(nth)
         for (int i = 0; i < ng; i++) group(IQ4_NL, j, i);
+    } else if (kind == Q4_K) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group(Q4_K, j, i);
+    } else if (kind == Q6_K) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group(Q6_K, j, i);
     } else {
 #pragma omp parallel for schedule(static) num_threads(nth)
         for (int i = 0; i < ng; i++) group(Q8_0, j, i);
@@ -219,6 +331,8 @@ void q8_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, i
 void q5_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q5_0, x, R, K, W, N, y, nth); }
 void q5_1_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q5_1, x, R, K, W, N, y, nth); }
 void iq4_nl_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(IQ4_NL, x, R, K, W, N, y, nth); }
+void q4_k_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q4_K, x, R, K, W, N, y, nth); }
+void q6_k_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_f32(Q6_K, x, R, K, W, N, y, nth); }
 
 // ---- int8 activations --------------------------------------------------------------------------
 //
