@@ -258,7 +258,7 @@ class NativeBlocks(BlockBackend):
             gate_up, down = _matrix(self.lib, w["w_gate_up"]), _matrix(self.lib, w["w_down"])
             W = keys[i].shape[2]
             rows_room = (nq + 2 * nkv) * hd + nq * hd + config.hidden  # rows.c: ROWS times
-            room = np.zeros(MAX_ROWS * rows_room + W, np.float32)
+            room = np.zeros(MAX_ROWS * rows_room, np.float32)
             self.scratch.append(room)
             local = config.is_local(i)
             self.attention_args.append(

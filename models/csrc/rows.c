@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <omp.h>
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -72,7 +73,7 @@ typedef struct {
     int64_t W;                    // positions the cache holds
     int ring;                     // a local layer: position p at p % W, the last W positions
     int local_rope;               // a local layer with its own RoPE tables
-    float *scratch;               // MAX_ROWS ((nq + 2 nkv) hd + nq hd + D) + W floats
+    float *scratch;               // MAX_ROWS ((nq + 2 nkv) hd + nq hd + D) floats
 } rows_attention_args;
 
 typedef struct {
@@ -219,38 +220,67 @@ static void kv_store(void *cache, uint16_t *scales, int kind, size_t row, int64_
     }
 }
 
-// q . k over n floats in 8 lanes, then the lanes in order: the compiler vectorises the lanes (a
-// single running sum, in order, it may not reorder), and the result is the same on any thread
-static float dot(const float *q, const float *k, int64_t n) {
-    float lanes[8] = {0};
+// Query heads read their KV head's rows together, GROUP at a time: each key and value row is
+// expanded and loaded once for them all, and their sums run side by side.
+#define GROUP 8
+
+// g query heads q_i (hd each, `stride` apart) against one key row k: s[i] = q_i . k, each in 8
+// lanes, then the lanes in order. The same sum for a head whatever g is and on any thread.
+static void dots(const float *q, int64_t stride, int64_t g, const float *k, int64_t hd, float *s) {
+    float lanes[GROUP][8] = {{0}};
     int64_t d = 0;
-    for (; d + 8 <= n; d += 8)
-        for (int j = 0; j < 8; j++) lanes[j] += q[d + j] * k[d + j];
-    float s = 0.0f;
-    for (int j = 0; j < 8; j++) s += lanes[j];
-    for (; d < n; d++) s += q[d] * k[d];
-    return s;
+    for (; d + 8 <= hd; d += 8)
+        for (int64_t i = 0; i < g; i++)
+            for (int j = 0; j < 8; j++) lanes[i][j] += q[i * stride + d + j] * k[d + j];
+    for (int64_t i = 0; i < g; i++) {
+        float t = 0.0f;
+        for (int j = 0; j < 8; j++) t += lanes[i][j];
+        for (int64_t e = d; e < hd; e++) t += q[i * stride + e] * k[e];
+        s[i] = t;
+    }
 }
 
-// One query head q (hd) against `seen` cached keys and values from row `base` of the layer's
-// cache: o (hd) = the softmax of its scaled scores over the values; p: room for the scores.
-static void head(const float *q, const rows_attention_args *a, size_t base, int64_t seen,
-                 float *p, float *o) {
+// Query heads [i0, i1) of qkv, all reading the KV head whose cache rows start at `base`,
+// against `seen` of them: each head's output (hd, into att) is the softmax of its scaled scores
+// over the values. p: room for GROUP x seen scores.
+static void heads(const float *qkv, const rows_attention_args *a, size_t base, int64_t seen,
+                  int64_t i0, int64_t i1, float *p, float *att) {
     const int64_t hd = a->hd;
     float buf[hd];  // a row expanded to floats (f16, q8_0)
-    float top = -INFINITY;
-    for (int64_t t = 0; t < seen; t++) {
-        const float *k = kv_row(a->cache_k, a->scale_k, a->kv_kind, base + t, hd, buf);
-        p[t] = dot(q, k, hd) * a->scale;
-        if (p[t] > top) top = p[t];
+    for (; i0 < i1; i0 += GROUP) {
+        const int64_t g = i1 - i0 < GROUP ? i1 - i0 : GROUP;
+        const float *q = qkv + i0 * hd;
+        float s[GROUP], top[GROUP], sum[GROUP];
+        for (int64_t i = 0; i < g; i++) top[i] = -INFINITY, sum[i] = 0.0f;
+        for (int64_t t = 0; t < seen; t++) {
+            dots(q, hd, g, kv_row(a->cache_k, a->scale_k, a->kv_kind, base + t, hd, buf), hd, s);
+            for (int64_t i = 0; i < g; i++) {
+                p[i * seen + t] = s[i] * a->scale;
+                if (p[i * seen + t] > top[i]) top[i] = p[i * seen + t];
+            }
+        }
+        for (int64_t i = 0; i < g; i++)
+            for (int64_t t = 0; t < seen; t++) sum[i] += p[i * seen + t] = expf(p[i * seen + t] - top[i]);
+        float *o = att + i0 * hd;
+        memset(o, 0, sizeof(float) * g * hd);
+        for (int64_t t = 0; t < seen; t++) {
+            const float *v = kv_row(a->cache_v, a->scale_v, a->kv_kind, base + t, hd, buf);
+            for (int64_t i = 0; i < g; i++) {
+                const float w = p[i * seen + t] / sum[i];
+                for (int64_t d = 0; d < hd; d++) o[i * hd + d] += w * v[d];
+            }
+        }
     }
-    float sum = 0.0f;
-    for (int64_t t = 0; t < seen; t++) sum += p[t] = expf(p[t] - top);
-    memset(o, 0, sizeof(float) * hd);
-    for (int64_t t = 0; t < seen; t++) {
-        const float w = p[t] / sum;
-        const float *v = kv_row(a->cache_v, a->scale_v, a->kv_kind, base + t, hd, buf);
-        for (int64_t d = 0; d < hd; d++) o[d] += w * v[d];
+}
+
+// Query heads [i0, i1) in runs that share a KV head (kv_of_q is non-decreasing).
+static void head_range(const float *qkv, const rows_attention_args *a, size_t slot_base,
+                       int64_t seen, int64_t i0, int64_t i1, float *p, float *att) {
+    while (i0 < i1) {
+        int64_t end = i0 + 1;
+        while (end < i1 && a->kv_of_q[end] == a->kv_of_q[i0]) end++;
+        heads(qkv, a, slot_base + (size_t)a->kv_of_q[i0] * a->W, seen, i0, end, p, att);
+        i0 = end;
     }
 }
 
@@ -262,7 +292,7 @@ static void head(const float *q, const rows_attention_args *a, size_t base, int6
 void rows_attention(const rows_attention_args *a, const rows_step *st, const float *h, float *out) {
     const int64_t D = a->D, hd = a->hd, nq = a->nq, nkv = a->nkv, width = (nq + 2 * nkv) * hd;
     const int64_t B = st->B;
-    float *qkvs = a->scratch, *atts = qkvs + B * width, *x = atts + B * nq * hd, *p = x + B * D;
+    float *qkvs = a->scratch, *atts = qkvs + B * width, *x = atts + B * nq * hd;
     if (nq == 0) {
         memset(out, 0, sizeof(float) * B * D);
         return;
@@ -289,21 +319,20 @@ void rows_attention(const rows_attention_args *a, const rows_step *st, const flo
             kv_store(a->cache_v, a->scale_v, a->kv_kind, row, hd, qkv + (nq + nkv + j) * hd);
         }
         const size_t slot_base = (size_t)slot * nkv * a->W;  // in rows of hd
-        if (nq > 1 && block_threads > 1 && seen * nq * hd >= HEADS_PARALLEL) {
-#pragma omp parallel num_threads(block_threads)
+        const int threads = nq > 1 && block_threads > 1 && seen * nq * hd >= HEADS_PARALLEL
+                                ? (int)(nq < block_threads ? nq : block_threads) : 1;
+        float *scores = malloc(sizeof(float) * GROUP * seen * threads);
+        if (threads > 1) {  // contiguous runs of heads a thread
+#pragma omp parallel num_threads(threads)
             {
-                float *own = malloc(sizeof(float) * seen);  // this thread's scores
-#pragma omp for schedule(static)
-                for (int64_t i = 0; i < nq; i++)
-                    head(qkv + i * hd, a, slot_base + (size_t)a->kv_of_q[i] * a->W, seen, own,
-                         att + i * hd);
-                free(own);
+                const int64_t th = omp_get_thread_num(), n = omp_get_num_threads();
+                head_range(qkv, a, slot_base, seen, nq * th / n, nq * (th + 1) / n,
+                           scores + (size_t)th * GROUP * seen, att);
             }
         } else {
-            for (int64_t i = 0; i < nq; i++)
-                head(qkv + i * hd, a, slot_base + (size_t)a->kv_of_q[i] * a->W, seen, p,
-                     att + i * hd);
+            head_range(qkv, a, slot_base, seen, 0, nq, scores, att);
         }
+        free(scores);
     }
     products(a->wo_kind, a->wo, D, nq * hd, atts, B, out);
 }
