@@ -43,7 +43,7 @@ from edgetp.models.kernels import (
 from edgetp.models.kvformat import DEFAULT_KV_FORMAT
 from edgetp.models.layers import POST_NORMS, ROUTER, Slice, StepBatch, slice_layer
 from edgetp.models.moe import Routing, route
-from edgetp.models.rows_native import NativeBlocks
+from edgetp.models.rows_native import NativeBlocks, post_norm_rows
 from edgetp.models.source import ModelSource
 from edgetp.node import hop
 from edgetp.node.device import matrix_shapes, prepare
@@ -147,6 +147,9 @@ class Engine:
         self.post_norms = post_norms
         if config.post_norms and post_norms is None:
             raise ValueError(f"{config.architecture} needs the post-block norms")
+        self._post_norm_rows = (
+            None if post_norms is None else np.ascontiguousarray(post_norms.numpy(), np.float32)
+        )
         self.remote = remote
         self.embedding = embedding
         self.embedding_scale = embedding_scale
@@ -327,7 +330,7 @@ class Engine:
             if self.remote is not None:
                 h, compute = self.remote.decode_layers(blocks, h)
             else:
-                h = blocks.run_layers(h)
+                h = blocks.run_layers(h, self._post_norm_rows, self.config.norm_eps)
                 compute = time.perf_counter() - started
             self.executors[0].weights.figures.compute_s += compute
             self._blocks_s += time.perf_counter() - started
@@ -343,9 +346,9 @@ class Engine:
 
     def _native_layers(self) -> NativeBlocks | None:
         """This step's layers run as one native loop (with the workers, node/hop.py, if any)
-        when it is a decode step this process's one slice runs natively, with no post-block
-        norms, on a device that builds the loop."""
-        if len(self.executors) != 1 or self.post_norms is not None:
+        when it is a decode step this process's one slice runs natively, on a device that
+        builds the loop; post-block norms only without workers (the hop's loop has none)."""
+        if len(self.executors) != 1 or (self.post_norms is not None and self.remote is not None):
             return None
         if self.remote is not None and not hop.available():
             return None
@@ -367,11 +370,11 @@ class Engine:
 
     def _post_norm(self, row: int, out: Hidden) -> Hidden:
         """A block's summed output, normed by POST_NORMS row `row` where the model has them."""
-        if self.post_norms is None:
+        if self.post_norms is None or self._post_norm_rows is None:
             return out
         w, eps = self.post_norms[row], self.config.norm_eps
-        if out.ndim == 2:  # a decode step's rows
-            return rms_norm_rows(out, w, eps)
+        if out.ndim == 2:  # a decode step's rows: as the one-call loop norms them
+            return post_norm_rows(out, self._post_norm_rows[row], eps)
         return rms_norm(torch.from_numpy(out), w, eps).numpy()
 
     def _head(self, h: Hidden, batch: StepBatch, all_logits: bool) -> torch.Tensor:

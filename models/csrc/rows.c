@@ -370,14 +370,22 @@ void rows_block(const void *args, int ffn, const rows_step *st, const float *h, 
         rows_attention((const rows_attention_args *)args, st, h, out);
 }
 
+// y (B, D) = each row of x RMS-normed times w (D): a block's summed output normed before the
+// residual (Gemma 3's post-block norms), here and in the engine's loop over the blocks alike.
+void rows_post_norm(const float *x, const float *w, int64_t B, int64_t D, float eps, float *y) {
+    for (int64_t b = 0; b < B; b++) rms_norm(x + b * D, w, D, eps, y + b * D);
+}
+
 // A decode step's layers on h (B, D), for a node that holds every layer whole: h += each block's
-// output, in order (table[2 i]: layer i's attention arguments, table[2 i + 1]: its FFN's); out is
-// (B, D) of room. The same sums, in the same float32 order, as the engine's loop over the blocks.
+// output, in order (table[2 i]: layer i's attention arguments, table[2 i + 1]: its FFN's), normed
+// first by row i of post_norms (2 layers, D) where the model has them (else NULL); out is (B, D)
+// of room. The same sums, in the same float32 order, as the engine's loop over the blocks.
 void rows_layers(const void *const *table, int64_t layers, const rows_step *st, float *h,
-                 float *out) {
-    const int64_t n = st->B * ((const rows_ffn_args *)table[1])->D;
+                 float *out, const float *post_norms, float eps) {
+    const int64_t D = ((const rows_ffn_args *)table[1])->D, n = st->B * D;
     for (int64_t i = 0; i < 2 * layers; i++) {
         rows_block(table[i], (int)(i & 1), st, h, out);
+        if (post_norms) rows_post_norm(out, post_norms + i * D, st->B, D, eps, out);
         for (int64_t j = 0; j < n; j++) h[j] += out[j];
     }
 }
