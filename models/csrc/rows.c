@@ -221,23 +221,20 @@ static void kv_store(void *cache, uint16_t *scales, int kind, size_t row, int64_
 }
 
 // Query heads read their KV head's rows together, GROUP at a time: each key and value row is
-// expanded and loaded once for them all, and their sums run side by side.
+// expanded and loaded once for them all.
 #define GROUP 8
 
-// g query heads q_i (hd each, `stride` apart) against one key row k: s[i] = q_i . k, each in 8
-// lanes, then the lanes in order. The same sum for a head whatever g is and on any thread.
-static void dots(const float *q, int64_t stride, int64_t g, const float *k, int64_t hd, float *s) {
-    float lanes[GROUP][8] = {{0}};
+// q . k over n floats in 8 lanes, then the lanes in order: the compiler vectorises the lanes (a
+// single running sum, in order, it may not reorder), and the result is the same on any thread
+static float dot(const float *q, const float *k, int64_t n) {
+    float lanes[8] = {0};
     int64_t d = 0;
-    for (; d + 8 <= hd; d += 8)
-        for (int64_t i = 0; i < g; i++)
-            for (int j = 0; j < 8; j++) lanes[i][j] += q[i * stride + d + j] * k[d + j];
-    for (int64_t i = 0; i < g; i++) {
-        float t = 0.0f;
-        for (int j = 0; j < 8; j++) t += lanes[i][j];
-        for (int64_t e = d; e < hd; e++) t += q[i * stride + e] * k[e];
-        s[i] = t;
-    }
+    for (; d + 8 <= n; d += 8)
+        for (int j = 0; j < 8; j++) lanes[j] += q[d + j] * k[d + j];
+    float s = 0.0f;
+    for (int j = 0; j < 8; j++) s += lanes[j];
+    for (; d < n; d++) s += q[d] * k[d];
+    return s;
 }
 
 // Query heads [i0, i1) of qkv, all reading the KV head whose cache rows start at `base`,
@@ -250,13 +247,14 @@ static void heads(const float *qkv, const rows_attention_args *a, size_t base, i
     for (; i0 < i1; i0 += GROUP) {
         const int64_t g = i1 - i0 < GROUP ? i1 - i0 : GROUP;
         const float *q = qkv + i0 * hd;
-        float s[GROUP], top[GROUP], sum[GROUP];
+        float top[GROUP], sum[GROUP];
         for (int64_t i = 0; i < g; i++) top[i] = -INFINITY, sum[i] = 0.0f;
         for (int64_t t = 0; t < seen; t++) {
-            dots(q, hd, g, kv_row(a->cache_k, a->scale_k, a->kv_kind, base + t, hd, buf), hd, s);
+            const float *k = kv_row(a->cache_k, a->scale_k, a->kv_kind, base + t, hd, buf);
             for (int64_t i = 0; i < g; i++) {
-                p[i * seen + t] = s[i] * a->scale;
-                if (p[i * seen + t] > top[i]) top[i] = p[i * seen + t];
+                float *pi = p + i * seen;
+                pi[t] = dot(q + i * hd, k, hd) * a->scale;
+                if (pi[t] > top[i]) top[i] = pi[t];
             }
         }
         for (int64_t i = 0; i < g; i++)
@@ -267,7 +265,8 @@ static void heads(const float *qkv, const rows_attention_args *a, size_t base, i
             const float *v = kv_row(a->cache_v, a->scale_v, a->kv_kind, base + t, hd, buf);
             for (int64_t i = 0; i < g; i++) {
                 const float w = p[i * seen + t] / sum[i];
-                for (int64_t d = 0; d < hd; d++) o[i * hd + d] += w * v[d];
+                float *oi = o + i * hd;
+                for (int64_t d = 0; d < hd; d++) oi[d] += w * v[d];
             }
         }
     }
