@@ -94,6 +94,9 @@ class Hub(ctypes.Structure):
         ("own_compute_s", ctypes.c_double),
         ("failed", ctypes.c_int64),
         ("one_core", ctypes.c_int64),
+        ("post_norm", ctypes.c_void_p),
+        ("post_norms", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
         ("msg", Held),
     ]
 
@@ -248,10 +251,18 @@ class WorkerHop:
 class HubHop:
     """The master's native loop: a decode step's blocks over its ROUTER socket, its own slice's
     native blocks, and the workers `identities` (in the plan's order); `one_core`: it yields
-    the core after each block's sends (node/protocol.py's `on_one_core`)."""
+    the core after each block's sends (node/protocol.py's `on_one_core`); `post_norms` (2 L,
+    D): each block's sum normed by its row before the residual (Gemma 3), as the Python path
+    norms it (`rows_native.post_norm_rows`)."""
 
     def __init__(
-        self, sock: zmq.Socket, blocks: NativeBlocks, identities: list[bytes], one_core: bool
+        self,
+        sock: zmq.Socket,
+        blocks: NativeBlocks,
+        identities: list[bytes],
+        one_core: bool,
+        post_norms: np.ndarray | None = None,
+        eps: float = 0.0,
     ) -> None:
         self.lib = load()
         # Not a reference: a re-planned engine's blocks (and the weights they point into) go
@@ -287,6 +298,11 @@ class HubHop:
             hops=self.hops.ctypes.data,
             one_core=int(one_core),
         )
+        if post_norms is not None:
+            self._post_norms = np.ascontiguousarray(post_norms, np.float32)
+            self.state.post_norm = ctypes.cast(blocks.lib.rows_post_norm, ctypes.c_void_p).value
+            self.state.post_norms = self._post_norms.ctypes.data
+            self.state.eps = eps
 
     @property
     def blocks(self) -> NativeBlocks | None:

@@ -256,7 +256,9 @@ def test_a_node_lost_mid_answer_loses_no_answer_and_frees_the_old_engine_first(
         def gather(self, *args: object, **kwargs: object) -> None:
             return None
 
-        def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]:
+        def decode_layers(
+            self, blocks: NativeBlocks, h: np.ndarray, post_norms: np.ndarray | None, eps: float
+        ) -> tuple[np.ndarray, float]:
             self.send()  # no other devices: the master's own blocks are the whole layer
             for i in range(blocks.config.n_layers):
                 h = h + blocks.attention(i, h)

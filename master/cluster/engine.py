@@ -91,7 +91,9 @@ class Remote(Protocol):
     def begin_step(self, batch: StepBatch) -> None: ...
     def send(self, block: Block, layer: int, h: Hidden, routing: Routing | None = None) -> None: ...
     def gather(self, block: Block, layer: int, local_compute: float = 0.0) -> np.ndarray | None: ...
-    def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]: ...
+    def decode_layers(
+        self, blocks: NativeBlocks, h: np.ndarray, post_norms: np.ndarray | None, eps: float
+    ) -> tuple[np.ndarray, float]: ...
     def gather_rows(self, layer: int, local_compute: float = 0.0) -> list[np.ndarray]: ...
 
     allreduce_seconds: deque[float]  # recent per-sum latencies (master.cluster.transport)
@@ -328,7 +330,9 @@ class Engine:
         if blocks is not None:
             started = time.perf_counter()
             if self.remote is not None:
-                h, compute = self.remote.decode_layers(blocks, h)
+                h, compute = self.remote.decode_layers(
+                    blocks, h, self._post_norm_rows, self.config.norm_eps
+                )
             else:
                 h = blocks.run_layers(h, self._post_norm_rows, self.config.norm_eps)
                 compute = time.perf_counter() - started
@@ -347,8 +351,8 @@ class Engine:
     def _native_layers(self) -> NativeBlocks | None:
         """This step's layers run as one native loop (with the workers, node/hop.py, if any)
         when it is a decode step this process's one slice runs natively, on a device that
-        builds the loop; post-block norms only without workers (the hop's loop has none)."""
-        if len(self.executors) != 1 or (self.post_norms is not None and self.remote is not None):
+        builds the loop."""
+        if len(self.executors) != 1:
             return None
         if self.remote is not None and not hop.available():
             return None

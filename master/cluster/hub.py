@@ -496,13 +496,15 @@ class Hub:
                 names, widths, layer, self._handle_control, local_compute
             )
 
-    def decode_layers(self, blocks: NativeBlocks, h: np.ndarray) -> tuple[np.ndarray, float]:
+    def decode_layers(
+        self, blocks: NativeBlocks, h: np.ndarray, post_norms: np.ndarray | None, eps: float
+    ) -> tuple[np.ndarray, float]:
         """Every layer of a decode step through the native loop (`Transport.decode_layers`):
         the new hidden state and this process's compute seconds."""
         names = self._identities()
         with self._losing_nodes():
             h, figures, compute = self.transport.decode_layers(
-                blocks, names, h, self._handle_control
+                blocks, names, h, self._handle_control, post_norms, eps
             )
         self._take_figures(figures)
         return h, compute

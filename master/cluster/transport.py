@@ -337,19 +337,25 @@ class Transport:
 
     # -- the star allreduce of a whole decode step, natively (node/hop.py) ------------------
     def decode_layers(
-        self, blocks: NativeBlocks, names: Mapping[bytes, str], h: np.ndarray, handle: Handler
+        self,
+        blocks: NativeBlocks,
+        names: Mapping[bytes, str],
+        h: np.ndarray,
+        handle: Handler,
+        post_norms: np.ndarray | None = None,
+        eps: float = 0.0,
     ) -> tuple[np.ndarray, dict[bytes, dict[str, Any]], float]:
         """Every layer of a decode step: each block's STEP to every worker, this process's
         partial, the workers' partials gathered and summed into the residual stream, with no
         Python between messages; what the native loop does not take comes here as in `gather`.
         The new hidden state, the step figures any worker reported, and this process's compute
-        seconds."""
+        seconds. `post_norms`: each block's sum normed before the residual (`HubHop`)."""
         identities = list(names)
         hop = self._hop
         if hop is None or hop.identities != identities or hop.blocks is not blocks:
             if hop is not None:
                 hop.close()
-            hop = self._hop = HubHop(self.sock, blocks, identities, self.one_core)
+            hop = self._hop = HubHop(self.sock, blocks, identities, self.one_core, post_norms, eps)
         first = None
         if self._batch is not None:
             step = M.Step(step=self._step, layer=0, block="attn", batch=self._batch)

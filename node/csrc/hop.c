@@ -352,6 +352,11 @@ typedef struct {
     double sent_at, slowest, own_compute_s;
     int64_t failed;            // the worker a send failed to
     int64_t one_core;          // this process runs on one core (node/protocol.py's on_one_core)
+    // each block's sum normed before the residual (Gemma 3): rows.c's rows_post_norm, by row
+    // 2 layer + ffn of post_norms (2 L, D); NULL without them
+    void (*post_norm)(const float *x, const float *w, int64_t B, int64_t D, float eps, float *y);
+    const float *post_norms;
+    float eps;
     held msg;
 } hop_hub;
 
@@ -416,12 +421,20 @@ int hop_run(hop_hub *hb, long timeout_ms) {
             if (p.compute > hb->slowest) hb->slowest = p.compute;
             release(m);
         }
-        // The same sum, in the same order, as the Python path: h + (own + (p0 + p1 + ...)).
+        // The same sum, in the same order, as the Python path: h + (own + (p0 + p1 + ...)), the
+        // parenthesis normed first where the model has post-block norms.
         int64_t n = hb->B * hb->D;
         for (int64_t j = 0; j < n; j++) {
             float others = hb->n_workers ? hb->partials[j] : 0.0f;
             for (int64_t i = 1; i < hb->n_workers; i++) others += hb->partials[i * n + j];
-            hb->h[j] += hb->n_workers ? hb->own[j] + others : hb->own[j];
+            const float sum = hb->n_workers ? hb->own[j] + others : hb->own[j];
+            if (hb->post_norms) hb->own[j] = sum;
+            else hb->h[j] += sum;
+        }
+        if (hb->post_norms) {
+            hb->post_norm(hb->own, hb->post_norms + (2 * hb->layer + hb->ffn) * hb->D, hb->B, hb->D,
+                          hb->eps, hb->own);
+            for (int64_t j = 0; j < n; j++) hb->h[j] += hb->own[j];
         }
         hb->allreduce[2 * hb->layer + hb->ffn] = now() - hb->sent_at - hb->slowest;
         hb->gathering = 0;
