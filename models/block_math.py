@@ -189,8 +189,8 @@ def _attend_tiles(
     Flash attention's shape, on SDPA: PROMPT_TILE queries at a time, each tile over only the
     keys it can see, with a mask of tile x those keys. No (n, L) mask or score matrix exists, so
     memory grows with n times the tile, and a window's layer costs n (window + tile) rather than
-    n L. The keys a query sees are all of them or none in every kernel, so a tile's outputs are
-    the untiled ones to float rounding.
+    n L. Each query's softmax runs over the same keys as untiled (a masked key weighs 0 either
+    way), so a tile's outputs are the untiled ones to float rounding.
     """
     n = q.shape[2]
     out = q.new_empty(q.shape)
