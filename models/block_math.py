@@ -94,32 +94,27 @@ def attention_partial(
             out = _attend_tiles(q, keys, values, start, 0, None, s, config, sinks)
         else:  # one token sees every key; a prompt from its start, SDPA's causal kernel
             out = _attend(q, keys, values, None, T > 1, s, config, sinks)
-    elif T > PROMPT_TILE:  # a long prompt in a batch: each sequence in tiles, its own rows only
-        out = q.new_zeros(q.shape)
-        for b, (slot, st, n) in enumerate(
-            zip(batch.slots, batch.starts, batch.lengths, strict=True)
-        ):
-            cache_k[slot, :, st : st + n] = k[b, :, :n]
-            cache_v[slot, :, st : st + n] = v[b, :, :n]
-            keys = cache_k[slot : slot + 1, :, : st + n].float()
-            values = cache_v[slot : slot + 1, :, : st + n].float()
-            out[b : b + 1, :, :n] = _attend_tiles(
-                q[b : b + 1, :, :n], keys, values, st, 0, None, s, config, w.get("sinks")
-            )
     else:
-        ends = [st + n for st, n in zip(batch.starts, batch.lengths, strict=True)]
-        for b, (slot, st, n) in enumerate(
-            zip(batch.slots, batch.starts, batch.lengths, strict=True)
-        ):
+        sequences = list(zip(batch.slots, batch.starts, batch.lengths, strict=True))
+        for b, (slot, st, n) in enumerate(sequences):
             cache_k[slot, :, st : st + n] = k[b, :, :n]
             cache_v[slot, :, st : st + n] = v[b, :, :n]
-        L = max(ends)
-        slots = torch.tensor(batch.slots)
-        keys, values = cache_k[slots, :, :L].float(), cache_v[slots, :, :L].float()
-        qpos = batch.positions()  # (B, T)
-        kpos = torch.arange(L)
-        mask = (kpos <= qpos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
-        out = _attend(q, keys, values, mask, False, s, config, w.get("sinks"))
+        if T > PROMPT_TILE:  # a long prompt in the batch: each sequence in tiles, its rows only
+            out = q.new_zeros(q.shape)
+            for b, (slot, st, n) in enumerate(sequences):
+                keys = cache_k[slot : slot + 1, :, : st + n].float()
+                values = cache_v[slot : slot + 1, :, : st + n].float()
+                out[b : b + 1, :, :n] = _attend_tiles(
+                    q[b : b + 1, :, :n], keys, values, st, 0, None, s, config, w.get("sinks")
+                )
+        else:
+            L = max(st + n for _, st, n in sequences)
+            slots = torch.tensor(batch.slots)
+            keys, values = cache_k[slots, :, :L].float(), cache_v[slots, :, :L].float()
+            qpos = batch.positions()  # (B, T)
+            kpos = torch.arange(L)
+            mask = (kpos <= qpos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, L)
+            out = _attend(q, keys, values, mask, False, s, config, w.get("sinks"))
     out = out.transpose(1, 2).reshape(B, T, nq * hd)
     if gate is not None:
         out = out * torch.sigmoid(gate.reshape(B, T, nq * hd))
