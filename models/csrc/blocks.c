@@ -113,6 +113,19 @@ AI void block_f32(int kind, const uint8_t *blk, __m256 vd, __m256 vm, __m256 w[4
     for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), vd, vm);
 }
 
+// The float products' shared steps: a block of 32 expanded weights (wv) against RT rows of x
+// (x: the block's values in row 0, rows K apart), four fmadds a row into its accumulator; and
+// each accumulator's sum into y, rows ldy apart.
+AI void block_rows_f32(const __m256 wv[4], const float *x, int K, int RT, __m256 *acc) {
+    for (int r = 0; r < RT; r++)
+        for (int i = 0; i < 4; i++) acc[r] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(x + (size_t)r * K + 8 * i), acc[r]);
+}
+
+AI void store_sums(int G, int RT, __m256 acc[4][8], float *y, int ldy) {
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < RT; r++) y[(size_t)r * ldy + g] = hsum(acc[g][r]);
+}
+
 // ---- K-quants: a block of 256 as 8 of 32 ----------------------------------------------------
 
 // 8 bytes as 8 floats, times v
@@ -198,15 +211,11 @@ AI void tile_k_f32(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, i
             for (int j = 0; j < 8; j++) {
                 __m256 wv[4];
                 k_block_f32(kind, blk, j, s, m, wv);
-                for (int r = 0; r < RT; r++) {
-                    const float *xr = x + (size_t)r * K + b * 256 + 32 * j;
-                    for (int i = 0; i < 4; i++) acc[g][r] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xr + 8 * i), acc[g][r]);
-                }
+                block_rows_f32(wv, x + b * 256 + 32 * j, K, RT, acc[g]);
             }
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int r = 0; r < RT; r++) y[(size_t)r * ldy + g] = hsum(acc[g][r]);
+    store_sums(G, RT, acc, y, ldy);
 }
 
 // G weight rows x RT rows of x: G*RT accumulators, each weight block expanded once for RT rows
@@ -232,14 +241,10 @@ AI void tile_f32(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int
         for (int g = 0; g < G; g++) {
             __m256 wv[4];
             block_f32(kind, blk[g], lane(dd, g), lane(mm, g), wv);
-            for (int r = 0; r < RT; r++) {
-                const float *xr = x + (size_t)r * K + b * 32;
-                for (int i = 0; i < 4; i++) acc[g][r] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xr + 8 * i), acc[g][r]);
-            }
+            block_rows_f32(wv, x + b * 32, K, RT, acc[g]);
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int r = 0; r < RT; r++) y[(size_t)r * ldy + g] = hsum(acc[g][r]);
+    store_sums(G, RT, acc, y, ldy);
 }
 
 // weight rows [0, G) (G = 4, or 1 at the end of W) against all R rows of x: 8 rows of x a tile
