@@ -1,11 +1,14 @@
 """Exact or int8 activations: how a block-format product treats its input rows.
 
 "exact" multiplies the stored weights' values by the float32 rows. "int8" rounds each row to
-int8 a block of 32 first, as llama.cpp's quantize_row_q8_0 does, and sums integer products a
-block (models/csrc/blocks.c): d = max|x| / 127, q = x * (1/d) to the nearest integer (ties to
-even; the kernels' vroundps and nearbyintf give the same bytes), and s = d * sum(q) for the
-formats with a minimum (llama.cpp's Q8_1). The functions here are that arithmetic in NumPy:
-the reference the kernels are checked against (node/kernel_probe.py, the tests).
+int8 a block first and sums integer products a block (models/csrc/blocks.c):
+- for the blocks of 32, as llama.cpp's quantize_row_q8_0: d = max|x| / 127, q = x * (1/d) to
+  the nearest integer (ties to even; the kernels' vroundps and nearbyintf give the same bytes),
+  and s = d * sum(q) for the formats with a minimum (llama.cpp's Q8_1);
+- for the K-quants' blocks of 256, as quantize_row_q8_K: m the value of largest |x| (the first
+  of several), iscale = -127 / m, q = iscale * x to the nearest, at most 127, d = 1 / iscale.
+The functions here are that arithmetic in NumPy: the reference the kernels are checked against
+(node/kernel_probe.py, the tests).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 Activations = Literal["exact", "int8"]
 ACTIVATIONS: tuple[Activations, ...] = ("exact", "int8")
 BLOCK = 32  # values a scale covers
+K_BLOCK = 256  # the same for the K-quants
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -32,9 +36,27 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q.reshape(rows, inp), d, s
 
 
-def rounded_rows(x: np.ndarray) -> np.ndarray:
-    """The values the int8 kernels multiply instead of x: d * q, float64."""
-    q, d, _ = quantize_rows(x)
+def quantize_rows_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows x (R, K), K a multiple of 256, as a K-quant's int8 kernels round them: (q int8 (R, K),
+    d float32 (R, K/256))."""
     rows, inp = x.shape
-    blocks = q.reshape(rows, inp // BLOCK, BLOCK).astype(np.float64) * d[:, :, None]
+    blocks = np.ascontiguousarray(x, dtype=np.float32).reshape(rows, inp // K_BLOCK, K_BLOCK)
+    first = np.abs(blocks).argmax(axis=2)[:, :, None]  # argmax: the first of equal ones
+    top = np.take_along_axis(blocks, first, axis=2)[:, :, 0]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(top != 0, np.float32(-127) / top, np.float32(0)).astype(np.float32)
+        d = np.where(top != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32)
+    q = np.minimum(np.rint(iscale[:, :, None] * blocks), 127).astype(np.int8)
+    return q.reshape(rows, inp), d
+
+
+def rounded_rows(x: np.ndarray, per_block: int = BLOCK) -> np.ndarray:
+    """The values the int8 kernels multiply instead of x: d * q, float64. `per_block`: the
+    weights' block (256 for the K-quants)."""
+    rows, inp = x.shape
+    if per_block == K_BLOCK:
+        q, d = quantize_rows_k(x)
+    else:
+        q, d, _ = quantize_rows(x)
+    blocks = q.reshape(rows, inp // per_block, per_block).astype(np.float64) * d[:, :, None]
     return blocks.reshape(rows, inp)

@@ -141,12 +141,14 @@ _PORTABLE_INT8 = (
     if has_avx2()
     else (Candidate("c-portable-int8", f"{NATIVE}:portable_int8_activations", activations="int8"),)
 )
-_INT8 = (Candidate("c-int8", f"{NATIVE}:int8_activations", activations="int8"),)
+_INT8 = (
+    Candidate("c-int8", f"{NATIVE}:int8_activations", activations="int8"),
+    Candidate("c-int8-blas", f"{NATIVE}:int8_blas", min_rows=9, activations="int8"),
+)
 
-# models/csrc/blocks.c's formats (as models/native.py builds it), those it has int8 products
-# for, and blocks_portable.c's
-INT8_TUNED = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "iq4_nl")
-HAND_TUNED = (*INT8_TUNED, "q4_k", "q6_k")
+# models/csrc/blocks.c's formats (as models/native.py builds it: float and int8 products for
+# each), and blocks_portable.c's
+HAND_TUNED = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "iq4_nl", "q4_k", "q6_k")
 PORTABLE = ("q4_0", "q4_1", "q8_0")
 
 # Row counts group into buckets: a step's rows are its sequences (decode) or its tokens
@@ -177,7 +179,7 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
         name: (
             *((Candidate("c-f32", f"{NATIVE}:f32_activations"),) if name in HAND_TUNED else ()),
             *(_PORTABLE if name in PORTABLE else ()),
-            *(_INT8 if name in INT8_TUNED else ()),
+            *(_INT8 if name in HAND_TUNED else ()),
             *(_PORTABLE_INT8 if name in PORTABLE else ()),
             Candidate("c-expand", f"{NATIVE}:expand_activations"),
             Candidate("c-expand-blas", f"{NATIVE}:expand_blas", min_rows=9),

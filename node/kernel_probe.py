@@ -22,6 +22,7 @@ from edgetp.models import kernels
 from edgetp.models.activations import rounded_rows
 from edgetp.models.dtypes import BLOCK_DTYPES
 from edgetp.models.kernels import Candidate, dequantize, quantize
+from edgetp.models.quant import FORMATS
 from edgetp.node import children
 
 PERIOD = 1021  # rows of random weights a tall probe matrix repeats
@@ -86,7 +87,7 @@ class Probe:
         float noise (~0.5 % of a product); held to the rounded rows' product, it is again
         float32's, and a kernel that rounds another way, or not at all, fails by far."""
         if rows not in self.rounded:
-            x = rounded_rows(self.case(rows)[0])
+            x = rounded_rows(self.case(rows)[0], FORMATS[self.dtype].block_values)
             with threadpool_limits(1, user_api="blas"):
                 products = x @ self.wd.T
             self.rounded[rows] = (products, np.linalg.norm(x, axis=1))

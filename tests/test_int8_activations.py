@@ -16,14 +16,27 @@ from edgetp.master.generation.generate import start, stream
 from edgetp.master.generation.params import SamplingParams
 from edgetp.memory.budget import MemoryOptions
 from edgetp.models import kernels, native
-from edgetp.models.activations import quantize_rows, rounded_rows
-from edgetp.models.kernels import INT8_TUNED, PORTABLE
+from edgetp.models.activations import quantize_rows, quantize_rows_k, rounded_rows
+from edgetp.models.bundled import DEFAULT_MODEL
+from edgetp.models.kernels import HAND_TUNED, PORTABLE
 from edgetp.models.quant import FORMATS, random_blocks
+from edgetp.models.source import open_model
 from edgetp.node.kernel_probe import Probe
 
-# (out, in, rows): one row (a decode step), a few, a prompt's many (4-row tiles and the rest)
-SHAPES = ((7, 64, 1), (33, 640, 3), (8, 576, 4), (5, 160, 9), (9, 96, 2))
-KERNELS = [("avx2", f) for f in INT8_TUNED] + [("portable", f) for f in PORTABLE]
+# (out, in, rows): one row (a decode step), a few, a prompt's many (4-row tiles and the rest);
+# `in` in blocks of 32, and the K-quants' in blocks of 256
+SHAPES = {
+    32: ((7, 64, 1), (33, 640, 3), (8, 576, 4), (5, 160, 9), (9, 96, 2)),
+    256: ((7, 256, 1), (33, 1280, 3), (8, 512, 4), (5, 768, 9), (9, 256, 2)),
+}
+KERNELS = [(build, f) for build in ("avx2", "avx2-blas") for f in HAND_TUNED] + [
+    ("portable", f) for f in PORTABLE
+]
+PRODUCTS = {
+    "avx2": native.int8_activations,
+    "avx2-blas": native.int8_blas,  # a prompt's rows: rounded in C, multiplied by BLAS
+    "portable": native.portable_int8_activations,
+}
 
 
 def test_the_c_rounding_gives_the_reference_s_bytes():
@@ -40,17 +53,38 @@ def test_the_c_rounding_gives_the_reference_s_bytes():
     assert np.abs(q).max() == 127 and not q[1, :32].any()
 
 
+def test_the_c_k_quant_rounding_gives_the_reference_s_bytes():
+    """The K-quants' rows (quantize_row_q8_K's rounding): a block of 256 scaled by its value of
+    largest |x|, which becomes -127; of two of equal |x| the first; a block of zeros stays 0;
+    and each 32 values' sum of q, which Q4_K's minimums take."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 768), dtype=np.float32) * 3
+    x[1, :256] = 0
+    x[2, 300], x[2, 290] = 20, -20  # the first, x[2, 290], is the block's m
+    q = np.empty((3, 768), np.int8)
+    d, sums = np.empty((3, 3), np.float32), np.empty((3, 24), np.int32)
+    fn = native.load("avx2").quantize_rows_q8k
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3
+    fn(x.ctypes.data, 3, 768, q.ctypes.data, d.ctypes.data, sums.ctypes.data)
+    want_q, want_d = quantize_rows_k(x)
+    assert np.array_equal(q, want_q) and np.array_equal(d, want_d)
+    assert np.array_equal(sums, want_q.reshape(3, 24, 32).sum(axis=2))
+    assert not q[1, :256].any() and d[1, 0] == 0
+    assert (q[2, 290], q[2, 300]) == (-127, 127) and d[2, 1] > 0  # m = -20: d = -m / 127
+
+
 @pytest.mark.parametrize(("build", "fmt"), KERNELS)
 def test_each_integer_kernel_equals_the_integer_reference(build, fmt):
     """The same rounded rows times the stored weights: each block's integer sum is exact, so
     only the float sum over blocks may differ (1e-5 of |x| |w|, a hundred times float32's)."""
-    product = native.int8_activations if build == "avx2" else native.portable_int8_activations
+    product = PRODUCTS[build]
     rng = np.random.default_rng(len(fmt))
-    for out, inp, rows in SHAPES:
+    per_block = FORMATS[fmt].block_values
+    for out, inp, rows in SHAPES[per_block]:
         w = random_blocks(FORMATS[fmt], out, inp, rng)
         x = rng.standard_normal((rows, inp), dtype=np.float32)
         exact = FORMATS[fmt].dequantize(w).double().numpy()
-        rounded = rounded_rows(x)
+        rounded = rounded_rows(x, per_block)
         want = rounded @ exact.T
         bound = 1e-5 * np.outer(np.linalg.norm(rounded, axis=1), np.linalg.norm(exact, axis=1))
         assert (np.abs(product(x, w) - want) <= bound).all(), (fmt, out, inp, rows)
@@ -62,15 +96,25 @@ def per_row(x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None) -
     return kernels.reference(np.rint(x / d).astype(np.float32) * d, w)
 
 
-def test_the_check_refuses_an_int8_candidate_that_rounds_otherwise():
+def in_blocks_of_32(
+    x: np.ndarray, w: torch.Tensor, scale: torch.Tensor | None = None
+) -> np.ndarray:
+    """Wrong for a K-quant: Q8_0's rounding, a scale a 32 values, where llama.cpp's Q8_K has one
+    a 256."""
+    return kernels.reference(rounded_rows(x).astype(np.float32), w)
+
+
+@pytest.mark.parametrize(("fmt", "inp"), [("q4_1", 576), ("q4_k", 512)])
+def test_the_check_refuses_an_int8_candidate_that_rounds_otherwise(fmt, inp):
     """Held to the product of the rows as the int8 kernels round them, the exact product fails
-    (the rounding's error is far beyond float32's) and so does a coarser rounding; the real
-    integer kernel passes."""
-    probe = Probe("q4_1", 64, 576, np.random.default_rng(0))
+    (the rounding's error is far beyond float32's) and so does a coarser rounding, or for a
+    K-quant a finer one; the real integer kernel passes."""
+    probe = Probe(fmt, 64, inp, np.random.default_rng(0))
+    wrongs = (native.f32_activations, per_row, *((in_blocks_of_32,) if fmt == "q4_k" else ()))
     for bucket in (0, 4):
         assert probe.check(native.int8_activations, bucket, time.perf_counter, "int8")[0] is None
         assert probe.check(native.f32_activations, bucket, time.perf_counter)[0] is None
-        for wrong in (native.f32_activations, per_row):
+        for wrong in wrongs:
             error, us = probe.check(wrong, bucket, time.perf_counter, "int8")
             assert error is not None and error.startswith("wrong") and us is None, wrong
 
@@ -86,19 +130,21 @@ def int8_activations():
     kernels.uninstall()
 
 
-def test_int8_greedy_tokens_are_the_same_on_every_node_count(
-    smollm2, smollm2_tokenizer, shared_state, int8_activations
-):
-    """SmolLM2's Q4_1 file with int8 activations: each node rounds its rows alike (the blocks
-    of 32 a split never cuts), so 1 and 3 nodes answer the same tokens."""
-    prompt = smollm2_tokenizer.encode("The three primary colours are")
+@pytest.mark.parametrize("model", [DEFAULT_MODEL, "gemma3-270m"])
+def test_int8_greedy_tokens_are_the_same_on_every_node_count(model, shared_state, int8_activations):
+    """SmolLM2's Q4_1 file and Gemma 3's Q4_K_M (K-quants rounded a block of 256, the rest a
+    block of 32) with int8 activations: each node rounds its rows alike (a split never cuts a
+    block), so 1 and 3 nodes answer the same tokens."""
+    source = open_model(model)
+    tokenizer = source.tokenizer()
+    prompt = tokenizer.encode("The three primary colours are")
     answers = []
     for nodes in (1, 3):
         with local_engine(
-            smollm2, nodes, state_dir=shared_state, context=96, memory=MemoryOptions(dtype="auto")
+            source, nodes, state_dir=shared_state, context=96, memory=MemoryOptions(dtype="auto")
         ) as engine:
             seqs = start(engine, [prompt], [SamplingParams(max_tokens=24, ignore_eos=True)])
-            for _ in stream(engine, smollm2_tokenizer, seqs):
+            for _ in stream(engine, tokenizer, seqs):
                 pass
             members = engine.remote.members if engine.remote else []
             figures = [engine.figures, *(m.figures for m in members)]

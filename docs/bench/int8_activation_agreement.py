@@ -9,7 +9,13 @@ Run from the repository:
   .venv/bin/python docs/bench/int8_activation_agreement.py [--chunks 16] [--rounds 3]
       [--threads 1 2] [--model NAME|PATH] [TEXT ...]
 TEXT: files read in order (default: the GPL-3, GPL-2 and Apache-2.0 texts of
-/usr/share/common-licenses, English prose any Debian system has)."""
+/usr/share/common-licenses, English prose any Debian system has), joined by blank lines.
+
+llama.cpp's figures on the same file and text (docs/bench/README.md): the text written out, the
+file's weights as F32 (`llama-quantize --allow-requantize FILE f32.gguf F32`), then
+`llama-perplexity -m f32.gguf -f text.txt -c 512 --chunks 16 --kl-divergence-base base.kld` and
+`llama-perplexity -m FILE -f text.txt -c 512 --chunks 16 --kl-divergence-base base.kld
+--kl-divergence`."""
 
 import argparse
 import statistics
@@ -44,6 +50,8 @@ tokenizer = source.tokenizer()
 files = args.text or [LICENSES / n for n in ("GPL-3", "GPL-2", "Apache-2.0")]
 ids = tokenizer.encode("\n\n".join(f.read_text() for f in files))
 chunks = [ids[i * CHUNK : (i + 1) * CHUNK] for i in range(min(args.chunks, len(ids) // CHUNK))]
+if tokenizer.add_bos:  # as llama-perplexity does: each chunk starts with the BOS token
+    chunks = [[tokenizer.bos_id, *c[1:]] for c in chunks]
 memory = MemoryOptions(dtype="auto")  # the file's own formats
 state = Path("/tmp/int8-activations-bench")
 print(f"model {source.path}: {len(chunks)} chunks of {CHUNK} tokens of {len(ids)}")

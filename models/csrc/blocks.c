@@ -352,7 +352,8 @@ void q6_k_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, i
 
 typedef struct {
     const int8_t *q;  // (R, K)
-    const float *d, *s;  // (R, K/32) each
+    const float *d, *s;  // (R, K/32) each; for a K-quant d is (R, K/256) and s unused
+    const int32_t *sums;  // a K-quant's: each 32 values' sum of q, (R, K/32)
 } Rows8;
 
 // one row of x as int8 blocks
@@ -382,6 +383,49 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
         t = _mm_hadd_epi32(t, t);
         d[b] = db;
         s[b] = db * (float)_mm_cvtsi128_si32(t);
+    }
+}
+
+// One row of x as llama.cpp's quantize_row_q8_K rounds it for the K-quants, a block of 256: the
+// value of largest |x| (the first, if several) is m, iscale = -127 / m, q = iscale * x to the
+// nearest (ties to even) at most 127, d = 1 / iscale. With each 32 values' sum of q (Q4_K's
+// minimums take it).
+static void quantize_row_k(const float *x, int K, int8_t *q, float *d, int32_t *sums) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < K / 256; b++) {
+        const float *v = x + 256 * b;
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i++) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * i)));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float top = _mm_cvtss_f32(m);
+        if (top == 0.0f) {
+            d[b] = 0.0f;
+            memset(q + 256 * b, 0, 256);
+            for (int j = 0; j < 8; j++) sums[8 * b + j] = 0;
+            continue;
+        }
+        int at = 0;
+        while (__builtin_fabsf(v[at]) != top) at++;
+        const float iscale = -127.0f / v[at];
+        for (int j = 0; j < 8; j++) {
+            __m256i n[4];
+            for (int i = 0; i < 4; i++)
+                n[i] = _mm256_min_epi32(
+                    _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_set1_ps(iscale), _mm256_loadu_ps(v + 32 * j + 8 * i)),
+                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+                    _mm256_set1_epi32(127));
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+            _mm256_storeu_si256((__m256i *)(q + 256 * b + 32 * j),
+                                _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            t = _mm_hadd_epi32(t, t);
+            t = _mm_hadd_epi32(t, t);
+            sums[8 * b + j] = _mm_cvtsi128_si32(t);
+        }
+        d[b] = 1.0f / iscale;
     }
 }
 
@@ -420,9 +464,89 @@ AI __m256i dot_i8(int kind, __m256i w, __m256i aw, __m256i x) {
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
+// A K-quant block's 32 weights [32j, 32j + 32) as bytes: Q4_K's nibbles 0-15 (unsigned), Q6_K's
+// q - 32 (signed, -32 to 31), laid out as k_block_f32 reads them
+AI __m256i k_block_i8(int kind, const uint8_t *blk, int j) {
+    if (kind == Q4_K) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j / 2)));
+        if (j & 1) b = _mm256_srli_epi16(b, 4);
+        return _mm256_and_si256(b, _mm256_set1_epi8(15));
+    }
+    const int h = j / 4, k = j % 4;
+    __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (k & 1)));
+    if (k >= 2) lo = _mm256_srli_epi16(lo, 4);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+    const __m256i v = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(15)), _mm256_slli_epi16(high, 4));
+    return _mm256_sub_epi8(v, _mm256_set1_epi8(32));
+}
+
+// A K-quant's tile with int8 rows (quantize_row_k): per block of 256, one exact int32 sum per
+// lane of the sub-blocks' scale times their integer dot products (Q4_K: scale 0-63 times nibble
+// times x, at most 8 x 2 x 63 x 15 x 127 a lane; Q6_K: signed scales a 16, |q - 32| <= 32),
+// then dw dx times it into a float accumulator; Q4_K's minimums as the integer sum of m_j times
+// x's sums of 32, times -dmin dx. Each output's order is the same in any tile.
+AI void tile_k_i8(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int nb, Rows8 x, int K, float *y, int ldy) {
+    __m256 acc[4][4];
+    float mins[4][4];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < RT; r++) acc[g][r] = _mm256_setzero_ps(), mins[g][r] = 0.0f;
+    const int bs = bsize(kind);
+    for (int b = 0; b < nb; b++) {
+        prefetch_next(G, w, rowbytes, b, bs);
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = w + g * rowbytes + (size_t)b * bs;
+            uint8_t sc[8], mn[8];
+            int8_t sc6[16];
+            float dw, dmin = 0.0f;
+            if (kind == Q4_K) {
+                uint32_t a[3];
+                memcpy(a, blk + 4, 12);
+                const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+                const uint64_t s64 = (a[0] & six) | (uint64_t)((a[2] & four) | ((a[0] >> 6) & two) << 4) << 32;
+                const uint64_t m64 = (a[1] & six) | (uint64_t)(((a[2] >> 4) & four) | ((a[1] >> 6) & two) << 4) << 32;
+                memcpy(sc, &s64, 8);
+                memcpy(mn, &m64, 8);
+                dw = _cvtsh_ss(*(const uint16_t *)blk);
+                dmin = _cvtsh_ss(*(const uint16_t *)(blk + 2));
+            } else {
+                memcpy(sc6, blk + 192, 16);
+                dw = _cvtsh_ss(*(const uint16_t *)(blk + 208));
+            }
+            __m256i isum[4];
+            int msum[4] = {0, 0, 0, 0};
+            for (int r = 0; r < RT; r++) isum[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                const __m256i wq = k_block_i8(kind, blk, j);
+                const __m256i scale = kind == Q4_K
+                    ? _mm256_set1_epi16(sc[j])
+                    : _mm256_setr_m128i(_mm_set1_epi16(sc6[2 * j]), _mm_set1_epi16(sc6[2 * j + 1]));
+                const __m256i aw = kind == Q4_K ? wq : _mm256_sign_epi8(wq, wq);
+                for (int r = 0; r < RT; r++) {
+                    const __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q + (size_t)r * K + 256 * b + 32 * j));
+                    const __m256i pairs = kind == Q4_K ? _mm256_maddubs_epi16(wq, xq) : _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xq, wq));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, scale));
+                    if (kind == Q4_K) msum[r] += mn[j] * x.sums[(size_t)r * (K / 32) + 8 * b + j];
+                }
+            }
+            for (int r = 0; r < RT; r++) {
+                const float dx = x.d[(size_t)r * nb + b];
+                acc[g][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), _mm256_cvtepi32_ps(isum[r]), acc[g][r]);
+                if (kind == Q4_K) mins[g][r] = __builtin_fmaf(-dmin * dx, (float)msum[r], mins[g][r]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < RT; r++) y[(size_t)r * ldy + g] = hsum(acc[g][r]) + mins[g][r];
+}
+
 // G weight rows x RT rows of x, as tile_f32: each accumulator sums its blocks in order, so the
 // result does not depend on the tiling
 AI void tile_i8(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int nb, Rows8 x, int K, float *y, int ldy) {
+    if (k_quant(kind)) {
+        tile_k_i8(kind, G, RT, w, rowbytes, nb, x, K, y, ldy);
+        return;
+    }
     __m256 acc[4][4], mins[4];  // lane g of mins[r]: the sum of m s of weight row g, x row r
     for (int r = 0; r < RT; r++) {
         mins[r] = _mm256_setzero_ps();
@@ -462,7 +586,8 @@ AI void tile_i8(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, int 
 AI void rows_i8(int kind, int G, const uint8_t *w, size_t rowbytes, int nb, Rows8 x, int R, int K, float *y, int ldy) {
     int r0 = 0;
 #define T(GT, RT) for (int g = 0; g < G; g += (G == 4 ? GT : 1)) {                                     \
-        const Rows8 at = {x.q + (size_t)r0 * K, x.d + (size_t)r0 * nb, x.s + (size_t)r0 * nb};          \
+        const Rows8 at = {x.q + (size_t)r0 * K, x.d + (size_t)r0 * nb, x.s + (size_t)r0 * nb,          \
+                          x.sums + (size_t)r0 * (K / 32)};                                             \
         tile_i8(kind, G == 4 ? GT : 1, RT, w + g * rowbytes, rowbytes, nb, at, K, y + (size_t)r0 * ldy + g, ldy); }
     for (; r0 + 4 <= R; r0 += 4) T(2, 4);
     switch (R - r0) {
@@ -483,7 +608,7 @@ typedef struct {
 } Job8;
 
 AI void group_i8(int kind, const Job8 *j, int i) {
-    const int nb = j->K / 32;
+    const int nb = j->K / per_block(kind);
     const size_t rowbytes = (size_t)nb * bsize(kind);
     const int G = 4 * i + 4 <= j->N ? 4 : 1;
     for (int o = 4 * i; o < 4 * i + 4 && o < j->N; o += G)
@@ -507,6 +632,12 @@ static void run_i8(int kind, const Job8 *j, int nth) {
     } else if (kind == IQ4_NL) {
 #pragma omp parallel for schedule(static) num_threads(nth)
         for (int i = 0; i < ng; i++) group_i8(IQ4_NL, j, i);
+    } else if (kind == Q4_K) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group_i8(Q4_K, j, i);
+    } else if (kind == Q6_K) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+        for (int i = 0; i < ng; i++) group_i8(Q6_K, j, i);
     } else {
 #pragma omp parallel for schedule(static) num_threads(nth)
         for (int i = 0; i < ng; i++) group_i8(Q8_0, j, i);
@@ -517,16 +648,22 @@ static void run_i8(int kind, const Job8 *j, int nth) {
 enum { STACK_VALUES = 16384 };
 
 static void gemm_i8(int kind, const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) {
-    const int nb = K / 32;
+    const int nb = K / per_block(kind), ns = K / 32;
     const size_t n = (size_t)R * K;
-    int8_t stack_q[STACK_VALUES];
-    float stack_ds[2 * STACK_VALUES / 32];
-    int8_t *q = n <= STACK_VALUES ? stack_q : malloc(n + 2 * sizeof(float) * (n / 32));
-    float *d = n <= STACK_VALUES ? stack_ds : (float *)(q + n);
+    // q (R, K), then d and s (R, nb) each, then a K-quant's sums (R, K/32): at most 2 floats and
+    // an int32 a 32 values
+    int8_t stack_q[STACK_VALUES + 3 * 4 * (STACK_VALUES / 32)] __attribute__((aligned(32)));
+    int8_t *q = n <= STACK_VALUES ? stack_q : malloc(n + 3 * 4 * (n / 32));
     if (q == NULL) return;  // (the check holds y's garbage against the product: rejected)
-    for (int r = 0; r < R; r++)
-        quantize_row(x + (size_t)r * K, K, q + (size_t)r * K, d + (size_t)r * nb, d + (size_t)R * nb + (size_t)r * nb);
-    const Job8 j = {{q, d, d + (size_t)R * nb}, R, K, W, N, y};
+    float *d = (float *)(q + n), *s = d + (size_t)R * nb;
+    int32_t *sums = (int32_t *)(s + (size_t)R * nb);
+    for (int r = 0; r < R; r++) {
+        if (k_quant(kind))
+            quantize_row_k(x + (size_t)r * K, K, q + (size_t)r * K, d + (size_t)r * nb, sums + (size_t)r * ns);
+        else
+            quantize_row(x + (size_t)r * K, K, q + (size_t)r * K, d + (size_t)r * nb, s + (size_t)r * nb);
+    }
+    const Job8 j = {{q, d, s, sums}, R, K, W, N, y};
     run_i8(kind, &j, nth);
     if (q != stack_q) free(q);
 }
@@ -537,7 +674,34 @@ void q8_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, in
 void q5_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q5_0, x, R, K, W, N, y, nth); }
 void q5_1_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q5_1, x, R, K, W, N, y, nth); }
 void iq4_nl_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(IQ4_NL, x, R, K, W, N, y, nth); }
+void q4_k_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q4_K, x, R, K, W, N, y, nth); }
+void q6_k_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q6_K, x, R, K, W, N, y, nth); }
 // The quantized rows themselves, for the tests' reference: q (R, K), d and s (R, K/32)
 void quantize_rows_q8(const float *x, int R, int K, int8_t *q, float *d, float *s) {
     for (int r = 0; r < R; r++) quantize_row(x + (size_t)r * K, K, q + (size_t)r * K, d + (size_t)r * (K / 32), s + (size_t)r * (K / 32));
 }
+// The same for the K-quants' rounding: q (R, K), d (R, K/256), sums (R, K/32)
+void quantize_rows_q8k(const float *x, int R, int K, int8_t *q, float *d, int32_t *sums) {
+    for (int r = 0; r < R; r++)
+        quantize_row_k(x + (size_t)r * K, K, q + (size_t)r * K, d + (size_t)r * (K / 256), sums + (size_t)r * (K / 32));
+}
+
+// Rows x as the products above round them, as floats: out = d q, each value's block rounded as
+// `per_block` (32, or 256 for the K-quants) says. For "c-int8-blas" (models/native.py): a
+// prompt's many rows multiplied by BLAS at its float speed, with int8 activations' values.
+void rounded_rows_q8(const float *x, int R, int K, int per_block, float *out, int nth) {
+#pragma omp parallel for schedule(static) num_threads(nth)
+    for (int r = 0; r < R; r++) {
+        int8_t q[STACK_VALUES];
+        float d[STACK_VALUES / 32], s[STACK_VALUES / 32];
+        int32_t sums[STACK_VALUES / 32];
+        for (int at = 0; at < K; at += STACK_VALUES) {  // a row longer than the stack, in parts
+            const int n = K - at < STACK_VALUES ? K - at : STACK_VALUES;
+            if (per_block == 256) quantize_row_k(x + (size_t)r * K + at, n, q, d, sums);
+            else quantize_row(x + (size_t)r * K + at, n, q, d, s);
+            float *o = out + (size_t)r * K + at;
+            for (int i = 0; i < n; i++) o[i] = d[i / per_block] * (float)q[i];
+        }
+    }
+}
+
