@@ -20,8 +20,20 @@ from edgetp.models.quant import FORMATS, random_blocks
 
 HARNESS = Path(__file__).with_name("csrc") / "arm_check.c"
 COMPILER, EMULATOR = "aarch64-linux-gnu-gcc", "qemu-aarch64"
+OBJDUMP = "aarch64-linux-gnu-objdump"  # binutils, which the compiler comes with
 
 pytestmark = pytest.mark.slow  # a cross build, and every check run under an emulator
+
+
+# Each build as a board's compiler makes it (-march=native there): a plain ARMv8 core (Cortex-A53,
+# A72), one with the dot product instructions (A55, A76: sdot), one with int8 matrix products
+# too (A710, Neoverse V1: smmla). The instruction a variant exists for, which its code must hold.
+BUILDS = {
+    "expand": ("expand.c", "armv8-a", None),
+    "portable": ("blocks_portable.c", "armv8-a", None),
+    "portable-dotprod": ("blocks_portable.c", "armv8.2-a+dotprod", "sdot"),
+    "portable-i8mm": ("blocks_portable.c", "armv8.2-a+dotprod+i8mm", "smmla"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +46,19 @@ def builds(tmp_path_factory) -> dict[str, Path]:
     )
     folder = tmp_path_factory.mktemp("arm")
     out = {}
-    sources = (("expand", "expand.c", []), ("portable", "blocks_portable.c", ["-DPORTABLE"]))
-    for build, source, extra in sources:
+    for build, (source, arch, instruction) in BUILDS.items():
         out[build] = folder / f"arm_{build}"
+        extra = ["-DPORTABLE"] if source == "blocks_portable.c" else []
         subprocess.run(
-            [COMPILER, "-O3", "-march=armv8-a", "-fopenmp", "-static", *extra, str(HARNESS),
+            [COMPILER, "-O3", f"-march={arch}", "-fopenmp", "-static", *extra, str(HARNESS),
              str(CSRC / source), "-o", str(out[build]), "-lm"],
             check=True, capture_output=True, timeout=300,
         )  # fmt: skip
+        if instruction is not None:
+            code = subprocess.run(
+                [OBJDUMP, "-d", str(out[build])], check=True, capture_output=True, text=True
+            ).stdout
+            assert f"\t{instruction}\t" in code, f"the {build} build has no {instruction}"
     return out
 
 
@@ -78,16 +95,20 @@ def test_the_aarch64_builds_multiply_the_stored_weights_exactly(builds, build, f
         assert (np.abs(y - want) <= bound).all(), (fmt, out, inp, rows)
 
 
-@pytest.mark.parametrize("fmt", PORTABLE)
-def test_the_aarch64_int8_products_equal_the_integer_reference(builds, fmt):
-    """The portable build's int8 activations (models/activations.py) on aarch64: the rows
-    rounded as NumPy rounds them, each block's integer sum exact, only the float sum over the
-    blocks apart (1e-5 of |x| |w|)."""
+@pytest.mark.parametrize(
+    ("build", "fmt"),
+    [(b, f) for b in ("portable", "portable-dotprod", "portable-i8mm") for f in PORTABLE],
+)
+def test_the_aarch64_int8_products_equal_the_integer_reference(builds, build, fmt):
+    """The portable build's int8 activations (models/activations.py) on aarch64, plain and
+    with sdot and smmla: the rows rounded as NumPy rounds them, each block's integer sum exact,
+    only the float sum over the blocks apart (1e-5 of |x| |w|). Odd counts of weight rows and
+    rows of x leave a pair's second out."""
     rng = np.random.default_rng(len(fmt))
-    for out, inp, rows in ((7, 64, 1), (33, 640, 3), (5, 160, 9)):
+    for out, inp, rows in ((7, 64, 1), (33, 640, 3), (5, 160, 9), (8, 96, 4)):
         w = random_blocks(FORMATS[fmt], out, inp, rng).numpy()
         x = rng.standard_normal((rows, inp), dtype=np.float32)
-        y, _ = _run(builds["portable"], f"{fmt}_q8", w, x, expands=False)
+        y, _ = _run(builds[build], f"{fmt}_q8", w, x, expands=False)
         exact = FORMATS[fmt].dequantize(torch.from_numpy(w)).double().numpy()
         rounded = rounded_rows(x)
         want = rounded @ exact.T

@@ -75,6 +75,9 @@ void q8_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, i
 
 #include <math.h>
 #include <stdlib.h>
+#if defined(__ARM_FEATURE_DOTPROD) || defined(__ARM_FEATURE_MATMUL_INT8)
+#include <arm_neon.h>
+#endif
 
 // one row of x as int8 blocks: d = max|x| / 127, q = x * (1/d) to the nearest (ties to even),
 // s = d * sum(q)
@@ -108,6 +111,39 @@ static void block_i8(int kind, const uint8_t *blk, int8_t w[32]) {
     }
 }
 
+// A block's integer dot product: 32 int8 products, summed exactly (sdot where the CPU has it).
+static inline int dot32(const int8_t *a, const int8_t *b) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    int32x4_t acc = vdotq_s32(vdupq_n_s32(0), vld1q_s8(a), vld1q_s8(b));
+    return vaddvq_s32(vdotq_s32(acc, vld1q_s8(a + 16), vld1q_s8(b + 16)));
+#else
+    int dot = 0;
+    for (int j = 0; j < 32; j++) dot += a[j] * b[j];
+    return dot;
+#endif
+}
+
+// Blocks w[i] (i < nw) against x rows xq[k] (k < nx, K apart): dots[i][k], exact. Two by two, an
+// i8mm CPU takes the four in smmla's 2x8-by-8x2 products, 8 values at a time.
+static inline void block_dots(const int8_t w[2][32], int nw, const int8_t *xq, int nx, int K, int dots[2][2]) {
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+    if (nw == 2 && nx == 2) {
+        int32x4_t acc = vdupq_n_s32(0);
+        for (int k = 0; k < 32; k += 8)
+            acc = vmmlaq_s32(acc, vcombine_s8(vld1_s8(w[0] + k), vld1_s8(w[1] + k)),
+                             vcombine_s8(vld1_s8(xq + k), vld1_s8(xq + K + k)));
+        int out[4];
+        vst1q_s32(out, acc);  // [w0 x0, w0 x1, w1 x0, w1 x1]
+        dots[0][0] = out[0], dots[0][1] = out[1], dots[1][0] = out[2], dots[1][1] = out[3];
+        return;
+    }
+#endif
+    for (int i = 0; i < nw; i++)
+        for (int k = 0; k < nx; k++) dots[i][k] = dot32(w[i], xq + (size_t)k * K);
+}
+
+// Weight rows and rows of x two by two; each output sums its blocks in order, the same floats
+// whichever way its block's integer sum was taken.
 static void gemm_i8(int kind, const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) {
     const int nb = K / 32, bs = bsize(kind);
     int8_t *q = malloc((size_t)R * K + 2 * sizeof(float) * (size_t)R * nb);
@@ -115,22 +151,28 @@ static void gemm_i8(int kind, const float *x, int R, int K, const uint8_t *W, in
     float *d = (float *)(q + (size_t)R * K), *s = d + (size_t)R * nb;
     for (int r = 0; r < R; r++) quantize_row(x + (size_t)r * K, K, q + (size_t)r * K, d + (size_t)r * nb, s + (size_t)r * nb);
 #pragma omp parallel for schedule(static) num_threads(nth)
-    for (int o = 0; o < N; o++) {
+    for (int o = 0; o < N; o += 2) {
+        const int nw = o + 1 < N ? 2 : 1;
         const uint8_t *wr = W + (size_t)o * nb * bs;
-        int8_t w[32];
-        for (int r = 0; r < R; r++) {
-            float sum = 0.0f;
+        int8_t w[2][32];
+        for (int r = 0; r < R; r += 2) {
+            const int nx = r + 1 < R ? 2 : 1;
+            float sum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
             for (int b = 0; b < nb; b++) {
-                const uint8_t *blk = wr + (size_t)b * bs;
-                block_i8(kind, blk, w);
-                const int8_t *xq = q + (size_t)r * K + 32 * b;
-                int dot = 0;
-                for (int j = 0; j < 32; j++) dot += w[j] * xq[j];
-                const size_t at = (size_t)r * nb + b;
-                sum += h2f(blk) * d[at] * (float)dot;
-                if (kind == Q4_1) sum += h2f(blk + 2) * s[at];
+                int dots[2][2];
+                for (int i = 0; i < nw; i++) block_i8(kind, wr + ((size_t)i * nb + b) * bs, w[i]);
+                block_dots((const int8_t(*)[32])w, nw, q + (size_t)r * K + 32 * b, nx, K, dots);
+                for (int i = 0; i < nw; i++) {
+                    const uint8_t *blk = wr + ((size_t)i * nb + b) * bs;
+                    for (int k = 0; k < nx; k++) {
+                        const size_t at = (size_t)(r + k) * nb + b;
+                        sum[i][k] += h2f(blk) * d[at] * (float)dots[i][k];
+                        if (kind == Q4_1) sum[i][k] += h2f(blk + 2) * s[at];
+                    }
+                }
             }
-            y[(size_t)r * N + o] = sum;
+            for (int i = 0; i < nw; i++)
+                for (int k = 0; k < nx; k++) y[(size_t)(r + k) * N + o + i] = sum[i][k];
         }
     }
     free(q);
