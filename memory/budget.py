@@ -193,12 +193,17 @@ class MemoryOptions:
     dtype: str = "f32"  # shard dtype, chosen at split time (master only)
     drop_cache: bool = False  # drop each shard from the page cache after reading it
     kv_cache: str = "f32"  # how every node stores keys and values (models/kvformat.py), or "auto"
+    # how the block products take their input (models/activations.py): "exact", "int8" or
+    # "auto" (the commands' default: int8 for a model in 4- to 6-bit blocks), set for the
+    # whole process when the master plans, and told to every node
+    activations: str = "exact"
 
     @property
     def streaming(self) -> bool:
         """Whether weights must come from shard files rather than straight from the model (how
-        the KV cache is stored has no say in it)."""
-        return replace(self, kv_cache=ALL_RESIDENT.kv_cache) != ALL_RESIDENT
+        the KV cache is stored and the products' input have no say in it)."""
+        kept = replace(self, kv_cache=ALL_RESIDENT.kv_cache, activations=ALL_RESIDENT.activations)
+        return kept != ALL_RESIDENT
 
     def node_args(self) -> list[str]:
         """The same options for a local worker's command line."""

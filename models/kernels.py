@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edgetp.models.activations import ACTIVATIONS, Activations
+from edgetp.models.activations import Activations, check_activations
 from edgetp.models.quant import FORMATS, block_format, matrix_size
 
 log = logging.getLogger(__name__)
@@ -212,11 +212,7 @@ def set_activations(mode: str) -> None:
     """Choose among the candidates of `mode` ("exact" or "int8", models/activations.py) from the
     next `node.device.prepare` on; a shape without an int8 one keeps an exact one."""
     global _activations
-    for known in ACTIVATIONS:
-        if mode == known:
-            _activations = known
-            return
-    raise ValueError(f"activations {mode!r}: choose {' or '.join(ACTIVATIONS)}")
+    _activations = check_activations(mode)
 
 
 def activations() -> Activations:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from edgetp.models import native
+from edgetp.models.activations import Activations, check_activations, default_activations
 from edgetp.models.bundled import model_path
 from edgetp.models.config import ModelConfig
 from edgetp.models.config_files import config_from_gguf
@@ -82,6 +83,15 @@ def default_dtype(spec: str | Path | None = None) -> str:
         )
         return "f32"
     return AUTO
+
+
+def model_activations(source: ModelSource, dtype: str, asked: str) -> Activations:
+    """The activations `asked` for this model split at `dtype`: `auto` is int8 where its first
+    layer's matrices are in a format measured to take int8 activations as llama.cpp does
+    (models/activations.py), else exact."""
+    if asked != "auto":
+        return check_activations(asked)
+    return default_activations(source.matrix_dtypes(0, dtype).values())
 
 
 # GGUF tensor names of the canonical per-layer tensors.

@@ -223,16 +223,37 @@ def test_no_local_nodes_is_refused_by_the_parser(capsys):
 def test_activations_are_a_choice_of_every_command_that_runs_a_model():
     """`--activations int8` on run, serve, chat, master and bench; the chat app hands it to the
     server it starts. (That the master's choice reaches every node: test_int8_activations.)"""
-    from edgetp.tui.arguments import build_parser
+    from edgetp.tui.arguments import build_parser, memory_options
     from edgetp.tui.chat.command import _serve_args
 
     for command in (["run", "hi"], ["serve"], ["chat"], ["master"], ["bench"]):
         args = build_parser().parse_args([command[0], "--activations", "int8", *command[1:]])
         assert args.activations == "int8", command
-        assert build_parser().parse_args(command).activations == "exact", command
-    chat = build_parser().parse_args(["chat", "--activations", "int8"])
+        assert memory_options(args).activations == "int8", command
+        assert build_parser().parse_args(command).activations == "auto", command
+    chat = build_parser().parse_args(["chat", "--activations", "exact"])
     served = _serve_args(chat)
-    assert served[served.index("--activations") + 1] == "int8"
+    assert served[served.index("--activations") + 1] == "exact"
+    assert "--activations" not in _serve_args(build_parser().parse_args(["chat"]))
+
+
+def test_auto_activations_are_int8_for_4_to_6_bit_blocks_and_exact_otherwise(smollm2):
+    """`auto` (the commands' default) by the split's matrices: the Q4_1 file and Gemma 3's
+    Q4_K_M (Q4_K, Q6_K, Q5_0) in their own blocks take int8; the same weights as f32 or Q8_0
+    stay exact; a mode asked for is kept, a mode unknown refused."""
+    from edgetp.models.bundled import BUNDLED_MODELS
+    from edgetp.models.source import model_activations, open_model
+
+    gemma3 = open_model(BUNDLED_MODELS["gemma3-270m"]())
+    assert model_activations(smollm2, "auto", "auto") == "int8"
+    assert model_activations(gemma3, "auto", "auto") == "int8"
+    assert model_activations(smollm2, "q4_k", "auto") == "int8"
+    for dtype in ("f32", "q8_0"):
+        assert model_activations(smollm2, dtype, "auto") == "exact", dtype
+    assert model_activations(smollm2, "auto", "exact") == "exact"
+    assert model_activations(smollm2, "f32", "int8") == "int8"
+    with pytest.raises(ValueError, match="choose exact or int8"):
+        model_activations(smollm2, "auto", "int4")
 
 
 def test_the_parser_and_the_chat_app_start_without_torch():

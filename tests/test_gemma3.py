@@ -112,15 +112,16 @@ def expected_continuations(reference) -> dict[str, str]:
 
 @pytest.mark.parametrize("nodes", [1, 3])
 def test_run_raw_greedy_equals_transformers_generate(expected_continuations, nodes, capsys):
-    """`edgetp run --raw` at its default dtype (auto: the file's types kept), on one process
-    and on three local nodes: the command's own `main`, in this process (a new interpreter
-    per prompt imported torch and started a fork server for its workers again each time;
+    """`edgetp run --raw` at its default dtype (auto: the file's types kept) with exact
+    activations (transformers multiplies the file's values in float), on one process and on
+    three local nodes: the command's own `main`, in this process (a new interpreter per prompt
+    imported torch and started a fork server for its workers again each time;
     tests/test_cli.py runs the console script itself)."""
     answers = {}
     for prompt in expected_continuations:
         code = main([
             "run", "--raw", "--max-tokens", "12", "--model", "gemma3-270m",
-            "--local-nodes", str(nodes), prompt,
+            "--activations", "exact", "--local-nodes", str(nodes), prompt,
         ])  # fmt: skip
         answers[prompt], err = capsys.readouterr()
         assert code == 0, err

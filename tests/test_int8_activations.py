@@ -120,18 +120,18 @@ def test_the_check_refuses_an_int8_candidate_that_rounds_otherwise(fmt, inp):
 
 
 @pytest.fixture
-def int8_activations():
-    """Int8 from a table of no choices (what earlier tests installed stays otherwise, and
-    `kernel_set` names it)."""
+def no_kernel_choices():
+    """A table of no choices (what earlier tests installed stays otherwise, and `kernel_set`
+    names it)."""
     kernels.uninstall()
-    kernels.set_activations("int8")
     yield
-    kernels.set_activations("exact")
     kernels.uninstall()
 
 
 @pytest.mark.parametrize("model", [DEFAULT_MODEL, "gemma3-270m"])
-def test_int8_greedy_tokens_are_the_same_on_every_node_count(model, shared_state, int8_activations):
+def test_int8_greedy_tokens_are_the_same_on_every_node_count(
+    model, shared_state, no_kernel_choices
+):
     """SmolLM2's Q4_1 file and Gemma 3's Q4_K_M (K-quants rounded a block of 256, the rest a
     block of 32) with int8 activations: each node rounds its rows alike (a split never cuts a
     block), so 1 and 3 nodes answer the same tokens."""
@@ -141,7 +141,11 @@ def test_int8_greedy_tokens_are_the_same_on_every_node_count(model, shared_state
     answers = []
     for nodes in (1, 3):
         with local_engine(
-            source, nodes, state_dir=shared_state, context=96, memory=MemoryOptions(dtype="auto")
+            source,
+            nodes,
+            state_dir=shared_state,
+            context=96,
+            memory=MemoryOptions(dtype="auto", activations="int8"),
         ) as engine:
             seqs = start(engine, [prompt], [SamplingParams(max_tokens=24, ignore_eos=True)])
             for _ in stream(engine, tokenizer, seqs):

@@ -120,11 +120,12 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
         )
         p.add_argument(
             "--activations",
-            choices=("exact", "int8"),
-            default="exact",
-            help="how the block formats' products take their input: exact (float32, default) "
-            "or int8 (rounded to int8 a block of 32 as llama.cpp does, integer dot products; "
-            "every node follows the master)",
+            choices=("auto", "exact", "int8"),
+            default="auto",
+            help="how the block formats' products take their input: exact (float32) or int8 "
+            "(rounded to int8 a block of 32, the K-quants' a block of 256, as llama.cpp does; "
+            "integer dot products); auto (default): int8 for a model in 4- to 6-bit blocks, "
+            "exact otherwise; every node follows the master",
         )
         p.add_argument(
             "--kv-cache",
@@ -203,6 +204,7 @@ def memory_options(args: argparse.Namespace) -> MemoryOptions:
         dtype=_dtype(args),
         drop_cache=getattr(args, "drop_cache", False),
         kv_cache=getattr(args, "kv_cache", "f32"),
+        activations=getattr(args, "activations", "exact"),  # a worker: what its master says
     )
 
 

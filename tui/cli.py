@@ -498,10 +498,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         _resolve_names(args)
-        if getattr(args, "activations", "exact") != "exact":  # (torch: not for the default)
-            from edgetp.models.kernels import set_activations
-
-            set_activations(args.activations)  # the master's; it tells its workers
         COMMANDS[args.command](args)
     except BrokenPipeError:
         return 0

@@ -20,6 +20,7 @@ file's weights as F32 (`llama-quantize --allow-requantize FILE f32.gguf F32`), t
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -93,9 +94,13 @@ print(
 
 def timed(mode: str, threads: int) -> tuple[float, float]:
     """(ms a decoded token, ms a 512-token prefill) on one node in `mode`."""
-    kernels.set_activations(mode)
     with local_engine(
-        source, 1, threads=threads, state_dir=state, context=2 * CHUNK, memory=memory
+        source,
+        1,
+        threads=threads,
+        state_dir=state,
+        context=2 * CHUNK,
+        memory=replace(memory, activations=mode),
     ) as engine:
         engine.forward([chunks[0]], StepBatch((0,), (0,), (CHUNK,)))  # warm
         began = time.perf_counter()

@@ -42,9 +42,9 @@ from edgetp.memory.splitter import model_identity, split_model
 from edgetp.memory.window import keep_imports_out_of_collections, return_freed_memory
 from edgetp.models.config import ModelConfig
 from edgetp.models.errors import ModelError
-from edgetp.models.kernels import blas_threads
+from edgetp.models.kernels import blas_threads, set_activations
 from edgetp.models.layers import Slice
-from edgetp.models.source import ModelSource
+from edgetp.models.source import ModelSource, model_activations
 from edgetp.node import messages as M
 from edgetp.node.device import plan_shapes, prepare
 from edgetp.node.kvcache import KVCache, LinearStates
@@ -125,6 +125,8 @@ def _cluster_engine(
     told why; a re-plan goes on without it.
     """
     context = context_size(source.config, max_context)
+    # before any kernel is chosen and the workers are told
+    set_activations(model_activations(source, memory.dtype, memory.activations))
     slices = plan_slices(source.config, capacities, source.ffn_align(memory.dtype))
     # With workers, each node multiplies its rows of the lm_head: not the master alone, serially
     heads = (
