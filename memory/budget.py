@@ -194,8 +194,8 @@ class MemoryOptions:
     drop_cache: bool = False  # drop each shard from the page cache after reading it
     kv_cache: str = "f32"  # how every node stores keys and values (models/kvformat.py), or "auto"
     # how the block products take their input (models/activations.py): "exact", "int8" or
-    # "auto" (the commands' default: int8 for a model in 4- to 6-bit blocks), set for the
-    # whole process when the master plans, and told to every node
+    # "auto" (int8 for a model in 4- to 6-bit blocks), set for the whole process when the
+    # master plans, and told to every node
     activations: str = "exact"
 
     @property

@@ -20,11 +20,14 @@ import numpy as np
 
 Activations = Literal["exact", "int8"]
 ACTIVATIONS: tuple[Activations, ...] = ("exact", "int8")
-# `--activations auto` (the commands' default): int8 for a model whose matrices include these
-# 4- to 6-bit formats, exact otherwise. Measured the field's way (docs/bench/README.md): on a
-# Q4_1 and a Q4_K_M file, int8's mean KL-divergence from exact was 1.05x and 0.96x llama.cpp's
-# own int8 cost on the same file and text, for 0.70-0.75x of exact's decode time; on 8-bit and
-# float weights, whose own error is far smaller, no such measurement stands behind it.
+# `--activations auto`: int8 for a model whose matrices include these 4- to 6-bit formats, exact
+# otherwise. Measured the field's way (docs/bench/README.md): on a Q4_1 and a Q4_K_M file,
+# int8's mean KL-divergence from exact was 1.05x and 0.96x llama.cpp's own int8 cost on the same
+# file and text, for 0.70-0.75x of exact's decode time; on 8-bit and float weights, whose own
+# error is far smaller, no such measurement stands behind it. Not the commands' default: int8
+# rounding turns the float noise of a batch's shape (attention over a batch, 1e-7) into other
+# integers now and then, so a text's answer or embedding depends on what it is batched with
+# (an embedding alone and beside two others: cosine 0.9998; exact's agree to 3e-7).
 INT8_BY_DEFAULT = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q6_k"})
 
 

@@ -230,15 +230,15 @@ def test_activations_are_a_choice_of_every_command_that_runs_a_model():
         args = build_parser().parse_args([command[0], "--activations", "int8", *command[1:]])
         assert args.activations == "int8", command
         assert memory_options(args).activations == "int8", command
-        assert build_parser().parse_args(command).activations == "auto", command
-    chat = build_parser().parse_args(["chat", "--activations", "exact"])
+        assert build_parser().parse_args(command).activations == "exact", command
+    chat = build_parser().parse_args(["chat", "--activations", "auto"])
     served = _serve_args(chat)
-    assert served[served.index("--activations") + 1] == "exact"
+    assert served[served.index("--activations") + 1] == "auto"
     assert "--activations" not in _serve_args(build_parser().parse_args(["chat"]))
 
 
 def test_auto_activations_are_int8_for_4_to_6_bit_blocks_and_exact_otherwise(smollm2):
-    """`auto` (the commands' default) by the split's matrices: the Q4_1 file and Gemma 3's
+    """`--activations auto` by the split's matrices: the Q4_1 file and Gemma 3's
     Q4_K_M (Q4_K, Q6_K, Q5_0) in their own blocks take int8; the same weights as f32 or Q8_0
     stay exact; a mode asked for is kept, a mode unknown refused."""
     from edgetp.models.bundled import BUNDLED_MODELS

@@ -352,7 +352,8 @@ class NodeFigures(BaseModel):
     activations: Literal["exact", "int8"] | None = Field(
         None,
         description="how its block-format products take their input: exact float32, or int8 "
-        "a block of 32 (llama.cpp's Q8_0 rounding), where the device has an integer kernel",
+        "a block of 32 (llama.cpp's Q8_0 rounding; the K-quants' Q8_K, a block of 256), where "
+        "the device has an integer kernel",
     )
     restarts: int = Field(0, description="times this machine restarted the node's process")
 
