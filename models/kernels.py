@@ -149,7 +149,7 @@ _INT8 = (
 # models/csrc/blocks.c's formats (as models/native.py builds it: float and int8 products for
 # each), and blocks_portable.c's
 HAND_TUNED = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "iq4_nl", "q4_k", "q6_k")
-PORTABLE = ("q4_0", "q4_1", "q8_0")
+PORTABLE = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "iq4_nl")
 
 # Row counts group into buckets: a step's rows are its sequences (decode) or its tokens
 # (prefill); a kernel's speed, and for some its correctness, changes with them. A batched
@@ -172,9 +172,9 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
     "int8": (_own("torch-int8pack", "torch_int8pack"), _own("dequant-f32", "reference")),
     # Expanding blocks to float32 at every product costs ~30x a q4_1 token: a device whose
     # native kernels were rejected refuses the dtype unless `ALLOW_FALLBACK_ENV` asks for it.
-    # The blocks of 32 but MXFP4 have hand-tuned AVX2 products (and q4_0, q4_1, q8_0 a portable
-    # build of those); every format has the compiler-vectorised ones of models/csrc/expand.c, and
-    # for a prefill's rows a band expanded for BLAS.
+    # The blocks of 32 but MXFP4, and Q4_K and Q6_K, have hand-tuned AVX2 products (the blocks of
+    # 32 a portable build of those too); every format has the compiler-vectorised ones of
+    # models/csrc/expand.c, and for a prefill's rows a band expanded for BLAS.
     **{
         name: (
             *((Candidate("c-f32", f"{NATIVE}:f32_activations"),) if name in HAND_TUNED else ()),

@@ -1,14 +1,19 @@
-// The products of models/csrc/blocks.c in plain C, for CPUs without AVX2 (ARM boards, older x86):
-// y (R, N) = x (R, K) @ W^T with W (N, K) in GGUF's blocks, each block expanded to floats
-// (w = d*q + m) and multiplied in float32. No intrinsics: the compiler vectorises the inner loops
-// for whatever the machine has (-O3 -march=native), and the on-device check admits the result
-// only if it is right there.
+// The products of models/csrc/blocks.c's blocks of 32 in plain C, for CPUs without AVX2 (ARM
+// boards, older x86): y (R, N) = x (R, K) @ W^T with W (N, K) in GGUF's blocks (Q4_0, Q4_1,
+// Q8_0, Q5_0, Q5_1, IQ4_NL), each block expanded to floats (w = d*q + m) and multiplied in
+// float32. No intrinsics there: the compiler vectorises the inner loops for whatever the machine
+// has (-O3 -march=native), and the on-device check admits the result only if it is right there.
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
-static int bsize(int kind) { return kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : 34; }
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, IQ4_NL = 5 };
+static int bsize(int kind) {
+    return kind == Q4_0 || kind == IQ4_NL ? 18 : kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == Q5_0 ? 22 : 24;
+}
+static int has_min(int kind) { return kind == Q4_1 || kind == Q5_1; }  // an f16 minimum after d
+// IQ4_NL's 16 values (llama.cpp's kvalues_iq4nl), which its nibbles index
+static const int8_t IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // IEEE half to float, without the F16C instruction
 static float h2f(const uint8_t *p) {
@@ -31,20 +36,32 @@ static float h2f(const uint8_t *p) {
     return f;
 }
 
-// one block as 32 floats
-static void expand(int kind, const uint8_t *blk, float w[32]) {
-    float d = h2f(blk);
+// one block's 32 codes: Q8_0's as stored, IQ4_NL's table values, else the 4- or 5-bit q (bit i
+// of Q5's qh, after the scales, is element i's fifth)
+static void block_codes(int kind, const uint8_t *blk, int c[32]) {
     if (kind == Q8_0) {
-        const int8_t *q = (const int8_t *)(blk + 2);
-        for (int j = 0; j < 32; j++) w[j] = d * (float)q[j];
+        for (int j = 0; j < 32; j++) c[j] = ((const int8_t *)(blk + 2))[j];
         return;
     }
-    float m = kind == Q4_1 ? h2f(blk + 2) : -8.0f * d;
-    const uint8_t *q = blk + (kind == Q4_1 ? 4 : 2);
+    const int at = kind == Q4_0 || kind == IQ4_NL ? 2 : kind == Q4_1 ? 4 : kind == Q5_0 ? 6 : 8;
+    uint32_t qh = 0;
+    if (kind == Q5_0 || kind == Q5_1) memcpy(&qh, blk + (kind == Q5_0 ? 2 : 4), 4);
     for (int j = 0; j < 16; j++) {
-        w[j] = d * (float)(q[j] & 15) + m;
-        w[j + 16] = d * (float)(q[j] >> 4) + m;
+        const int lo = (blk[at + j] & 15) | ((qh >> j) & 1) << 4, hi = (blk[at + j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
+        c[j] = kind == IQ4_NL ? IQ4NL[lo] : lo;
+        c[j + 16] = kind == IQ4_NL ? IQ4NL[hi] : hi;
     }
+}
+
+// the value an unsigned code is off by: w = d (q - offset) for Q4_0 and Q5_0
+static int offset(int kind) { return kind == Q4_0 ? 8 : kind == Q5_0 ? 16 : 0; }
+
+// one block as 32 floats, w = d q + m (m: the stored minimum, or -offset d)
+static void expand(int kind, const uint8_t *blk, float w[32]) {
+    const float d = h2f(blk), m = has_min(kind) ? h2f(blk + 2) : -(float)offset(kind) * d;
+    int c[32];
+    block_codes(kind, blk, c);
+    for (int j = 0; j < 32; j++) w[j] = d * (float)c[j] + m;
 }
 
 static void gemm(int kind, const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) {
@@ -70,6 +87,9 @@ static void gemm(int kind, const float *x, int R, int K, const uint8_t *W, int N
 void q4_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm(Q4_0, x, R, K, W, N, y, nth); }
 void q4_1_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm(Q4_1, x, R, K, W, N, y, nth); }
 void q8_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm(Q8_0, x, R, K, W, N, y, nth); }
+void q5_0_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm(Q5_0, x, R, K, W, N, y, nth); }
+void q5_1_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm(Q5_1, x, R, K, W, N, y, nth); }
+void iq4_nl_f32(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm(IQ4_NL, x, R, K, W, N, y, nth); }
 
 // ---- int8 activations: models/csrc/blocks.c's rounding and sums, in plain C ------------------
 
@@ -97,18 +117,12 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
     }
 }
 
-// one block's integers: signed (Q4_0's offset taken off, Q8_0's as stored) or Q4_1's 0-15
+// one block's integers: signed (Q4_0's and Q5_0's offset taken off, Q8_0's as stored, IQ4_NL's
+// table values) or Q4_1's and Q5_1's unsigned q, whose minimum comes with x's block sum
 static void block_i8(int kind, const uint8_t *blk, int8_t w[32]) {
-    if (kind == Q8_0) {
-        memcpy(w, blk + 2, 32);
-        return;
-    }
-    const uint8_t *q = blk + (kind == Q4_1 ? 4 : 2);
-    const int off = kind == Q4_0 ? 8 : 0;
-    for (int j = 0; j < 16; j++) {
-        w[j] = (int8_t)((q[j] & 15) - off);
-        w[j + 16] = (int8_t)((q[j] >> 4) - off);
-    }
+    int c[32];
+    block_codes(kind, blk, c);
+    for (int j = 0; j < 32; j++) w[j] = (int8_t)(c[j] - offset(kind));
 }
 
 // A block's integer dot product: 32 int8 products, summed exactly (sdot where the CPU has it).
@@ -167,7 +181,7 @@ static void gemm_i8(int kind, const float *x, int R, int K, const uint8_t *W, in
                     for (int k = 0; k < nx; k++) {
                         const size_t at = (size_t)(r + k) * nb + b;
                         sum[i][k] += h2f(blk) * d[at] * (float)dots[i][k];
-                        if (kind == Q4_1) sum[i][k] += h2f(blk + 2) * s[at];
+                        if (has_min(kind)) sum[i][k] += h2f(blk + 2) * s[at];
                     }
                 }
             }
@@ -181,3 +195,6 @@ static void gemm_i8(int kind, const float *x, int R, int K, const uint8_t *W, in
 void q4_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q4_0, x, R, K, W, N, y, nth); }
 void q4_1_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q4_1, x, R, K, W, N, y, nth); }
 void q8_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q8_0, x, R, K, W, N, y, nth); }
+void q5_0_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q5_0, x, R, K, W, N, y, nth); }
+void q5_1_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(Q5_1, x, R, K, W, N, y, nth); }
+void iq4_nl_q8(const float *x, int R, int K, const uint8_t *W, int N, float *y, int nth) { gemm_i8(IQ4_NL, x, R, K, W, N, y, nth); }

@@ -17,12 +17,13 @@ typedef void (*expand_fn)(const uint8_t *, int, int, float *, int);
 
 DECLARE(q4_0) DECLARE(q4_1) DECLARE(q8_0)
 #ifdef PORTABLE  // models/csrc/blocks_portable.c: products only, float and int8 activations
-void q4_0_q8(const float *, int, int, const uint8_t *, int, float *, int);
-void q4_1_q8(const float *, int, int, const uint8_t *, int, float *, int);
-void q8_0_q8(const float *, int, int, const uint8_t *, int, float *, int);
+#define PRODUCTS(name)                                                                     \
+    void name##_f32(const float *, int, int, const uint8_t *, int, float *, int);          \
+    void name##_q8(const float *, int, int, const uint8_t *, int, float *, int);
+PRODUCTS(q4_0) PRODUCTS(q4_1) PRODUCTS(q8_0) PRODUCTS(q5_0) PRODUCTS(q5_1) PRODUCTS(iq4_nl)
 #define ENTRY(name) {#name, name##_f32, NULL}, {#name "_q8", name##_q8, NULL}
 static const struct { const char *name; product_fn product; expand_fn expand; } FORMATS[] = {
-    ENTRY(q4_0), ENTRY(q4_1), ENTRY(q8_0)};
+    ENTRY(q4_0), ENTRY(q4_1), ENTRY(q8_0), ENTRY(q5_0), ENTRY(q5_1), ENTRY(iq4_nl)};
 #else  // models/csrc/expand.c
 DECLARE(q5_0) DECLARE(q5_1) DECLARE(mxfp4) DECLARE(q2_k) DECLARE(q3_k) DECLARE(q4_k) DECLARE(q5_k)
 DECLARE(q6_k) DECLARE(iq4_xs) DECLARE(iq4_nl)
