@@ -28,7 +28,7 @@ ACTIVATIONS: tuple[Activations, ...] = ("exact", "int8")
 # rounding turns the float noise of a batch's shape (attention over a batch, 1e-7) into other
 # integers now and then, so a text's answer or embedding depends on what it is batched with
 # (an embedding alone and beside two others: cosine 0.9998; exact's agree to 3e-7).
-INT8_BY_DEFAULT = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q6_k"})
+AUTO_INT8_FORMATS = frozenset({"q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q6_k"})
 
 
 def check_activations(mode: str) -> Activations:
@@ -41,7 +41,7 @@ def check_activations(mode: str) -> Activations:
 
 def default_activations(dtypes: Iterable[str]) -> Activations:
     """`auto`'s choice for a model whose matrices are stored in `dtypes`."""
-    return "int8" if INT8_BY_DEFAULT.intersection(dtypes) else "exact"
+    return "int8" if AUTO_INT8_FORMATS.intersection(dtypes) else "exact"
 
 
 BLOCK = 32  # values a scale covers

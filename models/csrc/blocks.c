@@ -137,13 +137,19 @@ AI __m256 bytes8_times(uint64_t b, int is_signed, float v) {
 
 // Q4_K's 8 scales and minimums (6 bits each in 12 bytes, as ggml-quants.c's get_scale_min_k4
 // reads them: sub-blocks 0-3 from the low 6 bits of bytes 0-3 and 4-7, 4-7 from bytes 8-11's
-// nibbles with bytes 0-7's top 2 bits above them), 4 at a time, times d and -dmin: s[j], m[j]
-AI void q4_k_scales(const uint8_t *blk, float s[8], float m[8]) {
+// nibbles with bytes 0-7's top 2 bits above them), as a byte each: sc's byte j, mn's byte j
+AI void q4_k_scale_bytes(const uint8_t *blk, uint64_t *sc, uint64_t *mn) {
     uint32_t a[3];
     memcpy(a, blk + 4, 12);
     const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-    const uint64_t sc = (a[0] & six) | (uint64_t)((a[2] & four) | ((a[0] >> 6) & two) << 4) << 32;
-    const uint64_t mn = (a[1] & six) | (uint64_t)(((a[2] >> 4) & four) | ((a[1] >> 6) & two) << 4) << 32;
+    *sc = (a[0] & six) | (uint64_t)((a[2] & four) | ((a[0] >> 6) & two) << 4) << 32;
+    *mn = (a[1] & six) | (uint64_t)(((a[2] >> 4) & four) | ((a[1] >> 6) & two) << 4) << 32;
+}
+
+// the same times d and -dmin, as floats
+AI void q4_k_scales(const uint8_t *blk, float s[8], float m[8]) {
+    uint64_t sc, mn;
+    q4_k_scale_bytes(blk, &sc, &mn);
     _mm256_storeu_ps(s, bytes8_times(sc, 0, _cvtsh_ss(*(const uint16_t *)blk)));
     _mm256_storeu_ps(m, bytes8_times(mn, 0, -_cvtsh_ss(*(const uint16_t *)(blk + 2))));
 }
@@ -165,17 +171,13 @@ AI void bytes_f32(__m256i q, int is_signed, __m256 out[4]) {
         out[i] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(part[i]) : _mm256_cvtepu8_epi32(part[i]));
 }
 
-// weights [32j, 32j + 32) of a K-quant block as floats, w = s q + m (Q4_K) or s q (Q6_K, a scale
-// per 16: s[2j] for the first half, s[2j + 1] for the second)
-AI void k_block_f32(int kind, const uint8_t *blk, int j, const float *s, const float *m, __m256 w[4]) {
-    __m256 q[4];
+// A K-quant block's 32 weights [32j, 32j + 32) as bytes: Q4_K's nibbles 0-15 (unsigned), Q6_K's
+// q - 32 (signed, -32 to 31), in element order
+AI __m256i k_codes(int kind, const uint8_t *blk, int j) {
     if (kind == Q4_K) {  // bytes [32 (j/2), +32): low nibbles for an even j, high for an odd one
         __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j / 2)));
         if (j & 1) b = _mm256_srli_epi16(b, 4);
-        bytes_f32(_mm256_and_si256(b, _mm256_set1_epi8(15)), 0, q);
-        const __m256 vs = _mm256_set1_ps(s[j]), vm = _mm256_set1_ps(m[j]);
-        for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(q[i], vs, vm);
-        return;
+        return _mm256_and_si256(b, _mm256_set1_epi8(15));
     }
     // Q6_K: half h = j / 4 of 128 weights, quarter k = j % 4 of it: 4 low bits from ql[64 h +
     // 32 (k & 1)], the low nibble for k < 2, else the high one; 2 high bits from qh[32 h] at bit 2k
@@ -185,7 +187,19 @@ AI void k_block_f32(int kind, const uint8_t *blk, int j, const float *s, const f
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
     const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
     const __m256i v = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(15)), _mm256_slli_epi16(high, 4));
-    bytes_f32(_mm256_sub_epi8(v, _mm256_set1_epi8(32)), 1, q);
+    return _mm256_sub_epi8(v, _mm256_set1_epi8(32));
+}
+
+// weights [32j, 32j + 32) of a K-quant block as floats, w = s q + m (Q4_K) or s q (Q6_K, a scale
+// per 16: s[2j] for the first half, s[2j + 1] for the second)
+AI void k_block_f32(int kind, const uint8_t *blk, int j, const float *s, const float *m, __m256 w[4]) {
+    __m256 q[4];
+    bytes_f32(k_codes(kind, blk, j), kind == Q6_K, q);
+    if (kind == Q4_K) {
+        const __m256 vs = _mm256_set1_ps(s[j]), vm = _mm256_set1_ps(m[j]);
+        for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(q[i], vs, vm);
+        return;
+    }
     const __m256 s0 = _mm256_set1_ps(s[2 * j]), s1 = _mm256_set1_ps(s[2 * j + 1]);
     w[0] = _mm256_mul_ps(q[0], s0);
     w[1] = _mm256_mul_ps(q[1], s0);
@@ -356,6 +370,18 @@ typedef struct {
     const int32_t *sums;  // a K-quant's: each 32 values' sum of q, (R, K/32)
 } Rows8;
 
+// 32 rounded values (n: 4 x 8 int32, in element order) stored as bytes at q; their sum
+AI int32_t store_codes(const __m256i n[4], int8_t *q) {
+    // packs interleave the lanes: a final dword permutation puts the 32 bytes in order
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    t = _mm_hadd_epi32(t, t);
+    t = _mm_hadd_epi32(t, t);
+    return _mm_cvtsi128_si32(t);
+}
+
 // one row of x as int8 blocks
 static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -373,16 +399,8 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
         for (int i = 0; i < 4; i++)
             n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)),
                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        // packs interleave the lanes: a final dword permutation puts the 32 bytes in order
-        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-        const __m256i bytes = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + 32 * b), bytes);
-        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        t = _mm_hadd_epi32(t, t);
-        t = _mm_hadd_epi32(t, t);
         d[b] = db;
-        s[b] = db * (float)_mm_cvtsi128_si32(t);
+        s[b] = db * (float)store_codes(n, q + 32 * b);
     }
 }
 
@@ -416,14 +434,7 @@ static void quantize_row_k(const float *x, int K, int8_t *q, float *d, int32_t *
                     _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_set1_ps(iscale), _mm256_loadu_ps(v + 32 * j + 8 * i)),
                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
                     _mm256_set1_epi32(127));
-            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-            _mm256_storeu_si256((__m256i *)(q + 256 * b + 32 * j),
-                                _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-            const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-            t = _mm_hadd_epi32(t, t);
-            t = _mm_hadd_epi32(t, t);
-            sums[8 * b + j] = _mm_cvtsi128_si32(t);
+            sums[8 * b + j] = store_codes(n, q + 256 * b + 32 * j);
         }
         d[b] = 1.0f / iscale;
     }
@@ -464,23 +475,6 @@ AI __m256i dot_i8(int kind, __m256i w, __m256i aw, __m256i x) {
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-// A K-quant block's 32 weights [32j, 32j + 32) as bytes: Q4_K's nibbles 0-15 (unsigned), Q6_K's
-// q - 32 (signed, -32 to 31), laid out as k_block_f32 reads them
-AI __m256i k_block_i8(int kind, const uint8_t *blk, int j) {
-    if (kind == Q4_K) {
-        __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j / 2)));
-        if (j & 1) b = _mm256_srli_epi16(b, 4);
-        return _mm256_and_si256(b, _mm256_set1_epi8(15));
-    }
-    const int h = j / 4, k = j % 4;
-    __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (k & 1)));
-    if (k >= 2) lo = _mm256_srli_epi16(lo, 4);
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
-    const __m256i v = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(15)), _mm256_slli_epi16(high, 4));
-    return _mm256_sub_epi8(v, _mm256_set1_epi8(32));
-}
-
 // A K-quant's tile with int8 rows (quantize_row_k): per block of 256, one exact int32 sum per
 // lane of the sub-blocks' scale times their integer dot products (Q4_K: scale 0-63 times nibble
 // times x, at most 8 x 2 x 63 x 15 x 127 a lane; Q6_K: signed scales a 16, |q - 32| <= 32),
@@ -500,11 +494,8 @@ AI void tile_k_i8(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, in
             int8_t sc6[16];
             float dw, dmin = 0.0f;
             if (kind == Q4_K) {
-                uint32_t a[3];
-                memcpy(a, blk + 4, 12);
-                const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-                const uint64_t s64 = (a[0] & six) | (uint64_t)((a[2] & four) | ((a[0] >> 6) & two) << 4) << 32;
-                const uint64_t m64 = (a[1] & six) | (uint64_t)(((a[2] >> 4) & four) | ((a[1] >> 6) & two) << 4) << 32;
+                uint64_t s64, m64;
+                q4_k_scale_bytes(blk, &s64, &m64);
                 memcpy(sc, &s64, 8);
                 memcpy(mn, &m64, 8);
                 dw = _cvtsh_ss(*(const uint16_t *)blk);
@@ -517,7 +508,7 @@ AI void tile_k_i8(int kind, int G, int RT, const uint8_t *w, size_t rowbytes, in
             int msum[4] = {0, 0, 0, 0};
             for (int r = 0; r < RT; r++) isum[r] = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
-                const __m256i wq = k_block_i8(kind, blk, j);
+                const __m256i wq = k_codes(kind, blk, j);
                 const __m256i scale = kind == Q4_K
                     ? _mm256_set1_epi16(sc[j])
                     : _mm256_setr_m128i(_mm_set1_epi16(sc6[2 * j]), _mm_set1_epi16(sc6[2 * j + 1]));
