@@ -40,7 +40,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "rows.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm")
-MAX_ROWS = 8  # a decode batch (rows.c's scratch holds this many): sgemv a row, as "numpy-gemv"
+# A decode batch's rows: rows.c's scratch holds MAX_ROWS. Block products take every row in one
+# pass over the weights, up to the rows whose kernels this device chose among its C builds; float32
+# weights take an sgemv a row, as "numpy-gemv" does, and past FLOAT_ROWS a matrix product wins.
+MAX_ROWS = 16
+FLOAT_ROWS = 8
 SGEMV_SYMBOLS = ("scipy_cblas_sgemv64_", "cblas_sgemv64_")  # 64-bit integer arguments
 TIMING_ROUNDS, TIMING_CALLS = 3, 10  # the admission's timing: a few ms for SmolLM2
 # Native blocks are turned away only when clearly slower. The timing runs one layer warm in a
@@ -193,34 +197,38 @@ def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | 
     return None
 
 
-def _block_product(w: torch.Tensor) -> tuple[int, int]:
-    """(kind, address of its C product) for a matrix the C blocks multiply: (F32, 0) for float32
-    weights; for a block format, where this process admitted C builds for it at every decode
-    row count, the one it chose for one row (RuntimeError naming the kernels otherwise).
+def _block_product(w: torch.Tensor) -> tuple[int, int, int]:
+    """(kind, address of its C product, rows) for a matrix the C blocks multiply: (F32, 0,
+    FLOAT_ROWS) for float32 weights; for a block format, where this process admitted C builds for
+    it at every decode row count up to FLOAT_ROWS, the one it chose for one row, and the rows up
+    to which it chose C builds (RuntimeError naming the kernels otherwise).
 
     A batch of any size runs on that one product: where the timings chose another C build for
     some row counts (a few us apart, or one noisy timing), turning the C blocks away for it made
     a SmolLM2 token 50% slower (7.5 ms against 4.9)."""
     fmt = block_format(w)
     if fmt is None:
-        return F32, 0
+        return F32, 0, FLOAT_ROWS
     dtype, (out, inp) = dtype_name(w), matrix_size(w)
     names = [chosen_kernel(dtype, rows, out, inp) for rows in range(1, MAX_ROWS + 1)]
-    builds = [BLOCK_BUILDS[name] for name in names if name is not None and name in BLOCK_BUILDS]
-    if len(builds) < len(names):
-        raise RuntimeError(f"{dtype} {out}x{inp} runs on {sorted(set(map(str, names)))}, not C")
-    fn = getattr(native.load(builds[0]), f"{fmt.name}_{'q8' if names[0] in INTEGER else 'f32'}")
-    return BLOCK_KINDS[fmt.name], ctypes.cast(fn, ctypes.c_void_p).value or 0
+    on_c = next((i for i, name in enumerate(names) if name not in BLOCK_BUILDS), len(names))
+    if on_c < FLOAT_ROWS:
+        kept = sorted(set(map(str, names[:FLOAT_ROWS])))
+        raise RuntimeError(f"{dtype} {out}x{inp} runs on {kept}, not C")
+    fn = getattr(native.load(BLOCK_BUILDS[str(names[0])]),
+                 f"{fmt.name}_{'q8' if names[0] in INTEGER else 'f32'}")  # fmt: skip
+    return BLOCK_KINDS[fmt.name], ctypes.cast(fn, ctypes.c_void_p).value or 0, on_c
 
 
-def _matrix(lib: ctypes.CDLL, w: torch.Tensor) -> tuple[FloatPointer | int, int]:
-    """(address, kind) of a weight matrix for the C blocks, its block product handed over."""
-    kind, product = _block_product(w)
+def _matrix(lib: ctypes.CDLL, w: torch.Tensor) -> tuple[FloatPointer | int, int, int]:
+    """(address, kind, rows) of a weight matrix for the C blocks, its block product handed over:
+    `rows`, as many as its product takes (`_block_product`)."""
+    kind, product, rows = _block_product(w)
     if kind == F32:
-        return _float_ptr(w), F32
+        return _float_ptr(w), F32, rows
     assert w.is_contiguous()
     lib.rows_set_block_product(kind, product)
-    return w.data_ptr(), kind
+    return w.data_ptr(), kind, rows
 
 
 # How rows.c numbers the KV cache formats (models/kvformat.py).
@@ -254,8 +262,8 @@ def _float_ptr(t: torch.Tensor | np.ndarray) -> FloatPointer:
 class NativeBlocks(BlockBackend):
     """Every layer's block arguments for one slice (resident float32 weights) and its KV cache;
     `begin_step` points them at a step's sequences. As a `BlockBackend`: a decode step's
-    attention and FFN, of up to MAX_ROWS sequences (`admit` turns away any model with other
-    blocks)."""
+    attention and FFN, of up to `max_rows` sequences, as many as every matrix's product takes
+    (`admit` turns away any model with other blocks)."""
 
     name = "c"
 
@@ -278,9 +286,11 @@ class NativeBlocks(BlockBackend):
         self.scratch: list[np.ndarray] = []
         self.attention_args: list[AttentionArgs] = []
         self.ffn_args: list[FfnArgs] = []
+        self.max_rows = MAX_ROWS
         for i, w in enumerate(layers):
             wqkv, wo = _matrix(self.lib, w["wqkv"]), _matrix(self.lib, w["wo"])
             gate_up, down = _matrix(self.lib, w["w_gate_up"]), _matrix(self.lib, w["w_down"])
+            self.max_rows = min(self.max_rows, wqkv[2], wo[2], gate_up[2], down[2])
             W = keys[i].shape[2]
             rows_room = (nq + 2 * nkv) * hd + nq * hd + config.hidden  # rows.c: ROWS times
             room = np.zeros(MAX_ROWS * rows_room, np.float32)
@@ -342,7 +352,7 @@ class NativeBlocks(BlockBackend):
         st.local_cos, st.local_sin = _ptr(lcos), _ptr(lsin)
 
     def supports(self, block: Block, batch: StepBatch) -> bool:
-        return block in ("attention", "ffn") and batch.rows and batch.size <= MAX_ROWS
+        return block in ("attention", "ffn") and batch.rows and batch.size <= self.max_rows
 
     def start_step(self, step: StepTables) -> None:
         assert step.cos_sin_rows is not None, "a decode step's"

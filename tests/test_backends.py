@@ -13,7 +13,7 @@ from edgetp.memory.window import ResidentLayers
 from edgetp.models.backends import BLOCKS, BlockBackend, RowBlocks, TorchBlocks, first_capable
 from edgetp.models.config import ModelConfig
 from edgetp.models.layers import Slice, StepBatch, full_layer_shapes, slice_layer
-from edgetp.models.rows_native import MAX_ROWS, NativeBlocks
+from edgetp.models.rows_native import FLOAT_ROWS, NativeBlocks
 from edgetp.node.executor import make_executor
 from edgetp.node.kvcache import KVCache
 
@@ -41,7 +41,7 @@ def _chosen(backends: list[BlockBackend], batch: StepBatch) -> dict[str, str]:
 
 
 def test_each_block_runs_on_the_first_backend_that_computes_it() -> None:
-    cache = KVCache(BASE, WHOLE, MAX_ROWS + 1, 16)
+    cache = KVCache(BASE, WHOLE, FLOAT_ROWS + 1, 16)
     layers = _slice(BASE, WHOLE, seed=0)
     views = [(BASE, WHOLE)] * BASE.n_layers
     device = [
@@ -49,10 +49,11 @@ def test_each_block_runs_on_the_first_backend_that_computes_it() -> None:
         RowBlocks(BASE, WHOLE, cache.key_arrays, cache.value_arrays),
         TorchBlocks(BASE, WHOLE, views, cache.keys, cache.values, None),
     ]
-    assert _chosen(device, _decode(MAX_ROWS)) == {
+    # float32 weights: an sgemv a row in the C blocks, up to FLOAT_ROWS rows
+    assert _chosen(device, _decode(FLOAT_ROWS)) == {
         "attention": "c", "ffn": "c", "experts": "numpy", "linear": "torch",
     }  # fmt: skip
-    assert _chosen(device, _decode(MAX_ROWS + 1)) == {
+    assert _chosen(device, _decode(FLOAT_ROWS + 1)) == {
         "attention": "numpy", "ffn": "numpy", "experts": "numpy", "linear": "torch",
     }  # fmt: skip
     prompt = StepBatch((0,), (0,), (5,))

@@ -21,7 +21,7 @@ from edgetp.models.layers import MATRICES, Slice, StepBatch, full_layer_shapes
 from edgetp.models.layers import slice_layer as cut_layer
 from edgetp.models.quant import FORMATS, matrix_size
 from edgetp.models.rope import Rope
-from edgetp.models.rows_native import MAX_ROWS, NativeBlocks, admit
+from edgetp.models.rows_native import FLOAT_ROWS, MAX_ROWS, NativeBlocks, admit
 from edgetp.node import messages as M
 from edgetp.node import protocol as P
 from edgetp.node.hop import FOREIGN, TIMEOUT, WorkerHop
@@ -70,24 +70,29 @@ def _assert_decodes_as_numpy(
     steps: int,
     seed: int,
     kv_format: str = "f32",
+    sequences: int = 3,
 ) -> None:
-    """Three sequences decoding side by side for `steps` steps (past a local layer's window if
-    there is one): every partial of both blocks as NumPy computes it, and the same keys and
-    values in the cache (stored as `kv_format`: two paths a float32 rounding apart may store a
-    key a step of its rounding apart, and attend as far apart)."""
-    ours, theirs = (KVCache(config, s, 3, 16, kv_format) for _ in range(2))
+    """`sequences` decoding side by side for `steps` steps (past a local layer's window if
+    there is one), each slot at a position of its own: every partial of both blocks as NumPy
+    computes it, and the same keys and values in the cache (stored as `kv_format`: two paths a
+    float32 rounding apart may store a key a step of its rounding apart, and attend as far
+    apart)."""
+    context = max(16, steps + sequences)
+    ours, theirs = (KVCache(config, s, sequences, context, kv_format) for _ in range(2))
     step = ROUNDING[kv_format]
     blocks = admit(config, s, layers, ours.key_arrays, ours.value_arrays)
     assert blocks is not None
-    rope = Rope(config, 16)
-    local = Rope(replace(config, rope_theta=config.local_rope_theta or 0.0), 16)
+    slots = (0, 2, 1) if sequences == 3 else tuple(reversed(range(sequences)))
+    rope = Rope(config, context)
+    local = Rope(replace(config, rope_theta=config.local_rope_theta or 0.0), context)
     rng = np.random.default_rng(seed)
     for pos in range(steps):
-        batch = StepBatch((0, 2, 1), (pos, pos + 2, pos + 1), (1, 1, 1))
+        batch = StepBatch(slots, tuple(pos + slot for slot in slots), (1,) * sequences)
+        assert blocks.supports("attention", batch)
         cos_sin = rope.rows(batch.starts)
         local_cos_sin = local.rows(batch.starts) if config.local_rope_theta else None
         blocks.begin_step(batch, cos_sin, local_cos_sin)
-        h = rng.standard_normal((3, config.hidden), dtype=np.float32)
+        h = rng.standard_normal((sequences, config.hidden), dtype=np.float32)
         for i in range(config.n_layers):
             own = local_cos_sin if config.is_local(i) and local_cos_sin else cos_sin
             window = config.sliding_window if config.is_local(i) else None
@@ -224,6 +229,37 @@ def test_c_builds_that_differ_by_row_count_still_run_natively(monkeypatch):
             key = ("q4_1", kernels.row_bucket(rows), out, inp)
             monkeypatch.setitem(kernels._chosen, key, (expand.name, expand.load()))
     _assert_decodes_as_numpy(config, s, layers, steps=3, seed=7)
+
+
+@pytest.mark.parametrize("dtype", ["q4_1", "q4_k"])
+def test_a_batch_of_max_rows_runs_on_block_products_as_numpy_does(dtype, monkeypatch):
+    """MAX_ROWS sequences in one decode step (a bridge's `--max-batch 16`): one block product
+    takes them all, with the partials and cache NumPy gives."""
+    config, s = FAMILIES["llama"], Slice((2, 4), (1, 2), (32, 96))
+    if FORMATS[dtype].block_values == 256:
+        config = replace(FAMILIES["gemma-gelu-ring"], hidden=256, head_dim=64, ffn_hidden=768)
+        s = Slice((0, 4), (0, 2), (256, 768))
+    layers = _in_blocks(_slice(config, s, 6), dtype, c_build(dtype), monkeypatch)
+    _assert_decodes_as_numpy(config, s, layers, steps=3, seed=7, sequences=MAX_ROWS)
+
+
+def test_rows_past_the_c_builds_choice_run_on_numpy(monkeypatch):
+    """A table that chose a C build up to FLOAT_ROWS rows and expanded blocks for BLAS past
+    them: the C blocks take batches up to FLOAT_ROWS, the NumPy path the larger ones."""
+    config, s = FAMILIES["llama"], Slice((2, 4), (1, 2), (32, 96))
+    layers = _in_blocks(_slice(config, s, 6), "q4_1", c_build("q4_1"), monkeypatch)
+    blas = next(c for c in kernels.CANDIDATES["q4_1"] if c.name == "c-expand-blas")
+    for name in MATRICES:
+        out, inp = matrix_size(layers[0][name])
+        for rows in range(FLOAT_ROWS + 1, MAX_ROWS + 1):
+            key = ("q4_1", kernels.row_bucket(rows), out, inp)
+            monkeypatch.setitem(kernels._chosen, key, (blas.name, blas.load()))
+    cache = KVCache(config, s, MAX_ROWS, 8)
+    blocks = admit(config, s, layers, cache.key_arrays, cache.value_arrays)
+    assert blocks is not None and blocks.max_rows == FLOAT_ROWS
+    decode = [StepBatch(tuple(range(n)), (0,) * n, (1,) * n) for n in (FLOAT_ROWS, FLOAT_ROWS + 1)]
+    assert [blocks.supports("ffn", batch) for batch in decode] == [True, False]
+    _assert_decodes_as_numpy(config, s, layers, steps=2, seed=7, sequences=FLOAT_ROWS)
 
 
 def test_block_formats_on_another_kernel_run_on_numpy(monkeypatch):
