@@ -199,9 +199,9 @@ def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | 
 
 def _block_product(w: torch.Tensor) -> tuple[int, int, int]:
     """(kind, address of its C product, rows) for a matrix the C blocks multiply: (F32, 0,
-    FLOAT_ROWS) for float32 weights; for a block format, where this process admitted C builds for
-    it at every decode row count up to FLOAT_ROWS, the one it chose for one row, and the rows up
-    to which it chose C builds (RuntimeError naming the kernels otherwise).
+    FLOAT_ROWS) for float32 weights; for a block format whose one-row kernel this process chose
+    among its C builds, that one, and the rows up to which every row count's choice is a C build
+    (RuntimeError naming the kernels otherwise).
 
     A batch of any size runs on that one product: where the timings chose another C build for
     some row counts (a few us apart, or one noisy timing), turning the C blocks away for it made
@@ -212,9 +212,8 @@ def _block_product(w: torch.Tensor) -> tuple[int, int, int]:
     dtype, (out, inp) = dtype_name(w), matrix_size(w)
     names = [chosen_kernel(dtype, rows, out, inp) for rows in range(1, MAX_ROWS + 1)]
     on_c = next((i for i, name in enumerate(names) if name not in BLOCK_BUILDS), len(names))
-    if on_c < FLOAT_ROWS:
-        kept = sorted(set(map(str, names[:FLOAT_ROWS])))
-        raise RuntimeError(f"{dtype} {out}x{inp} runs on {kept}, not C")
+    if on_c == 0:
+        raise RuntimeError(f"{dtype} {out}x{inp} runs on {sorted(set(map(str, names)))}, not C")
     fn = getattr(native.load(BLOCK_BUILDS[str(names[0])]),
                  f"{fmt.name}_{'q8' if names[0] in INTEGER else 'f32'}")  # fmt: skip
     return BLOCK_KINDS[fmt.name], ctypes.cast(fn, ctypes.c_void_p).value or 0, on_c
