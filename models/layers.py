@@ -334,7 +334,9 @@ def cut(t: torch.Tensor, part: Part, rows: tuple[int, int] | None = None) -> tor
     piece = t[a - first : b - first]
     if part.cols is not None:
         piece = take_columns(piece, *part.cols)
-    return piece * part.share if part.share != 1.0 else piece
+    if part.share == 1.0 or piece.is_meta:  # a share scales values; a shape-only piece has none
+        return piece
+    return piece * part.share
 
 
 def slice_layer(
@@ -350,14 +352,16 @@ def slice_layer(
         names = {dtype_name(p) for p in pieces}
         if len(names) > 1:
             pieces = [cast_matrix(p, common_dtype(names))[""] for p in pieces]
-        out[name] = _cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+        out[name] = _cat(pieces)
     return out
 
 
 def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """The pieces one after another, as one contiguous tensor. Shape-only (meta) pieces, as a
-    plan's shapes are cut (node.device.plan_shapes), give a meta tensor of the joined shape
-    without torch.cat: its first meta call imports torch._dynamo, 1.1-1.6 s a process."""
+    """The pieces one after another, as one contiguous tensor (a copy, one piece too).
+    Shape-only (meta) pieces, as a plan's shapes are cut (node.device.plan_shapes), give a meta
+    tensor of the joined shape without an operation on them: the first meta operation of a
+    process (torch.cat, a multiplication, a copy of a strided view) imports torch's symbolic
+    shapes and sympy, 0.5-2 s of a master's start."""
     if pieces[0].is_meta:
         rows = sum(p.shape[0] for p in pieces)
         return torch.empty((rows, *pieces[0].shape[1:]), dtype=pieces[0].dtype, device="meta")
