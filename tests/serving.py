@@ -11,13 +11,16 @@ from typing import Any
 import uvicorn
 from waiting import wait_until
 
+from edgetp.master.bridge.server import IDLE_CONNECTION_S
+
 START_TIMEOUT = 60.0
 
 
 @contextlib.contextmanager
 def served_app(app: Any, timeout: float = START_TIMEOUT) -> Iterator[str]:
     """Serves `app` until the block ends; yields its base URL (no /v1)."""
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=IDLE_CONNECTION_S)
+    server = uvicorn.Server(config)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -416,6 +416,20 @@ def test_a_wrong_or_missing_api_key_is_401(served):
     assert served.request("GET", "/health", key=None)[0] == 200  # liveness needs no key
 
 
+def test_a_connection_idle_past_the_clients_keep_alive_still_answers(served):
+    """httpx, under the openai and anthropic clients, keeps an idle connection 5 s: one idle a
+    little longer than that is still open at the server, so a client whose pool held it that
+    long does not send its request into a connection the server is closing."""
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.port, timeout=30)
+    try:
+        for pause in (0.0, 5.5):
+            time.sleep(pause)
+            conn.request("GET", "/health")
+            assert conn.getresponse().read() and conn.sock is not None  # the same connection
+    finally:
+        conn.close()
+
+
 STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
 # Each API's long greedy stream, and what marks a line that carries a piece of the answer.
 STREAMS = {

@@ -35,6 +35,12 @@ from edgetp.models.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 2  # for responses still being written after Ctrl-C
+# How long an idle kept-alive connection stays open. Longer than the clients' own (httpx, under
+# the openai and anthropic clients, drops its idle connections after 5 s): at uvicorn's default,
+# also 5 s, a client could send its next request on a connection the server was closing that
+# moment, and it failed with "Server disconnected without sending a response" (the Responses
+# API's 50 concurrent requests in tests/test_bridge_clients.py, on a busy machine).
+IDLE_CONNECTION_S = 75
 
 
 def serve(
@@ -90,6 +96,7 @@ def serve(
                 log_level="info" if verbose else "warning",
                 access_log=verbose,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                timeout_keep_alive=IDLE_CONNECTION_S,
             )
             bound_host, bound_port = sock.getsockname()[:2]
             shown = f"[{bound_host}]" if ":" in bound_host else bound_host
