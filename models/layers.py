@@ -410,7 +410,10 @@ def cast_layer(
 
 @dataclass(frozen=True)
 class StepBatch:
-    """The sequences in one step: KV-cache slot, position of the first new token, new tokens.
+    """The sequences in one step: KV-cache slot, position of the first new token, new tokens;
+    and, for a sequence whose first positions another slot's cache holds (a prompt that begins
+    as a running one's, master/generation/reuse.py), that slot (`sources`, -1 for none, empty
+    for none at all): before the step, its positions [0, start) are copied into the sequence's.
 
     Tokens are right-padded to T = max(lengths); padded rows compute garbage that is never read.
     """
@@ -418,6 +421,17 @@ class StepBatch:
     slots: tuple[int, ...]
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
+    sources: tuple[int, ...] = ()
+
+    def copies(self) -> list[tuple[int, int, int]]:
+        """(source slot, slot, positions) of each copy the step begins with."""
+        if not self.sources:
+            return []
+        return [
+            (src, slot, start)
+            for src, slot, start in zip(self.sources, self.slots, self.starts, strict=True)
+            if src >= 0 and src != slot and start > 0
+        ]
 
     @property
     def size(self) -> int:
@@ -437,14 +451,3 @@ class StepBatch:
         """(B, T) absolute positions of the step's tokens."""
         t = torch.arange(self.width)
         return torch.tensor(self.starts).unsqueeze(1) + t
-
-    def to_dict(self) -> dict[str, list[int]]:
-        return {
-            "slots": list(self.slots),
-            "starts": list(self.starts),
-            "lengths": list(self.lengths),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, list[int]]) -> StepBatch:
-        return cls(tuple(d["slots"]), tuple(d["starts"]), tuple(d["lengths"]))

@@ -58,12 +58,32 @@ class KVCache:
         self.rings = RingUndo(self.key_arrays, self.value_arrays, rings, slots) if rings else None
 
     def begin_step(self, batch: StepBatch) -> None:
-        """Before a step's first layer: bring each sequence's rings and linear states to its
+        """Before a step's first layer: copy the positions a sequence takes from another slot
+        (`StepBatch.sources`), then bring each sequence's rings and linear states to its
         start."""
+        for source, slot, n in batch.copies():
+            self.copy(source, slot, n)
         if self.rings is not None:
             self.rings.begin_step(batch)
         if self.linear is not None:
             self.linear.begin_step(batch)
+
+    def copy(self, source: int, slot: int, n: int) -> None:
+        """Slot `source`'s keys and values of positions [0, n) into slot `slot`. A ring holds
+        position p at p % W: the master asks this of a ring only while the source has written
+        no more than W positions, or up to its last (reuse.py), so the first min(n, W) are the
+        ones to copy either way."""
+        if self.linear is not None:
+            raise ModelError(
+                "a linear-attention model's state cannot be copied between slots: start the "
+                "sequence from position 0"
+            )
+        for cache in (*self.key_arrays, *self.value_arrays):
+            for part in kv_parts(cache):
+                held = min(n, part.shape[2])
+                part[slot, :, :held] = part[source, :, :held]
+        if self.rings is not None:
+            self.rings.forget(slot)
 
     @property
     def nbytes(self) -> int:
@@ -150,6 +170,11 @@ class RingUndo:
         ]
         self.kept_at = [-1] * slots  # where a slot's kept positions start (-1: none)
         self.kept_tokens = [0] * slots
+
+    def forget(self, slot: int) -> None:
+        """`slot` holds another sequence's positions now (a copy): nothing of its last step is
+        to be undone."""
+        self.kept_at[slot], self.kept_tokens[slot] = -1, 0
 
     def begin_step(self, batch: StepBatch) -> None:
         for slot, start, n in zip(batch.slots, batch.starts, batch.lengths, strict=True):

@@ -19,8 +19,9 @@ import zmq
 # n_experts, n_experts_used, norm_topk_prob in WELCOME; 8: the config's unrotated_layers
 # (SmolLM3), n_shared (Qwen2-MoE), its gated DeltaNet fields (Qwen3.5, Qwen3-Next) and Gemma
 # 4's: a node of 7 would stop at the keys it does not know; 9: SPLIT and SPLIT-DONE (a worker
-# splits its own share of a model it reads by byte ranges)
-PROTOCOL_VERSION = 10
+# splits its own share of a model it reads by byte ranges); 11: STEP's batch names the slots
+# whose first positions a sequence copies (`StepBatch.sources`): a node of 10 would not copy them
+PROTOCOL_VERSION = 11
 DEFAULT_PORT = 7470
 
 # What a STEP asks a node to compute: the two blocks (two sums) of a layer, or its rows of the

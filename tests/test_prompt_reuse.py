@@ -10,10 +10,11 @@ that goes another way than the kept one half-way.
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
+import torch
 
 from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.hub import Hub
@@ -23,11 +24,14 @@ from edgetp.master.cluster.transport import ClusterError
 from edgetp.master.generation.batcher import Batcher, Delta, Event, Failed, Finished
 from edgetp.master.generation.params import SamplingParams
 from edgetp.master.generation.prompts import chat_tokens
-from edgetp.master.generation.reuse import SlotPool, common_prefix, reusable
+from edgetp.master.generation.reuse import SlotPool, Taken, common_prefix, reusable
 from edgetp.memory.budget import FILE_TYPES
+from edgetp.models.bundled import BUNDLED_MODELS
 from edgetp.models.config import ModelConfig
 from edgetp.models.layers import StepBatch
 from edgetp.models.rows_native import NativeBlocks
+from edgetp.models.source import open_model
+from edgetp.node.kvcache import KEPT_TOKENS
 
 pytestmark = pytest.mark.slow
 
@@ -278,3 +282,141 @@ def test_a_local_layer_ring_limits_reuse_to_carrying_on_from_its_end():
     pool.bind(_engine(4))  # type: ignore[arg-type]
     pool.give_back(pool.take(kept).slot, kept)
     assert pool.take(kept[:5] + [42]).start == 0
+
+
+def test_a_running_slot_gives_its_positions_to_a_free_one_unless_its_ring_went_round():
+    """A prompt that begins as a running sequence's takes the least recently used free slot and
+    copies those positions (`source`), when they are more than a free slot holds; a running
+    ring gives them only while its tokens (and a step's drafts past them) fit it."""
+    pool = SlotPool(4)
+    pool.bind(_engine(None))  # type: ignore[arg-type]
+    for tokens in ([1, 2, 3], [1, 2, 3, 4, 5, 6]):
+        pool.take(tokens)  # slots 0 and 1 run; 2 and 3 are free
+    pool.give_back(pool.take([1, 9]).slot, [1, 9])  # slot 2 holds [1, 9]: free 3, 2
+    running = {0: [1, 2, 3], 1: [1, 2, 3, 4, 5, 6]}
+    assert pool.reusable([1, 2, 3, 4, 7], running) == Taken(3, 4, source=1)
+    assert pool.take([1, 2, 3, 4, 7], running) == Taken(3, 4, source=1)
+    assert pool.take([1, 9, 9], {0: [1, 2, 3]}) == Taken(2, 2)  # its own slot holds more
+    ring = SlotPool(2)
+    ring.bind(_engine(32))  # type: ignore[arg-type]
+    kept = list(range(32 - KEPT_TOKENS))
+    assert ring.take(kept + [99], {1: kept}) == Taken(0, len(kept), source=1)
+    ring.give_back(0, None)
+    assert ring.take(kept + [99], {1: kept + [7]}).start == 0  # its drafts may go round
+    off = SlotPool(2, reuse=False)
+    assert off.take([1, 2, 3], {1: [1, 2, 3, 4]}) == Taken(0, 0)
+
+
+COPY_PROMPT = "The history of the city of Paris begins with a small settlement on an island"
+
+
+@pytest.mark.parametrize(
+    ("model", "nodes", "kv_cache"),
+    [("smollm2", 1, "f32"), ("smollm2", 3, "f32"), ("smollm2", 1, "q8_0"), ("gemma3", 1, "f32")],
+)
+def test_positions_copied_from_another_slot_answer_as_the_slot_that_holds_them(
+    model, nodes, kv_cache, smollm2, shared_state
+):
+    """On every node the copy (`StepBatch.sources`) gives the keys and values of the slot it
+    copies: the prompt's rest after them has the logits, to the bit, and the greedy tokens
+    that the slot holding them gives when it carries on itself (prompt reuse), and in a float32
+    cache those of the whole prompt prefilled in a slot of its own. Gemma 3 copies its local
+    layers' rings; a q8_0 cache its codes and scales."""
+    source = smollm2 if model == "smollm2" else open_model(BUNDLED_MODELS["gemma3-270m"]())
+    tokenizer = source.tokenizer()
+    first = tokenizer.encode(COPY_PROMPT + " in the river Seine.")
+    other = tokenizer.encode(COPY_PROMPT + " that the Romans called Lutetia, and")
+    shared = common_prefix(first, other)
+    assert 10 < shared < len(other) - 4
+    rest = other[shared:]
+    memory = replace(FILE_TYPES, kv_cache=kv_cache)
+    with local_session(
+        source, nodes, context=128, slots=3, state_dir=shared_state, memory=memory
+    ) as session:
+        engine = session.engine
+        assert engine is not None
+        engine.forward([first], StepBatch((0,), (0,), (len(first),)))
+        copied = engine.forward([rest], StepBatch((1,), (shared,), (len(rest),), (0,)))
+        kept = engine.forward([rest], StepBatch((0,), (shared,), (len(rest),)))  # carries on
+        whole = engine.forward([other], StepBatch((2,), (0,), (len(other),)))
+        assert torch.equal(copied, kept)
+        largest = (copied - whole).abs().max().item()
+        print(f"\n{model}, {nodes} node(s), {kv_cache} KV: {largest:.2e} from a whole prefill")
+        slots = (1, 0, 2) if kv_cache == "f32" else (1, 0)  # q8_0: a prefill reads fresh floats
+        if kv_cache == "f32":
+            assert largest < 1e-3
+        tokens = [int(copied[0].argmax()), int(kept[0].argmax()), int(whole[0].argmax())]
+        greedy: list[list[int]] = [[] for _ in slots]
+        for k in range(8):  # all in one step, each reading its own slot
+            for seq, t in zip(greedy, tokens, strict=False):
+                seq.append(t)
+            at = len(other) + k
+            step = StepBatch(slots, (at,) * len(slots), (1,) * len(slots))
+            logits = engine.forward([[t] for t in tokens[: len(slots)]], step)
+            tokens = [int(row.argmax()) for row in logits]
+        assert all(seq == greedy[0] for seq in greedy), greedy
+
+
+AGENT_SYSTEM = (
+    "You are a careful assistant for a travel agency. You answer questions about cities, "
+    "their weather, their museums and how to travel between them. Keep every answer short, "
+    "name the city you are asked about, and never invent opening hours or prices: say that "
+    "you do not know them instead. When a question is about the weather, say which season "
+    "the answer is for. When it is about travel, give the usual way and the time it takes."
+)
+CITY_QUESTIONS = [f"What should I see first in {c}?" for c in ("Paris", "Rome", "Oslo", "Lima")]
+
+
+def test_requests_that_arrive_together_prefill_what_they_share_once(
+    smollm2, smollm2_tokenizer, steps, shared_state
+):
+    """Requests with one long system prompt, submitted together: the first prefills it, the
+    others wait a step and copy its positions into their own slots (reuse.py), so they prefill
+    their questions only; every answer is the one without reuse."""
+
+    def answers(batcher: Batcher) -> list[tuple[str, int]]:
+        done: list[queue.Queue[Event]] = [queue.Queue() for _ in CITY_QUESTIONS]
+        for q, events in zip(CITY_QUESTIONS, done, strict=True):
+            messages = [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": q}]
+            tokens = chat_tokens(smollm2_tokenizer, messages)
+            batcher.submit(tokens, SamplingParams(max_tokens=ANSWER_TOKENS), events.put)
+        out = []
+        for events in done:
+            text = ""
+            while not isinstance(e := events.get(timeout=TIMEOUT), Finished):
+                assert not isinstance(e, Failed), e.error
+                text += e.text if isinstance(e, Delta) else ""
+            out.append((text, e.reused_tokens))
+        return out
+
+    with Session(smollm2, None, shared_state, context=512, slots=4, memory=FILE_TYPES) as session:
+        session.start()
+        runs = {}
+        for reuse in (False, True):
+            batcher = Batcher(session, smollm2_tokenizer, prompt_reuse=reuse).start()
+            try:
+                before = len(steps.seen)
+                runs[reuse] = (answers(batcher), steps.seen[before:])
+            finally:
+                batcher.close()
+    prompts = [
+        chat_tokens(smollm2_tokenizer, [{"role": "system", "content": AGENT_SYSTEM},
+                                        {"role": "user", "content": q}])
+        for q in CITY_QUESTIONS
+    ]  # fmt: skip
+    shared = min(common_prefix(prompts[0], p) for p in prompts[1:])
+    assert shared > 80
+    (off, off_steps), (on, on_steps) = runs[False], runs[True]
+    assert [text for text, _ in on] == [text for text, _ in off]
+    assert all(reused == 0 for _, reused in off)
+    reused = sorted(r for _, r in on)
+    assert reused[0] == 0 and all(r >= shared for r in reused[1:]), reused
+
+    def prefilled(seen: list[StepBatch]) -> int:
+        return sum(n for batch in seen for n in batch.lengths if n > 1)
+
+    copies = [c for batch in on_steps for c in batch.copies()]
+    print(f"\nprefilled {prefilled(off_steps)} prompt tokens without reuse, {prefilled(on_steps)} "
+          f"with; {len(copies)} copies of {shared}+ positions")  # fmt: skip
+    assert len(copies) == len(CITY_QUESTIONS) - 1
+    assert prefilled(on_steps) <= prefilled(off_steps) - (len(CITY_QUESTIONS) - 1) * shared

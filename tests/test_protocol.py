@@ -218,7 +218,7 @@ def test_only_a_process_held_to_one_core_yields_it_after_its_sends():
 # The model config's fields a node of this protocol version reads from WELCOME. A node reads
 # no other (ModelConfig.from_dict): a field added without a new version would stop an older
 # node at "unknown model config keys" instead of at the version check, which says what to do.
-CONFIG_FIELDS_OF_THIS_VERSION = (10, {
+CONFIG_FIELDS_OF_THIS_VERSION = (11, {
     "activation", "architecture", "attention_gate", "attention_sinks", "context_length",
     "dense_ffn", "embedding_multiplier", "expert_bias", "ffn_hidden", "final_softcap", "fused",
     "global_head_dim", "global_kv_heads", "head_dim", "hidden", "k_eq_v", "kv_shared",

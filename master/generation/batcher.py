@@ -32,7 +32,7 @@ from edgetp.master.cluster.transport import ClusterError
 from edgetp.master.generation.embedding import chunk, embed_step
 from edgetp.master.generation.generate import Generation, check_prompt, step
 from edgetp.master.generation.params import SamplingParams
-from edgetp.master.generation.reuse import SlotPool
+from edgetp.master.generation.reuse import SlotPool, common_prefix
 from edgetp.master.generation.sampling import TokenLogprob, sampler_for
 from edgetp.master.generation.speculate import Speculator
 from edgetp.models.config import ModelConfig
@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 RECENT_STEPS = 64  # steps kept for the live figures (ms per step, tokens/s)
 MIXED_PREFILL_MAX = 4  # longest new prompt that shares a step with decoding sequences
+# Prompt tokens a request shares with one taken in at the same moment, past what it can reuse
+# now, for which it waits a step: the next copies them from that prompt's slot (reuse.py), where
+# prefilling them beside it would compute them twice.
+SHARED_PREFIX_MIN = 64
 IDLE_POLL_S = 0.5  # s between looks at who joined or left while no request runs
 
 
@@ -468,7 +472,7 @@ class Batcher:
                         f"this answer needs {len(g.prompt) + len(g.tokens) + 1}"
                     )))  # fmt: skip
                     continue
-                g.position = 0  # replayed whole by the next step (`Generation.pending`)
+                g.position, g.source = 0, -1  # replayed whole by the next step (`pending`)
                 replayed += 1
             if loss:
                 self._recovered += replayed
@@ -527,24 +531,36 @@ class Batcher:
             log.info("request %s cancelled while waiting for a slot", job.id)
         if self._waiting and self._slots and self.engine is not None:
             self._slots.bind(self.engine)  # another engine than the last (a re-plan): no KV
+        admitted: list[list[int]] = []  # prompts taken in now: their prefill is the next step
         while self._waiting and self._slots:
+            g = self._waiting[0].generation
+            # The positions of each running slot (none copied in yet) a new prompt may copy.
+            running = {j.generation.slot: j.generation.cached() for j in self._active
+                       if j.generation.source < 0}  # fmt: skip
+            if admitted and self._slots.reuse:
+                start = self._slots.reusable(g.prompt, running).start
+                shared = max(min(common_prefix(p, g.prompt), len(g.prompt) - 1) for p in admitted)
+                if shared - start >= SHARED_PREFIX_MIN:
+                    break  # it copies them from that prompt after the next step, with those behind
             job = self._waiting.popleft()
-            g = job.generation
-            taken = self._slots.take(g.prompt)
+            taken = self._slots.take(g.prompt, running)
+            admitted.append(g.prompt)
             g.slot, g.position, g.reused = taken.slot, taken.start, taken.start
+            g.source = taken.source
             job.admitted = time.perf_counter()
             self._active.append(job)
             self._prompt_tokens += len(g.prompt)
             self._reused_tokens += g.reused
             self._last_reuse = ReuseRecord(job.id, len(g.prompt), g.reused)
             log.info(
-                "request %s joins at step %d in slot %d (%d prompt tokens, %d of them reused; "
+                "request %s joins at step %d in slot %d (%d prompt tokens, %d of them reused%s; "
                 "%d running)",
                 job.id,
                 self._steps + 1,
                 g.slot,
                 len(g.prompt),
                 g.reused,
+                f", copied from slot {g.source}" if g.source >= 0 else "",
                 len(self._active),
             )
 

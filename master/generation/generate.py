@@ -48,6 +48,9 @@ class Generation:
     logprobs_sent: int = 0  # of `logprobs`, handed out
     # prompt tokens whose KV its slot held when it started (master/generation/reuse.py)
     reused: int = 0
+    # the slot whose positions [0, position) its next step copies first (-1: none), when those
+    # of a running sequence begin as its prompt does (master/generation/reuse.py)
+    source: int = -1
     sampled: int = 0  # tokens sampled so far (an end-of-sequence token included)
 
     @property
@@ -137,13 +140,17 @@ def step(
         for b, d in zip(drafting, proposed, strict=True):
             drafts[b] = active[b].sampler.allowed_drafts(d)
     fed = [f + d for f, d in zip(feeds, drafts, strict=True)]
+    sources = tuple(g.source for g in active)
     batch = StepBatch(
         tuple(g.slot for g in active),
         tuple(g.position for g in active),
         tuple(len(f) for f in fed),
+        sources if any(s >= 0 for s in sources) else (),
     )
     started = time.perf_counter()
     logits = engine.forward(fed, batch, all_logits=any(drafts))  # (B, V), or (B, T, V)
+    for g in active:
+        g.source = -1  # copied: the slot holds those positions now
     if speculator is not None:
         seconds = time.perf_counter() - started
         speculator.record_step(seconds, batch.width, all(decoding))

@@ -19,6 +19,14 @@ KEPT_TOKENS (the node keeps the state there). A request reuses the longer of tho
 tokens carry on from: a conversation's next turn holds the last prompt, if not always the
 answer's tokens as they were sampled. Any other prefills from 0, which zeroes the state.
 
+A running sequence's slot gives its positions too: a request whose prompt begins as a running
+one's takes a free slot, and its first step copies those positions into it on every node
+(`StepBatch.sources`), so requests that share a long system prompt and tool list (an agent's
+parallel calls) prefill it once. Requests that arrive together wait one step for the first of
+them to prefill what they share (master/generation/batcher.py). A ring gives its positions only
+while its sequence has not gone round it (the copy takes the ring's first positions as they
+are); a linear-attention state gives none (it is known at the slot's own position only).
+
 A re-plan builds a new engine with empty caches: what the pool knew belongs to the engine it was
 told of (`bind`), and is forgotten when another one runs.
 """
@@ -26,7 +34,7 @@ told of (`bind`), and is forgotten when another one runs.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from edgetp.master.cluster.engine import Engine
@@ -35,10 +43,12 @@ from edgetp.node.kvcache import KEPT_TOKENS, positions
 
 @dataclass(frozen=True)
 class Taken:
-    """A slot handed to a request, and where its prefill starts: tokens before it are reused."""
+    """A slot handed to a request, and where its prefill starts: tokens before it are reused,
+    from the slot itself or copied from running slot `source` (-1: none)."""
 
     slot: int
     start: int
+    source: int = -1
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -101,22 +111,38 @@ class SlotPool:
         self._kept.clear()
         self._prompt_end.clear()
 
-    def take(self, tokens: Sequence[int]) -> Taken:
+    def reusable(self, tokens: Sequence[int], running: Mapping[int, Sequence[int]]) -> Taken:
+        """Where a sequence of `tokens` would start (`take`), nothing taken."""
+        best, start, source = self._free[0], 0, -1
+        if not self.reuse:
+            return Taken(best, start)
+        for slot in self._free:
+            n = reusable(self._kept.get(slot, ()), tokens, self._ring, self._known(slot))
+            if n > start:
+                best, start = slot, n
+        for slot, kept in running.items():
+            n = 0 if self._states else reusable(kept, tokens, self._ring)
+            if self._ring is not None and len(kept) + KEPT_TOKENS > self._ring:
+                n = 0  # its ring may have gone round (drafts written past `kept` included)
+            if n > start:
+                best, start, source = self._free[0], n, slot
+        return Taken(best, start, source)
+
+    def take(
+        self, tokens: Sequence[int], running: Mapping[int, Sequence[int]] | None = None
+    ) -> Taken:
         """A free slot for a sequence of `tokens`: the one sharing the longest prefix, else the
-        least recently used; its prefill starts after the tokens it reuses."""
-        best, start = self._free[0], 0
-        if self.reuse:
-            for slot in self._free:
-                n = reusable(self._kept.get(slot, ()), tokens, self._ring, self._known(slot))
-                if n > start:
-                    best, start = slot, n
+        least recently used; its prefill starts after the tokens it reuses. `running`: the
+        slots in use and the tokens each holds, whose positions a free slot may copy."""
+        taken = self.reusable(tokens, running or {})
+        best, start = taken.slot, taken.start
         self._free.remove(best)
         self._kept.pop(best, None)  # in use: what it holds now changes with every step
         if len(tokens) - start > KEPT_TOKENS:  # a node keeps the state at the prompt's end
             self._prompt_end[best] = len(tokens)
         elif start == 0:
             self._prompt_end.pop(best, None)
-        return Taken(best, start)
+        return taken
 
     def borrow(self) -> int:
         """The least recently used free slot, for a step that writes it from position 0 and
