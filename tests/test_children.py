@@ -56,6 +56,9 @@ def child(marker: str) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C as a terminal's command has it, whatever the test process that started this one
+    # left it at (an ignored signal stays ignored across exec: Python then sets no handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     children.PRELOAD = [*children.PRELOAD, "slow_import"]  # the server's imports, longer
     children.start_server()
     print(children.forkserver._forkserver._forkserver_pid, flush=True)
