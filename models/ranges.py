@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import heapq
 import json
 import os
 import re
@@ -128,6 +127,29 @@ def merge(runs: Iterable[Run]) -> list[Run]:
     return out
 
 
+def join(present: list[Run], new: Iterable[Run]) -> list[Run]:
+    """`merge(present + new)` for `present` sorted and merged already, as `merge` gives: the
+    stretches of `present` between the new runs are copied whole, so a call costs its new runs
+    rather than the runs present. A device's share of a matrix cut by columns is a run a row:
+    a 70B model's are a million runs, and merging them all again at every tensor fetched took
+    0.64 us a run present (2.4 s for 30 matrices of 8,192 rows, growing with their square)."""
+    out: list[Run] = []
+    j = 0
+    for a, b in merge(new):
+        i = bisect.bisect_left(present, (a, b), lo=j)
+        out.extend(present[j:i])
+        j = i
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+        while j < len(present) and present[j][0] <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], present[j][1]))
+            j += 1
+    out.extend(present[j:])
+    return out
+
+
 def missing(wanted: Iterable[Run], present: Sequence[Run]) -> list[Run]:
     """The parts of `wanted` that `present` (sorted and merged, as `merge` gives) lacks."""
     starts = [p for p, _ in present]
@@ -231,8 +253,8 @@ class RemoteFile:
             ) from None
         finally:
             os.close(fd)
-        with self._lock:  # (heapq.merge: both are sorted already)
-            self.present = merge(heapq.merge(self.present, (r for g in done for r in g)))
+        with self._lock:
+            self.present = join(self.present, (r for g in done for r in g))
             if time.monotonic() - self._recorded > RECORD_EVERY:
                 self.save()
 

@@ -31,6 +31,8 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf_copy import transformers_tokenizer
+from hypothesis import example, given
+from hypothesis import strategies as st
 from test_hf_source import write_hf_folder
 
 from edgetp.master.bench.greedy import time_greedy
@@ -49,7 +51,7 @@ from edgetp.models.families import family_of
 from edgetp.models.gguf_file import DEFAULT_ALIGNMENT, GGUFFile, _Cursor
 from edgetp.models.hub import Name, cached, mirror, pull, quants, resolve_model, select
 from edgetp.models.layers import slice_parts
-from edgetp.models.ranges import RemoteFile
+from edgetp.models.ranges import RemoteFile, join, merge
 from edgetp.models.source import GGUFSource, open_model, open_remote
 from edgetp.tui.cli import main
 
@@ -421,6 +423,20 @@ def test_a_quant_is_a_tag_of_its_own_in_the_file_name_and_q4_k_m_is_the_default(
 
 
 # -- pull, models, rm ------------------------------------------------------------------------
+
+
+RUNS = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 30)).map(lambda r: (r[0], sum(r))))
+
+
+@given(RUNS, RUNS)
+@example([(5, 10)], [(0, 5)])  # touching the next one
+@example([(0, 3), (6, 9)], [(3, 6), (12, 12)])  # bridging two; an empty one
+@example([(0, 20)], [(5, 6), (19, 25)])  # nested; overlapping
+def test_a_fetch_s_runs_join_those_present_as_merging_them_all_again_does(present, new):
+    """`join` (a mirror's runs present, after each fetch) equals the plain merge of both lists,
+    runs that touch, overlap, nest or are empty included."""
+    present = merge(present)
+    assert join(present, new) == merge(present + new)
 
 
 def test_pull_a_gguf_quant_list_it_and_remove_it(at_hub, tmp_path, capsys):
