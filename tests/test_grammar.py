@@ -132,6 +132,7 @@ def test_the_sampler_draws_only_what_the_grammar_allows(smollm2_tokenizer):
     assert plain == [Sampler(params)(torch.ones(8), []) for _ in range(3)]
 
 
+@pytest.mark.slow  # runs the model end to end: not for `make test-fast`
 def test_a_complete_answer_ends_even_with_ignore_eos(smollm2, smollm2_tokenizer, shared_state):
     """The bridge's ignore_eos asks for max_tokens tokens; past a complete JSON value the
     grammar allows only an end, so the answer ends there."""

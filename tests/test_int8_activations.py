@@ -128,6 +128,7 @@ def no_kernel_choices():
     kernels.uninstall()
 
 
+@pytest.mark.slow  # runs the model end to end: not for `make test-fast`
 @pytest.mark.parametrize("model", [DEFAULT_MODEL, "gemma3-270m"])
 def test_int8_greedy_tokens_are_the_same_on_every_node_count(
     model, shared_state, no_kernel_choices

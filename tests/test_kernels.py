@@ -363,6 +363,7 @@ def test_a_process_in_a_cpu_quota_uses_the_cores_of_its_quota(quota, cores):
     assert _quota_answers(quota)[:2] == [str(cores), str(cores)]
 
 
+@pytest.mark.slow  # runs the model end to end: not for `make test-fast`
 @pytest.mark.skipif(not os.access(CGROUP_CPU, os.W_OK), reason="needs a writable cgroup v1 cpu")
 @pytest.mark.parametrize(
     ("quota", "clocks"),

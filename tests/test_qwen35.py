@@ -565,6 +565,7 @@ def test_a_small_synthetic_qwen35_runs_on_three_nodes(tmp_path, monkeypatch):
     assert torch.isfinite(one).all()
 
 
+@pytest.mark.slow  # runs the model end to end: not for `make test-fast`
 def test_a_published_vision_language_folder_is_read_as_its_text_model(tmp_path):
     """Qwen3.5 is published as Qwen3_5ForConditionalGeneration: its text_config and its
     tensors under model.language_model. are read; text alone, its logits are the whole
