@@ -70,9 +70,9 @@ class KVCache:
 
     def copy(self, source: int, slot: int, n: int) -> None:
         """Slot `source`'s keys and values of positions [0, n) into slot `slot`. A ring holds
-        position p at p % W: the master asks this of a ring only while the source has written
-        no more than W positions, or up to its last (reuse.py), so the first min(n, W) are the
-        ones to copy either way."""
+        position p at p % W: the master asks this of a ring only while the source, its drafts
+        included, has written fewer than W positions (reuse.py), so they lie at [0, n) there
+        too; a layer that keeps none copies none."""
         if self.linear is not None:
             raise ModelError(
                 "a linear-attention model's state cannot be copied between slots: start the "

@@ -532,21 +532,24 @@ class Batcher:
         if self._waiting and self._slots and self.engine is not None:
             self._slots.bind(self.engine)  # another engine than the last (a re-plan): no KV
         admitted: list[list[int]] = []  # prompts taken in now: their prefill is the next step
+        # The positions each slot in use holds (none that a copy brings in yet), for a new
+        # prompt to copy.
+        running = {j.generation.slot: j.generation.cached() for j in self._active
+                   if j.generation.source < 0 and self._slots.reuse}  # fmt: skip
         while self._waiting and self._slots:
             g = self._waiting[0].generation
-            # The positions of each running slot (none copied in yet) a new prompt may copy.
-            running = {j.generation.slot: j.generation.cached() for j in self._active
-                       if j.generation.source < 0}  # fmt: skip
+            taken = self._slots.reusable(g.prompt, running)
             if admitted and self._slots.reuse:
-                start = self._slots.reusable(g.prompt, running).start
                 shared = max(min(common_prefix(p, g.prompt), len(g.prompt) - 1) for p in admitted)
-                if shared - start >= SHARED_PREFIX_MIN:
+                if shared - taken.start >= SHARED_PREFIX_MIN:
                     break  # it copies them from that prompt after the next step, with those behind
             job = self._waiting.popleft()
-            taken = self._slots.take(g.prompt, running)
+            self._slots.claim(g.prompt, taken)
             admitted.append(g.prompt)
             g.slot, g.position, g.reused = taken.slot, taken.start, taken.start
             g.source = taken.source
+            if g.source < 0 and self._slots.reuse:  # what its own slot held, kept from now on
+                running[g.slot] = g.cached()
             job.admitted = time.perf_counter()
             self._active.append(job)
             self._prompt_tokens += len(g.prompt)

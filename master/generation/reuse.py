@@ -134,7 +134,11 @@ class SlotPool:
         """A free slot for a sequence of `tokens`: the one sharing the longest prefix, else the
         least recently used; its prefill starts after the tokens it reuses. `running`: the
         slots in use and the tokens each holds, whose positions a free slot may copy."""
-        taken = self.reusable(tokens, running or {})
+        return self.claim(tokens, self.reusable(tokens, running or {}))
+
+    def claim(self, tokens: Sequence[int], taken: Taken) -> Taken:
+        """Hand out `taken`, what `reusable` offered a sequence of `tokens` (nothing changed in
+        between)."""
         best, start = taken.slot, taken.start
         self._free.remove(best)
         self._kept.pop(best, None)  # in use: what it holds now changes with every step
