@@ -66,10 +66,10 @@ def test_option_errors_come_before_the_weights_code_is_imported():
     assert result.stderr.count("model not found: /nonexistent.gguf") == 2, result.stderr
 
 
-def reused_in_a_conversation(shared_state, *flags: str) -> tuple[int, int, str]:
+def reused_in_a_conversation(shared_state, *flags: str) -> tuple[int, int, str, int]:
     """A two-turn conversation, the second turn carrying the first and its answer, through a
     server of its own with `flags`: /v1/cluster's reused tokens, the second turn's prompt
-    tokens, and its greedy answer."""
+    tokens, its greedy answer, and /v1/cluster's prefill chunk."""
     args = ["--local-nodes", "1", "--context", "256", "--state-dir", str(shared_state)]
     server = start_server([*args, *flags])
     try:
@@ -88,7 +88,7 @@ def reused_in_a_conversation(shared_state, *flags: str) -> tuple[int, int, str]:
         figures = HTTP.get(f"{server.base}/v1/cluster", timeout=30).json()["generation"]
         assert second.usage is not None
         text = second.choices[0].message.content or ""
-        return figures["reused_tokens"], second.usage.prompt_tokens, text
+        return figures["reused_tokens"], second.usage.prompt_tokens, text, figures["prefill_chunk"]
     finally:
         server.stop()
 
@@ -96,13 +96,19 @@ def reused_in_a_conversation(shared_state, *flags: str) -> tuple[int, int, str]:
 @pytest.mark.slow
 def test_no_prompt_reuse_prefills_every_turn_whole(shared_state):
     """With --no-prompt-reuse the second turn of a conversation reuses nothing of the first's
-    KV cache; without it, the first turn's tokens; the answer is the same either way."""
+    KV cache; without it, the first turn's tokens; the answer is the same either way. With
+    --prefill-chunk-ms 0 too, prompts prefill whole beside decoding ones: no chunk is sized."""
+    off_flags = ("--no-prompt-reuse", "--prefill-chunk-ms", "0")
     with ThreadPoolExecutor(2) as pool:  # the two servers start side by side
-        off = pool.submit(reused_in_a_conversation, shared_state, "--no-prompt-reuse")
+        off = pool.submit(reused_in_a_conversation, shared_state, *off_flags)
         on = pool.submit(reused_in_a_conversation, shared_state)
-        (reused_off, prompt, text_off), (reused_on, _, text_on) = off.result(), on.result()
+        (reused_off, prompt, text_off, chunk_off), (reused_on, _, text_on, chunk_on) = (
+            off.result(),
+            on.result(),
+        )
     print(f"second turn: {prompt} prompt tokens; reused {reused_on} with reuse, {reused_off} "
           f"without")  # fmt: skip
     assert reused_off == 0
     assert 10 < reused_on < prompt
     assert text_off == text_on
+    assert chunk_off == 0 and chunk_on > 0

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from edgetp.master.emulate.spec import DeviceSpec, parse_device
+from edgetp.master.generation.params import CHUNK_STEP_S
 from edgetp.memory.budget import MemoryOptions, parse_size
 from edgetp.models.config import DEFAULT_MODEL
 from edgetp.models.dtypes import AUTO, DTYPE_CHOICES
@@ -176,6 +177,12 @@ def _port(text: str) -> int:
     announcement take a wrong one only to fail with a traceback."""
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port: give 1..65535, or 0 for any")
+    return int(text)
+
+
+def _milliseconds(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of milliseconds")
     return int(text)
 
 
@@ -367,6 +374,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="prefill every request whole, instead of starting from the KV cache a finished "
         "request left that begins with the same tokens (to measure reuse, or rule it out)",
+    )
+    serve.add_argument(
+        "--prefill-chunk-ms",
+        type=_milliseconds,
+        default=round(CHUNK_STEP_S * 1000),
+        metavar="MS",
+        help="while other requests decode, a long prompt prefills in chunks whose steps take "
+        "about MS ms (or 2 decode steps if longer), a decode step of the others between two: "
+        "their streams pause that long instead of for the whole prompt; 0 prefills a prompt "
+        "whole, the others waiting (default %(default)s)",
     )
     serve.add_argument(
         "--cors-origin",

@@ -319,6 +319,7 @@ def _serve(args: argparse.Namespace) -> None:
         args.cors_origin,
         args.prompt_reuse,
         args.unload_after,
+        args.prefill_chunk_ms / 1000 if args.prefill_chunk_ms else None,
         (need, budget),
     )
 

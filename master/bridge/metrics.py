@@ -68,6 +68,11 @@ class BridgeCollector(Collector):
             "re-plans between two steps while answers ran (joins, leaves)",
             stats.replans_mid_answer,
         )
+        yield GaugeMetricFamily(
+            "edgetp_longest_token_gap_seconds",
+            "the longest a decoding stream has waited between two of its tokens",
+            stats.longest_gap_ms / 1000,
+        )
         yield GaugeMetricFamily("edgetp_requests_running", "requests generating", stats.active)
         yield GaugeMetricFamily("edgetp_requests_waiting", "requests waiting for a slot",
                                 stats.waiting)  # fmt: skip

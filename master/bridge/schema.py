@@ -275,6 +275,16 @@ class GenerationFigures(BaseModel):
         "accepted, the acceptance rate, tokens a sequence makes per step, and with a draft "
         "model its ms per forward (draft_ms)",
     )
+    longest_gap_ms: float = Field(
+        0.0,
+        description="the longest a decoding stream has waited between two of its tokens, since "
+        "the server started (a long prompt prefills in chunks between their steps)",
+    )
+    prefill_chunk: int = Field(
+        0,
+        description="prompt tokens a step of a long prompt feeds while other requests decode, "
+        "as last sized (0: --prefill-chunk-ms 0, a prompt prefills whole)",
+    )
 
 
 class Health(BaseModel):

@@ -25,6 +25,7 @@ from edgetp.master.bridge.core import Served
 from edgetp.master.bridge.models import ModelChoice, Models
 from edgetp.master.cluster.session import Session
 from edgetp.master.generation.batcher import Batcher
+from edgetp.master.generation.params import CHUNK_STEP_S
 from edgetp.master.generation.speculate import open_speculator
 from edgetp.models.config import DEFAULT_MODEL
 from edgetp.models.dtypes import AUTO
@@ -53,6 +54,7 @@ def serve(
     cors_origins: Sequence[str] = (),
     prompt_reuse: bool = True,
     unload_after: float | None = None,
+    chunk_step_s: float | None = CHUNK_STEP_S,
     resident: tuple[Callable[[ModelSource], int], int | None] = (lambda _: 0, None),
 ) -> None:
     """Serve `models` (each a source, its tokenizer and the name it was asked for) on `sock`
@@ -64,7 +66,9 @@ def serve(
 
     `draft` is `--draft` and `--draft-dtype` (master/generation/speculate.py), for the first
     model; `cors_origins` the pages (`--cors-origin`) a browser may call the API from;
-    `prompt_reuse` off (`--no-prompt-reuse`) prefills every request whole.
+    `prompt_reuse` off (`--no-prompt-reuse`) prefills every request whole; `chunk_step_s`
+    (`--prefill-chunk-ms`) is the time a step of a long prompt's chunk aims at while other
+    requests decode (None: a prompt prefills whole, the others waiting).
     """
     try:
         need, budget = resident
@@ -76,7 +80,7 @@ def serve(
                     tokenizer,
                     name,
                     draft if i == 0 else ("off", AUTO),
-                    prompt_reuse,
+                    (prompt_reuse, chunk_step_s),
                 ),
                 need=need(source),
             )  # fmt: skip
@@ -126,9 +130,10 @@ def _choice(
     tokenizer: Tokenizer,
     name: str | None,
     draft: tuple[str, str],
-    prompt_reuse: bool,
+    batching: tuple[bool, float | None],
 ) -> ModelChoice:
-    """A model the server may load: its names, and how to open its session and batcher."""
+    """A model the server may load: its names, and how to open its session and batcher
+    (`batching`: its prompt reuse and chunk step, as `serve` takes them)."""
     aliases = tuple({name or DEFAULT_MODEL, source.path.stem} - {source.name})
 
     def load() -> tuple[Served, Callable[[], None]]:
@@ -136,7 +141,11 @@ def _choice(
             session = opened.enter_context(sessions(source))
             speculator = open_speculator(*draft, session, tokenizer)
             batcher = Batcher(
-                session, tokenizer, speculator=speculator, prompt_reuse=prompt_reuse
+                session,
+                tokenizer,
+                speculator=speculator,
+                prompt_reuse=batching[0],
+                chunk_step_s=batching[1],
             ).start()
             opened.callback(batcher.close)  # first, then the session
             served = Served(batcher, tokenizer, source.name, aliases, created)

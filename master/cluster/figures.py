@@ -76,6 +76,8 @@ class BatcherStats:
     last_loss: str | None = None  # what the last node loss was and what became of it
     replans_mid_answer: int = 0  # re-plans between two steps while answers ran (joins, leaves)
     speculation: dict[str, float | str] | None = None  # drafts' acceptance, tokens a step
+    longest_gap_ms: float = 0.0  # the longest a decoding stream waited for its next token
+    prefill_chunk: int = 0  # prompt tokens a step feeds while others decode (chunked prefill)
 
 
 def generation_figures(stats: BatcherStats) -> dict[str, Any]:

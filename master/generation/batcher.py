@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ from edgetp.master.cluster.session import Session
 from edgetp.master.cluster.transport import ClusterError
 from edgetp.master.generation.embedding import chunk, embed_step
 from edgetp.master.generation.generate import Generation, check_prompt, step
-from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.params import CHUNK_STEP_S, SamplingParams
 from edgetp.master.generation.reuse import SlotPool, common_prefix
 from edgetp.master.generation.sampling import TokenLogprob, sampler_for
 from edgetp.master.generation.speculate import Speculator
@@ -43,6 +44,13 @@ log = logging.getLogger(__name__)
 
 RECENT_STEPS = 64  # steps kept for the live figures (ms per step, tokens/s)
 MIXED_PREFILL_MAX = 4  # longest new prompt that shares a step with decoding sequences
+# While others decode, a longer prompt prefills in chunks, a decode step between two: a chunk is
+# sized so that a running stream waits STALL_STEPS decode steps for its next token, or, where a
+# step of several tokens costs more than that whatever its length (SmolLM2: 2 tokens take 5 decode
+# steps' time, the Python path's fixed cost), so that a chunk's step takes CHUNK_STEP_S (params.py).
+STALL_STEPS = 3
+FIRST_CHUNK = 32  # prompt tokens of the first chunk, before a chunk has been timed
+DECODE_STEPS_TIMED = 9  # the latest decode steps, whose median time sizes a chunk
 # Prompt tokens a request shares with one taken in at the same moment, past what it can reuse
 # now, for which it waits a step: the next copies them from that prompt's slot (reuse.py), where
 # prefilling them beside it would compute them twice.
@@ -104,6 +112,7 @@ class _Job:
     # When it took its slot and had its first token (perf_counter; 0: not yet)
     admitted: float = 0.0
     first_token: float = 0.0
+    last_token: float = 0.0  # when its last step ended
 
 
 @dataclass
@@ -143,8 +152,12 @@ class Batcher:
         max_waiting: int = 64,
         speculator: Speculator | None = None,
         prompt_reuse: bool = True,
+        chunk_step_s: float | None = CHUNK_STEP_S,
     ) -> None:
-        """`prompt_reuse`: a request prefills only what no free slot's cache holds already."""
+        """`prompt_reuse`: a request prefills only what no free slot's cache holds already.
+        `chunk_step_s`: the least time a step of a prompt's chunk aims at while others decode
+        (`_timed`); None: a prompt prefills whole, and the others wait for it."""
+        self.chunk_step_s = chunk_step_s
         self.session = session
         self.speculator = speculator  # drafts checked in each step (master/generation/speculate.py)
         self.tokenizer = tokenizer
@@ -173,6 +186,13 @@ class Batcher:
             maxlen=RECENT_STEPS
         )  # (ended at, seconds, sequences, tokens made) of the latest steps
         self._last_cancel: CancelRecord | None = None
+        # Chunked prefill (`_next_batch`): the last step's kind, the chunk the next prompt step
+        # feeds, the latest decode steps' seconds, and the longest a decoding stream waited
+        # between two of its steps (s).
+        self._chunked_last = False
+        self._chunk = FIRST_CHUNK
+        self._decode_s: collections.deque[float] = collections.deque(maxlen=DECODE_STEPS_TIMED)
+        self._longest_gap_s = 0.0
 
     @property
     def engine(self) -> Engine | None:
@@ -306,6 +326,8 @@ class Batcher:
                 last_loss=self._last_loss,
                 replans_mid_answer=self._replans_mid_answer,
                 speculation=self.speculator.figures() if self.speculator else None,
+                longest_gap_ms=round(self._longest_gap_s * 1000, 1),
+                prefill_chunk=0 if self.chunk_step_s is None else self._chunk,
             )
 
     def close(self, timeout: float = 10.0) -> None:
@@ -347,7 +369,7 @@ class Batcher:
                 self._embedded_last = embedding is not None
                 if embedding is None:
                     self._admit()
-                    batch = self._next_batch()
+                    batch, chunk = self._next_batch()
                     self._steps += bool(batch)
                     number = self._steps
             if embedding is not None:
@@ -356,10 +378,13 @@ class Batcher:
             if not batch:
                 continue
             before = sum(len(j.generation.tokens) for j in batch)
+            decode = all(j.generation.decoding for j in batch)
+            at = [j.generation.position for j in batch]
             started = time.perf_counter()
             try:
                 assert self.engine is not None  # only None while the loop itself re-plans
-                step(self.engine, self.tokenizer, [j.generation for j in batch], self.speculator)
+                gens = [j.generation for j in batch]
+                step(self.engine, self.tokenizer, gens, self.speculator, chunk)
             except ClusterError as exc:
                 log.error("step %d failed: %s", number, exc)
                 exc.with_traceback(None)  # its frames hold the failed engine's slices
@@ -375,6 +400,8 @@ class Batcher:
                 continue
             seconds = time.perf_counter() - started
             with self._cond:
+                fed = max(j.generation.position - p for j, p in zip(batch, at, strict=True))
+                self._timed(seconds, decode, chunk, fed)
                 made = sum(len(j.generation.tokens) for j in batch) - before
                 self._recent.append((time.perf_counter(), seconds, len(batch), made))
                 self._largest_batch = max(self._largest_batch, len(batch))
@@ -567,26 +594,55 @@ class Batcher:
                 len(self._active),
             )
 
-    def _next_batch(self) -> list[_Job]:
-        """The sequences of the next step: all of them, or the new ones' prefill alone.
+    def _next_batch(self) -> tuple[list[_Job], int | None]:
+        """The sequences of the next step, and the prompt tokens a sequence feeds at most in it
+        (None: all it has).
 
         A step is right-padded to its longest feed, so a prompt of T tokens sharing a step with
         D decoding sequences would make each of them compute T rows instead of 1. Above
-        `MIXED_PREFILL_MAX` tokens the new prompts get a step of their own first (the running
-        sequences wait that one step), and everyone decodes together from the next step on.
+        `MIXED_PREFILL_MAX` tokens the new prompts get steps of their own. With no one decoding,
+        a prompt prefills in one step (its first token soonest); beside decoding sequences it
+        prefills a chunk at a time, each chunk followed by a decode step of the others, so a
+        long prompt does not stop their streams while it prefills (`_timed` sizes the chunk).
         """
         new = [j for j in self._active if not j.generation.decoding]
-        if new and len(new) < len(self._active):
-            if max(len(j.generation.pending()) for j in new) > MIXED_PREFILL_MAX:
-                return new
-        return list(self._active)
+        if not new or len(new) == len(self._active):
+            self._chunked_last = False
+            return list(self._active), None
+        if max(len(j.generation.pending()) for j in new) <= MIXED_PREFILL_MAX:
+            self._chunked_last = False
+            return list(self._active), None
+        if self.chunk_step_s is None:
+            return new, None  # the others wait this step, and decode with it from the next
+        self._chunked_last = not self._chunked_last
+        if self._chunked_last:
+            return new, self._chunk
+        return [j for j in self._active if j.generation.decoding], None
+
+    def _timed(self, seconds: float, decode: bool, chunk: int | None, fed: int) -> None:
+        """Size the next prefill chunk from this step's time (lock held): a chunk step should
+        take (STALL_STEPS - 1) decode steps, so a stream's wait, a chunk step and its own decode
+        step, is STALL_STEPS of them, or `chunk_step_s` if longer. A step that fed a whole
+        chunk (`fed` tokens, at least `chunk`) scales it by target / time, at most doubling
+        it: a chunk's time is a fixed part (the weights' read, the sums) and a part per token,
+        so the chunk settles where its step takes the target."""
+        if decode:
+            self._decode_s.append(seconds)
+        elif chunk is not None and fed >= chunk and self._decode_s:
+            step_s = (STALL_STEPS - 1) * statistics.median(self._decode_s)
+            target = max(step_s, self.chunk_step_s or 0.0)
+            self._chunk = max(1, min(2 * fed, int(fed * target / seconds)))
 
     def _deliver(self, job: _Job) -> None:
         g = job.generation
         if job.cancelled:  # nobody is listening; dropped before the next step
             return
+        now = time.perf_counter()
         if g.tokens and not job.first_token:
-            job.first_token = time.perf_counter()
+            job.first_token = now
+        elif job.first_token:  # a stream's wait for its next token: this step and any before
+            self._longest_gap_s = max(self._longest_gap_s, now - job.last_token)
+        job.last_token = now
         text = g.take_text()
         logprobs = tuple(g.take_logprobs())
         if text or logprobs:

@@ -22,6 +22,7 @@ from edgetp.master.generation.speculate import DraftState, Speculator
 from edgetp.models.errors import ModelError
 from edgetp.models.layers import StepBatch
 from edgetp.models.tokenizer import Tokenizer
+from edgetp.node.kvcache import KEPT_TOKENS
 
 
 @dataclass
@@ -119,15 +120,21 @@ def step(
     tokenizer: Tokenizer,
     seqs: Sequence[Generation],
     speculator: Speculator | None = None,
+    prefill_chunk: int | None = None,
 ) -> None:
     """Advance every unfinished sequence by one token, or by several with a `speculator`:
     a decoding sequence feeds drafted tokens after its last one, and keeps those the logits
-    confirm plus the one they choose next (master/generation/speculate.py)."""
+    confirm plus the one they choose next (master/generation/speculate.py). With a
+    `prefill_chunk`, a prompt feeds about that many of its tokens (`_prompt_chunk`), and one
+    that has more left samples nothing: its next step goes on from there (chunked prefill)."""
     active = [g for g in seqs if not g.finished]
     if not active:
         return
-    feeds = [g.pending() for g in active]
+    whole = [g.pending() for g in active]
     decoding = [g.decoding for g in active]  # not a prompt (new, or replayed)
+    feeds = [
+        f if d else _prompt_chunk(f, prefill_chunk) for f, d in zip(whole, decoding, strict=True)
+    ]
     drafts: list[list[int]] = [[] for _ in active]
     drafting = [b for b in range(len(active)) if decoding[b]]
     if speculator is not None and drafting:
@@ -156,6 +163,8 @@ def step(
         speculator.record_step(seconds, batch.width, all(decoding))
     for b, g in enumerate(active):
         g.position += len(feeds[b])
+        if len(feeds[b]) < len(whole[b]):
+            continue  # a chunk of its prompt: the logits of a token inside it are not asked for
         try:
             made, accepted = _sample(
                 g, logits[b], len(feeds[b]), drafts[b], tokenizer, engine.max_context
@@ -166,6 +175,17 @@ def step(
         g.sampled += made
         if speculator is not None and decoding[b]:
             speculator.record_draft(g.drafts, len(drafts[b]), accepted, made)
+
+
+def _prompt_chunk(feed: list[int], chunk: int | None) -> list[int]:
+    """A prompt's feed for this step: its first `chunk` tokens, or all of it (no `chunk`, or
+    one that would leave KEPT_TOKENS or fewer). Each chunk is then wider than KEPT_TOKENS, so a
+    node keeps a linear-attention state at the end of the last one, the prompt's end, as it
+    does after a prompt fed whole (node.kvcache.LinearStates; reuse.py counts on it)."""
+    if chunk is None:
+        return feed
+    size = max(chunk, KEPT_TOKENS + 1)
+    return feed if len(feed) - size <= KEPT_TOKENS else feed[:size]
 
 
 def _sample(

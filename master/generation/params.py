@@ -13,6 +13,9 @@ GREEDY_BELOW = 1e-4  # a lower temperature is the argmax anyway, and dividing by
 REPETITION_PENALTY_MIN = 0.01
 REPETITION_PENALTY_MAX = 100.0
 PENALTY_LIMIT = 2.0  # presence and frequency penalties: OpenAI's API takes -2..2
+# The generation loop's: the least time a step of a long prompt's chunk takes while other
+# requests decode (master/generation/batcher.py, `--prefill-chunk-ms`)
+CHUNK_STEP_S = 1.0
 TOP_LOGPROBS_MAX = 20  # alternatives reported per token (OpenAI's chat API: up to 20)
 
 
