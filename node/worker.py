@@ -39,7 +39,7 @@ from edgetp.models.layers import StepBatch
 from edgetp.node import messages as M
 from edgetp.node import protocol as P
 from edgetp.node.executor import Hidden, SliceExecutor, check_kernels_before_loading, make_executor
-from edgetp.node.heartbeat import DEAD_AFTER, HeartbeatClient
+from edgetp.node.heartbeat import DATA_IO, DEAD_AFTER, HeartbeatClient, node_context
 from edgetp.node.hop import ERROR, FOREIGN, WorkerHop
 from edgetp.node.hop import available as hop_available
 from edgetp.node.messages import Capacity
@@ -104,8 +104,9 @@ class Worker:
         self.name = name or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         self.model = model
         self.progress = progress
-        self.context = zmq.Context()
+        self.context = node_context()  # the heartbeats on an I/O thread of their own
         self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.AFFINITY, DATA_IO)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
         if token:

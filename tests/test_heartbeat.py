@@ -10,6 +10,7 @@ import zmq
 from waiting import wait_until
 
 from edgetp.master.cluster.session import Session
+from edgetp.master.cluster.transport import Transport
 from edgetp.node import heartbeat
 from edgetp.node.heartbeat import DEAD_AFTER, HeartbeatClient, HeartbeatServer
 from edgetp.node.security import JoinToken, Keypair
@@ -20,7 +21,7 @@ def test_a_pause_of_this_process_is_not_its_peer_s_silence(monkeypatch):
     process's heartbeat thread runs (a SIGSTOP, a suspended laptop: the clock jumps under them).
     Neither takes the other for dead for it, before its heartbeat thread has run again or after;
     a master that really goes away is still dead to the node DEAD_AFTER later."""
-    context = zmq.Context()
+    context = heartbeat.node_context()
     public, secret = zmq.curve_keypair()
     server = HeartbeatServer(context, "127.0.0.1", Keypair(public, secret))
     client = HeartbeatClient(
@@ -77,3 +78,19 @@ def test_a_session_keeps_what_its_process_held_out_of_its_re_plans_collections(s
         session.close()
     assert gc.get_freeze_count() == 0
     assert len(gc.get_objects()) >= walked
+
+
+def test_the_master_s_beats_have_an_io_thread_of_their_own():
+    """The master's heartbeats and its data go through different I/O threads of its context:
+    on one, a beat waited behind a long prompt's encrypted hidden states and partials, and 4
+    half-core devices took each other for dead in the first layer of a 4,096-token prompt
+    (docs/bench/README.md, Agent-sized prompts). The workers' sockets are made alike
+    (node/worker.py)."""
+    transport = Transport()
+    try:
+        assert transport.context.get(zmq.IO_THREADS) == heartbeat.IO_THREADS == 2
+        assert transport.sock.getsockopt(zmq.AFFINITY) == heartbeat.DATA_IO
+        assert transport.heartbeat._socket.getsockopt(zmq.AFFINITY) == heartbeat.BEAT_IO
+        assert heartbeat.DATA_IO & heartbeat.BEAT_IO == 0
+    finally:
+        transport.close()

@@ -9,10 +9,12 @@ with no stream (the prompt alone). Settings: `chunk_step_s` None (the prompt pre
 the stream waits) and the times a chunk's step aims at. Prompt reuse is off, so every round
 prefills the whole prompt.
 
-    PYTHONPATH=. [ROUNDS=3] [PROMPT=2000] .venv/bin/python -u docs/bench/chunked_prefill.py \
-        [NODES [STEP_S ...]]
+    PYTHONPATH=. [ROUNDS=3] [PROMPT=2000] [MODEL=...] [DTYPE=q4_0] [DEVICE=cpu=0.5] [STATE=dir] \
+        .venv/bin/python -u docs/bench/chunked_prefill.py [NODES [STEP_S ...]]
 
-NODES defaults to 1; STEP_S to 0.1 0.2 0.4 0.8.
+NODES defaults to 1; STEP_S to 0.1 0.2 0.4 0.8 (0.001: a chunk's step aims at 2 decode steps);
+MODEL to the bundled one, as its file stores it unless DTYPE; DEVICE runs every node as an
+emulated device (root), as `edgetp bench --device` does.
 """
 
 from __future__ import annotations
@@ -23,18 +25,25 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from edgetp.master.bench.long_prompt import prose_tokens
 from edgetp.master.cluster.local import local_session
 from edgetp.master.cluster.session import Session
+from edgetp.master.emulate.devices import emulated
+from edgetp.master.emulate.spec import parse_device
 from edgetp.master.generation.batcher import Batcher, Delta, Event, Failed, Finished
 from edgetp.master.generation.params import SamplingParams
-from edgetp.memory.budget import FILE_TYPES
+from edgetp.memory.budget import MemoryOptions
+from edgetp.memory.files import default_state_dir
 from edgetp.models.config import DEFAULT_MODEL
 from edgetp.models.source import open_model
 from edgetp.models.tokenizer import Tokenizer
 
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
+MODEL = os.environ.get("MODEL", DEFAULT_MODEL)
+DTYPE = os.environ.get("DTYPE", "auto")
+DEVICE = os.environ.get("DEVICE")
 PROMPT = int(os.environ.get("PROMPT", "2000"))
 DECODED = 8  # the stream's tokens before the long prompt comes
 STREAM = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
@@ -82,15 +91,23 @@ def one_round(session: Session, tokenizer: Tokenizer, step_s: float | None) -> d
 def main() -> None:
     nodes = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     steps = [float(a) for a in sys.argv[2:]] or [0.1, 0.2, 0.4, 0.8]
-    source = open_model(DEFAULT_MODEL)
+    source = open_model(MODEL)
     tokenizer = source.tokenizer()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines()
                        if ln.startswith("Model name")), "?")  # fmt: skip
-    print(f"{model_name}, {os.cpu_count()} cores; {DEFAULT_MODEL} on {nodes} node(s); "
-          f"a {PROMPT}-token prompt beside a stream; {ROUNDS} rounds, medians")  # fmt: skip
+    print(f"{model_name}, {os.cpu_count()} cores; {MODEL} ({DTYPE}) on {nodes} node(s)"
+          f"{f' as {DEVICE}' if DEVICE else ''}; a {PROMPT}-token prompt beside a stream; "
+          f"{ROUNDS} rounds, medians")  # fmt: skip
     settings: list[float | None] = [None, *steps]
-    with local_session(source, nodes, context=PROMPT + 256, slots=2, memory=FILE_TYPES) as session:
+    specs = [parse_device(DEVICE)] if DEVICE else None
+    state = Path(os.environ["STATE"]) if "STATE" in os.environ else default_state_dir()
+    memory = MemoryOptions(dtype=DTYPE)
+    with (
+        emulated(specs, nodes, state) as devices,
+        local_session(source, nodes, state_dir=state, context=PROMPT + 256, slots=2,
+                      memory=memory, devices=devices, standby=False) as session,
+    ):  # fmt: skip
         runs: dict[float | None, list[dict[str, float]]] = {s: [] for s in settings}
         for _ in range(ROUNDS):
             for s in settings:

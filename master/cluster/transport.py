@@ -30,7 +30,7 @@ from edgetp.node import hop as hop_codes
 from edgetp.node import messages as M
 from edgetp.node import protocol as P
 from edgetp.node.executor import Hidden
-from edgetp.node.heartbeat import DEAD_AFTER, HeartbeatServer
+from edgetp.node.heartbeat import DATA_IO, DEAD_AFTER, HeartbeatServer, node_context
 from edgetp.node.hop import HubHop
 from edgetp.node.security import JoinToken, Keypair, secure_server
 
@@ -94,12 +94,13 @@ class Transport:
             keys = Keypair(public, secret)
         self.keys = keys
         self.token = token or JoinToken(keys.public, os.urandom(16))
-        self.context = zmq.Context()
+        self.context = node_context()  # the heartbeats on an I/O thread of their own
         self.auth = ThreadAuthenticator(self.context, log=logging.getLogger("edgetp.auth"))
         self.auth.start()
         self.auth.configure_curve_callback("*", _TokenHolders(self.token))
         self.sock = self.context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.AFFINITY, DATA_IO)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # A node that joins again (restarted, or told it was dropped) may connect before this
         # socket has seen its old connection close: without a hand-over the new one would be
