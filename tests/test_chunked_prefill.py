@@ -178,7 +178,6 @@ def test_a_long_prompt_prefills_between_a_running_streams_steps(
     chunks = [i for i, b in enumerate(seen) if stream_slot not in b.slots]
     fed = [seen[i].lengths[0] for i in chunks]
     assert len(chunks) > 2 and sum(fed) == len(long), fed
-    assert all(n > KEPT_TOKENS for n in fed)
     for i in chunks[:-1]:  # each chunk is followed by a step of the stream alone
         assert seen[i + 1].slots == (stream_slot,) and seen[i + 1].lengths == (1,)
     assert stats.longest_gap_ms > 0 and stats.prefill_chunk > 0

@@ -132,9 +132,9 @@ def step(
         return
     whole = [g.pending() for g in active]
     decoding = [g.decoding for g in active]  # not a prompt (new, or replayed)
-    feeds = [
-        f if d else _prompt_chunk(f, prefill_chunk) for f, d in zip(whole, decoding, strict=True)
-    ]
+    states = bool(engine.config.linear_layers)
+    feeds = [f if d else _prompt_chunk(f, prefill_chunk, states)
+             for f, d in zip(whole, decoding, strict=True)]  # fmt: skip
     drafts: list[list[int]] = [[] for _ in active]
     drafting = [b for b in range(len(active)) if decoding[b]]
     if speculator is not None and drafting:
@@ -177,13 +177,16 @@ def step(
             speculator.record_draft(g.drafts, len(drafts[b]), accepted, made)
 
 
-def _prompt_chunk(feed: list[int], chunk: int | None) -> list[int]:
-    """A prompt's feed for this step: its first `chunk` tokens, or all of it (no `chunk`, or
-    one that would leave KEPT_TOKENS or fewer). Each chunk is then wider than KEPT_TOKENS, so a
-    node keeps a linear-attention state at the end of the last one, the prompt's end, as it
-    does after a prompt fed whole (node.kvcache.LinearStates; reuse.py counts on it)."""
+def _prompt_chunk(feed: list[int], chunk: int | None, states: bool) -> list[int]:
+    """A prompt's feed for this step: its first `chunk` tokens, or all of it (no `chunk`).
+    A model with linear-attention `states` feeds chunks wider than KEPT_TOKENS, and all of it
+    rather than leave KEPT_TOKENS or fewer: a node then keeps the state at the end of the last
+    chunk, the prompt's end, as it does after a prompt fed whole (node.kvcache.LinearStates;
+    reuse.py counts on it)."""
     if chunk is None:
         return feed
+    if not states:
+        return feed[:chunk]
     size = max(chunk, KEPT_TOKENS + 1)
     return feed if len(feed) - size <= KEPT_TOKENS else feed[:size]
 
