@@ -49,7 +49,7 @@ MIXED_PREFILL_MAX = 4  # longest new prompt that shares a step with decoding seq
 # step of several tokens costs more than that whatever its length (SmolLM2: 2 tokens take 5 decode
 # steps' time, the Python path's fixed cost), so that a chunk's step takes CHUNK_STEP_S (params.py).
 STALL_STEPS = 3
-FIRST_CHUNK = 32  # prompt tokens of the first chunk, before a chunk has been timed
+FIRST_CHUNK = 32  # prompt tokens of the first chunk, before any prompt step has been timed
 DECODE_STEPS_TIMED = 9  # the latest decode steps, whose median time sizes a chunk
 # Prompt tokens a request shares with one taken in at the same moment, past what it can reuse
 # now, for which it waits a step: the next copies them from that prompt's slot (reuse.py), where
@@ -379,6 +379,7 @@ class Batcher:
                 continue
             before = sum(len(j.generation.tokens) for j in batch)
             decode = all(j.generation.decoding for j in batch)
+            prompts = not any(j.generation.decoding for j in batch)
             at = [j.generation.position for j in batch]
             started = time.perf_counter()
             try:
@@ -401,7 +402,7 @@ class Batcher:
             seconds = time.perf_counter() - started
             with self._cond:
                 fed = max(j.generation.position - p for j, p in zip(batch, at, strict=True))
-                self._timed(seconds, decode, chunk, fed)
+                self._timed(seconds, decode, prompts, chunk, fed)
                 made = sum(len(j.generation.tokens) for j in batch) - before
                 self._recent.append((time.perf_counter(), seconds, len(batch), made))
                 self._largest_batch = max(self._largest_batch, len(batch))
@@ -619,18 +620,21 @@ class Batcher:
             return new, self._chunk
         return [j for j in self._active if j.generation.decoding], None
 
-    def _timed(self, seconds: float, decode: bool, chunk: int | None, fed: int) -> None:
+    def _timed(
+        self, seconds: float, decode: bool, prompts: bool, chunk: int | None, fed: int
+    ) -> None:
         """Size the next prefill chunk from this step's time (lock held): a chunk step should
         take (STALL_STEPS - 1) decode steps, so a stream's wait, a chunk step and its own decode
-        step, is STALL_STEPS of them, or `chunk_step_s` if longer. A step that fed a whole
-        chunk (`fed` tokens, at least `chunk`) scales it by target / time, at most doubling
-        it: a chunk's time is a fixed part (the weights' read, the sums) and a part per token,
-        so the chunk settles where its step takes the target."""
+        step, is STALL_STEPS of them, or `chunk_step_s` if longer. A step of `prompts` only
+        that fed `fed` tokens (a whole chunk, or prompts fed whole) scales them by target /
+        time, at most doubling them: a step's time is a fixed part (the weights' read, the
+        sums) and a part per token, so the chunk settles where its step takes the target."""
         if decode:
             self._decode_s.append(seconds)
-        elif chunk is not None and fed >= chunk and self._decode_s:
-            step_s = (STALL_STEPS - 1) * statistics.median(self._decode_s)
-            target = max(step_s, self.chunk_step_s or 0.0)
+            return
+        step_s = (STALL_STEPS - 1) * statistics.median(self._decode_s) if self._decode_s else 0.0
+        target = max(step_s, self.chunk_step_s or 0.0)
+        if prompts and fed > 0 and target > 0 and (chunk is None or fed >= chunk):
             self._chunk = max(1, min(2 * fed, int(fed * target / seconds)))
 
     def _deliver(self, job: _Job) -> None:
