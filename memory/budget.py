@@ -197,12 +197,22 @@ class MemoryOptions:
     # "auto" (int8 for a model in 4- to 6-bit blocks), set for the whole process when the
     # master plans, and told to every node
     activations: str = "exact"
+    # which device holds attention (master.cluster.plan.choose_attention): "split" across the
+    # devices as the FFN is, every head on the "master" (one sum a layer), or "auto" by the
+    # measured links and speeds (master only)
+    attention: str = "auto"
 
     @property
     def streaming(self) -> bool:
         """Whether weights must come from shard files rather than straight from the model (how
-        the KV cache is stored and the products' input have no say in it)."""
-        kept = replace(self, kv_cache=ALL_RESIDENT.kv_cache, activations=ALL_RESIDENT.activations)
+        the KV cache is stored, the products' input and where attention goes have no say in
+        it: one device holds all of it)."""
+        kept = replace(
+            self,
+            kv_cache=ALL_RESIDENT.kv_cache,
+            activations=ALL_RESIDENT.activations,
+            attention=ALL_RESIDENT.attention,
+        )
         return kept != ALL_RESIDENT
 
     def node_args(self) -> list[str]:

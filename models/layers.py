@@ -129,6 +129,12 @@ class Slice:
         return self.linear_heads[1] - self.linear_heads[0]
 
     @property
+    def attends(self) -> bool:
+        """Whether it holds heads of attention or of a gated DeltaNet (a plan may give every
+        head to the master, master.cluster.plan.plan_slices' `attention_first`)."""
+        return self.n_q > 0 or self.n_linear > 0
+
+    @property
     def n_linear_keys(self) -> int:
         return self.linear_key_heads[1] - self.linear_key_heads[0]
 

@@ -94,6 +94,7 @@ class Hub(ctypes.Structure):
         ("own_compute_s", ctypes.c_double),
         ("failed", ctypes.c_int64),
         ("one_core", ctypes.c_int64),
+        ("attention_alone", ctypes.c_int64),
         ("post_norm", ctypes.c_void_p),
         ("post_norms", ctypes.c_void_p),
         ("eps", ctypes.c_float),
@@ -309,9 +310,17 @@ class HubHop:
         """The blocks this loop was made for, or None once they are gone (never run it then)."""
         return self._blocks()
 
-    def begin(self, step_no: int, h: np.ndarray, first_header: bytes | None) -> None:
+    def begin(
+        self,
+        step_no: int,
+        h: np.ndarray,
+        first_header: bytes | None,
+        attention_alone: bool = False,
+    ) -> None:
         """A decode step: its number, its hidden state (B, D) (summed into in place: `self.h`),
-        and the header of its first STEP (with the batch), or None if the batch went already."""
+        and the header of its first STEP (with the batch), or None if the batch went already.
+        `attention_alone`: the workers hold no attention, so its blocks are this process's
+        alone, with no messages, and the first STEP is layer 0's FFN."""
         B = h.shape[0]
         self.h = np.ascontiguousarray(h, np.float32).copy()
         self.partials = np.zeros((max(len(self.identities), 1), B, h.shape[1]), np.float32)
@@ -322,6 +331,7 @@ class HubHop:
         s.first = ctypes.addressof(self._first) if first_header else None
         s.first_len = len(first_header or b"")
         s.layer = s.ffn = s.gathering = 0
+        s.attention_alone = int(attention_alone)
         s.own_compute_s = 0.0
         self.received[:] = 0
 

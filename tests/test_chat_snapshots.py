@@ -149,6 +149,7 @@ FULL: dict[str, Any] = {
         _node("pi-kitchen", "192.168.1.21", 0.35, 301 * 2**20, 4, 1.75),
         _node("pi-garage", "192.168.1.22", 0.25, 187 * 2**20, 2, 6.5),
     ],
+    "attention": {"on": "master", "why": "master: --attention master"},
 }
 
 
@@ -285,7 +286,8 @@ def test_cluster_panel_with_every_figure(snap_compare):
     """The panel for three devices that report every figure.
 
     At the top the cluster: model, 30 layers · context 2048, 18.6 tokens/s, 52.7 ms/token,
-    allreduce 498 µs · p99 5.77 ms, 0 active · 0 waiting / 8. Then one block per node, each
+    allreduce 330 µs · p99 1.10 ms, attention master · one sum a layer, 0 active · 0 waiting
+    / 8. Then one block per node, each
     with a green "● up": master at 192.168.1.10:7470 with a 40.0% share, 1.3 GiB of a 2.0 GiB
     budget, a window of 30 layers, 14.50 ms compute and 0.00 ms loader wait; pi-kitchen
     (192.168.1.21, 35.0%, 301.0 MiB / 512.0 MiB, window 4 layers, 1.75 ms loader wait) and

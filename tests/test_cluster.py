@@ -29,7 +29,7 @@ from edgetp.master.generation.params import SamplingParams
 from edgetp.memory.budget import MemoryOptions
 from edgetp.memory.shards import Manifest, ShardStore
 from edgetp.memory.splitter import split_model
-from edgetp.models.layers import StepBatch
+from edgetp.models.layers import Slice, StepBatch
 from edgetp.node import messages as M
 from edgetp.node import protocol as P
 from edgetp.node.security import TOKEN_ENV, secure_client
@@ -107,6 +107,33 @@ def test_n_nodes_equal_one_node(smollm2, smollm2_tokenizer, single, shared_state
         diff = (ours - ref).abs().max().item()
         scale = ref.abs().max().item()
         print(f"{capacities} {step}: max|diff| {diff:.3g} vs max|logit| {scale:.3g}")
+        assert diff <= 1e-4 * scale
+    assert tokens == ref_tokens
+
+
+def test_attention_on_the_master_pays_one_sum_a_layer_and_answers_as_one_node(
+    smollm2, smollm2_tokenizer, single, shared_state
+):
+    """`--attention master`: the workers hold no head and no keys, the master every head; a
+    decode step's layers then pay one sum each, not two (through the native loop), and the
+    logits and greedy tokens are one node's."""
+    ref_logits, ref_tokens = single
+    memory = MemoryOptions(attention="master")
+    with local_cluster(smollm2, [1, 1, 1], shared_state, memory=memory) as (engine, hub, _):
+        master, *workers = engine.slices + [Slice.from_dict(m.slice) for m in hub.members]
+        assert master.n_q == smollm2.config.n_heads and not any(w.attends for w in workers)
+        assert all(w.n_ffn > 0 for w in workers)
+        logits = two_steps_logits(engine, smollm2_tokenizer)
+        assert engine._native_layers() is not None  # decode steps went through the C loop
+        before = hub.sums
+        tokens = greedy_batch(engine, smollm2_tokenizer)
+        decode_steps = len(ref_tokens[0]) - 1  # the first token comes from the prefill
+        prefill_sums = smollm2.config.n_layers  # the prefill's: one a layer too
+        assert hub.sums - before == smollm2.config.n_layers * decode_steps + prefill_sums
+        assert all(m.figures["kv_cache_bytes"] == 0 for m in hub.members)
+    for step, ours, ref in zip(["prefill", "decode"], logits, ref_logits, strict=True):
+        diff, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
+        print(f"attention on the master, {step}: max|diff| {diff:.3g} vs max|logit| {scale:.3g}")
         assert diff <= 1e-4 * scale
     assert tokens == ref_tokens
 

@@ -403,21 +403,29 @@ def test_greedy_32_tokens_equal_transformers_generate(family):
 
 
 def _windowed(
-    source, nodes: int, dtype: str, prompt: list[int], continuation: list[int], context: int
+    source,
+    nodes: int,
+    dtype: str,
+    prompt: list[int],
+    continuation: list[int],
+    context: int,
+    attention: str = "split",
 ):
     """Our logits from `nodes` real processes, each streaming its slice one layer at a time
-    from shards of `dtype`."""
-    memory = MemoryOptions(window=1, dtype=dtype)
+    from shards of `dtype`, attention split across them or on the master alone (`attention`)."""
+    memory = MemoryOptions(window=1, dtype=dtype, attention=attention)
     with local_engine(source, nodes, context=context, memory=memory) as engine:
         return _ours(engine, prompt, continuation)
 
 
-def test_real_nodes_streaming_f32_shards_equal_transformers(family):
+@pytest.mark.parametrize("attention", ["split", "master"])
+def test_real_nodes_streaming_f32_shards_equal_transformers(family, attention):
+    """Attention split across the nodes, or every head on the master (one sum a layer)."""
     name, model, folder, prompt = family
     expected, continuation = _reference(model, prompt)
     context = CONTEXT.get(name, 128)
-    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation, context)
-    _assert_close_logits(ours, expected, f"{name} 3 real nodes, window 1, f32 shards")
+    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation, context, attention)
+    _assert_close_logits(ours, expected, f"{name} 3 real nodes, window 1, attention {attention}")
 
 
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_1"])

@@ -309,17 +309,18 @@ def test_a_published_multimodal_folder_runs_its_text_model(tmp_path):
         _assert_close_logits(ours, expected, f"gemma4 multimodal folder's text, {n} node(s)")
 
 
-def test_real_nodes_streaming_f32_shards_equal_transformers(gemma4):
+@pytest.mark.parametrize("attention", ["split", "master"])
+def test_real_nodes_streaming_f32_shards_equal_transformers(gemma4, attention):
     """3 real node processes, each streaming its slice a layer at a time: the master's PLE
     tensors, layer scales and a mixture's dense MLP and router scales go through the split's
     globals, the routing crosses the wire, the sharing layers' KV is read from the node's own
-    cache of the earlier layer."""
+    cache of the earlier layer (the master's alone with `attention` master)."""
     model, folder, prompt = gemma4
     expected, continuation = _reference(model, prompt)
     source = open_model(folder)
-    ours = _windowed(source, 3, "f32", prompt, continuation, CONTEXT)
+    ours = _windowed(source, 3, "f32", prompt, continuation, CONTEXT, attention)
     what = "moe" if source.config.moe else "dense"
-    _assert_close_logits(ours, expected, f"gemma4 {what} 3 real nodes, window 1, f32 shards")
+    _assert_close_logits(ours, expected, f"gemma4 {what} 3 real nodes, attention {attention}")
 
 
 def test_q8_0_shards_on_real_nodes_equal_one_node_and_keep_the_ple_table_q8_0(dense, tmp_path):

@@ -341,12 +341,14 @@ def test_gpt_oss_mxfp4_experts_stay_mxfp4_on_real_nodes(tmp_path_factory, stored
 
 
 @pytest.mark.slow
-def test_real_nodes_equal_transformers(moe):
-    """3 processes, each streaming its slice from f32 shards: the routing goes over the wire."""
+@pytest.mark.parametrize("attention", ["split", "master"])
+def test_real_nodes_equal_transformers(moe, attention):
+    """3 processes, each streaming its slice from f32 shards: the routing goes over the wire,
+    attention split across them or on the master alone."""
     model, folder, prompt = moe
     expected, continuation = _reference(model, prompt)
-    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation, 128)
-    _assert_close_logits(ours, expected, f"{folder.name} 3 real nodes, window 1, f32 shards")
+    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation, 128, attention)
+    _assert_close_logits(ours, expected, f"{folder.name} 3 real nodes, attention {attention}")
 
 
 @pytest.mark.slow

@@ -197,7 +197,12 @@ def test_a_node_lost_forgets_what_the_slots_held(smollm2, smollm2_tokenizer, ste
             return None
 
         def decode_layers(
-            self, blocks: NativeBlocks, h: np.ndarray, post_norms: np.ndarray | None, eps: float
+            self,
+            blocks: NativeBlocks,
+            h: np.ndarray,
+            post_norms: np.ndarray | None,
+            eps: float,
+            attention_alone: bool,
         ) -> tuple[np.ndarray, float]:
             self.send()  # no other devices: the master's own blocks are the whole layer
             for i in range(blocks.config.n_layers):

@@ -278,13 +278,15 @@ def test_greedy_32_tokens_equal_transformers_generate_on_every_node_count(hybrid
 
 
 @pytest.mark.slow
-def test_real_nodes_equal_transformers(qwen35):
+@pytest.mark.parametrize("attention", ["split", "master"])
+def test_real_nodes_equal_transformers(qwen35, attention):
     """3 processes, each streaming its slice from f32 shards: the slices' value heads cross
-    the wire in the plan, the states stay on the nodes."""
+    the wire in the plan, the states stay on the nodes; or the master holds every head of
+    both kinds of layer and its state (`attention` master)."""
     model, folder, prompt = qwen35
     expected, continuation = _reference(model, prompt)
-    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation, 128)
-    _assert_close_logits(ours, expected, "qwen3_5 3 real nodes, window 1, f32 shards")
+    ours = _windowed(open_model(folder), 3, "f32", prompt, continuation, 128, attention)
+    _assert_close_logits(ours, expected, f"qwen3_5 3 real nodes, attention {attention}")
 
 
 @pytest.mark.slow

@@ -137,6 +137,15 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
             "holds the context under every node's memory budget); attention computes in "
             "float32 either way (default f32)",
         )
+        p.add_argument(
+            "--attention",
+            choices=("auto", "split", "master"),
+            default="auto",
+            help="where attention runs: split across the devices as the FFN is (two sums a "
+            "layer), or every head on the master (one sum a layer; the workers wait while it "
+            "computes); auto: the master where the measured links make the saved sum cost more "
+            "than attention there, else split (default auto; /v1/cluster says which and why)",
+        )
     p.add_argument(
         "--window", type=_positive, default=None, help="layers of the slice in memory (forced)"
     )
@@ -212,6 +221,7 @@ def memory_options(args: argparse.Namespace) -> MemoryOptions:
         drop_cache=getattr(args, "drop_cache", False),
         kv_cache=getattr(args, "kv_cache", "f32"),
         activations=getattr(args, "activations", "exact"),  # a worker: what its master says
+        attention=getattr(args, "attention", "auto"),
     )
 
 

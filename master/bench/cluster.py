@@ -330,6 +330,7 @@ def _cluster_run(
                 for c, link in zip(session.measured(), links, strict=False)
             ],
             "estimate": estimate_figures(session.split_estimate),
+            "attention": session.attention.why,
             # Left to choose (run, serve), the plan would have left these on standby.
             "standby": session.standby_choice,
         }

@@ -377,12 +377,22 @@ class AllreduceFigures(BaseModel):
     p99_us: float
 
 
+class AttentionFigures(BaseModel):
+    on: Literal["split", "master"] = Field(
+        description="split across the nodes as the FFN is (two sums a layer), or every head on "
+        "the master (one sum a layer, the workers waiting while it computes): `--attention`"
+    )
+    why: str = Field(description="what chose it: the flag, or the estimate from the measured "
+                     "links and speeds")  # fmt: skip
+
+
 class ClusterFigures(BaseModel):
     model: str
     context: int
     layers: int
     nodes: list[NodeFigures]
     allreduce: AllreduceFigures | None = Field(None, description="None on a single node")
+    attention: AttentionFigures | None = Field(None, description="where the plan put attention")
     generation: GenerationFigures
     down: str | None = Field(None, description="why the cluster is down, if it is")
 

@@ -92,7 +92,12 @@ class Remote(Protocol):
     def send(self, block: Block, layer: int, h: Hidden, routing: Routing | None = None) -> None: ...
     def gather(self, block: Block, layer: int, local_compute: float = 0.0) -> np.ndarray | None: ...
     def decode_layers(
-        self, blocks: NativeBlocks, h: np.ndarray, post_norms: np.ndarray | None, eps: float
+        self,
+        blocks: NativeBlocks,
+        h: np.ndarray,
+        post_norms: np.ndarray | None,
+        eps: float,
+        attention_alone: bool,
     ) -> tuple[np.ndarray, float]: ...
     def gather_rows(self, layer: int, local_compute: float = 0.0) -> list[np.ndarray]: ...
 
@@ -126,8 +131,12 @@ class Engine:
         head_split: bool = False,
         router: torch.Tensor | None = None,
         family_tensors: dict[str, torch.Tensor] | None = None,
+        attention_alone: bool = False,
     ) -> None:
         self.config = config
+        # The workers hold no attention (`Slice.attends`): its blocks are this process's, with
+        # no sum, and a layer pays one sum, its FFN's.
+        self.attention_alone = attention_alone and remote is not None
         # what the model's family computes between the layers' sums (models/family.py), with
         # the tensors it needs for it, the master's alone (Gemma 4's per-layer inputs, ...)
         self.family = family_of(config)
@@ -273,6 +282,7 @@ class Engine:
             head_split=bool(manifest.head_rows),
             router=g.get(ROUTER),
             family_tensors=_family_globals(g, config),
+            attention_alone=not any(Slice.from_dict(d).attends for d in manifest.slices[1:]),
         )
 
     @property
@@ -331,7 +341,7 @@ class Engine:
             started = time.perf_counter()
             if self.remote is not None:
                 h, compute = self.remote.decode_layers(
-                    blocks, h, self._post_norm_rows, self.config.norm_eps
+                    blocks, h, self._post_norm_rows, self.config.norm_eps, self.attention_alone
                 )
             else:
                 h = blocks.run_layers(h, self._post_norm_rows, self.config.norm_eps)
@@ -435,15 +445,16 @@ class Engine:
         """The sum of every slice's partial for one block: the star allreduce. An FFN block
         of experts goes with its `routing`."""
         sent = time.perf_counter()
-        if self.remote:  # send first, so the workers compute while this process does
-            self.remote.send(block, i, h, routing)
+        remote = None if block == ATTENTION and self.attention_alone else self.remote
+        if remote:  # send first, so the workers compute while this process does
+            remote.send(block, i, h, routing)
         started = time.perf_counter()
         total = None
         for ex in self.executors:
             p = ex.attention(i, h) if block == ATTENTION else ex.ffn(i, h, routing)
             total = p if total is None else total + p
-        if self.remote:
-            others = self.remote.gather(block, i, time.perf_counter() - started)
+        if remote:
+            others = remote.gather(block, i, time.perf_counter() - started)
             if others is not None:
                 total = others if total is None else total + others
         assert total is not None, "an engine needs at least one slice"

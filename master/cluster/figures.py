@@ -169,6 +169,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
         "layers": config.n_layers,
         "nodes": nodes,
         "allreduce": allreduce,
+        "attention": {"on": session.attention.name, "why": session.attention.why},
         "generation": generation_figures(stats),
         "down": stats.down,
     }

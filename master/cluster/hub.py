@@ -497,14 +497,19 @@ class Hub:
             )
 
     def decode_layers(
-        self, blocks: NativeBlocks, h: np.ndarray, post_norms: np.ndarray | None, eps: float
+        self,
+        blocks: NativeBlocks,
+        h: np.ndarray,
+        post_norms: np.ndarray | None,
+        eps: float,
+        attention_alone: bool = False,
     ) -> tuple[np.ndarray, float]:
         """Every layer of a decode step through the native loop (`Transport.decode_layers`):
         the new hidden state and this process's compute seconds."""
         names = self._identities()
         with self._losing_nodes():
             h, figures, compute = self.transport.decode_layers(
-                blocks, names, h, self._handle_control, post_norms, eps
+                blocks, names, h, self._handle_control, post_norms, eps, attention_alone
             )
         self._take_figures(figures)
         return h, compute

@@ -64,13 +64,20 @@ def _ranges(counts: list[int], unit: int = 1) -> list[tuple[int, int]]:
 
 
 def plan_slices(
-    config: ModelConfig, capacities: Sequence[float], ffn_align: int = FFN_ALIGN
+    config: ModelConfig,
+    capacities: Sequence[float],
+    ffn_align: int = FFN_ALIGN,
+    attention_first: bool = False,
 ) -> list[Slice]:
     """One slice per device, in the order of `capacities`, the FFN cut in multiples of
-    `ffn_align` columns (`ModelSource.ffn_align`: the down projection's block) where it can be."""
+    `ffn_align` columns (`ModelSource.ffn_align`: the down projection's block) where it can be.
+    `attention_first`: the first device (the master) holds every head of attention and of a
+    gated DeltaNet, the others none, so a layer's attention needs no sum (`attention_plan`)."""
     n = len(capacities)
     group = config.group_size
-    if n <= config.n_kv_heads:
+    if attention_first:
+        q_ranges = [(0, config.n_heads)] + [(config.n_heads, config.n_heads)] * (n - 1)
+    elif n <= config.n_kv_heads:
         groups = _ranges(proportional_counts(config.n_kv_heads, capacities))
         q_ranges = [(g0 * group, g1 * group) for g0, g1 in groups]
     else:
@@ -80,7 +87,8 @@ def plan_slices(
     units = config.ffn_hidden // align
     ffn_ranges = _ranges(proportional_counts(units, capacities), align)
 
-    linear = _linear_ranges(config, capacities)
+    linear = _linear_ranges(config, capacities[:1] if attention_first else capacities)
+    linear += [(linear[-1][1],) * 2] * (n - len(linear))
     return [
         Slice(q, kv_heads_for(q, group), f, v, kv_heads_for(v, config.linear_group))
         for q, f, v in zip(q_ranges, ffn_ranges, linear, strict=True)
@@ -326,16 +334,89 @@ def kept_token_s(
     return estimate.split_s if kept else estimate.alone_s
 
 
-def layers_size(source: ModelSource, dtype: str) -> tuple[int, int]:
-    """The bytes the layers' matrices take in shards of `dtype`, and their weights."""
+ATTENTION_MATRICES = ("wqkv", "wo")  # attention's, or a gated DeltaNet's; the rest: the FFN's
+
+
+def token_weights(config: ModelConfig) -> tuple[int, int]:
+    """The weights a token multiplies in every layer's attention (a gated DeltaNet's
+    included), and in its FFN or the experts it is routed to (a mixture's: its
+    `n_experts_used` of `n_experts`, and its shared experts)."""
+    attention = ffn = 0.0
+    used = 1.0
+    if config.moe:
+        used = (config.n_experts_used + config.n_shared) / (config.n_experts + config.n_shared)
+    for layer in range(config.n_layers):
+        shapes = full_layer_shapes(config, layer)
+        parts = slice_parts(config, Slice.whole(config), layer)
+        for m in MATRICES:
+            weights = sum(
+                p.n_rows * (p.cols[1] - p.cols[0] if p.cols else math.prod(shapes[p.source][1:]))
+                for p in parts[m]
+            )
+            if m in ATTENTION_MATRICES:
+                attention += weights
+            else:
+                ffn += weights * used
+    return int(attention), int(ffn)
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """Where a plan puts attention: split across the devices like the FFN, two sums a layer;
+    or every head on the master (`plan_slices`' `attention_first`), one sum a layer, the
+    workers idle while it computes. `why`: the figures it was chosen by, or who chose it."""
+
+    on_master: bool
+    why: str
+
+    @property
+    def name(self) -> str:
+        return "master" if self.on_master else "split"
+
+
+def choose_attention(
+    config: ModelConfig,
+    speeds: Sequence[float],
+    sum_s: float,
+    master_budget: int | None = None,
+    attention_bytes: int = 0,
+) -> AttentionChoice:
+    """Attention on the master where the sum it saves each layer (`sum_s`: what one costs, a
+    round trip to the slowest worker and the master's messages) outweighs computing every head
+    there rather than a share, by `split_estimate`'s reckoning: speeds in GB/s of float32
+    weights, the master first, and a token's weights (`token_weights`). Not where the master's
+    memory budget cannot hold every layer's attention (`attention_bytes`) beside its FFN share.
+    """
+    attention, ffn = (4 * w / 1e9 for w in token_weights(config))  # float32 GB, as speeds
+    layers = config.n_layers
+    split_s = (attention + ffn) / sum(speeds) + 2 * layers * sum_s
+    master_s = attention / speeds[0] + ffn / sum(speeds) + layers * sum_s
+    figures = (
+        f"~{master_s * 1e3:.1f} ms a token with attention on the master, ~{split_s * 1e3:.1f} "
+        f"ms split ({layers} sums a token fewer at ~{sum_s * 1e6:.0f} us each, against "
+        f"attention's ~{attention / speeds[0] * 1e3:.1f} ms on the master alone)"
+    )
+    if master_budget is not None and master_budget < attention_bytes:
+        held = f"{attention_bytes / 2**20:.0f} MiB"
+        why = f"split: the master's memory budget cannot hold every layer's attention ({held})"
+        return AttentionChoice(False, f"{why}; {figures}")
+    if len(speeds) > 1 and master_s < split_s:
+        return AttentionChoice(True, f"master: {figures}")
+    return AttentionChoice(False, f"split: {figures}")
+
+
+def layers_size(
+    source: ModelSource, dtype: str, matrices: Sequence[str] = MATRICES
+) -> tuple[int, int]:
+    """The bytes the layers' `matrices` take in shards of `dtype`, and their weights."""
     config = source.config
     size = count = 0.0
     for layer in range(config.n_layers):
         shapes = full_layer_shapes(config, layer)
         parts = slice_parts(config, Slice.whole(config), layer)
-        weights = {m: sum(math.prod(shapes[p.source]) for p in parts[m]) for m in MATRICES}
+        weights = {m: sum(math.prod(shapes[p.source]) for p in parts[m]) for m in matrices}
         dtypes = source.matrix_dtypes(layer, dtype)
-        size += sum(weights[m] * BYTES_PER_WEIGHT[d] for m, d in dtypes.items())
+        size += sum(weights[m] * BYTES_PER_WEIGHT[d] for m, d in dtypes.items() if m in weights)
         count += sum(weights.values())
     return int(size), int(count)
 

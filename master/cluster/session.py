@@ -16,7 +16,10 @@ from edgetp.master.cluster.engine import Engine, context_size
 from edgetp.master.cluster.hub import Hub
 from edgetp.master.cluster.membership import Failed, Member
 from edgetp.master.cluster.plan import (
+    ATTENTION_MATRICES,
+    AttentionChoice,
     SplitEstimate,
+    choose_attention,
     head_row_cost,
     head_rows,
     kept_token_s,
@@ -113,6 +116,7 @@ def _cluster_engine(
     head_costs: Sequence[float] | None = None,
     one_device: bool = False,
     first_plan: bool = True,
+    attention_first: bool = False,
 ) -> Engine:
     """Plan for the master and the joined workers, split, ship, and build the master's engine.
 
@@ -122,12 +126,13 @@ def _cluster_engine(
     kernel table, so every node's kernels are checked here, in one child, before they are
     shipped (each worker would otherwise check its own, one after another), and its memory
     (`memory_plans`). A worker too small for its share fails a `first_plan` and the workers are
-    told why; a re-plan goes on without it.
+    told why; a re-plan goes on without it. `attention_first`: the master holds every head
+    of attention (`plan_slices`).
     """
     context = context_size(source.config, max_context)
     # before any kernel is chosen and the workers are told
     set_activations(model_activations(source, memory.dtype, memory.activations))
-    slices = plan_slices(source.config, capacities, source.ffn_align(memory.dtype))
+    slices = plan_slices(source.config, capacities, source.ffn_align(memory.dtype), attention_first)
     # With workers, each node multiplies its rows of the lm_head: not the master alone, serially
     heads = (
         head_rows(source.config, slices, capacities, head_costs) if hub and hub.members else None
@@ -327,6 +332,7 @@ class Session:
         self.planned_capacities = [1.0]  # what the current plan split by, the master first
         self.planned_head_costs: list[float] | None = None  # and its head rows by, if measured
         self.split_estimate: SplitEstimate | None = None  # what the probes said of the split
+        self.attention = AttentionChoice(False, "split: one device")  # the plan's, and why
         # The workers the last measured plan left on standby, or (not free to: `standby`
         # False) would have: names, for the record.
         self.standby_choice: list[str] = []
@@ -449,6 +455,17 @@ class Session:
                 "or faster links, or fewer devices, would help",
                 e.sums_s * 1e3, sums, max(timed) * 1e6, e.alone_s * 1e3, e.compute_s * 1e3,
             )  # fmt: skip
+        if self.memory.attention == "auto" and len(devices) > 1:
+            rtts = [m.link.rtt_s for m in self.hub.members if m.link is not None]
+            kept_rtts = [rtts[k] for k in kept] if kept and len(rtts) == len(members) else rtts
+            # a sum: the slowest worker's round trip, and the master's messages to each
+            sum_s = max(kept_rtts, default=0.0) + 2 * (len(devices) - 1) * devices[0].message_s
+            attention_bytes = layers_size(self.source, self.memory.dtype, ATTENTION_MATRICES)[0]
+            self.attention = choose_attention(
+                config, speeds, sum_s, devices[0].memory_budget, attention_bytes
+            )
+        if self.attention.on_master:
+            sums = config.n_layers + 1
         speeds = with_messages(speeds, [c.message_s for c in devices], model_gb, sums)
         head_dtype = self.source.head_dtype(self.memory.dtype)
         head_costs = [1.0] + [
@@ -460,6 +477,17 @@ class Session:
         # Named by PLAN_RULES, so a plan kept under other rules is not kept under these.
         record = f"{model_identity(self.source)}-{self.memory.dtype}-{len(speeds)}-{PLAN_RULES}"
         return keep_last_plan(self.state_dir / "plans" / f"{record}.json", speeds, head_costs)
+
+    def _attention_asked(self) -> AttentionChoice:
+        """Where attention goes before the devices are measured: as `--attention` says, split
+        for auto (`plan_shares` chooses once it has the figures), and for one device."""
+        if self.nodes == 1 or self.memory.attention == "split":  # "split": --attention split
+            alone = self.nodes == 1
+            return AttentionChoice(False, "split: one device" if alone else "split: as asked")
+        if self.memory.attention == "master":
+            return AttentionChoice(True, "master: --attention master")
+        unmeasured = "the devices were not measured (equal or given shares): no link cost"
+        return AttentionChoice(False, f"split: {unmeasured}")
 
     def _measure_devices(self, hub: Hub) -> list[Capacity]:
         """Every node's capacity, the master first, with its speed measured again, all at one
@@ -526,6 +554,7 @@ class Session:
             self.hub.take_in()  # the joined, those on standby, the plan's alive: all weighed
         self.planned_capacities, self.planned_head_costs = [1.0], None
         self.standby_choice = []
+        self.attention = self._attention_asked()
         if self.nodes > 1 or self.memory.streaming:
             # (the shares may leave every worker on standby: the master then runs alone)
             self.planned_capacities, self.planned_head_costs = self.plan_shares()
@@ -550,6 +579,7 @@ class Session:
                 self.planned_head_costs,
                 self.one_device,
                 first_plan=not self._planned,
+                attention_first=self.attention.on_master and self.nodes > 1,
             )
         self._planned = True
         self.engine = engine

@@ -345,12 +345,14 @@ class Transport:
         handle: Handler,
         post_norms: np.ndarray | None = None,
         eps: float = 0.0,
+        attention_alone: bool = False,
     ) -> tuple[np.ndarray, dict[bytes, dict[str, Any]], float]:
         """Every layer of a decode step: each block's STEP to every worker, this process's
         partial, the workers' partials gathered and summed into the residual stream, with no
         Python between messages; what the native loop does not take comes here as in `gather`.
         The new hidden state, the step figures any worker reported, and this process's compute
-        seconds. `post_norms`: each block's sum normed before the residual (`HubHop`)."""
+        seconds. `post_norms`: each block's sum normed before the residual (`HubHop`);
+        `attention_alone`: the workers hold no attention, so only FFN blocks are summed."""
         identities = list(names)
         hop = self._hop
         if hop is None or hop.identities != identities or hop.blocks is not blocks:
@@ -359,10 +361,11 @@ class Transport:
             hop = self._hop = HubHop(self.sock, blocks, identities, self.one_core, post_norms, eps)
         first = None
         if self._batch is not None:
-            step = M.Step(step=self._step, layer=0, block="attn", batch=self._batch)
+            block0: P.Block = P.FFN if attention_alone else P.ATTENTION
+            step = M.Step(step=self._step, layer=0, block=block0, batch=self._batch)
             self._batch = None
             first = M.encode(step, (h,))[0]
-        hop.begin(self._step, h, first)
+        hop.begin(self._step, h, first, attention_alone)
         self._sent_shape = tuple(h.shape)
         figures: dict[bytes, dict[str, Any]] = {}
         deadline, at = time.monotonic() + STEP_TIMEOUT, (0, 0)
@@ -404,10 +407,11 @@ class Transport:
                 state.slowest = max(state.slowest, message.compute)
                 if message.figures is not None:
                     figures[identity] = message.figures
-        self.allreduce_seconds.extend(hop.allreduce.tolist())
-        self.sums += len(hop.allreduce)
+        summed = slice(1, None, 2) if attention_alone else slice(None)  # blocks with messages
+        self.allreduce_seconds.extend(hop.allreduce[summed].tolist())
+        self.sums += len(hop.allreduce[summed])
         for k, identity in enumerate(identities):
-            self._hops(identity).extend(hop.hops[:, k].tolist())
+            self._hops(identity).extend(hop.hops[summed, k].tolist())
         return hop.h, figures, float(hop.state.own_compute_s)
 
     def _hops(self, identity: bytes) -> deque[float]:

@@ -352,6 +352,7 @@ typedef struct {
     double sent_at, slowest, own_compute_s;
     int64_t failed;            // the worker a send failed to
     int64_t one_core;          // this process runs on one core (node/protocol.py's on_one_core)
+    int64_t attention_alone;   // the workers hold no attention: its blocks are this process's
     // each block's sum normed before the residual (Gemma 3): rows.c's rows_post_norm, by row
     // 2 layer + ffn of post_norms (2 L, D); NULL without them
     void (*post_norm)(const float *x, const float *w, int64_t B, int64_t D, float eps, float *y);
@@ -366,17 +367,20 @@ int hop_run(hop_hub *hb, long timeout_ms) {
     uint8_t buf[160];
     size_t bytes = (size_t)(hb->B * hb->D) * sizeof(float);
     while (hb->layer < hb->L) {
+        // A block the workers take no part in (attention_alone) is computed here and summed
+        // into h as a sum of one partial: no message, and no sum counted.
+        const int64_t workers = hb->attention_alone && !hb->ffn ? 0 : hb->n_workers;
         if (!hb->gathering) {
             const uint8_t *head = buf;
             size_t n;
-            if (hb->layer == 0 && hb->ffn == 0 && hb->first) {
+            if (hb->layer == 0 && hb->ffn == hb->attention_alone && hb->first) {
                 head = hb->first, n = (size_t)hb->first_len;
             } else {
                 n = hop_header(buf, sizeof buf, "step", hb->step_no, hb->layer, (int)hb->ffn, NULL,
                            hb->B, hb->D);
             }
             hb->sent_at = now();
-            for (int64_t i = 0; i < hb->n_workers; i++) {
+            for (int64_t i = 0; i < workers; i++) {
                 if (send_frame(hb->sock, hb->ids[i], (size_t)hb->id_lens[i], ZMQ_SNDMORE) < 0 ||
                     send_frame(hb->sock, head, n, ZMQ_SNDMORE) < 0 ||
                     send_frame(hb->sock, hb->h, bytes, 0) < 0) {
@@ -388,7 +392,7 @@ int hop_run(hop_hub *hb, long timeout_ms) {
             // ZeroMQ's I/O thread, woken by these sends, writes the STEPs out; on a core it shares
             // with this thread the scheduler may leave it waiting through the whole block below,
             // and a worker's STEP then leaves late by the master's compute. The core is its first.
-            if (hb->one_core) sched_yield();
+            if (hb->one_core && workers) sched_yield();
             double start = now();
             hb->block(hb->args[2 * hb->layer + hb->ffn], (int)hb->ffn, hb->step, hb->h, hb->own);
             hb->slowest = now() - start;
@@ -397,7 +401,7 @@ int hop_run(hop_hub *hb, long timeout_ms) {
         }
         for (;;) {
             int64_t waiting = 0;
-            for (int64_t i = 0; i < hb->n_workers; i++) waiting += !hb->received[i];
+            for (int64_t i = 0; i < workers; i++) waiting += !hb->received[i];
             if (!waiting) break;
             int got = receive(hb->sock, timeout_ms, &hb->msg);
             if (got <= 0) return got < 0 ? HOP_ERROR : HOP_TIMEOUT;
@@ -425,9 +429,9 @@ int hop_run(hop_hub *hb, long timeout_ms) {
         // parenthesis normed first where the model has post-block norms.
         int64_t n = hb->B * hb->D;
         for (int64_t j = 0; j < n; j++) {
-            float others = hb->n_workers ? hb->partials[j] : 0.0f;
-            for (int64_t i = 1; i < hb->n_workers; i++) others += hb->partials[i * n + j];
-            const float sum = hb->n_workers ? hb->own[j] + others : hb->own[j];
+            float others = workers ? hb->partials[j] : 0.0f;
+            for (int64_t i = 1; i < workers; i++) others += hb->partials[i * n + j];
+            const float sum = workers ? hb->own[j] + others : hb->own[j];
             if (hb->post_norms) hb->own[j] = sum;
             else hb->h[j] += sum;
         }

@@ -131,6 +131,9 @@ def summary(figures: ClusterFigures) -> RenderableType:
         table.add_row("allreduce", f"{NONE} (one node)")
     else:
         table.add_row("allreduce", NONE)
+    if figures.attention is not None and len(figures.nodes) > 1:
+        sums = "one sum a layer" if figures.attention.on == "master" else "two sums a layer"
+        table.add_row("attention", f"{figures.attention.on} · {sums}")
     table.add_row("requests", f"{g.active} active · {g.waiting} waiting / {g.slots}")
     parts: list[RenderableType] = [table]
     if g.last_loss:  # a node lost mid-answer: the answers went on; say so here, not in them
