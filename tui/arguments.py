@@ -105,7 +105,7 @@ def _add_lan_args(p: argparse.ArgumentParser, flag: str, workers: int) -> None:
     )
 
 
-def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
+def _add_memory_args(p: argparse.ArgumentParser, master: bool = True, bench: bool = False) -> None:
     if master:
         p.add_argument(
             "--dtype",
@@ -140,12 +140,15 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True) -> None:
         p.add_argument(
             "--attention",
             choices=("auto", "split", "master"),
-            default="auto",
-            help="where attention runs: split across the devices as the FFN is (two sums a "
+            action="append" if bench else "store",
+            default=None if bench else "auto",
+            help=("with --local-nodes: time each node count with each (repeatable and "
+                  "alternating, e.g. --attention split --attention master). " if bench else "")
+            + "Where attention runs: split across the devices as the FFN is (two sums a "
             "layer), or every head on the master (one sum a layer; the workers wait while it "
             "computes); auto: the master where the measured links make the saved sum cost more "
             "than attention there, else split (default auto; /v1/cluster says which and why)",
-        )
+        )  # fmt: skip
     p.add_argument(
         "--window", type=_positive, default=None, help="layers of the slice in memory (forced)"
     )
@@ -221,7 +224,9 @@ def memory_options(args: argparse.Namespace) -> MemoryOptions:
         drop_cache=getattr(args, "drop_cache", False),
         kv_cache=getattr(args, "kv_cache", "f32"),
         activations=getattr(args, "activations", "exact"),  # a worker: what its master says
-        attention=getattr(args, "attention", "auto"),
+        attention=attention
+        if isinstance(attention := getattr(args, "attention", None), str)
+        else "auto",  # a bench's list: each run's own (master.bench.cluster)
     )
 
 
@@ -332,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --device: also time one node with no device limits and the first device's "
         "threads; ratios are taken against it",
     )
-    _add_memory_args(bench)
+    _add_memory_args(bench, bench=True)
     _add_draft_arg(bench, bench=True)
     bench.add_argument("--prompt", default=None, help="with --local-nodes: the prompt to time")
     bench.add_argument(

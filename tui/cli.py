@@ -251,6 +251,7 @@ def _bench(args: argparse.Namespace) -> None:
             args.draft_dtype,
             args.threads,
             prompt_length=args.prompt_tokens,
+            attentions=args.attention or ["auto"],
         )
     else:
         run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)

@@ -80,6 +80,7 @@ def run_cluster_bench(
     draft_dtype: str = AUTO,
     threads: int | None = None,
     prompt_length: int | None = None,
+    attentions: list[str] | None = None,
 ) -> dict[str, Any]:
     """ms/token, TTFT, allreduce latency and every node's loader and memory figures, for each
     node count, with a raw ZeroMQ floor. `threads`: each node's BLAS threads (default: its
@@ -90,14 +91,17 @@ def run_cluster_bench(
     Streaming hides its reads when ms/token is near the larger of the two.
     `rss_tokens` adds a long generation with each node's memory at its first and last token.
     `drafts` ("off", "lookup", a draft model) times each node count with each, alternating
-    (speculation; a draft model's shards at `draft_dtype`).
+    (speculation; a draft model's shards at `draft_dtype`); `attentions` ("auto", "split",
+    "master": `MemoryOptions.attention`) likewise.
     `prompt_length` times a prompt of that many tokens of generated prose instead
     (master/bench/long_prompt.py): prefill tokens/s, decode at that depth, each node's KV.
     """
     if baseline and not devices:
         raise ValueError("--baseline compares emulated devices with one free node: give --device")
     state_dir = state_dir or default_state_dir()
-    configs = bench_configs(node_counts, devices, baseline, drafts, draft_dtype, threads)
+    configs = bench_configs(
+        node_counts, devices, baseline, drafts, draft_dtype, threads, attentions
+    )
     source, tokenizer = open_with_tokenizer(model)
     if prompt_length is not None:
         if prompt_text is not None:
@@ -124,7 +128,14 @@ def run_cluster_bench(
         for config in configs:
             runs.setdefault(config, []).append(
                 _cluster_run(
-                    source, tokenizer, prompt, config, n_tokens, context, state_dir, memory
+                    source,
+                    tokenizer,
+                    prompt,
+                    config,
+                    n_tokens,
+                    context,
+                    state_dir,
+                    dataclasses.replace(memory, attention=config.attention),
                 )
             )
     rows = []
@@ -190,7 +201,16 @@ def run_cluster_bench(
     if rss_tokens:
         for config in configs:
             long_runs.append(
-                _rss_run(source, tokenizer, prompt, config, rss_tokens, context, state_dir, memory)
+                _rss_run(
+                    source,
+                    tokenizer,
+                    prompt,
+                    config,
+                    rss_tokens,
+                    context,
+                    state_dir,
+                    dataclasses.replace(memory, attention=config.attention),
+                )  # fmt: skip
             )
     report = {
         "model": str(source.path),
@@ -254,6 +274,7 @@ class _Config:
     threads: int | None = None
     draft: str = "off"  # speculation: "off", "lookup" or a draft model
     draft_dtype: str = AUTO
+    attention: str = "auto"  # where attention runs (MemoryOptions.attention)
 
     @property
     def label(self) -> str:
@@ -262,6 +283,8 @@ class _Config:
         else:
             label = " | ".join(s.describe() for s in self.specs)
             label += f", {self.threads} thread(s)" if self.threads else ""
+        if self.attention != "auto":
+            label += f"; attention {self.attention}"
         return label if self.draft == "off" else f"{label}; draft {self.draft}"
 
 
@@ -272,14 +295,18 @@ def bench_configs(
     drafts: list[str] | None = None,
     draft_dtype: str = AUTO,
     threads: int | None = None,
+    attentions: list[str] | None = None,
 ) -> list[_Config]:
     """The clusters a bench times, in the order each round runs them; one of each (a node count
-    given twice would put two runs a round under one key, and its rounds out of step)."""
+    given twice would put two runs a round under one key, and its rounds out of step). One
+    node has no attention to place: it runs once."""
     configs = [
-        _Config(n, _specs(devices, n), threads=threads, draft=d, draft_dtype=draft_dtype)
+        _Config(n, _specs(devices, n), threads, d, draft_dtype, a if n > 1 else "auto")
         for n in dict.fromkeys(node_counts)
         for d in dict.fromkeys(drafts or ["off"])
+        for a in dict.fromkeys(attentions or ["auto"])
     ]
+    configs = list(dict.fromkeys(configs))
     if baseline:
         assert devices is not None
         configs.insert(0, _Config(1, None, threads=threads or devices[0].threads))

@@ -37,6 +37,8 @@ def print_devices(run: dict[str, Any]) -> None:
             f"  the probes' estimate: {e['alone_ms']:g} ms a token on the master alone, "
             f"{e['split_ms']:g} split ({e['compute_ms']:g} of compute, {e['sums_ms']:g} of sums)"
         )
+    if plan.get("attention") and run["nodes"] > 1:
+        print(f"  attention: {plan['attention']}")
     if plan.get("standby"):
         print(
             f"  left to choose (run, serve), the plan would keep {', '.join(plan['standby'])} "

@@ -456,13 +456,12 @@ class Session:
                 e.sums_s * 1e3, sums, max(timed) * 1e6, e.alone_s * 1e3, e.compute_s * 1e3,
             )  # fmt: skip
         if self.memory.attention == "auto" and len(devices) > 1:
-            rtts = [m.link.rtt_s for m in self.hub.members if m.link is not None]
-            kept_rtts = [rtts[k] for k in kept] if kept and len(rtts) == len(members) else rtts
+            planned = [timed[k] for k in kept] if len(timed) == len(members) else timed
             # a sum: the slowest worker's round trip, and the master's messages to each
-            sum_s = max(kept_rtts, default=0.0) + 2 * (len(devices) - 1) * devices[0].message_s
+            sum_s = max(planned, default=0.0) + 2 * (len(devices) - 1) * devices[0].message_s
             attention_bytes = layers_size(self.source, self.memory.dtype, ATTENTION_MATRICES)[0]
             self.attention = choose_attention(
-                config, speeds, sum_s, devices[0].memory_budget, attention_bytes
+                config, speeds, sum_s, attention_bytes, devices[0].memory_budget
             )
         if self.attention.on_master:
             sums = config.n_layers + 1
