@@ -588,6 +588,8 @@ def test_cluster_figures_and_openapi(served, smollm2):
     assert host == "127.0.0.1" and int(port) > 0
     assert cluster["allreduce"]["sums"] > 0 and cluster["allreduce"]["median_us"] > 0
     assert cluster["context"] == 512 and cluster["generation"]["slots"] == 4
+    # auto, with equal shares for processes of one machine: no link was timed to weigh
+    assert cluster["attention"]["on"] == "split" and "not measured" in cluster["attention"]["why"]
     for node in cluster["nodes"]:  # what a sequence costs each node: its slice's KV a token
         s = Slice.from_dict(node["slices"][0])
         assert node["kv_bytes_per_token"] == KVCache.bytes_per_token(smollm2.config, s) > 0
