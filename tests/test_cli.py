@@ -237,6 +237,27 @@ def test_activations_are_a_choice_of_every_command_that_runs_a_model():
     assert "--activations" not in _serve_args(build_parser().parse_args(["chat"]))
 
 
+def test_attention_is_a_choice_of_every_command_that_plans_and_bench_alternates_it():
+    """`--attention split|master|auto` on run, serve, chat and master (auto by default), the
+    chat app handing it to the server it starts; bench takes it more than once, one run each."""
+    from edgetp.master.bench.cluster import bench_configs
+    from edgetp.tui.arguments import build_parser, memory_options
+    from edgetp.tui.chat.command import _serve_args
+
+    for command in (["run", "hi"], ["serve"], ["chat"], ["master"]):
+        args = build_parser().parse_args([command[0], "--attention", "master", *command[1:]])
+        assert memory_options(args).attention == "master", command
+        assert memory_options(build_parser().parse_args(command)).attention == "auto", command
+    chat = build_parser().parse_args(["chat", "--attention", "split"])
+    served = _serve_args(chat)
+    assert served[served.index("--attention") + 1] == "split"
+    assert "--attention" not in _serve_args(build_parser().parse_args(["chat"]))
+    bench = build_parser().parse_args(["bench", "--attention", "split", "--attention", "master"])
+    assert bench.attention == ["split", "master"] and memory_options(bench).attention == "auto"
+    runs = bench_configs([1, 4], attentions=bench.attention)
+    assert [(c.nodes, c.attention) for c in runs] == [(1, "auto"), (4, "split"), (4, "master")]
+
+
 def test_auto_activations_are_int8_for_4_to_6_bit_blocks_and_exact_otherwise(smollm2):
     """`--activations auto` by the split's matrices: the Q4_1 file and Gemma 3's
     Q4_K_M (Q4_K, Q6_K, Q5_0) in their own blocks take int8; the same weights as f32 or Q8_0
