@@ -72,7 +72,7 @@ def plan_slices(
     """One slice per device, in the order of `capacities`, the FFN cut in multiples of
     `ffn_align` columns (`ModelSource.ffn_align`: the down projection's block) where it can be.
     `attention_first`: the first device (the master) holds every head of attention and of a
-    gated DeltaNet, the others none, so a layer's attention needs no sum (`attention_plan`)."""
+    gated DeltaNet, the others none, so a layer's attention needs no sum (`choose_attention`)."""
     n = len(capacities)
     group = config.group_size
     if attention_first:

@@ -480,9 +480,10 @@ class Session:
     def _attention_asked(self) -> AttentionChoice:
         """Where attention goes before the devices are measured: as `--attention` says, split
         for auto (`plan_shares` chooses once it has the figures), and for one device."""
-        if self.nodes == 1 or self.memory.attention == "split":  # "split": --attention split
-            alone = self.nodes == 1
-            return AttentionChoice(False, "split: one device" if alone else "split: as asked")
+        if self.nodes == 1:
+            return AttentionChoice(False, "split: one device")
+        if self.memory.attention == "split":
+            return AttentionChoice(False, "split: --attention split")
         if self.memory.attention == "master":
             return AttentionChoice(True, "master: --attention master")
         unmeasured = "the devices were not measured (equal or given shares): no link cost"
