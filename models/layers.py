@@ -21,6 +21,7 @@ The blocks' math is elsewhere: `models.block_math` (torch, any step), `models.bl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +164,12 @@ class Slice:
             (0, config.linear_v_heads),
             (0, config.linear_k_heads),
         )
+
+
+def attention_on_first(slices: Sequence[Slice]) -> bool:
+    """Whether the first slice (the master's) holds all of attention, no other any of it (a
+    plan's `attention_first`): its blocks are then the master's alone, with no sum."""
+    return not any(s.attends for s in slices[1:])
 
 
 def kv_heads_for(q_heads: tuple[int, int], group_size: int) -> tuple[int, int]:

@@ -41,7 +41,14 @@ from edgetp.models.kernels import (
     linear_rows,
 )
 from edgetp.models.kvformat import DEFAULT_KV_FORMAT
-from edgetp.models.layers import POST_NORMS, ROUTER, Slice, StepBatch, slice_layer
+from edgetp.models.layers import (
+    POST_NORMS,
+    ROUTER,
+    Slice,
+    StepBatch,
+    attention_on_first,
+    slice_layer,
+)
 from edgetp.models.moe import Routing, route
 from edgetp.models.rows_native import NativeBlocks, post_norm_rows
 from edgetp.models.source import ModelSource
@@ -282,7 +289,7 @@ class Engine:
             head_split=bool(manifest.head_rows),
             router=g.get(ROUTER),
             family_tensors=_family_globals(g, config),
-            attention_alone=not any(Slice.from_dict(d).attends for d in manifest.slices[1:]),
+            attention_alone=attention_on_first([Slice.from_dict(d) for d in manifest.slices]),
         )
 
     @property

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 
 from edgetp.models.config import ModelConfig
 from edgetp.models.dtypes import AUTO
-from edgetp.models.layers import MATRICES, Slice, full_layer_shapes, kv_heads_for, slice_parts
+from edgetp.models.layers import (
+    MATRICES,
+    Slice,
+    attention_on_first,
+    full_layer_shapes,
+    kv_heads_for,
+    slice_parts,
+)
 from edgetp.models.quant import BLOCK, FORMATS
 from edgetp.models.source import ModelSource
 from edgetp.node.kvcache import KVCache, LinearStates
@@ -87,8 +94,11 @@ def plan_slices(
     units = config.ffn_hidden // align
     ffn_ranges = _ranges(proportional_counts(units, capacities), align)
 
-    linear = _linear_ranges(config, capacities[:1] if attention_first else capacities)
-    linear += [(linear[-1][1],) * 2] * (n - len(linear))
+    if attention_first:
+        v = config.linear_v_heads
+        linear = [(0, v)] + [(v, v)] * (n - 1)
+    else:
+        linear = _linear_ranges(config, capacities)
     return [
         Slice(q, kv_heads_for(q, group), f, v, kv_heads_for(v, config.linear_group))
         for q, f, v in zip(q_ranges, ffn_ranges, linear, strict=True)
@@ -132,7 +142,7 @@ def head_rows(
     run = head_run(config)
     # Attention on the master alone (`attention_first`) runs while the workers wait: not work
     # they share, so the head's rows even out only the FFN's.
-    if not any(s.attends for s in slices[1:]):
+    if attention_on_first(slices):
         slices = [without_attention(s) for s in slices]
     w = [config.n_layers * _layer_weights(config, s) / config.hidden / run for s in slices]
     c, m = list(capacities), costs
