@@ -201,17 +201,21 @@ class MemoryOptions:
     # devices as the FFN is, every head on the "master" (one sum a layer), or "auto" by the
     # measured links and speeds (master only)
     attention: str = "auto"
+    # what a sum's messages carry (node.messages.for_the_wire): "float32", or "float16" at half
+    # the bytes; the master's choice, the workers answering in kind
+    wire: str = "float32"
 
     @property
     def streaming(self) -> bool:
         """Whether weights must come from shard files rather than straight from the model (how
-        the KV cache is stored, the products' input and where attention goes have no say in
-        it: one device holds all of it)."""
+        the KV cache is stored, the products' input, where attention goes and what the sums
+        send have no say in it: one device holds all of it)."""
         kept = replace(
             self,
             kv_cache=ALL_RESIDENT.kv_cache,
             activations=ALL_RESIDENT.activations,
             attention=ALL_RESIDENT.attention,
+            wire=ALL_RESIDENT.wire,
         )
         return kept != ALL_RESIDENT
 

@@ -59,6 +59,9 @@ class Worker(ctypes.Structure):
         ("D", ctypes.c_int64),
         ("inp", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
+        ("wire", ctypes.c_void_p),
+        ("to_half", ctypes.c_void_p),
+        ("from_half", ctypes.c_void_p),
         ("compute_s", ctypes.c_double),
         ("blocks", ctypes.c_int64),
         ("msg", Held),
@@ -98,6 +101,10 @@ class Hub(ctypes.Structure):
         ("post_norm", ctypes.c_void_p),
         ("post_norms", ctypes.c_void_p),
         ("eps", ctypes.c_float),
+        ("half", ctypes.c_int64),
+        ("wire", ctypes.c_void_p),
+        ("to_half", ctypes.c_void_p),
+        ("from_half", ctypes.c_void_p),
         ("msg", Held),
     ]
 
@@ -142,6 +149,7 @@ def load() -> ctypes.CDLL:
         lib.hop_header.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p]
         lib.hop_header.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         lib.hop_header.argtypes += [ctypes.POINTER(ctypes.c_double), ctypes.c_int64, ctypes.c_int64]
+        lib.hop_header.argtypes += [ctypes.c_int]
         lib.hop_parse.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_int]
         lib.hop_parse.argtypes += [ctypes.c_void_p]
         _lib = lib
@@ -155,17 +163,28 @@ class Parsed(ctypes.Structure):
         ("B", ctypes.c_int64),
         ("D", ctypes.c_int64),
         ("ffn", ctypes.c_int),
+        ("half", ctypes.c_int),
         ("compute", ctypes.c_double),
     ]
 
 
 def header(
-    op: str, step: int, layer: int, ffn: bool, compute: float | None, rows: int, hidden: int
+    op: str,
+    step: int,
+    layer: int,
+    ffn: bool,
+    compute: float | None,
+    rows: int,
+    hidden: int,
+    half: bool = False,
 ) -> bytes:
-    """The header frame the native loop writes for a STEP (`compute` None) or a PARTIAL."""
+    """The header frame the native loop writes for a STEP (`compute` None) or a PARTIAL, its
+    tensor float16 where `half`."""
     buf = ctypes.create_string_buffer(256)
     given = None if compute is None else ctypes.byref(ctypes.c_double(compute))
-    n = load().hop_header(buf, len(buf), op.encode(), step, layer, int(ffn), given, rows, hidden)
+    n = load().hop_header(
+        buf, len(buf), op.encode(), step, layer, int(ffn), given, rows, hidden, int(half)
+    )
     return buf.raw[:n]
 
 
@@ -208,6 +227,14 @@ def _held(lib: ctypes.CDLL, msg: Held) -> tuple[list[bytes], str]:
     return frames, peer.value.decode(errors="replace")
 
 
+def _half_functions(blocks: NativeBlocks) -> dict[str, int | None]:
+    """rows.c's conversions to and from float16, for a sum's messages (`MemoryOptions.wire`)."""
+    return {
+        name: ctypes.cast(getattr(blocks.lib, f"rows_{name}"), ctypes.c_void_p).value
+        for name in ("to_half", "from_half")
+    }
+
+
 class WorkerHop:
     """A worker's native loop over its DEALER socket and its slice's native blocks."""
 
@@ -218,6 +245,7 @@ class WorkerHop:
         config = blocks.config
         self.inp = np.zeros((MAX_ROWS, config.hidden), np.float32)
         self.out = np.zeros_like(self.inp)
+        self.wire = np.zeros((MAX_ROWS, config.hidden), np.uint16)
         self.state = Worker(
             sock=sock.underlying,
             block=ctypes.cast(blocks.lib.rows_block, ctypes.c_void_p).value,
@@ -228,6 +256,8 @@ class WorkerHop:
             D=config.hidden,
             inp=self.inp.ctypes.data,
             out=self.out.ctypes.data,
+            wire=self.wire.ctypes.data,
+            **_half_functions(blocks),
         )
 
     def begin_step(self, rows: int) -> None:
@@ -282,6 +312,7 @@ class HubHop:
         self.allreduce = np.zeros(2 * config.n_layers, np.float64)
         self.hops = np.zeros((2 * config.n_layers, max(n, 1)), np.float64)
         self.h = np.zeros((1, config.hidden), np.float32)
+        self.wire = np.zeros((MAX_ROWS, config.hidden), np.uint16)
         self._first = ctypes.create_string_buffer(0)
         self.state = Hub(
             sock=sock.underlying,
@@ -298,6 +329,8 @@ class HubHop:
             allreduce=self.allreduce.ctypes.data,
             hops=self.hops.ctypes.data,
             one_core=int(one_core),
+            wire=self.wire.ctypes.data,
+            **_half_functions(blocks),
         )
         if post_norms is not None:
             self._post_norms = np.ascontiguousarray(post_norms, np.float32)
@@ -316,11 +349,14 @@ class HubHop:
         h: np.ndarray,
         first_header: bytes | None,
         attention_alone: bool = False,
+        half: bool = False,
     ) -> None:
         """A decode step: its number, its hidden state (B, D) (summed into in place: `self.h`),
         and the header of its first STEP (with the batch), or None if the batch went already.
         `attention_alone`: the workers hold no attention, so its blocks are this process's
-        alone, with no messages, and the first STEP is layer 0's FFN."""
+        alone, with no messages, and the first STEP is layer 0's FFN. `half`: each STEP's
+        hidden state goes as float16 where it fits (`messages.for_the_wire`, the rule the first
+        header was written by), and the workers answer in kind."""
         B = h.shape[0]
         self.h = np.ascontiguousarray(h, np.float32).copy()
         self.partials = np.zeros((max(len(self.identities), 1), B, h.shape[1]), np.float32)
@@ -332,6 +368,7 @@ class HubHop:
         s.first_len = len(first_header or b"")
         s.layer = s.ffn = s.gathering = 0
         s.attention_alone = int(attention_alone)
+        s.half = int(half)
         s.own_compute_s = 0.0
         self.received[:] = 0
 

@@ -302,6 +302,19 @@ def encode(message: Message, tensors: Sequence[np.ndarray | torch.Tensor] = ()) 
     return frames
 
 
+FLOAT16_MAX = 65504.0  # the largest finite float16
+
+
+def for_the_wire(values: np.ndarray | torch.Tensor, wire: str) -> np.ndarray:
+    """`values` as a sum's message carries them: as float16 where `wire` says so and every
+    value is within its range, else as float32, so that nothing a message carries turns into
+    an infinity (node/csrc/hop.c follows the same rule). The header names which it is."""
+    array = np.asarray(values)
+    if wire == "float16" and bool(np.all(np.abs(array) <= FLOAT16_MAX)):  # a NaN: float32
+        return array.astype(np.float16)
+    return array
+
+
 def decode_from_node(frames: list[Any]) -> tuple[FromNode, list[np.ndarray]]:
     """A node's message and its tensors (read-only arrays over the frames' memory)."""
     return _decode(_from_node, frames)

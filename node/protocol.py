@@ -20,8 +20,9 @@ import zmq
 # (SmolLM3), n_shared (Qwen2-MoE), its gated DeltaNet fields (Qwen3.5, Qwen3-Next) and Gemma
 # 4's: a node of 7 would stop at the keys it does not know; 9: SPLIT and SPLIT-DONE (a worker
 # splits its own share of a model it reads by byte ranges); 11: STEP's batch names the slots
-# whose first positions a sequence copies (`StepBatch.sources`): a node of 10 would not copy them
-PROTOCOL_VERSION = 11
+# whose first positions a sequence copies (`StepBatch.sources`): a node of 10 would not copy them;
+# 12: a block's STEP and PARTIAL may carry float16 (`WIRES`), which a node of 11 refuses
+PROTOCOL_VERSION = 12
 DEFAULT_PORT = 7470
 
 # What a STEP asks a node to compute: the two blocks (two sums) of a layer, or its rows of the
@@ -30,6 +31,9 @@ Block = Literal["attn", "ffn", "head"]
 ATTENTION: Final = "attn"
 FFN: Final = "ffn"
 HEAD: Final = "head"
+# What a block's hidden state and the partials back travel as (`MemoryOptions.wire`): float32, or
+# float16 at half the bytes; the lm_head's rows and logits are float32 always.
+WIRES = ("float32", "float16")
 
 HEARTBEAT_INTERVAL = 0.25  # seconds between heartbeats, each way
 HEARTBEAT_LIVENESS = 8  # missed heartbeats before a peer is taken for dead (2 s)

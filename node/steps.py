@@ -33,6 +33,7 @@ class Work:
     hidden: np.ndarray  # decode (B, D), else (B, T, D); the HEAD's final-normed rows (R, D)
     begins: bool  # the step's first block: its batch came with it
     routing: Routing | None = None  # a mixture of experts' FFN block: the tokens' experts
+    wire: str = "float32"  # what the hidden state came as, and so what the partial goes back as
 
 
 # What a serving node acts on besides a STEP: a re-plan (WELCOME, or STANDBY without it), the
@@ -82,11 +83,17 @@ def check_step(
     if head:  # the final-normed rows the master takes logits of: one per sequence, or per token
         rows = tensors[0].shape[0] if len(tensors) == 1 and tensors[0].ndim == 2 else 0
         shape = (rows if 0 < rows <= batch.size * batch.width else -1, config.hidden)
-    if len(tensors) != 1 or tensors[0].shape != shape or tensors[0].dtype != np.float32:
+    # A block's hidden state may come as float16 (`MemoryOptions.wire`): its partial goes back
+    # the same way. The HEAD's rows are float32 always.
+    wires = (np.float32,) if head else (np.float32, np.float16)
+    if len(tensors) != 1 or tensors[0].shape != shape or tensors[0].dtype not in wires:
         got = [(t.dtype.name, t.shape) for t in tensors]
         raise ProtocolError(f"a STEP's hidden state is {got}, not one float32 {shape}")
     routing = check_routing(step, config, batch.size * batch.width)
-    return Work(step.step, layer, block, batch, tensors[0], begins, routing)
+    hidden, wire = tensors[0], tensors[0].dtype.name
+    if wire != "float32":
+        hidden = hidden.astype(np.float32)
+    return Work(step.step, layer, block, batch, hidden, begins, routing, wire)
 
 
 def check_routing(step: Step, config: ModelConfig, tokens: int) -> Routing | None:

@@ -454,7 +454,7 @@ class Worker:
             }
             reply = msgspec.structs.replace(reply, figures=figures)
             held.reported = replace(executor.weights.figures)
-        self._send(reply, (result,))
+        self._send(reply, (M.for_the_wire(result, work.wire),))
 
     def _next_work(self, hop: WorkerHop | None, executor: SliceExecutor) -> list[Any]:
         """The next message for the Python path: after the native loop has served the decode

@@ -237,25 +237,37 @@ def test_activations_are_a_choice_of_every_command_that_runs_a_model():
     assert "--activations" not in _serve_args(build_parser().parse_args(["chat"]))
 
 
-def test_attention_is_a_choice_of_every_command_that_plans_and_bench_alternates_it():
-    """`--attention split|master|auto` on run, serve, chat and master (auto by default), the
-    chat app handing it to the server it starts; bench takes it more than once, one run each."""
+@pytest.mark.parametrize(
+    ("flag", "field", "default", "values"),
+    [("--attention", "attention", "auto", ("split", "master")),
+     ("--wire", "wire", "float32", ("float32", "float16"))],
+)  # fmt: skip
+def test_a_plan_s_choice_is_on_every_command_that_plans_and_bench_alternates_it(
+    flag, field, default, values
+):
+    """`--attention split|master|auto` and `--wire float32|float16` on run, serve, chat and
+    master (with their defaults), the chat app handing each to the server it starts; bench
+    takes each more than once, one run each; one node has no sums: it runs once."""
     from edgetp.master.bench.cluster import bench_configs
     from edgetp.tui.arguments import build_parser, memory_options
     from edgetp.tui.chat.command import _serve_args
 
+    first, second = values
     for command in (["run", "hi"], ["serve"], ["chat"], ["master"]):
-        args = build_parser().parse_args([command[0], "--attention", "master", *command[1:]])
-        assert memory_options(args).attention == "master", command
-        assert memory_options(build_parser().parse_args(command)).attention == "auto", command
-    chat = build_parser().parse_args(["chat", "--attention", "split"])
+        args = build_parser().parse_args([command[0], flag, second, *command[1:]])
+        assert getattr(memory_options(args), field) == second, command
+        assert getattr(memory_options(build_parser().parse_args(command)), field) == default
+    chat = build_parser().parse_args(["chat", flag, second])
     served = _serve_args(chat)
-    assert served[served.index("--attention") + 1] == "split"
-    assert "--attention" not in _serve_args(build_parser().parse_args(["chat"]))
-    bench = build_parser().parse_args(["bench", "--attention", "split", "--attention", "master"])
-    assert bench.attention == ["split", "master"] and memory_options(bench).attention == "auto"
-    runs = bench_configs([1, 4], attentions=bench.attention)
-    assert [(c.nodes, c.attention) for c in runs] == [(1, "auto"), (4, "split"), (4, "master")]
+    assert served[served.index(flag) + 1] == second
+    assert flag not in _serve_args(build_parser().parse_args(["chat"]))
+    bench = build_parser().parse_args(["bench", flag, first, flag, second])
+    assert getattr(bench, field) == [first, second]
+    assert getattr(memory_options(bench), field) == default
+    runs = bench_configs([1, 4], **{f"{field}s": getattr(bench, field)})
+    assert [(c.nodes, getattr(c, field)) for c in runs] == [
+        (1, default), (4, first), (4, second)
+    ]  # fmt: skip
 
 
 def test_auto_activations_are_int8_for_4_to_6_bit_blocks_and_exact_otherwise(smollm2):

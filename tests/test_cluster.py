@@ -138,6 +138,26 @@ def test_attention_on_the_master_pays_one_sum_a_layer_and_answers_as_one_node(
     assert tokens == ref_tokens
 
 
+def test_float16_sums_keep_one_node_s_greedy_tokens(
+    smollm2, smollm2_tokenizer, single, shared_state
+):
+    """`--wire float16`: each sum's hidden state and partials travel at half the bytes, through
+    the native loop and the Python path (the prefill) alike; the logits move by float16's step
+    and no more, and the greedy tokens are one node's."""
+    ref_logits, ref_tokens = single
+    memory = MemoryOptions(wire="float16")
+    with local_cluster(smollm2, [1, 1, 1], shared_state, memory=memory) as (engine, hub, _):
+        logits = two_steps_logits(engine, smollm2_tokenizer)
+        assert engine._native_layers() is not None  # decode steps went through the C loop
+        tokens = greedy_batch(engine, smollm2_tokenizer)
+        assert hub.transport.wire == "float16"
+    for step, ours, ref in zip(["prefill", "decode"], logits, ref_logits, strict=True):
+        diff, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
+        print(f"float16 sums, {step}: max|diff| {diff:.3g} vs max|logit| {scale:.3g}")
+        assert 1e-4 * scale < diff <= 2e-3 * scale  # float16's rounding, not float32's
+    assert tokens == ref_tokens
+
+
 def test_an_f16_kv_cache_is_close_to_float32_s_and_the_same_on_two_nodes(
     smollm2, smollm2_tokenizer, single, shared_state
 ):

@@ -316,18 +316,26 @@ def test_the_worker_loop_answers_steps_and_hands_back_the_rest(link):
     assert hop.serve(20) == TIMEOUT  # nothing sent yet
     router.send_multipart([b"w1", *M.encode(M.Step(step=7, layer=0, block=P.FFN), (h,))])
     router.send_multipart([b"w1", *M.encode(M.Step(step=7, layer=1, block=P.ATTENTION), (h,))])
+    # --wire float16: the hidden state comes as float16, and its partial goes back so
+    h16 = M.for_the_wire(h, "float16")
+    router.send_multipart([b"w1", *M.encode(M.Step(step=7, layer=0, block=P.ATTENTION), (h16,))])
     bye = [msgpack.packb({"op": "bye", "reason": "test"})]
     router.send_multipart([b"w1", *bye])
-    assert hop.serve(2000) == FOREIGN  # two partials sent, the BYE held for Python
+    assert hop.serve(2000) == FOREIGN  # three partials sent, the BYE held for Python
     assert hop.frames() == bye
-    for block, want in ((P.FFN, reference.ffn(0, h)), (P.ATTENTION, reference.attention(1, h))):
+    for block, want in (
+        (P.FFN, reference.ffn(0, h)),
+        (P.ATTENTION, reference.attention(1, h)),
+        (P.ATTENTION, reference.attention(0, h16.astype(np.float32)).astype(np.float16)),
+    ):
         identity, *frames = router.recv_multipart()
         message, (partial,) = M.decode_from_node(frames)
         assert identity == b"w1"
         assert isinstance(message, M.Partial) and (message.step, message.block) == (7, block)
         assert message.compute > 0
+        assert partial.dtype == want.dtype
         np.testing.assert_array_equal(partial, want)
-    assert hop.state.blocks == 2
+    assert hop.state.blocks == 3
 
     # The last layer's FFN carries the step's figures: Python's, as is a step with its batch.
     for step in (

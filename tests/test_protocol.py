@@ -172,25 +172,42 @@ WIDTHS = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**40]
 
 @pytest.mark.parametrize("step", WIDTHS)
 @pytest.mark.parametrize("block", [P.ATTENTION, P.FFN])
-def test_the_native_loop_writes_the_bytes_the_encoder_writes(step, block):
+@pytest.mark.parametrize("wire", P.WIRES)
+def test_the_native_loop_writes_the_bytes_the_encoder_writes(step, block, wire):
     """Golden bytes: every header the C loop writes (a STEP on the master, a PARTIAL on a
-    worker) equals the Python encoder's for the same message, and each reads the other's."""
+    worker) equals the Python encoder's for the same message, its tensor float32 or float16,
+    and each reads the other's."""
     if not hop.available():
         pytest.fail("the native loop does not build here (a C compiler and libzmq are needed)")
+    half = wire == "float16"
     for layer, rows, hidden in [(0, 1, 576), (step % 200, 8, 2048), (127, 128, 65536)]:
-        h = np.zeros((rows, hidden), np.float32)
+        h = M.for_the_wire(np.zeros((rows, hidden), np.float32), wire)
         python_step = bytes(M.encode(M.Step(step, layer, block), (h,))[0])
-        assert hop.header("step", step, layer, block == P.FFN, None, rows, hidden) == python_step
+        c_step = hop.header("step", step, layer, block == P.FFN, None, rows, hidden, half)
+        assert c_step == python_step
         compute = 1e-4 * (step % 7 + 1)
         python_partial = bytes(M.encode(M.Partial(step, layer, block, compute), (h,))[0])
-        c_partial = hop.header("partial", step, layer, block == P.FFN, compute, rows, hidden)
+        c_partial = hop.header("partial", step, layer, block == P.FFN, compute, rows, hidden, half)
         assert c_partial == python_partial
         parsed = hop.parse(python_partial, "partial")
         assert parsed is not None
-        assert (parsed.step, parsed.layer, parsed.ffn, parsed.B, parsed.D, parsed.compute) == (
-            step, layer, block == P.FFN, rows, hidden, compute,
-        )  # fmt: skip
-        assert hop.parse(python_step, "step") is not None
+        got = (parsed.step, parsed.layer, parsed.ffn, parsed.B, parsed.D, parsed.compute)
+        assert got == (step, layer, block == P.FFN, rows, hidden, compute) and parsed.half == half
+        step_parsed = hop.parse(python_step, "step")
+        assert step_parsed is not None and step_parsed.half == half
+
+
+def test_a_sum_goes_as_float16_only_where_every_value_fits():
+    """`--wire float16`: half the bytes, rounded as NumPy rounds; a value past float16's range
+    (or a NaN) sends the whole message as float32 rather than as an infinity."""
+    h = np.array([[1.0, -2.5e-3, 65504.0, -65504.0, 1 / 3]], np.float32)
+    half = M.for_the_wire(h, "float16")
+    assert half.dtype == np.float16 and half.nbytes == h.nbytes // 2
+    assert np.array_equal(half, h.astype(np.float16))
+    assert M.for_the_wire(h, "float32") is h
+    for past in (65505.0, -1e6, np.inf, np.nan):
+        h[0, 2] = past
+        assert M.for_the_wire(h, "float16").dtype == np.float32
 
 
 def test_the_native_loop_hands_python_every_step_it_does_not_take():
@@ -218,7 +235,7 @@ def test_only_a_process_held_to_one_core_yields_it_after_its_sends():
 # The model config's fields a node of this protocol version reads from WELCOME. A node reads
 # no other (ModelConfig.from_dict): a field added without a new version would stop an older
 # node at "unknown model config keys" instead of at the version check, which says what to do.
-CONFIG_FIELDS_OF_THIS_VERSION = (11, {
+CONFIG_FIELDS_OF_THIS_VERSION = (12, {
     "activation", "architecture", "attention_gate", "attention_sinks", "context_length",
     "dense_ffn", "embedding_multiplier", "expert_bias", "ffn_hidden", "final_softcap", "fused",
     "global_head_dim", "global_kv_heads", "head_dim", "hidden", "k_eq_v", "kv_shared",

@@ -14,7 +14,7 @@ from edgetp.master.generation.params import CHUNK_STEP_S
 from edgetp.memory.budget import MemoryOptions, parse_size
 from edgetp.models.config import DEFAULT_MODEL
 from edgetp.models.dtypes import AUTO, DTYPE_CHOICES
-from edgetp.node.protocol import DEFAULT_PORT
+from edgetp.node.protocol import DEFAULT_PORT, WIRES
 from edgetp.tui.chat.command import add_arguments as add_chat_arguments
 
 
@@ -149,6 +149,18 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True, bench: boo
             "computes); auto: the master where the measured links make the saved sum cost more "
             "than attention there, else split (default auto; /v1/cluster says which and why)",
         )  # fmt: skip
+        p.add_argument(
+            "--wire",
+            choices=WIRES,
+            action="append" if bench else "store",
+            default=None if bench else "float32",
+            help=("with --local-nodes: time each node count with each (repeatable and "
+                  "alternating). " if bench else "")
+            + "What each sum's messages carry, the hidden state out and the partials back: "
+            "float32, or float16 at half the bytes (a message with a value past float16's range "
+            "goes as float32); greedy output may differ from one node's where a token's top two "
+            "logits are nearly tied (default float32)",
+        )  # fmt: skip
     p.add_argument(
         "--window", type=_positive, default=None, help="layers of the slice in memory (forced)"
     )
@@ -227,6 +239,7 @@ def memory_options(args: argparse.Namespace) -> MemoryOptions:
         attention=attention
         if isinstance(attention := getattr(args, "attention", None), str)
         else "auto",  # a bench's list: each run's own (master.bench.cluster)
+        wire=wire if isinstance(wire := getattr(args, "wire", None), str) else "float32",
     )
 
 

@@ -252,6 +252,7 @@ def _bench(args: argparse.Namespace) -> None:
             args.threads,
             prompt_length=args.prompt_tokens,
             attentions=args.attention or ["auto"],
+            wires=args.wire or ["float32"],
         )
     else:
         run_bench(args.model, args.tokens, args.rounds, args.json, args.threads, args.context)

@@ -81,6 +81,7 @@ def run_cluster_bench(
     threads: int | None = None,
     prompt_length: int | None = None,
     attentions: list[str] | None = None,
+    wires: list[str] | None = None,
 ) -> dict[str, Any]:
     """ms/token, TTFT, allreduce latency and every node's loader and memory figures, for each
     node count, with a raw ZeroMQ floor. `threads`: each node's BLAS threads (default: its
@@ -92,7 +93,8 @@ def run_cluster_bench(
     `rss_tokens` adds a long generation with each node's memory at its first and last token.
     `drafts` ("off", "lookup", a draft model) times each node count with each, alternating
     (speculation; a draft model's shards at `draft_dtype`); `attentions` ("auto", "split",
-    "master": `MemoryOptions.attention`) likewise.
+    "master": `MemoryOptions.attention`) and `wires` ("float32", "float16":
+    `MemoryOptions.wire`) likewise.
     `prompt_length` times a prompt of that many tokens of generated prose instead
     (master/bench/long_prompt.py): prefill tokens/s, decode at that depth, each node's KV.
     """
@@ -100,7 +102,7 @@ def run_cluster_bench(
         raise ValueError("--baseline compares emulated devices with one free node: give --device")
     state_dir = state_dir or default_state_dir()
     configs = bench_configs(
-        node_counts, devices, baseline, drafts, draft_dtype, threads, attentions
+        node_counts, devices, baseline, drafts, draft_dtype, threads, attentions, wires
     )
     source, tokenizer = open_with_tokenizer(model)
     if prompt_length is not None:
@@ -135,7 +137,7 @@ def run_cluster_bench(
                     n_tokens,
                     context,
                     state_dir,
-                    dataclasses.replace(memory, attention=config.attention),
+                    config.memory(memory),
                 )
             )
     rows = []
@@ -209,7 +211,7 @@ def run_cluster_bench(
                     rss_tokens,
                     context,
                     state_dir,
-                    dataclasses.replace(memory, attention=config.attention),
+                    config.memory(memory),
                 )  # fmt: skip
             )
     report = {
@@ -275,6 +277,11 @@ class _Config:
     draft: str = "off"  # speculation: "off", "lookup" or a draft model
     draft_dtype: str = AUTO
     attention: str = "auto"  # where attention runs (MemoryOptions.attention)
+    wire: str = "float32"  # what the sums send (MemoryOptions.wire)
+
+    def memory(self, options: MemoryOptions) -> MemoryOptions:
+        """The bench's memory options with this run's attention and wire."""
+        return dataclasses.replace(options, attention=self.attention, wire=self.wire)
 
     @property
     def label(self) -> str:
@@ -285,6 +292,8 @@ class _Config:
             label += f", {self.threads} thread(s)" if self.threads else ""
         if self.attention != "auto":
             label += f"; attention {self.attention}"
+        if self.wire != "float32":
+            label += f"; wire {self.wire}"
         return label if self.draft == "off" else f"{label}; draft {self.draft}"
 
 
@@ -296,15 +305,17 @@ def bench_configs(
     draft_dtype: str = AUTO,
     threads: int | None = None,
     attentions: list[str] | None = None,
+    wires: list[str] | None = None,
 ) -> list[_Config]:
     """The clusters a bench times, in the order each round runs them; one of each (a node count
     given twice would put two runs a round under one key, and its rounds out of step). One
-    node has no attention to place: it runs once."""
+    node has no attention to place and no sums to send: it runs once."""
     configs = [
-        _Config(n, _specs(devices, n), threads, d, draft_dtype, a if n > 1 else "auto")
+        _Config(n, _specs(devices, n), threads, d, draft_dtype, *((a, w) if n > 1 else ()))
         for n in dict.fromkeys(node_counts)
         for d in dict.fromkeys(drafts or ["off"])
         for a in dict.fromkeys(attentions or ["auto"])
+        for w in dict.fromkeys(wires or ["float32"])
     ]
     configs = list(dict.fromkeys(configs))
     if baseline:

@@ -375,6 +375,11 @@ class AllreduceFigures(BaseModel):
     )
     median_us: float
     p99_us: float
+    wire: Literal["float32", "float16"] = Field(
+        "float32",
+        description="what a sum's messages carry: float32, or float16 at half the bytes (a "
+        "message with a value past its range goes as float32): `--wire`",
+    )
 
 
 class AttentionFigures(BaseModel):

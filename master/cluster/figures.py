@@ -162,6 +162,7 @@ def cluster_figures(session: Session, model: str, stats: BatcherStats) -> dict[s
                 "sums": hub.sums,
                 "median_us": round(statistics.median(recent) * 1e6, 1),
                 "p99_us": round(percentile(recent, 0.99) * 1e6, 1),
+                "wire": hub.transport.wire,
             }
     return {
         "model": model,

@@ -317,6 +317,8 @@ class Session:
         """
         self.source = source
         self.hub = hub
+        if hub is not None:
+            hub.transport.wire = memory.wire
         self.state_dir = state_dir or default_state_dir()
         self.context = context
         self.slots = slots

@@ -139,6 +139,9 @@ class Transport:
         self.spin = P.spin_seconds()
         self.one_core = P.on_one_core()
         self._hop: HubHop | None = None  # the native loop, for the members it was made for
+        # What a block's hidden state and the partials back travel as (`MemoryOptions.wire`):
+        # "float16" halves a sum's bytes, a message with a value past its range going as float32
+        self.wire = "float32"
 
     def _watch_handshakes(self) -> None:
         """Log every connection that fails the Curve handshake (no token, wrong master key)."""
@@ -213,7 +216,7 @@ class Transport:
         self._batch = None
         self._sent_at = time.perf_counter()
         self._sent_shape = tuple(h.shape)  # what each partial must be
-        frames = M.encode(step, (h,))
+        frames = M.encode(step, (h if block == P.HEAD else M.for_the_wire(h, self.wire),))
         for identity in identities:
             self.send_frames(identity, frames)
         if self.one_core:  # the I/O thread these sends woke writes them first (`on_one_core`)
@@ -238,7 +241,7 @@ class Transport:
         # A fixed order: the same sum whichever partial came first. The partials are read-only
         # views of the messages; the sum is a new array.
         first, *rest = partials
-        total = first.copy()
+        total = first.astype(np.float32)  # float16 on the wire: summed in float32
         for p in rest:
             total += p
         return total, figures
@@ -364,8 +367,8 @@ class Transport:
             block0: P.Block = P.FFN if attention_alone else P.ATTENTION
             step = M.Step(step=self._step, layer=0, block=block0, batch=self._batch)
             self._batch = None
-            first = M.encode(step, (h,))[0]
-        hop.begin(self._step, h, first, attention_alone)
+            first = M.encode(step, (M.for_the_wire(h, self.wire),))[0]
+        hop.begin(self._step, h, first, attention_alone, self.wire == "float16")
         self._sent_shape = tuple(h.shape)
         figures: dict[bytes, dict[str, Any]] = {}
         deadline, at = time.monotonic() + STEP_TIMEOUT, (0, 0)

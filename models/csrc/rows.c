@@ -375,6 +375,15 @@ void rows_post_norm(const float *x, const float *w, int64_t B, int64_t D, float 
     for (int64_t b = 0; b < B; b++) rms_norm(x + b * D, w, D, eps, y + b * D);
 }
 
+// A sum's message as float16 and back (node/csrc/hop.c's, where MemoryOptions.wire asks): the
+// same rounding as the KV cache's, and as NumPy's astype.
+void rows_to_half(const float *x, uint16_t *h, int64_t n) {
+    for (int64_t i = 0; i < n; i++) h[i] = f2h(x[i]);
+}
+void rows_from_half(const uint16_t *h, float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = h2f(h[i]);
+}
+
 // A decode step's layers on h (B, D), for a node that holds every layer whole: h += each block's
 // output, in order (table[2 i]: layer i's attention arguments, table[2 i + 1]: its FFN's), normed
 // first by row i of post_norms (2 layers, D) where the model has them (else NULL); out is (B, D)

@@ -65,6 +65,17 @@ enum { HOP_DONE = 0, HOP_TIMEOUT = 1, HOP_FOREIGN = 2, HOP_SEND_FAILED = 3, HOP_
 #define HELD 8
 
 typedef void (*block_fn)(const void *args, int ffn, const void *step, const float *h, float *out);
+// models/csrc/rows.c's rows_to_half and rows_from_half: a sum's message as float16 and back
+typedef void (*to_half_fn)(const float *x, uint16_t *h, int64_t n);
+typedef void (*from_half_fn)(const uint16_t *h, float *x, int64_t n);
+
+// Whether a float16 message can carry x: every value within its range (a NaN cannot), the rule of
+// node/messages.py's for_the_wire; else the message goes as float32.
+static int fits_half(const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!(x[i] <= 65504.0f && x[i] >= -65504.0f)) return 0;
+    return 1;
+}
 
 static double now(void) {
     struct timespec t;
@@ -106,9 +117,10 @@ static void put_double(writer *w, double d) {
     for (int i = 0; i < 8; i++) b[1 + i] = (uint8_t)(v >> (56 - 8 * i));
     put(w, b, 9);
 }
-// {op, step, layer, block[, compute], tensors: [["float32", [B, D]]]}, as node/messages.py writes
+// {op, step, layer, block[, compute], tensors: [[dtype, [B, D]]]}, as node/messages.py writes;
+// dtype "float16" where `half`, else "float32"
 size_t hop_header(uint8_t *buf, size_t cap, const char *op, int64_t step, int64_t layer,
-                     int ffn, const double *compute, int64_t B, int64_t D) {
+                     int ffn, const double *compute, int64_t B, int64_t D, int half) {
     writer w = {buf, buf + cap};
     put_byte(&w, 0x80 | (compute ? 6 : 5));
     put_str(&w, "op"), put_str(&w, op);
@@ -117,7 +129,7 @@ size_t hop_header(uint8_t *buf, size_t cap, const char *op, int64_t step, int64_
     put_str(&w, "block"), put_str(&w, ffn ? "ffn" : "attn");
     if (compute) put_str(&w, "compute"), put_double(&w, *compute);
     put_str(&w, "tensors");
-    put_byte(&w, 0x91), put_byte(&w, 0x92), put_str(&w, "float32");
+    put_byte(&w, 0x91), put_byte(&w, 0x92), put_str(&w, half ? "float16" : "float32");
     put_byte(&w, 0x92), put_uint(&w, (uint64_t)B), put_uint(&w, (uint64_t)D);
     return (size_t)(w.p - buf);
 }
@@ -185,7 +197,7 @@ static int is(const uint8_t *s, size_t n, const char *want) {
 
 typedef struct {
     int64_t step, layer, B, D;
-    int ffn;
+    int ffn, half; // half: its tensor is float16
     double compute;
 } parsed;
 
@@ -218,7 +230,8 @@ int hop_parse(const uint8_t *buf, size_t size, const char *op, int with_compute,
         } else if (is(key, n, "tensors")) {
             if (take(&r) != 0x91 || take(&r) != 0x92) return 0;
             v = take_str(&r, &vn);
-            if (!is(v, vn, "float32") || take(&r) != 0x92) return 0;
+            out->half = is(v, vn, "float16");
+            if (!(out->half || is(v, vn, "float32")) || take(&r) != 0x92) return 0;
             out->B = take_uint(&r), out->D = take_uint(&r), seen |= 32;
         } else {
             return 0;
@@ -293,6 +306,9 @@ typedef struct {
     const void *step;    // the step's sequences (models/csrc/rows.c's rows_step)
     int64_t L, B, D;     // B: the begun step's rows; 0 before a step is begun
     float *in, *out;     // (B, D) each
+    uint16_t *wire;      // (B, D): a float16 message's values
+    to_half_fn to_half;
+    from_half_fn from_half;
     double compute_s;    // in blocks computed here
     int64_t blocks;
     held msg;
@@ -308,21 +324,33 @@ int hop_serve(hop_worker *w, long timeout_ms) {
         if (got <= 0) return got < 0 ? HOP_ERROR : HOP_TIMEOUT;
         parsed p;
         held *m = &w->msg;
-        size_t bytes = (size_t)(w->B * w->D) * sizeof(float);
+        const int64_t n = w->B * w->D;
         if (!(w->B > 0 && m->n == 2 && !m->dropped &&
               hop_parse(msg_data(&m->frames[0]), msg_size(&m->frames[0]), "step", 0, &p) &&
               p.B == w->B && p.D == w->D && p.layer >= 0 && p.layer < w->L &&
-              !(p.ffn && p.layer == w->L - 1) && msg_size(&m->frames[1]) == bytes))
+              !(p.ffn && p.layer == w->L - 1) &&
+              msg_size(&m->frames[1]) == (size_t)n * (p.half ? 2 : 4)))
             return HOP_FOREIGN;
-        memcpy(w->in, msg_data(&m->frames[1]), bytes); // a frame's memory need not be aligned
+        // a frame's memory need not be aligned: copied first
+        if (p.half) {
+            memcpy(w->wire, msg_data(&m->frames[1]), (size_t)n * 2);
+            w->from_half(w->wire, w->in, n);
+        } else {
+            memcpy(w->in, msg_data(&m->frames[1]), (size_t)n * 4);
+        }
         double start = now();
         w->block(w->args[2 * p.layer + p.ffn], p.ffn, w->step, w->in, w->out);
         double compute = now() - start;
         w->compute_s += compute;
         w->blocks++;
-        size_t n =
-            hop_header(buf, sizeof buf, "partial", p.step, p.layer, p.ffn, &compute, w->B, w->D);
-        if (send_frame(w->sock, buf, n, ZMQ_SNDMORE) < 0 || send_frame(w->sock, w->out, bytes, 0) < 0)
+        // the partial goes back as the hidden state came, float16 where its values fit
+        const int half = p.half && fits_half(w->out, n);
+        if (half) w->to_half(w->out, w->wire, n);
+        size_t head = hop_header(buf, sizeof buf, "partial", p.step, p.layer, p.ffn, &compute,
+                                 w->B, w->D, half);
+        if (send_frame(w->sock, buf, head, ZMQ_SNDMORE) < 0 ||
+            send_frame(w->sock, half ? (const void *)w->wire : w->out, (size_t)n * (half ? 2 : 4),
+                       0) < 0)
             return HOP_ERROR;
         release(m);
     }
@@ -358,6 +386,10 @@ typedef struct {
     void (*post_norm)(const float *x, const float *w, int64_t B, int64_t D, float eps, float *y);
     const float *post_norms;
     float eps;
+    int64_t half;              // send hidden states as float16 where they fit (MemoryOptions.wire)
+    uint16_t *wire;            // (B, D): a float16 message's values
+    to_half_fn to_half;
+    from_half_fn from_half;
     held msg;
 } hop_hub;
 
@@ -365,25 +397,29 @@ typedef struct {
 // else the state is kept and the same call goes on after Python has dealt with what it returned.
 int hop_run(hop_hub *hb, long timeout_ms) {
     uint8_t buf[160];
-    size_t bytes = (size_t)(hb->B * hb->D) * sizeof(float);
+    const int64_t n = hb->B * hb->D;
     while (hb->layer < hb->L) {
         // A block the workers take no part in (attention_alone) is computed here and summed
         // into h as a sum of one partial: no message, and no sum counted.
         const int64_t workers = hb->attention_alone && !hb->ffn ? 0 : hb->n_workers;
         if (!hb->gathering) {
             const uint8_t *head = buf;
-            size_t n;
+            size_t head_len;
+            // Python wrote the first STEP's header by the same rule (for_the_wire)
+            const int half = hb->half && workers && fits_half(hb->h, n);
             if (hb->layer == 0 && hb->ffn == hb->attention_alone && hb->first) {
-                head = hb->first, n = (size_t)hb->first_len;
+                head = hb->first, head_len = (size_t)hb->first_len;
             } else {
-                n = hop_header(buf, sizeof buf, "step", hb->step_no, hb->layer, (int)hb->ffn, NULL,
-                           hb->B, hb->D);
+                head_len = hop_header(buf, sizeof buf, "step", hb->step_no, hb->layer,
+                                      (int)hb->ffn, NULL, hb->B, hb->D, half);
             }
+            if (half) hb->to_half(hb->h, hb->wire, n);
+            const void *values = half ? (const void *)hb->wire : hb->h;
             hb->sent_at = now();
             for (int64_t i = 0; i < workers; i++) {
                 if (send_frame(hb->sock, hb->ids[i], (size_t)hb->id_lens[i], ZMQ_SNDMORE) < 0 ||
-                    send_frame(hb->sock, head, n, ZMQ_SNDMORE) < 0 ||
-                    send_frame(hb->sock, hb->h, bytes, 0) < 0) {
+                    send_frame(hb->sock, head, head_len, ZMQ_SNDMORE) < 0 ||
+                    send_frame(hb->sock, values, (size_t)n * (half ? 2 : 4), 0) < 0) {
                     hb->failed = i;
                     return HOP_SEND_FAILED;
                 }
@@ -416,9 +452,15 @@ int hop_run(hop_hub *hb, long timeout_ms) {
             if (!(who >= 0 &&
                   hop_parse(msg_data(&m->frames[1]), msg_size(&m->frames[1]), "partial", 1, &p) &&
                   p.step == hb->step_no && p.layer == hb->layer && p.ffn == hb->ffn &&
-                  p.B == hb->B && p.D == hb->D && msg_size(&m->frames[2]) == bytes))
+                  p.B == hb->B && p.D == hb->D &&
+                  msg_size(&m->frames[2]) == (size_t)n * (p.half ? 2 : 4)))
                 return HOP_FOREIGN;
-            memcpy(hb->partials + who * hb->B * hb->D, msg_data(&m->frames[2]), bytes);
+            if (p.half) { // the STEPs are sent (ZeroMQ copied them): wire is free
+                memcpy(hb->wire, msg_data(&m->frames[2]), (size_t)n * 2);
+                hb->from_half(hb->wire, hb->partials + who * n, n);
+            } else {
+                memcpy(hb->partials + who * n, msg_data(&m->frames[2]), (size_t)n * 4);
+            }
             hb->received[who] = 1;
             hb->hops[(2 * hb->layer + hb->ffn) * hb->n_workers + who] =
                 now() - hb->sent_at - p.compute;
@@ -427,7 +469,6 @@ int hop_run(hop_hub *hb, long timeout_ms) {
         }
         // The same sum, in the same order, as the Python path: h + (own + (p0 + p1 + ...)), the
         // parenthesis normed first where the model has post-block norms.
-        int64_t n = hb->B * hb->D;
         for (int64_t j = 0; j < n; j++) {
             float others = workers ? hb->partials[j] : 0.0f;
             for (int64_t i = 1; i < workers; i++) others += hb->partials[i * n + j];

@@ -126,7 +126,8 @@ def summary(figures: ClusterFigures) -> RenderableType:
         table.add_row("ms/token", ms)
     if figures.allreduce is not None:
         a = figures.allreduce
-        table.add_row("allreduce", f"{_us(a.median_us)} · p99 {_us(a.p99_us)}")
+        wire = " · float16" if a.wire == "float16" else ""  # float32 unless asked
+        table.add_row("allreduce", f"{_us(a.median_us)} · p99 {_us(a.p99_us)}{wire}")
     elif len(figures.nodes) == 1:
         table.add_row("allreduce", f"{NONE} (one node)")
     else:
