@@ -127,9 +127,9 @@ def positions(config: ModelConfig, layer: int, max_context: int) -> int:
 
 # Tokens of a step whose inputs a slot keeps, with its state before them, so that a later step
 # may start at any of their positions: a speculative step's drafts (master/generation/speculate.py:
-# at
-# most 8 after the sequence's token), rejected, are undone so. A wider step is a prompt's: its
-# end state is kept instead, for the next turn of a conversation to carry on from there.
+# at most 8 after the sequence's token), rejected, are undone so; the rings keep as many of a
+# run of steps (`RingUndo`). A wider step is a prompt's: its end state is kept instead, for the
+# next turn of a conversation to carry on from there.
 KEPT_TOKENS = 16
 
 
@@ -150,47 +150,62 @@ class Resume:
 
 
 class RingUndo:
-    """What a short step overwrites in the local layers' rings, kept to undo it.
+    """What the latest steps overwrote in the local layers' rings, kept to undo them.
 
     A ring of W positions holds position p at p % W: a step's tokens overwrite the W-old
-    positions the window no longer reads, but a speculative step's rejected drafts would have
-    overwritten positions that the tokens after them still read. So before a step of at most
-    `KEPT_TOKENS` tokens, the ring positions it will write are copied here; a step that starts
-    within it (after a rejected draft) first puts back those from its start on, as
-    `LinearStates` takes back its state. The copy costs a step's positions, not a ring's."""
+    positions the window no longer reads, but rejected drafts would have overwritten positions
+    that the tokens after them still read: a target's, checked in one step, and a draft
+    model's, made a token a step (master/generation/speculate.py). So before each step the
+    ring positions it will write are copied here, for the last `KEPT_TOKENS` positions of a
+    run of steps that each carry on where the last ended (a step wider than that, a prompt's,
+    ends the run and keeps nothing). A step that starts within the run (after a rejected
+    draft) first puts back what the run wrote from its start on, as `LinearStates` takes back
+    its state. The copies cost a step's positions, not a ring's."""
 
     def __init__(
         self, keys: list[KVArrays], values: list[KVArrays], layers: list[int], slots: int
     ) -> None:
-        # Each ring's arrays (a q8_0 cache's codes and scales), with a copy of KEPT_TOKENS
-        # positions per slot beside each.
+        # Each ring's arrays (a q8_0 cache's codes and scales), with room beside each for
+        # KEPT_TOKENS positions per slot: position p's at p % KEPT_TOKENS.
         self.flat = [p for a in (keys, values) for i in layers for p in kv_parts(a[i])]
         self.kept = [
             np.zeros((*p.shape[:2], KEPT_TOKENS, *p.shape[3:]), p.dtype) for p in self.flat
         ]
-        self.kept_at = [-1] * slots  # where a slot's kept positions start (-1: none)
-        self.kept_tokens = [0] * slots
+        # Per slot: the positions [kept_from, kept_to) whose overwritten ring entries are kept.
+        self.kept_from = [0] * slots
+        self.kept_to = [0] * slots
 
     def forget(self, slot: int) -> None:
-        """`slot` holds another sequence's positions now (a copy): nothing of its last step is
+        """`slot` holds another sequence's positions now (a copy): nothing of its last steps is
         to be undone."""
-        self.kept_at[slot], self.kept_tokens[slot] = -1, 0
+        self.kept_from[slot] = self.kept_to[slot] = -1
 
     def begin_step(self, batch: StepBatch) -> None:
         for slot, start, n in zip(batch.slots, batch.starts, batch.lengths, strict=True):
-            kept, count = self.kept_at[slot], self.kept_tokens[slot]
-            if 0 <= kept <= start < kept + count:  # back within the last step: undo its rest
+            first, end = self.kept_from[slot], self.kept_to[slot]
+            if first <= start < end:  # back within the run: undo the rest of it
                 for ring, copy in zip(self.flat, self.kept, strict=True):
                     w = ring.shape[2]
-                    for p in range(start, kept + count):
-                        ring[slot, :, p % w] = copy[slot, :, p - kept]
-            keep = 1 < n <= KEPT_TOKENS
-            if keep:
+                    # the newest first: a ring entry two of them wrote gets its oldest copy back
+                    for p in range(end - 1, start - 1, -1):
+                        ring[slot, :, p % w] = copy[slot, :, p % KEPT_TOKENS]
+                end = start
+            elif start != end:  # not where the run ended: a new run
+                first = end = start
+            if n > KEPT_TOKENS:  # a prompt's step: the run ends with nothing kept
+                first = end = start + n
+            else:
                 for ring, copy in zip(self.flat, self.kept, strict=True):
-                    where = [p % ring.shape[2] for p in range(start, start + n)]
-                    copy[slot, :, :n] = ring[slot][:, where]
-            self.kept_at[slot] = start if keep else -1
-            self.kept_tokens[slot] = n if keep else 0
+                    w = ring.shape[2]
+                    if n == 1:  # a decode step's one position: no index lists to build
+                        copy[slot, :, start % KEPT_TOKENS] = ring[slot, :, start % w]
+                        continue
+                    where = [p % w for p in range(start, start + n)]
+                    kept = [p % KEPT_TOKENS for p in range(start, start + n)]
+                    copy[slot][:, kept] = ring[slot][:, where]
+                end = start + n
+                first = max(first, end - KEPT_TOKENS)
+            self.kept_from[slot], self.kept_to[slot] = first, end
 
 
 class LinearStates:

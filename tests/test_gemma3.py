@@ -15,6 +15,7 @@ from test_speculate import SlowLinkSpeculator, _generate
 from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.local import local_session
 from edgetp.master.cluster.plan import head_rows, plan_slices
+from edgetp.master.generation.speculate import open_speculator
 from edgetp.memory.budget import FILE_TYPES
 from edgetp.memory.shards import ShardStore
 from edgetp.memory.splitter import split_model
@@ -152,24 +153,55 @@ def test_a_split_keeps_the_file_s_size(gemma3_path, tmp_path):
 
 
 def test_a_step_after_rejected_drafts_reads_the_window_it_had_before_them(gemma3_path):
-    """Past the window, a step of a token and seven drafts writes eight ring positions, whose
-    old keys the next tokens still read. Taking back the drafts (the next step starts after
-    the token) puts them back: that step's logits are those of a run without the drafts."""
+    """Past the window, a token and seven drafts write eight ring positions, whose old keys the
+    next tokens still read: in one step (a target checking drafts: slot 1), or a token a step
+    (a draft model making them: slot 2). Taking back the drafts (the next step starts after the
+    token) puts them back: that step's logits are those of a run without the drafts (slot 0)."""
     source = open_model(gemma3_path)
     window = source.config.sliding_window
     prompt = source.tokenizer().encode(LONG_TEXT)
     n = len(prompt)
     assert window is not None and n > window + 16, n
-    engine = Engine.local(source, max_context=1024, slots=2)
-    engine.forward([prompt, prompt], StepBatch((0, 1), (0, 0), (n, n)))
+    engine = Engine.local(source, max_context=1024, slots=3)
+    engine.forward([prompt] * 3, StepBatch((0, 1, 2), (0, 0, 0), (n, n, n)))
     token, drafts, following = 1000, [7, 8, 9, 10, 11, 12, 13], 2000
-    engine.forward([[token]], StepBatch((0,), (n,), (1,)))  # slot 0: no drafts
-    engine.forward([[token, *drafts]], StepBatch((1,), (n,), (8,)))  # slot 1: all rejected
+    engine.forward([[token]], StepBatch((0,), (n,), (1,)))  # no drafts
+    engine.forward([[token, *drafts]], StepBatch((1,), (n,), (8,)))  # all rejected
+    for i, t in enumerate([token, *drafts]):
+        engine.forward([[t]], StepBatch((2,), (n + i,), (1,)))
     plain = engine.forward([[following]], StepBatch((0,), (n + 1,), (1,)))
-    taken_back = engine.forward([[following]], StepBatch((1,), (n + 1,), (1,)))
-    diff, scale = (taken_back - plain).abs().max().item(), plain.abs().max().item()
-    print(f"\nafter rejected drafts: max|diff| {diff:.3g} vs max|logit| {scale:.3g}")
-    assert diff <= 1e-4 * scale
+    for slot, steps in ((1, "one step"), (2, "a token a step")):
+        taken_back = engine.forward([[following]], StepBatch((slot,), (n + 1,), (1,)))
+        diff, scale = (taken_back - plain).abs().max().item(), plain.abs().max().item()
+        print(f"\nafter rejected drafts, {steps}: max|diff| {diff:.3g} vs max|logit| {scale:.3g}")
+        assert diff <= 1e-4 * scale, steps
+
+
+def test_a_draft_model_with_rings_changes_no_greedy_token(gemma3_path, shared_state):
+    """`--draft MODEL` where the draft model has sliding-window rings: Gemma 3 270M's own
+    weights rounded again to q4_0, drafting a token a step for the file, past the window: the
+    same tokens as without drafts, some drafts accepted and some rejected. (That its rings take
+    back what rejected drafts wrote is held exactly above, "a token a step".)"""
+    source = open_model(gemma3_path)
+    tokenizer = source.tokenizer()
+    prompt = tokenizer.encode(LONG_TEXT + "\n\nNow a poem about the sea, in new words:\n")
+    assert len(prompt) > source.config.sliding_window + 64, len(prompt)
+    with local_session(
+        source, 1, state_dir=shared_state, context=1024, memory=FILE_TYPES
+    ) as session:
+        assert session.engine is not None
+        plain = _generate(session.engine, tokenizer, [prompt], None, max_tokens=48)
+        speculator = open_speculator(str(gemma3_path), "q4_0", session, tokenizer)
+        assert speculator is not None and speculator.model is not None
+        by_model = SlowLinkSpeculator(speculator.model)
+        try:
+            drafted = _generate(session.engine, tokenizer, [prompt], by_model, max_tokens=48)
+        finally:
+            by_model.close()
+    figures = by_model.figures()
+    print(f"\n{figures}\n{tokenizer.decode(plain[0])!r}")
+    assert drafted == plain
+    assert 0 < figures["accepted"] < figures["drafted"], figures  # rejected drafts undone
 
 
 @pytest.mark.parametrize("nodes", [1, 3])

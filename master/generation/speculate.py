@@ -342,11 +342,6 @@ def draft_source(draft: str, tokenizer: Tokenizer) -> ModelSource | None:
             f"the draft model {source.name} cannot draft for this model: {mismatch}; a draft "
             f"model must use the same tokenizer (or use --draft lookup)"
         )
-    if source.config.local_layers:
-        raise ModelError(
-            f"the draft model {source.name} has sliding-window layers, whose KV rings cannot "
-            f"take back a rejected draft: pick another draft model, or --draft lookup"
-        )
     if source.config.linear_layers:  # it would go back past its last step's tokens
         raise ModelError(
             f"the draft model {source.name} has linear-attention layers, whose state cannot "
