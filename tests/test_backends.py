@@ -12,6 +12,7 @@ import torch
 from edgetp.memory.window import ResidentLayers
 from edgetp.models.backends import BLOCKS, BlockBackend, RowBlocks, TorchBlocks, first_capable
 from edgetp.models.config import ModelConfig
+from edgetp.models.kvformat import ROUNDING
 from edgetp.models.layers import Slice, StepBatch, full_layer_shapes, slice_layer
 from edgetp.models.rows_native import FLOAT_ROWS, NativeBlocks
 from edgetp.node.executor import make_executor
@@ -94,9 +95,10 @@ def test_a_kv_cache_takes_memory_only_as_its_positions_are_written() -> None:
         cache = KVCache(config, WHOLE, 16, 8192, kv_format)
         grown = _resident_bytes() - before
         assert grown < 0.05 * cache.nbytes, (kv_format, grown, cache.nbytes)
-        written = torch.full((2, 8, 32), 127.0)  # a prompt's 8 positions, exact in each format
+        written = torch.full((2, 8, 32), 127.0)  # a prompt's 8 positions
         cache.keys[0][0, :, :8] = written
-        assert torch.equal(cache.keys[0][0, :, :8], written)
+        step = ROUNDING[kv_format] * 127  # f32 and f16 hold it exactly
+        torch.testing.assert_close(cache.keys[0][0, :, :8].float(), written, rtol=0, atol=step)
         assert not cache.keys[0][1:].any() and not cache.values[7][:].any()
         print(f"{kv_format}: {cache.nbytes / 1e6:.0f} MB allocated, resident {grown / 1e6:.1f} MB")
         del cache
@@ -105,3 +107,36 @@ def test_a_kv_cache_takes_memory_only_as_its_positions_are_written() -> None:
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
+
+
+def test_a_q8_0_cache_turns_each_block_so_one_large_channel_does_not_round_the_rest_away():
+    """q8_0 rows are stored turned by the 32-point Walsh-Hadamard transform (models/kvformat.py):
+    torch's writes and NumPy's hold the same codes and read back the same floats; what a row
+    reads back is within the turned block's rounding of what was written; and a key with one
+    large channel keeps its small ones several times better than rounding it as it is would."""
+    from edgetp.models.kvformat import Q8_BLOCK, kv_arrays, kv_tensor
+
+    rng = np.random.default_rng(7)
+    keys = rng.standard_normal((2, 3, 5, 64)).astype(np.float32)
+    keys[..., 0, 3] = 40.0  # one position's large channel
+    tensor = kv_tensor("q8_0", keys.shape)
+    arrays = kv_arrays(kv_tensor("q8_0", keys.shape))
+    tensor[:] = torch.from_numpy(keys)
+    arrays[:] = keys
+    assert np.array_equal(tensor.codes.numpy(), arrays.codes)
+    assert np.array_equal(tensor.scales.numpy(), arrays.scales)
+    read = arrays[:]
+    assert np.array_equal(tensor[:].numpy(), read)
+    # within the rounding: half a step a value in the turned block, and 127 steps of the f16
+    # scale's own rounding (2^-11), its norm kept by the turn
+    steps = arrays.scales.astype(np.float64)
+    error = np.linalg.norm((read - keys).reshape(*steps.shape, Q8_BLOCK), axis=-1)
+    assert np.all(error <= (0.5 + 127 * 2.0**-11) * np.sqrt(Q8_BLOCK) * steps)
+    # the large channel's block, against plain q8_0 (a step of amax / 127 for every value)
+    block, small = keys[0, 0, 0, :Q8_BLOCK], np.arange(Q8_BLOCK) != 3
+    plain_step = np.abs(block).max() / 127
+    plain = np.round(block / plain_step) * plain_step
+    turned_error = np.abs(read[0, 0, 0, :Q8_BLOCK] - block)[small].mean()
+    plain_error = np.abs(plain - block)[small].mean()
+    print(f"\nsmall channels' mean error: turned {turned_error:.4f}, plain {plain_error:.4f}")
+    assert turned_error * 3 < plain_error

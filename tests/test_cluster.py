@@ -192,6 +192,21 @@ def test_an_f16_kv_cache_is_close_to_float32_s_and_the_same_on_two_nodes(
         assert diff <= 1e-3 * scale
 
 
+def test_a_q8_0_kv_cache_gives_one_node_s_greedy_tokens_on_three(
+    smollm2, smollm2_tokenizer, shared_state
+):
+    """Keys and values stored as q8_0 (each block turned, then rounded: models/kvformat.py):
+    three nodes, each told the format by the plan, give one node's greedy tokens."""
+    engine = Engine.local(smollm2, max_context=256, slots=3, kv_format="q8_0")
+    assert engine.executors[0].native is not None  # decode steps on the C blocks
+    one_tokens = greedy_batch(engine, smollm2_tokenizer, n=32)
+    memory = MemoryOptions(kv_cache="q8_0")
+    with local_cluster(smollm2, [1, 1, 1], shared_state, memory=memory) as (cluster, hub, _):
+        tokens = greedy_batch(cluster, smollm2_tokenizer, n=32)
+        assert [m.figures["kv_cache"] for m in hub.members] == ["q8_0", "q8_0"]
+    assert tokens == one_tokens
+
+
 def test_worker_dying_mid_answer_fails_fast(smollm2, smollm2_tokenizer, shared_state, monkeypatch):
     """A worker killed mid-answer fails the request as soon as its heartbeats are missed (the
     error says so), not at a step's timeout; the next request fails before it sends anything."""

@@ -173,6 +173,19 @@ static uint16_t f2h(float x) {
 }
 #endif
 
+// A q8_0 row's blocks are stored turned by the 32-point Walsh-Hadamard transform (models/
+// kvformat.py says why): five rounds of pairwise sums and differences, in the order of
+// kvformat.py's hadamard_blocks, so that every path stores the same codes and reads the same
+// floats; normalized by HADAMARD_SCALE (1 / sqrt(32) as float32).
+#define HADAMARD(x)                                                                     \
+    for (int h = 1; h < Q8_BLOCK; h *= 2)                                               \
+        for (int i = 0; i < Q8_BLOCK; i += 2 * h)                                       \
+            for (int j = i; j < i + h; j++) {                                           \
+                const __typeof__(x[0]) a = x[j], b = x[j + h];                          \
+                x[j] = a + b, x[j + h] = a - b;                                         \
+            }
+static const float HADAMARD_SCALE = 0.17677669529663687; // the double, rounded to float
+
 // Row `row` (hd values) of a cache as floats: float32 in place, else expanded into buf.
 static const float *kv_row(const void *cache, const uint16_t *scales, int kind, size_t row,
                            int64_t hd, float *buf) {
@@ -190,8 +203,11 @@ static const float *kv_row(const void *cache, const uint16_t *scales, int kind, 
     const int8_t *q = (const int8_t *)cache + row * hd;
     const uint16_t *s = scales + row * (hd / Q8_BLOCK);
     for (int64_t g = 0; g < hd / Q8_BLOCK; g++) {
-        const float d = h2f(s[g]);
-        for (int64_t j = 0; j < Q8_BLOCK; j++) buf[g * Q8_BLOCK + j] = d * (float)q[g * Q8_BLOCK + j];
+        int32_t turned[Q8_BLOCK]; // the codes turned back, in integers: exact
+        for (int j = 0; j < Q8_BLOCK; j++) turned[j] = q[g * Q8_BLOCK + j];
+        HADAMARD(turned);
+        const float d = h2f(s[g]) * HADAMARD_SCALE;
+        for (int j = 0; j < Q8_BLOCK; j++) buf[g * Q8_BLOCK + j] = (float)turned[j] * d;
     }
     return buf;
 }
@@ -211,7 +227,10 @@ static void kv_store(void *cache, uint16_t *scales, int kind, size_t row, int64_
     }
     int8_t *q = (int8_t *)cache + row * hd;
     for (int64_t g = 0; g < hd / Q8_BLOCK; g++) {
-        const float *v = x + g * Q8_BLOCK;
+        float v[Q8_BLOCK]; // the block turned (models/kvformat.py)
+        memcpy(v, x + g * Q8_BLOCK, sizeof v);
+        HADAMARD(v);
+        for (int j = 0; j < Q8_BLOCK; j++) v[j] *= HADAMARD_SCALE;
         float amax = 0.0f;
         for (int j = 0; j < Q8_BLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
         const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
