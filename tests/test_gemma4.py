@@ -261,10 +261,10 @@ def test_greedy_32_tokens_equal_transformers_generate(gemma4):
 def test_greedy_tokens_are_the_same_with_lookup_drafts_and_on_every_node_count(
     dense, smollm2_tokenizer
 ):
-    """A prompt that repeats itself, where lookup would draft: the local layers' KV rings keep
-    Gemma 4 out of speculation (master/generation/generate.py), and its tokens stay those of one
-    node
-    without drafts. (SmolLM2's vocabulary stands in to detokenize: the ids are below 320.)"""
+    """A prompt that repeats itself, where lookup drafts: the tokens stay those of one node
+    without drafts, at every node count, the local layers' KV rings taking back what rejected
+    drafts wrote (node/kvcache.py, RingUndo). (SmolLM2's vocabulary stands in to detokenize:
+    the ids are below 320.)"""
     from test_speculate import SlowLinkSpeculator
 
     _, folder, prompt = dense
@@ -275,6 +275,8 @@ def test_greedy_tokens_are_the_same_with_lookup_drafts_and_on_every_node_count(
         engine = Engine.local(source, (1.0,) * n, max_context=CONTEXT)
         speculator = SlowLinkSpeculator()
         assert _looped(engine, repeating, smollm2_tokenizer, speculator) == one, f"{n} nodes"
+        print(f"\n{n} node(s): {speculator.figures()}")
+        assert speculator.figures()["drafted"] > 0, f"{n} nodes"
         assert _looped(engine, repeating, smollm2_tokenizer) == one, f"{n} nodes"
 
 
