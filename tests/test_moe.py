@@ -340,6 +340,30 @@ def test_gpt_oss_mxfp4_experts_stay_mxfp4_on_real_nodes(tmp_path_factory, stored
             _assert_close_logits(ours, expected, f"gpt-oss MXFP4 HF folder, {n} node(s)")
 
 
+def test_lookup_drafts_change_no_greedy_token_of_gpt_oss_on_every_node_count(
+    tmp_path_factory, smollm2_tokenizer
+):
+    """gpt-oss (sliding-window rings of 24 positions, sinks, experts): a prompt that repeats
+    itself past its window, continued with lookup drafts and without: drafts are made and the
+    tokens are one node's without drafts at every node count. (SmolLM2's vocabulary stands in
+    to detokenize: the ids are below 320.)"""
+    from test_gemma4 import _looped
+    from test_speculate import SlowLinkSpeculator
+
+    _, folder, prompt = _built("gpt_oss", tmp_path_factory)
+    repeating = prompt[:12] * 3
+    source = open_model(folder)
+    assert source.config.sliding_window is not None
+    assert len(repeating) > source.config.sliding_window
+    one = _looped(Engine.local(source), repeating, smollm2_tokenizer)
+    for n in NODES:
+        engine = Engine.local(source, (1.0,) * n)
+        speculator = SlowLinkSpeculator()
+        assert _looped(engine, repeating, smollm2_tokenizer, speculator) == one, f"{n} nodes"
+        print(f"\n{n} node(s): {speculator.figures()}")
+        assert speculator.figures()["drafted"] > 0, f"{n} nodes"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["split", "master"])
 def test_real_nodes_equal_transformers(moe, attention):
