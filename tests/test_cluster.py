@@ -192,19 +192,43 @@ def test_an_f16_kv_cache_is_close_to_float32_s_and_the_same_on_two_nodes(
         assert diff <= 1e-3 * scale
 
 
-def test_a_q8_0_kv_cache_gives_one_node_s_greedy_tokens_on_three(
+def test_a_q8_0_kv_cache_on_three_nodes_reads_as_one_node_s_within_its_rounding(
     smollm2, smollm2_tokenizer, shared_state
 ):
-    """Keys and values stored as q8_0 (each block turned, then rounded: models/kvformat.py):
-    three nodes, each told the format by the plan, give one node's greedy tokens."""
-    engine = Engine.local(smollm2, max_context=256, slots=3, kv_format="q8_0")
+    """Keys and values stored as q8_0 (each block turned, then rounded: models/kvformat.py),
+    three nodes each told the format by the plan, fed one node's greedy tokens: every step's
+    logits within the format's rounding of one node's, and the same top token wherever one
+    node's two best are further apart than that. (Not the same greedy text always: the nodes'
+    sums differ in float32's last bits, and a key may round to the next code; one CI run's
+    third prompt parted at its 27th token.)"""
+    prompt = smollm2_tokenizer.encode("The three primary colours are")
+    engine = Engine.local(smollm2, max_context=256, slots=1, kv_format="q8_0")
     assert engine.executors[0].native is not None  # decode steps on the C blocks
-    one_tokens = greedy_batch(engine, smollm2_tokenizer, n=32)
+    ones, tokens = [], list(prompt)
+    for i in range(33):  # the prefill, then 32 decode steps
+        feed = tokens if i == 0 else tokens[-1:]
+        start = 0 if i == 0 else len(tokens) - 1
+        ones.append(engine.forward([feed], StepBatch((0,), (start,), (len(feed),)))[0])
+        tokens.append(int(ones[-1].argmax()))
     memory = MemoryOptions(kv_cache="q8_0")
     with local_cluster(smollm2, [1, 1, 1], shared_state, memory=memory) as (cluster, hub, _):
-        tokens = greedy_batch(cluster, smollm2_tokenizer, n=32)
+        threes = []
+        for i in range(33):
+            feed = tokens[: len(prompt)] if i == 0 else [tokens[len(prompt) + i - 1]]
+            start = 0 if i == 0 else len(prompt) + i - 1
+            threes.append(cluster.forward([feed], StepBatch((0,), (start,), (len(feed),)))[0])
         assert [m.figures["kv_cache"] for m in hub.members] == ["q8_0", "q8_0"]
-    assert tokens == one_tokens
+    worst, ties = 0.0, 0
+    for one, three in zip(ones, threes, strict=True):
+        diff, scale = (three - one).abs().max().item(), one.abs().max().item()
+        worst = max(worst, diff / scale)
+        best, second = one.topk(2).values.tolist()
+        if best - second > 2 * diff:
+            assert int(three.argmax()) == int(one.argmax())
+        else:
+            ties += 1
+    print(f"q8_0 KV, 3 nodes against 1: max|diff| {worst:.3g} of max|logit|, {ties} of 33 tied")
+    assert worst <= 3e-2 and ties <= 6  # 0.0136 and 2 here
 
 
 def test_worker_dying_mid_answer_fails_fast(smollm2, smollm2_tokenizer, shared_state, monkeypatch):

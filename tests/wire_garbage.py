@@ -116,7 +116,7 @@ def _bad_step(rng: random.Random, n_layers: int, hidden: int, slots: int, contex
                     np.zeros((1, hidden + 1), np.float32),
                     np.zeros((2, hidden), np.float32),  # two rows for a batch of one
                     np.zeros((1, 1, hidden), np.float32),  # a prefill's shape in a decode step
-                    np.zeros((1, hidden), np.float16),
+                    np.zeros((1, hidden), np.float64),  # a dtype the wire does not carry
                     None,  # no hidden state at all
                 ]
             )
@@ -130,6 +130,6 @@ def _bad_step(rng: random.Random, n_layers: int, hidden: int, slots: int, contex
 
 def _step_frames(header: dict, h: np.ndarray) -> list[bytes]:
     """The frames `M.encode` would make, for any dtype (it sends only the wire's own)."""
-    spec = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}[h.dtype]
+    spec = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}[h.dtype]
     header = dict(header, tensors=[[spec, list(h.shape)]])
     return [msgpack.packb(header, use_bin_type=True), h.tobytes()]
