@@ -137,29 +137,19 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True, bench: boo
             "holds the context under every node's memory budget); attention computes in "
             "float32 either way (default f32)",
         )
-        p.add_argument(
-            "--attention",
-            choices=("auto", "split", "master"),
-            action="append" if bench else "store",
-            default=None if bench else "auto",
-            help=("with --local-nodes: time each node count with each (repeatable and "
-                  "alternating, e.g. --attention split --attention master). " if bench else "")
-            + "Where attention runs: split across the devices as the FFN is (two sums a "
-            "layer), or every head on the master (one sum a layer; the workers wait while it "
-            "computes); auto: the master where the measured links make the saved sum cost more "
-            "than attention there, else split (default auto; /v1/cluster says which and why)",
+        _plan_choice(
+            p, "--attention", ("auto", "split", "master"), "auto", bench,
+            "Where attention runs: split across the devices as the FFN is (two sums a layer), or "
+            "every head on the master (one sum a layer; the workers wait while it computes); "
+            "auto: the master where the measured links make the saved sum cost more than "
+            "attention there, else split (/v1/cluster says which and why)",
         )  # fmt: skip
-        p.add_argument(
-            "--wire",
-            choices=WIRES,
-            action="append" if bench else "store",
-            default=None if bench else "float32",
-            help=("with --local-nodes: time each node count with each (repeatable and "
-                  "alternating). " if bench else "")
-            + "What each sum's messages carry, the hidden state out and the partials back: "
+        _plan_choice(
+            p, "--wire", WIRES, "float32", bench,
+            "What each sum's messages carry, the hidden state out and the partials back: "
             "float32, or float16 at half the bytes (a message with a value past float16's range "
             "goes as float32); greedy output may differ from one node's where a token's top two "
-            "logits are nearly tied (default float32)",
+            "logits are nearly tied",
         )  # fmt: skip
     p.add_argument(
         "--window", type=_positive, default=None, help="layers of the slice in memory (forced)"
@@ -168,6 +158,26 @@ def _add_memory_args(p: argparse.ArgumentParser, master: bool = True, bench: boo
         "--drop-cache",
         action="store_true",
         help="drop each shard from the page cache after reading it (cold-disk benchmarks)",
+    )
+
+
+def _plan_choice(
+    p: argparse.ArgumentParser,
+    flag: str,
+    choices: tuple[str, ...],
+    default: str,
+    bench: bool,
+    what: str,
+) -> None:
+    """A choice the master's plan makes for the whole cluster; bench takes it more than once and
+    times each node count with each, alternating."""
+    again = "with --local-nodes: time each node count with each (repeatable, alternating). "
+    p.add_argument(
+        flag,
+        choices=choices,
+        action="append" if bench else "store",
+        default=None if bench else default,
+        help=(again if bench else "") + f"{what} (default {default})",
     )
 
 
