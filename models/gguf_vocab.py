@@ -55,6 +55,8 @@ _GPT4O_SPLIT = (
 # transformers so that our ids can be checked against a reference we can run.
 _BYTE_LEVEL_SPLITS: dict[str, tuple[str, ...]] = {
     "default": (_GPT2_SPLIT,),
+    "gpt-2": (_GPT2_SPLIT,),  # llama.cpp's converter's name for GPT-2's split, and Phi-2's
+    "phi-2": (_GPT2_SPLIT,),
     "gpt2": (_GPT2_SPLIT,),
     "smollm": (_GPT2_SPLIT,),
     "starcoder": (_GPT2_SPLIT,),

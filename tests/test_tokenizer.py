@@ -368,10 +368,11 @@ def test_gguf_errors_name_the_problem():
         Tokenizer.from_gguf_metadata(byte_level, "x.gguf")
 
 
-def test_byte_level_from_metadata():
+@pytest.mark.parametrize("pre", ["gpt2", "gpt-2", "phi-2"])  # llama.cpp's names: the last two
+def test_byte_level_from_metadata(pre):
     metadata = {
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.pre": pre,
         "tokenizer.ggml.tokens": ["<|end|>", "a", "b", "Ġ", "ab", "Ġab"],
         "tokenizer.ggml.token_type": [3, 1, 1, 1, 1, 1],
         "tokenizer.ggml.merges": ["a b", "Ġ ab"],
