@@ -276,9 +276,18 @@ class GGUFSource(ModelSource):
         return None
 
     def _stored_type(self, layer: int | None, name: str) -> str:
-        if self._reordered(layer, name) is not None:
+        kind = self.file.info(self._name(layer, name)).tensor_type.name
+        if self._reordered(layer, name) is not None and not self._moves_blocks(name, kind):
             return "F32"  # read as floats to be put back in order (blocks would cut heads)
-        return self.file.info(self._name(layer, name)).tensor_type.name
+        return kind
+
+    def _moves_blocks(self, name: str, kind: str) -> bool:
+        """Whether a reordered tensor of this type is put back in order as whole blocks: rows
+        always (each is whole blocks), ssm_out's columns where a value head is whole blocks."""
+        fmt = FORMATS.get(kind.lower())
+        if fmt is None:
+            return False
+        return name != "ssm_out" or self.config.linear_v_dim % fmt.block_values == 0
 
     def _rows(
         self, layer: int | None, name: str, start: int, stop: int, blocks: bool
@@ -296,6 +305,13 @@ class GGUFSource(ModelSource):
         if expert is not None and expert[0] in EXPERT_BIAS_TENSORS:  # (E, n): a few floats
             return self.file.tensor(gguf_name).reshape(-1)[at + start : at + stop]
         order = self._reordered(layer, name)
+        if order is not None and blocks and self._moves_blocks(name, kind):
+            fmt = FORMATS[kind]
+            if name == "ssm_out":  # its value heads are its columns: whole blocks of them
+                cols = fmt.from_bytes(self.file.stored_rows(gguf_name, start, stop))
+                return cols[:, order[:: fmt.block_values] // fmt.block_values].contiguous()
+            rows = fmt.from_bytes(self.file.stored_rows(gguf_name, 0, len(order)))
+            return rows[order[start:stop]].contiguous()
         if order is not None and name == "ssm_out":  # its value heads are its columns
             return self.file.tensor_rows(gguf_name, start, stop)[:, order].contiguous()
         if order is not None:

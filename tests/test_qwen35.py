@@ -59,7 +59,8 @@ from edgetp.memory.budget import MemoryOptions
 from edgetp.models.config import DEFAULT_MODEL
 from edgetp.models.config_files import config_from_hf
 from edgetp.models.errors import ModelError
-from edgetp.models.layers import Slice, StepBatch
+from edgetp.models.layers import MATRICES, Slice, StepBatch
+from edgetp.models.quant import FORMATS
 from edgetp.models.source import open_model
 from edgetp.node.kvcache import KVCache
 
@@ -138,11 +139,12 @@ def _tiled(t: np.ndarray, axis: int, config, width: int) -> np.ndarray:
     return np.ascontiguousarray(np.swapaxes(t.reshape(split), axis, axis + 1).reshape(shape))
 
 
-def _write_gguf(model, arch: str, path: Path) -> None:
+def _write_gguf(model, arch: str, path: Path, blocks: bool = False) -> None:
     """The model as llama.cpp's converter writes a qwen35, qwen35moe or qwen3next, f32: norms
     as 1 + weight but the DeltaNet's own, A_log as -exp(A_log), the convolution's taps
     squeezed; qwen3next's qkvz cut into attn_qkv and attn_gate (its b and a kept as one),
-    qwen35's value heads in the tiled order."""
+    qwen35's value heads in the tiled order. With `blocks`, each layer's matrices whose rows
+    are whole blocks of 32 are Q8_0."""
     c = model.config
     moe = arch != "qwen35"
     writer = gguf.GGUFWriter(str(path), arch)
@@ -236,7 +238,12 @@ def _write_gguf(model, arch: str, path: Path) -> None:
             for proj in ("gate", "up", "down"):
                 tensors[f"ffn_{proj}.weight"] = state[f"{p}mlp.{proj}_proj.weight"]
         for name, t in tensors.items():
-            writer.add_tensor(blk + name, np.ascontiguousarray(t, dtype=np.float32))
+            t = np.ascontiguousarray(t, dtype=np.float32)
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            if blocks and t.ndim == 2 and "norm" not in name and t.shape[-1] % 32 == 0:
+                writer.add_tensor(blk + name, gguf.quants.quantize(t, q8), raw_dtype=q8)
+            else:
+                writer.add_tensor(blk + name, t)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
