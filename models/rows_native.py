@@ -25,11 +25,20 @@ import numpy as np
 import torch
 
 from edgetp.models import native
-from edgetp.models.backends import Block, BlockBackend, Hidden, StepTables, Weights
+from edgetp.models.backends import (
+    Block,
+    BlockBackend,
+    Hidden,
+    RecurrentStates,
+    StepTables,
+    Weights,
+)
 from edgetp.models.block_rows import attention_rows, ffn_rows, rms_norm_rows
 from edgetp.models.cbuild import built
 from edgetp.models.config import ModelConfig
+from edgetp.models.deltanet import L2_EPS, GatedDeltaNet, channels, key_of_value
 from edgetp.models.dtypes import BLOCK_DTYPES
+from edgetp.models.families import family_of
 from edgetp.models.kernels import blas_threads, chosen_kernel, dtype_name
 from edgetp.models.kvformat import ROUNDING, KVArrays, Q8Arrays, format_of, kv_parts
 from edgetp.models.layers import MATRICES, Slice, StepBatch
@@ -127,6 +136,32 @@ class FfnArgs(ctypes.Structure):
     ]
 
 
+class LinearArgs(ctypes.Structure):
+    _fields_ = [
+        ("D", ctypes.c_int64),
+        ("nk", ctypes.c_int64),
+        ("nv", ctypes.c_int64),
+        ("dk", ctypes.c_int64),
+        ("dv", ctypes.c_int64),
+        ("K", ctypes.c_int64),
+        ("key_of_value", c_int64_p),
+        ("norm", c_float_p),
+        ("taps", c_float_p),
+        ("decay", c_float_p),
+        ("dt", c_float_p),
+        ("ssm_norm", c_float_p),
+        ("eps", ctypes.c_float),
+        ("l2_eps", ctypes.c_float),
+        ("wqkv", ctypes.c_void_p),
+        ("wo", ctypes.c_void_p),
+        ("wqkv_kind", ctypes.c_int),
+        ("wo_kind", ctypes.c_int),
+        ("conv_states", c_float_p),
+        ("states", c_float_p),
+        ("scratch", c_float_p),
+    ]
+
+
 _lib: ctypes.CDLL | None = None
 
 
@@ -140,7 +175,7 @@ def load() -> ctypes.CDLL:
         lib.rows_set_sgemv(sgemv)
         lib.rows_set_block_product.argtypes = [ctypes.c_int, ctypes.c_void_p]
         lib.rows_set_threads.argtypes = [ctypes.c_int, ctypes.c_int64]
-        for name in ("rows_attention", "rows_ffn"):
+        for name in ("rows_attention", "rows_ffn", "rows_linear"):
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             fn.restype = None
@@ -182,7 +217,7 @@ def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | 
         return "the C blocks do not run a mixture of experts"
     if config.attention_sinks or config.o_bias:  # gpt-oss' attention: NumPy's too
         return "the C blocks have no attention sinks nor output bias"
-    if config.linear_layers or config.attention_gate:  # Qwen3.5's: torch and NumPy's
+    if config.linear_layers or config.attention_gate:  # Qwen3.5's: DeltaNet layers alone (admit)
         return "the C blocks have no gated DeltaNet layers nor attention output gate"
     if config.value_norm:  # Gemma 4's attention: its decode steps run on torch (models.backends)
         return "the C blocks have no value norm nor KV shared across layers"
@@ -194,6 +229,28 @@ def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | 
             _block_product(w)
         except RuntimeError as exc:
             return f"{name}: {exc}"
+    return None
+
+
+def deltanet_unsupported(config: ModelConfig, layers: list[dict[str, torch.Tensor]]) -> str | None:
+    """Why a slice's gated DeltaNet layers (these weights, every layer's) cannot run natively,
+    or None."""
+    if not config.linear_layers:
+        return "the model has no gated DeltaNet layers"
+    if not isinstance(family_of(config), GatedDeltaNet):
+        return f"{family_of(config).name}'s linear attention is not rows.c's gated delta rule"
+    for i in config.linear_layers:
+        w = layers[i]
+        for name in ("wqkv", "wo"):
+            if block_format(w[name]) is None and w[name].dtype != torch.float32:
+                return f"{name} is stored as {w[name].dtype}, not float32 or a block format"
+            try:
+                _block_product(w[name])
+            except RuntimeError as exc:
+                return f"{name}: {exc}"
+        for name in ("attn_norm", "conv", "decay", "dt", "ssm_norm"):
+            if w[name].dtype != torch.float32:
+                return f"{name} is stored as {w[name].dtype}, not float32"
     return None
 
 
@@ -259,10 +316,12 @@ def _float_ptr(t: torch.Tensor | np.ndarray) -> FloatPointer:
 
 
 class NativeBlocks(BlockBackend):
-    """Every layer's block arguments for one slice (resident float32 weights) and its KV cache;
-    `begin_step` points them at a step's sequences. As a `BlockBackend`: a decode step's
-    attention and FFN, of up to `max_rows` sequences, as many as every matrix's product takes
-    (`admit` turns away any model with other blocks)."""
+    """Every layer's block arguments for one slice (resident weights) and its KV cache and
+    gated DeltaNet states; `begin_step` points them at a step's sequences. As a
+    `BlockBackend`: a decode step's blocks of up to `max_rows` sequences, as many as every
+    matrix's product takes: attention and FFN where the C blocks run every layer `whole`, and
+    gated DeltaNet layers where given their `linear` states (the model's other blocks then
+    run on NumPy or torch)."""
 
     name = "c"
 
@@ -273,11 +332,15 @@ class NativeBlocks(BlockBackend):
         layers: list[dict[str, torch.Tensor]],
         keys: list[KVArrays],
         values: list[KVArrays],
+        whole: bool = True,
+        linear: RecurrentStates | None = None,
     ) -> None:
         self.lib = load()
         self.config = config
         self.layers = layers  # held, as the caches are: the structs point into them
         self.caches = keys, values
+        self.whole = whole
+        self.linear = linear
         hd, nq, nkv = config.head_dim, s.n_q, s.n_kv
         group = config.group_size
         self.kv_of_q = (np.arange(*s.q_heads, dtype=np.int64) // group) - s.kv_heads[0]
@@ -285,8 +348,9 @@ class NativeBlocks(BlockBackend):
         self.scratch: list[np.ndarray] = []
         self.attention_args: list[AttentionArgs] = []
         self.ffn_args: list[FfnArgs] = []
+        self.linear_args: dict[int, LinearArgs] = {}
         self.max_rows = MAX_ROWS
-        for i, w in enumerate(layers):
+        for i, w in enumerate(layers if whole else []):
             wqkv, wo = _matrix(self.lib, w["wqkv"]), _matrix(self.lib, w["wo"])
             gate_up, down = _matrix(self.lib, w["w_gate_up"]), _matrix(self.lib, w["w_down"])
             self.max_rows = min(self.max_rows, wqkv[2], wo[2], gate_up[2], down[2])
@@ -319,6 +383,10 @@ class NativeBlocks(BlockBackend):
                     gate_up[1], down[1], _ptr(room),
                 )
             )  # fmt: skip
+        if linear is not None:
+            self.key_of_value = key_of_value(config, s).numpy().astype(np.int64)
+            for i in config.linear_layers:
+                self._linear_layer(i, layers[i], s, linear)
         self.step = Step()
         self._held: tuple[np.ndarray, ...] = ()
         # (2 L) pointers, layer i's attention arguments at 2 i and its FFN's at 2 i + 1: what a
@@ -327,6 +395,30 @@ class NativeBlocks(BlockBackend):
         for i, (a, f) in enumerate(zip(self.attention_args, self.ffn_args, strict=True)):
             self.table[2 * i], self.table[2 * i + 1] = ctypes.addressof(a), ctypes.addressof(f)
 
+    def _linear_layer(
+        self, i: int, w: dict[str, torch.Tensor], s: Slice, linear: RecurrentStates
+    ) -> None:
+        """Layer i's gated DeltaNet arguments, pointing into its states (allocated once, in
+        place from then on: node.kvcache.LinearStates)."""
+        config = self.config
+        wqkv, wo = _matrix(self.lib, w["wqkv"]), _matrix(self.lib, w["wo"])
+        self.max_rows = min(self.max_rows, wqkv[2], wo[2])
+        c, values = sum(channels(config, s)), s.n_linear * config.linear_v_dim
+        width = c + values + 2 * s.n_linear
+        room = np.zeros(MAX_ROWS * (config.hidden + width + values) + c, np.float32)
+        self.scratch.append(room)
+        conv, state = linear.conv[i], linear.states[i]
+        assert conv.is_contiguous() and state.is_contiguous()
+        self.linear_args[i] = LinearArgs(
+            config.hidden, s.n_linear_keys, s.n_linear, config.linear_k_dim,
+            config.linear_v_dim, config.linear_conv,
+            self.key_of_value.ctypes.data_as(c_int64_p),
+            _ptr(w["attn_norm"]), _ptr(w["conv"]), _ptr(w["decay"]), _ptr(w["dt"]),
+            _ptr(w["ssm_norm"]), config.norm_eps, L2_EPS,
+            ctypes.cast(wqkv[0], ctypes.c_void_p), ctypes.cast(wo[0], ctypes.c_void_p),
+            wqkv[1], wo[1], _ptr(conv), _ptr(state), _ptr(room),
+        )  # fmt: skip
+
     def begin_step(
         self,
         batch: StepBatch,
@@ -334,8 +426,7 @@ class NativeBlocks(BlockBackend):
         local_cos_sin: tuple[np.ndarray, np.ndarray] | None,
     ) -> None:
         """A decode step's sequences and their RoPE rows ((B, 1, half) each, from `Rope.rows`)."""
-        slots = np.array(batch.slots, np.int64)
-        starts = np.array(batch.starts, np.int64)
+        slots, starts = self._set_step(batch)
         cos, sin = (np.ascontiguousarray(t, np.float32) for t in cos_sin)
         lcos, lsin = (
             (cos, sin)
@@ -343,15 +434,25 @@ class NativeBlocks(BlockBackend):
             else (np.ascontiguousarray(t, np.float32) for t in local_cos_sin)
         )
         self._held = (slots, starts, cos, sin, lcos, lsin)  # the struct points into them
+        st = self.step
+        st.cos, st.sin = _ptr(cos), _ptr(sin)
+        st.local_cos, st.local_sin = _ptr(lcos), _ptr(lsin)
+
+    def _set_step(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
+        """The step's sequences (what a gated DeltaNet reads of it), and its blocks' threads."""
+        slots = np.array(batch.slots, np.int64)
+        starts = np.array(batch.starts, np.int64)
+        self._held = (slots, starts)  # the struct points into them
         self.lib.rows_set_threads(blas_threads(), native.SMALL)  # as the NumPy path's
         st = self.step
         st.B = batch.size
         st.slots, st.starts = slots.ctypes.data_as(c_int64_p), starts.ctypes.data_as(c_int64_p)
-        st.cos, st.sin = _ptr(cos), _ptr(sin)
-        st.local_cos, st.local_sin = _ptr(lcos), _ptr(lsin)
+        return slots, starts
 
     def supports(self, block: Block, batch: StepBatch) -> bool:
-        return block in ("attention", "ffn") and batch.rows and batch.size <= self.max_rows
+        ours = block in ("attention", "ffn") if self.whole else False
+        ours = ours or (block == "linear" and self.linear is not None)
+        return ours and batch.rows and batch.size <= self.max_rows
 
     def start_step(self, step: StepTables) -> None:
         assert step.cos_sin_rows is not None, "a decode step's"
@@ -363,6 +464,22 @@ class NativeBlocks(BlockBackend):
         out = np.empty_like(h)
         self.lib.rows_attention(
             ctypes.byref(self.attention_args[index]), ctypes.byref(self.step),
+            _contiguous(h).ctypes.data, out.ctypes.data,
+        )  # fmt: skip
+        return out
+
+    def linear_attention(self, index: int, h: Hidden, w: Weights | None = None) -> Hidden:
+        """Layer `index`'s gated DeltaNet partial for rows h (B, D), each sequence's state
+        brought to its start first (node.kvcache.LinearStates.prepare). A decode step's one
+        token a sequence leaves nothing to keep: `finish` keeps steps of 2 or more tokens."""
+        assert self.linear is not None
+        self.linear.prepare(index, self.layers[index]["conv"])
+        return self._linear(index, h)
+
+    def _linear(self, index: int, h: Hidden) -> Hidden:
+        out = np.empty_like(h)
+        self.lib.rows_linear(
+            ctypes.byref(self.linear_args[index]), ctypes.byref(self.step),
             _contiguous(h).ctypes.data, out.ctypes.data,
         )  # fmt: skip
         return out
@@ -394,9 +511,14 @@ class NativeBlocks(BlockBackend):
         return h
 
     def check(self, s: Slice, keys: list[KVArrays], values: list[KVArrays]) -> str | None:
-        """Compare this build's partials with the NumPy path's on layer 0 for a random row at a
-        few positions (slot 0, whose cache a first request fills anew); None when they agree,
-        else what differed."""
+        """Compare this build's partials with the NumPy path's on layer 0 (attention and FFN)
+        and torch's on the first gated DeltaNet layer, for a random row at a few positions
+        (slot 0, whose cache and state a first request fills anew); None when they agree, else
+        what differed."""
+        if self.linear is not None:
+            why = self._check_linear(s)
+            if why is not None or not self.whole:
+                return why
         config = self.config
         rope = Rope(config, max(4, keys[0].shape[2]))
         rng = np.random.default_rng(0)
@@ -426,6 +548,59 @@ class NativeBlocks(BlockBackend):
         finally:
             for a, was in zip((*kv_parts(keys[0]), *kv_parts(values[0])), saved, strict=True):
                 a[0] = was
+        return None
+
+    def _check_linear(self, s: Slice) -> str | None:
+        """The first gated DeltaNet layer's partials and the state it leaves, 3 tokens from a
+        random state, against torch's (models/deltanet.py) from the same state; then both
+        timed, as `_time` times the other blocks."""
+        assert self.linear is not None
+        config, i = self.config, self.config.linear_layers[0]
+        conv, state = self.linear.conv[i], self.linear.states[i]
+        saved = conv[0].clone(), state[0].clone()
+        gen = torch.Generator().manual_seed(0)
+        try:
+            conv[0] = torch.randn(conv[0].shape, generator=gen)
+            state[0] = torch.randn(state[0].shape, generator=gen) * 0.1
+            want_conv, want_state = conv.clone(), state.clone()
+            for pos in range(3):
+                batch = StepBatch((0,), (pos + 1,), (1,))
+                h = torch.randn(1, config.hidden, generator=gen)
+                family = family_of(config)
+                with torch.inference_mode():
+                    out = family.linear_partial(
+                        h[:, None], self.layers[i], s, config, want_conv, want_state, batch
+                    )[0]
+                want = out[:, 0].numpy()
+                self._set_step(batch)
+                got = self._linear(i, h.numpy())
+                for name, a, b in (
+                    ("gated DeltaNet", got, want),
+                    ("its state", state[0].numpy(), want_state[0].numpy()),
+                    ("its convolution's inputs", conv[0].numpy(), want_conv[0].numpy()),
+                ):
+                    limit = TOLERANCE * max(1.0, float(np.abs(b).max()))
+                    worst = float(np.abs(a - b).max())
+                    if not worst <= limit:
+                        return f"{name} at position {pos} differs by {worst:.3g} (> {limit:.3g})"
+            best = [math.inf, math.inf]  # CPU us a call, as `_time` takes them
+            for _ in range(TIMING_ROUNDS):
+                started = time.process_time()
+                for _ in range(TIMING_CALLS):
+                    self._linear(i, h.numpy())
+                best[0] = min(best[0], time.process_time() - started)
+                started = time.process_time()
+                with torch.inference_mode():
+                    for _ in range(TIMING_CALLS):
+                        family.linear_partial(
+                            h[:, None], self.layers[i], s, config, want_conv, want_state, batch
+                        )
+                best[1] = min(best[1], time.process_time() - started)
+            c_us, torch_us = (b / TIMING_CALLS * 1e6 for b in best)
+            if c_us > SLOWER * torch_us:
+                return f"slower than torch here ({c_us:.0f} against {torch_us:.0f} us a layer)"
+        finally:
+            conv[0], state[0] = saved
         return None
 
     def _time(
@@ -467,17 +642,25 @@ def admit(
     layers: list[dict[str, torch.Tensor]],
     keys: list[KVArrays],
     values: list[KVArrays],
+    linear: RecurrentStates | None = None,
 ) -> NativeBlocks | None:
     """Native blocks for this slice where this device builds them and they agree with the
-    NumPy path; None (logged) otherwise."""
-    why = unsupported(config, layers[0])
-    if why is None:
+    NumPy and torch paths: every layer's attention and FFN, or (where a model has blocks the C
+    code lacks) its gated DeltaNet layers alone; None (logged) otherwise."""
+    whole = unsupported(config, layers[0])
+    deltanet = "no states given" if linear is None else deltanet_unsupported(config, layers)
+    why: str | None = f"{whole}; gated DeltaNet: {deltanet}"
+    if whole is None or deltanet is None:
         try:
-            blocks = NativeBlocks(config, s, layers, keys, values)
+            blocks = NativeBlocks(
+                config, s, layers, keys, values, whole is None, linear if deltanet is None else None
+            )
             why = blocks.check(s, keys, values)
         except (RuntimeError, OSError) as exc:
             why = str(exc)
     if why is not None:
         log.info("decode blocks run on NumPy: %s", why)
         return None
+    if whole is not None:
+        log.info("gated DeltaNet layers decode in C; the other blocks on NumPy: %s", whole)
     return blocks

@@ -117,8 +117,9 @@ class SliceExecutor:
             return
         layers = [self.weights.get(i) for i in range(self.config.n_layers)]
         self.native = rows_native.admit(
-            self.config, self.slice, layers, self.cache.key_arrays, self.cache.value_arrays
-        )
+            self.config, self.slice, layers, self.cache.key_arrays, self.cache.value_arrays,
+            self.cache.linear,
+        )  # fmt: skip
         if self.native is not None:
             self.backends.insert(0, self.native)
 

@@ -259,7 +259,10 @@ def test_logits_equal_transformers_on_every_node_count(hybrid):
     for n in NODES:
         engine = Engine.local(source, (1.0,) * n)
         assert sum(s.n_linear for s in engine.slices) == config.linear_v_heads
-        assert all(ex.native is None for ex in engine.executors)  # no C blocks for these
+        # The C blocks run its gated DeltaNet layers alone (rows.c's rows_linear): the gated
+        # attention and the FFN decode on NumPy.
+        natives = [ex.native for ex in engine.executors]
+        assert all(b is not None and b.linear is not None and not b.whole for b in natives)
         ours = _ours(engine, prompt, continuation)
         _assert_close_logits(ours, expected, f"{folder.name} {n} node(s)")
 
@@ -340,6 +343,63 @@ def test_a_step_after_rejected_drafts_answers_as_if_they_were_never_fed(qwen35, 
         _prefill(engine, fed, start=len(prompt))
         got = _prefill(engine, then, start=len(prompt) + 1 + accepted)
         _assert_close_logits(got, want, f"{accepted} drafts kept, {n} node(s)")
+
+
+def test_decode_steps_of_several_sequences_and_after_drafts_run_their_deltanet_in_c(qwen35):
+    """A decode step (a token a sequence) runs the gated DeltaNet layers in C (rows.c's
+    rows_linear): three sequences in one step, each in its own slot, each answer as its whole
+    text prefilled fresh (torch's chunked form); and a one-token step after a speculative step
+    whose drafts were rejected starts from the state before them, at 1 and 3 nodes."""
+    _, folder, prompt = qwen35
+    source = open_model(folder)
+    texts = [prompt[:20], prompt[3:30], prompt[7:25]]
+    then = [[12, 13, 14, 15], [20, 21, 22, 23], [30, 31, 32, 33]]
+    for n in (1, 3):
+        engine = Engine.local(source, (1.0,) * n, slots=3)
+        assert all(ex.native is not None and ex.native.linear for ex in engine.executors)
+        for slot, text in enumerate(texts):
+            _prefill(engine, text, slot=slot)
+        for i in range(len(then[0])):
+            starts = tuple(len(t) + i for t in texts)
+            got = engine.forward([[t[i]] for t in then], StepBatch((0, 1, 2), starts, (1, 1, 1)))
+            for slot, text in enumerate(texts):
+                fresh = _prefill(Engine.local(source), text + then[slot][: i + 1])[-1:]
+                _assert_close_logits(got[slot : slot + 1], fresh, f"slot {slot} step {i}, {n}")
+        fed = [7, 8, 9, 10, 11]  # the last token, then 4 drafts: 1 kept
+        _prefill(engine, prompt, slot=1)
+        _prefill(engine, fed, slot=1, start=len(prompt))
+        got = engine.forward([[12]], StepBatch((1,), (len(prompt) + 2,), (1,)))
+        fresh = _prefill(Engine.local(source), prompt + fed[:2] + [12])[-1:]
+        _assert_close_logits(got, fresh, f"a token after rejected drafts, {n} node(s)")
+
+
+def test_tiled_value_heads_of_a_block_file_are_put_back_in_order_as_whole_blocks(tmp_path):
+    """llama.cpp's converter stores a qwen35's value heads tiled (`models.source._tiled_order`).
+    Put back in order as whole blocks (rows, and the out-projection's columns where a head is
+    whole blocks), a Q8_0 file's DeltaNet matrices stay Q8_0 in the split, where they were read
+    as float32 (four times the bytes a token). Every row range reads as the float rows do, and
+    the model's logits are its float expansion's."""
+    import transformers
+
+    values = SMALL | {"intermediate_size": 128, "linear_value_head_dim": 32}
+    config = transformers.Qwen3_5TextConfig(vocab_size=320, **values)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed=3)
+    _write_gguf(model.eval(), "qwen35", tmp_path / "q8.gguf", blocks=True)
+    source = open_model(tmp_path / "q8.gguf")
+    assert source.config.linear_group > 1  # the tiled order is not the grouped one
+    q8 = FORMATS["q8_0"]
+    for i in source.config.linear_layers:
+        assert source.matrix_dtypes(i, "auto") == dict.fromkeys(MATRICES, "q8_0")
+        for name in ("ssm_qkv", "ssm_z", "ssm_b", "ssm_a", "ssm_out"):
+            rows = source.shape(i, name)[0]
+            for start, stop in ((0, rows), (1, rows // 2), (rows // 3, rows)):
+                floats = source.rows(i, name, start, stop)
+                assert torch.equal(q8.dequantize(source.rows(i, name, start, stop, True)), floats)
+    prompt, continuation = list(range(7, 27)), list(range(50, 54))
+    blocks = _windowed(source, 1, "auto", prompt, continuation, 64)
+    floats = _windowed(source, 1, "f32", prompt, continuation, 64)
+    _assert_close_logits(blocks, floats, "a Q8_0 qwen35 file against its float expansion")
 
 
 def test_a_slot_used_again_starts_from_a_zero_state(qwen35):

@@ -380,6 +380,117 @@ void rows_ffn(const rows_ffn_args *a, const rows_step *st, const float *h, float
     products(a->down_kind, a->w_down, D, n, acts, B, out);
 }
 
+// A gated DeltaNet layer (Qwen3.5, Qwen3-Next) of one slice: its value heads and the key heads
+// they read (models/deltanet.py says the math; this is its decode step, one token a sequence).
+typedef struct {
+    int64_t D, nk, nv, dk, dv, K;  // this slice's key and value heads; K: the convolution's taps
+    const int64_t *key_of_value;   // (nv): the key head (of this slice) each value head reads
+    const float *norm;             // (D)
+    const float *taps;             // (C, K), C = 2 nk dk + nv dv: queries', keys', values' channels
+    const float *decay, *dt;       // (nv)
+    const float *ssm_norm;         // (dv): the gated norm's weight, as stored
+    float eps, l2_eps;
+    const void *wqkv;              // (C + nv dv + 2 nv, D): channels, z, b, a
+    const void *wo;                // (D, nv dv)
+    int wqkv_kind, wo_kind;
+    float *conv_states;            // (slots, C, K - 1): each slot's last K - 1 inputs
+    float *states;                 // (slots, nv, dk, dv): each slot's recurrent state
+    float *scratch;                // MAX_ROWS (D + width + nv dv) + C floats (models/rows_native.py)
+} rows_linear_args;
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+// Keys or queries of n heads of dk, each over its L2 norm (models/deltanet.py's _l2norm), times
+// scale.
+static void l2_heads(float *x, int64_t n, int64_t dk, float eps, float scale) {
+    for (int64_t i = 0; i < n; i++) {
+        float *v = x + i * dk, ss = 0.0f;
+        for (int64_t d = 0; d < dk; d++) ss += v[d] * v[d];
+        const float r = 1.0f / sqrtf(ss + eps);
+        for (int64_t d = 0; d < dk; d++) v[d] = v[d] * r * scale;
+    }
+}
+
+// One value head's token through the gated delta rule, its state S (dk, dv) carried on in place:
+// S = e^g S; delta = beta (v - S^T k); S += k delta^T; o = S^T q. Two passes over S (the decay
+// and the recall, then the write and the read), where torch's five each read all of it.
+static void delta_rule(float *S, const float *q, const float *k, const float *v, float beta,
+                       float g, int64_t dk, int64_t dv, float *o) {
+    const float decay = expf(g);
+    float delta[dv];
+    for (int64_t j = 0; j < dv; j++) delta[j] = 0.0f;
+    for (int64_t i = 0; i < dk; i++) {
+        float *row = S + i * dv;
+        const float ki = k[i];
+        for (int64_t j = 0; j < dv; j++) {
+            row[j] *= decay;
+            delta[j] += row[j] * ki;
+        }
+    }
+    for (int64_t j = 0; j < dv; j++) delta[j] = (v[j] - delta[j]) * beta, o[j] = 0.0f;
+    for (int64_t i = 0; i < dk; i++) {
+        float *row = S + i * dv;
+        const float ki = k[i], qi = q[i];
+        for (int64_t j = 0; j < dv; j++) {
+            row[j] += ki * delta[j];
+            o[j] += row[j] * qi;
+        }
+    }
+}
+
+// out (B, D) = this slice's gated DeltaNet partial for h (B, D), each sequence's convolution
+// inputs and state (in its slot) carried on past its token.
+void rows_linear(const rows_linear_args *a, const rows_step *st, const float *h, float *out) {
+    const int64_t D = a->D, nk = a->nk, nv = a->nv, dk = a->dk, dv = a->dv, K = a->K;
+    const int64_t C = 2 * nk * dk + nv * dv, values = nv * dv, width = C + values + 2 * nv;
+    const int64_t B = st->B;
+    if (nv == 0) {
+        memset(out, 0, sizeof(float) * B * D);
+        return;
+    }
+    float *x = a->scratch, *proj = x + B * D, *normed = proj + B * width, *mixed = normed + B * values;
+    for (int64_t b = 0; b < B; b++) rms_norm(h + b * D, a->norm, D, a->eps, x + b * D);
+    products(a->wqkv_kind, a->wqkv, width, D, x, B, proj);
+    const float scale = 1.0f / sqrtf((float)dk);
+    for (int64_t b = 0; b < B; b++) {
+        const float *p = proj + b * width, *z = p + C, *bs = z + values, *as = bs + nv;
+        const int64_t slot = st->slots[b];
+        float *conv = a->conv_states + slot * C * (K - 1);
+        float *S = a->states + slot * nv * dk * dv;
+        // The causal depthwise convolution over the last K - 1 inputs and this one, which then
+        // joins them (the oldest leaves).
+        for (int64_t c = 0; c < C; c++) {
+            const float *t = a->taps + c * K;
+            float *past = conv + c * (K - 1), acc = 0.0f;
+            for (int64_t j = 0; j < K - 1; j++) acc += past[j] * t[j];
+            acc += p[c] * t[K - 1];
+            mixed[c] = silu(acc);
+            if (K > 1) {
+                memmove(past, past + 1, sizeof(float) * (K - 2));
+                past[K - 2] = p[c];
+            }
+        }
+        float *q = mixed, *k = q + nk * dk, *v = k + nk * dk;
+        l2_heads(q, nk, dk, a->l2_eps, scale);
+        l2_heads(k, nk, dk, a->l2_eps, 1.0f);
+        float *o = normed + b * values;
+        const int threads = block_threads > 1 && nv > 1 && nv * dk * dv >= HEADS_PARALLEL
+                                ? (int)(nv < block_threads ? nv : block_threads) : 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t i = 0; i < nv; i++) {
+            const int64_t kh = a->key_of_value[i];
+            const float beta = 1.0f / (1.0f + expf(-bs[i]));
+            const float u = as[i] + a->dt[i];
+            const float g = a->decay[i] * (u > 20.0f ? u : log1pf(expf(u))); // torch's softplus
+            float *oi = o + i * dv;
+            delta_rule(S + i * dk * dv, q + kh * dk, k + kh * dk, v + i * dv, beta, g, dk, dv, oi);
+            rms_norm(oi, a->ssm_norm, dv, a->eps, oi);
+            for (int64_t j = 0; j < dv; j++) oi[j] *= silu(z[i * dv + j]);
+        }
+    }
+    products(a->wo_kind, a->wo, D, values, normed, B, out);
+}
+
 // The two blocks behind one signature, for a caller that keeps a table of them (node/csrc/hop.c).
 void rows_block(const void *args, int ffn, const rows_step *st, const float *h, float *out) {
     if (ffn)
