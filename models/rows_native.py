@@ -42,6 +42,7 @@ from edgetp.models.families import family_of
 from edgetp.models.kernels import blas_threads, chosen_kernel, dtype_name
 from edgetp.models.kvformat import ROUNDING, KVArrays, Q8Arrays, format_of, kv_parts
 from edgetp.models.layers import MATRICES, Slice, StepBatch
+from edgetp.models.moe import EXPERT_TENSORS, Routing, moe_rows
 from edgetp.models.quant import block_format, matrix_size
 from edgetp.models.rope import Rope
 
@@ -162,6 +163,22 @@ class LinearArgs(ctypes.Structure):
     ]
 
 
+class ExpertsArgs(ctypes.Structure):
+    _fields_ = [
+        ("D", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("norm", c_float_p),
+        ("eps", ctypes.c_float),
+        ("w_gate_up", ctypes.c_void_p),
+        ("w_down", ctypes.c_void_p),
+        ("gate_up_kind", ctypes.c_int),
+        ("down_kind", ctypes.c_int),
+        ("gate_up_row", ctypes.c_int64),
+        ("down_row", ctypes.c_int64),
+        ("scratch", c_float_p),
+    ]
+
+
 _lib: ctypes.CDLL | None = None
 
 
@@ -179,6 +196,8 @@ def load() -> ctypes.CDLL:
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             fn.restype = None
+        lib.rows_experts.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p]
+        lib.rows_experts.restype = None
         lib.rows_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         lib.rows_layers.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         lib.rows_layers.argtypes += [ctypes.c_float]
@@ -254,7 +273,29 @@ def deltanet_unsupported(config: ModelConfig, layers: list[dict[str, torch.Tenso
     return None
 
 
-def _block_product(w: torch.Tensor) -> tuple[int, int, int]:
+def experts_unsupported(config: ModelConfig, layers: list[dict[str, torch.Tensor]]) -> str | None:
+    """Why a slice's mixture of experts (these weights, every layer's) cannot run natively, or
+    None: rows.c's experts are SwiGLU's, without biases, int8 scales or a dense FFN beside."""
+    if not config.moe:
+        return "the model has no mixture of experts"
+    if config.activation == "gelu_tanh" or config.swiglu_limit is not None or config.dense_ffn:
+        return "rows.c's experts are plain SwiGLU's"
+    for w in layers:
+        if any(name in w for name in EXPERT_TENSORS[2:]):
+            return "the experts have int8 scales or biases"
+        if w["ffn_norm"].dtype != torch.float32:
+            return f"ffn_norm is stored as {w['ffn_norm'].dtype}, not float32"
+        for name in ("w_gate_up", "w_down"):
+            if block_format(w[name]) is None and w[name].dtype != torch.float32:
+                return f"{name} is stored as {w[name].dtype}, not float32 or a block format"
+            try:
+                _block_product(w[name], config.n_stacked)
+            except RuntimeError as exc:
+                return f"{name}: {exc}"
+    return None
+
+
+def _block_product(w: torch.Tensor, stacked: int = 1) -> tuple[int, int, int]:
     """(kind, address of its C product, rows) for a matrix the C blocks multiply: (F32, 0,
     FLOAT_ROWS) for float32 weights; for a block format whose one-row kernel this process chose
     among its C builds, that one, and the rows up to which every row count's choice is a C build
@@ -267,6 +308,7 @@ def _block_product(w: torch.Tensor) -> tuple[int, int, int]:
     if fmt is None:
         return F32, 0, FLOAT_ROWS
     dtype, (out, inp) = dtype_name(w), matrix_size(w)
+    out //= stacked  # a mixture's stack is multiplied an expert's rows at a time
     names = [chosen_kernel(dtype, rows, out, inp) for rows in range(1, MAX_ROWS + 1)]
     on_c = next((i for i, name in enumerate(names) if name not in BLOCK_BUILDS), len(names))
     if on_c == 0:
@@ -276,10 +318,13 @@ def _block_product(w: torch.Tensor) -> tuple[int, int, int]:
     return BLOCK_KINDS[fmt.name], ctypes.cast(fn, ctypes.c_void_p).value or 0, on_c
 
 
-def _matrix(lib: ctypes.CDLL, w: torch.Tensor) -> tuple[FloatPointer | int, int, int]:
-    """(address, kind, rows) of a weight matrix for the C blocks, its block product handed over:
-    `rows`, as many as its product takes (`_block_product`)."""
-    kind, product, rows = _block_product(w)
+def _matrix(
+    lib: ctypes.CDLL, w: torch.Tensor, stacked: int = 1
+) -> tuple[FloatPointer | int, int, int]:
+    """(address, kind, rows) of a weight matrix (a stack of `stacked` experts' rows) for the C
+    blocks, its block product handed over: `rows`, as many as its product takes
+    (`_block_product`)."""
+    kind, product, rows = _block_product(w, stacked)
     if kind == F32:
         return _float_ptr(w), F32, rows
     assert w.is_contiguous()
@@ -334,6 +379,7 @@ class NativeBlocks(BlockBackend):
         values: list[KVArrays],
         whole: bool = True,
         linear: RecurrentStates | None = None,
+        experts: bool = False,
     ) -> None:
         self.lib = load()
         self.config = config
@@ -349,6 +395,7 @@ class NativeBlocks(BlockBackend):
         self.attention_args: list[AttentionArgs] = []
         self.ffn_args: list[FfnArgs] = []
         self.linear_args: dict[int, LinearArgs] = {}
+        self.experts_args: list[ExpertsArgs] = []
         self.max_rows = MAX_ROWS
         for i, w in enumerate(layers if whole else []):
             wqkv, wo = _matrix(self.lib, w["wqkv"]), _matrix(self.lib, w["wo"])
@@ -383,6 +430,8 @@ class NativeBlocks(BlockBackend):
                     gate_up[1], down[1], _ptr(room),
                 )
             )  # fmt: skip
+        for w in layers if experts else []:
+            self._experts_layer(w)
         if linear is not None:
             self.key_of_value = key_of_value(config, s).numpy().astype(np.int64)
             for i in config.linear_layers:
@@ -394,6 +443,24 @@ class NativeBlocks(BlockBackend):
         self.table = (ctypes.c_void_p * (2 * len(self.attention_args)))()
         for i, (a, f) in enumerate(zip(self.attention_args, self.ffn_args, strict=True)):
             self.table[2 * i], self.table[2 * i + 1] = ctypes.addressof(a), ctypes.addressof(f)
+
+    def _experts_layer(self, w: dict[str, torch.Tensor]) -> None:
+        """A layer's experts' arguments: its stacks of every expert's rows, an expert's rows a
+        product."""
+        stacked = self.config.n_stacked
+        gate_up, down = (_matrix(self.lib, w[m], stacked) for m in ("w_gate_up", "w_down"))
+        self.max_rows = min(self.max_rows, gate_up[2], down[2])
+        d, n = self.config.hidden, matrix_size(w["w_down"])[1]
+        room = np.zeros(MAX_ROWS * (3 * d + 3 * n), np.float32)
+        self.scratch.append(room)
+        row_bytes = [w[m][0].numel() * w[m].element_size() for m in ("w_gate_up", "w_down")]
+        self.experts_args.append(
+            ExpertsArgs(
+                d, n, _ptr(w["ffn_norm"]), self.config.norm_eps,
+                ctypes.cast(gate_up[0], ctypes.c_void_p), ctypes.cast(down[0], ctypes.c_void_p),
+                gate_up[1], down[1], *row_bytes, _ptr(room),
+            )
+        )  # fmt: skip
 
     def _linear_layer(
         self, i: int, w: dict[str, torch.Tensor], s: Slice, linear: RecurrentStates
@@ -452,6 +519,7 @@ class NativeBlocks(BlockBackend):
     def supports(self, block: Block, batch: StepBatch) -> bool:
         ours = block in ("attention", "ffn") if self.whole else False
         ours = ours or (block == "linear" and self.linear is not None)
+        ours = ours or (block == "experts" and bool(self.experts_args))
         return ours and batch.rows and batch.size <= self.max_rows
 
     def start_step(self, step: StepTables) -> None:
@@ -475,6 +543,19 @@ class NativeBlocks(BlockBackend):
         assert self.linear is not None
         self.linear.prepare(index, self.layers[index]["conv"])
         return self._linear(index, h)
+
+    def experts(self, index: int, h: Hidden, w: Weights, routing: Routing) -> Hidden:
+        """Layer `index`'s experts' partial for rows h (B, D) as `routing` chose them; its
+        weights are the ones this was built on (`w` is not read)."""
+        out = np.empty_like(h)
+        chosen = np.ascontiguousarray(routing.experts, np.int64)
+        weights = np.ascontiguousarray(routing.weights, np.float32)
+        self.lib.rows_experts(
+            ctypes.byref(self.experts_args[index]), ctypes.byref(self.step),
+            _contiguous(h).ctypes.data, chosen.ctypes.data, weights.ctypes.data,
+            chosen.shape[1], out.ctypes.data,
+        )  # fmt: skip
+        return out
 
     def _linear(self, index: int, h: Hidden) -> Hidden:
         out = np.empty_like(h)
@@ -517,8 +598,14 @@ class NativeBlocks(BlockBackend):
         what differed."""
         if self.linear is not None:
             why = self._check_linear(s)
-            if why is not None or not self.whole:
+            if why is not None:
                 return why
+        if self.experts_args:
+            why = self._check_experts()
+            if why is not None:
+                return why
+        if not self.whole:
+            return None
         config = self.config
         rope = Rope(config, max(4, keys[0].shape[2]))
         rng = np.random.default_rng(0)
@@ -548,6 +635,36 @@ class NativeBlocks(BlockBackend):
         finally:
             for a, was in zip((*kv_parts(keys[0]), *kv_parts(values[0])), saved, strict=True):
                 a[0] = was
+        return None
+
+    def _check_experts(self) -> str | None:
+        """Layer 0's experts for 3 random rows, each with its own random choice of them,
+        against NumPy's (models/moe.py); then both timed, as `_time` times the other blocks."""
+        config, w = self.config, self.layers[0]
+        rng = np.random.default_rng(0)
+        h = rng.standard_normal((3, config.hidden), dtype=np.float32)
+        k = config.n_experts_used + config.n_shared
+        chosen = np.stack([rng.permutation(config.n_stacked)[:k] for _ in range(3)])
+        routing = Routing(chosen.astype(np.int64), rng.random((3, k), dtype=np.float32))
+        self._set_step(StepBatch((0, 1, 2), (0, 0, 0), (1, 1, 1)))
+        got, want = self.experts(0, h, w, routing), moe_rows(h, w, config, routing)
+        limit = TOLERANCE * max(1.0, float(np.abs(want).max()))
+        worst = float(np.abs(got - want).max())
+        if not worst <= limit:
+            return f"experts differ by {worst:.3g} (> {limit:.3g})"
+        best = [math.inf, math.inf]  # CPU us a call, as `_time` takes them
+        for _ in range(TIMING_ROUNDS):
+            started = time.process_time()
+            for _ in range(TIMING_CALLS):
+                self.experts(0, h, w, routing)
+            best[0] = min(best[0], time.process_time() - started)
+            started = time.process_time()
+            for _ in range(TIMING_CALLS):
+                moe_rows(h, w, config, routing)
+            best[1] = min(best[1], time.process_time() - started)
+        c_us, numpy_us = (b / TIMING_CALLS * 1e6 for b in best)
+        if c_us > SLOWER * numpy_us:
+            return f"experts slower than NumPy here ({c_us:.0f} against {numpy_us:.0f} us)"
         return None
 
     def _check_linear(self, s: Slice) -> str | None:
@@ -645,16 +762,19 @@ def admit(
     linear: RecurrentStates | None = None,
 ) -> NativeBlocks | None:
     """Native blocks for this slice where this device builds them and they agree with the
-    NumPy and torch paths: every layer's attention and FFN, or (where a model has blocks the C
-    code lacks) its gated DeltaNet layers alone; None (logged) otherwise."""
+    NumPy and torch paths: every layer's attention and FFN, and where a model has blocks the C
+    code lacks, those it has (gated DeltaNet layers, a mixture's experts); None (logged)
+    otherwise."""
     whole = unsupported(config, layers[0])
     deltanet = "no states given" if linear is None else deltanet_unsupported(config, layers)
-    why: str | None = f"{whole}; gated DeltaNet: {deltanet}"
-    if whole is None or deltanet is None:
+    experts = experts_unsupported(config, layers)
+    why: str | None = f"{whole}; gated DeltaNet: {deltanet}; experts: {experts}"
+    if whole is None or deltanet is None or experts is None:
         try:
             blocks = NativeBlocks(
-                config, s, layers, keys, values, whole is None, linear if deltanet is None else None
-            )
+                config, s, layers, keys, values, whole is None,
+                linear if deltanet is None else None, experts is None,
+            )  # fmt: skip
             why = blocks.check(s, keys, values)
         except (RuntimeError, OSError) as exc:
             why = str(exc)
@@ -662,5 +782,6 @@ def admit(
         log.info("decode blocks run on NumPy: %s", why)
         return None
     if whole is not None:
-        log.info("gated DeltaNet layers decode in C; the other blocks on NumPy: %s", whole)
+        ran = [n for n, no in (("gated DeltaNet", deltanet), ("experts", experts)) if no is None]
+        log.info("%s decode in C; the other blocks on NumPy: %s", " and ".join(ran), whole)
     return blocks

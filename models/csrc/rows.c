@@ -491,6 +491,63 @@ void rows_linear(const rows_linear_args *a, const rows_step *st, const float *h,
     products(a->wo_kind, a->wo, D, values, normed, B, out);
 }
 
+// A mixture's experts of one slice (Qwen3-MoE, Qwen3.5-MoE, Mixtral; models/moe.py's moe_rows):
+// each chosen expert's SwiGLU over its columns of this slice, weighted, summed in the order of
+// the experts' numbers as NumPy's loop sums them.
+typedef struct {
+    int64_t D, n;                   // n: this slice's columns of each expert
+    const float *norm;              // (D): the FFN norm
+    float eps;
+    const uint8_t *w_gate_up;       // (E 2 n, D): expert e's gate rows, then its up rows
+    const uint8_t *w_down;          // (E D, n)
+    int gate_up_kind, down_kind;
+    int64_t gate_up_row, down_row;  // bytes a row, as stored
+    float *scratch;                 // MAX_ROWS (3 D + 3 n) floats (models/rows_native.py)
+} rows_experts_args;
+
+// out (B, D) = this slice's partial of the experts of each of B rows h (B, D): experts and
+// weights (B, k), each row's choice (a row chooses an expert once).
+void rows_experts(const rows_experts_args *a, const rows_step *st, const float *h,
+                  const int64_t *experts, const float *weights, int64_t k, float *out) {
+    const int64_t D = a->D, n = a->n, B = st->B;
+    memset(out, 0, sizeof(float) * B * D);
+    if (n == 0) return;
+    float *x = a->scratch, *xs = x + B * D, *gu = xs + B * D, *act = gu + B * 2 * n;
+    float *y = act + B * n;
+    for (int64_t b = 0; b < B; b++) rms_norm(h + b * D, a->norm, D, a->eps, x + b * D);
+    int64_t chosen[B * k], count = 0;  // the distinct experts, ascending
+    for (int64_t i = 0; i < B * k; i++) {
+        int64_t e = experts[i], at = 0;
+        while (at < count && chosen[at] < e) at++;
+        if (at < count && chosen[at] == e) continue;
+        memmove(chosen + at + 1, chosen + at, sizeof(int64_t) * (count - at));
+        chosen[at] = e, count++;
+    }
+    int64_t token[B];
+    float weight[B];
+    for (int64_t c = 0; c < count; c++) {
+        const int64_t e = chosen[c];
+        int64_t R = 0;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t j = 0; j < k; j++)
+                if (experts[b * k + j] == e) {
+                    token[R] = b, weight[R] = weights[b * k + j];
+                    memcpy(xs + R * D, x + b * D, sizeof(float) * D);
+                    R++;
+                    break;
+                }
+        products(a->gate_up_kind, a->w_gate_up + e * 2 * n * a->gate_up_row, 2 * n, D, xs, R, gu);
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = 0; i < n; i++) {  // silu(g) u as NumPy writes it: no overflow
+                const float g = gu[r * 2 * n + i], u = gu[r * 2 * n + n + i];
+                act[r * n + i] = g * (0.5f + 0.5f * tanhf(0.5f * g)) * u;
+            }
+        products(a->down_kind, a->w_down + e * D * a->down_row, D, n, act, R, y);
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t d = 0; d < D; d++) out[token[r] * D + d] += y[r * D + d] * weight[r];
+    }
+}
+
 // The two blocks behind one signature, for a caller that keeps a table of them (node/csrc/hop.c).
 void rows_block(const void *args, int ffn, const rows_step *st, const float *h, float *out) {
     if (ffn)
