@@ -7,6 +7,10 @@ its matrix products on the routines the NumPy path would call (OpenBLAS's sgemv,
 formats' C products of models/native.py, handed to the C code as pointers), and keeps a table
 of every layer's arguments that node/csrc/hop.c walks without Python between messages.
 
+A model whose attention or FFN the C code lacks (Qwen3.5's gated attention, a mixture) runs
+in C what it has: its gated DeltaNet layers (torch's path before, ~25 calls a layer) and its
+SwiGLU experts (NumPy's, two products and an activation an expert).
+
 It is used on a device only after `admit` has compared its partials with the NumPy ones there
 (`NativeBlocks.check`); anything it does not cover (f16, bf16 or int8 weights, a block format on
 another kernel, a window that streams, more rows than a decode batch) runs the NumPy path.
@@ -364,9 +368,9 @@ class NativeBlocks(BlockBackend):
     """Every layer's block arguments for one slice (resident weights) and its KV cache and
     gated DeltaNet states; `begin_step` points them at a step's sequences. As a
     `BlockBackend`: a decode step's blocks of up to `max_rows` sequences, as many as every
-    matrix's product takes: attention and FFN where the C blocks run every layer `whole`, and
-    gated DeltaNet layers where given their `linear` states (the model's other blocks then
-    run on NumPy or torch)."""
+    matrix's product takes: attention and FFN where the C blocks run every layer `whole`,
+    gated DeltaNet layers where given their `linear` states, a mixture's SwiGLU `experts` (the
+    model's other blocks then run on NumPy or torch)."""
 
     name = "c"
 
@@ -592,10 +596,10 @@ class NativeBlocks(BlockBackend):
         return h
 
     def check(self, s: Slice, keys: list[KVArrays], values: list[KVArrays]) -> str | None:
-        """Compare this build's partials with the NumPy path's on layer 0 (attention and FFN)
-        and torch's on the first gated DeltaNet layer, for a random row at a few positions
-        (slot 0, whose cache and state a first request fills anew); None when they agree, else
-        what differed."""
+        """Compare this build's partials with the NumPy path's on layer 0 (attention and FFN,
+        or experts) and torch's on the first gated DeltaNet layer, for random rows at a few
+        positions (slot 0, whose cache and state a first request fills anew); None when they
+        agree, else what differed."""
         if self.linear is not None:
             why = self._check_linear(s)
             if why is not None:
