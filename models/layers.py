@@ -446,6 +446,14 @@ class StepBatch:
             if src >= 0 and src != slot and start > 0
         ]
 
+    def one_sequence_rows(self) -> StepBatch:
+        """This step's one sequence as a row a token: its slot at each of its positions, the
+        shape of a decode step of as many sequences. A copy it begins with stays on its first
+        row."""
+        (slot,), (start,), (n,) = self.slots, self.starts, self.lengths
+        sources = self.sources[:1] + (-1,) * (n - 1) if self.sources else ()
+        return StepBatch((slot,) * n, tuple(range(start, start + n)), (1,) * n, sources)
+
     @property
     def size(self) -> int:
         return len(self.slots)

@@ -64,8 +64,9 @@ def _greedy(engine: Engine, tokenizer, prompt: list[int], chunk: int | None) -> 
 def test_a_prompt_in_chunks_answers_as_one_fed_whole(model, nodes, length, chunk, smollm2,
                                                      shared_state):  # fmt: skip
     """The chunks' last logits are those of the whole prompt (within float32 sums' order), and
-    the 8 greedy tokens after them the same. Gemma 3's local layers hold a ring of 512
-    positions: its 700-token prompt's chunks of 150 cross the ring's wrap."""
+    the 8 greedy tokens after them the same; so are a short last step's, run as rows. Gemma 3's
+    local layers hold a ring of 512 positions: its 700-token prompt's chunks of 150 cross the
+    ring's wrap."""
     source = smollm2 if model == "smollm2" else open_model(BUNDLED_MODELS["gemma3-270m"]())
     tokenizer = source.tokenizer()
     prompt = prose_tokens(tokenizer, length)
@@ -83,6 +84,15 @@ def test_a_prompt_in_chunks_answers_as_one_fed_whole(model, nodes, length, chunk
         got, steps = _greedy(engine, tokenizer, prompt, chunk)
         assert one_step == 1 and steps == -(-length // chunk)
         assert got == want
+        # A step of one sequence's few tokens (a draft check, a prompt's last chunk) runs as a
+        # decode step's rows in the native blocks, each row attending to those before it: its
+        # logits are a prefill's. Gemma 3's 12 rows cross its local layers' ring wrap.
+        end = min(length, 517)
+        fed = engine.forward([prompt[:end]], StepBatch((0,), (0,), (end,)))
+        engine.forward([prompt[: end - 12]], StepBatch((1,), (0,), (end - 12,)))
+        rows = engine.forward([prompt[end - 12 : end]], StepBatch((1,), (end - 12,), (12,)))
+        assert engine.executors[0].native_step
+        _assert_close_logits(rows, fed, f"{model}, {nodes} node(s), 12 tokens as rows")
 
 
 class _Ids:

@@ -2,7 +2,8 @@
 
 One stream (a short chat prompt, greedy, no end) decodes in the generation loop the REST bridge
 runs (`Batcher`); once it has made DECODED tokens, a prompt of PROMPT tokens of prose is
-submitted. Printed per setting, medians over ROUNDS: the stream's median decode step before the
+submitted. Printed first: ms a step of one sequence's N tokens (a chunk's step by its length).
+Then per setting, medians over ROUNDS: the stream's median decode step before the
 prompt came, the longest wait between two of its tokens while the prompt prefilled (the loop's
 `longest_gap_ms`, and in decode steps), the prompt's time to first token, and the same time
 with no stream (the prompt alone). Settings: `chunk_step_s` None (the prompt prefills whole,
@@ -37,6 +38,7 @@ from edgetp.master.generation.params import SamplingParams
 from edgetp.memory.budget import MemoryOptions
 from edgetp.memory.files import default_state_dir
 from edgetp.models.config import DEFAULT_MODEL
+from edgetp.models.layers import StepBatch
 from edgetp.models.source import open_model
 from edgetp.models.tokenizer import Tokenizer
 
@@ -88,6 +90,24 @@ def one_round(session: Session, tokenizer: Tokenizer, step_s: float | None) -> d
             "ttft_s": beside, "alone_s": alone, "chunk": stats.prefill_chunk}  # fmt: skip
 
 
+def step_ms(session: Session, tokenizer: Tokenizer) -> str:
+    """ms a step of one sequence's N tokens at depth 300 (median of 5): what a chunk's step
+    costs by its length."""
+    engine = session.engine
+    assert engine is not None
+    text = prose_tokens(tokenizer, 340)
+    engine.forward([text[:300]], StepBatch((0,), (0,), (300,)))
+    out = []
+    for n in (1, 2, 4, 8, 16, 17, 32):
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            engine.forward([text[300 : 300 + n]], StepBatch((0,), (300,), (n,)))
+            times.append((time.perf_counter() - started) * 1e3)
+        out.append(f"{n}: {statistics.median(times):.1f}")
+    return "ms a step of N tokens at depth 300: " + "; ".join(out)
+
+
 def main() -> None:
     nodes = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     steps = [float(a) for a in sys.argv[2:]] or [0.1, 0.2, 0.4, 0.8]
@@ -108,6 +128,7 @@ def main() -> None:
         local_session(source, nodes, state_dir=state, context=PROMPT + 256, slots=2,
                       memory=memory, devices=devices, standby=False) as session,
     ):  # fmt: skip
+        print(step_ms(session, tokenizer))
         runs: dict[float | None, list[dict[str, float]]] = {s: [] for s in settings}
         for _ in range(ROUNDS):
             for s in settings:

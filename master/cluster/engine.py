@@ -50,7 +50,7 @@ from edgetp.models.layers import (
     slice_layer,
 )
 from edgetp.models.moe import Routing, route
-from edgetp.models.rows_native import NativeBlocks, post_norm_rows
+from edgetp.models.rows_native import MAX_ROWS, NativeBlocks, post_norm_rows
 from edgetp.models.source import ModelSource
 from edgetp.node import hop
 from edgetp.node.device import matrix_shapes, prepare
@@ -301,12 +301,38 @@ class Engine:
         self, tokens: Sequence[Sequence[int]], batch: StepBatch, all_logits: bool = False
     ) -> torch.Tensor:
         """Logits for the step: (B, V) at each sequence's last new token, or (B, T, V)."""
-        h = self._layers(tokens, batch)
-        head_started = time.perf_counter()
-        logits = self.family.logits(self._head(h, batch, all_logits), self.config)
+        rows = self._as_rows(batch)
+        if rows is not None:  # one sequence's few tokens, on the decode path
+            h = self._layers([[t] for t in tokens[0]], rows)  # (T, D)
+            head_started = time.perf_counter()
+            if all_logits:
+                out = self._head(h, rows, False).unsqueeze(0)  # (1, T, V)
+            else:  # its last token's alone
+                last = StepBatch(rows.slots[-1:], rows.starts[-1:], (1,))
+                out = self._head(h[-1:], last, False)
+        else:
+            h = self._layers(tokens, batch)
+            head_started = time.perf_counter()
+            out = self._head(h, batch, all_logits)
+        logits = self.family.logits(out, self.config)
         head_s = time.perf_counter() - head_started
         self._record_figures({"blocks_s": self._blocks_s, "head_s": head_s})
         return logits
+
+    def _as_rows(self, batch: StepBatch) -> StepBatch | None:
+        """A step of one sequence's 2 to MAX_ROWS tokens as a decode step of as many rows of its
+        slot (a draft check, a prompt's chunk, a short prompt), or None. A decode step's blocks
+        are one C call each where a step of several tokens is torch's ~20 calls a block (a
+        SmolLM2 step of 2 tokens took 5 of one token's time). Its rows run in order, each
+        row's key and value stored before the next row attends (rows.c, models/block_rows.py),
+        so each token sees those before it, as in one step of them. Not for a gated DeltaNet
+        (its states keep a step's inputs) nor Gemma 4's attention (torch's, its rows stored
+        together)."""
+        if batch.size != 1 or not 2 <= batch.width <= MAX_ROWS:
+            return None
+        if self.config.linear_layers or self.config.value_norm:
+            return None
+        return batch.one_sequence_rows()
 
     @torch.inference_mode()
     def final_hidden(self, tokens: Sequence[Sequence[int]], batch: StepBatch) -> torch.Tensor:
