@@ -446,13 +446,22 @@ class StepBatch:
             if src >= 0 and src != slot and start > 0
         ]
 
-    def one_sequence_rows(self) -> StepBatch:
-        """This step's one sequence as a row a token: its slot at each of its positions, the
-        shape of a decode step of as many sequences. A copy it begins with stays on its first
-        row."""
-        (slot,), (start,), (n,) = self.slots, self.starts, self.lengths
-        sources = self.sources[:1] + (-1,) * (n - 1) if self.sources else ()
-        return StepBatch((slot,) * n, tuple(range(start, start + n)), (1,) * n, sources)
+    def as_rows(self) -> StepBatch:
+        """This step as a row a token, each sequence's in order: its slot at each of its
+        positions, the shape of a decode step of as many sequences. A copy a sequence begins
+        with stays on its first row."""
+        slots: list[int] = []
+        starts: list[int] = []
+        sources: list[int] = []
+        for b, (slot, start, n) in enumerate(
+            zip(self.slots, self.starts, self.lengths, strict=True)
+        ):
+            slots += [slot] * n
+            starts += range(start, start + n)
+            sources += [self.sources[b] if self.sources else -1] + [-1] * (n - 1)
+        return StepBatch(
+            tuple(slots), tuple(starts), (1,) * len(slots), tuple(sources) if self.sources else ()
+        )
 
     @property
     def size(self) -> int:

@@ -71,7 +71,7 @@ def test_a_prompt_in_chunks_answers_as_one_fed_whole(model, nodes, length, chunk
     tokenizer = source.tokenizer()
     prompt = prose_tokens(tokenizer, length)
     with local_session(
-        source, nodes, context=1024, slots=2, state_dir=shared_state, memory=FILE_TYPES
+        source, nodes, context=1024, slots=3, state_dir=shared_state, memory=FILE_TYPES
     ) as session:
         engine = session.engine
         assert engine is not None
@@ -93,6 +93,25 @@ def test_a_prompt_in_chunks_answers_as_one_fed_whole(model, nodes, length, chunk
         rows = engine.forward([prompt[end - 12 : end]], StepBatch((1,), (end - 12,), (12,)))
         assert engine.executors[0].native_step
         _assert_close_logits(rows, fed, f"{model}, {nodes} node(s), 12 tokens as rows")
+        # Beside another sequence's one token, in one step of 13 rows: each sequence's logits
+        # are its own step's, and at every row (a draft check's) those of a torch step.
+        x = int(fed[0].argmax())
+        alone = engine.forward([[x]], StepBatch((0,), (end,), (1,)))
+        both = StepBatch((0, 1), (end, end - 12), (1, 12))
+        mixed = engine.forward([[x], prompt[end - 12 : end]], both)
+        assert engine.executors[0].native_step
+        every = engine.forward([[x], prompt[end - 12 : end]], both, all_logits=True)
+        what = f"{model}, {nodes} node(s), 1 + 12 rows"
+        _assert_close_logits(mixed[:1], alone, what)
+        _assert_close_logits(mixed[1:], rows, what)
+        _assert_close_logits(every[0, :1], alone, what)
+        # A ring's positions are written in order once in a slot (or put back after drafts):
+        # the torch step's sequence has one of its own.
+        engine.forward([prompt[: end - 20]], StepBatch((2,), (0,), (end - 20,)))
+        wide = engine.forward(
+            [prompt[end - 20 : end]], StepBatch((2,), (end - 20,), (20,)), all_logits=True
+        )
+        _assert_close_logits(every[1], wide[0, 8:], what)
 
 
 class _Ids:

@@ -7,6 +7,7 @@ wire, and the sum is the same.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -302,14 +303,23 @@ class Engine:
     ) -> torch.Tensor:
         """Logits for the step: (B, V) at each sequence's last new token, or (B, T, V)."""
         rows = self._as_rows(batch)
-        if rows is not None:  # one sequence's few tokens, on the decode path
-            h = self._layers([[t] for t in tokens[0]], rows)  # (T, D)
+        if rows is not None:  # a few tokens in all, on the decode path
+            h = self._layers([[t] for seq in tokens for t in seq], rows)  # (R, D)
             head_started = time.perf_counter()
-            if all_logits:
-                out = self._head(h, rows, False).unsqueeze(0)  # (1, T, V)
-            else:  # its last token's alone
-                last = StepBatch(rows.slots[-1:], rows.starts[-1:], (1,))
-                out = self._head(h[-1:], last, False)
+            ends = list(itertools.accumulate(batch.lengths))
+            if all_logits:  # every row's, back in (B, T) places (padding's left as zeros)
+                each = self._head(h, rows, False)  # (R, V)
+                out = each.new_zeros(batch.size, batch.width, each.shape[-1])
+                for b, (n, end) in enumerate(zip(batch.lengths, ends, strict=True)):
+                    out[b, :n] = each[end - n : end]
+            else:  # each sequence's last row's alone
+                last = [end - 1 for end in ends]
+                at = StepBatch(
+                    tuple(rows.slots[i] for i in last),
+                    tuple(rows.starts[i] for i in last),
+                    (1,) * batch.size,
+                )
+                out = self._head(np.ascontiguousarray(h[last]), at, False)
         else:
             h = self._layers(tokens, batch)
             head_started = time.perf_counter()
@@ -320,19 +330,20 @@ class Engine:
         return logits
 
     def _as_rows(self, batch: StepBatch) -> StepBatch | None:
-        """A step of one sequence's 2 to MAX_ROWS tokens as a decode step of as many rows of its
-        slot (a draft check, a prompt's chunk, a short prompt), or None. A decode step's blocks
-        are one C call each where a step of several tokens is torch's ~20 calls a block (a
-        SmolLM2 step of 2 tokens took 5 of one token's time). Its rows run in order, each
+        """A step of several tokens a sequence, MAX_ROWS in all (draft checks, a prompt's chunk
+        beside decoding sequences, short prompts), as a decode step of a row a token, or None.
+        A decode step's blocks are one C call each where a step of several tokens is torch's
+        ~20 calls a block (a SmolLM2 step of 2 tokens took 5 of one token's time), and its
+        rows are not padded to the longest sequence's. A sequence's rows run in order, each
         row's key and value stored before the next row attends (rows.c, models/block_rows.py),
         so each token sees those before it, as in one step of them. Not for a gated DeltaNet
         (its states keep a step's inputs) nor Gemma 4's attention (torch's, its rows stored
         together)."""
-        if batch.size != 1 or not 2 <= batch.width <= MAX_ROWS:
+        if batch.width < 2 or sum(batch.lengths) > MAX_ROWS:
             return None
         if self.config.linear_layers or self.config.value_norm:
             return None
-        return batch.one_sequence_rows()
+        return batch.as_rows()
 
     @torch.inference_mode()
     def final_hidden(self, tokens: Sequence[Sequence[int]], batch: StepBatch) -> torch.Tensor:
