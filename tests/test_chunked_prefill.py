@@ -22,7 +22,6 @@ from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.local import local_session
 from edgetp.master.cluster.session import Session
 from edgetp.master.generation.batcher import (
-    MIXED_PREFILL_MAX,
     Batcher,
     Delta,
     Event,
@@ -170,12 +169,24 @@ class Stream:
             self.done.set()
 
 
+def _fed_beside(seen: list[StepBatch], stream_slot: int, prompt: int) -> list[int]:
+    """The tokens of a `prompt`-token prompt each step fed beside the stream's."""
+    return [
+        n
+        for b in seen
+        if stream_slot in b.slots
+        for slot, start, n in zip(b.slots, b.starts, b.lengths, strict=True)
+        if slot != stream_slot and start < prompt
+    ]
+
+
 def test_a_long_prompt_prefills_between_a_running_streams_steps(
     smollm2, smollm2_tokenizer, shared_state, monkeypatch
 ):
     """A stream decodes; a 600-token prompt arrives. It prefills in chunks, each step of them
-    its alone and each followed by a step of the stream, and both answers are the ones each
-    gives alone. The loop reports the longest wait a stream saw and the chunk it sized."""
+    its alone and each followed by a step of the stream, or, chunks small enough, beside the
+    stream's token in one step of rows; both answers are the ones each gives alone. The loop
+    reports the longest wait a stream saw and the chunk it sized."""
     seen: list[StepBatch] = []
     forward = Engine.forward
 
@@ -213,13 +224,32 @@ def test_a_long_prompt_prefills_between_a_running_streams_steps(
     stream_slot = seen[0].slots[0]  # the stream's prefill, then its steps, alone or not
     chunks = [i for i, b in enumerate(seen) if stream_slot not in b.slots]
     fed = [seen[i].lengths[0] for i in chunks]
-    # A last piece of at most MIXED_PREFILL_MAX tokens rides with the stream's next step.
-    rest = len(long) - sum(fed)
-    assert len(chunks) > 2 and 0 <= rest <= MIXED_PREFILL_MAX, fed
-    if rest:
-        mixed = seen[chunks[-1] + 1]
-        assert stream_slot in mixed.slots and rest in mixed.lengths, (mixed, rest)
-    for i in chunks[:-1]:  # each chunk is followed by a step of the stream alone
-        assert seen[i + 1].slots == (stream_slot,) and seen[i + 1].lengths == (1,)
+    # The rest rode with the stream's steps: a first chunk sized from its 5-token prompt, a
+    # last piece of at most MIXED_PREFILL_MAX tokens.
+    along = _fed_beside(seen, stream_slot, len(long))
+    assert len(chunks) > 2 and sum(fed) + sum(along) == len(long), (fed, along)
+    for i in chunks[:-1]:  # each chunk alone is followed by a step of the stream
+        assert stream_slot in seen[i + 1].slots
     assert stats.longest_gap_ms > 0 and stats.prefill_chunk > 0
     print(f"\nchunks fed {fed}; longest gap {stats.longest_gap_ms} ms")
+    # Chunks aimed at 2 decode steps fit one step of rows with the stream's token: they share
+    # it, and the answers are still each one's alone.
+    seen.clear()
+    with Session(smollm2, None, shared_state, context=1024, slots=2, memory=FILE_TYPES) as session:
+        session.start()
+        batcher = Batcher(session, smollm2_tokenizer, prompt_reuse=False, chunk_step_s=0.001)
+        batcher.start()
+        try:
+            running, late = Stream(), Stream()
+            batcher.submit(chat, stream_params, running.on_event)
+            for _ in range(4):  # it decodes now, its decode steps timed
+                assert isinstance(running.events.get(timeout=TIMEOUT), Delta)
+            batcher.submit(long, long_params, late.on_event)
+            assert late.done.wait(TIMEOUT) and running.done.wait(TIMEOUT)
+            shared = batcher.stats()
+        finally:
+            batcher.close()
+    assert [running.text, late.text] == alone
+    alongside = _fed_beside(seen, seen[0].slots[0], len(long))
+    assert sum(alongside) > len(long) // 2, (alongside, seen)
+    print(f"fed beside the stream {alongside}; longest gap {shared.longest_gap_ms} ms")

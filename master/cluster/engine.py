@@ -339,11 +339,19 @@ class Engine:
         so each token sees those before it, as in one step of them. Not for a gated DeltaNet
         (its states keep a step's inputs) nor Gemma 4's attention (torch's, its rows stored
         together)."""
-        if batch.width < 2 or sum(batch.lengths) > MAX_ROWS:
-            return None
-        if self.config.linear_layers or self.config.value_norm:
+        if batch.width < 2 or sum(batch.lengths) > self.row_step_tokens:
             return None
         return batch.as_rows()
+
+    @property
+    def row_step_tokens(self) -> int:
+        """The most tokens a step may carry in all and still run as a decode step's rows
+        (`_as_rows`): 0 for a model with gated DeltaNet layers or Gemma 4's attention, and with
+        int8 activations, whose figures (KL-divergence, greedy tokens across node counts) were
+        measured with prompts on torch's steps: int8 answers depend on the step's shape."""
+        if self.config.linear_layers or self.config.value_norm or activations() == "int8":
+            return 0
+        return MAX_ROWS
 
     @torch.inference_mode()
     def final_hidden(self, tokens: Sequence[Sequence[int]], batch: StepBatch) -> torch.Tensor:

@@ -605,6 +605,8 @@ class Batcher:
         a prompt prefills in one step (its first token soonest); beside decoding sequences it
         prefills a chunk at a time, each chunk followed by a decode step of the others, so a
         long prompt does not stop their streams while it prefills (`_timed` sizes the chunk).
+        Where the chunks and the others' tokens fit one step of rows (`Engine.row_step_tokens`:
+        no padding), they share it: the streams wait one step, not a chunk's and their own.
         """
         new = [j for j in self._active if not j.generation.decoding]
         if not new or len(new) == len(self._active):
@@ -615,6 +617,12 @@ class Batcher:
             return list(self._active), None
         if self.chunk_step_s is None:
             return new, None  # the others wait this step, and decode with it from the next
+        decoding = len(self._active) - len(new)
+        if self.engine is not None and decoding + len(new) * self._chunk <= (
+            self.engine.row_step_tokens
+        ):  # the chunks ride with the others' tokens: one step of rows, not two steps
+            self._chunked_last = False
+            return list(self._active), self._chunk
         self._chunked_last = not self._chunked_last
         if self._chunked_last:
             return new, self._chunk
@@ -625,17 +633,24 @@ class Batcher:
     ) -> None:
         """Size the next prefill chunk from this step's time (lock held): a chunk step should
         take (STALL_STEPS - 1) decode steps, so a stream's wait, a chunk step and its own decode
-        step, is STALL_STEPS of them, or `chunk_step_s` if longer. A step of `prompts` only
-        that fed `fed` tokens (a whole chunk, or prompts fed whole) scales them by target /
-        time, at most doubling them: a step's time is a fixed part (the weights' read, the
-        sums) and a part per token, so the chunk settles where its step takes the target."""
+        step (or one step that carries both), is STALL_STEPS of them, or `chunk_step_s` if
+        longer. A step of `prompts` only that fed `fed` tokens (a whole chunk, or prompts fed
+        whole) scales them by target / time, at most doubling them: a step's time is a fixed
+        part (the weights' read, the sums) and a part per token, so the chunk settles where
+        its step takes the target."""
         if decode:
             self._decode_s.append(seconds)
             return
-        step_s = (STALL_STEPS - 1) * statistics.median(self._decode_s) if self._decode_s else 0.0
-        target = max(step_s, self.chunk_step_s or 0.0)
+        decode_s = statistics.median(self._decode_s) if self._decode_s else 0.0
+        target = max((STALL_STEPS - 1) * decode_s, self.chunk_step_s or 0.0)
         if prompts and fed > 0 and target > 0 and (chunk is None or fed >= chunk):
             self._chunk = max(1, min(2 * fed, int(fed * target / seconds)))
+        elif chunk is not None and fed >= chunk and decode_s > 0:
+            # a chunk beside the others' tokens: its part of the step is what the step took
+            # past a decode step, aimed at the target a step of its own aims at
+            extra = seconds - decode_s
+            grown = fed * target / extra if extra > 0 else 2 * fed
+            self._chunk = max(1, min(2 * fed, int(grown)))
 
     def _deliver(self, job: _Job) -> None:
         g = job.generation
