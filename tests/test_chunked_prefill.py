@@ -19,6 +19,7 @@ from test_qwen35 import qwen35  # noqa: F401 - a fixture
 
 from edgetp.master.bench.long_prompt import prose_tokens
 from edgetp.master.cluster.engine import Engine
+from edgetp.master.cluster.figures import BatcherStats
 from edgetp.master.cluster.local import local_session
 from edgetp.master.cluster.session import Session
 from edgetp.master.generation.batcher import (
@@ -29,7 +30,7 @@ from edgetp.master.generation.batcher import (
     Finished,
 )
 from edgetp.master.generation.generate import start, step
-from edgetp.master.generation.params import SamplingParams
+from edgetp.master.generation.params import CHUNK_STEP_S, SamplingParams
 from edgetp.master.generation.reuse import SlotPool
 from edgetp.memory.budget import FILE_TYPES
 from edgetp.models.bundled import BUNDLED_MODELS
@@ -199,6 +200,24 @@ def test_a_long_prompt_prefills_between_a_running_streams_steps(
     long = prose_tokens(smollm2_tokenizer, 600)
     stream_params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     long_params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    def beside(session: Session, chunk_step_s: float) -> tuple[list[str], BatcherStats]:
+        """The stream's text and the long prompt's, the prompt sent once the stream decodes."""
+        seen.clear()
+        batcher = Batcher(
+            session, smollm2_tokenizer, prompt_reuse=False, chunk_step_s=chunk_step_s
+        ).start()
+        try:
+            running, late = Stream(), Stream()
+            batcher.submit(chat, stream_params, running.on_event)
+            for _ in range(4):  # it decodes now, its decode steps timed
+                assert isinstance(running.events.get(timeout=TIMEOUT), Delta)
+            batcher.submit(long, long_params, late.on_event)
+            assert late.done.wait(TIMEOUT) and running.done.wait(TIMEOUT)
+            return [running.text, late.text], batcher.stats()
+        finally:
+            batcher.close()
+
     with Session(smollm2, None, shared_state, context=1024, slots=2, memory=FILE_TYPES) as session:
         session.start()
         batcher = Batcher(session, smollm2_tokenizer).start()
@@ -209,47 +228,25 @@ def test_a_long_prompt_prefills_between_a_running_streams_steps(
                 batcher.submit(prompt, params, s.on_event)
                 assert s.done.wait(TIMEOUT)
                 alone.append(s.text)
-            batcher.close()
-            batcher = Batcher(session, smollm2_tokenizer, prompt_reuse=False).start()
-            seen.clear()
-            running, late = Stream(), Stream()
-            batcher.submit(chat, stream_params, running.on_event)
-            assert isinstance(running.events.get(timeout=TIMEOUT), Delta)  # it decodes now
-            batcher.submit(long, long_params, late.on_event)
-            assert late.done.wait(TIMEOUT) and running.done.wait(TIMEOUT)
-            stats = batcher.stats()
         finally:
             batcher.close()
-    assert [running.text, late.text] == alone
-    stream_slot = seen[0].slots[0]  # the stream's prefill, then its steps, alone or not
-    chunks = [i for i, b in enumerate(seen) if stream_slot not in b.slots]
-    fed = [seen[i].lengths[0] for i in chunks]
-    # The rest rode with the stream's steps: a first chunk sized from its 5-token prompt, a
-    # last piece of at most MIXED_PREFILL_MAX tokens.
-    along = _fed_beside(seen, stream_slot, len(long))
-    assert len(chunks) > 2 and sum(fed) + sum(along) == len(long), (fed, along)
-    for i in chunks[:-1]:  # each chunk alone is followed by a step of the stream
-        assert stream_slot in seen[i + 1].slots
-    assert stats.longest_gap_ms > 0 and stats.prefill_chunk > 0
-    print(f"\nchunks fed {fed}; longest gap {stats.longest_gap_ms} ms")
-    # Chunks aimed at 2 decode steps fit one step of rows with the stream's token: they share
-    # it, and the answers are still each one's alone.
-    seen.clear()
-    with Session(smollm2, None, shared_state, context=1024, slots=2, memory=FILE_TYPES) as session:
-        session.start()
-        batcher = Batcher(session, smollm2_tokenizer, prompt_reuse=False, chunk_step_s=0.001)
-        batcher.start()
-        try:
-            running, late = Stream(), Stream()
-            batcher.submit(chat, stream_params, running.on_event)
-            for _ in range(4):  # it decodes now, its decode steps timed
-                assert isinstance(running.events.get(timeout=TIMEOUT), Delta)
-            batcher.submit(long, long_params, late.on_event)
-            assert late.done.wait(TIMEOUT) and running.done.wait(TIMEOUT)
-            shared = batcher.stats()
-        finally:
-            batcher.close()
-    assert [running.text, late.text] == alone
+        texts, stats = beside(session, CHUNK_STEP_S)
+        assert texts == alone
+        stream_slot = seen[0].slots[0]  # the stream's prefill, then its steps, alone or not
+        chunks = [i for i, b in enumerate(seen) if stream_slot not in b.slots]
+        fed = [seen[i].lengths[0] for i in chunks]
+        # The rest rode with the stream's steps: a first chunk sized from its 5-token prompt,
+        # a last piece of at most MIXED_PREFILL_MAX tokens.
+        along = _fed_beside(seen, stream_slot, len(long))
+        assert len(chunks) > 2 and sum(fed) + sum(along) == len(long), (fed, along)
+        for i in chunks[:-1]:  # each chunk alone is followed by a step of the stream
+            assert stream_slot in seen[i + 1].slots
+        assert stats.longest_gap_ms > 0 and stats.prefill_chunk > 0
+        print(f"\nchunks fed {fed}; longest gap {stats.longest_gap_ms} ms")
+        # Chunks aimed at 2 decode steps fit one step of rows with the stream's token: they
+        # share it, and the answers are still each one's alone.
+        texts, shared = beside(session, 0.001)
+    assert texts == alone
     alongside = _fed_beside(seen, seen[0].slots[0], len(long))
     assert sum(alongside) > len(long) // 2, (alongside, seen)
     print(f"fed beside the stream {alongside}; longest gap {shared.longest_gap_ms} ms")

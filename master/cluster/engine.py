@@ -319,7 +319,7 @@ class Engine:
                     tuple(rows.starts[i] for i in last),
                     (1,) * batch.size,
                 )
-                out = self._head(np.ascontiguousarray(h[last]), at, False)
+                out = self._head(h[last], at, False)  # a copy: the rows it names
         else:
             h = self._layers(tokens, batch)
             head_started = time.perf_counter()
