@@ -1,6 +1,6 @@
 """Int8 activations (models/activations.py): each integer kernel computes the NumPy reference's
 arithmetic, the kernel check refuses an int8 candidate that rounds another way, and a cluster
-with int8 activations answers the same greedy tokens on any node count."""
+with int8 activations is as close to float activations on 3 nodes as on one."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from edgetp.master.cluster.local import local_engine
-from edgetp.master.generation.generate import start, stream
-from edgetp.master.generation.params import SamplingParams
 from edgetp.memory.budget import MemoryOptions
 from edgetp.models import kernels, native
 from edgetp.models.activations import quantize_rows, quantize_rows_k, rounded_rows
 from edgetp.models.bundled import DEFAULT_MODEL
 from edgetp.models.kernels import HAND_TUNED, PORTABLE
+from edgetp.models.layers import StepBatch
 from edgetp.models.quant import FORMATS, random_blocks
 from edgetp.models.source import open_model
 from edgetp.node.kernel_probe import Probe
@@ -128,36 +127,64 @@ def no_kernel_choices():
     kernels.uninstall()
 
 
+def steps_logits(engine, prompt: list[int], fed: list[int], steps: int = 32) -> list[torch.Tensor]:
+    """The logits of the prompt's prefill and of `steps` decode steps, each fed the next token
+    of `fed`; where `fed` runs out, the step's own greedy token, which is appended to `fed`."""
+    out = [engine.forward([prompt], StepBatch((0,), (0,), (len(prompt),)))[0]]
+    for i in range(steps):
+        if i == len(fed):
+            fed.append(int(out[-1].argmax()))
+        out.append(engine.forward([[fed[i]]], StepBatch((0,), (len(prompt) + i,), (1,)))[0])
+    return out
+
+
+def kl_from(reference: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(reference || logits) over the vocabulary, as llama-perplexity reports it."""
+    p, q = (torch.log_softmax(t.double(), -1) for t in (reference, logits))
+    return float((p.exp() * (p - q)).sum())
+
+
 @pytest.mark.slow  # runs the model end to end: not for `make test-fast`
 @pytest.mark.parametrize("model", [DEFAULT_MODEL, "gemma3-270m"])
-def test_int8_greedy_tokens_are_the_same_on_every_node_count(
-    model, shared_state, no_kernel_choices
-):
+def test_int8_on_three_nodes_is_as_close_to_float_as_on_one(model, shared_state, no_kernel_choices):
     """SmolLM2's Q4_1 file and Gemma 3's Q4_K_M (K-quants rounded a block of 256, the rest a
-    block of 32) with int8 activations: each node rounds its rows alike (a split never cuts a
-    block), so 1 and 3 nodes answer this prompt's 24 tokens alike. Not every text: a
-    row-parallel sum across nodes adds in another order than one node's product, and int8
-    rounding can turn that float noise into another integer (SmolLM2, a 64-token story: 1, 2-3
-    and 4 nodes part after 7 and 13 tokens), which is why exact is the default."""
+    block of 32) with int8 activations, fed one node's 32 greedy tokens: 3 nodes' logits are as
+    close to float activations' as one node's are (mean KL, top-1 agreement). Each node rounds
+    its rows alike (a split never cuts a block); what differs is a row-parallel sum's order
+    across nodes, and int8 rounding can turn that float noise into another integer, so the
+    logits differ within int8's own error (0.06 of max|logit| here) and not always the same
+    greedy text (SmolLM2 on a Zen 4: 1 and 3 nodes parted at token 18); exact is the default."""
     source = open_model(model)
-    tokenizer = source.tokenizer()
-    prompt = tokenizer.encode("The three primary colours are")
-    answers = []
-    for nodes in (1, 3):
+    prompt = source.tokenizer().encode("The three primary colours are")
+    int8 = MemoryOptions(dtype="auto", activations="int8")
+    runs: dict[str, list[torch.Tensor]] = {}
+    fed: list[int] = []  # one node's greedy tokens, which the later runs are fed
+    exact = MemoryOptions(dtype="auto")
+    for name, nodes, memory in (
+        ("1 node int8", 1, int8),
+        ("float", 1, exact),
+        ("3 nodes int8", 3, int8),
+    ):
+        kernels.uninstall()  # each run checks and chooses its own kernels
         with local_engine(
-            source,
-            nodes,
-            state_dir=shared_state,
-            context=96,
-            memory=MemoryOptions(dtype="auto", activations="int8"),
+            source, nodes, state_dir=shared_state, context=96, memory=memory
         ) as engine:
-            seqs = start(engine, [prompt], [SamplingParams(max_tokens=24, ignore_eos=True)])
-            for _ in stream(engine, tokenizer, seqs):
-                pass
+            runs[name] = steps_logits(engine, prompt, fed)
             members = engine.remote.members if engine.remote else []
             figures = [engine.figures, *(m.figures for m in members)]
-            answers.append(seqs[0].tokens)
         assert len(figures) == nodes
-        chosen = [(f["activations"], f["kernels"]) for f in figures]
-        assert all(a == "int8" and "c-int8" in k and "c-f32" not in k for a, k in chosen), chosen
-    assert answers[0] == answers[1], answers
+        if memory is int8:
+            chosen = [(f["activations"], f["kernels"]) for f in figures]
+            ok = all(a == "int8" and "c-int8" in k and "c-f32" not in k for a, k in chosen)
+            assert ok, chosen
+    measured = {}
+    for name in ("1 node int8", "3 nodes int8"):
+        pairs = list(zip(runs["float"], runs[name], strict=True))
+        kls = [kl_from(f, x) for f, x in pairs]
+        top1 = sum(int(f.argmax()) == int(x.argmax()) for f, x in pairs)
+        measured[name] = (sum(kls) / len(kls), top1)
+        print(f"{model}, {name} against float: mean KL {measured[name][0]:.3g}, top-1 {top1}/33")
+    (one_kl, one_top1), (three_kl, three_top1) = measured.values()
+    assert one_kl > 1e-4  # int8 did round: float32's own noise is far below
+    # here: SmolLM2 0.0032 and 0.0034, 33 and 33 of 33; Gemma 3 0.0026 and 0.0024, 33 and 33
+    assert three_kl <= 2 * one_kl and three_top1 >= one_top1 - 2
