@@ -49,11 +49,12 @@ typecheck: setup
 demo: setup
 	$(BIN)/edgetp run "What is tensor parallelism? Answer in two sentences."
 
-# Two test processes, a file each at a time (module fixtures stay shared), the longest files
-# first (tests/durations.json): most tests wait on real processes, so two share the two cores.
-# A test process that dies (a native crash) fails the run at once, naming its test, instead of
-# being replaced. The slowest tests are listed at the end: the suite's time is a budget.
-PYTEST_SUITE := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+# Three test processes, a file each at a time (module fixtures stay shared), the longest files
+# first (tests/durations.json): most tests wait on real processes, so three share the two cores
+# (a third fills what two leave idle: 3% of the CPU idle through a run). A test process that dies (a
+# native crash) fails the run at once, naming its test, instead of being replaced. The slowest
+# tests are listed at the end: the suite's time is a budget.
+PYTEST_SUITE := $(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder \
 	--max-worker-restart=0
 # The type check (a minute of one core with no cache, as in a fresh clone) runs beside the tests,
 # whose processes leave part of the cores idle while they wait; its output follows theirs, and

@@ -57,7 +57,7 @@ def pytest_configure(config):
 # setup of a module or session fixture: the model loaded, a synthetic model written, a server
 # started). `make durations` runs the whole suite and writes them anew (EDGETP_DURATIONS=write:
 # a run writes what it timed).
-# - The files that take longest go first. The two test processes take files in this order (the
+# - The files that take longest go first. The test processes take files in this order (the
 #   Makefile turns off xdist's reordering by test count, which put the files of one or two long
 #   tests last), and a long file taken last leaves one of them working alone at the end. Files
 #   it does not name yet come after those it names, in their folder's order.
