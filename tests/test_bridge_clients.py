@@ -16,13 +16,15 @@ import, which every test process would pay at collection, for the one that runs 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import http.client
 import json
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import jsonschema
 import numpy as np
@@ -782,6 +784,17 @@ def test_embeddings_between_the_steps_of_an_answer_leave_it_as_it_was(oai):
 
 # -- agent frameworks ---------------------------------------------------------------------------
 # Imported in the tests: they are heavy, and the suite's collection time counts.
+T = TypeVar("T")
+
+
+async def closing(client: openai.AsyncOpenAI, run: Awaitable[T]) -> T:
+    """`run`'s result, `client` closed on the loop its connections are on. Left open, the SDK's
+    client closes itself when collected, on whatever loop runs then: a later test's, where
+    closing a connection of this ended loop raises in that test."""
+    async with client:
+        return await run
+
+
 @pytest.mark.parametrize("api", ["responses", "chat_completions"])
 def test_an_openai_agent_calls_a_function_tool_and_answers_from_its_result(base, api):
     from agents import (
@@ -812,7 +825,7 @@ def test_an_openai_agent_calls_a_function_tool_and_answers_from_its_result(base,
         tools=[get_weather], model=kind(model=MODEL, openai_client=client),
         model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=64),
     )  # fmt: skip
-    result = Runner.run_sync(agent, ASKED, max_turns=4)
+    result = asyncio.run(closing(client, Runner.run(agent, ASKED, max_turns=4)))
     assert asked == ["Oslo"]
     kinds = [item.type for item in result.new_items]
     assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
@@ -825,13 +838,14 @@ def test_pydantic_ai_gets_its_structured_output(base, way):
     from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    provider = OpenAIProvider(base_url=f"{base}/v1", api_key=KEY)
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=KEY)
+    provider = OpenAIProvider(openai_client=client)
     kind = OpenAIResponsesModel if way.startswith("responses") else OpenAIChatModel
     # Its default output is a tool it forces; NativeOutput is a response_format JSON schema.
     output = NativeOutput(Person) if way.endswith("native") else Person
     agent = Agent(kind(MODEL, provider=provider), output_type=output,
                   model_settings={"temperature": 0, "max_tokens": 60})  # fmt: skip
-    result = agent.run_sync(ANN[0]["content"])
+    result = asyncio.run(closing(client, agent.run(ANN[0]["content"])))
     assert result.output == Person(name="Ann", age=31, role="engineer")
 
 
