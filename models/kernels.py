@@ -241,10 +241,12 @@ def install(choices: dict[Key, Candidate]) -> None:
 
 
 def uninstall() -> None:
-    """Forget every choice: each shape runs on `reference` until prepared again."""
-    global _kernel_set
+    """Forget every choice: each shape runs on `reference` until prepared again, chosen among
+    exact activations' kernels unless `set_activations` says otherwise first."""
+    global _kernel_set, _activations
     _chosen.clear()
     _kernel_set = ""
+    _activations = "exact"
 
 
 def kernel_set() -> str:
