@@ -51,14 +51,13 @@ demo: setup
 
 # Three test processes, a file each at a time (module fixtures stay shared), the longest files
 # first (tests/durations.json): most tests wait on real processes, so three share the two cores
-# (a third fills what two leave idle: 3% of the CPU idle through a run). A test process that dies (a
-# native crash) fails the run at once, naming its test, instead of being replaced. The slowest
-# tests are listed at the end: the suite's time is a budget.
+# (a third fills what two leave idle: 3% of the CPU idle through a run). A test process that
+# dies (a native crash) fails the run at once, naming its test, instead of being replaced. The
+# slowest tests are listed at the end: the suite's time is a budget.
 PYTEST_SUITE := $(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder \
 	--max-worker-restart=0
-# The type check (a minute of one core with no cache, as in a fresh clone) runs beside the tests,
-# whose processes leave part of the cores idle while they wait; its output follows theirs, and
-# either failing fails the target.
+# The type check (a minute of one core with no cache, as in a fresh clone) runs beside the tests
+# rather than after them; its output follows theirs, and either failing fails the target.
 test: setup cross
 	$(BIN)/ruff check .
 	@mkdir -p .typecheck
