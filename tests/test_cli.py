@@ -209,6 +209,19 @@ def test_a_thread_count_under_one_is_refused_before_any_kernel_is_checked(args, 
         set_threads(-1)
 
 
+@pytest.mark.parametrize("speed", ["0", "-1", "inf", "nan", "fast"])
+def test_a_join_speed_that_is_no_speed_is_refused_by_the_parser(speed, capsys):
+    """A speed the plan cannot divide work by (Capacity refuses it after the probe it skips)."""
+    from edgetp.tui.arguments import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["join", "--speed", speed])
+    assert exit_.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument --speed: '{speed}' is not a speed in GB/s above 0" in said, said
+    assert build_parser().parse_args(["join", "--speed", "12.5"]).speed == 12.5
+
+
 def test_no_local_nodes_is_refused_by_the_parser(capsys):
     """`run --local-nodes 0` ran on one node without a word (`serve` refused it)."""
     from edgetp.tui.arguments import build_parser

@@ -13,7 +13,7 @@ import pytest
 from cluster_threads import master_threads
 
 from edgetp.master.cluster.hub import Hub
-from edgetp.master.cluster.local import LocalWorkers
+from edgetp.master.cluster.local import LocalWorkers, machine_speed
 from edgetp.master.cluster.session import Session
 from edgetp.master.generation.generate import start, stream
 from edgetp.master.generation.params import SamplingParams
@@ -48,6 +48,7 @@ def test_join_and_leave_between_requests(smollm2, smollm2_tokenizer, tmp_path, c
         assert not session.replan_if_changed()
         # A serving worker measures its speed when asked (before a re-plan), and goes on.
         joined_speed = hub.members[0].capacity.speed
+        assert joined_speed == machine_speed(1)  # a local worker's figure: the master's probe
         with caplog.at_level(logging.WARNING):
             hub.measure_speeds(lambda: 1.0)
             hub.measure_links()  # and sends the master's ECHOs back

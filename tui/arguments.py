@@ -226,6 +226,16 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _speed(text: str) -> float:
+    try:
+        speed = float(text)
+    except ValueError:
+        speed = 0.0
+    if not 0 < speed < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a speed in GB/s above 0")
+    return speed
+
+
 def _dtype(args: argparse.Namespace) -> str:
     """The shard dtype asked for, else the model's default; f32 for a command that splits
     nothing (a worker is told the master's)."""
@@ -331,6 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
             help="for weights and KV cache, e.g. 2GB (default: RAM)",
         )
         _add_memory_args(join, master=False)
+        join.add_argument(
+            "--speed",
+            type=_speed,
+            default=None,
+            help="GB/s this device streams weights at, as measured before (default: probe it "
+            "at start; the master measures every node again before a plan that weighs them)",
+        )
         join.add_argument("--name", default=None, help="this node's name (default: host-random)")
         join.add_argument("--model", default=None, help="refuse a master running another model")
         join.add_argument("--state-dir", type=Path, default=None)

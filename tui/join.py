@@ -41,7 +41,7 @@ def join(args: argparse.Namespace) -> None:
     text = args.token or os.environ.get(TOKEN_ENV)
     token = JoinToken.parse(text) if text else load_node_token(state_dir)
     address = given or _find_master(args.cluster, args.interface, token)
-    capacity = measure_capacity(threads, budget, args.window, state_dir)
+    capacity = measure_capacity(threads, budget, args.window, state_dir, args.speed)
     rejoin = True
     while rejoin:  # a master that dropped this node from its plan asks it to join again
         with progress_bar("fetching shards", in_bytes=True) as fetch_progress:

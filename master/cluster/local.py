@@ -9,6 +9,7 @@ threads so that together they do not oversubscribe it, or, given emulated device
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import runpy
@@ -30,6 +31,7 @@ from edgetp.models.kernels import device_cores, set_threads
 from edgetp.models.source import ModelSource
 from edgetp.node import children
 from edgetp.node.children import Child
+from edgetp.node.probes import measure_speed
 from edgetp.node.security import TOKEN_ENV, JoinToken
 
 if TYPE_CHECKING:
@@ -48,6 +50,15 @@ STEADY_S = 60.0
 
 def thread_share(nodes: int) -> int:
     return max(1, device_cores() // nodes)
+
+
+@functools.cache
+def machine_speed(threads: int) -> float:
+    """This machine's speed probe at `threads`, taken once per master process for all the
+    local workers it starts: they share its cores, so their shares are equal (the figure is
+    only shown), and a probe each, taken while the others start, would measure them starting
+    (0.5 s of CPU each, most of it the probe's 256 MB of fresh memory)."""
+    return measure_speed(threads)
 
 
 class LocalWorkers:
@@ -89,6 +100,7 @@ class LocalWorkers:
                 f"{host}:{port}", "--threads", str(own_threads), "--name", f"local-{node}",
                 # Same machine, same disk: workers read the master's shard store, nothing ships.
                 "--state-dir", str(state_dir), *memory.node_args(),
+                *([] if devices else ["--speed", str(machine_speed(own_threads))]),
             ]  # fmt: skip
             self.cmds.append(devices.wrap(node, cmd) if devices else cmd)
             self.logs.append(log_dir / f"local-{node}.log")
