@@ -25,7 +25,7 @@ from edgetp.master.cluster.engine import Engine
 from edgetp.master.cluster.hub import Hub
 from edgetp.master.cluster.session import Session
 from edgetp.master.cluster.transport import ClusterError
-from edgetp.memory.budget import ALL_RESIDENT, MemoryOptions, oom_kills
+from edgetp.memory.budget import ALL_RESIDENT, MemoryOptions, device_memory_budget, oom_kills
 from edgetp.memory.files import default_state_dir
 from edgetp.models.kernels import device_cores, set_threads
 from edgetp.models.source import ModelSource
@@ -61,6 +61,13 @@ def machine_speed(threads: int) -> float:
     return measure_speed(threads)
 
 
+def local_worker_speed(threads: int) -> float | None:
+    """`machine_speed` for the local workers to take, or None under a memory limit (a
+    container): there each worker probes itself, so that the probe's memory is a worker's, which
+    the out-of-memory killer takes first, and the master lives to say what happened."""
+    return None if device_memory_budget() is not None else machine_speed(threads)
+
+
 class LocalWorkers:
     """`count` worker processes joining the master at 127.0.0.1:`port`, or each as its emulated
     device where `devices` are given; stopped on exit."""
@@ -91,6 +98,7 @@ class LocalWorkers:
         log_dir.mkdir(parents=True, exist_ok=True)
         if devices is None:
             children.start_server()  # each worker forked from it, see node/children.py
+        speed = None if devices else local_worker_speed(threads)
         for k in range(first - 1, first - 1 + count):
             node = k + 1  # the master is node 0
             host = devices.worker_host(node) if devices else "127.0.0.1"
@@ -100,7 +108,7 @@ class LocalWorkers:
                 f"{host}:{port}", "--threads", str(own_threads), "--name", f"local-{node}",
                 # Same machine, same disk: workers read the master's shard store, nothing ships.
                 "--state-dir", str(state_dir), *memory.node_args(),
-                *([] if devices else ["--speed", str(machine_speed(own_threads))]),
+                *([] if speed is None else ["--speed", str(speed)]),
             ]  # fmt: skip
             self.cmds.append(devices.wrap(node, cmd) if devices else cmd)
             self.logs.append(log_dir / f"local-{node}.log")
