@@ -49,13 +49,13 @@ typecheck: setup
 demo: setup
 	$(BIN)/edgetp run "What is tensor parallelism? Answer in two sentences."
 
-# Two test processes, a file each at a time (module fixtures stay shared), the longest files
-# first (tests/durations.json): most tests wait on real processes, so two share the two cores.
-# (Three ran the suite in 636 s against 708-744 s, but loaded the cores enough that a chunked-
-# prefill test's timing-sized chunks failed its assertion in one fresh-clone run of four.) A test
-# process that dies (a native crash) fails the run at once, naming its test, instead of being
-# replaced. The slowest tests are listed at the end: the suite's time is a budget.
-PYTEST_SUITE := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+# Three test processes on the two cores, a file each at a time (module fixtures stay shared), the
+# longest files first (tests/durations.json): many tests wait on real processes (three ran the
+# suite in 724-748 s, the cores 1.91 of 2 busy, and two in 803 s, in one session on an Intel
+# Xeon). A test process that dies (a native crash) fails the run at once, naming its test,
+# instead of being replaced.
+# The slowest tests are listed at the end: the suite's time is a budget.
+PYTEST_SUITE := $(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder \
 	--max-worker-restart=0
 # The type check (a minute of one core with no cache, as in a fresh clone) runs beside the tests
 # rather than after them; its output follows theirs, and either failing fails the target.
