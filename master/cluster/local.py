@@ -54,10 +54,11 @@ def thread_share(nodes: int) -> int:
 
 @functools.cache
 def machine_speed(threads: int) -> float:
-    """This machine's speed probe at `threads`, taken once per master process for all the
-    local workers it starts: they share its cores, so their shares are equal (the figure is
-    only shown), and a probe each, taken while the others start, would measure them starting
-    (0.5 s of CPU each, most of it the probe's 256 MB of fresh memory)."""
+    """This machine's speed probe, taken once per master process for all the local workers it
+    starts (with this process's BLAS threads, which `local_session` sets to the workers' share
+    first): they share its cores, so their shares are equal (the figure is only shown), and a
+    probe each, taken while the others start, would measure them starting (0.3-0.5 s of CPU
+    each, most of it faulting in the probe's 256 MB)."""
     return measure_speed(threads)
 
 
