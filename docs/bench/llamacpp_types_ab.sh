@@ -7,7 +7,9 @@
 #   to first token).
 # LLAMA_BENCH is a llama-bench built from the llama-cpp-python source package (cmake
 # -DGGML_NATIVE=ON); it is not a dependency.
-# Usage, from the repository: LLAMA_BENCH=/path/to/llama-bench bash docs/bench/llamacpp_types_ab.sh
+# ACTIVATIONS (default "exact") lists edgetp's --activations modes to run beside each llama.cpp run.
+# Usage, from the repository: LLAMA_BENCH=/path/to/llama-bench [ACTIVATIONS="exact int8"] bash
+#   docs/bench/llamacpp_types_ab.sh
 set -e
 lscpu | grep 'Model name'
 text() {  # about $2 tokens of plain prose for model $1
@@ -30,10 +32,14 @@ for model in smollm2-135m-instruct gemma3-270m; do
       echo "## $model, round $r, $t thread(s)"
       "$LLAMA_BENCH" -m "$M" -t $t -p 512 -n 64 -r 2 2>/dev/null | grep -E 'pp512|tg64'
       "$LLAMA_BENCH" -m "$M" -t $t -p 0 -n 64 -d 2048 -r 2 2>/dev/null | grep -E 'tg64'
-      for p in short "$P512" "$P2048"; do
-        args=(--local-nodes 1 --threads $t --model $model --tokens 64 --rounds 1 --context 2200)
-        [ "$p" = short ] || args+=(--prompt "$p")
-        .venv/bin/edgetp bench "${args[@]}" 2>&1 | grep -E '^model |^    1 ' | sed 's/^model .*prompt/  prompt/'
+      for a in ${ACTIVATIONS:-exact}; do
+        echo "  edgetp, activations $a"
+        for p in short "$P512" "$P2048"; do
+          args=(--local-nodes 1 --threads $t --model $model --tokens 64 --rounds 1 --context 2200
+                --activations $a)
+          [ "$p" = short ] || args+=(--prompt "$p")
+          .venv/bin/edgetp bench "${args[@]}" 2>&1 | grep -E '^model |^    1 ' | sed 's/^model .*prompt/  prompt/'
+        done
       done
     done
   done
