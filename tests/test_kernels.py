@@ -201,6 +201,30 @@ def test_a_second_start_reads_the_table_and_checks_nothing(tmp_path, fresh_table
     assert again.table.results == first.table.results
 
 
+def test_a_start_under_other_blas_kernels_checks_again(tmp_path):
+    """OPENBLAS_CORETYPE picks NumPy's BLAS kernels (a host may set it for every program), and
+    a prompt's products are timed on them: a table timed under one is not read under another."""
+    code = (
+        "import sys; from pathlib import Path; from edgetp.node.device import prepare\n"
+        "p = prepare([('f32', 64, 32)], cache_dir=Path(sys.argv[1]))\n"
+        "print(p.checked, '|', p.table.device['blas'])"
+    )
+    seen = []
+    for core in ("Haswell", "Haswell", "Sandybridge"):  # kernels every x86 here runs
+        env = {**os.environ, "OPENBLAS_CORETYPE": core}
+        result = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        checked, blas = result.stdout.strip().split(" | ")
+        seen.append((int(checked), blas))
+    print(seen)
+    assert seen[0][0] > 0 and seen[0][1].startswith("openblas ") and seen[0][1].endswith("Haswell")
+    assert seen[1] == (0, seen[0][1])  # the same kernels: read from the table
+    assert seen[2][0] > 0 and seen[2][1].endswith("Sandybridge")
+
+
 @pytest.mark.parametrize("dtype", SHARD_DTYPES)
 def test_admitted_kernels_are_right_at_any_width_and_row_count(tmp_path, dtype, fresh_table):
     """torch's int8 kernel read past rows whose width is not a multiple of 8 on one CPU

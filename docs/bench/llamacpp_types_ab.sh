@@ -10,8 +10,11 @@
 # ACTIVATIONS (default "exact") lists edgetp's --activations modes to run beside each llama.cpp run.
 # Usage, from the repository: LLAMA_BENCH=/path/to/llama-bench [ACTIVATIONS="exact int8"] bash
 #   docs/bench/llamacpp_types_ab.sh
+# NumPy's OpenBLAS takes its kernels from OPENBLAS_CORETYPE where it is set (a prefill's
+# products go to BLAS): some hosts set it for every program; the script says what it ran with.
 set -e
 lscpu | grep 'Model name'
+echo "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE-(unset)}"
 text() {  # about $2 tokens of plain prose for model $1
   .venv/bin/python - "$1" "$2" <<'PY'
 import sys
