@@ -103,7 +103,7 @@ def describe(prepared: Prepared, shapes: Iterable[Shape], threads: int) -> str:
     lines = [
         f"device: {t.device['cpu']} (flags {t.device['flags']}), {t.device['machine']}, "
         f"python {t.device['python']}, torch {t.device['torch']}, numpy {t.device['numpy']}; "
-        f"BLAS {t.device.get('blas', '?')}, {threads} thread(s)",
+        f"BLAS {t.device['blas']}, {threads} thread(s)",
         f"checked and timed now: {prepared.checked} in {prepared.seconds:.1f} s"
         if prepared.checked
         else f"read from the cache in {prepared.seconds * 1000:.0f} ms",

@@ -50,8 +50,7 @@ AI int offset(int kind) { return kind == Q4_0 ? 8 : kind == Q5_0 ? 16 : 0; }  //
 enum { PREFETCH_BYTES = 4096 };
 AI void prefetch_next(int G, const uint8_t *w, size_t rowbytes, int b, int bs) {
     if (G == 1) return;
-    size_t tile = G * rowbytes, ahead = tile;
-    while (ahead < PREFETCH_BYTES) ahead += tile;
+    const size_t tile = G * rowbytes, ahead = tile * ((PREFETCH_BYTES + tile - 1) / tile);  // tiles
     const char *next = (const char *)w + ahead + (size_t)b * G * bs;
     for (int i = 0; i < G * bs; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
 }
