@@ -75,7 +75,7 @@ BLOCK_KINDS = {name: i for i, name in enumerate(BLOCK_DTYPES)}
 assert len(BLOCK_KINDS) <= 16, "rows.c has room for 16 formats (N_FORMATS)"
 # The admitted block-product kernels the C blocks can call, and the build each one is.
 BLOCK_BUILDS = {"c-f32": "avx2", "c-portable": "portable", "c-expand": "expand", "c-int8": "avx2"}
-BLOCK_BUILDS["c-portable-int8"] = "portable"
+BLOCK_BUILDS |= {"c-portable-int8": "portable", "c-f32-avx512": "avx512"}
 INTEGER = {"c-int8", "c-portable-int8"}  # their products are `<format>_q8`, the others' `_f32`
 
 c_float_p = ctypes.POINTER(ctypes.c_float)

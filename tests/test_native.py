@@ -190,6 +190,8 @@ BLOCKS_OF_32 = [d for d in BLOCK_DTYPES if FORMATS[d].block_values == 32]
 
 def c_build(dtype: str) -> str:
     """The C product this CPU's check times for a block format."""
+    if kernels.has_avx512() and dtype in kernels.HAND_TUNED:
+        return "c-f32-avx512"
     if kernels.has_avx2():
         return "c-f32" if dtype in kernels.HAND_TUNED else "c-expand"
     return "c-portable" if dtype in kernels.PORTABLE else "c-expand"

@@ -18,7 +18,15 @@ from edgetp.models import native, quant
 from edgetp.models.bundled import BUNDLED_MODELS
 from edgetp.models.errors import ModelError
 from edgetp.models.gguf_file import GGUFFile
-from edgetp.models.kernels import dequantize, dtype_name, embed, linear_rows, quantize
+from edgetp.models.kernels import (
+    HAND_TUNED,
+    dequantize,
+    dtype_name,
+    embed,
+    has_avx512,
+    linear_rows,
+    quantize,
+)
 from edgetp.models.layers import MATRICES, slice_layer
 from edgetp.models.quant import FORMATS, block_format, matrix_size
 from edgetp.models.source import GGUFSource
@@ -381,6 +389,8 @@ C_PRODUCTS = [
     (product, fmt)
     for product, formats in [
         (native.f32_activations, native.BUILDS["avx2"].formats),
+        # the AVX-512 build where this CPU runs it: elsewhere it is no candidate
+        *([(native.f32_avx512_activations, HAND_TUNED)] if has_avx512() else []),
         (native.portable_activations, native.BUILDS["portable"].formats),
         (native.expand_activations, FORMATS),
         (native.expand_blas, FORMATS),
@@ -389,12 +399,20 @@ C_PRODUCTS = [
 ]
 
 
+SAME_BESIDE_ANY_ROWS = (
+    native.expand_activations,
+    native.f32_activations,
+    native.f32_avx512_activations,
+)
+
+
 @pytest.mark.parametrize(("product", "fmt"), C_PRODUCTS)
 def test_the_c_builds_multiply_the_stored_weights_exactly(product, fmt):
-    """The AVX2 build, the portable one (the candidate on ARM boards, which this machine
-    cannot run: here it is built for x86 without the intrinsics), and expand.c's product and
-    its expansion for BLAS agree with float64 on the dequantized weights to float32 rounding,
-    at widths of one block and odd heights."""
+    """The AVX2 build (and the AVX-512 one), the portable one (the candidate on ARM boards,
+    which this machine cannot run: here it is built for x86 without the intrinsics), and
+    expand.c's product and its expansion for BLAS agree with float64 on the dequantized weights
+    to float32 rounding, at widths of one block and odd heights. The tiled products sum a row
+    as they sum it alone."""
     gen = torch.Generator().manual_seed(1)
     v = FORMATS[fmt].block_values
     for i, (out, inp) in enumerate([(1, v), (7, 2 * v), (577, 576 * v // 32), (96, 1536)]):
@@ -406,7 +424,7 @@ def test_the_c_builds_multiply_the_stored_weights_exactly(product, fmt):
             bound = 1e-4 * torch.outer(x.double().norm(dim=1), exact_w.norm(dim=1)) + 1e-6
             got = torch.from_numpy(product(x.numpy(), w)).double()
             assert ((got - exact).abs() <= bound).all(), (out, inp, rows)
-            if product is native.expand_activations:  # a row's sums: the same beside any rows
+            if product in SAME_BESIDE_ANY_ROWS:
                 alone = product(x[-1:].numpy(), w)
                 assert np.array_equal(alone[0], got[-1].float().numpy()), (out, inp, rows)
 
