@@ -17,7 +17,7 @@
 #include <string.h>
 #include <time.h>
 #include <omp.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -243,17 +243,56 @@ static void kv_store(void *cache, uint16_t *scales, int kind, size_t row, int64_
 // expanded and loaded once for them all.
 #define GROUP 8
 
-// q . k over n floats in 8 lanes, then the lanes in order: the compiler vectorises the lanes (a
-// single running sum, in order, it may not reorder), and the result is the same on any thread
-static float dot(const float *q, const float *k, int64_t n) {
-    float lanes[8] = {0};
+// A fused multiply-add where the CPU has one (x86 with FMA, every aarch64): one rounding, which
+// the compiler may not split, so the same floats on any of them. (`+= a * b` let the compiler
+// fuse some and not others: scores over 128 or 256 floats came out otherwise than fused.)
+#if defined(__FMA__) || defined(__aarch64__)
+#define MADD(a, b, c) fmaf(a, b, c)
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
+// q_i . k for the g (1 to GROUP) query heads at q, hd apart: each over hd floats in 8 lanes, then
+// the lanes in order. The compiler vectorises the lanes (a single running sum, in order, it may
+// not reorder), so the result is the same on any thread and CPU. The g heads are g independent
+// chains of fmadds: one head at a time waited on each fmadd's latency. g is a constant in each
+// inlined copy, so the lanes stay in registers.
+static inline __attribute__((always_inline)) void dots_of(int g, const float *q, const float *k,
+                                                          int64_t hd, float *out) {
+    float lanes[GROUP][8] = {{0}};
     int64_t d = 0;
-    for (; d + 8 <= n; d += 8)
-        for (int j = 0; j < 8; j++) lanes[j] += q[d + j] * k[d + j];
-    float s = 0.0f;
-    for (int j = 0; j < 8; j++) s += lanes[j];
-    for (; d < n; d++) s += q[d] * k[d];
-    return s;
+#if defined(__AVX2__) && defined(__FMA__)  // the same fused lanes, in the registers a compiler
+    __m256 acc[GROUP];                     // left to itself did not keep them in
+    for (int i = 0; i < g; i++) acc[i] = _mm256_setzero_ps();
+    for (; d + 8 <= hd; d += 8) {
+        const __m256 kd = _mm256_loadu_ps(k + d);
+        for (int i = 0; i < g; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * hd + d), kd, acc[i]);
+    }
+    for (int i = 0; i < g; i++) _mm256_storeu_ps(lanes[i], acc[i]);
+#else
+    for (; d + 8 <= hd; d += 8)
+        for (int i = 0; i < g; i++)
+            for (int j = 0; j < 8; j++) lanes[i][j] = MADD(q[i * hd + d + j], k[d + j], lanes[i][j]);
+#endif
+    for (int i = 0; i < g; i++) {
+        float s = 0.0f;
+        for (int j = 0; j < 8; j++) s += lanes[i][j];
+        for (int64_t e = d; e < hd; e++) s = MADD(q[i * hd + e], k[e], s);
+        out[i] = s;
+    }
+}
+
+static void dots(int64_t g, const float *q, const float *k, int64_t hd, float *out) {
+    switch (g) {
+    case 1: dots_of(1, q, k, hd, out); break;
+    case 2: dots_of(2, q, k, hd, out); break;
+    case 3: dots_of(3, q, k, hd, out); break;
+    case 4: dots_of(4, q, k, hd, out); break;
+    case 5: dots_of(5, q, k, hd, out); break;
+    case 6: dots_of(6, q, k, hd, out); break;
+    case 7: dots_of(7, q, k, hd, out); break;
+    default: dots_of(8, q, k, hd, out); break;
+    }
 }
 
 // Query heads [i0, i1) of qkv, all reading the KV head whose cache rows start at `base`,
@@ -270,9 +309,11 @@ static void heads(const float *qkv, const rows_attention_args *a, size_t base, i
         for (int64_t i = 0; i < g; i++) top[i] = -INFINITY, sum[i] = 0.0f;
         for (int64_t t = 0; t < seen; t++) {
             const float *k = kv_row(a->cache_k, a->scale_k, a->kv_kind, base + t, hd, buf);
+            float qk[GROUP];
+            dots(g, q, k, hd, qk);
             for (int64_t i = 0; i < g; i++) {
                 float *pi = p + i * seen;
-                pi[t] = dot(q + i * hd, k, hd) * a->scale;
+                pi[t] = qk[i] * a->scale;
                 if (pi[t] > top[i]) top[i] = pi[t];
             }
         }
