@@ -8,6 +8,8 @@ every slice (the allreduce) into the residual stream.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -181,13 +183,9 @@ def _attend_blas(
     qn, kn, vn = q[0].numpy(), keys[0].numpy(), values[0].numpy()
     out = np.empty((q.shape[1], q.shape[2], values.shape[-1]), np.float32)
     hidden = ~mask.reshape(mask.shape[-2:])  # one sequence's (n, L), for every head
-    heads = kv_of_q.tolist()
     h0 = 0
-    while h0 < len(heads):
-        h1 = h0 + 1
-        while h1 < len(heads) and heads[h1] == heads[h0]:
-            h1 += 1
-        kv = heads[h0]
+    for kv, run in itertools.groupby(kv_of_q.tolist()):  # kv_of_q is non-decreasing
+        h1 = h0 + len(list(run))
         rows = np.ascontiguousarray(qn[h0:h1]).reshape(-1, hd)  # (heads x n, hd)
         scores = torch.from_numpy(rows @ kn[kv].T).view(h1 - h0, -1, kn.shape[1])
         scores.mul_(scale or hd**-0.5).masked_fill_(hidden, float("-inf"))

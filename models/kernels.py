@@ -16,6 +16,7 @@ Every kernel takes float32 rows (rows, in) as a NumPy array and returns float32 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -123,11 +124,17 @@ def _own(
     return Candidate(name, f"{__name__}:{function}", max_rows, fallback)
 
 
-def _cpu_has(flag: str) -> bool:
+@functools.cache
+def _cpu_words() -> frozenset[str]:
+    """The words of /proc/cpuinfo (its flags among them), read once a process."""
     try:
-        return f" {flag} " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
+        return frozenset()
+
+
+def _cpu_has(flag: str) -> bool:
+    return flag in _cpu_words()
 
 
 def has_avx2() -> bool:

@@ -254,7 +254,8 @@ static void kv_store(void *cache, uint16_t *scales, int kind, size_t row, int64_
 
 // q_i . k for the g (1 to GROUP) query heads at q, hd apart: each over hd floats in 8 lanes, then
 // the lanes in order. The compiler vectorises the lanes (a single running sum, in order, it may
-// not reorder), so the result is the same on any thread and CPU. The g heads are g independent
+// not reorder), so the result is the same on any thread and on any CPU with a fused multiply-add
+// (MADD). The g heads are g independent
 // chains of fmadds: one head at a time waited on each fmadd's latency. g is a constant in each
 // inlined copy, so the lanes stay in registers.
 static inline __attribute__((always_inline)) void dots_of(int g, const float *q, const float *k,
