@@ -7,9 +7,10 @@ its matrix products on the routines the NumPy path would call (OpenBLAS's sgemv,
 formats' C products of models/native.py, handed to the C code as pointers), and keeps a table
 of every layer's arguments that node/csrc/hop.c walks without Python between messages.
 
-A model whose attention or FFN the C code lacks (Qwen3.5's gated attention, a mixture) runs
-in C what it has: its gated DeltaNet layers (torch's path before, ~25 calls a layer) and its
-SwiGLU experts (NumPy's, two products and an activation an expert).
+A model whose layers the C loop does not run whole (a mixture, gated DeltaNet layers) runs in C
+a block at a call what it has: its attention layers (Qwen3.5's output gate included), its gated
+DeltaNet layers (torch's path before, ~25 calls a layer) and its SwiGLU experts (NumPy's, two
+products and an activation an expert).
 
 It is used on a device only after `admit` has compared its partials with the NumPy ones there
 (`NativeBlocks.check`); anything it does not cover (f16, bf16 or int8 weights, a block format on
@@ -122,6 +123,7 @@ class AttentionArgs(ctypes.Structure):
         ("W", ctypes.c_int64),
         ("ring", ctypes.c_int),
         ("local_rope", ctypes.c_int),
+        ("gate", ctypes.c_int),
         ("scratch", c_float_p),
     ]
 
@@ -235,16 +237,26 @@ def post_norm_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | None:
-    """Why a slice with these (one layer's) weights cannot run natively, or None."""
-    if config.moe:  # the C blocks have no experts yet: a decode step runs them on NumPy
-        return "the C blocks do not run a mixture of experts"
+    """Why a slice with these (one layer's) weights cannot run every layer natively, attention
+    and FFN in one loop, or None."""
+    if config.moe:  # experts run in C a block at a time (admit)
+        return "the C blocks do not run a mixture of experts in their loop"
+    if config.linear_layers:  # Qwen3.5's: its blocks run in C a block at a time (admit)
+        return "the C blocks do not run gated DeltaNet layers in their loop"
+    return attention_unsupported(config, weights) or _matrices_unsupported(weights, MATRICES)
+
+
+def attention_unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | None:
+    """Why an attention layer with these weights cannot run natively, or None."""
     if config.attention_sinks or config.o_bias:  # gpt-oss' attention: NumPy's too
         return "the C blocks have no attention sinks nor output bias"
-    if config.linear_layers or config.attention_gate:  # Qwen3.5's: DeltaNet layers alone (admit)
-        return "the C blocks have no gated DeltaNet layers nor attention output gate"
     if config.value_norm:  # Gemma 4's attention: its decode steps run on torch (models.backends)
         return "the C blocks have no value norm nor KV shared across layers"
-    for name in MATRICES:
+    return _matrices_unsupported(weights, ("wqkv", "wo"))
+
+
+def _matrices_unsupported(weights: dict[str, torch.Tensor], names: tuple[str, ...]) -> str | None:
+    for name in names:
         w = weights[name]
         if block_format(w) is None and w.dtype != torch.float32:
             return f"{name} is stored as {w.dtype}, not float32 or a block format"
@@ -368,9 +380,9 @@ class NativeBlocks(BlockBackend):
     """Every layer's block arguments for one slice (resident weights) and its KV cache and
     gated DeltaNet states; `begin_step` points them at a step's sequences. As a
     `BlockBackend`: a decode step's blocks of up to `max_rows` sequences, as many as every
-    matrix's product takes: attention and FFN where the C blocks run every layer `whole`,
-    gated DeltaNet layers where given their `linear` states, a mixture's SwiGLU `experts` (the
-    model's other blocks then run on NumPy or torch)."""
+    matrix's product takes: attention and FFN where the C blocks run every layer `whole`, else
+    its attention layers' `attention` alone, gated DeltaNet layers where given their `linear`
+    states, a mixture's SwiGLU `experts` (the model's other blocks then run on NumPy or torch)."""
 
     name = "c"
 
@@ -384,6 +396,7 @@ class NativeBlocks(BlockBackend):
         whole: bool = True,
         linear: RecurrentStates | None = None,
         experts: bool = False,
+        attention: bool = False,
     ) -> None:
         self.lib = load()
         self.config = config
@@ -396,33 +409,37 @@ class NativeBlocks(BlockBackend):
         self.kv_of_q = (np.arange(*s.q_heads, dtype=np.int64) // group) - s.kv_heads[0]
         scale = config.query_scale or 1.0 / math.sqrt(hd)
         self.scratch: list[np.ndarray] = []
-        self.attention_args: list[AttentionArgs] = []
+        self.attention_args: dict[int, AttentionArgs] = {}  # by layer
         self.ffn_args: list[FfnArgs] = []
         self.linear_args: dict[int, LinearArgs] = {}
         self.experts_args: list[ExpertsArgs] = []
         self.max_rows = MAX_ROWS
-        for i, w in enumerate(layers if whole else []):
+        gate = int(config.attention_gate)
+        for i, w in enumerate(layers if whole or attention else []):
+            if config.is_linear(i):
+                continue
             wqkv, wo = _matrix(self.lib, w["wqkv"]), _matrix(self.lib, w["wo"])
-            gate_up, down = _matrix(self.lib, w["w_gate_up"]), _matrix(self.lib, w["w_down"])
-            self.max_rows = min(self.max_rows, wqkv[2], wo[2], gate_up[2], down[2])
+            self.max_rows = min(self.max_rows, wqkv[2], wo[2])
             W = keys[i].shape[2]
-            rows_room = (nq + 2 * nkv) * hd + nq * hd + config.hidden  # rows.c: ROWS times
+            rows_room = (nq * (1 + gate) + 2 * nkv) * hd + nq * hd + config.hidden  # rows.c
             room = np.zeros(MAX_ROWS * rows_room, np.float32)
             self.scratch.append(room)
             local = config.is_local(i)
-            self.attention_args.append(
-                AttentionArgs(
-                    config.hidden, hd, nq, nkv, config.rope_dims // 2,
-                    self.kv_of_q.ctypes.data_as(c_int64_p),
-                    _ptr(w["attn_norm"]), _ptr(w.get("q_norm")), _ptr(w.get("k_norm")),
-                    config.norm_eps, scale, ctypes.cast(wqkv[0], ctypes.c_void_p),
-                    _ptr(w.get("bqkv")), ctypes.cast(wo[0], ctypes.c_void_p), wqkv[1], wo[1],
-                    *_cache(keys[i], values[i]), W,
-                    int(local and config.sliding_window is not None),
-                    int(config.own_rope(i)),
-                    _ptr(room),
-                )
+            self.attention_args[i] = AttentionArgs(
+                config.hidden, hd, nq, nkv, config.rope_dims // 2,
+                self.kv_of_q.ctypes.data_as(c_int64_p),
+                _ptr(w["attn_norm"]), _ptr(w.get("q_norm")), _ptr(w.get("k_norm")),
+                config.norm_eps, scale, ctypes.cast(wqkv[0], ctypes.c_void_p),
+                _ptr(w.get("bqkv")), ctypes.cast(wo[0], ctypes.c_void_p), wqkv[1], wo[1],
+                *_cache(keys[i], values[i]), W,
+                int(local and config.sliding_window is not None),
+                int(config.own_rope(i)), gate,
+                _ptr(room),
             )  # fmt: skip
+            if not whole:
+                continue
+            gate_up, down = _matrix(self.lib, w["w_gate_up"]), _matrix(self.lib, w["w_down"])
+            self.max_rows = min(self.max_rows, gate_up[2], down[2])
             n = matrix_size(w["w_down"])[1]
             room = np.zeros(MAX_ROWS * (config.hidden + 3 * n), np.float32)
             self.scratch.append(room)
@@ -444,8 +461,9 @@ class NativeBlocks(BlockBackend):
         self._held: tuple[np.ndarray, ...] = ()
         # (2 L) pointers, layer i's attention arguments at 2 i and its FFN's at 2 i + 1: what a
         # loop over every block takes (`run_layers`, node/csrc/hop.c).
-        self.table = (ctypes.c_void_p * (2 * len(self.attention_args)))()
-        for i, (a, f) in enumerate(zip(self.attention_args, self.ffn_args, strict=True)):
+        self.table = (ctypes.c_void_p * (2 * len(self.ffn_args)))()
+        for i, f in enumerate(self.ffn_args):
+            a = self.attention_args[i]
             self.table[2 * i], self.table[2 * i + 1] = ctypes.addressof(a), ctypes.addressof(f)
 
     def _experts_layer(self, w: dict[str, torch.Tensor]) -> None:
@@ -522,6 +540,7 @@ class NativeBlocks(BlockBackend):
 
     def supports(self, block: Block, batch: StepBatch) -> bool:
         ours = block in ("attention", "ffn") if self.whole else False
+        ours = ours or (block == "attention" and bool(self.attention_args))
         ours = ours or (block == "linear" and self.linear is not None)
         ours = ours or (block == "experts" and bool(self.experts_args))
         return ours and batch.rows and batch.size <= self.max_rows
@@ -590,16 +609,16 @@ class NativeBlocks(BlockBackend):
         out = np.empty_like(h)
         norms = None if post_norms is None else np.ascontiguousarray(post_norms, np.float32)
         self.lib.rows_layers(
-            self.table, len(self.attention_args), ctypes.byref(self.step),
+            self.table, len(self.ffn_args), ctypes.byref(self.step),
             h.ctypes.data, out.ctypes.data, None if norms is None else norms.ctypes.data, eps,
         )  # fmt: skip
         return h
 
     def check(self, s: Slice, keys: list[KVArrays], values: list[KVArrays]) -> str | None:
-        """Compare this build's partials with the NumPy path's on layer 0 (attention and FFN,
-        or experts) and torch's on the first gated DeltaNet layer, for random rows at a few
-        positions (slot 0, whose cache and state a first request fills anew); None when they
-        agree, else what differed."""
+        """Compare this build's partials with the NumPy path's on the first attention layer
+        (and its FFN where whole), on layer 0's experts, and torch's on the first gated DeltaNet
+        layer, for random rows at a few positions (slot 0, whose cache and state a first
+        request fills anew); None when they agree, else what differed."""
         if self.linear is not None:
             why = self._check_linear(s)
             if why is not None:
@@ -608,36 +627,37 @@ class NativeBlocks(BlockBackend):
             why = self._check_experts()
             if why is not None:
                 return why
-        if not self.whole:
+        if not self.attention_args:
             return None
-        config = self.config
-        rope = Rope(config, max(4, keys[0].shape[2]))
+        config, i = self.config, min(self.attention_args)
+        rope = Rope(config, max(4, keys[i].shape[2]))
         rng = np.random.default_rng(0)
-        saved = [a[0].copy() for a in (*kv_parts(keys[0]), *kv_parts(values[0]))]
+        saved = [a[0].copy() for a in (*kv_parts(keys[i]), *kv_parts(values[i]))]
         try:
             for pos in range(3):
                 batch = StepBatch((0,), (pos,), (1,))
                 cos_sin = rope.rows(batch.starts)
                 h = rng.standard_normal((1, config.hidden), dtype=np.float32)
                 want = attention_rows(
-                    h, self.layers[0], s, config, cos_sin, keys[0], values[0], batch,
-                    config.sliding_window if config.is_local(0) else None,
+                    h, self.layers[i], s, config, cos_sin, keys[i], values[i], batch,
+                    config.sliding_window if config.is_local(i) else None,
                 )  # fmt: skip
                 self.begin_step(batch, cos_sin, None)
-                got = self.attention(0, h)
-                for name, a, b, rounding in (
-                    ("attention", got, want, ROUNDING[format_of(keys[0])]),
-                    ("ffn", self.ffn(0, h), ffn_rows(h, self.layers[0], config), 0.0),
-                ):
+                compared = [("attention", self.attention(i, h), want, ROUNDING[format_of(keys[i])])]
+                if self.whole:
+                    compared.append(
+                        ("ffn", self.ffn(i, h), ffn_rows(h, self.layers[i], config), 0.0)
+                    )
+                for name, a, b, rounding in compared:
                     limit = (TOLERANCE + rounding) * max(1.0, float(np.abs(b).max()))
                     worst = float(np.abs(a - b).max())
                     if not worst <= limit:
                         return f"{name} at position {pos} differs by {worst:.3g} (> {limit:.3g})"
-            native, numpy = self._time(s, h, keys, values, rope)
+            native, numpy = self._time(s, i, h, keys, values, rope)
             if native > SLOWER * numpy:
                 return f"slower than NumPy here ({native:.0f} against {numpy:.0f} us a layer)"
         finally:
-            for a, was in zip((*kv_parts(keys[0]), *kv_parts(values[0])), saved, strict=True):
+            for a, was in zip((*kv_parts(keys[i]), *kv_parts(values[i])), saved, strict=True):
                 a[0] = was
         return None
 
@@ -725,28 +745,38 @@ class NativeBlocks(BlockBackend):
         return None
 
     def _time(
-        self, s: Slice, h: np.ndarray, keys: list[KVArrays], values: list[KVArrays], rope: Any
+        self,
+        s: Slice,
+        i: int,
+        h: np.ndarray,
+        keys: list[KVArrays],
+        values: list[KVArrays],
+        rope: Any,
     ) -> tuple[float, float]:
-        """CPU us a layer (both blocks) natively and on NumPy, the best of alternating rounds.
+        """CPU us of layer i (its attention, and its FFN where whole) natively and on NumPy,
+        the best of alternating rounds.
 
         CPU time, not wall time: on a device under a CPU quota a round's wall time includes
         the periods it was throttled, and which of two close rounds lands in one is chance
         (measured at cpu=0.5: 1066 against 492 us, the native blocks turned away)."""
-        config, w = self.config, self.layers[0]
+        config, w = self.config, self.layers[i]
         batch = StepBatch((0,), (2,), (1,))
         cos_sin = rope.rows(batch.starts)
         self.begin_step(batch, cos_sin, None)
-        window = config.sliding_window if config.is_local(0) else None
+        window = config.sliding_window if config.is_local(i) else None
         best = [math.inf, math.inf]
         for _ in range(TIMING_ROUNDS):
             started = time.process_time()
             for _ in range(TIMING_CALLS):
-                self.ffn(0, self.attention(0, h))
+                a = self.attention(i, h)
+                if self.whole:
+                    self.ffn(i, a)
             best[0] = min(best[0], time.process_time() - started)
             started = time.process_time()
             for _ in range(TIMING_CALLS):
-                a = attention_rows(h, w, s, config, cos_sin, keys[0], values[0], batch, window)
-                ffn_rows(a, w, config)
+                a = attention_rows(h, w, s, config, cos_sin, keys[i], values[i], batch, window)
+                if self.whole:
+                    ffn_rows(a, w, config)
             best[1] = min(best[1], time.process_time() - started)
         return best[0] / TIMING_CALLS * 1e6, best[1] / TIMING_CALLS * 1e6
 
@@ -770,14 +800,18 @@ def admit(
     code lacks, those it has (gated DeltaNet layers, a mixture's experts); None (logged)
     otherwise."""
     whole = unsupported(config, layers[0])
+    first = next(i for i in range(len(layers)) if not config.is_linear(i))
+    attention = attention_unsupported(config, layers[first])
     deltanet = "no states given" if linear is None else deltanet_unsupported(config, layers)
     experts = experts_unsupported(config, layers)
-    why: str | None = f"{whole}; gated DeltaNet: {deltanet}; experts: {experts}"
-    if whole is None or deltanet is None or experts is None:
+    why: str | None = (
+        f"{whole}; attention: {attention}; gated DeltaNet: {deltanet}; experts: {experts}"
+    )
+    if whole is None or attention is None or deltanet is None or experts is None:
         try:
             blocks = NativeBlocks(
                 config, s, layers, keys, values, whole is None,
-                linear if deltanet is None else None, experts is None,
+                linear if deltanet is None else None, experts is None, attention is None,
             )  # fmt: skip
             why = blocks.check(s, keys, values)
         except (RuntimeError, OSError) as exc:
@@ -786,6 +820,7 @@ def admit(
         log.info("decode blocks run on NumPy: %s", why)
         return None
     if whole is not None:
-        ran = [n for n, no in (("gated DeltaNet", deltanet), ("experts", experts)) if no is None]
+        parts = (("attention", attention), ("gated DeltaNet", deltanet), ("experts", experts))
+        ran = [n for n, no in parts if no is None]
         log.info("%s decode in C; the other blocks on NumPy: %s", " and ".join(ran), whole)
     return blocks

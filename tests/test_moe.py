@@ -301,11 +301,14 @@ def test_logits_equal_transformers_on_every_node_count(moe):
     assert source.config.n_shared == (2 if "qwen2moe" in folder.name else 0)
     for n in NODES:
         engine = Engine.local(source, (1.0,) * n)
-        # The C blocks run plain SwiGLU experts (rows.c's rows_experts), attention on NumPy;
-        # gpt-oss' (clamped, with biases, beside sinks) decode on NumPy alone.
+        # The C blocks run plain SwiGLU experts (rows.c's rows_experts) and every layer's
+        # attention, a block at a call; gpt-oss' (clamped, with biases, beside sinks) decode on
+        # NumPy alone.
         natives = [ex.native for ex in engine.executors]
         if source.config.swiglu_limit is None:
             assert all(b is not None and b.experts_args and not b.whole for b in natives)
+            layers = list(range(source.config.n_layers))
+            assert all(b is not None and list(b.attention_args) == layers for b in natives)
         else:
             assert all(b is None for b in natives)
         assert all(s.n_ffn > 0 for s in engine.slices)  # every node a slice of every expert

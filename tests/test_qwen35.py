@@ -259,10 +259,11 @@ def test_logits_equal_transformers_on_every_node_count(hybrid):
     for n in NODES:
         engine = Engine.local(source, (1.0,) * n)
         assert sum(s.n_linear for s in engine.slices) == config.linear_v_heads
-        # The C blocks run its gated DeltaNet layers alone (rows.c's rows_linear): the gated
-        # attention and the FFN decode on NumPy.
+        # The C blocks run its gated DeltaNet layers (rows.c's rows_linear) and its gated
+        # attention layer (rows_attention) a block at a call: the FFN decodes on NumPy.
         natives = [ex.native for ex in engine.executors]
         assert all(b is not None and b.linear is not None and not b.whole for b in natives)
+        assert all(b is not None and list(b.attention_args) == [3] for b in natives)
         ours = _ours(engine, prompt, continuation)
         _assert_close_logits(ours, expected, f"{folder.name} {n} node(s)")
 

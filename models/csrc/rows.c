@@ -73,7 +73,9 @@ typedef struct {
     int64_t W;                    // positions the cache holds
     int ring;                     // a local layer: position p at p % W, the last W positions
     int local_rope;               // a local layer with its own RoPE tables
-    float *scratch;               // MAX_ROWS ((nq + 2 nkv) hd + nq hd + D) floats
+    int gate;                     // an output gate (Qwen3.5): wqkv's rows are each query head
+                                  // then its gate, ((2 nq + 2 nkv) hd, D)
+    float *scratch;               // MAX_ROWS ((nq (1 + gate) + 2 nkv) hd + nq hd + D) floats
 } rows_attention_args;
 
 typedef struct {
@@ -344,13 +346,25 @@ static void head_range(const float *qkv, const rows_attention_args *a, size_t sl
     }
 }
 
+// A gated layer's row of qkv, (q_0 g_0 q_1 g_1 ... k v): the queries packed first, as every
+// other layer's (q k v), and the gates after them, in the room the packing left.
+static void ungate(float *qkv, int64_t nq, int64_t nkv, int64_t hd) {
+    float *gates = malloc(sizeof(float) * nq * hd);
+    for (int64_t i = 0; i < nq; i++) memcpy(gates + i * hd, qkv + (2 * i + 1) * hd, sizeof(float) * hd);
+    for (int64_t i = 1; i < nq; i++) memmove(qkv + i * hd, qkv + 2 * i * hd, sizeof(float) * hd);
+    memmove(qkv + nq * hd, qkv + 2 * nq * hd, sizeof(float) * 2 * nkv * hd);
+    memcpy(qkv + (nq + 2 * nkv) * hd, gates, sizeof(float) * nq * hd);
+    free(gates);
+}
+
 // Query heads split between the block products' threads once a step's scores and sums over the
 // cache are this many multiply-adds: ~2 us of work a thread for the fork and join to be worth it.
 #define HEADS_PARALLEL (1 << 14)
 
 // out (B, D) = this slice's attention partial for h (B, D); appends each sequence's key and value.
 void rows_attention(const rows_attention_args *a, const rows_step *st, const float *h, float *out) {
-    const int64_t D = a->D, hd = a->hd, nq = a->nq, nkv = a->nkv, width = (nq + 2 * nkv) * hd;
+    const int64_t D = a->D, hd = a->hd, nq = a->nq, nkv = a->nkv;
+    const int64_t width = (nq * (a->gate ? 2 : 1) + 2 * nkv) * hd;
     const int64_t B = st->B;
     float *qkvs = a->scratch, *atts = qkvs + B * width, *x = atts + B * nq * hd;
     if (nq == 0) {
@@ -365,6 +379,7 @@ void rows_attention(const rows_attention_args *a, const rows_step *st, const flo
         float *qkv = qkvs + b * width, *att = atts + b * nq * hd;
         if (a->bqkv)
             for (int64_t i = 0; i < width; i++) qkv[i] += a->bqkv[i];
+        if (a->gate) ungate(qkv, nq, nkv, hd);
         for (int64_t i = 0; i < nq + nkv; i++) {
             float *v = qkv + i * hd;
             const float *hn = i < nq ? a->q_norm : a->k_norm;
@@ -393,6 +408,10 @@ void rows_attention(const rows_attention_args *a, const rows_step *st, const flo
             head_range(qkv, a, slot_base, seen, 0, nq, scores, att);
         }
         free(scores);
+        if (a->gate) {  // sigmoid as 0.5 (1 + tanh(g / 2)), as models/block_rows.py takes it
+            const float *g = qkv + (nq + 2 * nkv) * hd;
+            for (int64_t i = 0; i < nq * hd; i++) att[i] *= 0.5f + 0.5f * tanhf(0.5f * g[i]);
+        }
     }
     products(a->wo_kind, a->wo, D, nq * hd, atts, B, out);
 }
