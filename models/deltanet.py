@@ -84,7 +84,12 @@ def recur(
     full = torch.cat((conv_state.T, x))  # (K - 1 + T, C): the past inputs, then these
     if K > 1:
         conv_state.copy_(full[-(K - 1) :].T)
-    mixed = F.silu((full.unfold(0, K, 1) * taps).sum(-1))  # (T, C), a causal depthwise conv
+    # (T, C), a causal depthwise conv: K products of shifted inputs, summed in place (unfolded
+    # into (T, C, K) first, a 4,096-token prompt's Qwen3.5 layer wrote 0.5 GB: 2.1x the time)
+    conv = full[:T] * taps[:, 0]
+    for j in range(1, K):
+        conv.addcmul_(full[j : j + T], taps[:, j])
+    mixed = F.silu(conv)
     q, k, v = mixed.split([nq, nk, s.n_linear * dv], dim=-1)
     heads = key_of_value(config, s)
     q = _l2norm(q.reshape(T, -1, dk))[:, heads] * dk**-0.5  # (T, nv, dk)
