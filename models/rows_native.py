@@ -124,6 +124,8 @@ class AttentionArgs(ctypes.Structure):
         ("ring", ctypes.c_int),
         ("local_rope", ctypes.c_int),
         ("gate", ctypes.c_int),
+        ("sinks", c_float_p),
+        ("bo", c_float_p),
         ("scratch", c_float_p),
     ]
 
@@ -248,8 +250,6 @@ def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | 
 
 def attention_unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | None:
     """Why an attention layer with these weights cannot run natively, or None."""
-    if config.attention_sinks or config.o_bias:  # gpt-oss' attention: NumPy's too
-        return "the C blocks have no attention sinks nor output bias"
     if config.value_norm:  # Gemma 4's attention: its decode steps run on torch (models.backends)
         return "the C blocks have no value norm nor KV shared across layers"
     return _matrices_unsupported(weights, ("wqkv", "wo"))
@@ -433,7 +433,7 @@ class NativeBlocks(BlockBackend):
                 _ptr(w.get("bqkv")), ctypes.cast(wo[0], ctypes.c_void_p), wqkv[1], wo[1],
                 *_cache(keys[i], values[i]), W,
                 int(local and config.sliding_window is not None),
-                int(config.own_rope(i)), gate,
+                int(config.own_rope(i)), gate, _ptr(w.get("sinks")), _ptr(w.get("bo")),
                 _ptr(room),
             )  # fmt: skip
             if not whole:

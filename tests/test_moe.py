@@ -301,16 +301,15 @@ def test_logits_equal_transformers_on_every_node_count(moe):
     assert source.config.n_shared == (2 if "qwen2moe" in folder.name else 0)
     for n in NODES:
         engine = Engine.local(source, (1.0,) * n)
-        # The C blocks run plain SwiGLU experts (rows.c's rows_experts) and every layer's
-        # attention, a block at a call; gpt-oss' (clamped, with biases, beside sinks) decode on
-        # NumPy alone.
+        # The C blocks run every layer's attention (gpt-oss' sinks and O bias too) and plain
+        # SwiGLU experts (rows.c's rows_experts), a block at a call; gpt-oss' experts (clamped,
+        # with biases) decode on NumPy.
         natives = [ex.native for ex in engine.executors]
-        if source.config.swiglu_limit is None:
-            assert all(b is not None and b.experts_args and not b.whole for b in natives)
-            layers = list(range(source.config.n_layers))
-            assert all(b is not None and list(b.attention_args) == layers for b in natives)
-        else:
-            assert all(b is None for b in natives)
+        layers = list(range(source.config.n_layers))
+        assert all(b is not None and list(b.attention_args) == layers for b in natives)
+        plain = source.config.swiglu_limit is None
+        assert all(b is not None and bool(b.experts_args) == plain for b in natives)
+        assert all(b is not None and not b.whole for b in natives)
         assert all(s.n_ffn > 0 for s in engine.slices)  # every node a slice of every expert
         ours = _ours(engine, prompt, continuation)
         _assert_close_logits(ours, expected, f"{folder.name} {n} node(s)")
@@ -652,16 +651,17 @@ def test_synth_gpt_oss_20b_writes_every_tensor_its_reader_takes():
                                     "lm_head.weight"}  # fmt: skip
 
 
-def test_the_c_blocks_are_not_admitted_for_gpt_oss():
-    """gpt-oss decodes on the NumPy rows: the C blocks have neither its experts nor its sinks
-    and O bias (a dense layer with them would be turned away as well)."""
+def test_the_c_blocks_run_gpt_oss_attention_but_not_its_experts():
+    """gpt-oss' experts (clamped SwiGLU, biases) decode on NumPy rows, so its layers never run
+    whole in C; its attention (sinks, O bias) does, a block at a call (held to transformers by
+    test_logits_equal_transformers_on_every_node_count)."""
     from edgetp.models import rows_native
 
     values = {"architectures": ["GptOssForCausalLM"], **MODELS["gpt_oss"][1]}
     config = config_from_hf(values, "config.json")
+    assert config.attention_sinks and config.o_bias
     assert "mixture of experts" in str(rows_native.unsupported(config, {}))
-    dense = replace(config, n_experts=0, n_experts_used=0, router_bias=False, expert_bias=False)
-    assert "attention sinks" in str(rows_native.unsupported(dense, {}))
+    assert "plain SwiGLU" in str(rows_native.experts_unsupported(config, []))
 
 
 def test_a_gpt_oss_gguf_vocabulary_splits_words_as_o200k_does(monkeypatch):

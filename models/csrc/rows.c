@@ -75,6 +75,9 @@ typedef struct {
     int local_rope;               // a local layer with its own RoPE tables
     int gate;                     // an output gate (Qwen3.5): wqkv's rows are each query head
                                   // then its gate, ((2 nq + 2 nkv) hd, D)
+    const float *sinks;           // (nq): each head's logit in its softmax's denominator
+                                  // (gpt-oss), or NULL
+    const float *bo;              // (D): this slice's share of an O bias, or NULL
     float *scratch;               // MAX_ROWS ((nq (1 + gate) + 2 nkv) hd + nq hd + D) floats
 } rows_attention_args;
 
@@ -309,7 +312,10 @@ static void heads(const float *qkv, const rows_attention_args *a, size_t base, i
         const int64_t g = i1 - i0 < GROUP ? i1 - i0 : GROUP;
         const float *q = qkv + i0 * hd;
         float top[GROUP], sum[GROUP];
-        for (int64_t i = 0; i < g; i++) top[i] = -INFINITY, sum[i] = 0.0f;
+        for (int64_t i = 0; i < g; i++) {  // a sink is one more logit, without a value
+            top[i] = a->sinks ? a->sinks[i0 + i] : -INFINITY;
+            sum[i] = 0.0f;
+        }
         for (int64_t t = 0; t < seen; t++) {
             const float *k = kv_row(a->cache_k, a->scale_k, a->kv_kind, base + t, hd, buf);
             float qk[GROUP];
@@ -320,8 +326,10 @@ static void heads(const float *qkv, const rows_attention_args *a, size_t base, i
                 if (pi[t] > top[i]) top[i] = pi[t];
             }
         }
-        for (int64_t i = 0; i < g; i++)
+        for (int64_t i = 0; i < g; i++) {
             for (int64_t t = 0; t < seen; t++) sum[i] += p[i * seen + t] = expf(p[i * seen + t] - top[i]);
+            if (a->sinks) sum[i] += expf(a->sinks[i0 + i] - top[i]);
+        }
         float *o = att + i0 * hd;
         memset(o, 0, sizeof(float) * g * hd);
         for (int64_t t = 0; t < seen; t++) {
@@ -414,6 +422,9 @@ void rows_attention(const rows_attention_args *a, const rows_step *st, const flo
         }
     }
     products(a->wo_kind, a->wo, D, nq * hd, atts, B, out);
+    if (a->bo)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t d = 0; d < D; d++) out[b * D + d] += a->bo[d];
 }
 
 // out (B, D) = this slice's FFN partial for h (B, D).
