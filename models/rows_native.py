@@ -800,8 +800,10 @@ def admit(
     code lacks, those it has (gated DeltaNet layers, a mixture's experts); None (logged)
     otherwise."""
     whole = unsupported(config, layers[0])
-    first = next(i for i in range(len(layers)) if not config.is_linear(i))
-    attention = attention_unsupported(config, layers[first])
+    first = next((i for i in range(len(layers)) if not config.is_linear(i)), None)
+    attention = (
+        "no attention layers" if first is None else attention_unsupported(config, layers[first])
+    )
     deltanet = "no states given" if linear is None else deltanet_unsupported(config, layers)
     experts = experts_unsupported(config, layers)
     why: str | None = (

@@ -268,6 +268,28 @@ def test_logits_equal_transformers_on_every_node_count(hybrid):
         _assert_close_logits(ours, expected, f"{folder.name} {n} node(s)")
 
 
+def test_a_model_of_gated_deltanet_layers_alone_decodes_them_in_c(hybrid):
+    """A Qwen3.5 of fewer layers than its attention interval (`edgetp synth --layers 3`) has no
+    attention layer: its DeltaNet layers still decode in C, and each step's logits are the same
+    as the torch path's."""
+    _, folder, prompt = hybrid
+    source = open_model(folder)
+    source.config = replace(source.config, n_layers=3)
+    assert all(source.config.is_linear(i) for i in range(3))
+    engine = Engine.local(source, (1.0, 1.0))
+    assert all(ex.native is not None and not ex.native.attention_args for ex in engine.executors)
+    reference = Engine.local(source, (1.0, 1.0))
+    for ex in reference.executors:  # NumPy's and torch's paths for every block
+        ex.backends = [b for b in ex.backends if b is not ex.native]
+        ex.native = None
+    for e in (engine, reference):
+        e.forward([prompt], StepBatch((0,), (0,), (len(prompt),)))
+    for step in range(3):
+        batch = StepBatch((0,), (len(prompt) + step,), (1,))
+        ours, theirs = (e.forward([[7 + step]], batch)[0] for e in (engine, reference))
+        _assert_close_logits(ours, theirs, f"3 DeltaNet layers, decode step {step}")
+
+
 def test_gguf_logits_equal_transformers_on_every_node_count(hybrid):
     """The same model from its GGUF file, under llama.cpp's names and orders."""
     model, folder, prompt = hybrid
