@@ -158,10 +158,13 @@ _PORTABLE_INT8 = (
     if has_avx2()
     else (Candidate("c-portable-int8", f"{NATIVE}:portable_int8_activations", activations="int8"),)
 )
-# blocks.c built for AVX-512, where the CPU has it: its float tiles take 0.6x the AVX2 ones' time
-# (Zen 5, one row, SmolLM2's Q4_1 576x1536: 32 against 53 us). Not for a prompt's rows: a tile
-# expands the weights again for each 8 rows, and though it tied BLAS at the 17+ bucket's 64
-# timing rows (Q8_0 4096x640: 2030 against 2088 us), it made a 512-token prompt 1.2x as slow.
+# blocks.c's float tiles, AVX2 and (where the CPU has it) AVX-512, which takes 0.6x the AVX2
+# time (Zen 5, one row, SmolLM2's Q4_1 576x1536: 32 against 53 us). Neither for a prompt's rows:
+# a tile expands the weights again for each 8 rows. Each tied BLAS at the 17+ bucket's 64 timing
+# rows (AVX-512, Q8_0 4096x640: 2030 against 2088 us; AVX2, Gemma 3's Q4_K 640x2048: 1068
+# against 1121), and so was chosen by a round's noise, and made a prompt of 512 tokens 1.2x as
+# slow (AVX-512) and Gemma 3's of 1,024 1.5x (AVX2: 475-545 against 725-837 tokens/s).
+_TILES = (Candidate("c-f32", f"{NATIVE}:f32_activations", max_rows=16),)
 _AVX512 = (
     (Candidate("c-f32-avx512", f"{NATIVE}:f32_avx512_activations", max_rows=16),)
     if has_avx512()
@@ -204,7 +207,7 @@ CANDIDATES: dict[str, tuple[Candidate, ...]] = {
     # for BLAS.
     **{
         name: (
-            *((Candidate("c-f32", f"{NATIVE}:f32_activations"),) if name in HAND_TUNED else ()),
+            *(_TILES if name in HAND_TUNED else ()),
             *(_AVX512 if name in HAND_TUNED else ()),
             *(_PORTABLE if name in PORTABLE else ()),
             *(_INT8 if name in HAND_TUNED else ()),
