@@ -238,6 +238,9 @@ def post_norm_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return y
 
 
+ATTENTION_MATRICES = ("wqkv", "wo")
+
+
 def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | None:
     """Why a slice with these (one layer's) weights cannot run every layer natively, attention
     and FFN in one loop, or None."""
@@ -245,14 +248,15 @@ def unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | 
         return "the C blocks do not run a mixture of experts in their loop"
     if config.linear_layers:  # Qwen3.5's: its blocks run in C a block at a time (admit)
         return "the C blocks do not run gated DeltaNet layers in their loop"
-    return attention_unsupported(config, weights) or _matrices_unsupported(weights, MATRICES)
+    ffn = tuple(name for name in MATRICES if name not in ATTENTION_MATRICES)
+    return attention_unsupported(config, weights) or _matrices_unsupported(weights, ffn)
 
 
 def attention_unsupported(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | None:
     """Why an attention layer with these weights cannot run natively, or None."""
     if config.value_norm:  # Gemma 4's attention: its decode steps run on torch (models.backends)
         return "the C blocks have no value norm nor KV shared across layers"
-    return _matrices_unsupported(weights, ("wqkv", "wo"))
+    return _matrices_unsupported(weights, ATTENTION_MATRICES)
 
 
 def _matrices_unsupported(weights: dict[str, torch.Tensor], names: tuple[str, ...]) -> str | None:
